@@ -1,0 +1,233 @@
+"""GPU benchmark of the batched LoRA op against the ways people write it without one.
+
+Side by side in one run, on the same inputs (bf16, LoRA on every row, rank r for every slot):
+- loraplex:   `ops.add_lora` (SGMV shrink + expand, two Triton launches)
+- loop:       a Python loop of per-segment torch matmuls (`y[seg].addmm_(x[seg] @ Aᵀ, Bᵀ)`)
+- gather_bmm: gather each row's A and B, then two `torch.bmm`
+- plain:      for identical popularity only, `y.addmm_(x @ Aᵀ, Bᵀ)` (the single-adapter floor)
+Each eager and replayed from a CUDA graph. Times are medians of CUDA-event timings after
+warm-up, rotating over several input sets and adapter sets so that L2 holds none of them.
+The memory floor counts the fewest bytes: x read once, each used adapter's A and B once, y
+read and written; it is reported as GB/s and as a fraction of the copy bandwidth measured
+in the same run.
+
+    python benchmarks/bench_lora_ops.py --out benchmarks/results          # full run
+    python benchmarks/bench_lora_ops.py --quick                           # a few cases
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from loraplex import ops
+from loraplex.workloads import POPULARITIES, popularity_slots
+
+ROTATIONS = 4
+DECODE_BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+PREFILL_BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+PREFILL_LEN = 128
+GATHER_LIMIT_BYTES = 6 << 30
+
+
+@triton.jit
+def _empty_kernel():
+    pass
+
+
+def time_us(fns: list, target_ms: float = 1.5, reps: int = 11) -> float:
+    """Median µs per call of fns (called round robin), from CUDA events around blocks of calls."""
+    for f in fns * 2:
+        f()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for f in fns:
+        f()
+    end.record()
+    torch.cuda.synchronize()
+    est_ms = max(start.elapsed_time(end) / len(fns), 1e-4)
+    inner = len(fns) * max(1, math.ceil(target_ms / est_ms / len(fns)))
+    times = []
+    for _ in range(reps):
+        start.record()
+        for i in range(inner):
+            fns[i % len(fns)]()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / inner)
+    return statistics.median(times)
+
+
+def graphed(fn):
+    """Capture fn in a CUDA graph (after a warm-up call) and return its replay."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def copy_bandwidth_gbs() -> float:
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    a.random_()
+    us = time_us([lambda: b.copy_(a)], target_ms=20, reps=7)
+    return 2 * a.numel() / us / 1e3
+
+
+class Pool:
+    """Adapter stacks with ROTATIONS disjoint blocks of `per_rot` slots, bf16, every rank = r."""
+
+    def __init__(self, K: int, N: int, r: int, per_rot: int, gen: torch.Generator):
+        slots = per_rot * ROTATIONS
+        self.a = (torch.randn(slots, r, K, generator=gen, device="cuda") * K ** -0.5).to(torch.bfloat16)
+        self.b = (torch.randn(slots, N, r, generator=gen, device="cuda") * r ** -0.5).to(torch.bfloat16)
+        self.ranks = torch.full((slots,), r, dtype=torch.int32, device="cuda")
+        self.scalings = (torch.rand(slots, generator=gen, device="cuda") + 0.5)
+        self.scal_host = self.scalings.tolist()
+        self.per_rot = per_rot
+
+
+def make_systems(pool: Pool, xs, ys, seg_lens, slots_per_rot, popularity):
+    """Callables per system, one per rotation (rotation k uses its own x, y and adapter block)."""
+    systems = {"loraplex": [], "loop": [], "gather_bmm": [], "plain": []}
+    T, K = xs[0].shape
+    N, r = pool.b.shape[1], pool.b.shape[2]
+    gather_bytes = T * (r * K + N * r) * 2
+    for k in range(ROTATIONS):
+        x, y = xs[k], ys[k]
+        slots = [s + k * pool.per_rot for s in slots_per_rot]
+        batch = ops.LoraBatch.from_lengths(seg_lens, slots, "cuda")
+        systems["loraplex"].append(
+            lambda x=x, y=y, b=batch: ops.add_lora(y, x, pool.a, pool.b, b, pool.ranks, pool.scalings))
+        segs = [(int(s0), int(n), sl) for s0, n, sl in zip(np.cumsum([0] + seg_lens[:-1]), seg_lens, slots)]
+
+        def loop(x=x, y=y, segs=segs):
+            for s0, n, sl in segs:
+                y[s0:s0 + n].addmm_(x[s0:s0 + n] @ pool.a[sl].T, pool.b[sl].T, alpha=pool.scal_host[sl])
+        systems["loop"].append(loop)
+        if gather_bytes <= GATHER_LIMIT_BYTES:
+            row_slot = torch.tensor(np.repeat(slots, seg_lens), device="cuda", dtype=torch.long)
+
+            def gather(x=x, y=y, rs=row_slot):
+                v = torch.bmm(x.unsqueeze(1), pool.a[rs].transpose(1, 2))
+                d = torch.bmm(v, pool.b[rs].transpose(1, 2)).squeeze(1)
+                y.add_(d * pool.scalings[rs].unsqueeze(1).to(d.dtype))
+            systems["gather_bmm"].append(gather)
+        if popularity == "identical":
+            sl = slots[0]
+            systems["plain"].append(
+                lambda x=x, y=y, sl=sl: y.addmm_(x @ pool.a[sl].T, pool.b[sl].T, alpha=pool.scal_host[sl]))
+    return {name: fns for name, fns in systems.items() if fns}
+
+
+def check_against_loop(systems, xs, ys) -> float:
+    """Relative difference between loraplex and the loop on rotation 0 (a sanity check, not a test)."""
+    y0 = ys[0].clone()
+    systems["loraplex"][0]()
+    ours = ys[0].double() - y0.double()
+    ys[0].copy_(y0)
+    systems["loop"][0]()
+    theirs = ys[0].double() - y0.double()
+    ys[0].copy_(y0)
+    return ((ours - theirs).norm() / theirs.norm().clamp_min(1e-30)).item()
+
+
+def run_case(pool, K, N, r, regime, batch_size, popularity, rng, gen, copy_gbs, graphs=True):
+    seg_len = 1 if regime == "decode" else PREFILL_LEN
+    seg_lens = [seg_len] * batch_size
+    slots = popularity_slots(popularity, batch_size, rng)
+    T = sum(seg_lens)
+    xs = [torch.randn(T, K, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(ROTATIONS)]
+    ys = [torch.randn(T, N, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(ROTATIONS)]
+    systems = make_systems(pool, xs, ys, seg_lens, slots, popularity)
+    used = len(set(slots))
+    floor_bytes = T * K * 2 + used * (r * K + N * r) * 2 + 2 * T * N * 2
+    row = dict(K=K, N=N, r=r, regime=regime, batch=batch_size, popularity=popularity, tokens=T,
+               adapters=used, floor_bytes=floor_bytes, floor_us=floor_bytes / copy_gbs / 1e3,
+               max_rel_diff_vs_loop=check_against_loop(systems, xs, ys))
+    for name, fns in systems.items():
+        row[f"{name}_us"] = time_us(fns)
+        if graphs:
+            row[f"{name}_graph_us"] = time_us([graphed(f) for f in fns])
+    best = row.get("loraplex_graph_us", row["loraplex_us"])
+    row["loraplex_gbs"] = floor_bytes / best / 1e3
+    row["loraplex_frac_copy_bw"] = row["loraplex_gbs"] / copy_gbs
+    return row
+
+
+def empty_launches_us() -> dict:
+    def two():
+        _empty_kernel[(1,)]()
+        _empty_kernel[(1,)]()
+    return {"two_empty_launches_graph_us": time_us([graphed(two)]),
+            "two_empty_launches_eager_us": time_us([two])}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--quick", action="store_true", help="K=N=4096, r=16, a few batch sizes")
+    p.add_argument("--shapes", default="4096x4096,4096x11008")
+    p.add_argument("--ranks", default="8,16,64")
+    p.add_argument("--no-graphs", action="store_true")
+    p.add_argument("--tag", default="lora_ops")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_lora_ops needs a CUDA GPU")
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
+    rng = np.random.default_rng(0)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
+    ranks = [int(r) for r in args.ranks.split(",")]
+    decode, prefill = DECODE_BATCHES, PREFILL_BATCHES
+    if args.quick:
+        shapes, ranks, decode, prefill = [(4096, 4096)], [16], [1, 16, 64, 256], [1, 8]
+    t0 = time.time()
+    copy_gbs = copy_bandwidth_gbs()
+    env = dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+               torch=torch.__version__, triton=triton.__version__, dtype="bfloat16", copy_gbs=copy_gbs,
+               rotations=ROTATIONS, prefill_len=PREFILL_LEN, **empty_launches_us())
+    print(f"# {env['gpu']}  copy {copy_gbs:.0f} GB/s  two empty launches (graph) "
+          f"{env['two_empty_launches_graph_us']:.2f} us", flush=True)
+    rows = []
+    for K, N in shapes:
+        for r in ranks:
+            pool = Pool(K, N, r, max(decode + prefill), gen)
+            for regime, batches in (("decode", decode), ("prefill", prefill)):
+                for bs in batches:
+                    for pop in POPULARITIES:
+                        if bs == 1 and pop != "identical":
+                            continue  # one request: every popularity is the same
+                        row = run_case(pool, K, N, r, regime, bs, pop, rng, gen, copy_gbs, not args.no_graphs)
+                        rows.append(row)
+                        print(_line(row), flush=True)
+            del pool
+            torch.cuda.empty_cache()
+    env["seconds"] = time.time() - t0
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.tag}.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    from report_lora_ops import write_report
+    write_report(args.out / f"{args.tag}.json", args.out)
+
+
+def _line(row) -> str:
+    keys = [k for k in row if k.endswith("_us") and k != "floor_us"]
+    times = " ".join(f"{k[:-3]}={row[k]:.1f}" for k in keys)
+    return (f"K={row['K']} N={row['N']} r={row['r']} {row['regime']:7s} bs={row['batch']:3d} "
+            f"{row['popularity']:9s} {times}  {row['loraplex_frac_copy_bw']:.0%} of copy bw")
+
+
+if __name__ == "__main__":
+    main()

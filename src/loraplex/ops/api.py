@@ -1,0 +1,116 @@
+"""The public LoRA operators: check arguments once, then run the Triton or the reference backend."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import reference
+from .batch import LoraBatch
+from .checks import TensorOrList, check_batch, check_slices, check_v, check_x, check_y
+
+try:  # Triton is optional: without it (or without a GPU) the reference path runs.
+    from . import sgmv
+except ImportError:  # pragma: no cover - triton is a dependency on Linux
+    sgmv = None
+
+BACKENDS = ("auto", "triton", "reference")
+
+
+def triton_interpreted() -> bool:
+    """True when the kernels were built by Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    return sgmv is not None and type(sgmv._sgmv_shrink_kernel).__name__ == "InterpretedFunction"
+
+
+def resolve_backend(backend: str | None, device: torch.device) -> str:
+    """`backend` (or env LORAPLEX_OPS_BACKEND, default "auto") → "triton" or "reference"."""
+    name = backend or os.environ.get("LORAPLEX_OPS_BACKEND", "auto")
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    if name == "auto":
+        return "triton" if device.type == "cuda" and sgmv is not None else "reference"
+    if name == "triton":
+        if sgmv is None:
+            raise ValueError("backend='triton' but triton is not installed")
+        if device.type != "cuda" and not triton_interpreted():
+            raise ValueError(f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before import); "
+                             f"the tensors are on {device}")
+    return name
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: TensorOrList, lora_b: TensorOrList, batch: LoraBatch,
+             ranks: TensorOrList, scalings: TensorOrList, *, y_offset: int = 0,
+             backend: str | None = None) -> torch.Tensor:
+    """Add every segment's LoRA delta to y, in place; returns y.
+
+    `x [T, K]`, `y [T, N_total]`; `lora_a [num_slots, R, K]`, `lora_b [num_slots, N, R]`
+    (PEFT's orientation, stacked over slots); `ranks` int32 `[num_slots]` (each slot's real
+    rank ≤ R; columns past it are never read); `scalings` float32 `[num_slots]`. lora_a,
+    lora_b, ranks and scalings may be lists (one entry per output slice, up to 4): slice i
+    fills y's columns from `y_offset + N_0 + … + N_{i-1}`; rank 0 leaves that slice alone.
+
+        for s in range(S):
+            slot = slot_ids[s]
+            if slot < 0: continue
+            r = ranks[slot]; rows = seg_indptr[s]:seg_indptr[s+1]
+            y[rows, y_offset:y_offset+N] += scalings[slot] * (x[rows] @ lora_a[slot, :r].T) @ lora_b[slot, :, :r].T
+
+    The intermediate is accumulated and kept in fp32. Never synchronises with the host on
+    the Triton path (two launches), so it can be captured in a CUDA graph.
+    """
+    check_x(x)
+    sl, num_slots = check_slices(x, lora_a, lora_b, ranks, scalings)
+    check_y(y, x, sl.lora_b, y_offset)
+    check_batch(batch, x, num_slots)
+    if resolve_backend(backend, x.device) == "triton":
+        return sgmv.add_lora(y, x, sl.lora_a, sl.lora_b, batch, sl.ranks, sl.scalings, y_offset)
+    v = reference.shrink_impl(x, sl.lora_a, sl.ranks, batch)
+    return reference.expand_impl(y, v, sl.lora_b, sl.ranks, sl.scalings, batch, y_offset)
+
+
+def lora_shrink(x: torch.Tensor, lora_a: TensorOrList, batch: LoraBatch, ranks: TensorOrList, *,
+                out: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
+    """The first half: `v[rows, :r] = x[rows] @ lora_a[slot, :r]ᵀ` in fp32, zero elsewhere.
+
+    Returns fp32 `[T, R]` for a single `lora_a`, `[slices, T, R]` for a list (written into
+    `out` when given).
+    """
+    check_x(x)
+    sl, num_slots = check_slices(x, lora_a, None, ranks, None, b_given=False)
+    check_batch(batch, x, num_slots)
+    single = isinstance(lora_a, torch.Tensor)
+    R = sl.lora_a[0].shape[1]
+    if out is None:
+        shape = (x.shape[0], R) if single else (sl.num, x.shape[0], R)
+        out = torch.empty(shape, dtype=torch.float32, device=x.device)
+    else:
+        check_v(out, x.shape[0], 1 if single else sl.num, R, x.device, name="out")
+    if resolve_backend(backend, x.device) == "triton":
+        out.zero_()
+        sgmv.shrink_into(out.view(1, sl.num, x.shape[0], R), x, sl.lora_a, sl.ranks, batch,
+                         sgmv.config_for(batch.block_m))
+        return out
+    vs = reference.shrink_impl(x, sl.lora_a, sl.ranks, batch)
+    out.copy_(vs[0] if single else torch.stack(vs))
+    return out
+
+
+def lora_expand(y: torch.Tensor, v: torch.Tensor, lora_b: TensorOrList, batch: LoraBatch, ranks: TensorOrList,
+                scalings: TensorOrList, *, y_offset: int = 0, backend: str | None = None) -> torch.Tensor:
+    """The second half: `y[rows, cols] += scalings[slot] * v[rows, :r] @ lora_b[slot, :, :r]ᵀ`, in place.
+
+    `v` is fp32 `[T, R]` for a single `lora_b`, `[slices, T, R]` for a list (as `lora_shrink` returns).
+    """
+    check_x(y)
+    sl, num_slots = check_slices(y, None, lora_b, ranks, scalings, a_given=False)
+    check_y(y, y, sl.lora_b, y_offset)
+    check_batch(batch, y, num_slots)
+    R = sl.lora_b[0].shape[2]
+    check_v(v, y.shape[0], sl.num, R, y.device)
+    if resolve_backend(backend, y.device) == "triton":
+        part = v.view(1, sl.num, y.shape[0], R)
+        sgmv.expand_from(y, part, sl.lora_b, sl.ranks, sl.scalings, batch, y_offset,
+                         sgmv.config_for(batch.block_m))
+        return y
+    vs = [v] if sl.num == 1 else list(v.unbind(0))
+    return reference.expand_impl(y, vs, sl.lora_b, sl.ranks, sl.scalings, batch, y_offset)

@@ -1,0 +1,305 @@
+"""Triton kernels for batched multi-LoRA: SGMV shrink (`v = x @ Aᵀ`) and expand (`y += s · v @ Bᵀ`).
+
+Both kernels walk the work tiles of a `LoraBatch`: a tile is up to `block_m` rows that share
+one adapter slot, gathered through `sorted_rows`. A tile reads its adapter's weights once,
+whatever the number of segments behind it, so decode with hundreds of distinct adapters
+reads each adapter once and prefill becomes tiled matrix work.
+
+Shrink splits K across `split_k` programs when the batch alone would leave SMs idle. Each
+split writes its own fp32 partial `part[split, slice, row, :]` (no atomics, no zero fill,
+deterministic); expand sums the partials as it loads them. Each expand program covers a
+chunk of N, BLOCK_N columns at a time, so B streams through a pipelined loop. Ranks are honoured exactly:
+rank tiles past a slot's rank are skipped, and weight columns past it are never loaded.
+
+Up to `MAX_SLICES` output slices (fused q/k/v, gate/up) share one launch per direction;
+each slice's tensors come in as their own kernel arguments so the compiler keeps their
+alignment, and the program picks its slice with a branch.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_SLICES = 4
+
+
+@triton.jit
+def _shrink_tile(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end,
+                 stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
+                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    rank = tl.load(rank_ptr + slot)
+    r_first = r_tile * BLOCK_R
+    if r_first < rank:
+        offs_m = start + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < end
+        rows = tl.load(sorted_rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+        offs_r = r_first + tl.arange(0, BLOCK_R)
+        r_mask = offs_r < rank
+        offs_k = tl.arange(0, BLOCK_K)
+        x_ptrs = x_ptr + rows[:, None] * stride_xm + (k_begin + offs_k)[None, :] * stride_xk
+        a_ptrs = a_ptr + slot.to(tl.int64) * stride_a_slot + offs_r[:, None] * stride_a_r + (k_begin + offs_k)[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k in range(k_begin, k_end, BLOCK_K):
+            k_mask = (k + offs_k) < k_end
+            xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            at = tl.load(a_ptrs, mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+            acc = tl.dot(xt, tl.trans(at), acc, input_precision=PRECISION)
+            x_ptrs += BLOCK_K * stride_xk
+            a_ptrs += BLOCK_K
+        p_ptrs = part_ptr + rows[:, None] * stride_pm + offs_r[None, :]
+        tl.store(p_ptrs, acc, mask=m_mask[:, None] & r_mask[None, :])
+
+
+@triton.jit
+def _sgmv_shrink_kernel(
+        x_ptr, part_ptr, sorted_rows_ptr, work_slot_ptr, work_start_ptr, work_end_ptr,
+        a0, a1, a2, a3, rk0, rk1, rk2, rk3,
+        K, k_per_split, r_tiles,
+        stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_p_split, stride_p_slice, stride_pm,
+        NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+        PRECISION: tl.constexpr):
+    """part[split, i, rows, :rank_i] = x[rows, split's K range] @ A_i[slot, :rank_i, same range]ᵀ."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    # Slices and rank tiles vary fastest, so programs that share x rows run side by side.
+    work = pid // (NUM_SLICES * r_tiles)
+    inner = pid % (NUM_SLICES * r_tiles)
+    sl = inner // r_tiles
+    r_tile = inner % r_tiles
+    slot = tl.load(work_slot_ptr + work)
+    if slot >= 0:
+        start = tl.load(work_start_ptr + work)
+        end = tl.load(work_end_ptr + work)
+        k_begin = split * k_per_split
+        k_end = tl.minimum(k_begin + k_per_split, K)
+        part = part_ptr + split.to(tl.int64) * stride_p_split + sl.to(tl.int64) * stride_p_slice
+        if sl == 0:
+            _shrink_tile(x_ptr, a0, rk0, part, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end,
+                         stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
+                         BLOCK_M, BLOCK_R, BLOCK_K, PRECISION)
+        if NUM_SLICES > 1:
+            if sl == 1:
+                _shrink_tile(x_ptr, a1, rk1, part, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end,
+                             stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
+                             BLOCK_M, BLOCK_R, BLOCK_K, PRECISION)
+        if NUM_SLICES > 2:
+            if sl == 2:
+                _shrink_tile(x_ptr, a2, rk2, part, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end,
+                             stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
+                             BLOCK_M, BLOCK_R, BLOCK_K, PRECISION)
+        if NUM_SLICES > 3:
+            if sl == 3:
+                _shrink_tile(x_ptr, a3, rk3, part, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end,
+                             stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
+                             BLOCK_M, BLOCK_R, BLOCK_K, PRECISION)
+
+
+@triton.jit
+def _expand_tile(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, slot, start, end, n_chunk, N, col0,
+                 n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R,
+                 SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    rank = tl.load(rank_ptr + slot)
+    n_begin = n_chunk * n_per_prog
+    if (rank > 0) & (n_begin < N):
+        offs_m = start + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < end
+        rows = tl.load(sorted_rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+        n_end = tl.minimum(n_begin + n_per_prog, N)
+        scale = tl.load(scale_ptr + slot)
+        b_base = b_ptr + slot.to(tl.int64) * N * R
+        y_rows = y_ptr + rows[:, None] * stride_ym
+        # One program covers n_per_prog columns, BLOCK_N at a time: the partials of v are loaded
+        # (and summed over the K splits) once per rank chunk and stay in L1, B streams through.
+        for n0 in range(n_begin, n_end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < n_end
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for r0 in range(0, rank, BLOCK_R):
+                offs_r = r0 + tl.arange(0, BLOCK_R)
+                r_mask = offs_r < rank
+                v_mask = m_mask[:, None] & r_mask[None, :]
+                v_ptrs = part_ptr + rows[:, None] * stride_pm + offs_r[None, :]
+                v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+                for s in tl.static_range(1, SPLIT_K):
+                    v += tl.load(v_ptrs + s * stride_p_split, mask=v_mask, other=0.0)
+                bt = tl.load(b_base + offs_n[None, :] * R + offs_r[:, None], mask=r_mask[:, None] & n_mask[None, :],
+                             other=0.0)
+                if PRECISION == "split":
+                    # The fp32 intermediate as hi + lo halves in the weights' dtype: two tensor-core
+                    # products keep ~16 mantissa bits of v without leaving the 16-bit units.
+                    v_hi = v.to(bt.dtype)
+                    v_lo = (v - v_hi.to(tl.float32)).to(bt.dtype)
+                    acc = tl.dot(v_hi, bt, acc)
+                    acc = tl.dot(v_lo, bt, acc)
+                else:
+                    acc = tl.dot(v, bt.to(tl.float32), acc, input_precision=PRECISION)
+            y_ptrs = y_rows + (col0 + offs_n)[None, :] * stride_yn
+            y_mask = m_mask[:, None] & n_mask[None, :]
+            y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
+            tl.store(y_ptrs, (y_old.to(tl.float32) + acc * scale).to(y_old.dtype), mask=y_mask)
+
+
+@triton.jit
+def _sgmv_expand_kernel(
+        y_ptr, part_ptr, sorted_rows_ptr, work_slot_ptr, work_start_ptr, work_end_ptr,
+        b0, b1, b2, b3, rk0, rk1, rk2, rk3, sc0, sc1, sc2, sc3, n0, n1, n2, n3, c0, c1, c2, c3,
+        n_chunks, n_per_prog, R, stride_ym, stride_yn, stride_p_split, stride_p_slice, stride_pm,
+        NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+    """y[rows, c_i + n] += sc_i[slot] * (Σ_split part[split, i, rows, :rank]) @ B_i[slot, n, :rank]ᵀ."""
+    pid = tl.program_id(0)
+    work = pid // (NUM_SLICES * n_chunks)
+    inner = pid % (NUM_SLICES * n_chunks)
+    sl = inner // n_chunks
+    n_chunk = inner % n_chunks
+    slot = tl.load(work_slot_ptr + work)
+    if slot >= 0:
+        start = tl.load(work_start_ptr + work)
+        end = tl.load(work_end_ptr + work)
+        part = part_ptr + sl.to(tl.int64) * stride_p_slice
+        if sl == 0:
+            _expand_tile(y_ptr, part, b0, rk0, sc0, sorted_rows_ptr, slot, start, end, n_chunk, n0, c0, n_per_prog,
+                         stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R,
+                         PRECISION)
+        if NUM_SLICES > 1:
+            if sl == 1:
+                _expand_tile(y_ptr, part, b1, rk1, sc1, sorted_rows_ptr, slot, start, end, n_chunk, n1, c1,
+                             n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M,
+                             BLOCK_N, BLOCK_R, PRECISION)
+        if NUM_SLICES > 2:
+            if sl == 2:
+                _expand_tile(y_ptr, part, b2, rk2, sc2, sorted_rows_ptr, slot, start, end, n_chunk, n2, c2,
+                             n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M,
+                             BLOCK_N, BLOCK_R, PRECISION)
+        if NUM_SLICES > 3:
+            if sl == 3:
+                _expand_tile(y_ptr, part, b3, rk3, sc3, sorted_rows_ptr, slot, start, end, n_chunk, n3, c3,
+                             n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M,
+                             BLOCK_N, BLOCK_R, PRECISION)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers. Arguments arrive validated (see checks.py); these only pick tiles and launch.
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile shapes and launch settings. `config_for` picks one per regime (tile height)."""
+
+    shrink_block_k: int = 128
+    shrink_warps: int = 4
+    shrink_stages: int = 3
+    shrink_programs_per_sm: float = 2.0  # split K until the shrink has about this many programs per SM
+    expand_block_n: int = 128
+    expand_warps: int = 4
+    expand_stages: int = 2
+    expand_programs_per_sm: float = 4.0  # cut N into chunks until the expand has about this many
+    split_k: int | None = None  # fixed K splits (a power of two up to MAX_SPLIT_K) instead of the rule above
+    n_chunks: int | None = None  # fixed N chunks per slice instead of the rule above
+    expand_precision: str | None = None  # None: "split" for 16-bit weights, "tf32x3" for fp32
+
+
+MAX_SPLIT_K = 8
+# Decode-like tiles (16 rows, few of them) are latency-bound: wide K tiles, more programs.
+# Prefill-like tiles (64 rows) already fill the GPU and stream x and y: no K split unless needed.
+CONFIGS = {16: KernelConfig(shrink_block_k=256), 64: KernelConfig(shrink_programs_per_sm=1.0)}
+
+
+def config_for(block_m: int) -> KernelConfig:
+    return CONFIGS.get(block_m, CONFIGS[64])
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    # On the CPU (Triton's interpreter) pretend to a small GPU so that split-K and N chunks are exercised.
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 4
+
+
+def _block_r(R: int) -> int:
+    return min(max(16, triton.next_power_of_2(max(R, 1))), 64)
+
+
+def choose_split_k(num_programs: int, K: int, device: torch.device, cfg: KernelConfig) -> int:
+    """The power of two (≤ MAX_SPLIT_K, ≥ 1 K-tile per split) that brings the shrink near its program target."""
+    if cfg.split_k is not None:
+        return cfg.split_k
+    wanted = math.ceil(cfg.shrink_programs_per_sm * _num_sms(device) / max(num_programs, 1))
+    limit = min(wanted, MAX_SPLIT_K, max(1, K // cfg.shrink_block_k))
+    return 1 << (limit.bit_length() - 1)
+
+
+def choose_n_chunks(num_programs: int, N: int, device: torch.device, cfg: KernelConfig) -> tuple[int, int]:
+    """(chunks, columns per program): N cut so that the expand has about its program target."""
+    tiles = triton.cdiv(N, cfg.expand_block_n)
+    chunks = cfg.n_chunks or math.ceil(cfg.expand_programs_per_sm * _num_sms(device) / max(num_programs, 1))
+    chunks = max(1, min(chunks, tiles))
+    per_prog = triton.cdiv(tiles, chunks) * cfg.expand_block_n
+    return triton.cdiv(N, per_prog), per_prog
+
+
+def shrink_into(part: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], ranks: list[torch.Tensor],
+                batch, cfg: KernelConfig) -> None:
+    """Launch shrink writing `part[split, slice, row, :rank]` (fp32 `[split_k, slices, T, R]`)."""
+    num_slices = len(lora_a)
+    split_k = part.shape[0]
+    _, R, K = lora_a[0].shape
+    block_r = _block_r(R)
+    r_tiles = triton.cdiv(R, block_r)
+    k_per_split = triton.cdiv(triton.cdiv(K, split_k), cfg.shrink_block_k) * cfg.shrink_block_k
+    grid = (batch.num_work * num_slices * r_tiles, split_k)
+    if grid[0] == 0:
+        return
+    pad = MAX_SLICES - num_slices
+    precision = "tf32x3" if x.dtype == torch.float32 else "tf32"  # ignored for 16-bit inputs
+    _sgmv_shrink_kernel[grid](
+        x, part, batch.sorted_rows, batch.work_slot, batch.work_start, batch.work_end,
+        *lora_a, *[lora_a[0]] * pad, *ranks, *[ranks[0]] * pad, K, k_per_split, r_tiles,
+        x.stride(0), x.stride(1), lora_a[0].stride(0), lora_a[0].stride(1),
+        part.stride(0), part.stride(1), part.stride(2),
+        NUM_SLICES=num_slices, BLOCK_M=batch.block_m, BLOCK_R=block_r, BLOCK_K=cfg.shrink_block_k,
+        PRECISION=precision, num_warps=cfg.shrink_warps, num_stages=cfg.shrink_stages)
+
+
+def expand_from(y: torch.Tensor, part: torch.Tensor, lora_b: list[torch.Tensor], ranks: list[torch.Tensor],
+                scalings: list[torch.Tensor], batch, y_offset: int, cfg: KernelConfig) -> None:
+    """Launch expand adding `scalings[slot] * Σ_split part @ B[slot]ᵀ` into y's slices."""
+    num_slices = len(lora_b)
+    R = lora_b[0].shape[2]
+    ns = [b.shape[1] for b in lora_b]
+    cols = [y_offset + sum(ns[:i]) for i in range(num_slices)]
+    n_chunks, n_per_prog = choose_n_chunks(batch.num_work * num_slices, max(ns), y.device, cfg)
+    grid = (batch.num_work * num_slices * n_chunks,)
+    if grid[0] == 0:
+        return
+    pad = MAX_SLICES - num_slices
+    precision = cfg.expand_precision or ("tf32x3" if y.dtype == torch.float32 else "split")
+    _sgmv_expand_kernel[grid](
+        y, part, batch.sorted_rows, batch.work_slot, batch.work_start, batch.work_end,
+        *lora_b, *[lora_b[0]] * pad, *ranks, *[ranks[0]] * pad, *scalings, *[scalings[0]] * pad,
+        *ns, *[0] * pad, *cols, *[0] * pad,
+        n_chunks, n_per_prog, R, y.stride(0), y.stride(1), part.stride(0), part.stride(1), part.stride(2),
+        NUM_SLICES=num_slices, SPLIT_K=part.shape[0], BLOCK_M=batch.block_m, BLOCK_N=cfg.expand_block_n,
+        BLOCK_R=_block_r(R), PRECISION=precision, num_warps=cfg.expand_warps, num_stages=cfg.expand_stages)
+
+
+def add_lora(y, x, lora_a, lora_b, batch, ranks, scalings, y_offset: int, cfg: KernelConfig | None = None):
+    """Shrink into a per-call fp32 partial buffer, then expand into y (two launches)."""
+    cfg = cfg or config_for(batch.block_m)
+    num_slices = len(lora_a)
+    R = lora_a[0].shape[1]
+    split_k = choose_split_k(batch.num_work * num_slices * triton.cdiv(R, _block_r(R)), x.shape[1], x.device, cfg)
+    part = torch.empty((split_k, num_slices, x.shape[0], R), dtype=torch.float32, device=x.device)
+    shrink_into(part, x, lora_a, ranks, batch, cfg)
+    expand_from(y, part, lora_b, ranks, scalings, batch, y_offset, cfg)
+    return y

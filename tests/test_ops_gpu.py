@@ -1,0 +1,114 @@
+"""GPU tests (`pytest -m gpu`): the full sweep in bf16 and fp16 against the float64 loop, and graph capture."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from loraplex import ops
+from loraplex.ops import sgmv
+from loraplex.workloads import POPULARITIES
+
+from lora_cases import make_case, rel_err
+from oracle import add_lora_f64, shrink_f64
+
+pytestmark = pytest.mark.gpu
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+RANKS = [0, 1, 7, 16, 64, 128, 256, "mixed"]
+SHAPES = [(64, 64), (1000, 1000), (4096, 1024), (4096, 4096), (4096, 11008), (11008, 4096), (1024, 1000)]
+
+
+def _seg_lens(regime: str, rng) -> list[int]:
+    if regime == "decode":
+        return [1] * int(rng.choice([1, 3, 16, 64, 200, 256]))
+    return [int(v) for v in rng.integers(1, 2049, size=int(rng.integers(1, 7)))]
+
+
+def _check(case, dtype, single=True):
+    y = case.run(single=single)
+    untouched = case.untouched()
+    assert torch.equal(y[untouched], case.y0[untouched]), "rows or columns outside the LoRA slices changed"
+    return rel_err(y, case.oracle(single), case.y0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("popularity", POPULARITIES)
+@pytest.mark.parametrize("regime", ["decode", "prefill"])
+def test_sweep_matches_float64_loop(dtype, popularity, regime):
+    rng = np.random.default_rng(hash((str(dtype), popularity, regime)) % 2**32)
+    for i, rank in enumerate(RANKS):
+        K, N = SHAPES[(i + len(popularity)) % len(SHAPES)]
+        case = make_case(rng, seg_lens=_seg_lens(regime, rng), popularity=popularity, K=K, Ns=(N,), R=256
+                         if rank in (128, 256, "mixed") else 64, ranks=rank, dtype=dtype, device="cuda",
+                         none_frac=0.2 if i % 2 else 0.0, extra_cols=3, y_offset=i % 3)
+        err = _check(case, dtype)
+        if rank == 0:
+            assert err == 0, "rank 0 must leave y untouched"
+        else:
+            assert err <= TOL[dtype], f"rank={rank} K={K} N={N}: rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("regime", ["decode", "prefill"])
+@pytest.mark.parametrize("Ns", [(4096, 1024, 1024), (11008, 11008), (1000, 24, 7, 300)])
+def test_multi_slice(dtype, regime, Ns):
+    rng = np.random.default_rng(len(Ns) * 7 + (regime == "decode"))
+    case = make_case(rng, seg_lens=_seg_lens(regime, rng), popularity="zipf", K=4096, Ns=Ns, R=64, ranks="mixed",
+                     dtype=dtype, device="cuda", none_frac=0.1, y_offset=5, extra_cols=2)
+    assert _check(case, dtype, single=False) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("split_k", [1, 3, 8])
+def test_forced_split_k(split_k):
+    rng = np.random.default_rng(split_k)
+    case = make_case(rng, seg_lens=[1] * 64, popularity="uniform", K=4096, Ns=(4096,), R=16,
+                     dtype=torch.bfloat16, device="cuda")
+    cfg = sgmv.KernelConfig(split_k=split_k)
+    y = case.y0.clone()
+    sgmv.add_lora(y, case.x, case.lora_a, case.lora_b, case.batch(), case.ranks, case.scalings, 0, cfg)
+    assert rel_err(y, case.oracle(), case.y0) <= 1e-2
+
+
+def test_halves_match_float64():
+    rng = np.random.default_rng(5)
+    case = make_case(rng, seg_lens=[3, 700, 1, 1, 90], popularity="uniform", K=4096, Ns=(11008,), R=64,
+                     ranks="mixed", dtype=torch.bfloat16, device="cuda", none_frac=0.3)
+    batch = case.batch()
+    v = ops.lora_shrink(case.x, case.lora_a[0], batch, case.ranks[0])
+    ref_v = shrink_f64(case.x, case.lora_a[0], case.seg_lens, case.slot_ids, case.ranks[0])
+    assert (v.double() - ref_v).norm() / ref_v.norm() < 1e-5
+    y = ops.lora_expand(case.y0.clone(), v, case.lora_b[0], batch, case.ranks[0], case.scalings[0])
+    assert rel_err(y, case.oracle(single=True), case.y0) <= 1e-2
+
+
+def test_auto_backend_is_triton_on_cuda():
+    assert ops.resolve_backend(None, torch.device("cuda")) == "triton"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_graph_replay_with_updated_batches(dtype):
+    """One capture, replayed over different segment mixes written in place: results stay exact."""
+    rng = np.random.default_rng(11)
+    max_rows, max_segs, num_slots, K, Ns = 64, 64, 40, 1024, (1024, 256, 256)
+    base = make_case(rng, seg_lens=[1] * max_rows, K=K, Ns=Ns, R=32, ranks="mixed", dtype=dtype, device="cuda",
+                     num_slots=num_slots)
+    batch = ops.LoraBatch.with_capacity(max_rows, max_segs, "cuda")
+    x = base.x.clone()
+    y = base.y0.clone()
+    a, b, rk, sc = base.args(False)
+    ops.add_lora(y, x, a, b, batch, rk, sc)  # warm-up: compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.add_lora(y, x, a, b, batch, rk, sc)
+    for trial in range(4):
+        n = int(rng.integers(1, max_segs))
+        lens = [1] * n if trial % 2 else [int(v) for v in rng.multinomial(max_rows - n, [1 / n] * n) + 1]
+        slots = [int(s) if rng.random() > 0.2 else -1 for s in rng.integers(0, num_slots, size=len(lens))]
+        batch.update_(lens, slots)
+        x.copy_(torch.randn_like(x))
+        y0 = torch.randn_like(y)
+        y.copy_(y0)
+        graph.replay()
+        ref = add_lora_f64(y0, x, a, b, rk, sc, lens + [max_rows - sum(lens)], slots + [-1])
+        assert rel_err(y, ref, y0) <= TOL[dtype], f"trial {trial}"
