@@ -100,10 +100,37 @@ def _sgmv_shrink_kernel(
 
 
 @triton.jit
+def _load_v(part_ptr, rows, m_mask, r0, rank, stride_p_split, stride_pm,
+            SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Σ over the K splits of the fp32 partials for these rows and rank columns r0..r0+BLOCK_R."""
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    v_mask = m_mask[:, None] & r_mask[None, :]
+    v_ptrs = part_ptr + rows[:, None] * stride_pm + offs_r[None, :]
+    v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        v += tl.load(v_ptrs + s * stride_p_split, mask=v_mask, other=0.0)
+    return v, offs_r, r_mask
+
+
+@triton.jit
+def _dot_v_b(v, bt, acc, PRECISION: tl.constexpr):
+    """acc += v @ bt with v fp32. "split": v as hi + lo halves in bt's 16-bit dtype, two tensor-core
+    products that keep ~16 mantissa bits of v; otherwise one fp32 product at that precision."""
+    if PRECISION == "split":
+        v_hi = v.to(bt.dtype)
+        acc = tl.dot(v_hi, bt, acc)
+        acc = tl.dot((v - v_hi.to(tl.float32)).to(bt.dtype), bt, acc)
+    else:
+        acc = tl.dot(v, bt.to(tl.float32), acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
 def _expand_tile(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, slot, start, end, n_chunk, N, col0,
                  n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R,
                  SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                 PRECISION: tl.constexpr):
+                 ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr):
     rank = tl.load(rank_ptr + slot)
     n_begin = n_chunk * n_per_prog
     if (rank > 0) & (n_begin < N):
@@ -114,35 +141,35 @@ def _expand_tile(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, s
         scale = tl.load(scale_ptr + slot)
         b_base = b_ptr + slot.to(tl.int64) * N * R
         y_rows = y_ptr + rows[:, None] * stride_ym
-        # One program covers n_per_prog columns, BLOCK_N at a time: the partials of v are loaded
-        # (and summed over the K splits) once per rank chunk and stay in L1, B streams through.
-        for n0 in range(n_begin, n_end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < n_end
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for r0 in range(0, rank, BLOCK_R):
-                offs_r = r0 + tl.arange(0, BLOCK_R)
-                r_mask = offs_r < rank
-                v_mask = m_mask[:, None] & r_mask[None, :]
-                v_ptrs = part_ptr + rows[:, None] * stride_pm + offs_r[None, :]
-                v = tl.load(v_ptrs, mask=v_mask, other=0.0)
-                for s in tl.static_range(1, SPLIT_K):
-                    v += tl.load(v_ptrs + s * stride_p_split, mask=v_mask, other=0.0)
+        if ONE_R_TILE:
+            # The whole rank fits one tile: v is loaded once, and each step of the N loop is just
+            # independent loads of y and B, a product and a store, which the pipeliner overlaps.
+            v, offs_r, r_mask = _load_v(part_ptr, rows, m_mask, 0, rank, stride_p_split, stride_pm, SPLIT_K, BLOCK_R)
+            for n0 in range(n_begin, n_end, BLOCK_N):
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                n_mask = offs_n < n_end
+                y_ptrs = y_rows + (col0 + offs_n)[None, :] * stride_yn
+                y_mask = m_mask[:, None] & n_mask[None, :]
+                y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
                 bt = tl.load(b_base + offs_n[None, :] * R + offs_r[:, None], mask=r_mask[:, None] & n_mask[None, :],
                              other=0.0)
-                if PRECISION == "split":
-                    # The fp32 intermediate as hi + lo halves in the weights' dtype: two tensor-core
-                    # products keep ~16 mantissa bits of v without leaving the 16-bit units.
-                    v_hi = v.to(bt.dtype)
-                    v_lo = (v - v_hi.to(tl.float32)).to(bt.dtype)
-                    acc = tl.dot(v_hi, bt, acc)
-                    acc = tl.dot(v_lo, bt, acc)
-                else:
-                    acc = tl.dot(v, bt.to(tl.float32), acc, input_precision=PRECISION)
-            y_ptrs = y_rows + (col0 + offs_n)[None, :] * stride_yn
-            y_mask = m_mask[:, None] & n_mask[None, :]
-            y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
-            tl.store(y_ptrs, (y_old.to(tl.float32) + acc * scale).to(y_old.dtype), mask=y_mask)
+                acc = _dot_v_b(v, bt, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), PRECISION)
+                tl.store(y_ptrs, (y_old.to(tl.float32) + acc * scale).to(y_old.dtype), mask=y_mask)
+        else:
+            for n0 in range(n_begin, n_end, BLOCK_N):
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                n_mask = offs_n < n_end
+                y_ptrs = y_rows + (col0 + offs_n)[None, :] * stride_yn
+                y_mask = m_mask[:, None] & n_mask[None, :]
+                y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for r0 in range(0, rank, BLOCK_R):
+                    v, offs_r, r_mask = _load_v(part_ptr, rows, m_mask, r0, rank, stride_p_split, stride_pm,
+                                                SPLIT_K, BLOCK_R)
+                    bt = tl.load(b_base + offs_n[None, :] * R + offs_r[:, None],
+                                 mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+                    acc = _dot_v_b(v, bt, acc, PRECISION)
+                tl.store(y_ptrs, (y_old.to(tl.float32) + acc * scale).to(y_old.dtype), mask=y_mask)
 
 
 @triton.jit
@@ -151,7 +178,7 @@ def _sgmv_expand_kernel(
         b0, b1, b2, b3, rk0, rk1, rk2, rk3, sc0, sc1, sc2, sc3, n0, n1, n2, n3, c0, c1, c2, c3,
         n_chunks, n_per_prog, R, stride_ym, stride_yn, stride_p_split, stride_p_slice, stride_pm,
         NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+        BLOCK_R: tl.constexpr, ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr):
     """y[rows, c_i + n] += sc_i[slot] * (Σ_split part[split, i, rows, :rank]) @ B_i[slot, n, :rank]ᵀ."""
     pid = tl.program_id(0)
     work = pid // (NUM_SLICES * n_chunks)
@@ -166,22 +193,22 @@ def _sgmv_expand_kernel(
         if sl == 0:
             _expand_tile(y_ptr, part, b0, rk0, sc0, sorted_rows_ptr, slot, start, end, n_chunk, n0, c0, n_per_prog,
                          stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R,
-                         PRECISION)
+                         ONE_R_TILE, PRECISION)
         if NUM_SLICES > 1:
             if sl == 1:
                 _expand_tile(y_ptr, part, b1, rk1, sc1, sorted_rows_ptr, slot, start, end, n_chunk, n1, c1,
                              n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M,
-                             BLOCK_N, BLOCK_R, PRECISION)
+                             BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION)
         if NUM_SLICES > 2:
             if sl == 2:
                 _expand_tile(y_ptr, part, b2, rk2, sc2, sorted_rows_ptr, slot, start, end, n_chunk, n2, c2,
                              n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M,
-                             BLOCK_N, BLOCK_R, PRECISION)
+                             BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION)
         if NUM_SLICES > 3:
             if sl == 3:
                 _expand_tile(y_ptr, part, b3, rk3, sc3, sorted_rows_ptr, slot, start, end, n_chunk, n3, c3,
                              n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M,
-                             BLOCK_N, BLOCK_R, PRECISION)
+                             BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,8 +234,9 @@ class KernelConfig:
 
 MAX_SPLIT_K = 8
 # Decode-like tiles (16 rows, few of them) are latency-bound: wide K tiles, more programs.
-# Prefill-like tiles (64 rows) already fill the GPU and stream x and y: no K split unless needed.
-CONFIGS = {16: KernelConfig(shrink_block_k=256), 64: KernelConfig(shrink_programs_per_sm=1.0)}
+# Prefill-like tiles (64 rows) stream x and y. Chosen by benchmarks/sweep_lora_configs.py on an H200.
+CONFIGS = {16: KernelConfig(shrink_block_k=256, expand_block_n=256, expand_programs_per_sm=2.0),
+           64: KernelConfig(shrink_block_k=128, expand_block_n=256, expand_programs_per_sm=2.0)}
 
 
 def config_for(block_m: int) -> KernelConfig:
@@ -290,7 +318,8 @@ def expand_from(y: torch.Tensor, part: torch.Tensor, lora_b: list[torch.Tensor],
         *ns, *[0] * pad, *cols, *[0] * pad,
         n_chunks, n_per_prog, R, y.stride(0), y.stride(1), part.stride(0), part.stride(1), part.stride(2),
         NUM_SLICES=num_slices, SPLIT_K=part.shape[0], BLOCK_M=batch.block_m, BLOCK_N=cfg.expand_block_n,
-        BLOCK_R=_block_r(R), PRECISION=precision, num_warps=cfg.expand_warps, num_stages=cfg.expand_stages)
+        BLOCK_R=_block_r(R), ONE_R_TILE=R <= _block_r(R), PRECISION=precision, num_warps=cfg.expand_warps,
+        num_stages=cfg.expand_stages)
 
 
 def add_lora(y, x, lora_a, lora_b, batch, ranks, scalings, y_offset: int, cfg: KernelConfig | None = None):
