@@ -33,20 +33,15 @@ CASES = [  # (K, N, regime, batch, popularity)
 
 def shrink_variants(base):
     yield "default", base
-    for bk, w in itertools.product((128, 256), (4, 8)):
-        yield f"bk={bk} w={w}", dataclasses.replace(base, shrink_block_k=bk, shrink_warps=w)
     for sk in (1, 2, 4, 8):
         yield f"split_k={sk}", dataclasses.replace(base, split_k=sk)
 
 
 def expand_variants(base):
     yield "default", base
-    for bn, w, pps in itertools.product((64, 128, 256), (4, 8), (1, 2, 4)):
-        yield f"bn={bn} w={w} pps={pps}", dataclasses.replace(base, expand_block_n=bn, expand_warps=w,
-                                                              expand_programs_per_sm=pps)
-    yield "tf32x3", dataclasses.replace(base, expand_precision="tf32x3")
-    yield "stages=3", dataclasses.replace(base, expand_stages=3)
-    yield "stages=4", dataclasses.replace(base, expand_stages=4)
+    for nat, pre, bn, pps in itertools.product((True, False), (True, False), (64, 128, 256), (2, 4)):
+        yield f"nat={int(nat)} pre={int(pre)} bn={bn} pps={pps}", dataclasses.replace(
+            base, expand_b_natural=nat, expand_prefetch=pre, expand_block_n=bn, expand_programs_per_sm=pps)
 
 
 def host_overheads(pool, gen) -> dict:
@@ -134,7 +129,7 @@ def main():
         best = {}
         for kind in ("shrink", "expand"):
             ok = sorted((v, k) for k, v in timings.items() if k.startswith(kind) and v is not None)
-            best[kind] = ok[:4]
+            best[kind] = ok[:6]
         print(f"{case}: full {timings['full']:.2f}  shrink default {timings['shrink default']:.2f} best " +
               ", ".join(f"{k[7:]} {v:.2f}" for v, k in best["shrink"]) + f" | expand default "
               f"{timings['expand default']:.2f} best " + ", ".join(f"{k[7:]} {v:.2f}" for v, k in best["expand"]),

@@ -112,3 +112,28 @@ def test_cuda_graph_replay_with_updated_batches(dtype):
         graph.replay()
         ref = add_lora_f64(y0, x, a, b, rk, sc, lens + [max_rows - sum(lens)], slots + [-1])
         assert rel_err(y, ref, y0) <= TOL[dtype], f"trial {trial}"
+
+
+def test_fast_launch_matches_tritons_own_launch():
+    """The direct launcher (ops/launch.py) must pick the same compiled kernel Triton would: vary every
+    property Triton specializes on (pointer alignment, ints equal to 1 or divisible by 16, dtype)."""
+    rng = np.random.default_rng(21)
+    launchers = (sgmv._SHRINK, sgmv._EXPAND)
+    assert all(launcher.enabled for launcher in launchers), "fast launch is expected on this Triton"
+    for K, Ns, y_offset, x_pad, dtype in [(64, (64,), 0, 0, torch.bfloat16), (17, (1, 33), 3, 1, torch.float16),
+                                          (4096, (1024, 1, 16), 1, 8, torch.bfloat16), (48, (48,), 5, 3, torch.float16)]:
+        case = make_case(rng, seg_lens=[1, 5, 1, 40], popularity="uniform", K=K, Ns=Ns, R=16, ranks="mixed",
+                         dtype=dtype, device="cuda", y_offset=y_offset, extra_cols=1)
+        x = torch.empty(case.x.shape[0], K + x_pad, dtype=dtype, device="cuda")[:, x_pad:]  # unaligned rows
+        x.copy_(case.x)
+        a, b, rk, sc = case.args(False)
+        batch = case.batch()
+        outs = []
+        for fast in (True, True, False):  # first call compiles through Triton, the second launches directly
+            for launcher in launchers:
+                launcher.enabled = fast
+            outs.append(ops.add_lora(case.y0.clone(), x, a, b, batch, rk, sc, y_offset=y_offset))
+        for launcher in launchers:
+            launcher.enabled = True
+        assert torch.equal(outs[1], outs[2]) and torch.equal(outs[0], outs[2])
+        assert rel_err(outs[1], case.oracle(), case.y0) <= TOL[dtype]

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import Launcher
+
 MAX_SLICES = 4
 
 
@@ -114,9 +116,32 @@ def _load_v(part_ptr, rows, m_mask, r0, rank, stride_p_split, stride_pm,
 
 
 @triton.jit
-def _dot_v_b(v, bt, acc, PRECISION: tl.constexpr):
-    """acc += v @ bt with v fp32. "split": v as hi + lo halves in bt's 16-bit dtype, two tensor-core
+def _load_b(b_base, offs_n, n_mask, offs_r, r_mask, R, B_NATURAL: tl.constexpr):
+    """B[slot][offs_n, offs_r], as [BLOCK_N, BLOCK_R] in memory order (B_NATURAL) or as [BLOCK_R, BLOCK_N]."""
+    if B_NATURAL:
+        return tl.load(b_base + offs_n[:, None] * R + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :],
+                       other=0.0)
+    return tl.load(b_base + offs_n[None, :] * R + offs_r[:, None], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+
+
+@triton.jit
+def _load_y_b(y_rows, b_base, n0, n_end, col0, stride_yn, R, offs_r, r_mask, m_mask,
+              BLOCK_N: tl.constexpr, B_NATURAL: tl.constexpr):
+    """y's tile and B's tile for columns n0..n0+BLOCK_N (nothing is read at or past n_end)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n_end
+    y_old = tl.load(y_rows + (col0 + offs_n)[None, :] * stride_yn, mask=m_mask[:, None] & n_mask[None, :], other=0.0)
+    return y_old, _load_b(b_base, offs_n, n_mask, offs_r, r_mask, R, B_NATURAL)
+
+
+@triton.jit
+def _dot_v_b(v, b, acc, PRECISION: tl.constexpr, B_NATURAL: tl.constexpr):
+    """acc += v @ B-tileᵀ with v fp32. "split": v as hi + lo halves in B's 16-bit dtype, two tensor-core
     products that keep ~16 mantissa bits of v; otherwise one fp32 product at that precision."""
+    if B_NATURAL:
+        bt = tl.trans(b)
+    else:
+        bt = b
     if PRECISION == "split":
         v_hi = v.to(bt.dtype)
         acc = tl.dot(v_hi, bt, acc)
@@ -130,7 +155,8 @@ def _dot_v_b(v, bt, acc, PRECISION: tl.constexpr):
 def _expand_tile(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, slot, start, end, n_chunk, N, col0,
                  n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R,
                  SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                 ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr):
+                 ONE_R_TILE: tl.constexpr, B_NATURAL: tl.constexpr, PREFETCH: tl.constexpr,
+                 PRECISION: tl.constexpr):
     rank = tl.load(rank_ptr + slot)
     n_begin = n_chunk * n_per_prog
     if (rank > 0) & (n_begin < N):
@@ -143,18 +169,25 @@ def _expand_tile(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, s
         y_rows = y_ptr + rows[:, None] * stride_ym
         if ONE_R_TILE:
             # The whole rank fits one tile: v is loaded once, and each step of the N loop is just
-            # independent loads of y and B, a product and a store, which the pipeliner overlaps.
+            # independent loads of y and B, a product and a store. With PREFETCH, the next step's
+            # loads are issued before this step's store, which the compiler cannot move them past.
             v, offs_r, r_mask = _load_v(part_ptr, rows, m_mask, 0, rank, stride_p_split, stride_pm, SPLIT_K, BLOCK_R)
+            if PREFETCH:
+                y_old, bt = _load_y_b(y_rows, b_base, n_begin, n_end, col0, stride_yn, R, offs_r, r_mask, m_mask,
+                                      BLOCK_N, B_NATURAL)
             for n0 in range(n_begin, n_end, BLOCK_N):
+                if PREFETCH:
+                    y_cur, b_cur = y_old, bt
+                    y_old, bt = _load_y_b(y_rows, b_base, n0 + BLOCK_N, n_end, col0, stride_yn, R, offs_r, r_mask,
+                                          m_mask, BLOCK_N, B_NATURAL)
+                else:
+                    y_cur, b_cur = _load_y_b(y_rows, b_base, n0, n_end, col0, stride_yn, R, offs_r, r_mask, m_mask,
+                                             BLOCK_N, B_NATURAL)
+                acc = _dot_v_b(v, b_cur, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), PRECISION, B_NATURAL)
                 offs_n = n0 + tl.arange(0, BLOCK_N)
-                n_mask = offs_n < n_end
                 y_ptrs = y_rows + (col0 + offs_n)[None, :] * stride_yn
-                y_mask = m_mask[:, None] & n_mask[None, :]
-                y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
-                bt = tl.load(b_base + offs_n[None, :] * R + offs_r[:, None], mask=r_mask[:, None] & n_mask[None, :],
-                             other=0.0)
-                acc = _dot_v_b(v, bt, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), PRECISION)
-                tl.store(y_ptrs, (y_old.to(tl.float32) + acc * scale).to(y_old.dtype), mask=y_mask)
+                y_mask = m_mask[:, None] & (offs_n < n_end)[None, :]
+                tl.store(y_ptrs, (y_cur.to(tl.float32) + acc * scale).to(y_cur.dtype), mask=y_mask)
         else:
             for n0 in range(n_begin, n_end, BLOCK_N):
                 offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -166,9 +199,8 @@ def _expand_tile(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, s
                 for r0 in range(0, rank, BLOCK_R):
                     v, offs_r, r_mask = _load_v(part_ptr, rows, m_mask, r0, rank, stride_p_split, stride_pm,
                                                 SPLIT_K, BLOCK_R)
-                    bt = tl.load(b_base + offs_n[None, :] * R + offs_r[:, None],
-                                 mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-                    acc = _dot_v_b(v, bt, acc, PRECISION)
+                    bt = _load_b(b_base, offs_n, n_mask, offs_r, r_mask, R, B_NATURAL)
+                    acc = _dot_v_b(v, bt, acc, PRECISION, B_NATURAL)
                 tl.store(y_ptrs, (y_old.to(tl.float32) + acc * scale).to(y_old.dtype), mask=y_mask)
 
 
@@ -178,7 +210,8 @@ def _sgmv_expand_kernel(
         b0, b1, b2, b3, rk0, rk1, rk2, rk3, sc0, sc1, sc2, sc3, n0, n1, n2, n3, c0, c1, c2, c3,
         n_chunks, n_per_prog, R, stride_ym, stride_yn, stride_p_split, stride_p_slice, stride_pm,
         NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_R: tl.constexpr, ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr):
+        BLOCK_R: tl.constexpr, ONE_R_TILE: tl.constexpr, B_NATURAL: tl.constexpr, PREFETCH: tl.constexpr,
+        PRECISION: tl.constexpr):
     """y[rows, c_i + n] += sc_i[slot] * (Σ_split part[split, i, rows, :rank]) @ B_i[slot, n, :rank]ᵀ."""
     pid = tl.program_id(0)
     work = pid // (NUM_SLICES * n_chunks)
@@ -193,22 +226,22 @@ def _sgmv_expand_kernel(
         if sl == 0:
             _expand_tile(y_ptr, part, b0, rk0, sc0, sorted_rows_ptr, slot, start, end, n_chunk, n0, c0, n_per_prog,
                          stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R,
-                         ONE_R_TILE, PRECISION)
+                         ONE_R_TILE, B_NATURAL, PREFETCH, PRECISION)
         if NUM_SLICES > 1:
             if sl == 1:
                 _expand_tile(y_ptr, part, b1, rk1, sc1, sorted_rows_ptr, slot, start, end, n_chunk, n1, c1,
                              n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M,
-                             BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION)
+                             BLOCK_N, BLOCK_R, ONE_R_TILE, B_NATURAL, PREFETCH, PRECISION)
         if NUM_SLICES > 2:
             if sl == 2:
                 _expand_tile(y_ptr, part, b2, rk2, sc2, sorted_rows_ptr, slot, start, end, n_chunk, n2, c2,
                              n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M,
-                             BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION)
+                             BLOCK_N, BLOCK_R, ONE_R_TILE, B_NATURAL, PREFETCH, PRECISION)
         if NUM_SLICES > 3:
             if sl == 3:
                 _expand_tile(y_ptr, part, b3, rk3, sc3, sorted_rows_ptr, slot, start, end, n_chunk, n3, c3,
                              n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M,
-                             BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION)
+                             BLOCK_N, BLOCK_R, ONE_R_TILE, B_NATURAL, PREFETCH, PRECISION)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,12 +260,16 @@ class KernelConfig:
     expand_warps: int = 4
     expand_stages: int = 2
     expand_programs_per_sm: float = 4.0  # cut N into chunks until the expand has about this many
+    expand_b_natural: bool = True  # load B tiles in memory order ([n, r]) and transpose in registers
+    expand_prefetch: bool = False  # issue the next N step's loads before this step's store
     split_k: int | None = None  # fixed K splits (a power of two up to MAX_SPLIT_K) instead of the rule above
     n_chunks: int | None = None  # fixed N chunks per slice instead of the rule above
     expand_precision: str | None = None  # None: "split" for 16-bit weights, "tf32x3" for fp32
 
 
 MAX_SPLIT_K = 8
+_SHRINK = Launcher(_sgmv_shrink_kernel)
+_EXPAND = Launcher(_sgmv_expand_kernel)
 # Decode-like tiles (16 rows, few of them) are latency-bound: wide K tiles, more programs.
 # Prefill-like tiles (64 rows) stream x and y. Chosen by benchmarks/sweep_lora_configs.py on an H200.
 CONFIGS = {16: KernelConfig(shrink_block_k=256, expand_block_n=256, expand_programs_per_sm=2.0),
@@ -290,13 +327,13 @@ def shrink_into(part: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],
         return
     pad = MAX_SLICES - num_slices
     precision = "tf32x3" if x.dtype == torch.float32 else "tf32"  # ignored for 16-bit inputs
-    _sgmv_shrink_kernel[grid](
-        x, part, batch.sorted_rows, batch.work_slot, batch.work_start, batch.work_end,
-        *lora_a, *[lora_a[0]] * pad, *ranks, *[ranks[0]] * pad, K, k_per_split, r_tiles,
-        x.stride(0), x.stride(1), lora_a[0].stride(0), lora_a[0].stride(1),
-        part.stride(0), part.stride(1), part.stride(2),
-        NUM_SLICES=num_slices, BLOCK_M=batch.block_m, BLOCK_R=block_r, BLOCK_K=cfg.shrink_block_k,
-        PRECISION=precision, num_warps=cfg.shrink_warps, num_stages=cfg.shrink_stages)
+    args = (x, part, batch.sorted_rows, batch.work_slot, batch.work_start, batch.work_end,
+            *lora_a, *[lora_a[0]] * pad, *ranks, *[ranks[0]] * pad, K, k_per_split, r_tiles,
+            x.stride(0), x.stride(1), lora_a[0].stride(0), lora_a[0].stride(1),
+            part.stride(0), part.stride(1), part.stride(2))
+    _SHRINK(grid, args, dict(NUM_SLICES=num_slices, BLOCK_M=batch.block_m, BLOCK_R=block_r,
+                             BLOCK_K=cfg.shrink_block_k, PRECISION=precision),
+            cfg.shrink_warps, cfg.shrink_stages)
 
 
 def expand_from(y: torch.Tensor, part: torch.Tensor, lora_b: list[torch.Tensor], ranks: list[torch.Tensor],
@@ -312,14 +349,15 @@ def expand_from(y: torch.Tensor, part: torch.Tensor, lora_b: list[torch.Tensor],
         return
     pad = MAX_SLICES - num_slices
     precision = cfg.expand_precision or ("tf32x3" if y.dtype == torch.float32 else "split")
-    _sgmv_expand_kernel[grid](
-        y, part, batch.sorted_rows, batch.work_slot, batch.work_start, batch.work_end,
-        *lora_b, *[lora_b[0]] * pad, *ranks, *[ranks[0]] * pad, *scalings, *[scalings[0]] * pad,
-        *ns, *[0] * pad, *cols, *[0] * pad,
-        n_chunks, n_per_prog, R, y.stride(0), y.stride(1), part.stride(0), part.stride(1), part.stride(2),
-        NUM_SLICES=num_slices, SPLIT_K=part.shape[0], BLOCK_M=batch.block_m, BLOCK_N=cfg.expand_block_n,
-        BLOCK_R=_block_r(R), ONE_R_TILE=R <= _block_r(R), PRECISION=precision, num_warps=cfg.expand_warps,
-        num_stages=cfg.expand_stages)
+    block_r = _block_r(R)
+    args = (y, part, batch.sorted_rows, batch.work_slot, batch.work_start, batch.work_end,
+            *lora_b, *[lora_b[0]] * pad, *ranks, *[ranks[0]] * pad, *scalings, *[scalings[0]] * pad,
+            *ns, *[0] * pad, *cols, *[0] * pad,
+            n_chunks, n_per_prog, R, y.stride(0), y.stride(1), part.stride(0), part.stride(1), part.stride(2))
+    _EXPAND(grid, args, dict(NUM_SLICES=num_slices, SPLIT_K=part.shape[0], BLOCK_M=batch.block_m,
+                             BLOCK_N=cfg.expand_block_n, BLOCK_R=block_r, ONE_R_TILE=R <= block_r,
+                             B_NATURAL=cfg.expand_b_natural, PREFETCH=cfg.expand_prefetch, PRECISION=precision),
+            cfg.expand_warps, cfg.expand_stages)
 
 
 def add_lora(y, x, lora_a, lora_b, batch, ranks, scalings, y_offset: int, cfg: KernelConfig | None = None):

@@ -1,0 +1,75 @@
+"""Launch Triton kernels without the JIT's per-call argument binding.
+
+Triton's `kernel[grid](...)` re-derives every argument's specialization on each call; with
+our ~30 arguments that costs tens of µs of host time per launch, more than the GPU work of a
+decode step. A compiled kernel depends only on its constexprs and options, each tensor's
+dtype and 16-byte alignment, and each int's being 1, its divisibility by 16 and its width
+(exactly what `triton._C.libtriton.native_specialize_impl` derives). We key on those: the
+first call per key goes through Triton (compiling if needed) and returns the compiled kernel,
+later calls hand the arguments to its launcher directly.
+
+Used on CUDA with the Triton versions this was checked against (see FAST_TRITON_VERSIONS);
+anywhere else — the CPU interpreter, launch hooks installed by a profiler, another Triton,
+or LORAPLEX_FAST_LAUNCH=0 — every launch goes through Triton as usual.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+from triton import knobs
+from triton.runtime import driver
+
+FAST_TRITON_VERSIONS = ("3.6.",)
+_INT32 = range(-2**31, 2**31)
+
+
+def _fast_enabled() -> bool:
+    setting = os.environ.get("LORAPLEX_FAST_LAUNCH")
+    if setting is not None:
+        return setting not in ("0", "false", "no")
+    return triton.__version__.startswith(FAST_TRITON_VERSIONS)
+
+
+def _spec(arg):
+    """What Triton specializes a runtime argument on (see the module docstring)."""
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    if isinstance(arg, bool):
+        return "u1"
+    if isinstance(arg, int):
+        return (True,) if arg == 1 else (arg % 16 == 0, arg in _INT32)
+    return type(arg), arg
+
+
+class Launcher:
+    """`Launcher(kernel)(grid, args, constexprs, num_warps, num_stages)` ≡ `kernel[grid](*args, **constexprs, ...)`.
+
+    `args` are the kernel's runtime parameters in order; its constexpr parameters follow them.
+    """
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.enabled = _fast_enabled() and type(kernel).__name__ == "JITFunction"
+        self._compiled: dict = {}
+        if self.enabled:
+            const_names = [kernel.arg_names[i] for i in sorted(kernel.constexprs)]
+            if kernel.arg_names[len(kernel.arg_names) - len(const_names):] != const_names:
+                raise TypeError(f"{kernel.fn.__name__}: constexpr parameters must come last")
+            self._const_names = const_names
+
+    def __call__(self, grid: tuple, args: tuple, constexprs: dict, num_warps: int, num_stages: int) -> None:
+        if not self.enabled or knobs.runtime.launch_enter_hook is not None:
+            self.kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+            return
+        device = torch.cuda.current_device()
+        key = (device, num_warps, num_stages, tuple(constexprs.items()), tuple(map(_spec, args)))
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            self._compiled[key] = self.kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+            return
+        grid = tuple(grid) + (1, 1)
+        compiled.run(grid[0], grid[1], grid[2], driver.active.get_current_stream(device), compiled.function,
+                     compiled.packed_metadata, None, None, None,
+                     *args, *(constexprs[name] for name in self._const_names))
