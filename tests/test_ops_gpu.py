@@ -129,11 +129,13 @@ def test_fast_launch_matches_tritons_own_launch():
         a, b, rk, sc = case.args(False)
         batch = case.batch()
         outs = []
+        direct = [launcher.direct_launches for launcher in launchers]
         for fast in (True, True, False):  # first call compiles through Triton, the second launches directly
             for launcher in launchers:
                 launcher.enabled = fast
             outs.append(ops.add_lora(case.y0.clone(), x, a, b, batch, rk, sc, y_offset=y_offset))
         for launcher in launchers:
             launcher.enabled = True
+        assert all(launcher.direct_launches > d for launcher, d in zip(launchers, direct)), "direct path unused"
         assert torch.equal(outs[1], outs[2]) and torch.equal(outs[0], outs[2])
         assert rel_err(outs[1], case.oracle(), case.y0) <= TOL[dtype]

@@ -32,6 +32,12 @@ def _fast_enabled() -> bool:
     return triton.__version__.startswith(FAST_TRITON_VERSIONS)
 
 
+def _hooks_installed() -> bool:
+    """A profiler's launch hook (Triton's default is None or an empty HookChain) needs Triton's own path."""
+    hook = knobs.runtime.launch_enter_hook
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 def _spec(arg):
     """What Triton specializes a runtime argument on (see the module docstring)."""
     if isinstance(arg, torch.Tensor):
@@ -53,6 +59,7 @@ class Launcher:
         self.kernel = kernel
         self.enabled = _fast_enabled() and type(kernel).__name__ == "JITFunction"
         self._compiled: dict = {}
+        self.direct_launches = 0  # launches that skipped Triton's binding (for tests and diagnostics)
         if self.enabled:
             const_names = [kernel.arg_names[i] for i in sorted(kernel.constexprs)]
             if kernel.arg_names[len(kernel.arg_names) - len(const_names):] != const_names:
@@ -60,7 +67,7 @@ class Launcher:
             self._const_names = const_names
 
     def __call__(self, grid: tuple, args: tuple, constexprs: dict, num_warps: int, num_stages: int) -> None:
-        if not self.enabled or knobs.runtime.launch_enter_hook is not None:
+        if not self.enabled or _hooks_installed():
             self.kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
             return
         device = torch.cuda.current_device()
@@ -69,6 +76,7 @@ class Launcher:
         if compiled is None:
             self._compiled[key] = self.kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
             return
+        self.direct_launches += 1
         grid = tuple(grid) + (1, 1)
         compiled.run(grid[0], grid[1], grid[2], driver.active.get_current_stream(device), compiled.function,
                      compiled.packed_metadata, None, None, None,

@@ -119,9 +119,10 @@ def _load_v(part_ptr, rows, m_mask, r0, rank, stride_p_split, stride_pm,
 def _load_b(b_base, offs_n, n_mask, offs_r, r_mask, R, B_NATURAL: tl.constexpr):
     """B[slot][offs_n, offs_r], as [BLOCK_N, BLOCK_R] in memory order (B_NATURAL) or as [BLOCK_R, BLOCK_N]."""
     if B_NATURAL:
-        return tl.load(b_base + offs_n[:, None] * R + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :],
-                       other=0.0)
-    return tl.load(b_base + offs_n[None, :] * R + offs_r[:, None], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        b = tl.load(b_base + offs_n[:, None] * R + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+    else:
+        b = tl.load(b_base + offs_n[None, :] * R + offs_r[:, None], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+    return b
 
 
 @triton.jit

@@ -1,0 +1,56 @@
+"""Compile loraplex's Triton kernels for Hopper (sm_90) without a GPU; run by test_kernels_compile.py.
+
+    TRITON_INTERPRET=0 python tests/compile_kernels.py shrink bf16 16
+"""
+from __future__ import annotations
+
+import itertools
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from loraplex.ops import sgmv
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def _compile(kernel, pointer_types: dict, constexprs: dict, num_warps: int, num_stages: int) -> None:
+    signature = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        else:
+            signature[name] = next((t for prefix, t in pointer_types.items() if name.startswith(prefix)), "i32")
+    triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=TARGET,
+                   options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def shrink(dtype: str, block_m: int) -> None:
+    cfg = sgmv.config_for(block_m)
+    types = {"x_": "*" + dtype, "part_": "*fp32", "sorted_": "*i32", "work_": "*i32", "a": "*" + dtype, "rk": "*i32"}
+    for num_slices, block_r in ((1, 16), (3, 64)):
+        consts = dict(NUM_SLICES=num_slices, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=cfg.shrink_block_k,
+                      PRECISION="tf32x3" if dtype == "fp32" else "tf32")
+        _compile(sgmv._sgmv_shrink_kernel, types, consts, cfg.shrink_warps, cfg.shrink_stages)
+
+
+def expand(dtype: str, block_m: int) -> None:
+    cfg = sgmv.config_for(block_m)
+    types = {"y_": "*" + dtype, "part_": "*fp32", "sorted_": "*i32", "work_": "*i32", "b": "*" + dtype,
+             "rk": "*i32", "sc": "*fp32"}
+    flags = [(cfg.expand_b_natural, cfg.expand_prefetch)]
+    if dtype == "bf16":  # every variant of the N loop, once
+        flags = list(itertools.product((True, False), repeat=2))
+    for one_r, (natural, prefetch) in itertools.product((True, False), flags):
+        consts = dict(NUM_SLICES=2, SPLIT_K=2, BLOCK_M=block_m, BLOCK_N=cfg.expand_block_n,
+                      BLOCK_R=16 if one_r else 64, ONE_R_TILE=one_r, B_NATURAL=natural, PREFETCH=prefetch,
+                      PRECISION="tf32x3" if dtype == "fp32" else "split")
+        _compile(sgmv._sgmv_expand_kernel, types, consts, cfg.expand_warps, cfg.expand_stages)
+
+
+if __name__ == "__main__":
+    kind, dtype, block_m = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    {"shrink": shrink, "expand": expand}[kind](dtype, block_m)
+    print("compiled", kind, dtype, block_m)

@@ -1,0 +1,23 @@
+"""The direct launcher's key: exactly the properties Triton specializes a kernel on."""
+import torch
+from triton.backends.nvidia.compiler import CUDABackend
+from triton._C.libtriton import native_specialize_impl
+
+from loraplex.ops import launch
+
+
+def test_key_separates_what_triton_specializes_on():
+    values = [1, 0, 16, 17, 32, -5, 2**31 - 16, 2**31, 2**40 + 3]
+    tensor = torch.empty(64, dtype=torch.bfloat16)
+    values += [tensor, tensor[1:], tensor[8:], tensor.float(), tensor.half()[3:]]
+    for a in values:
+        for b in values:
+            same_triton = native_specialize_impl(CUDABackend, a, False, True, True) == \
+                native_specialize_impl(CUDABackend, b, False, True, True)
+            assert (launch._spec(a) == launch._spec(b)) == same_triton, (a if not isinstance(a, torch.Tensor) else
+                                                                         a.data_ptr(), b if not isinstance(
+                                                                             b, torch.Tensor) else b.data_ptr())
+
+
+def test_default_hooks_do_not_count_as_installed():
+    assert not launch._hooks_installed()
