@@ -39,9 +39,10 @@ def shrink_variants(base):
 
 def expand_variants(base):
     yield "default", base
-    for nat, pre, bn, pps in itertools.product((True, False), (True, False), (64, 128, 256), (2, 4)):
-        yield f"nat={int(nat)} pre={int(pre)} bn={bn} pps={pps}", dataclasses.replace(
-            base, expand_b_natural=nat, expand_prefetch=pre, expand_block_n=bn, expand_programs_per_sm=pps)
+    for bn, w, pps in itertools.product((64, 128, 256), (4, 8), (1, 2, 4)):
+        yield f"bn={bn} w={w} pps={pps}", dataclasses.replace(base, expand_block_n=bn, expand_warps=w,
+                                                              expand_programs_per_sm=pps)
+    yield "tf32x3", dataclasses.replace(base, expand_precision="tf32x3")
 
 
 def host_overheads(pool, gen) -> dict:

@@ -4,7 +4,6 @@
 """
 from __future__ import annotations
 
-import itertools
 import sys
 
 import triton
@@ -40,13 +39,9 @@ def expand(dtype: str, block_m: int) -> None:
     cfg = sgmv.config_for(block_m)
     types = {"y_": "*" + dtype, "part_": "*fp32", "sorted_": "*i32", "work_": "*i32", "b": "*" + dtype,
              "rk": "*i32", "sc": "*fp32"}
-    flags = [(cfg.expand_b_natural, cfg.expand_prefetch)]
-    if dtype == "bf16":  # every variant of the N loop, once
-        flags = list(itertools.product((True, False), repeat=2))
-    for one_r, (natural, prefetch) in itertools.product((True, False), flags):
+    for one_r in (True, False):
         consts = dict(NUM_SLICES=2, SPLIT_K=2, BLOCK_M=block_m, BLOCK_N=cfg.expand_block_n,
-                      BLOCK_R=16 if one_r else 64, ONE_R_TILE=one_r, B_NATURAL=natural, PREFETCH=prefetch,
-                      PRECISION="tf32x3" if dtype == "fp32" else "split")
+                      BLOCK_R=16 if one_r else 64, ONE_R_TILE=one_r, PRECISION="tf32x3" if dtype == "fp32" else "split")
         _compile(sgmv._sgmv_expand_kernel, types, consts, cfg.expand_warps, cfg.expand_stages)
 
 

@@ -85,13 +85,13 @@ def test_kernel_split_k_and_tile_height(split_k, block_m):
     assert rel_err(y, case.oracle(), case.y0) <= 1e-5
 
 
-@pytest.mark.parametrize("b_natural", [True, False])
-@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("n_chunks", [1, 2, 5])
 @pytest.mark.parametrize("R", [16, 128])
-def test_expand_variants(b_natural, prefetch, R):
-    rng = np.random.default_rng(R)
+def test_expand_n_chunks_and_rank_tiles(n_chunks, R):
+    """One or several rank tiles (R ≤ 64 or not), N cut into chunks of several BLOCK_N steps."""
+    rng = np.random.default_rng(R + n_chunks)
     case = make_case(rng, seg_lens=[1, 1, 30, 2, 1], popularity="uniform", K=64, Ns=(80, 48), R=R, ranks="mixed")
-    cfg = sgmv.KernelConfig(expand_b_natural=b_natural, expand_prefetch=prefetch, expand_block_n=16, n_chunks=2)
+    cfg = sgmv.KernelConfig(expand_block_n=16, n_chunks=n_chunks)
     for block_m in (16, 64):
         y = case.y0.clone()
         sgmv.add_lora(y, case.x, case.lora_a, case.lora_b, case.batch(block_m=block_m), case.ranks, case.scalings,

@@ -116,33 +116,16 @@ def _load_v(part_ptr, rows, m_mask, r0, rank, stride_p_split, stride_pm,
 
 
 @triton.jit
-def _load_b(b_base, offs_n, n_mask, offs_r, r_mask, R, B_NATURAL: tl.constexpr):
-    """B[slot][offs_n, offs_r], as [BLOCK_N, BLOCK_R] in memory order (B_NATURAL) or as [BLOCK_R, BLOCK_N]."""
-    if B_NATURAL:
-        b = tl.load(b_base + offs_n[:, None] * R + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
-    else:
-        b = tl.load(b_base + offs_n[None, :] * R + offs_r[:, None], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-    return b
+def _load_b(b_base, offs_n, n_mask, offs_r, r_mask, R):
+    """B[slot][offs_n, offs_r] as [BLOCK_N, BLOCK_R], in memory order (transposed in registers for the dot)."""
+    return tl.load(b_base + offs_n[:, None] * R + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
 
 
 @triton.jit
-def _load_y_b(y_rows, b_base, n0, n_end, col0, stride_yn, R, offs_r, r_mask, m_mask,
-              BLOCK_N: tl.constexpr, B_NATURAL: tl.constexpr):
-    """y's tile and B's tile for columns n0..n0+BLOCK_N (nothing is read at or past n_end)."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < n_end
-    y_old = tl.load(y_rows + (col0 + offs_n)[None, :] * stride_yn, mask=m_mask[:, None] & n_mask[None, :], other=0.0)
-    return y_old, _load_b(b_base, offs_n, n_mask, offs_r, r_mask, R, B_NATURAL)
-
-
-@triton.jit
-def _dot_v_b(v, b, acc, PRECISION: tl.constexpr, B_NATURAL: tl.constexpr):
-    """acc += v @ B-tileᵀ with v fp32. "split": v as hi + lo halves in B's 16-bit dtype, two tensor-core
+def _dot_v_b(v, b, acc, PRECISION: tl.constexpr):
+    """acc += v @ bᵀ with v fp32. "split": v as hi + lo halves in b's 16-bit dtype, two tensor-core
     products that keep ~16 mantissa bits of v; otherwise one fp32 product at that precision."""
-    if B_NATURAL:
-        bt = tl.trans(b)
-    else:
-        bt = b
+    bt = tl.trans(b)
     if PRECISION == "split":
         v_hi = v.to(bt.dtype)
         acc = tl.dot(v_hi, bt, acc)
@@ -156,8 +139,7 @@ def _dot_v_b(v, b, acc, PRECISION: tl.constexpr, B_NATURAL: tl.constexpr):
 def _expand_tile(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, slot, start, end, n_chunk, N, col0,
                  n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R,
                  SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                 ONE_R_TILE: tl.constexpr, B_NATURAL: tl.constexpr, PREFETCH: tl.constexpr,
-                 PRECISION: tl.constexpr):
+                 ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr):
     rank = tl.load(rank_ptr + slot)
     n_begin = n_chunk * n_per_prog
     if (rank > 0) & (n_begin < N):
@@ -169,40 +151,24 @@ def _expand_tile(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, s
         b_base = b_ptr + slot.to(tl.int64) * N * R
         y_rows = y_ptr + rows[:, None] * stride_ym
         if ONE_R_TILE:
-            # The whole rank fits one tile: v is loaded once, and each step of the N loop is just
-            # independent loads of y and B, a product and a store. With PREFETCH, the next step's
-            # loads are issued before this step's store, which the compiler cannot move them past.
             v, offs_r, r_mask = _load_v(part_ptr, rows, m_mask, 0, rank, stride_p_split, stride_pm, SPLIT_K, BLOCK_R)
-            if PREFETCH:
-                y_old, bt = _load_y_b(y_rows, b_base, n_begin, n_end, col0, stride_yn, R, offs_r, r_mask, m_mask,
-                                      BLOCK_N, B_NATURAL)
-            for n0 in range(n_begin, n_end, BLOCK_N):
-                if PREFETCH:
-                    y_cur, b_cur = y_old, bt
-                    y_old, bt = _load_y_b(y_rows, b_base, n0 + BLOCK_N, n_end, col0, stride_yn, R, offs_r, r_mask,
-                                          m_mask, BLOCK_N, B_NATURAL)
-                else:
-                    y_cur, b_cur = _load_y_b(y_rows, b_base, n0, n_end, col0, stride_yn, R, offs_r, r_mask, m_mask,
-                                             BLOCK_N, B_NATURAL)
-                acc = _dot_v_b(v, b_cur, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), PRECISION, B_NATURAL)
-                offs_n = n0 + tl.arange(0, BLOCK_N)
-                y_ptrs = y_rows + (col0 + offs_n)[None, :] * stride_yn
-                y_mask = m_mask[:, None] & (offs_n < n_end)[None, :]
-                tl.store(y_ptrs, (y_cur.to(tl.float32) + acc * scale).to(y_cur.dtype), mask=y_mask)
-        else:
-            for n0 in range(n_begin, n_end, BLOCK_N):
-                offs_n = n0 + tl.arange(0, BLOCK_N)
-                n_mask = offs_n < n_end
-                y_ptrs = y_rows + (col0 + offs_n)[None, :] * stride_yn
-                y_mask = m_mask[:, None] & n_mask[None, :]
-                y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # One program covers n_per_prog columns of y, BLOCK_N at a time; B streams through.
+        for n0 in range(n_begin, n_end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < n_end
+            y_ptrs = y_rows + (col0 + offs_n)[None, :] * stride_yn
+            y_mask = m_mask[:, None] & n_mask[None, :]
+            y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if ONE_R_TILE:
+                # The whole rank fits one tile: v (loaded once, above) stays in registers.
+                acc = _dot_v_b(v, _load_b(b_base, offs_n, n_mask, offs_r, r_mask, R), acc, PRECISION)
+            else:
                 for r0 in range(0, rank, BLOCK_R):
-                    v, offs_r, r_mask = _load_v(part_ptr, rows, m_mask, r0, rank, stride_p_split, stride_pm,
-                                                SPLIT_K, BLOCK_R)
-                    bt = _load_b(b_base, offs_n, n_mask, offs_r, r_mask, R, B_NATURAL)
-                    acc = _dot_v_b(v, bt, acc, PRECISION, B_NATURAL)
-                tl.store(y_ptrs, (y_old.to(tl.float32) + acc * scale).to(y_old.dtype), mask=y_mask)
+                    v_r, offs_rr, r_mask_r = _load_v(part_ptr, rows, m_mask, r0, rank, stride_p_split, stride_pm,
+                                                     SPLIT_K, BLOCK_R)
+                    acc = _dot_v_b(v_r, _load_b(b_base, offs_n, n_mask, offs_rr, r_mask_r, R), acc, PRECISION)
+            tl.store(y_ptrs, (y_old.to(tl.float32) + acc * scale).to(y_old.dtype), mask=y_mask)
 
 
 @triton.jit
@@ -211,8 +177,7 @@ def _sgmv_expand_kernel(
         b0, b1, b2, b3, rk0, rk1, rk2, rk3, sc0, sc1, sc2, sc3, n0, n1, n2, n3, c0, c1, c2, c3,
         n_chunks, n_per_prog, R, stride_ym, stride_yn, stride_p_split, stride_p_slice, stride_pm,
         NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_R: tl.constexpr, ONE_R_TILE: tl.constexpr, B_NATURAL: tl.constexpr, PREFETCH: tl.constexpr,
-        PRECISION: tl.constexpr):
+        BLOCK_R: tl.constexpr, ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr):
     """y[rows, c_i + n] += sc_i[slot] * (Σ_split part[split, i, rows, :rank]) @ B_i[slot, n, :rank]ᵀ."""
     pid = tl.program_id(0)
     work = pid // (NUM_SLICES * n_chunks)
@@ -227,22 +192,22 @@ def _sgmv_expand_kernel(
         if sl == 0:
             _expand_tile(y_ptr, part, b0, rk0, sc0, sorted_rows_ptr, slot, start, end, n_chunk, n0, c0, n_per_prog,
                          stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R,
-                         ONE_R_TILE, B_NATURAL, PREFETCH, PRECISION)
+                         ONE_R_TILE, PRECISION)
         if NUM_SLICES > 1:
             if sl == 1:
                 _expand_tile(y_ptr, part, b1, rk1, sc1, sorted_rows_ptr, slot, start, end, n_chunk, n1, c1,
                              n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M,
-                             BLOCK_N, BLOCK_R, ONE_R_TILE, B_NATURAL, PREFETCH, PRECISION)
+                             BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION)
         if NUM_SLICES > 2:
             if sl == 2:
                 _expand_tile(y_ptr, part, b2, rk2, sc2, sorted_rows_ptr, slot, start, end, n_chunk, n2, c2,
                              n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M,
-                             BLOCK_N, BLOCK_R, ONE_R_TILE, B_NATURAL, PREFETCH, PRECISION)
+                             BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION)
         if NUM_SLICES > 3:
             if sl == 3:
                 _expand_tile(y_ptr, part, b3, rk3, sc3, sorted_rows_ptr, slot, start, end, n_chunk, n3, c3,
                              n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M,
-                             BLOCK_N, BLOCK_R, ONE_R_TILE, B_NATURAL, PREFETCH, PRECISION)
+                             BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,8 +226,6 @@ class KernelConfig:
     expand_warps: int = 4
     expand_stages: int = 2
     expand_programs_per_sm: float = 4.0  # cut N into chunks until the expand has about this many
-    expand_b_natural: bool = True  # load B tiles in memory order ([n, r]) and transpose in registers
-    expand_prefetch: bool = False  # issue the next N step's loads before this step's store
     split_k: int | None = None  # fixed K splits (a power of two up to MAX_SPLIT_K) instead of the rule above
     n_chunks: int | None = None  # fixed N chunks per slice instead of the rule above
     expand_precision: str | None = None  # None: "split" for 16-bit weights, "tf32x3" for fp32
@@ -274,7 +237,7 @@ _EXPAND = Launcher(_sgmv_expand_kernel)
 # Decode-like tiles (16 rows, few of them) are latency-bound: wide K tiles, more programs.
 # Prefill-like tiles (64 rows) stream x and y. Chosen by benchmarks/sweep_lora_configs.py on an H200.
 CONFIGS = {16: KernelConfig(shrink_block_k=256, expand_block_n=256, expand_programs_per_sm=2.0),
-           64: KernelConfig(shrink_block_k=128, expand_block_n=256, expand_programs_per_sm=2.0)}
+           64: KernelConfig(shrink_block_k=128, expand_block_n=128, expand_programs_per_sm=2.0)}
 
 
 def config_for(block_m: int) -> KernelConfig:
@@ -357,7 +320,7 @@ def expand_from(y: torch.Tensor, part: torch.Tensor, lora_b: list[torch.Tensor],
             n_chunks, n_per_prog, R, y.stride(0), y.stride(1), part.stride(0), part.stride(1), part.stride(2))
     _EXPAND(grid, args, dict(NUM_SLICES=num_slices, SPLIT_K=part.shape[0], BLOCK_M=batch.block_m,
                              BLOCK_N=cfg.expand_block_n, BLOCK_R=block_r, ONE_R_TILE=R <= block_r,
-                             B_NATURAL=cfg.expand_b_natural, PREFETCH=cfg.expand_prefetch, PRECISION=precision),
+                             PRECISION=precision),
             cfg.expand_warps, cfg.expand_stages)
 
 
