@@ -255,8 +255,13 @@ def _num_sms(device: torch.device) -> int:
         if device.type == "cuda" else 4
 
 
+def _cdiv(a: int, b: int) -> int:
+    # Not triton.cdiv: that is a @jit function, and calling it from the host costs µs.
+    return -(-a // b)
+
+
 def _block_r(R: int) -> int:
-    return min(max(16, triton.next_power_of_2(max(R, 1))), 64)
+    return min(max(16, 1 << (max(R, 1) - 1).bit_length()), 64)
 
 
 def choose_split_k(num_programs: int, K: int, device: torch.device, cfg: KernelConfig) -> int:
@@ -270,11 +275,11 @@ def choose_split_k(num_programs: int, K: int, device: torch.device, cfg: KernelC
 
 def choose_n_chunks(num_programs: int, N: int, device: torch.device, cfg: KernelConfig) -> tuple[int, int]:
     """(chunks, columns per program): N cut so that the expand has about its program target."""
-    tiles = triton.cdiv(N, cfg.expand_block_n)
+    tiles = _cdiv(N, cfg.expand_block_n)
     chunks = cfg.n_chunks or math.ceil(cfg.expand_programs_per_sm * _num_sms(device) / max(num_programs, 1))
     chunks = max(1, min(chunks, tiles))
-    per_prog = triton.cdiv(tiles, chunks) * cfg.expand_block_n
-    return triton.cdiv(N, per_prog), per_prog
+    per_prog = _cdiv(tiles, chunks) * cfg.expand_block_n
+    return _cdiv(N, per_prog), per_prog
 
 
 def shrink_into(part: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], ranks: list[torch.Tensor],
@@ -284,8 +289,8 @@ def shrink_into(part: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],
     split_k = part.shape[0]
     _, R, K = lora_a[0].shape
     block_r = _block_r(R)
-    r_tiles = triton.cdiv(R, block_r)
-    k_per_split = triton.cdiv(triton.cdiv(K, split_k), cfg.shrink_block_k) * cfg.shrink_block_k
+    r_tiles = _cdiv(R, block_r)
+    k_per_split = _cdiv(_cdiv(K, split_k), cfg.shrink_block_k) * cfg.shrink_block_k
     grid = (batch.num_work * num_slices * r_tiles, split_k)
     if grid[0] == 0:
         return
@@ -329,7 +334,7 @@ def add_lora(y, x, lora_a, lora_b, batch, ranks, scalings, y_offset: int, cfg: K
     cfg = cfg or config_for(batch.block_m)
     num_slices = len(lora_a)
     R = lora_a[0].shape[1]
-    split_k = choose_split_k(batch.num_work * num_slices * triton.cdiv(R, _block_r(R)), x.shape[1], x.device, cfg)
+    split_k = choose_split_k(batch.num_work * num_slices * _cdiv(R, _block_r(R)), x.shape[1], x.device, cfg)
     part = torch.empty((split_k, num_slices, x.shape[0], R), dtype=torch.float32, device=x.device)
     shrink_into(part, x, lora_a, ranks, batch, cfg)
     expand_from(y, part, lora_b, ranks, scalings, batch, y_offset, cfg)
