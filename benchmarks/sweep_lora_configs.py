@@ -90,8 +90,14 @@ def host_overheads(pool, gen) -> dict:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, default=Path("config_sweep.json"))
+    p.add_argument("--host-only", action="store_true", help="only the host-side cost of eager calls")
     args = p.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(1)
+    if args.host_only:
+        hosts = host_overheads(Pool(4096, 4096, 16, 256, gen), gen)
+        print("host µs per call: " + ", ".join(f"{k} {v:.1f}" for k, v in hosts.items()))
+        args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "host_us": hosts}, indent=1))
+        return
     rng = np.random.default_rng(1)
     pools = {}
     results = []
