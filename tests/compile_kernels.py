@@ -41,7 +41,7 @@ def expand(dtype: str, block_m: int) -> None:
              "rk": "*i32", "sc": "*fp32"}
     for one_r in (True, False):
         consts = dict(NUM_SLICES=2, SPLIT_K=2, BLOCK_M=block_m, BLOCK_N=cfg.expand_block_n,
-                      BLOCK_R=16 if one_r else 64, ONE_R_TILE=one_r, PRECISION="tf32x3" if dtype == "fp32" else "split")
+                      BLOCK_R=16 if one_r else 64, ONE_R_TILE=one_r, PRECISION="split" if dtype == "bf16" else "tf32x3")
         _compile(sgmv._sgmv_expand_kernel, types, consts, cfg.expand_warps, cfg.expand_stages)
 
 

@@ -69,7 +69,7 @@ def test_bad_segments_are_named(lens, slots, match):
 
 
 def test_capacity_batch_keeps_buffers_and_grid():
-    batch = LoraBatch.with_capacity(32, 8, "cpu")
+    batch = LoraBatch.with_capacity(32, 8, "cpu", num_slots=6)
     buffer, work = batch._buffer, batch.num_work
     batch.update_([3, 1, 4], [5, -1, 5])
     assert batch._buffer is buffer and batch.num_work == work and batch.num_rows == 32
@@ -81,5 +81,15 @@ def test_capacity_batch_keeps_buffers_and_grid():
         batch.update_([33], [0])
     with pytest.raises(ValueError, match="exceed the capacity"):
         batch.update_([1] * 9, [0] * 9)
+    with pytest.raises(ValueError, match=r"slot_ids\[1\] = 6 but this batch was made for 6 slots"):
+        batch.update_([1, 1], [5, 6])
     with pytest.raises(ValueError, match="with_capacity"):
         LoraBatch.from_lengths([1], [0]).update_([1], [0])
+
+
+@pytest.mark.parametrize("block_m", [0, 8, 24, 256])
+def test_tile_height_must_be_one_the_kernels_take(block_m):
+    with pytest.raises(ValueError, match=r"block_m must be one of \(16, 32, 64, 128\)"):
+        LoraBatch.from_lengths([4], [0], block_m=block_m)
+    with pytest.raises(ValueError, match="block_m must be one of"):
+        LoraBatch.with_capacity(8, 2, "cpu", num_slots=1, block_m=block_m)

@@ -67,6 +67,11 @@ CASES = [
     (dict(batch=ops.LoraBatch.from_lengths([3, 3], [0, 4], META)), "batch uses slot 4 but the adapter stacks have 4"),
     (dict(batch=ops.LoraBatch.from_lengths([3, 3], [0, 1])), "batch is on cpu but x is on meta"),
     (dict(backend="cuda"), "backend must be one of"),
+    (dict(x=h(K, T).t()), r"x's rows must be contiguous \(stride 1 along the last dimension\)"),
+    (dict(y=h(N + 2, T).t()), r"y's rows must be contiguous"),
+    (dict(y=h(1, N + 2).expand(T, N + 2)), "y has elements that share memory"),
+    (dict(x=h(T, K).requires_grad_()), "x requires grad, but the LoRA ops are not differentiable"),
+    (dict(y=h(T, N + 2).requires_grad_()), "y requires grad"),
     (dict(ranks=[h(S, dtype=torch.int32)]), "ranks must be a tensor when lora_a is a single tensor"),
 ]
 

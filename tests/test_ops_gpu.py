@@ -92,7 +92,7 @@ def test_cuda_graph_replay_with_updated_batches(dtype):
     max_rows, max_segs, num_slots, K, Ns = 64, 64, 40, 1024, (1024, 256, 256)
     base = make_case(rng, seg_lens=[1] * max_rows, K=K, Ns=Ns, R=32, ranks="mixed", dtype=dtype, device="cuda",
                      num_slots=num_slots)
-    batch = ops.LoraBatch.with_capacity(max_rows, max_segs, "cuda")
+    batch = ops.LoraBatch.with_capacity(max_rows, max_segs, "cuda", num_slots=num_slots)
     x = base.x.clone()
     y = base.y0.clone()
     a, b, rk, sc = base.args(False)
@@ -120,8 +120,9 @@ def test_fast_launch_matches_tritons_own_launch():
     rng = np.random.default_rng(21)
     launchers = (sgmv._SHRINK, sgmv._EXPAND)
     assert all(launcher.enabled for launcher in launchers), "fast launch is expected on this Triton"
-    for K, Ns, y_offset, x_pad, dtype in [(64, (64,), 0, 0, torch.bfloat16), (17, (1, 33), 3, 1, torch.float16),
-                                          (4096, (1024, 1, 16), 1, 8, torch.bfloat16), (48, (48,), 5, 3, torch.float16)]:
+    variants = [(64, (64,), 0, 0, torch.bfloat16), (17, (1, 33), 3, 1, torch.float16),
+                (4096, (1024, 1, 16), 1, 8, torch.bfloat16), (48, (48,), 5, 3, torch.float16)]
+    for K, Ns, y_offset, x_pad, dtype in variants:
         case = make_case(rng, seg_lens=[1, 5, 1, 40], popularity="uniform", K=K, Ns=Ns, R=16, ranks="mixed",
                          dtype=dtype, device="cuda", y_offset=y_offset, extra_cols=1)
         x = torch.empty(case.x.shape[0], K + x_pad, dtype=dtype, device="cuda")[:, x_pad:]  # unaligned rows

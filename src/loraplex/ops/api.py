@@ -1,6 +1,7 @@
 """The public LoRA operators: check arguments once, then run the Triton or the reference backend."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -10,9 +11,11 @@ from .batch import LoraBatch
 from .checks import TensorOrList, check_batch, check_slices, check_v, check_x, check_y
 
 try:  # Triton is optional: without it (or without a GPU) the reference path runs.
-    from . import sgmv
+    import triton  # noqa: F401
 except ImportError:  # pragma: no cover - triton is a dependency on Linux
     sgmv = None
+else:  # with Triton present, a broken kernel module is an error, not a silent fallback
+    from . import sgmv
 
 BACKENDS = ("auto", "triton", "reference")
 
@@ -38,6 +41,19 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
     return name
 
 
+def _on(device: torch.device):
+    """Launch on the tensors' GPU even when another one is current (Triton launches on the current one)."""
+    if device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
+def _bump_version(y: torch.Tensor) -> None:
+    # The kernels write y behind autograd's back; bump its version counter as an in-place op would.
+    if not y.is_inference():
+        torch.autograd.graph.increment_version(y)
+
+
 def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: TensorOrList, lora_b: TensorOrList, batch: LoraBatch,
              ranks: TensorOrList, scalings: TensorOrList, *, y_offset: int = 0,
              backend: str | None = None) -> torch.Tensor:
@@ -56,14 +72,18 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: TensorOrList, lora_b: Ten
             y[rows, y_offset:y_offset+N] += scalings[slot] * (x[rows] @ lora_a[slot, :r].T) @ lora_b[slot, :, :r].T
 
     The intermediate is accumulated and kept in fp32. Never synchronises with the host on
-    the Triton path (two launches), so it can be captured in a CUDA graph.
+    the Triton path (two launches), so it can be captured in a CUDA graph. A rank above R
+    counts as R (ranks are validated where they are written, not here). Not differentiable.
     """
     check_x(x)
     sl, num_slots = check_slices(x, lora_a, lora_b, ranks, scalings)
     check_y(y, x, sl.lora_b, y_offset)
     check_batch(batch, x, num_slots)
     if resolve_backend(backend, x.device) == "triton":
-        return sgmv.add_lora(y, x, sl.lora_a, sl.lora_b, batch, sl.ranks, sl.scalings, y_offset)
+        with _on(x.device):
+            sgmv.add_lora(y, x, sl.lora_a, sl.lora_b, batch, sl.ranks, sl.scalings, y_offset)
+        _bump_version(y)
+        return y
     v = reference.shrink_impl(x, sl.lora_a, sl.ranks, batch)
     return reference.expand_impl(y, v, sl.lora_b, sl.ranks, sl.scalings, batch, y_offset)
 
@@ -84,11 +104,12 @@ def lora_shrink(x: torch.Tensor, lora_a: TensorOrList, batch: LoraBatch, ranks: 
         shape = (x.shape[0], R) if single else (sl.num, x.shape[0], R)
         out = torch.empty(shape, dtype=torch.float32, device=x.device)
     else:
-        check_v(out, x.shape[0], 1 if single else sl.num, R, x.device, name="out")
+        check_v(out, x.shape[0], sl.num, R, x.device, single, name="out")
     if resolve_backend(backend, x.device) == "triton":
         out.zero_()
-        sgmv.shrink_into(out.view(1, sl.num, x.shape[0], R), x, sl.lora_a, sl.ranks, batch,
-                         sgmv.config_for(batch.block_m))
+        with _on(x.device):
+            sgmv.shrink_into(out.view(1, sl.num, x.shape[0], R), x, sl.lora_a, sl.ranks, batch,
+                             sgmv.config_for(batch.block_m))
         return out
     vs = reference.shrink_impl(x, sl.lora_a, sl.ranks, batch)
     out.copy_(vs[0] if single else torch.stack(vs))
@@ -101,16 +122,19 @@ def lora_expand(y: torch.Tensor, v: torch.Tensor, lora_b: TensorOrList, batch: L
 
     `v` is fp32 `[T, R]` for a single `lora_b`, `[slices, T, R]` for a list (as `lora_shrink` returns).
     """
-    check_x(y)
+    check_x(y, "y")
     sl, num_slots = check_slices(y, None, lora_b, ranks, scalings, a_given=False)
     check_y(y, y, sl.lora_b, y_offset)
     check_batch(batch, y, num_slots)
     R = sl.lora_b[0].shape[2]
-    check_v(v, y.shape[0], sl.num, R, y.device)
+    single = isinstance(lora_b, torch.Tensor)
+    check_v(v, y.shape[0], sl.num, R, y.device, single)
     if resolve_backend(backend, y.device) == "triton":
         part = v.view(1, sl.num, y.shape[0], R)
-        sgmv.expand_from(y, part, sl.lora_b, sl.ranks, sl.scalings, batch, y_offset,
-                         sgmv.config_for(batch.block_m))
+        with _on(y.device):
+            sgmv.expand_from(y, part, sl.lora_b, sl.ranks, sl.scalings, batch, y_offset,
+                             sgmv.config_for(batch.block_m))
+        _bump_version(y)
         return y
-    vs = [v] if sl.num == 1 else list(v.unbind(0))
+    vs = [v] if single else list(v.unbind(0))
     return reference.expand_impl(y, vs, sl.lora_b, sl.ranks, sl.scalings, batch, y_offset)

@@ -23,6 +23,12 @@ import torch
 # Tile heights the kernels are compiled for: decode-like groups fit in the small one.
 SMALL_BLOCK_M = 16
 LARGE_BLOCK_M = 64
+BLOCK_M_CHOICES = (16, 32, 64, 128)  # tl.dot needs at least 16 rows; powers of two for tl.arange
+
+
+def _check_block_m(block_m: int) -> None:
+    if block_m not in BLOCK_M_CHOICES:
+        raise ValueError(f"block_m must be one of {BLOCK_M_CHOICES}, got {block_m!r}")
 
 
 def _as_int_list(values: Sequence[int], name: str) -> np.ndarray:
@@ -111,7 +117,7 @@ class LoraBatch:
     group_slots: tuple[int, ...]
     group_bounds: tuple[int, ...]
     _buffer: torch.Tensor = field(repr=False)
-    _capacity: tuple[int, int] | None = field(default=None, repr=False)
+    _capacity: tuple[int, int, int] | None = field(default=None, repr=False)  # rows, segments, slots
 
     @property
     def device(self) -> torch.device:
@@ -126,6 +132,7 @@ class LoraBatch:
         _validate(lens, slots)
         if block_m is None:
             block_m = cls.pick_block_m(lens, slots)
+        _check_block_m(block_m)
         plan = _plan(lens, slots, block_m)
         parts = [plan.seg_indptr, plan.slot_ids, plan.sorted_rows,
                  plan.work_slot, plan.work_start, plan.work_end]
@@ -149,23 +156,28 @@ class LoraBatch:
     # ---- CUDA-graph use: fixed buffers and grid, contents updated in place ----------------
 
     @classmethod
-    def with_capacity(cls, max_rows: int, max_segments: int, device: torch.device | str,
-                      *, block_m: int = SMALL_BLOCK_M) -> "LoraBatch":
+    def with_capacity(cls, max_rows: int, max_segments: int, device: torch.device | str, *, num_slots: int,
+                      block_m: int = SMALL_BLOCK_M) -> "LoraBatch":
         """A batch whose device buffers and launch grid stay fixed across `update_` calls.
 
         Every batch written into it covers exactly `max_rows` rows (the rows past the real
         segments form one extra segment with no adapter), so a graph captured on tensors of
-        `max_rows` rows can be replayed with any mix of up to `max_segments` segments.
+        `max_rows` rows can be replayed with any mix of up to `max_segments` segments on slots
+        below `num_slots` (checked by `update_`: a replayed graph checks nothing). `update_`
+        writes the buffers on the current stream; do not call it while a replay reading them
+        runs on another stream.
         """
-        if max_rows < 1 or max_segments < 1:
-            raise ValueError(f"capacity needs max_rows >= 1 and max_segments >= 1, got {max_rows}, {max_segments}")
+        if max_rows < 1 or max_segments < 1 or num_slots < 1:
+            raise ValueError(f"capacity needs max_rows, max_segments and num_slots >= 1, got {max_rows}, "
+                             f"{max_segments}, {num_slots}")
+        _check_block_m(block_m)
         batch = cls.from_lengths([max_rows], [-1], device, block_m=block_m)
         work = -(-max_rows // block_m) + max_segments
         sizes = [max_segments + 2, max_segments + 1, max_rows, work, work, work]
         buffer = torch.zeros(sum(sizes), dtype=torch.int32, device=device)
         views = _split(buffer, sizes)
         batch.seg_indptr, batch.slot_ids, batch.sorted_rows, batch.work_slot, batch.work_start, batch.work_end = views
-        batch._buffer, batch._capacity, batch.num_work = buffer, (max_rows, max_segments), work
+        batch._buffer, batch._capacity, batch.num_work = buffer, (max_rows, max_segments, num_slots), work
         batch.update_([max_rows], [-1])
         return batch
 
@@ -173,10 +185,13 @@ class LoraBatch:
         """Overwrite a `with_capacity` batch in place with new segments (one host-to-device copy)."""
         if self._capacity is None:
             raise ValueError("update_ needs a batch made by LoraBatch.with_capacity")
-        max_rows, max_segments = self._capacity
+        max_rows, max_segments, num_slots = self._capacity
         lens = _as_int_list(seg_lens, "seg_lens")
         slots = _as_int_list(slot_ids, "slot_ids")
         _validate(lens, slots)
+        bad = np.nonzero(slots >= num_slots)[0]
+        if len(bad):
+            raise ValueError(f"slot_ids[{bad[0]}] = {slots[bad[0]]} but this batch was made for {num_slots} slots")
         if len(lens) > max_segments or lens.sum() > max_rows:
             raise ValueError(f"{len(lens)} segments of {lens.sum()} rows exceed the capacity of "
                              f"{max_segments} segments and {max_rows} rows")

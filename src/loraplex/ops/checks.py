@@ -55,13 +55,19 @@ def _check_tensor(t, name: str, ndim: int, device: torch.device) -> None:
         raise ValueError(f"{name} is on {t.device} but x is on {device}")
 
 
-def check_x(x: torch.Tensor) -> None:
+def check_x(x: torch.Tensor, name: str = "x") -> None:
     if not isinstance(x, torch.Tensor):
-        raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 2:
-        raise ValueError(f"x must be [T, K], got {_desc(x)}")
+        raise ValueError(f"{name} must be [T, K], got {_desc(x)}")
     if x.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"x must be float16, bfloat16 or float32, got {_desc(x)}")
+        raise ValueError(f"{name} must be float16, bfloat16 or float32, got {_desc(x)}")
+    if x.shape[1] > 1 and x.stride(1) != 1:
+        raise ValueError(f"{name}'s rows must be contiguous (stride 1 along the last dimension), got {_desc(x)} "
+                         f"with strides {x.stride()}")
+    if x.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"{name} requires grad, but the LoRA ops are not differentiable: call them under "
+                         f"torch.no_grad() or torch.inference_mode()")
 
 
 def check_batch(batch: LoraBatch, x: torch.Tensor, num_slots: int) -> None:
@@ -137,7 +143,11 @@ def check_slices(x: torch.Tensor, lora_a: TensorOrList | None, lora_b: TensorOrL
 
 
 def check_y(y: torch.Tensor, x: torch.Tensor, lora_b: list[torch.Tensor], y_offset: int) -> None:
+    if y is not x:
+        check_x(y, "y")
     _check_tensor(y, "y", 2, x.device)
+    if torch._debug_has_internal_overlap(y) == 1:
+        raise ValueError(f"y has elements that share memory ({_desc(y)}, strides {y.stride()}): it is written in place")
     if y.dtype != x.dtype:
         raise ValueError(f"y is {y.dtype} but x is {x.dtype}")
     if y.shape[0] != x.shape[0]:
@@ -151,9 +161,9 @@ def check_y(y: torch.Tensor, x: torch.Tensor, lora_b: list[torch.Tensor], y_offs
 
 
 def check_v(v: torch.Tensor, x_rows: int, num_slices: int, rank_dim: int, device: torch.device,
-            name: str = "v") -> None:
-    """v is fp32 `[T, R]` for one slice or `[slices, T, R]` for several."""
-    want = [x_rows, rank_dim] if num_slices == 1 else [num_slices, x_rows, rank_dim]
+            single: bool, name: str = "v") -> None:
+    """v is fp32 `[T, R]` when the stacks came as single tensors, `[slices, T, R]` when as lists."""
+    want = [x_rows, rank_dim] if single else [num_slices, x_rows, rank_dim]
     if not isinstance(v, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(v).__name__}")
     if v.device != device:

@@ -18,8 +18,12 @@ import os
 
 import torch
 import triton
-from triton import knobs
 from triton.runtime import driver
+
+try:
+    from triton import knobs
+except ImportError:  # older Triton: no knobs module, and no direct launches either
+    knobs = None
 
 FAST_TRITON_VERSIONS = ("3.6.",)
 _INT32 = range(-2**31, 2**31)
@@ -33,7 +37,10 @@ def _fast_enabled() -> bool:
 
 
 def _hooks_installed() -> bool:
-    """A profiler's launch hook (Triton's default is None or an empty HookChain) needs Triton's own path."""
+    """A profiler's launch hook (Triton's default is None or an empty HookChain), or Triton's debug
+    mode, needs Triton's own launch path."""
+    if knobs is None or knobs.runtime.debug:  # Triton's debug mode compiles other kernels: let it
+        return True
     hook = knobs.runtime.launch_enter_hook
     return hook is not None and bool(getattr(hook, "calls", True))
 

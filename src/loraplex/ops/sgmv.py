@@ -31,10 +31,10 @@ MAX_SLICES = 4
 
 
 @triton.jit
-def _shrink_tile(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end,
+def _shrink_tile(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
                  stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
                  BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    rank = tl.load(rank_ptr + slot)
+    rank = tl.minimum(tl.load(rank_ptr + slot), R)  # a rank past R (the stacks' width) is R
     r_first = r_tile * BLOCK_R
     if r_first < rank:
         offs_m = start + tl.arange(0, BLOCK_M)
@@ -61,7 +61,7 @@ def _shrink_tile(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, start,
 def _sgmv_shrink_kernel(
         x_ptr, part_ptr, sorted_rows_ptr, work_slot_ptr, work_start_ptr, work_end_ptr,
         a0, a1, a2, a3, rk0, rk1, rk2, rk3,
-        K, k_per_split, r_tiles,
+        K, k_per_split, r_tiles, R,
         stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_p_split, stride_p_slice, stride_pm,
         NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
         PRECISION: tl.constexpr):
@@ -81,22 +81,22 @@ def _sgmv_shrink_kernel(
         k_end = tl.minimum(k_begin + k_per_split, K)
         part = part_ptr + split.to(tl.int64) * stride_p_split + sl.to(tl.int64) * stride_p_slice
         if sl == 0:
-            _shrink_tile(x_ptr, a0, rk0, part, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end,
+            _shrink_tile(x_ptr, a0, rk0, part, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
                          stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
                          BLOCK_M, BLOCK_R, BLOCK_K, PRECISION)
         if NUM_SLICES > 1:
             if sl == 1:
-                _shrink_tile(x_ptr, a1, rk1, part, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end,
+                _shrink_tile(x_ptr, a1, rk1, part, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
                              stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
                              BLOCK_M, BLOCK_R, BLOCK_K, PRECISION)
         if NUM_SLICES > 2:
             if sl == 2:
-                _shrink_tile(x_ptr, a2, rk2, part, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end,
+                _shrink_tile(x_ptr, a2, rk2, part, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
                              stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
                              BLOCK_M, BLOCK_R, BLOCK_K, PRECISION)
         if NUM_SLICES > 3:
             if sl == 3:
-                _shrink_tile(x_ptr, a3, rk3, part, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end,
+                _shrink_tile(x_ptr, a3, rk3, part, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
                              stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
                              BLOCK_M, BLOCK_R, BLOCK_K, PRECISION)
 
@@ -111,7 +111,7 @@ def _load_v(part_ptr, rows, m_mask, r0, rank, stride_p_split, stride_pm,
     v_ptrs = part_ptr + rows[:, None] * stride_pm + offs_r[None, :]
     v = tl.load(v_ptrs, mask=v_mask, other=0.0)
     for s in tl.static_range(1, SPLIT_K):
-        v += tl.load(v_ptrs + s * stride_p_split, mask=v_mask, other=0.0)
+        v += tl.load(v_ptrs + tl.full((), s, tl.int64) * stride_p_split, mask=v_mask, other=0.0)
     return v, offs_r, r_mask
 
 
@@ -140,7 +140,7 @@ def _expand_tile(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, s
                  n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R,
                  SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                  ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr):
-    rank = tl.load(rank_ptr + slot)
+    rank = tl.minimum(tl.load(rank_ptr + slot), R)  # a rank past R (the stacks' width) is R
     n_begin = n_chunk * n_per_prog
     if (rank > 0) & (n_begin < N):
         offs_m = start + tl.arange(0, BLOCK_M)
@@ -228,10 +228,11 @@ class KernelConfig:
     expand_programs_per_sm: float = 4.0  # cut N into chunks until the expand has about this many
     split_k: int | None = None  # fixed K splits (a power of two up to MAX_SPLIT_K) instead of the rule above
     n_chunks: int | None = None  # fixed N chunks per slice instead of the rule above
-    expand_precision: str | None = None  # None: "split" for 16-bit weights, "tf32x3" for fp32
+    expand_precision: str | None = None  # None: "split" for bf16 weights, "tf32x3" for fp16 and fp32
 
 
 MAX_SPLIT_K = 8
+MAX_PARTIAL_BYTES = 64 << 20  # the partials span every row of x: a few adapter rows in a huge batch split less
 _SHRINK = Launcher(_sgmv_shrink_kernel)
 _EXPAND = Launcher(_sgmv_expand_kernel)
 # Decode-like tiles (16 rows, few of them) are latency-bound: wide K tiles, more programs.
@@ -264,12 +265,15 @@ def _block_r(R: int) -> int:
     return min(max(16, 1 << (max(R, 1) - 1).bit_length()), 64)
 
 
-def choose_split_k(num_programs: int, K: int, device: torch.device, cfg: KernelConfig) -> int:
-    """The power of two (≤ MAX_SPLIT_K, ≥ 1 K-tile per split) that brings the shrink near its program target."""
+def choose_split_k(num_programs: int, K: int, device: torch.device, cfg: KernelConfig,
+                   partial_bytes: int = 0) -> int:
+    """The power of two (≤ MAX_SPLIT_K, ≥ 1 K-tile per split, partials ≤ MAX_PARTIAL_BYTES) that brings
+    the shrink near its program target. `partial_bytes`: the size of one split's fp32 partials."""
     if cfg.split_k is not None:
         return cfg.split_k
     wanted = math.ceil(cfg.shrink_programs_per_sm * _num_sms(device) / max(num_programs, 1))
-    limit = min(wanted, MAX_SPLIT_K, max(1, K // cfg.shrink_block_k))
+    limit = min(wanted, MAX_SPLIT_K, max(1, K // cfg.shrink_block_k),
+                max(1, MAX_PARTIAL_BYTES // max(partial_bytes, 1)))
     return 1 << (limit.bit_length() - 1)
 
 
@@ -297,7 +301,7 @@ def shrink_into(part: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],
     pad = MAX_SLICES - num_slices
     precision = "tf32x3" if x.dtype == torch.float32 else "tf32"  # ignored for 16-bit inputs
     args = (x, part, batch.sorted_rows, batch.work_slot, batch.work_start, batch.work_end,
-            *lora_a, *[lora_a[0]] * pad, *ranks, *[ranks[0]] * pad, K, k_per_split, r_tiles,
+            *lora_a, *[lora_a[0]] * pad, *ranks, *[ranks[0]] * pad, K, k_per_split, r_tiles, R,
             x.stride(0), x.stride(1), lora_a[0].stride(0), lora_a[0].stride(1),
             part.stride(0), part.stride(1), part.stride(2))
     _SHRINK(grid, args, dict(NUM_SLICES=num_slices, BLOCK_M=batch.block_m, BLOCK_R=block_r,
@@ -317,7 +321,9 @@ def expand_from(y: torch.Tensor, part: torch.Tensor, lora_b: list[torch.Tensor],
     if grid[0] == 0:
         return
     pad = MAX_SLICES - num_slices
-    precision = cfg.expand_precision or ("tf32x3" if y.dtype == torch.float32 else "split")
+    # bf16 keeps fp32's exponent range, so v splits into two bf16 halves without overflow; fp16 would
+    # overflow past 65504, so fp16 (exactly representable in fp32) takes the fp32 product.
+    precision = cfg.expand_precision or ("split" if y.dtype == torch.bfloat16 else "tf32x3")
     block_r = _block_r(R)
     args = (y, part, batch.sorted_rows, batch.work_slot, batch.work_start, batch.work_end,
             *lora_b, *[lora_b[0]] * pad, *ranks, *[ranks[0]] * pad, *scalings, *[scalings[0]] * pad,
@@ -334,7 +340,8 @@ def add_lora(y, x, lora_a, lora_b, batch, ranks, scalings, y_offset: int, cfg: K
     cfg = cfg or config_for(batch.block_m)
     num_slices = len(lora_a)
     R = lora_a[0].shape[1]
-    split_k = choose_split_k(batch.num_work * num_slices * _cdiv(R, _block_r(R)), x.shape[1], x.device, cfg)
+    split_k = choose_split_k(batch.num_work * num_slices * _cdiv(R, _block_r(R)), x.shape[1], x.device, cfg,
+                             num_slices * x.shape[0] * R * 4)
     part = torch.empty((split_k, num_slices, x.shape[0], R), dtype=torch.float32, device=x.device)
     shrink_into(part, x, lora_a, ranks, batch, cfg)
     expand_from(y, part, lora_b, ranks, scalings, batch, y_offset, cfg)
