@@ -8,8 +8,9 @@ reads each adapter once and prefill becomes tiled matrix work.
 Shrink splits K across `split_k` programs when the batch alone would leave SMs idle. Each
 split writes its own fp32 partial `part[split, slice, row, :]` (no atomics, no zero fill,
 deterministic); expand sums the partials as it loads them. Each expand program covers a
-chunk of N, BLOCK_N columns at a time, so B streams through a pipelined loop. Ranks are honoured exactly:
-rank tiles past a slot's rank are skipped, and weight columns past it are never loaded.
+chunk of N, BLOCK_N columns at a time, so B streams through a pipelined loop. Ranks are
+honoured exactly: rank tiles past a slot's rank are skipped, and weight columns past it are
+never loaded.
 
 Up to `MAX_SLICES` output slices (fused q/k/v, gate/up) share one launch per direction;
 each slice's tensors come in as their own kernel arguments so the compiler keeps their
