@@ -171,15 +171,12 @@ class LoraBatch:
             raise ValueError(f"capacity needs max_rows, max_segments and num_slots >= 1, got {max_rows}, "
                              f"{max_segments}, {num_slots}")
         _check_block_m(block_m)
-        batch = cls.from_lengths([max_rows], [-1], device, block_m=block_m)
-        work = -(-max_rows // block_m) + max_segments
-        sizes = [max_segments + 2, max_segments + 1, max_rows, work, work, work]
+        sizes = _capacity_sizes(max_rows, max_segments, block_m)
         buffer = torch.zeros(sum(sizes), dtype=torch.int32, device=device)
-        views = _split(buffer, sizes)
-        batch.seg_indptr, batch.slot_ids, batch.sorted_rows, batch.work_slot, batch.work_start, batch.work_end = views
-        batch._buffer, batch._capacity, batch.num_work = buffer, (max_rows, max_segments, num_slots), work
-        batch.update_([max_rows], [-1])
-        return batch
+        batch = cls(*_split(buffer, sizes), num_rows=max_rows, num_segments=max_segments + 1, block_m=block_m,
+                    num_work=sizes[-1], max_slot=-1, group_slots=(), group_bounds=(0,), _buffer=buffer,
+                    _capacity=(max_rows, max_segments, num_slots))
+        return batch.update_([max_rows], [-1])
 
     def update_(self, seg_lens: Sequence[int], slot_ids: Sequence[int]) -> "LoraBatch":
         """Overwrite a `with_capacity` batch in place with new segments (one host-to-device copy)."""
@@ -198,22 +195,24 @@ class LoraBatch:
         lens = np.append(lens, max_rows - lens.sum())  # padding rows: one segment, no adapter
         slots = np.append(slots, -1)
         plan = _plan(lens, slots, self.block_m)
-        n_seg, work = max_segments + 1, self.num_work
-        host = np.zeros(self._buffer.numel(), dtype=np.int64)
-        sizes = [n_seg + 1, n_seg, max_rows, work, work, work]
-        offsets = np.concatenate([[0], np.cumsum(sizes)])
+        n_ptr, n_seg, rows, work = _capacity_sizes(max_rows, max_segments, self.block_m)[:4]
         pad = lambda a, n, fill: np.concatenate([a, np.full(n - len(a), fill, np.int64)])
-        values = [pad(plan.seg_indptr, n_seg + 1, max_rows), pad(plan.slot_ids, n_seg, -1),
-                  pad(plan.sorted_rows, max_rows, 0), pad(plan.work_slot, work, -1),
-                  pad(plan.work_start, work, 0), pad(plan.work_end, work, 0)]
-        for off, val in zip(offsets[:-1], values):
-            host[off:off + len(val)] = val
+        host = np.concatenate([pad(plan.seg_indptr, n_ptr, max_rows), pad(plan.slot_ids, n_seg, -1),
+                               pad(plan.sorted_rows, rows, 0), pad(plan.work_slot, work, -1),
+                               pad(plan.work_start, work, 0), pad(plan.work_end, work, 0)])
         self._buffer.copy_(torch.from_numpy(host.astype(np.int32)), non_blocking=True)
         self.num_rows, self.num_segments = max_rows, n_seg
         self.max_slot = int(slots.max(initial=-1))
         self.group_slots = tuple(plan.group_slots.tolist())
         self.group_bounds = tuple(plan.group_bounds.tolist())
         return self
+
+
+def _capacity_sizes(max_rows: int, max_segments: int, block_m: int) -> list[int]:
+    """Lengths of a capacity batch's six arrays: room for one padding segment, and for the worst
+    tiling (every group adds at most one partial tile)."""
+    segments, work = max_segments + 1, -(-max_rows // block_m) + max_segments
+    return [segments + 1, segments, max_rows, work, work, work]
 
 
 def _split(buffer: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
