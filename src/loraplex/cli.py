@@ -1,4 +1,4 @@
-"""The `loraplex` command. For now: `loraplex op-demo`, the batched LoRA op on this machine."""
+"""The `loraplex` command: `op-demo` (the batched LoRA op on this machine), `convert` (pack adapters)."""
 from __future__ import annotations
 
 import argparse
@@ -57,6 +57,54 @@ def op_demo(args: argparse.Namespace) -> int:
     return 0 if err < 2e-2 else 1
 
 
+def _parse_lora(value: str) -> tuple[str, str]:
+    name, sep, folder = value.partition("=")
+    if not sep or not name or not folder:
+        raise argparse.ArgumentTypeError(f"expected NAME=DIR, got {value!r}")
+    return name, folder
+
+
+def convert_cmd(args: argparse.Namespace) -> int:
+    """Validate PEFT adapter folders against a base model and pack them into one safetensors file."""
+    from pathlib import Path
+
+    from loraplex.adapters import AdapterError, PackedFile, convert
+    from loraplex.adapters.packed import DTYPES
+    from loraplex.models import ModelConfig
+
+    loras = list(args.lora or [])
+    for parent in args.lora_dir or []:
+        if not Path(parent).is_dir():
+            print(f"error: --lora-dir {parent}: not a folder", file=sys.stderr)
+            return 2
+        subdirs = sorted(p for p in Path(parent).iterdir() if (p / "adapter_config.json").is_file())
+        if not subdirs:
+            print(f"error: {parent}: no adapter folders (subfolders with adapter_config.json)", file=sys.stderr)
+            return 2
+        loras += [(p.name, str(p)) for p in subdirs]
+    if not loras:
+        print("error: give at least one --lora NAME=DIR or --lora-dir DIR", file=sys.stderr)
+        return 2
+    try:
+        model = ModelConfig.from_pretrained(args.base)
+        t0 = time.perf_counter()
+        path = convert(model, loras, args.out, dtype=None if args.dtype == "auto" else DTYPES[args.dtype],
+                       progress=not args.quiet)
+        packed = PackedFile(path, model)
+    except (AdapterError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    size = path.stat().st_size
+    print(f"packed {len(packed.specs)} adapters ({str(packed.dtype).replace('torch.', '')}) into {path}: "
+          f"{size / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f} s")
+    if not args.quiet:
+        for spec in packed.specs[:20]:
+            print(f"  {spec.describe()}")
+        if len(packed.specs) > 20:
+            print(f"  … and {len(packed.specs) - 20} more")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="loraplex", description="Serve many LoRA adapters of one model.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -71,6 +119,16 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--iters", type=int, default=10, help="timed calls")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=op_demo)
+    conv = sub.add_parser("convert", help="validate PEFT adapters and pack them into one safetensors file")
+    conv.add_argument("--base", required=True, help="the base model's folder (its config.json is read)")
+    conv.add_argument("--lora", nargs="+", type=_parse_lora, metavar="NAME=DIR", help="PEFT adapter folders")
+    conv.add_argument("--lora-dir", nargs="+", metavar="DIR",
+                      help="folders whose subfolders are PEFT adapters, each named after its subfolder")
+    conv.add_argument("--out", required=True, help="output folder; adapters.safetensors is written there")
+    conv.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                      help="stored precision; auto keeps the sources' (float32 when they differ)")
+    conv.add_argument("--quiet", action="store_true", help="no progress bar or listing")
+    conv.set_defaults(func=convert_cmd)
     args = parser.parse_args(argv)
     return args.func(args)
 

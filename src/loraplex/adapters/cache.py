@@ -1,0 +1,405 @@
+"""The adapter registry and its tiers: GPU slots ← pinned CPU copies ← disk.
+
+What the scheduler uses, from any thread:
+
+    cache.try_acquire(name)  # the slot, pinned, if the adapter is on the GPU; else start moving it up, None
+    cache.release(name)      # a request using it finished (each acquire needs one release)
+    cache.prefetch(name)     # start moving it up, without waiting
+    cache.is_resident(name)  # on the GPU and its copy finished
+
+Reads from disk run on a small thread pool; host→device copies run on a side stream, and a slot
+counts as resident only once its copy has finished, so a load never stalls the running batch.
+GPU slots and CPU copies are each evicted least-recently-used first; a slot pinned by a running
+request is never evicted or overwritten. An adapter whose read fails is marked failed, and
+acquiring it raises its error, until it is registered again.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import re
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..models.config import ModelConfig
+from .packed import PackedFile
+from .peft_format import inspect_peft_adapter, read_peft_adapter
+from .pool import AdapterPool
+from .spec import AdapterError, AdapterSpec, LoraAdapter
+
+log = logging.getLogger("loraplex.adapters")
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
+Reader = Callable[[torch.dtype, bool], LoraAdapter]
+
+
+class AdapterState(str, enum.Enum):
+    DISK = "disk"        # registered; weights only on disk
+    READING = "reading"  # being read from disk
+    CPU = "cpu"          # a host copy is ready
+    LOADING = "loading"  # being copied into a GPU slot
+    GPU = "gpu"          # in a GPU slot, usable
+    FAILED = "failed"    # its read failed; see error()
+
+
+@dataclass
+class _Entry:
+    name: str
+    spec: AdapterSpec
+    read: Reader
+    pins: int = 0
+    slot: int | None = None
+    ready_event: object | None = None     # set once the copy into `slot` is queued; ready when it completes
+    gpu_ready: bool = False
+    staged: LoraAdapter | None = None     # host copy kept for a GPU load (CPU tier or waiting for a slot)
+    reading: Future | None = None
+    want_gpu: bool = False
+    error: str | None = None
+    removed: bool = False                 # unregistered while pinned: goes when the last pin does
+
+
+class AdapterCache:
+    def __init__(self, model: ModelConfig, *, max_gpu_adapters: int, max_lora_rank: int, max_cpu_adapters: int,
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cuda",
+                 loader_threads: int = 2) -> None:
+        if not isinstance(max_cpu_adapters, int) or max_cpu_adapters < 0:
+            raise ValueError(f"max_cpu_adapters must be a non-negative integer, got {max_cpu_adapters!r}")
+        if not isinstance(loader_threads, int) or loader_threads <= 0:
+            raise ValueError(f"loader_threads must be a positive integer, got {loader_threads!r}")
+        self.model = model
+        self.pool = AdapterPool(model, max_gpu_adapters, max_lora_rank, dtype, device)
+        self.max_cpu_adapters = max_cpu_adapters
+        self._cuda = self.pool.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.pool.device) if self._cuda else None
+        if self._cuda:  # the pool's allocation is queued on the current stream; copies must follow it
+            self._stream.wait_stream(torch.cuda.current_stream(self.pool.device))
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+        self._entries: dict[str, _Entry] = {}
+        # the entry (not the name: a name can be re-registered while its old copy is in flight)
+        self._slot_owner: list[_Entry | None] = [None] * max_gpu_adapters
+        self._last_use: list[object | None] = [None] * max_gpu_adapters
+        self._gpu_lru: OrderedDict[str, None] = OrderedDict()  # resident, ready and unpinned; oldest first
+        self._cpu_lru: OrderedDict[str, LoraAdapter] = OrderedDict()
+        self._executor = ThreadPoolExecutor(loader_threads, thread_name_prefix="loraplex-adapter-read")
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="loraplex-adapter-copy")
+        # Reads started for loads still waiting on a GPU slot hold host memory outside the CPU tier;
+        # at most this many at once, so prefetching a long queue cannot exhaust host memory.
+        self._max_staged = max(max_gpu_adapters, loader_threads)
+        self.counters = {"disk_reads": 0, "gpu_loads": 0, "gpu_evictions": 0, "cpu_evictions": 0, "failures": 0}
+        log.info(self.pool.describe())
+
+    # ---- registry -------------------------------------------------------------------------------
+    def register(self, name: str, folder: str | Path) -> AdapterSpec:
+        """Validate a PEFT folder against the served model and the pool (headers only) and add it."""
+        self._check_new_name(name)
+        spec = inspect_peft_adapter(folder, self.model, name=name, max_rank=self.pool.max_rank)
+        self._add(name, spec, partial(read_peft_adapter, spec))
+        return spec
+
+    def register_packed(self, path: str | Path) -> list[str]:
+        """Register every adapter of a packed file (see packed.py) at once; all or none."""
+        packed = PackedFile(path, self.model)
+        with self._lock:
+            for spec in packed.specs:
+                self._check_new_name(spec.name)
+                self.pool.check_fits(spec.max_rank, spec.name)
+            for spec in packed.specs:
+                self._entries[spec.name] = _Entry(spec.name, spec, partial(packed.read, spec.locator))
+        log.info("registered %d adapters from %s", len(packed.specs), packed.path)
+        return [s.name for s in packed.specs]
+
+    def register_source(self, name: str, spec: AdapterSpec, read: Reader) -> None:
+        """Add an already-validated adapter read by `read(dtype, pin)` (packed files use this)."""
+        self._check_new_name(name)
+        self.pool.check_fits(spec.max_rank, name)
+        self._add(name, spec, read)
+
+    def _check_new_name(self, name: str) -> None:
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise AdapterError(f"adapter name {name!r} is not allowed: 1-128 characters, letters, digits and "
+                               f"._:/@+- , starting with a letter or digit")
+        with self._lock:
+            if name in self._entries:
+                raise AdapterError(f"adapter name {name!r} is already registered")
+
+    def _add(self, name: str, spec: AdapterSpec, read: Reader) -> None:
+        with self._lock:
+            self._check_new_name(name)
+            self._entries[name] = _Entry(name, spec, read)
+
+    def unregister(self, name: str) -> None:
+        """Forget an adapter; if requests still use it, that happens when the last one releases it."""
+        with self._lock:
+            entry = self._get(name)
+            if entry.pins:
+                entry.removed = True
+            else:
+                self._drop(entry)
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return [n for n, e in self._entries.items() if not e.removed]
+
+    def __contains__(self, name: str) -> bool:
+        with self._lock:
+            entry = self._entries.get(name)
+            return entry is not None and not entry.removed
+
+    def spec(self, name: str) -> AdapterSpec:
+        with self._lock:
+            return self._get(name).spec
+
+    def state(self, name: str) -> AdapterState:
+        with self._lock:
+            entry = self._get(name)
+            self._poll(entry)
+            if entry.error is not None:
+                return AdapterState.FAILED
+            if entry.slot is not None:
+                return AdapterState.GPU if entry.gpu_ready else AdapterState.LOADING
+            if entry.staged is not None:
+                return AdapterState.CPU
+            return AdapterState.READING if entry.reading is not None else AdapterState.DISK
+
+    def error(self, name: str) -> str | None:
+        with self._lock:
+            return self._get(name).error
+
+    # ---- what the scheduler calls -----------------------------------------------------------------
+    def is_resident(self, name: str) -> bool:
+        with self._lock:
+            entry = self._get(name)
+            return self._poll(entry)
+
+    def acquire(self, name: str) -> int:
+        """Pin a resident adapter for one request and return its slot; raises if it is not resident."""
+        with self._lock:
+            entry = self._get(name)
+            if entry.error is not None:
+                raise AdapterError(f"adapter {name!r} failed to load: {entry.error}")
+            if not self._poll(entry):
+                raise AdapterError(f"adapter {name!r} is not on the GPU yet (state {self.state(name).value})")
+            entry.pins += 1
+            self._gpu_lru.pop(name, None)
+            return entry.slot
+
+    def try_acquire(self, name: str) -> int | None:
+        """`acquire` if resident; otherwise start moving it up (as `prefetch`) and return None."""
+        with self._lock:
+            entry = self._get(name)
+            if entry.error is None and self._poll(entry):
+                return self.acquire(name)
+        self.prefetch(name)
+        return None
+
+    def release(self, name: str) -> None:
+        """Unpin one use. Call it after queueing the last kernel that reads the slot, on that stream:
+        the slot is overwritten only after the work queued there so far has finished."""
+        with self._lock:
+            entry = self._entries.get(name)
+            if entry is None or entry.pins <= 0:
+                raise AdapterError(f"release({name!r}) without a matching acquire")
+            entry.pins -= 1
+            if entry.pins:
+                return
+            if self._cuda:  # the slot may be overwritten only after the work queued so far has used it
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(self.pool.device))
+                self._last_use[entry.slot] = event
+            if entry.removed:
+                self._drop(entry)
+            else:
+                self._gpu_lru[name] = None
+            self._changed.notify_all()
+
+    def prefetch(self, name: str) -> None:
+        """Start moving an adapter towards the GPU; returns at once. Call again if no slot was free."""
+        with self._lock:
+            entry = self._get(name)
+            if entry.error is not None:
+                raise AdapterError(f"adapter {name!r} failed to load: {entry.error}")
+            if entry.slot is not None:
+                if name in self._gpu_lru:
+                    self._gpu_lru.move_to_end(name)
+                return
+            entry.want_gpu = True
+            host = entry.staged
+            if host is None:
+                if entry.reading is None and self._staged_outside_cpu_tier() < self._max_staged:
+                    entry.reading = self._executor.submit(self._read, entry)
+                return
+            if name in self._cpu_lru:
+                self._cpu_lru.move_to_end(name)
+            slot = self._take_slot()
+            if slot is None:
+                return
+            self._assign(entry, slot)
+            # queueing hundreds of copies takes milliseconds: not on the caller's (the engine's) thread
+            self._copier.submit(self._copy_to_slot, entry, slot, host)
+
+    def wait_resident(self, name: str, timeout: float | None = None) -> bool:
+        """Prefetch and block until resident (for tools and tests; the engine never waits)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self.prefetch(name)
+            with self._lock:
+                if self.is_resident(name):
+                    return True
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._changed.wait(0.002 if remaining is None else min(0.002, remaining))
+
+    def slot_owner(self, slot: int) -> str | None:
+        with self._lock:
+            owner = self._slot_owner[slot]
+            return None if owner is None else owner.name
+
+    def resident(self) -> list[str]:
+        """Adapters usable on the GPU now."""
+        with self._lock:
+            return [e.name for e in self._slot_owner if e is not None and not e.removed and self._poll(e)]
+
+    def pins(self, name: str) -> int:
+        with self._lock:
+            return self._get(name).pins
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._copier.shutdown(wait=True)
+
+    # ---- internals (lock held unless said otherwise) -------------------------------------------------
+    def _get(self, name: str) -> _Entry:
+        entry = self._entries.get(name)
+        if entry is None or entry.removed:
+            raise AdapterError(f"unknown adapter {name!r}")
+        return entry
+
+    def _poll(self, entry: _Entry) -> bool:
+        if entry.slot is None or entry.ready_event is None:
+            return False
+        if not entry.gpu_ready and (not self._cuda or entry.ready_event.query()):
+            entry.gpu_ready = True
+            if entry.pins == 0 and not entry.removed:
+                self._gpu_lru[entry.name] = None
+            if entry.name not in self._cpu_lru:
+                entry.staged = None  # the host copy was only kept for this load
+        return entry.gpu_ready
+
+    def _poll_slots(self) -> None:
+        """Loads that finished since anyone asked become ready (and evictable, if unpinned) now."""
+        for owner in self._slot_owner:
+            if owner is not None:
+                self._poll(owner)
+
+    def _staged_outside_cpu_tier(self) -> int:
+        self._poll_slots()
+        return sum(1 for e in self._entries.values()
+                   if e.reading is not None or (e.staged is not None and e.name not in self._cpu_lru))
+
+    def _take_slot(self) -> int | None:
+        for slot, owner in enumerate(self._slot_owner):
+            if owner is None:
+                return slot
+        self._poll_slots()
+        if not self._gpu_lru:
+            return None  # every slot is pinned or still loading
+        victim = self._entries[next(iter(self._gpu_lru))]
+        self._gpu_lru.pop(victim.name)
+        slot = victim.slot
+        victim.slot, victim.gpu_ready, victim.ready_event = None, False, None
+        self._slot_owner[slot] = None
+        self.counters["gpu_evictions"] += 1
+        return slot
+
+    def _assign(self, entry: _Entry, slot: int) -> None:
+        entry.slot, entry.gpu_ready, entry.ready_event = slot, False, None
+        self._slot_owner[slot] = entry
+        entry.want_gpu = False
+
+    def _copy_to_slot(self, entry: _Entry, slot: int, host: LoraAdapter) -> None:
+        """Queue the copy outside the lock (hundreds of small copies); the slot is reserved meanwhile."""
+        try:
+            if self._cuda:
+                with torch.cuda.stream(self._stream):
+                    if self._last_use[slot] is not None:
+                        self._stream.wait_event(self._last_use[slot])
+                    self.pool.write(slot, host, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(self._stream)
+            else:
+                self.pool.write(slot, host)
+                event = True
+        except Exception as e:  # e.g. out of memory for a staging copy: fail this adapter, keep the slot
+            with self._lock:
+                entry.slot = None
+                self._release_slot(slot)
+                entry.error = f"copy into GPU slot {slot} failed: {type(e).__name__}: {e}"
+                self.counters["failures"] += 1
+                log.error("adapter %r: %s", entry.name, entry.error)
+                self._changed.notify_all()
+            return
+        with self._lock:
+            entry.ready_event = event
+            self.counters["gpu_loads"] += 1
+            if self._entries.get(entry.name) is not entry:  # unregistered meanwhile: free the slot
+                self._release_slot(slot)
+            self._changed.notify_all()
+
+    def _read(self, entry: _Entry) -> None:
+        """Runs on a loader thread: read from disk without the lock, then file the result."""
+        try:
+            host, error = entry.read(self.pool.dtype, self._cuda), None
+        except Exception as e:  # an adapter that breaks on disk must not take anything else down
+            host, error = None, str(e) if isinstance(e, AdapterError) else f"{type(e).__name__}: {e}"
+        slot = None
+        with self._lock:
+            entry.reading = None
+            self.counters["disk_reads"] += 1
+            if self._entries.get(entry.name) is not entry:
+                return
+            if error is not None:
+                entry.error = error
+                self.counters["failures"] += 1
+                log.error("adapter %r failed to load: %s", entry.name, error)
+                self._changed.notify_all()
+                return
+            entry.staged = host
+            if self.max_cpu_adapters:
+                self._cpu_lru[entry.name] = host
+                while len(self._cpu_lru) > self.max_cpu_adapters:
+                    old_name, _ = self._cpu_lru.popitem(last=False)
+                    old = self._entries.get(old_name)
+                    if old is not None and old is not entry and not (old.want_gpu and old.slot is None):
+                        old.staged = None  # a copy still queued for a GPU slot keeps its own reference
+                    self.counters["cpu_evictions"] += 1
+            if entry.want_gpu:
+                slot = self._take_slot()
+                if slot is not None:
+                    self._assign(entry, slot)
+            self._changed.notify_all()
+        if slot is not None:
+            self._copy_to_slot(entry, slot, host)
+
+    def _release_slot(self, slot: int) -> None:
+        self._slot_owner[slot] = None  # no batch can name an unowned slot, so its contents don't matter
+
+    def _drop(self, entry: _Entry) -> None:
+        self._entries.pop(entry.name, None)
+        self._gpu_lru.pop(entry.name, None)
+        self._cpu_lru.pop(entry.name, None)
+        if entry.reading is not None:
+            entry.reading.cancel()
+        if entry.slot is not None and entry.ready_event is not None:
+            self._release_slot(entry.slot)
+        entry.slot, entry.staged = None, None
+        self._changed.notify_all()
