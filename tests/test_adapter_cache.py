@@ -276,9 +276,22 @@ def test_prefetching_a_long_queue_holds_few_host_copies(folders):
     held = sum(s in (AdapterState.READING, AdapterState.CPU) for s in states)
     assert held == 1 and states.count(AdapterState.DISK) == 6, states
     cache.release("a0")
-    for name in sorted(folders)[1:]:  # the queue drains once slots free
+    for name in reversed(sorted(folders)[1:]):  # the queue drains once slots free, in any order
         load(cache, name)
         cache.release(name)
+    cache.close()
+
+
+def test_an_abandoned_prefetch_does_not_block_later_loads(folders):
+    """b is prefetched while the only slot is pinned, then nobody asks for it again (its request went
+    away). Once the slot frees, b takes it and later loads (c) still proceed."""
+    cache = make_cache(folders, ["a0", "a1", "a2"], slots=1, cpu=0, loader_threads=1)
+    load(cache, "a0")
+    cache.prefetch("a1")
+    time.sleep(0.2)
+    cache.release("a0")
+    slot = load(cache, "a2")
+    assert_slot_holds(cache, slot, folders["a2"], "a2")
     cache.close()
 
 

@@ -150,3 +150,82 @@ def test_convert_command(setup, tmp_path, capsys):
     assert "nope: not a folder" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["convert", "--base", str(base), "--out", str(tmp_path / "o4"), "--lora", "no-equals-sign"])
+
+
+def _variant(src, dst, edit_tensors=None, edit_meta=None):
+    """A copy of a packed file with its manifest tensors or metadata edited (as damage would)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(str(src))
+    with safe_open(str(src), "pt") as f:
+        meta = dict(f.metadata())
+    if edit_tensors:
+        edit_tensors(tensors)
+    if edit_meta:
+        edit_meta(meta)
+    save_file(tensors, str(dst), metadata=meta)
+    return dst
+
+
+def _set(name, index, value):
+    def edit(t):
+        t[name] = t[name].clone()
+        t[name][index] = value
+    return edit
+
+
+@pytest.mark.parametrize("edit_tensors,edit_meta,match", [
+    (_set("manifest.row_offsets", (0, 0, 0), -2), None, "negative ranks or offsets"),
+    (_set("manifest.row_offsets", (1, 0, 0), 0), None, "blocks of layer 0 q_proj overlap"),
+    (lambda t: t.update({"manifest.ranks": t["manifest.ranks"].float()}), None, "'manifest.ranks' must be I32"),
+    (None, lambda m: m.update(dtype="bfloat16"), "'layers.0.q_proj.lora_a' is F32 .* needs BF16"),
+    (None, lambda m: m.update(adapters=json.dumps([{"name": "ad0"}, {"name": "ad0"}])),
+     "names appear more than once: ad0"),
+    (None, lambda m: m.update(adapters=json.dumps([{}, {}])), "damaged manifest metadata"),
+    (None, lambda m: m.update(adapters=json.dumps("ab")), "damaged manifest metadata"),
+    (None, lambda m: m.update(model=json.dumps([1])), "damaged manifest metadata"),
+], ids=["negative-offset", "overlap", "float-ranks", "dtype-mismatch", "duplicate-names", "no-names",
+        "adapters-not-list", "model-not-object"])
+def test_damaged_manifest_is_refused(setup, tmp_path, edit_tensors, edit_meta, match):
+    """A damaged manifest must not make a read return another adapter's (or no adapter's) rows."""
+    root, base, model, adapters = setup
+    path = convert(model, adapters[:2], tmp_path / "out", progress=False)
+    with pytest.raises(AdapterError, match=match):
+        PackedFile(_variant(path, tmp_path / "bad.safetensors", edit_tensors, edit_meta), model)
+
+
+def test_replacing_the_file_on_disk_does_not_mix_adapters(setup, tmp_path):
+    """Re-running convert into the same folder swaps the file; a registered one keeps reading its own."""
+    root, base, model, adapters = setup
+    (a, fa), (b, fb) = adapters[1], adapters[4]
+    path = convert(model, [(a, fa), (b, fb)], tmp_path / "out", progress=False)
+    packed = AdapterCache(model, max_gpu_adapters=2, max_lora_rank=16, max_cpu_adapters=0,
+                          dtype=torch.float32, device="cpu")
+    packed.register_packed(path)
+    convert(model, [(b, fb), (a, fa)], tmp_path / "out", progress=False)
+    folders = AdapterCache(model, max_gpu_adapters=2, max_lora_rank=16, max_cpu_adapters=0,
+                           dtype=torch.float32, device="cpu")
+    folders.register(a, fa)
+    want, got = pool_contents(folders, a), pool_contents(packed, a)
+    for key in want:
+        assert got[key][:2] == want[key][:2] and torch.equal(got[key][2], want[key][2]), key
+
+
+def test_packed_read_refuses_values_the_serving_dtype_cannot_hold(setup, tmp_path):
+    root, base, model, adapters = setup
+    big = write_adapter(tmp_path / "big", model, rank=2)
+    from safetensors.torch import load_file, save_file
+    weights = load_file(str(big / "adapter_model.safetensors"))
+    key = sorted(weights)[0]
+    weights[key][0, 0] = 1e6  # fine in float32, inf in float16
+    save_file(weights, str(big / "adapter_model.safetensors"))
+    packed = PackedFile(convert(model, [("big", big)], tmp_path / "out", progress=False), model)
+    packed.read(0, torch.float32, False)
+    with pytest.raises(AdapterError, match="adapter 'big': holds NaN or infinite values once cast to float16"):
+        packed.read(0, torch.float16, False)
+
+
+def test_convert_refuses_names_the_server_would_refuse(setup, tmp_path):
+    root, base, model, adapters = setup
+    with pytest.raises(AdapterError, match="adapter name 'my adapter' is not allowed"):
+        convert(model, [("my adapter", adapters[0][1])], tmp_path / "out", progress=False)

@@ -91,7 +91,7 @@ def convert_cmd(args: argparse.Namespace) -> int:
         path = convert(model, loras, args.out, dtype=None if args.dtype == "auto" else DTYPES[args.dtype],
                        progress=not args.quiet)
         packed = PackedFile(path, model)
-    except (AdapterError, ValueError) as e:
+    except (AdapterError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     size = path.stat().st_size

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import re
 import threading
 import time
 from collections import OrderedDict
@@ -33,11 +32,10 @@ from ..models.config import ModelConfig
 from .packed import PackedFile
 from .peft_format import inspect_peft_adapter, read_peft_adapter
 from .pool import AdapterPool
-from .spec import AdapterError, AdapterSpec, LoraAdapter
+from .spec import AdapterError, AdapterSpec, LoraAdapter, check_adapter_name
 
 log = logging.getLogger("loraplex.adapters")
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
 Reader = Callable[[torch.dtype, bool], LoraAdapter]
 
 
@@ -86,9 +84,11 @@ class AdapterCache:
         self._entries: dict[str, _Entry] = {}
         # the entry (not the name: a name can be re-registered while its old copy is in flight)
         self._slot_owner: list[_Entry | None] = [None] * max_gpu_adapters
-        self._last_use: list[object | None] = [None] * max_gpu_adapters
+        self._last_use: list[list] = [[] for _ in range(max_gpu_adapters)]  # release events since the last load
         self._gpu_lru: OrderedDict[str, None] = OrderedDict()  # resident, ready and unpinned; oldest first
         self._cpu_lru: OrderedDict[str, LoraAdapter] = OrderedDict()
+        # host copies ready for the GPU but without a slot, oldest wish first: served whenever a slot frees
+        self._waiting: OrderedDict[str, _Entry] = OrderedDict()
         self._executor = ThreadPoolExecutor(loader_threads, thread_name_prefix="loraplex-adapter-read")
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="loraplex-adapter-copy")
         # Reads started for loads still waiting on a GPU slot hold host memory outside the CPU tier;
@@ -108,7 +108,7 @@ class AdapterCache:
     def register_packed(self, path: str | Path) -> list[str]:
         """Register every adapter of a packed file (see packed.py) at once; all or none."""
         packed = PackedFile(path, self.model)
-        with self._lock:
+        with self._lock:  # (PackedFile refuses duplicate names within the file)
             for spec in packed.specs:
                 self._check_new_name(spec.name)
                 self.pool.check_fits(spec.max_rank, spec.name)
@@ -124,11 +124,12 @@ class AdapterCache:
         self._add(name, spec, read)
 
     def _check_new_name(self, name: str) -> None:
-        if not isinstance(name, str) or not _NAME.match(name):
-            raise AdapterError(f"adapter name {name!r} is not allowed: 1-128 characters, letters, digits and "
-                               f"._:/@+- , starting with a letter or digit")
+        check_adapter_name(name)
         with self._lock:
             if name in self._entries:
+                if self._entries[name].removed:
+                    raise AdapterError(f"adapter name {name!r} is still being unregistered: requests still use it; "
+                                       f"register it again once they finish")
                 raise AdapterError(f"adapter name {name!r} is already registered")
 
     def _add(self, name: str, spec: AdapterSpec, read: Reader) -> None:
@@ -209,16 +210,17 @@ class AdapterCache:
             if entry is None or entry.pins <= 0:
                 raise AdapterError(f"release({name!r}) without a matching acquire")
             entry.pins -= 1
-            if entry.pins:
-                return
             if self._cuda:  # the slot may be overwritten only after the work queued so far has used it
                 event = torch.cuda.Event()
                 event.record(torch.cuda.current_stream(self.pool.device))
-                self._last_use[entry.slot] = event
+                self._last_use[entry.slot].append(event)  # one per release: users may be on several streams
+            if entry.pins:
+                return
             if entry.removed:
                 self._drop(entry)
             else:
                 self._gpu_lru[name] = None
+                self._serve_waiting()
             self._changed.notify_all()
 
     def prefetch(self, name: str) -> None:
@@ -239,12 +241,8 @@ class AdapterCache:
                 return
             if name in self._cpu_lru:
                 self._cpu_lru.move_to_end(name)
-            slot = self._take_slot()
-            if slot is None:
-                return
-            self._assign(entry, slot)
-            # queueing hundreds of copies takes milliseconds: not on the caller's (the engine's) thread
-            self._copier.submit(self._copy_to_slot, entry, slot, host)
+            self._waiting.setdefault(name, entry)
+            self._serve_waiting()
 
     def wait_resident(self, name: str, timeout: float | None = None) -> bool:
         """Prefetch and block until resident (for tools and tests; the engine never waits)."""
@@ -321,6 +319,21 @@ class AdapterCache:
         self.counters["gpu_evictions"] += 1
         return slot
 
+    def _serve_waiting(self) -> None:
+        """Give slots to waiting host copies, oldest first, while slots can be had (free or evictable).
+
+        Runs whenever a slot may have become available, so a load never waits for its own prefetch
+        to be repeated, and an abandoned one still leaves (into a slot, then out by LRU).
+        """
+        while self._waiting:
+            slot = self._take_slot()
+            if slot is None:
+                return
+            _, entry = self._waiting.popitem(last=False)
+            self._assign(entry, slot)
+            # queueing hundreds of copies takes milliseconds: not on the caller's (the engine's) thread
+            self._copier.submit(self._copy_to_slot, entry, slot, entry.staged)
+
     def _assign(self, entry: _Entry, slot: int) -> None:
         entry.slot, entry.gpu_ready, entry.ready_event = slot, False, None
         self._slot_owner[slot] = entry
@@ -331,8 +344,10 @@ class AdapterCache:
         try:
             if self._cuda:
                 with torch.cuda.stream(self._stream):
-                    if self._last_use[slot] is not None:
-                        self._stream.wait_event(self._last_use[slot])
+                    with self._lock:
+                        uses, self._last_use[slot] = self._last_use[slot], []
+                    for use in uses:
+                        self._stream.wait_event(use)
                     self.pool.write(slot, host, non_blocking=True)
                     event = torch.cuda.Event()
                     event.record(self._stream)
@@ -346,6 +361,7 @@ class AdapterCache:
                 entry.error = f"copy into GPU slot {slot} failed: {type(e).__name__}: {e}"
                 self.counters["failures"] += 1
                 log.error("adapter %r: %s", entry.name, entry.error)
+                self._serve_waiting()
                 self._changed.notify_all()
             return
         with self._lock:
@@ -353,6 +369,7 @@ class AdapterCache:
             self.counters["gpu_loads"] += 1
             if self._entries.get(entry.name) is not entry:  # unregistered meanwhile: free the slot
                 self._release_slot(slot)
+                self._serve_waiting()
             self._changed.notify_all()
 
     def _read(self, entry: _Entry) -> None:
@@ -361,7 +378,6 @@ class AdapterCache:
             host, error = entry.read(self.pool.dtype, self._cuda), None
         except Exception as e:  # an adapter that breaks on disk must not take anything else down
             host, error = None, str(e) if isinstance(e, AdapterError) else f"{type(e).__name__}: {e}"
-        slot = None
         with self._lock:
             entry.reading = None
             self.counters["disk_reads"] += 1
@@ -379,16 +395,13 @@ class AdapterCache:
                 while len(self._cpu_lru) > self.max_cpu_adapters:
                     old_name, _ = self._cpu_lru.popitem(last=False)
                     old = self._entries.get(old_name)
-                    if old is not None and old is not entry and not (old.want_gpu and old.slot is None):
-                        old.staged = None  # a copy still queued for a GPU slot keeps its own reference
+                    if old is not None and old is not entry and old.name not in self._waiting:
+                        old.staged = None  # a copy already queued for a GPU slot keeps its own reference
                     self.counters["cpu_evictions"] += 1
             if entry.want_gpu:
-                slot = self._take_slot()
-                if slot is not None:
-                    self._assign(entry, slot)
+                self._waiting[entry.name] = entry
+                self._serve_waiting()
             self._changed.notify_all()
-        if slot is not None:
-            self._copy_to_slot(entry, slot, host)
 
     def _release_slot(self, slot: int) -> None:
         self._slot_owner[slot] = None  # no batch can name an unowned slot, so its contents don't matter
@@ -397,9 +410,11 @@ class AdapterCache:
         self._entries.pop(entry.name, None)
         self._gpu_lru.pop(entry.name, None)
         self._cpu_lru.pop(entry.name, None)
+        self._waiting.pop(entry.name, None)
         if entry.reading is not None:
             entry.reading.cancel()
         if entry.slot is not None and entry.ready_event is not None:
             self._release_slot(entry.slot)
         entry.slot, entry.staged = None, None
+        self._serve_waiting()
         self._changed.notify_all()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from pathlib import Path
 from typing import Iterable
 
@@ -24,7 +23,7 @@ import torch
 
 from ..models.config import PROJECTIONS, ModelConfig
 from .peft_format import inspect_peft_adapter, read_peft_adapter
-from .spec import AdapterError, AdapterSpec, LoraAdapter, ModuleSpec, pack_host_adapter
+from .spec import AdapterError, AdapterSpec, LoraAdapter, ModuleSpec, check_adapter_name, check_finite, pack_host_adapter
 
 FORMAT = "loraplex-packed-lora"
 VERSION = "1"
@@ -61,6 +60,8 @@ def convert(model: ModelConfig, adapters: list[tuple[str, str | Path]], out_dir:
     """
     from tqdm import tqdm
     names = [n for n, _ in adapters]
+    for name in names:
+        check_adapter_name(name)
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise AdapterError(f"adapter names given more than once: {', '.join(dupes)}")
@@ -108,7 +109,7 @@ def convert(model: ModelConfig, adapters: list[tuple[str, str | Path]], out_dir:
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    final, tmp = out_dir / FILE_NAME, out_dir / f".{FILE_NAME}.partial"
+    final, tmp = out_dir / FILE_NAME, out_dir / f".{FILE_NAME}.{os.getpid()}.partial"
     try:
         with open(tmp, "wb") as f:
             f.write(len(blob).to_bytes(8, "little"))
@@ -128,6 +129,8 @@ def convert(model: ModelConfig, adapters: list[tuple[str, str | Path]], out_dir:
                         row_bytes = info["shape"][1] * t.element_size()
                         f.seek(data_start + info["data_offsets"][0] + start * row_bytes)
                         f.write(_tensor_bytes(t))
+            f.flush()
+            os.fsync(f.fileno())  # the rename must not land before the data does
         os.replace(tmp, final)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -136,51 +139,85 @@ def convert(model: ModelConfig, adapters: list[tuple[str, str | Path]], out_dir:
 
 
 class PackedFile:
-    """An opened packed file: one AdapterSpec per adapter, and a reader for each, memory-mapped."""
+    """An opened packed file: one AdapterSpec per adapter, and a reader for each.
+
+    The file is opened once and read with positioned reads from that descriptor, so replacing it
+    on disk (a new `convert` into the same folder) cannot mix the old manifest with new data.
+    """
 
     def __init__(self, path: str | Path, model: ModelConfig) -> None:
-        from safetensors import safe_open
         path = Path(path)
         if path.is_dir():
             path = path / FILE_NAME
-        self.path = path
+        self.path, self.model = path, model
         try:
-            self._file = safe_open(str(path), framework="pt")
+            self._fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             raise AdapterError(f"{path}: no such packed adapter file") from None
-        except Exception as e:
-            raise AdapterError(f"{path}: unreadable safetensors file: {e}") from None
-        self._lock = threading.Lock()  # one reader at a time on the shared handle
-        meta = self._file.metadata() or {}
+        except OSError as e:
+            raise AdapterError(f"{path}: cannot open: {e}") from None
+        try:
+            self._open(model)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, model: ModelConfig) -> None:
+        from safetensors.torch import load
+
+        path = self.path
+        size = os.fstat(self._fd).st_size
+        raw_len = os.pread(self._fd, 8, 0)
+        header_len = int.from_bytes(raw_len, "little") if len(raw_len) == 8 else -1
+        if not 0 < header_len <= min(size - 8, 100_000_000):
+            raise AdapterError(f"{path}: unreadable safetensors file: invalid header length")
+        try:
+            header = json.loads(os.pread(self._fd, header_len, 8))
+            meta = header.get("__metadata__") or {}
+        except (ValueError, AttributeError) as e:
+            raise AdapterError(f"{path}: unreadable safetensors file: damaged header ({e})") from None
         if meta.get("format") != FORMAT:
             raise AdapterError(f"{path}: not a loraplex packed adapter file (metadata format={meta.get('format')!r})")
         if meta.get("version") != VERSION:
             raise AdapterError(f"{path}: packed format version {meta.get('version')!r}; this loraplex reads {VERSION}")
+        self._data_start = 8 + header_len
         try:
-            shape = json.loads(meta["model"])
-            entries = json.loads(meta["adapters"])
-            projections = json.loads(meta["projections"])
-            self.dtype = DTYPES[meta["dtype"]]
-        except (KeyError, ValueError) as e:
+            infos = {k: (v["dtype"], [int(d) for d in v["shape"]], [int(o) for o in v["data_offsets"]])
+                     for k, v in header.items() if k != "__metadata__"}
+            shape, entries = json.loads(meta["model"]), json.loads(meta["adapters"])
+            projections, self.dtype = json.loads(meta["projections"]), DTYPES[meta["dtype"]]
+            names = [e["name"] for e in entries]
+            if not isinstance(shape, dict) or not all(isinstance(n, str) for n in names):
+                raise TypeError("model must be an object and adapter names strings")
+        except (KeyError, ValueError, TypeError, AttributeError) as e:
             raise AdapterError(f"{path}: damaged manifest metadata ({type(e).__name__}: {e})") from None
+        end = max((o[1] for _, _, o in infos.values()), default=0)
+        if self._data_start + end != size:
+            raise AdapterError(f"{path}: unreadable safetensors file: {size} bytes, but its header describes "
+                               f"{self._data_start + end} (truncated or damaged)")
         for f in SHAPE_FIELDS:
             if shape.get(f) != getattr(model, f):
                 raise AdapterError(f"{path}: packed for a model with {f}={shape.get(f)}, but the served model "
                                    f"has {f}={getattr(model, f)}")
         if projections != list(PROJECTIONS):
             raise AdapterError(f"{path}: projections {projections} differ from {list(PROJECTIONS)}")
-        self.ranks = self._file.get_tensor("manifest.ranks")
-        self.scalings = self._file.get_tensor("manifest.scalings")
-        self.row_offsets = self._file.get_tensor("manifest.row_offsets")
-        n, L, P = len(entries), model.num_hidden_layers, len(PROJECTIONS)
-        for t in (self.ranks, self.scalings, self.row_offsets):
-            if list(t.shape) != [n, L, P]:
-                raise AdapterError(f"{path}: manifest tensors have shape {list(t.shape)}, expected {[n, L, P]}")
-        self._check_blocks(model)
-        self.model = model
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise AdapterError(f"{path}: adapter names appear more than once: {', '.join(dupes)}")
+        n, L, P = len(names), model.num_hidden_layers, len(PROJECTIONS)
+        manifest = {}
+        for name, dtype in (("manifest.ranks", "I32"), ("manifest.scalings", "F32"), ("manifest.row_offsets", "I64")):
+            if name not in infos or infos[name][0] != dtype or infos[name][1] != [n, L, P]:
+                raise AdapterError(f"{path}: tensor {name!r} must be {dtype} {[n, L, P]}, got "
+                                   f"{infos[name][:2] if name in infos else 'nothing'}")
+            begin, stop = infos[name][2]
+            manifest.update(load(_header_for(name, infos[name]) + os.pread(self._fd, stop - begin,
+                                                                           self._data_start + begin)))
+        self.ranks, self.scalings = manifest["manifest.ranks"], manifest["manifest.scalings"]
+        self.row_offsets = manifest["manifest.row_offsets"]
+        self._tensors = self._check_blocks(infos)
         self._offsets = self.row_offsets.tolist()  # Python lists: indexing a tensor per element is slow
         ranks, scalings = self.ranks.tolist(), self.scalings.tolist()
-        self._data_start, self._tensors = _read_header(path)
         self.specs = []
         for i, e in enumerate(entries):
             modules = {(layer, proj): ModuleSpec(ranks[i][layer][p], scalings[i][layer][p])
@@ -189,25 +226,36 @@ class PackedFile:
                                           base_model_name_or_path=e.get("base_model_name_or_path"),
                                           locator=i, weights_dtype=self.dtype))
 
-    def _check_blocks(self, model: ModelConfig) -> None:
-        keys = set(self._file.keys())
-        if (self.ranks < 0).any() or not torch.isfinite(self.scalings).all():
-            raise AdapterError(f"{self.path}: manifest has negative ranks or non-finite scalings")
-        ends = self.row_offsets + self.ranks.long()
-        for layer in range(model.num_hidden_layers):
+    def _check_blocks(self, infos: dict) -> dict[str, tuple[int, int]]:
+        """Every adapter's block lies inside its tensor and overlaps no other; returns (offset, width) per tensor."""
+        path = self.path
+        if (self.ranks < 0).any() or (self.row_offsets < 0).any() or not torch.isfinite(self.scalings).all():
+            raise AdapterError(f"{path}: manifest has negative ranks or offsets, or non-finite scalings")
+        want_dtype = _ST_DTYPES[self.dtype]
+        ranks, starts = self.ranks.long(), self.row_offsets
+        tensors = {}
+        for layer in range(self.model.num_hidden_layers):
             for p, proj in enumerate(PROJECTIONS):
-                rows = int(ends[:, layer, p].max()) if len(ends) else 0
-                in_f, out_f = model.projection_shape(proj)
+                r, s = ranks[:, layer, p], starts[:, layer, p]
+                used = r > 0
+                if not used.any():
+                    continue
+                order = torch.argsort(s[used])
+                lo, hi = s[used][order], (s + r)[used][order]
+                if (lo[1:] < hi[:-1]).any():
+                    raise AdapterError(f"{path}: manifest blocks of layer {layer} {proj} overlap")
+                in_f, out_f = self.model.projection_shape(proj)
                 for suffix, width in (("lora_a", in_f), ("lora_b_t", out_f)):
                     name = f"layers.{layer}.{proj}.{suffix}"
-                    if rows == 0:
-                        continue
-                    if name not in keys:
-                        raise AdapterError(f"{self.path}: tensor {name!r} is missing")
-                    got = list(self._file.get_slice(name).get_shape())
-                    if got[1:] != [width] or got[0] < rows:
-                        raise AdapterError(f"{self.path}: tensor {name!r} has shape {got}; the manifest needs "
-                                           f"at least [{rows}, {width}]")
+                    if name not in infos:
+                        raise AdapterError(f"{path}: tensor {name!r} is missing")
+                    dtype, shape, (begin, stop) = infos[name]
+                    if dtype != want_dtype or len(shape) != 2 or shape[1] != width or shape[0] < int(hi[-1]) \
+                            or stop - begin != shape[0] * width * self.dtype.itemsize:
+                        raise AdapterError(f"{path}: tensor {name!r} is {dtype} {shape}; the manifest needs "
+                                           f"{want_dtype} [≥{int(hi[-1])}, {width}]")
+                    tensors[name] = (begin, width)
+        return tensors
 
     def read(self, index: int, dtype: torch.dtype, pin: bool) -> LoraAdapter:
         """Read one adapter's blocks with exact positioned reads (a memory map would read ahead
@@ -215,26 +263,32 @@ class PackedFile:
         spec = self.specs[index]
         item = self.dtype.itemsize
         tensors = {}
-        with open(self.path, "rb", buffering=0) as f:
-            fd = f.fileno()
-            for (layer, proj), m in spec.modules.items():
-                start = self._offsets[index][layer][PROJECTIONS.index(proj)]
-                blocks = []
-                for suffix in ("lora_a", "lora_b_t"):
-                    begin, width = self._tensors[f"layers.{layer}.{proj}.{suffix}"]
-                    nbytes = m.rank * width * item
-                    raw = os.pread(fd, nbytes, self._data_start + begin + start * width * item)
-                    if len(raw) != nbytes:
-                        raise AdapterError(f"{self.path}: truncated (adapter {spec.name!r}, layer {layer} {proj})")
-                    blocks.append(torch.frombuffer(bytearray(raw), dtype=self.dtype).view(m.rank, width))
-                tensors[(layer, proj)] = (blocks[0], blocks[1].T)
-        return pack_host_adapter(spec, tensors, dtype, pin)
+        for (layer, proj), m in spec.modules.items():
+            start = self._offsets[index][layer][PROJECTIONS.index(proj)]
+            blocks = []
+            for suffix in ("lora_a", "lora_b_t"):
+                begin, width = self._tensors[f"layers.{layer}.{proj}.{suffix}"]
+                nbytes = m.rank * width * item
+                raw = os.pread(self._fd, nbytes, self._data_start + begin + start * width * item)
+                if len(raw) != nbytes:
+                    raise AdapterError(f"{self.path}: truncated (adapter {spec.name!r}, layer {layer} {proj})")
+                blocks.append(torch.frombuffer(bytearray(raw), dtype=self.dtype).view(m.rank, width))
+            tensors[(layer, proj)] = (blocks[0], blocks[1].T)
+        adapter = pack_host_adapter(spec, tensors, dtype, pin)
+        check_finite(adapter, f"{self.path}: adapter {spec.name!r}")
+        return adapter
+
+    def close(self) -> None:
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self) -> None:
+        self.close()
 
 
-def _read_header(path: Path) -> tuple[int, dict[str, tuple[int, int]]]:
-    """Where the data starts, and each weight tensor's (byte offset, row width) from the header."""
-    with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(size))
-    return 8 + size, {name: (info["data_offsets"][0], info["shape"][1]) for name, info in header.items()
-                      if name.startswith("layers.")}
+def _header_for(name: str, info: tuple) -> bytes:
+    """A one-tensor safetensors header, so safetensors itself decodes a manifest tensor we read."""
+    dtype, shape, (begin, stop) = info
+    blob = json.dumps({name: {"dtype": dtype, "shape": shape, "data_offsets": [0, stop - begin]}}).encode()
+    return len(blob).to_bytes(8, "little") + blob

@@ -21,7 +21,7 @@ import torch
 
 from ..models.config import ATTENTION_PROJECTIONS, PROJECTIONS, ModelConfig
 from .peft_config import resolve_modules
-from .spec import AdapterError, AdapterSpec, LoraAdapter, ModuleKey, pack_host_adapter
+from .spec import AdapterError, AdapterSpec, LoraAdapter, ModuleKey, check_finite, pack_host_adapter
 
 log = logging.getLogger("loraplex.adapters")
 
@@ -169,7 +169,8 @@ def inspect_peft_adapter(folder: str | Path, model: ModelConfig, *, name: str | 
                                f"max_lora_rank={max_rank}")
     spec = AdapterSpec(name=name or folder.name, source=str(folder), modules=modules,
                        base_model_name_or_path=cfg.get("base_model_name_or_path"),
-                       locator={k: found[k] for k in modules},
+                       locator={k: {ab: (found[k][ab], tuple(infos[found[k][ab]][0])) for ab in "AB"}
+                                for k in modules},
                        weights_dtype=dtypes.pop() if len(dtypes) == 1 else torch.float32)
     _check_base_model(spec, model)
     return spec
@@ -191,7 +192,7 @@ def read_peft_adapter(spec: AdapterSpec, dtype: torch.dtype, pin: bool = False) 
     """Read the weights of an inspected folder, check their values, cast them to `dtype` once."""
     folder = Path(spec.source)
     path = weights_file(folder)
-    keys: dict[ModuleKey, dict[str, str]] = spec.locator
+    keys = {module: {ab: key for ab, (key, _) in abs_.items()} for module, abs_ in spec.locator.items()}
     tensors = {}
     if path.suffix == ".safetensors":
         from safetensors import safe_open
@@ -208,14 +209,18 @@ def read_peft_adapter(spec: AdapterSpec, dtype: torch.dtype, pin: bool = False) 
                 raise AdapterError(f"{path}: changed since it was registered (key {ab['A']!r} is gone)")
             tensors[module] = (state[ab["A"]], state[ab["B"]])
     for module, (a, b) in tensors.items():
-        want = spec.modules[module].rank
-        if a.shape[0] != want or b.shape[1] != want:
-            raise AdapterError(f"{path}: changed since it was registered (layer {module[0]} {module[1]})")
+        for ab, t in (("A", a), ("B", b)):
+            key, shape = spec.locator[module][ab]
+            if tuple(t.shape) != shape:
+                raise AdapterError(f"{path}: changed since it was registered (tensor {key!r} is now "
+                                   f"{list(t.shape)}, was {list(shape)})")
     adapter = pack_host_adapter(spec, tensors, dtype, pin)
-    if not all(torch.isfinite(b).all() for b in adapter.buffers):  # one pass over the cast copy; if it
-        for module, (a, b) in tensors.items():                      # fails, find the source tensor at fault
+    try:
+        check_finite(adapter, str(path))  # one pass over the cast copy; on failure, name the tensor at fault
+    except AdapterError:
+        for module, (a, b) in tensors.items():
             for ab, t in (("A", a), ("B", b)):
                 if not torch.isfinite(t).all():
-                    raise AdapterError(f"{path}: tensor {keys[module][ab]!r} holds NaN or infinite values")
-        raise AdapterError(f"{path}: values overflow {str(dtype).replace('torch.', '')}, the serving dtype")
+                    raise AdapterError(f"{path}: tensor {keys[module][ab]!r} holds NaN or infinite values") from None
+        raise AdapterError(f"{path}: values overflow {str(dtype).replace('torch.', '')}, the serving dtype") from None
     return adapter

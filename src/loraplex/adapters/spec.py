@@ -1,6 +1,7 @@
 """What an adapter is once validated: per (layer, projection) rank and scale, and its host weights."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +14,23 @@ ModuleKey = tuple[int, str]  # (layer index, projection name)
 
 class AdapterError(ValueError):
     """An adapter that cannot be served; the message names the file, field or key at fault."""
+
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
+
+
+def check_adapter_name(name) -> None:
+    """Names appear in the OpenAI API's `model` field and in metrics: printable, no spaces."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise AdapterError(f"adapter name {name!r} is not allowed: 1-128 characters, letters, digits and "
+                           f"._:/@+- , starting with a letter or digit")
+
+
+def check_finite(adapter: "LoraAdapter", where: str) -> None:
+    """NaN or inf in an adapter's host copy (in the serving dtype, so overflow of the cast counts)."""
+    if not all(torch.isfinite(b).all() for b in adapter.buffers):
+        raise AdapterError(f"{where}: holds NaN or infinite values once cast to "
+                           f"{str(adapter.buffers[0].dtype).replace('torch.', '')}, the serving dtype")
 
 
 @dataclass(frozen=True)

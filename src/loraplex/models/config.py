@@ -61,8 +61,10 @@ class ModelConfig:
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim")
         if head_dim is None:  # older configs leave it implied
-            if not isinstance(heads, int) or heads <= 0 or cfg["hidden_size"] % heads:
-                raise ValueError(f"config{where}: hidden_size={cfg['hidden_size']} does not split into "
+            hidden = cfg["hidden_size"]
+            if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (heads, hidden)) \
+                    or hidden % heads:
+                raise ValueError(f"config{where}: hidden_size={cfg['hidden_size']!r} does not split into "
                                  f"num_attention_heads={heads} heads and no head_dim is given")
             head_dim = cfg["hidden_size"] // heads
         kv_heads = cfg.get("num_key_value_heads")
