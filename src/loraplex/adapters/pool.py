@@ -104,11 +104,6 @@ class AdapterPool:
         self.ranks[:, :, slot].copy_(ranks, non_blocking=non_blocking)
         self.scalings[:, :, slot].copy_(scalings, non_blocking=non_blocking)
 
-    def clear(self, slot: int) -> None:
-        """Rank 0 everywhere: the slot adds nothing (its weights are left as they were, never read)."""
-        self._check_slot(slot)
-        self.ranks[:, :, slot] = 0
-
     def delta(self, slot: int, layer: int, proj: str) -> torch.Tensor:
         """The slot's weight change for one projection, `scaling * B[:, :r] @ A[:r]`, in float64 `[out, in]`."""
         p = _PROJ_INDEX[proj]
