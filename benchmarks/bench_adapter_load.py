@@ -83,6 +83,17 @@ def gbs(nbytes: int | float, seconds: float) -> float:
     return nbytes / seconds / GB if seconds > 0 else float("nan")
 
 
+def _finish_run(out: dict, run: dict, file_bytes: int, adapter_bytes: int, device: str) -> dict:
+    """Rates of a completed cache run, peak memory, and the GPU's cached blocks handed back."""
+    if run["completed"]:
+        out["file_gbs"] = gbs(file_bytes, run["seconds"])
+        out["adapter_gbs"] = gbs(adapter_bytes, run["seconds"])
+    out["peak_rss_gb"] = peak_rss_gb()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
 def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB  # Linux: KiB
 
@@ -489,14 +500,8 @@ def bench_folders(model, pairs, args, device, adapter_bytes) -> dict:
            "register_s": register_s, "register_ms_each": register_s / len(pairs) * 1e3,
            "evicted": ev["done"] and ev2["done"], "resident_before_register": res_reg,
            "resident_before_load": res, **run}
-    if run["completed"]:
-        out["file_gbs"] = gbs(file_bytes, run["seconds"])
-        out["adapter_gbs"] = gbs(adapter_bytes * len(pairs), run["seconds"])
-    out["peak_rss_gb"] = peak_rss_gb()
-    del cache
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    return out
+    del cache  # the pool's GPU memory goes back before the next run
+    return _finish_run(out, run, file_bytes, adapter_bytes * len(pairs), device)
 
 
 def bench_packed(model, pairs, args, device, adapter_bytes, packed_dir: Path) -> dict:
@@ -540,14 +545,8 @@ def bench_packed(model, pairs, args, device, adapter_bytes, packed_dir: Path) ->
            "adapter_bytes": adapter_bytes * len(names), "evicted": ev["done"] and ev0["done"] and ev2["done"],
            "one_adapter_bytes": adapter_bytes, **one,
            "resident_before_register": res_reg, "resident_before_load": res, **run}
-    if run["completed"]:
-        out["file_gbs"] = gbs(size, run["seconds"])
-        out["adapter_gbs"] = gbs(adapter_bytes * len(names), run["seconds"])
-    out["peak_rss_gb"] = peak_rss_gb()
-    del cache
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    return out
+    del cache  # the pool's GPU memory goes back before the next run
+    return _finish_run(out, run, size, adapter_bytes * len(names), device)
 
 
 # ---- 4. registering many small adapters -----------------------------------------------------------------

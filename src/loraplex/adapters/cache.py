@@ -117,12 +117,6 @@ class AdapterCache:
         log.info("registered %d adapters from %s", len(packed.specs), packed.path)
         return [s.name for s in packed.specs]
 
-    def register_source(self, name: str, spec: AdapterSpec, read: Reader) -> None:
-        """Add an already-validated adapter read by `read(dtype, pin)` (packed files use this)."""
-        self._check_new_name(name)
-        self.pool.check_fits(spec.max_rank, name)
-        self._add(name, spec, read)
-
     def _check_new_name(self, name: str) -> None:
         check_adapter_name(name)
         with self._lock:

@@ -1,11 +1,11 @@
-"""Many adapters in one safetensors file, validated once, registered at once, read memory-mapped.
+"""Many adapters in one safetensors file: validated once at `convert`, registered at once, read on demand.
 
 Layout, for every layer `l` and projection `p` that any adapter touches:
 
     layers.{l}.{p}.lora_a    [rows, in]    every adapter's A, one block of `rank` rows each
     layers.{l}.{p}.lora_b_t  [rows, out]   every adapter's B transposed, same blocks
 
-so one adapter's weights are contiguous rows wherever its ranks differ from its neighbours'
+so each adapter's block in each tensor is `rank` contiguous rows, whatever its neighbours' ranks
 (no padding to a common rank). `manifest.ranks` (int32), `manifest.scalings` (float32) and
 `manifest.row_offsets` (int64), each `[adapters, layers, projections]`, say where each block is;
 rank 0 means "not targeted". The header metadata holds the adapter names and sources, the base
@@ -23,7 +23,8 @@ import torch
 
 from ..models.config import PROJECTIONS, ModelConfig
 from .peft_format import inspect_peft_adapter, read_peft_adapter
-from .spec import AdapterError, AdapterSpec, LoraAdapter, ModuleSpec, check_adapter_name, check_finite, pack_host_adapter
+from .spec import (AdapterError, AdapterSpec, LoraAdapter, ModuleSpec, check_adapter_name, check_finite,
+                   pack_host_adapter)
 
 FORMAT = "loraplex-packed-lora"
 VERSION = "1"
