@@ -6,9 +6,11 @@ layer, with k/v narrower than q under grouped-query attention.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from .rope import RopeConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -39,6 +41,19 @@ class ModelConfig:
     head_dim: int
     vocab_size: int
     name_or_path: str = ""
+    # The rest only matters to the forward pass; defaults are Llama 2's.
+    architecture: str = ""
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False     # Qwen2, or Llama's attention_bias
+    o_bias: bool = False       # Llama's attention_bias
+    mlp_bias: bool = False     # Llama's mlp_bias
+    sliding_windows: tuple[int, ...] = ()  # per layer, 0 = full attention; () = every layer full
+    dtype: str = ""            # the checkpoint's dtype as saved ("bfloat16", …), "" if not given
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -51,6 +66,19 @@ class ModelConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if isinstance(self.rms_norm_eps, bool) or not isinstance(self.rms_norm_eps, (int, float)) \
+                or not self.rms_norm_eps > 0:
+            raise ValueError(f"config field rms_norm_eps must be a positive number, got {self.rms_norm_eps!r}")
+        if self.sliding_windows and len(self.sliding_windows) != self.num_hidden_layers:
+            raise ValueError(f"{len(self.sliding_windows)} sliding windows for {self.num_hidden_layers} layers")
+        if any(not isinstance(w, int) or w < 0 for w in self.sliding_windows):
+            raise ValueError(f"sliding windows must be integers >= 0, got {self.sliding_windows}")
+
+    def sliding_window(self, layer: int) -> int:
+        """Keys a query of `layer` sees (itself included), or 0 for the whole context."""
+        return self.sliding_windows[layer] if self.sliding_windows else 0
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], name_or_path: str = "") -> "ModelConfig":
@@ -68,12 +96,31 @@ class ModelConfig:
                                  f"num_attention_heads={heads} heads and no head_dim is given")
             head_dim = cfg["hidden_size"] // heads
         kv_heads = cfg.get("num_key_value_heads")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"config{where}: hidden_act={cfg['hidden_act']!r} is not served (only 'silu')")
+        if cfg.get("pretraining_tp", 1) not in (1, None):
+            raise ValueError(f"config{where}: pretraining_tp={cfg['pretraining_tp']} is not served")
+        family = cfg["model_type"]
+        architectures = cfg.get("architectures") or []
+        eos = cfg.get("eos_token_id")
         try:
-            return cls(model_type=cfg["model_type"], hidden_size=cfg["hidden_size"],
+            return cls(model_type=family, hidden_size=cfg["hidden_size"],
                        intermediate_size=cfg["intermediate_size"], num_hidden_layers=cfg["num_hidden_layers"],
                        num_attention_heads=heads, num_key_value_heads=heads if kv_heads is None else kv_heads,
                        head_dim=head_dim, vocab_size=cfg.get("vocab_size", 32000),
-                       name_or_path=name_or_path or cfg.get("_name_or_path", ""))
+                       name_or_path=name_or_path or cfg.get("_name_or_path", ""),
+                       architecture=architectures[0] if isinstance(architectures, list) and architectures else "",
+                       rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+                       rope=RopeConfig.from_config_dict(cfg, where),
+                       max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+                       tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                       qkv_bias=family == "qwen2" or (family == "llama" and bool(cfg.get("attention_bias"))),
+                       o_bias=family == "llama" and bool(cfg.get("attention_bias")),
+                       mlp_bias=family == "llama" and bool(cfg.get("mlp_bias")),
+                       sliding_windows=_sliding_windows(cfg, where),
+                       dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or ""),
+                       bos_token_id=cfg.get("bos_token_id"),
+                       eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]))
         except ValueError as e:
             raise ValueError(f"config{where}: {e}") from None
 
@@ -90,6 +137,18 @@ class ModelConfig:
         if not isinstance(cfg, dict):
             raise ValueError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
         return cls.from_dict(cfg, name_or_path=str(model_dir))
+
+    def has_bias(self, proj: str) -> bool:
+        if proj in ("q_proj", "k_proj", "v_proj"):
+            return self.qkv_bias
+        return self.o_bias if proj == "o_proj" else self.mlp_bias
+
+    def with_layers(self, num_hidden_layers: int) -> "ModelConfig":
+        """The same model cut (or grown) to `num_hidden_layers` layers: benchmark and test shapes."""
+        windows = self.sliding_windows
+        if windows:
+            windows = tuple(windows[i] if i < len(windows) else windows[-1] for i in range(num_hidden_layers))
+        return replace(self, num_hidden_layers=num_hidden_layers, sliding_windows=windows)
 
     def projection_shape(self, proj: str) -> tuple[int, int]:
         """(in_features, out_features) of one projection."""
@@ -114,3 +173,28 @@ class ModelConfig:
         """Weights (A and B) of a rank-`rank` adapter on `projections` of every layer."""
         per_layer = sum(rank * sum(self.projection_shape(p)) for p in projections)
         return per_layer * self.num_hidden_layers
+
+
+def _sliding_windows(cfg: dict[str, Any], where: str) -> tuple[int, ...]:
+    """Per-layer windows as transformers applies them: Mistral on every layer when `sliding_window`
+    is set; Qwen2 only with `use_sliding_window`, on the layers `layer_types` (or, in older
+    configs, `max_window_layers`) marks; Llama never."""
+    family, window, layers = cfg["model_type"], cfg.get("sliding_window"), cfg["num_hidden_layers"]
+    if family == "llama" or window is None:
+        return ()
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise ValueError(f"config{where}: sliding_window must be a positive integer or null, got {window!r}")
+    if family == "mistral":
+        return (window,) * layers
+    if not cfg.get("use_sliding_window", False):
+        return ()
+    types = cfg.get("layer_types")
+    if types is None:
+        first = cfg.get("max_window_layers", layers)
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers or \
+            any(t not in ("sliding_attention", "full_attention") for t in types):
+        raise ValueError(f"config{where}: layer_types must list 'full_attention' or 'sliding_attention' "
+                         f"for each of the {layers} layers, got {types!r}")
+    windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+    return windows if any(windows) else ()

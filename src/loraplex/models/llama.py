@@ -1,0 +1,156 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2) over one flat mixed batch, LoRA on every projection.
+
+One forward runs every token of every sequence together (`ForwardBatch`): each dense layer is
+one GEMM over all rows plus one batched LoRA launch (`ops.add_lora`, each sequence its own
+adapter slot); q/k/v and gate/up are fused GEMMs whose LoRA is one multi-slice launch.
+Attention is per sequence over the paged KV cache. Norms, RoPE and SiLU-and-mul are fused
+ops that round where transformers rounds, so outputs match transformers + PEFT.
+
+Weights keep Hugging Face's `[out, in]` orientation; fused weights are row blocks of their
+parts (`qkv_proj = [q; k; v]`, `gate_up_proj = [gate; up]`), filled by the loader.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..adapters.pool import AdapterPool
+from ..ops import add_lora
+from ..ops.attention import paged_attention, store_kv
+from ..ops.fused import apply_rope, rms_norm, silu_and_mul
+from .config import ModelConfig
+from .forward_batch import ForwardBatch
+from .kv_cache import KVCache
+
+QKV = ("q_proj", "k_proj", "v_proj")
+GATE_UP = ("gate_proj", "up_proj")
+
+
+def _weight(out_features: int, in_features: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+
+
+def _bias(out_features: int, present: bool) -> nn.Parameter | None:
+    return nn.Parameter(torch.empty(out_features), requires_grad=False) if present else None
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        c, self.layer = config, layer
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_width, self.kv_width = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        self.eps, self.scale = c.rms_norm_eps, c.head_dim ** -0.5
+        self.sliding_window = c.sliding_window(layer)
+        self.input_layernorm = nn.Parameter(torch.empty(c.hidden_size), requires_grad=False)
+        self.qkv_proj = _weight(self.q_width + 2 * self.kv_width, c.hidden_size)
+        self.qkv_bias = _bias(self.q_width + 2 * self.kv_width, c.qkv_bias)
+        self.o_proj = _weight(c.hidden_size, self.q_width)
+        self.o_bias = _bias(c.hidden_size, c.o_bias)
+        self.post_attention_layernorm = nn.Parameter(torch.empty(c.hidden_size), requires_grad=False)
+        self.gate_up_proj = _weight(2 * c.intermediate_size, c.hidden_size)
+        self.gate_up_bias = _bias(2 * c.intermediate_size, c.mlp_bias)
+        self.down_proj = _weight(c.hidden_size, c.intermediate_size)
+        self.down_bias = _bias(c.hidden_size, c.mlp_bias)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
+                kv: KVCache, pool: AdapterPool | None, inv_freq: torch.Tensor,
+                backend: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        T, L = hidden.shape[0], self.layer
+        lora = pool is not None and batch.has_adapters
+
+        def project(x: torch.Tensor, weight, bias, projs: tuple[str, ...]) -> torch.Tensor:
+            y = F.linear(x, weight, bias)
+            if lora:
+                a, b, ranks, scalings = pool.stacks(L, projs)
+                add_lora(y, x, a if len(projs) > 1 else a[0], b if len(projs) > 1 else b[0], batch.lora,
+                         ranks if len(projs) > 1 else ranks[0], scalings if len(projs) > 1 else scalings[0],
+                         backend=backend)
+            return y
+
+        x, residual = rms_norm(hidden, self.input_layernorm, self.eps, residual=residual, backend=backend)
+        qkv = project(x, self.qkv_proj, self.qkv_bias, QKV)
+        q = qkv[:, :self.q_width].view(T, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_width:self.q_width + self.kv_width].view(T, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_width + self.kv_width:].view(T, self.num_kv_heads, self.head_dim)
+        apply_rope(q, k, batch.positions, inv_freq, backend=backend)
+        store_kv(k, v, kv.k[L], kv.v[L], batch.slot_mapping, backend=backend)
+        attn = paged_attention(q, kv.k[L], kv.v[L], batch.block_tables, batch.seq_lens, batch.query_start,
+                               max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len,
+                               scale=self.scale, sliding_window=self.sliding_window, backend=backend)
+        out = project(attn.view(T, self.q_width), self.o_proj, self.o_bias, ("o_proj",))
+        x, residual = rms_norm(out, self.post_attention_layernorm, self.eps, residual=residual, backend=backend)
+        gate_up = project(x, self.gate_up_proj, self.gate_up_bias, GATE_UP)
+        out = project(silu_and_mul(gate_up, backend=backend), self.down_proj, self.down_bias, ("down_proj",))
+        return out, residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama 2/3 (GQA, `llama3`/`linear` RoPE scaling, tied or untied embeddings); base of the others."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = nn.Parameter(torch.empty(config.hidden_size), requires_grad=False)
+        # Tied embeddings are not registered twice: module moves (to_empty, to) would untie them.
+        self.lm_head_weight = None if config.tie_word_embeddings else \
+            nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
+        self.register_buffer("inv_freq", config.rope.inv_freq(config.head_dim), persistent=False)
+        self.backend: str | None = None  # ops backend: None picks Triton on CUDA, the reference on the CPU
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.dtype
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache, pool: AdapterPool | None = None) -> torch.Tensor:
+        """float32 logits `[len(batch.logits_rows), vocab]`, one row per sequence that asked for them.
+
+        Writes the batch's new keys and values into `kv_cache`. Sequences with adapter slot -1
+        (or every sequence, without a `pool`) run the base model.
+        """
+        self._check(batch, kv_cache, pool)
+        hidden = F.embedding(batch.input_ids, self.embed_tokens)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, batch, kv_cache, pool, self.inv_freq, self.backend)
+        # Only the rows that get logits go through the final norm and the lm_head.
+        rows = batch.logits_rows
+        hidden, _ = rms_norm(hidden.index_select(0, rows), self.norm, self.config.rms_norm_eps,
+                             residual=residual.index_select(0, rows), backend=self.backend)
+        return F.linear(hidden, self.lm_head).float()
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        return self.embed_tokens if self.lm_head_weight is None else self.lm_head_weight
+
+    def _check(self, batch: ForwardBatch, kv: KVCache, pool: AdapterPool | None) -> None:
+        if kv.model.num_hidden_layers != self.config.num_hidden_layers or \
+                kv.model.num_key_value_heads != self.config.num_key_value_heads or \
+                kv.model.head_dim != self.config.head_dim:
+            raise ValueError("the KV cache was made for a different model shape")
+        if kv.dtype != self.dtype or kv.device != self.device:
+            raise ValueError(f"the KV cache is {kv.dtype} on {kv.device}; the model is {self.dtype} on {self.device}")
+        if batch.input_ids.device != self.device:
+            raise ValueError(f"the batch is on {batch.input_ids.device}; the model is on {self.device}")
+        if pool is not None:
+            if pool.dtype != self.dtype or pool.ranks.device != self.device:
+                raise ValueError(f"the adapter pool is {pool.dtype} on {pool.ranks.device}; "
+                                 f"the model is {self.dtype} on {self.device}")
+            if pool.model.num_hidden_layers != self.config.num_hidden_layers:
+                raise ValueError("the adapter pool was made for a different model")
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Llama's layout with a sliding attention window (from the config) on every layer."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Llama's layout with biases on q/k/v and, when the config enables it, sliding-window layers."""

@@ -1,0 +1,185 @@
+"""Build a model from a Hugging Face folder, or with random weights of a named shape.
+
+The model is built on the meta device, given uninitialised memory on the target device,
+and filled one checkpoint tensor at a time from memory-mapped safetensors files (or
+`pytorch_model*.bin` with `mmap`), so the host never holds a second copy of the weights.
+Every checkpoint key must land somewhere and every weight must be filled: a missing, extra
+or misshapen tensor is an error that names the key and the file.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .config import ModelConfig
+from .llama import LlamaForCausalLM
+from .presets import preset_config
+from .registry import model_class
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Checkpoint entries that hold no weight of ours: old RoPE buffers.
+_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+
+def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.dtype:
+    """'auto' is the checkpoint's dtype (float32 when the config names none)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+        return dtype
+    if dtype == "auto":
+        return DTYPES.get(config.dtype, torch.float32)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def build_empty(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> LlamaForCausalLM:
+    """The model with uninitialised weights on `device` (built on meta: no throwaway init)."""
+    cls = model_class(config)
+    with torch.device("meta"):
+        model = cls(config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.inv_freq = config.rope.inv_freq(config.head_dim).to(device)  # fp32, not the weights' dtype
+    return model.eval()
+
+
+def weight_targets(model: LlamaForCausalLM) -> dict[str, tuple[torch.Tensor, int]]:
+    """Checkpoint key → (our tensor, first row): fused weights take their parts as row blocks."""
+    c = model.config
+    targets: dict[str, tuple[torch.Tensor, int]] = {"model.embed_tokens.weight": (model.embed_tokens, 0),
+                                                    "model.norm.weight": (model.norm, 0)}
+    if not c.tie_word_embeddings:
+        targets["lm_head.weight"] = (model.lm_head_weight, 0)
+    q, kv, inter = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        targets[p + "input_layernorm.weight"] = (layer.input_layernorm, 0)
+        targets[p + "post_attention_layernorm.weight"] = (layer.post_attention_layernorm, 0)
+        parts = [("self_attn.q_proj", layer.qkv_proj, layer.qkv_bias, 0),
+                 ("self_attn.k_proj", layer.qkv_proj, layer.qkv_bias, q),
+                 ("self_attn.v_proj", layer.qkv_proj, layer.qkv_bias, q + kv),
+                 ("self_attn.o_proj", layer.o_proj, layer.o_bias, 0),
+                 ("mlp.gate_proj", layer.gate_up_proj, layer.gate_up_bias, 0),
+                 ("mlp.up_proj", layer.gate_up_proj, layer.gate_up_bias, inter),
+                 ("mlp.down_proj", layer.down_proj, layer.down_bias, 0)]
+        for name, weight, bias, row in parts:
+            targets[f"{p}{name}.weight"] = (weight, row)
+            if bias is not None:
+                targets[f"{p}{name}.bias"] = (bias, row)
+    return targets
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The weight files, from the index when there is one."""
+    for index_name, single in (("model.safetensors.index.json", "model.safetensors"),
+                               ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+        index = folder / index_name
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                names = sorted(set(weight_map.values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ValueError(f"{index}: not a valid weight index ({e})") from None
+            missing = [n for n in names if not (folder / n).exists()]
+            if missing:
+                raise ValueError(f"{index} lists {missing[0]}, which is not in {folder}")
+            return [folder / n for n in names]
+        if (folder / single).exists():
+            return [folder / single]
+    raise ValueError(f"{folder}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+
+
+def _tensors(path: Path):
+    """(key, shape, load) for each tensor of one file; `load()` reads just that tensor."""
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+        try:
+            handle = safe_open(str(path), framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises its own error types for bad headers
+            raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+        with handle as f:
+            for key in f.keys():
+                yield key, tuple(f.get_slice(key).get_shape()), (lambda k=key: f.get_tensor(k))
+        return
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:
+        raise ValueError(f"{path}: not a readable PyTorch checkpoint ({e})") from None
+    for key, tensor in state.items():
+        yield key, tuple(tensor.shape), (lambda t=tensor: t)
+
+
+def load_weights(model: LlamaForCausalLM, folder: Path, progress: bool | None = None) -> None:
+    targets = weight_targets(model)
+    files = checkpoint_files(folder)
+    total = sum(f.stat().st_size for f in files)
+    show = progress if progress is not None else total > 2**30
+    filled: set[str] = set()
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {folder.name}", disable=not show) as bar:
+        for path in files:
+            for key, shape, load in _tensors(path):
+                if _IGNORED.search(key) or (key == "lm_head.weight" and model.config.tie_word_embeddings):
+                    continue
+                if key not in targets:
+                    raise ValueError(f"{path}: tensor {key!r} is not a weight of {type(model).__name__} "
+                                     f"with this config")
+                if key in filled:
+                    raise ValueError(f"{path}: tensor {key!r} appears twice in the checkpoint")
+                dest, row = targets[key]
+                expected = (_part_rows(model, key, dest),) + tuple(dest.shape[1:])
+                if shape != expected:
+                    raise ValueError(f"{path}: tensor {key!r} has shape {list(shape)}; the config gives "
+                                     f"{list(expected)}")
+                part = dest.narrow(0, row, shape[0])
+                tensor = load()
+                part.copy_(tensor)
+                if not torch.isfinite(part).all():
+                    raise ValueError(f"{path}: tensor {key!r} has NaN or inf values in {model.dtype}")
+                filled.add(key)
+                bar.update(tensor.numel() * tensor.element_size())
+    missing = sorted(set(targets) - filled)
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"{folder}: the checkpoint has no tensor {missing[0]!r}{more}")
+
+
+def _part_rows(model: LlamaForCausalLM, key: str, dest: torch.Tensor) -> int:
+    c = model.config
+    widths = {"q_proj": c.num_attention_heads * c.head_dim, "k_proj": c.num_key_value_heads * c.head_dim,
+              "v_proj": c.num_key_value_heads * c.head_dim, "gate_proj": c.intermediate_size,
+              "up_proj": c.intermediate_size}
+    name = key.rsplit(".", 2)[-2]
+    return widths.get(name, dest.shape[0])
+
+
+def load_model(folder: str | Path, *, dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu",
+               progress: bool | None = None) -> LlamaForCausalLM:
+    """A served model from a Hugging Face folder (`config.json` + weights), on `device`."""
+    folder = Path(folder)
+    config = ModelConfig.from_pretrained(folder)
+    model = build_empty(config, resolve_dtype(dtype, config), device)
+    load_weights(model, folder, progress)
+    return model
+
+
+def dummy_model(config: ModelConfig | str, *, dtype: str | torch.dtype = "bfloat16",
+                device: torch.device | str = "cpu", seed: int = 0, num_layers: int | None = None,
+                std: float = 0.02) -> LlamaForCausalLM:
+    """Random weights of the right shapes, from a config or a preset name: no files at all."""
+    if isinstance(config, str):
+        config = preset_config(config, num_layers)
+    elif num_layers is not None:
+        config = config.with_layers(num_layers)
+    model = build_empty(config, resolve_dtype(dtype, config), device)
+    gen = torch.Generator(device=model.device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "norm" in name:  # RMSNorm gains near 1, as trained models have
+            param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen, device=param.device))
+        else:
+            param.normal_(0.0, std, generator=gen)
+    return model

@@ -1,0 +1,455 @@
+"""Triton kernels for paged attention and their launch code (semantics: see `attention.py`).
+
+- `_store_kv_kernel`: one program per new token (and group of kv heads) copies its k and v rows
+  into their cache slot; slot < 0 (a padding row) is skipped. One launch for both tensors.
+
+A batch's sequences go to two kernels by their number of query rows; each kernel skips the
+other's sequences, so a mixed batch (prefill chunks and decode tokens) launches both, and a
+decode-only batch (max_query_len == 1) only the second:
+
+- `_prefill_kernel` (sequences of ≥ 2 rows): flash attention over the pages. A program takes one
+  tile of BLOCK_Q query rows of one sequence and one kv head, and packs the G query heads that
+  share the kv head into the rows of the tile (row m = query row m // G_PAD, head m % G_PAD), so
+  each K/V tile is read once per kv head and tl.dot has M = BLOCK_Q * G_PAD ≥ 16 rows. Keys
+  stream in tiles of BLOCK_N tokens gathered through the block table token by token (a tile may
+  span pages of any size). The online softmax runs in fp32 with exp2 (log2 e folded into the
+  scale). Key tiles are walked in three ranges: a masked left edge (sliding window only), an
+  unmasked middle that lies inside every row's range, and a masked right edge (the causal
+  diagonal); tiles no row of the tile needs are never visited.
+  Grid: (T // BLOCK_Q + S, Hkv), from host ints only. Sequence s's tiles are numbered from
+  query_start[s] // BLOCK_Q + s: the numbering is non-decreasing, leaves each sequence room for
+  its cdiv(q_len, BLOCK_Q) tiles, and ends by query_start[S] // BLOCK_Q + S ≤ T // BLOCK_Q + S.
+  A program finds its sequence by counting the sequences that start at or before its tile
+  number (one vector load of query_start per SCAN sequences); programs in the gaps (at most one
+  per sequence) and on one-row sequences exit at once. Programs run in reverse order so the
+  long last tiles of each sequence start first.
+
+- `_decode_kernel` + `_decode_reduce_kernel` (sequences of 1 row): split-KV flash decoding.
+  Grid (S, Hkv, splits): a program handles the G query heads of one kv head over a contiguous
+  range of `chunk` tokens of the context. tl.dot needs 16 rows, so the G heads are padded to
+  M = max(16, G_PAD) with masked rows: decode is memory bound, the padded rows cost only idle
+  tensor-core cycles, and the dot path lets Triton pipeline the K/V tile loads through shared
+  memory (cp.async), which is what keeps HBM busy. (Inside the prefill kernel a decode row would
+  fill G of its 64-128 tile rows, so there the wasted tensor-core work would outlast the reads.)
+  With one split the program writes `out` directly; with more, each writes fp32 partials
+  (unnormalised acc, running max, running sum) and the reduce kernel (grid (S, Hq)) combines
+  the splits a sequence's context reaches.
+
+Offsets into the caches are computed in int64 (num_blocks × block_size × Hkv × D may pass 2^31).
+Block table entries are loaded only for tokens below the sequence's length (masked loads).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import Launcher
+
+LOG2E = 1.4426950408889634
+# Running maxima start finite: a row whose first tiles are all masked (sliding window) then gets
+# exp2(-inf - NEG_BIG) = 0 rather than exp2(-inf + inf) = NaN.
+NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)
+UNSPLIT_CHUNK = 1 << 30  # "tokens per split" with one split: the whole context, whatever max_seq_len says
+SCAN = 128  # sequences per vector load when a prefill program looks for its sequence
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_kv_heads,
+                     stride_kt, stride_kh, stride_vt, stride_vh,
+                     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """k_cache[slot] = k[t], v_cache[slot] = v[t] for heads of this program's group, unless slot < 0."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask = (offs_h[:, None] < num_kv_heads) & (offs_d[None, :] < HEAD_DIM)
+        t64 = t.to(tl.int64)
+        k = tl.load(k_ptr + t64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+        v = tl.load(v_ptr + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+        # A contiguous cache is [num_slots, Hkv, D]: slot s starts at s * Hkv * D.
+        dst = slot * (num_kv_heads * HEAD_DIM) + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
+        tl.store(k_cache_ptr + dst, k, mask=mask)
+        tl.store(v_cache_ptr + dst, v, mask=mask)
+
+
+@triton.jit
+def _online_softmax_step(acc, m_i, l_i, q, k, v, qk_scale, keep, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+    """One key tile of flash attention: rescale the running (acc, max, sum) and add this tile.
+    Scores are in log2 units (qk_scale includes log2 e); `keep` is only read when MASKED."""
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if MASKED:
+        qk = tl.where(keep, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attend_range(acc, m_i, l_i, q, k_head, v_head, bt_row, n_begin, n_end, pos, kv_lo, kv_hi, qk_scale, window,
+                  stride_kb, stride_kt, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                  MASKED: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr):
+    """Flash-attention steps over the key tiles starting at n_begin, n_begin + BLOCK_N, ... < n_end.
+
+    Keys outside [kv_lo, kv_hi) are never read (nor their block table entries). MASKED tiles also
+    mask each row's scores to keys j ≤ pos (and j > pos - window with WINDOW); unmasked tiles must
+    lie inside every row's range. Each tile's K and V rows are gathered token by token through the
+    block table. The block ids are loaded one step ahead and carried to the next iteration: the K/V
+    addresses then do not depend on a load of the same iteration, so Triton's pipeliner treats the
+    K/V loads as direct ones and keeps num_stages - 1 tiles in flight (with the ids loaded in the
+    same iteration it keeps one)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    first = n_begin + tl.arange(0, BLOCK_N)
+    blk = tl.load(bt_row + first // PAGE, mask=(first >= kv_lo) & (first < kv_hi), other=0)
+    for n0 in range(n_begin, n_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = (offs_n >= kv_lo) & (offs_n < kv_hi)
+        nxt = offs_n + BLOCK_N
+        blk_next = tl.load(bt_row + nxt // PAGE, mask=(nxt >= kv_lo) & (nxt < kv_hi), other=0)
+        tok = blk.to(tl.int64) * stride_kb + (offs_n % PAGE) * stride_kt
+        if MASKED:  # masked tokens are not read: zeros instead, and -inf scores below
+            k = tl.load(k_head + tok[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+            v = tl.load(v_head + tok[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        else:
+            k = tl.load(k_head + tok[:, None] + offs_d[None, :])
+            v = tl.load(v_head + tok[:, None] + offs_d[None, :])
+        keep = n_mask[None, :] & (offs_n[None, :] <= pos[:, None])
+        if WINDOW:
+            keep = keep & (offs_n[None, :] > pos[:, None] - window)
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, qk_scale, keep, MASKED, PRECISION)
+        blk = blk_next
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _find_sequence(query_start_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr, SCAN_SEQS: tl.constexpr):
+    """The number of sequences s ≥ 1 whose first tile, query_start[s] // BLOCK_Q + s, is ≤ tile:
+    the sequence `tile` belongs to (num_seqs if past the last)."""
+    count = tile * 0
+    for c in range(0, num_seqs, SCAN_SEQS):
+        idx = c + 1 + tl.arange(0, SCAN_SEQS)
+        valid = idx <= num_seqs
+        first = tl.load(query_start_ptr + idx, mask=valid, other=0) // BLOCK_Q + idx
+        count += tl.sum((valid & (first <= tile)).to(tl.int32), 0)
+    return count
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
+                    num_seqs, qk_scale, window,
+                    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_bt,
+                    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, SCAN_SEQS: tl.constexpr, WINDOW: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """out[rows, heads] for one tile of BLOCK_Q query rows × the G heads of kv head program_id(1)."""
+    BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    kvh = tl.program_id(1)
+    s = _find_sequence(query_start_ptr, num_seqs, tile, BLOCK_Q, SCAN_SEQS)
+    s_safe = tl.minimum(s, num_seqs - 1)
+    q_begin = tl.load(query_start_ptr + s_safe)
+    q_len = tl.load(query_start_ptr + s_safe + 1) - q_begin
+    t0 = (tile - (q_begin // BLOCK_Q + s_safe)) * BLOCK_Q  # first query row of this tile, within the sequence
+    # One-row sequences (decode tokens) are the decode kernel's: in a tile of BLOCK_M rows they would
+    # use G of them, and the wasted tensor-core work would outlast reading their keys.
+    if (s < num_seqs) & (t0 >= 0) & (t0 < q_len) & (q_len > 1):
+        seq_len = tl.load(seq_lens_ptr + s)
+        n_rows = tl.minimum(q_len - t0, BLOCK_Q)
+        p_first = seq_len - q_len + t0  # positions of the tile's first and last query rows
+        p_last = p_first + n_rows - 1
+        offs_m = tl.arange(0, BLOCK_M)
+        qi = offs_m // G_PAD
+        head = kvh * G + offs_m % G_PAD
+        m_mask = (qi < n_rows) & (offs_m % G_PAD < G)
+        pos = p_first + qi
+        row = (q_begin + t0 + qi).to(tl.int64)
+        offs_d = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=m_mask[:, None], other=0.0)
+        bt_row = block_tables_ptr + s.to(tl.int64) * stride_bt
+        k_head = k_cache_ptr + kvh * HEAD_DIM
+        v_head = v_cache_ptr + kvh * HEAD_DIM
+        m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        kv_hi = p_last + 1  # keys the tile needs: [kv_lo, kv_hi)
+        kv_lo = p_first * 0
+        # Tiles in [full_lo, full_hi) lie inside every row's range [lo(p), p]: no mask needed.
+        full_lo = p_first * 0
+        full_hi = (p_first + 1) // BLOCK_N * BLOCK_N
+        if WINDOW:
+            kv_lo = tl.maximum(p_first - window + 1, 0)
+            full_lo = (tl.maximum(p_last - window + 1, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+            acc, m_i, l_i = _attend_range(acc, m_i, l_i, q, k_head, v_head, bt_row, kv_lo // BLOCK_N * BLOCK_N,
+                                          tl.minimum(full_lo, kv_hi), pos, kv_lo, kv_hi, qk_scale, window,
+                                          stride_kb, stride_kt, BLOCK_N, HEAD_DIM, PAGE, True, WINDOW, PRECISION)
+        acc, m_i, l_i = _attend_range(acc, m_i, l_i, q, k_head, v_head, bt_row, full_lo, full_hi, pos, kv_lo, kv_hi,
+                                      qk_scale, window, stride_kb, stride_kt, BLOCK_N, HEAD_DIM, PAGE, False, WINDOW,
+                                      PRECISION)
+        acc, m_i, l_i = _attend_range(acc, m_i, l_i, q, k_head, v_head, bt_row, tl.maximum(full_lo, full_hi), kv_hi,
+                                      pos, kv_lo, kv_hi, qk_scale, window, stride_kb, stride_kt, BLOCK_N, HEAD_DIM,
+                                      PAGE, True, WINDOW, PRECISION)
+        l_safe = tl.where(l_i > 0, l_i, 1.0)  # rows outside the tile have no keys; they are not stored
+        o = acc * (1.0 / l_safe)[:, None]
+        tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ml_ptr,
+                   block_tables_ptr, seq_lens_ptr, query_start_ptr,
+                   qk_scale, window, chunk, num_q_heads, num_splits, ml_stride,
+                   stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_bt,
+                   G: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   PAGE: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+    """The one query row of sequence program_id(0), G heads of kv head program_id(1), over keys
+    [lo + split * chunk, lo + (split + 1) * chunk) ∩ [lo, seq_len) of split program_id(2)."""
+    s = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    q_begin = tl.load(query_start_ptr + s)
+    q_end = tl.load(query_start_ptr + s + 1)
+    seq_len = tl.load(seq_lens_ptr + s)
+    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    start = lo + sp * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    if (q_end - q_begin == 1) & (start < end):  # sequences with more rows are the prefill kernel's
+        offs_m = tl.arange(0, M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        m_mask = offs_m < G
+        head = kvh * G + offs_m
+        row = q_begin.to(tl.int64)
+        q = tl.load(q_ptr + row * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=m_mask[:, None], other=0.0)
+        bt_row = block_tables_ptr + s.to(tl.int64) * stride_bt
+        k_head = k_cache_ptr + kvh * HEAD_DIM
+        v_head = v_cache_ptr + kvh * HEAD_DIM
+        m_i = tl.full([M], NEG_BIG, tl.float32)
+        l_i = tl.zeros([M], tl.float32)
+        acc = tl.zeros([M, HEAD_DIM], tl.float32)
+        pos = tl.zeros([M], tl.int32) + (seq_len - 1)  # the query row's position
+        acc, m_i, l_i = _attend_range(acc, m_i, l_i, q, k_head, v_head, bt_row, start, end, pos, start, end, qk_scale,
+                                      window, stride_kb, stride_kt, BLOCK_N, HEAD_DIM, PAGE, True, False, PRECISION)
+        if SPLIT:
+            idx = (s * num_q_heads + head).to(tl.int64) * num_splits + sp  # partial [s, head, split]
+            tl.store(part_o_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=m_mask[:, None])
+            tl.store(part_ml_ptr + idx, m_i, mask=m_mask)
+            tl.store(part_ml_ptr + ml_stride + idx, l_i, mask=m_mask)
+        else:
+            o = acc * (1.0 / l_i)[:, None]
+            tl.store(out_ptr + row * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+
+
+@triton.jit
+def _decode_reduce_kernel(part_o_ptr, part_ml_ptr, out_ptr, seq_lens_ptr, query_start_ptr,
+                          window, chunk, num_q_heads, num_splits, ml_stride, stride_ot, stride_oh,
+                          HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """out[row, h] = Σ_split 2^(m_split - M) acc_split / Σ_split 2^(m_split - M) l_split over the
+    splits this sequence's context reaches (the decode kernel wrote nothing for the others)."""
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    q_begin = tl.load(query_start_ptr + s)
+    q_end = tl.load(query_start_ptr + s + 1)
+    if q_end - q_begin == 1:
+        seq_len = tl.load(seq_lens_ptr + s)
+        lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+        used = tl.minimum((seq_len - lo + chunk - 1) // chunk, num_splits)
+        offs_sp = tl.arange(0, SPLITS_PAD)
+        sp_mask = offs_sp < used
+        idx = (s * num_q_heads + h).to(tl.int64) * num_splits + offs_sp
+        m = tl.load(part_ml_ptr + idx, mask=sp_mask, other=float("-inf"))
+        l_sum = tl.load(part_ml_ptr + ml_stride + idx, mask=sp_mask, other=0.0)
+        w = tl.math.exp2(m - tl.max(m, 0))
+        offs_d = tl.arange(0, HEAD_DIM)
+        o = tl.load(part_o_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], mask=sp_mask[:, None], other=0.0)
+        res = tl.sum(o * w[:, None], 0) / tl.sum(w * l_sum, 0)
+        tl.store(out_ptr + q_begin.to(tl.int64) * stride_ot + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty))
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers. Arguments arrive validated (see attention.py); these only pick tiles and launch.
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    block_m: int     # tile rows: query rows × padded query heads of one kv head (raised to G_PAD if smaller)
+    block_n: int     # keys per step
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    block_n: int     # keys per step
+    num_warps: int
+    num_stages: int
+    programs_per_sm: float = 2.0  # split the context until S × Hkv × splits reaches this many programs per SM
+    # (two resident programs per SM, 2 × 2 tiles in flight, already cover HBM latency: ~64 KB per SM)
+    min_split_tokens: int = 256   # ...but give each split at least this many tokens (more splits cost a reduce)
+    max_splits: int = 64
+
+
+# Fixed tables keyed on head_dim, for sm_90 (no autotuning here; revisit with a sweep on the GPU).
+# Prefill is compute bound: 128-row tiles (two warpgroups of wgmma for D=128, one for D ≤ 64) and
+# 64-key steps. Decode is memory bound: 16 KB K and V tiles (BLOCK_N · D = 8192 elements; 256 keys
+# for D < 64), 4 warps.
+# num_stages 3 keeps two K/V tiles in flight per program. Compiled for sm_90 (bf16, ptxas -v),
+# no spills: prefill D=128 190 registers × 8 warps, 128 KB shared (one program per SM); D=64 241 ×
+# 4 warps, 64 KB; D=256 (64 × 32 tiles, 2 stages) 255 × 4 warps, 96 KB. Decode D=128 96 registers,
+# 70 KB (three programs per SM); D=64 126, 70 KB.
+PREFILL_CONFIGS = {16: PrefillConfig(128, 64, 4, 3), 32: PrefillConfig(128, 64, 4, 3),
+                   64: PrefillConfig(128, 64, 4, 3), 128: PrefillConfig(128, 64, 8, 3),
+                   256: PrefillConfig(64, 32, 4, 2)}
+DECODE_CONFIGS = {16: DecodeConfig(256, 4, 3), 32: DecodeConfig(256, 4, 3), 64: DecodeConfig(128, 4, 3),
+                  128: DecodeConfig(64, 4, 3), 256: DecodeConfig(32, 4, 3)}
+# fp32 caches (tests, CPU-sized models) take twice the bytes per tile: the 16-bit tiles would need up
+# to 320 KB of shared memory, these small ones ≤ 136 KB (prefill) and ≤ 100 KB (decode) at D=256.
+FP32_PREFILL_CONFIG = PrefillConfig(32, 32, 4, 2)
+FP32_DECODE_CONFIG = DecodeConfig(32, 4, 2)
+
+
+def prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
+    return FP32_PREFILL_CONFIG if dtype == torch.float32 else PREFILL_CONFIGS[head_dim]
+
+
+def decode_config(head_dim: int, dtype: torch.dtype) -> DecodeConfig:
+    return FP32_DECODE_CONFIG if dtype == torch.float32 else DECODE_CONFIGS[head_dim]
+
+STORE_WARPS = 4
+REDUCE_WARPS = 4
+_STORE = Launcher(_store_kv_kernel)
+_PREFILL = Launcher(_prefill_kernel)
+_DECODE = Launcher(_decode_kernel)
+_REDUCE = Launcher(_decode_reduce_kernel)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    # On the CPU (Triton's interpreter) pretend to a small GPU, as sgmv does.
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 caches (tests, CPU models) get ~fp32 products; the setting is ignored for 16-bit inputs.
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def store_kv_constexprs(Hkv: int, D: int) -> dict:
+    """The store kernel's compile-time parameters: whole heads, up to 4096 elements of k (and of v) a program."""
+    block_d = _pow2(D)
+    return dict(HEAD_DIM=D, BLOCK_H=min(_pow2(Hkv), max(1, 4096 // block_d)), BLOCK_D=block_d)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """One launch, grid (T, head groups)."""
+    T, Hkv, D = k.shape
+    consts = store_kv_constexprs(Hkv, D)
+    grid = (T, _cdiv(Hkv, consts["BLOCK_H"]))
+    args = (k, v, k_cache, v_cache, slot_mapping, Hkv, k.stride(0), k.stride(1), v.stride(0), v.stride(1))
+    _STORE(grid, args, consts, STORE_WARPS, 1)
+
+
+def prefill_constexprs(G: int, D: int, page: int, window: int, dtype: torch.dtype, cfg: PrefillConfig) -> dict:
+    """The prefill kernel's compile-time parameters (also used by the ahead-of-time compile test)."""
+    g_pad = _pow2(G)
+    return dict(G=G, G_PAD=g_pad, BLOCK_Q=max(cfg.block_m, g_pad) // g_pad, BLOCK_N=cfg.block_n, HEAD_DIM=D,
+                PAGE=page, SCAN_SEQS=SCAN, WINDOW=window > 0, PRECISION=_precision(dtype))
+
+
+def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+            seq_lens: torch.Tensor, query_start: torch.Tensor, out: torch.Tensor, *, scale: float, window: int,
+            cfg: PrefillConfig | None = None) -> None:
+    """Attention rows of every sequence with ≥ 2 query rows (one-row sequences are `decode`'s)."""
+    T, Hq, D = q.shape
+    page, Hkv = k_cache.shape[1], k_cache.shape[2]
+    S = block_tables.shape[0]
+    cfg = cfg or prefill_config(D, q.dtype)
+    consts = prefill_constexprs(Hq // Hkv, D, page, window, q.dtype, cfg)
+    grid = (T // consts["BLOCK_Q"] + S, Hkv)
+    args = (q, k_cache, v_cache, out, block_tables, seq_lens, query_start, S, scale * LOG2E, window,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+            block_tables.stride(0))
+    _PREFILL(grid, args, consts, cfg.num_warps, cfg.num_stages)
+
+
+def plan_decode(num_seqs: int, num_kv_heads: int, max_seq_len: int, window: int, device: torch.device,
+                cfg: DecodeConfig, num_splits: int | None = None) -> tuple[int, int]:
+    """(splits, tokens per split) for a decode launch, from host ints only.
+
+    Without splits the grid is S × Hkv programs; when that is under `programs_per_sm` per SM (a
+    small batch), the context is cut into up to `max_splits` contiguous ranges of at least
+    `min_split_tokens` tokens so long contexts still fill the GPU. Ranges are whole BLOCK_N
+    steps. `num_splits` forces the count (tests; it may come out lower after rounding).
+    """
+    longest = max(1, min(max_seq_len, window) if window > 0 else max_seq_len)  # keys one query reads, at most
+    if num_splits is None:
+        wanted = math.ceil(cfg.programs_per_sm * _num_sms(device) / max(1, num_seqs * num_kv_heads))
+        num_splits = min(wanted, cfg.max_splits, longest // cfg.min_split_tokens)
+    if num_splits <= 1:
+        return 1, UNSPLIT_CHUNK
+    chunk = _cdiv(_cdiv(longest, num_splits), cfg.block_n) * cfg.block_n
+    splits = _cdiv(longest, chunk)
+    return (splits, chunk) if splits > 1 else (1, UNSPLIT_CHUNK)
+
+
+def decode_constexprs(G: int, D: int, page: int, split: bool, dtype: torch.dtype, cfg: DecodeConfig) -> dict:
+    """The decode kernel's compile-time parameters (also used by the ahead-of-time compile test)."""
+    return dict(G=G, M=max(16, _pow2(G)), BLOCK_N=cfg.block_n, HEAD_DIM=D, PAGE=page, SPLIT=split,
+                PRECISION=_precision(dtype))
+
+
+def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+           seq_lens: torch.Tensor, query_start: torch.Tensor, out: torch.Tensor, *, max_seq_len: int, scale: float,
+           window: int, num_splits: int | None = None, cfg: DecodeConfig | None = None) -> None:
+    """Attention rows of every one-row sequence (others are `prefill`'s): split as `plan_decode` says."""
+    T, Hq, D = q.shape
+    page, Hkv = k_cache.shape[1], k_cache.shape[2]
+    S = block_tables.shape[0]
+    G = Hq // Hkv
+    cfg = cfg or decode_config(D, q.dtype)
+    splits, chunk = plan_decode(S, Hkv, max_seq_len, window, q.device, cfg, num_splits)
+    strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+               block_tables.stride(0))
+    consts = decode_constexprs(G, D, page, splits > 1, q.dtype, cfg)
+    if splits == 1:  # no partials: the program writes out itself (the partial pointers are unused)
+        args = (q, k_cache, v_cache, out, out, out, block_tables, seq_lens, query_start, scale * LOG2E, window,
+                chunk, Hq, 1, 0, *strides)
+        _DECODE((S, Hkv, 1), args, consts, cfg.num_warps, cfg.num_stages)
+        return
+    n_part = S * Hq * splits
+    buf = torch.empty(n_part * (D + 2), dtype=torch.float32, device=q.device)  # one allocation: acc, then max, sum
+    part_o, part_ml = buf[:n_part * D], buf[n_part * D:]
+    args = (q, k_cache, v_cache, out, part_o, part_ml, block_tables, seq_lens, query_start, scale * LOG2E, window,
+            chunk, Hq, splits, n_part, *strides)
+    _DECODE((S, Hkv, splits), args, consts, cfg.num_warps, cfg.num_stages)
+    args = (part_o, part_ml, out, seq_lens, query_start, window, chunk, Hq, splits, n_part, out.stride(0),
+            out.stride(1))
+    _REDUCE((S, Hq), args, dict(HEAD_DIM=D, SPLITS_PAD=_pow2(splits)), REDUCE_WARPS, 1)

@@ -1,0 +1,268 @@
+"""Triton kernels for the small fused elementwise ops of the Llama-family forward (see fused.py).
+
+Each kernel repeats, in fp32 registers, the op order of Hugging Face transformers and rounds
+to the model dtype wherever transformers' separate PyTorch ops round (a 16-bit op computes
+in fp32 and rounds once). Three details make that hold on a GPU:
+
+- Transcendentals come from libdevice (`__nv_expf`, `__nv_cosf`, `__nv_sinf`, `__nv_rsqrtf`),
+  the CUDA math library PyTorch's own kernels call, not Triton's `tl.exp`/`tl.cos`
+  (`ex2.approx`/`sin.approx`-style fast paths, whose error grows with the argument; rotary
+  angles reach ~1e5 radians). Divisions are IEEE (`div_rn`).
+- A product that an addition consumes is written `mul_rn`: a plain fp32 multiply followed by
+  an add may be contracted into one FMA (by LLVM or by ptxas), which rounds once where
+  PyTorch's separate kernels round twice.
+- Row offsets are int64: T × row stride passes 2³¹ in long prefills.
+
+One difference remains by construction: Triton links libdevice in flush-to-zero mode, so a
+product below fp32's smallest normal (~1.2e-38) becomes 0 where PyTorch keeps a subnormal.
+
+Under Triton's CPU interpreter (TRITON_INTERPRET=1, the CPU tests) libdevice is not available
+and the fp32→bf16 cast truncates, so `COMPILED=False` swaps in `tl.exp`/`tl.cos`/... (numpy)
+and a round-to-nearest-even done on the bits. The op order is the same code either way.
+
+No kernel reads a value back to the host: the launches can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from .launch import Launcher
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+
+@triton.jit
+def _round(x, DT: tl.constexpr, COMPILED: tl.constexpr):
+    """fp32 `x` rounded to the dtype DT (to nearest, ties to even), returned as fp32."""
+    if DT == tl.float32:
+        y = x
+    elif COMPILED or DT != tl.bfloat16:
+        y = x.to(DT).to(tl.float32)
+    else:
+        # The interpreter's fp32→bf16 cast truncates; round on the bits instead (finite values).
+        u = x.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+        y = u.to(tl.float32, bitcast=True)
+    return y
+
+
+@triton.jit
+def _mul(a, b, COMPILED: tl.constexpr):
+    """a * b in fp32, never fused into a following add (PyTorch rounds the product on its own)."""
+    if COMPILED:
+        p = libdevice.mul_rn(a, b)
+    else:
+        p = a * b
+    return p
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm (+ residual add)
+
+
+@triton.jit
+def _norm_input(x_row, r_row, s_row, offs, mask, HAS_RESIDUAL: tl.constexpr, STORE_S: tl.constexpr,
+                COMPILED: tl.constexpr):
+    """The row segment to normalise, fp32: x, or residual + x rounded to x's dtype (stored to s if STORE_S)."""
+    DT = x_row.dtype.element_ty
+    v = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(r_row + offs, mask=mask, other=0.0).to(tl.float32)
+        v = _round(r + v, DT, COMPILED)
+        if STORE_S:
+            tl.store(s_row + offs, v.to(DT), mask=mask)
+    return v
+
+
+@triton.jit
+def _norm_output(v, rstd, w_row, out_row, offs, mask, COMPILED: tl.constexpr):
+    """out = (weight * (v * rstd rounded to the dtype)) rounded to the dtype."""
+    DT = out_row.dtype.element_ty
+    n = _round(v * rstd, DT, COMPILED)
+    w = tl.load(w_row + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_row + offs, _round(w * n, DT, COMPILED).to(DT), mask=mask)
+
+
+@triton.jit
+def _rstd(sum_sq, inv_h, eps, COMPILED: tl.constexpr):
+    # PyTorch's CUDA mean is sum * fp32(1/H); then `+ eps`, then rsqrtf.
+    var = _mul(sum_sq, inv_h, COMPILED) + eps
+    if COMPILED:
+        r = libdevice.rsqrt(var)
+    else:
+        r = tl.rsqrt(var)
+    return r
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, H, inv_h, eps, stride_x, stride_r, stride_out, stride_s,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
+                     COMPILED: tl.constexpr):
+    """One program per row: out[row] = weight * normalize(s[row]), s = x (+ residual)."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    r_row = r_ptr + row * stride_r
+    s_row = s_ptr + row * stride_s
+    out_row = out_ptr + row * stride_out
+    offs = tl.arange(0, BLOCK)
+    if ONE_PASS:
+        # The row fits one tile: read it once, keep it in registers.
+        mask = offs < H
+        v = _norm_input(x_row, r_row, s_row, offs, mask, HAS_RESIDUAL, True, COMPILED)
+        rstd = _rstd(tl.sum(v * v, axis=0), inv_h, eps, COMPILED)
+        _norm_output(v, rstd, w_ptr, out_row, offs, mask, COMPILED)
+    else:
+        # Wide rows: sum the squares tile by tile, then re-read (and re-add: recomputing
+        # residual + x gives the same bits and needs no ordering against our own stores).
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for c in range(0, H, BLOCK):
+            mask = c + offs < H
+            v = _norm_input(x_row, r_row, s_row, c + offs, mask, HAS_RESIDUAL, True, COMPILED)
+            acc += v * v
+        rstd = _rstd(tl.sum(acc, axis=0), inv_h, eps, COMPILED)
+        for c in range(0, H, BLOCK):
+            mask = c + offs < H
+            v = _norm_input(x_row, r_row, s_row, c + offs, mask, HAS_RESIDUAL, False, COMPILED)
+            _norm_output(v, rstd, w_ptr, out_row, c + offs, mask, COMPILED)
+
+
+# ---------------------------------------------------------------------------------------------
+# SiLU(gate) * up
+
+
+@triton.jit
+def _silu_and_mul_kernel(gu_ptr, out_ptr, I, stride_gu, stride_out, BLOCK: tl.constexpr, COMPILED: tl.constexpr):
+    """Program (row, column block): out = round(round(silu(gate)) * up), silu(g) = g / (1 + exp(-g))."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < I
+    DT = out_ptr.dtype.element_ty
+    gu_row = gu_ptr + row * stride_gu
+    g = tl.load(gu_row + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_row + I + offs, mask=mask, other=0.0).to(tl.float32)
+    if COMPILED:
+        e = libdevice.exp(-g)
+    else:
+        e = tl.exp(-g)
+    # Left to contraction on purpose: the compiler fuses expf's final scaling with `1 +` into one FMA,
+    # as nvcc (which also contracts by default) can in PyTorch's silu kernel; tests/test_fused_gpu.py
+    # reports whether the bits agree.
+    a = _round(tl.math.div_rn(g, 1.0 + e), DT, COMPILED)
+    tl.store(out_ptr + row * stride_out + offs, _round(a * u, DT, COMPILED).to(DT), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary embedding (rotate_half convention), in place
+
+
+@triton.jit
+def _rotate_heads(base, num_heads, stride_h, HALF, c, s, offs_d, d_mask, BLOCK_H: tl.constexpr,
+                  COMPILED: tl.constexpr):
+    """x1' = x1·cos − x2·sin, x2' = x2·cos + x1·sin for every head of one token, each op rounded."""
+    DT = base.dtype.element_ty
+    for h0 in range(0, num_heads, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        mask = (offs_h < num_heads)[:, None] & d_mask[None, :]
+        p1 = base + offs_h[:, None] * stride_h + offs_d[None, :]
+        x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
+        # transformers adds (-x2)·sin; negation is exact and rounding symmetric, so that is x1·cos − x2·sin.
+        o1 = _round(_round(_mul(x1, c, COMPILED), DT, COMPILED) - _round(_mul(x2, s, COMPILED), DT, COMPILED),
+                    DT, COMPILED)
+        o2 = _round(_round(_mul(x2, c, COMPILED), DT, COMPILED) + _round(_mul(x1, s, COMPILED), DT, COMPILED),
+                    DT, COMPILED)
+        tl.store(p1, o1.to(DT), mask=mask)
+        tl.store(p1 + HALF, o2.to(DT), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, pos_ptr, inv_freq_ptr, HQ, HKV, HALF, stride_qt, stride_qh, stride_kt, stride_kh,
+                 stride_pos, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, COMPILED: tl.constexpr):
+    """One program per token: cos/sin of position · inv_freq (fp32, rounded to q's dtype), then all heads of q and k."""
+    t = tl.program_id(0).to(tl.int64)
+    DT = q_ptr.dtype.element_ty
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HALF
+    pos = tl.load(pos_ptr + t * stride_pos).to(tl.float32)
+    freqs = pos * tl.load(inv_freq_ptr + offs_d, mask=d_mask, other=0.0)
+    if COMPILED:
+        c = libdevice.cos(freqs)
+        s = libdevice.sin(freqs)
+    else:
+        c = tl.cos(freqs)
+        s = tl.sin(freqs)
+    c = _round(c, DT, COMPILED)
+    s = _round(s, DT, COMPILED)
+    _rotate_heads(q_ptr + t * stride_qt, HQ, stride_qh, HALF, c, s, offs_d, d_mask, BLOCK_H, COMPILED)
+    _rotate_heads(k_ptr + t * stride_kt, HKV, stride_kh, HALF, c, s, offs_d, d_mask, BLOCK_H, COMPILED)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers. Arguments arrive validated (fused.py); these pick tile sizes and launch. T = 0
+# launches nothing.
+
+INTERPRETED = type(_rms_norm_kernel).__name__ == "InterpretedFunction"
+COMPILED = not INTERPRETED
+RMS_MAX_BLOCK = 8192  # rows up to this width are normalised from registers in one pass
+SILU_BLOCK = 1024
+ROPE_TILE = 1024  # heads × half head dim rotated per step
+_RMS = Launcher(_rms_norm_kernel)
+_SILU = Launcher(_silu_and_mul_kernel)
+_ROPE = Launcher(_rope_kernel)
+
+
+def _pow2(n: int) -> int:
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
+def _inv(n: int) -> float:
+    # fp32(1/n), rounded once, as PyTorch's CUDA mean computes its factor.
+    return float(np.float32(1.0) / np.float32(n))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+             out: torch.Tensor, s_out: torch.Tensor | None, max_block: int = RMS_MAX_BLOCK) -> None:
+    """out = weight * normalize(s); s = residual + x written to s_out when residual is given."""
+    T, H = x.shape
+    if T == 0:
+        return
+    one_pass = _pow2(H) <= max_block
+    block = _pow2(H) if one_pass else _pow2(max_block)
+    has_res = residual is not None
+    r, s = (residual, s_out) if has_res else (x, out)  # unused pointers when there is no residual
+    args = (x, r, weight, out, s, H, _inv(H), float(eps), x.stride(0), r.stride(0), out.stride(0), s.stride(0))
+    _RMS((T,), args, dict(HAS_RESIDUAL=has_res, BLOCK=block, ONE_PASS=one_pass, COMPILED=COMPILED),
+         max(1, min(16, block // 512)), 1)
+
+
+def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor, block: int = SILU_BLOCK) -> None:
+    """out = silu(gate_up[:, :I]) * gate_up[:, I:], rounded as transformers rounds."""
+    T, I = out.shape
+    if T == 0:
+        return
+    block = min(_pow2(I), block)
+    _SILU((T, -(-I // block)), (gate_up, out, I, gate_up.stride(0), out.stride(0)),
+          dict(BLOCK=block, COMPILED=COMPILED), max(1, min(4, block // 256)), 1)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+               tile: int = ROPE_TILE) -> None:
+    """Rotate q and k in place (one launch, one program per token)."""
+    T, Hq, D = q.shape
+    if T == 0:
+        return
+    half = D // 2
+    block_d = _pow2(half)
+    block_h = min(_pow2(max(Hq, k.shape[1])), max(1, tile // block_d))
+    args = (q, k, positions, inv_freq, Hq, k.shape[1], half, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            positions.stride(0))
+    _ROPE((T,), args, dict(BLOCK_H=block_h, BLOCK_D=block_d, COMPILED=COMPILED),
+          max(1, min(4, block_h * block_d // 256)), 1)

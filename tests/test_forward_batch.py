@@ -1,0 +1,75 @@
+"""`ForwardBatch.build`: the flat layout every layer reads, and the errors for bad sequences."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplex.models import ForwardBatch, KVCache, ModelConfig, SequenceChunk
+
+BS = 8
+
+
+def build(chunks, num_blocks=32, vocab=100, slots=None):
+    return ForwardBatch.build(chunks, block_size=BS, num_blocks=num_blocks, vocab_size=vocab,
+                              num_adapter_slots=slots)
+
+
+def test_layout_of_a_mixed_batch():
+    chunks = [SequenceChunk([5, 6, 7], 0, [4], adapter_slot=2),           # prompt of 3
+              SequenceChunk([9], 17, [1, 7, 3], adapter_slot=-1),          # decode at position 17
+              SequenceChunk([1, 2, 3, 4], 6, [11, 12], 0, needs_logits=False)]  # chunk over a prefix of 6
+    b = build(chunks)
+    assert b.input_ids.tolist() == [5, 6, 7, 9, 1, 2, 3, 4]
+    assert b.positions.tolist() == [0, 1, 2, 17, 6, 7, 8, 9]
+    # slot = block_table[pos // 8] * 8 + pos % 8
+    assert b.slot_mapping.tolist() == [32, 33, 34, 3 * 8 + 1, 11 * 8 + 6, 11 * 8 + 7, 12 * 8 + 0, 12 * 8 + 1]
+    assert b.query_start.tolist() == [0, 3, 4, 8]
+    assert b.seq_lens.tolist() == [3, 18, 10]
+    assert b.block_tables.shape == (3, 3)
+    assert b.block_tables[1].tolist() == [1, 7, 3] and b.block_tables[2, :2].tolist() == [11, 12]
+    assert b.logits_rows.tolist() == [2, 3] and b.logits_seqs == (0, 1)
+    assert (b.max_query_len, b.max_seq_len, b.num_tokens, b.has_adapters) == (4, 18, 8, True)
+    assert b.lora.seg_indptr.tolist() == [0, 3, 4, 8] and b.lora.slot_ids.tolist() == [2, -1, 0]
+    for t in (b.input_ids, b.positions, b.slot_mapping, b.query_start, b.seq_lens, b.block_tables):
+        assert t.dtype == torch.int32
+
+
+def test_blocks_past_the_context_are_not_sent_or_checked():
+    b = build([SequenceChunk([1], 0, [3, 10**9])])  # the second block is not needed yet
+    assert b.block_tables.tolist() == [[3]]
+    assert not build([SequenceChunk([1], 0, [3])], slots=4).has_adapters
+
+
+@pytest.mark.parametrize("chunk, message", [
+    (SequenceChunk([], 0, [0]), r"sequence 1: token_ids must be a non-empty list"),
+    (SequenceChunk([1, 100], 0, [0]), r"sequence 1: token_ids\[1\] = 100 is outside the vocabulary \[0, 100\)"),
+    (SequenceChunk([1, -1], 0, [0]), r"token_ids\[1\] = -1"),
+    (SequenceChunk([1.5], 0, [0]), r"token_ids must be a non-empty list of ints"),
+    (SequenceChunk([1], -2, [0]), r"num_cached must be an int >= 0"),
+    (SequenceChunk([1] * 3, 6, [0]), r"6 cached \+ 3 new tokens need 2 blocks of 8; its block_table has 1"),
+    (SequenceChunk([1], 8, [0, 32]), r"block_table\[1\] = 32 is outside the cache's 32 blocks"),
+    (SequenceChunk([1], 0, [0], adapter_slot=4), r"adapter_slot must be -1 or a slot below 4, got 4"),
+    (SequenceChunk([1], 0, [0], adapter_slot=-3), r"adapter_slot must be -1 or a slot below 4"),
+])
+def test_bad_sequences_are_named(chunk, message):
+    with pytest.raises(ValueError, match=message):
+        build([SequenceChunk([1], 0, [1]), chunk], slots=4)
+
+
+def test_empty_batch_is_refused():
+    with pytest.raises(ValueError, match="at least one sequence"):
+        build([])
+
+
+def test_kv_cache_sizes_and_errors():
+    config = ModelConfig(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=100)
+    per_block = KVCache.bytes_per_block(config, 16, torch.float16)
+    assert per_block == 2 * 3 * 2 * 16 * 16 * 2
+    kv = KVCache.for_memory(config, 10 * per_block + 5, 16, dtype=torch.float16)
+    assert kv.num_blocks == 10 and kv.k[2].shape == (10, 16, 2, 16) and kv.k[1].is_contiguous()
+    assert kv.k[0].data_ptr() != kv.v[0].data_ptr()
+    with pytest.raises(ValueError, match="block_size must be a power of two"):
+        KVCache(config, 4, 12)
+    with pytest.raises(ValueError, match="holds no block"):
+        KVCache.for_memory(config, per_block - 1, 16, dtype=torch.float16)

@@ -1,0 +1,159 @@
+"""The forward on the GPU in bf16, Triton kernels throughout, against transformers + PEFT.
+
+A Llama-2-7B-shaped model (and a Llama-3-8B-shaped one, GQA) cut to 2 layers, with bf16
+weights saved by transformers. The truth is transformers + PEFT in float32 on the same
+(bf16-valued) weights. Tolerance: our bf16 error against the truth may be at most twice
+transformers' own bf16 error against it (plus 2e-3 of the logit scale): both round the same
+weights and activations to bf16 (2^-9 relative) at each step, in different places (our
+LoRA keeps its intermediate in fp32, our norms and attention are fused), so neither should
+be much further from float32 than the other; a real bug (a wrong position, head or adapter)
+moves logits by tens of percent.
+"""
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+import torch
+
+from loraplex.adapters import AdapterPool, inspect_peft_adapter, read_peft_adapter
+from loraplex.models import ForwardBatch, KVCache, SequenceChunk, load_model
+
+pytestmark = pytest.mark.gpu
+
+BLOCK = 16
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ADAPTERS = {"all-r16": dict(r=16, lora_alpha=32, target_modules=ALL),
+            "attn-r8": dict(r=8, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+            "mlp-r4": dict(r=4, lora_alpha=16, target_modules=["gate_proj", "up_proj", "down_proj"])}
+SHAPES = {"llama-2-7b": dict(num_key_value_heads=32, intermediate_size=11008),
+          "llama-3-8b": dict(num_key_value_heads=8, intermediate_size=14336, rope_theta=500000.0)}
+
+
+def _hf(folder, dtype, adapter=None):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager").cuda()
+        if adapter is not None:
+            model = PeftModel.from_pretrained(model, adapter).cuda()
+    return model.eval()
+
+
+class Setup:
+    def __init__(self, tmp, shape: str) -> None:
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM, LlamaConfig
+        config = LlamaConfig(hidden_size=4096, num_hidden_layers=2, num_attention_heads=32, vocab_size=32000,
+                             max_position_embeddings=4096, **SHAPES[shape])
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = AutoModelForCausalLM.from_config(config)
+        with torch.no_grad():  # unit-gain weights: activations O(1) through the layers
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.copy_(1.0 + 0.1 * torch.randn_like(p))
+                else:
+                    p.normal_(0.0, 1.0 if "embed" in name else p.shape[1] ** -0.5)
+        self.base = tmp / "base"
+        model.to(torch.bfloat16).save_pretrained(self.base)
+        self.adapters = {}
+        for seed, (name, cfg) in enumerate(ADAPTERS.items()):
+            torch.manual_seed(seed + 1)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                peft = get_peft_model(_hf(self.base, torch.float32), LoraConfig(init_lora_weights=False, **cfg))
+                for n, p in peft.named_parameters():  # PEFT's random B is tiny next to unit-gain weights
+                    if "lora_B" in n:
+                        p.data.normal_(0.0, 0.5 / p.shape[1] ** 0.5)
+            peft.save_pretrained(tmp / name)
+            self.adapters[name] = tmp / name
+            del peft
+        del model
+        torch.cuda.empty_cache()
+        self.ours = load_model(self.base, dtype="bfloat16", device="cuda")
+        self.config = self.ours.config
+        self.pool = AdapterPool(self.config, num_slots=4, max_rank=16, dtype=torch.bfloat16, device="cuda")
+        self.slots = {None: -1}
+        for slot, (name, folder) in enumerate(self.adapters.items()):
+            spec = inspect_peft_adapter(folder, self.config, name=name)
+            self.pool.write(slot, read_peft_adapter(spec, torch.bfloat16))
+            self.slots[name] = slot
+
+    def reference_logits(self, seqs: list[tuple[str | None, list[int]]], dtype) -> list[torch.Tensor]:
+        """Last-position logits of transformers (+ PEFT), one sequence at a time."""
+        out = []
+        for adapter in dict.fromkeys(a for a, _ in seqs):
+            model = _hf(self.base, dtype, self.adapters.get(adapter))
+            with torch.no_grad():
+                for a, tokens in seqs:
+                    if a == adapter:
+                        out.append((seqs.index((a, tokens)),
+                                    model(input_ids=torch.tensor([tokens], device="cuda")).logits[0, -1].float()))
+            del model
+            torch.cuda.empty_cache()
+        return [t for _, t in sorted(out, key=lambda p: p[0])]
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def setup(request, tmp_path_factory):
+    return Setup(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def _tables(rng, num_blocks, lengths):
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    return [[free.pop() for _ in range(-(-n // BLOCK))] for n in lengths]
+
+
+def _run(setup, kv, chunks):
+    batch = ForwardBatch.build(chunks, block_size=BLOCK, num_blocks=kv.num_blocks,
+                               vocab_size=setup.config.vocab_size, device="cuda")
+    return setup.ours(batch, kv, setup.pool)
+
+
+def test_mixed_bf16_batch_matches_transformers_peft(setup):
+    rng = random.Random(0)
+    # (adapter, cached prefix, new tokens): long and short prefills, chunks over prefixes, decodes
+    plan = [("all-r16", 0, 300), ("attn-r8", 200, 57), (None, 700, 1), ("mlp-r4", 1000, 1), ("all-r16", 0, 5),
+            ("attn-r8", 63, 1), (None, 0, 129), ("mlp-r4", 17, 33), ("all-r16", 1500, 1)]
+    tokens = [[rng.randrange(setup.config.vocab_size) for _ in range(c + n)] for _, c, n in plan]
+    kv = KVCache(setup.config, 512, BLOCK, dtype=torch.bfloat16, device="cuda")
+    kv.data.fill_(float("nan"))
+    tables = _tables(rng, kv.num_blocks, [len(t) for t in tokens])
+    prefixes = [SequenceChunk(t[:c], 0, tab, setup.slots[a], needs_logits=False)
+                for (a, c, _), t, tab in zip(plan, tokens, tables) if c > 0]
+    _run(setup, kv, prefixes)
+    ours = _run(setup, kv, [SequenceChunk(t[c:], c, tab, setup.slots[a])
+                            for (a, c, _), t, tab in zip(plan, tokens, tables)])
+    seqs = [(a, t) for (a, _, _), t in zip(plan, tokens)]
+    truth = setup.reference_logits(seqs, torch.float32)
+    theirs = setup.reference_logits(seqs, torch.bfloat16)
+    for i, (adapter, _, _) in enumerate(plan):
+        scale = truth[i].abs().max().item()
+        ours_err = (ours[i] - truth[i]).abs().max().item() / scale
+        hf_err = (theirs[i] - truth[i]).abs().max().item() / scale
+        assert ours_err <= 2 * hf_err + 2e-3, (i, adapter, ours_err, hf_err)
+
+
+def test_decode_forward_replays_from_a_cuda_graph(setup):
+    rng = random.Random(1)
+    kv = KVCache(setup.config, 256, BLOCK, dtype=torch.bfloat16, device="cuda")
+    kv.data.normal_()
+    tables = _tables(rng, kv.num_blocks, [400] * 8)
+    chunks = [SequenceChunk([rng.randrange(100)], 300 + 11 * i, tab, [-1, 0, 1, 2][i % 4])
+              for i, tab in enumerate(tables)]
+    batch = ForwardBatch.build(chunks, block_size=BLOCK, num_blocks=kv.num_blocks,
+                               vocab_size=setup.config.vocab_size, device="cuda")
+    eager = setup.ours(batch, kv, setup.pool).clone()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = setup.ours(batch, kv, setup.pool)
+    with torch.inference_mode():  # the forward's outputs are inference tensors
+        out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)

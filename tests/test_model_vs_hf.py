@@ -1,0 +1,159 @@
+"""The flat-batch forward against transformers + PEFT, which nobody here wrote (CPU, float32).
+
+Each sequence of one mixed batch (prefill chunks over cached prefixes, decodes at different
+positions, each with its own adapter or none) must give the logits transformers + PEFT give
+for that sequence alone with that adapter. KV blocks of all sequences are interleaved in
+the pool, and the cache starts out poisoned with NaN so a read of an unwritten slot shows.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from loraplex.adapters import AdapterPool, inspect_peft_adapter, read_peft_adapter
+from loraplex.models import ForwardBatch, KVCache, SequenceChunk, load_model
+from model_fixtures import VARIANTS, HFOracle, assert_logits_close, make_hf_model
+from adapter_fixtures import make_adapter
+
+REL = 1e-4  # the issue's bound for fp32 on the CPU; observed errors are ~1e-6
+BLOCK = 8
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# name → PEFT LoraConfig: different ranks and targets, one on attention only, one with rsLoRA and a rank pattern.
+ADAPTERS = {
+    "all-r8": dict(r=8, lora_alpha=16, target_modules=ALL),
+    "attn-r4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    "mlp-patterned": dict(r=6, lora_alpha=12, target_modules=["o_proj", "gate_proj", "up_proj", "down_proj"],
+                          use_rslora=True, rank_pattern={"down_proj": 3}),
+}
+
+
+class Setup:
+    def __init__(self, tmp, variant: str) -> None:
+        self.base = make_hf_model(tmp / "base", variant, seed=len(variant))
+        dirs = {name: make_adapter(self.base, tmp / name, seed=i + 3, **cfg)
+                for i, (name, cfg) in enumerate(ADAPTERS.items())}
+        self.oracle = HFOracle(self.base, dirs)
+        self.model = load_model(self.base, dtype=torch.float32)
+        self.config = self.model.config
+        self.pool = AdapterPool(self.config, num_slots=4, max_rank=8, dtype=torch.float32, device="cpu")
+        self.slots: dict[str | None, int] = {None: -1}
+        for slot, (name, folder) in enumerate(dirs.items()):
+            adapter = read_peft_adapter(inspect_peft_adapter(folder, self.config, name=name), torch.float32)
+            self.pool.write(slot + 1, adapter)  # slot 0 stays unused: slots need not be dense
+            self.slots[name] = slot + 1
+
+    def new_cache(self, num_blocks: int = 64) -> KVCache:
+        kv = KVCache(self.config, num_blocks, BLOCK, dtype=torch.float32)
+        kv.data.fill_(float("nan"))
+        return kv
+
+    def forward(self, kv: KVCache, chunks: list[SequenceChunk], pool=True) -> torch.Tensor:
+        batch = ForwardBatch.build(chunks, block_size=BLOCK, num_blocks=kv.num_blocks,
+                                   vocab_size=self.config.vocab_size)
+        return self.model(batch, kv, self.pool if pool else None)
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def setup(request, tmp_path_factory):
+    return Setup(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def _blocks(rng: random.Random, kv: KVCache, lengths: list[int]) -> list[list[int]]:
+    """Block tables for sequences of `lengths`, pages handed out shuffled and round-robin (interleaved)."""
+    free = list(range(kv.num_blocks))
+    rng.shuffle(free)
+    need = [-(-n // BLOCK) for n in lengths]
+    tables: list[list[int]] = [[] for _ in lengths]
+    while any(len(t) < n for t, n in zip(tables, need)):
+        for t, n in zip(tables, need):
+            if len(t) < n:
+                t.append(free.pop())
+    return tables
+
+
+# (adapter, cached prefix length, new tokens this step): prefills, chunks over a prefix, decodes.
+PLAN = [("all-r8", 0, 13), ("attn-r4", 5, 9), (None, 9, 1), ("mlp-patterned", 21, 1), ("all-r8", 0, 3),
+        ("attn-r4", 30, 1), (None, 0, 6), ("mlp-patterned", 4, 4)]
+
+
+def test_mixed_batch_matches_transformers_peft(setup):
+    check_mixed_batch(setup, PLAN)
+
+
+def test_triton_kernels_in_the_interpreter_match_too(setup):
+    """The same through every Triton kernel (LoRA, attention, fused ops) run by Triton's CPU interpreter."""
+    if setup.config.head_dim & (setup.config.head_dim - 1):
+        pytest.skip("the Triton attention kernels take power-of-two head sizes")
+    setup.model.backend = "triton"
+    try:
+        check_mixed_batch(setup, [("all-r8", 0, 11), ("attn-r4", 9, 1), (None, 3, 5), ("mlp-patterned", 17, 1)])
+    finally:
+        setup.model.backend = None
+
+
+def check_mixed_batch(setup, plan):
+    rng = random.Random(7)
+    V = setup.config.vocab_size
+    tokens = [[rng.randrange(V) for _ in range(c + n)] for _, c, n in plan]
+    kv = setup.new_cache()
+    tables = _blocks(rng, kv, [len(t) for t in tokens])
+    # Step 1: the cached prefixes, as one batch of prompt chunks (only some want logits).
+    with_prefix = [i for i, (_, c, _) in enumerate(plan) if c > 0]
+    asked = [i for k, i in enumerate(with_prefix) if k % 2 == 0]
+    first = [SequenceChunk(tokens[i][:plan[i][1]], 0, tables[i], setup.slots[plan[i][0]], needs_logits=i in asked)
+             for i in with_prefix]
+    logits1 = setup.forward(kv, first)
+    assert logits1.shape == (len(asked), V)
+    for row, i in enumerate(asked):
+        expect = setup.oracle.logits(tokens[i][:plan[i][1]], plan[i][0])[-1]
+        assert_logits_close(logits1[row], expect, REL, f"prefix of sequence {i}")
+    # Step 2: everything together, each sequence continuing from its cached prefix.
+    second = [SequenceChunk(t[c:], c, tab, setup.slots[a]) for (a, c, _), t, tab in zip(plan, tokens, tables)]
+    logits2 = setup.forward(kv, second)
+    assert logits2.shape == (len(plan), V)
+    for i, (adapter, _, _) in enumerate(plan):
+        assert_logits_close(logits2[i], setup.oracle.logits(tokens[i], adapter)[-1], REL,
+                            f"sequence {i} (adapter {adapter})")
+
+
+def test_adapters_change_the_logits(setup):
+    """Guard against a test that cannot fail: each adapter moves the logits well beyond the tolerance."""
+    rng = random.Random(3)
+    tokens = [rng.randrange(setup.config.vocab_size) for _ in range(10)]
+    base = setup.oracle.logits(tokens, None)[-1]
+    for name in ADAPTERS:
+        diff = (setup.oracle.logits(tokens, name)[-1] - base).abs().max().item()
+        assert diff > 100 * REL * base.abs().max().item(), name
+
+
+@pytest.mark.parametrize("adapter", [None, "all-r8"])
+def test_chunked_prefill_then_decode_matches_one_prefill(setup, adapter):
+    rng = random.Random(11)
+    tokens = [rng.randrange(setup.config.vocab_size) for _ in range(16)]
+    kv_full, kv_chunked = setup.new_cache(), setup.new_cache()
+    table = _blocks(rng, kv_full, [len(tokens)])[0]
+    slot = setup.slots[adapter]
+    full = setup.forward(kv_full, [SequenceChunk(tokens[:12], 0, table, slot)])
+    pos, chunked = 0, None
+    for size in (5, 3, 4):  # three prompt chunks; only the last asks for logits
+        chunked = setup.forward(kv_chunked, [SequenceChunk(tokens[pos:pos + size], pos, table, slot,
+                                                           needs_logits=pos + size == 12)])
+        pos += size
+    assert_logits_close(chunked[0], full[0], 1e-5, "chunked prefill vs one prefill")
+    expect = setup.oracle.logits(tokens, adapter)
+    assert_logits_close(full[0], expect[11], REL, "prefill")
+    for step in range(12, 16):  # decodes, each feeding the next given token
+        for kv in (kv_full, kv_chunked):
+            out = setup.forward(kv, [SequenceChunk([tokens[step]], step, table, slot)])
+            assert_logits_close(out[0], expect[step], REL, f"decode at position {step}")
+
+
+def test_no_pool_is_the_base_model(setup):
+    rng = random.Random(5)
+    tokens = [rng.randrange(setup.config.vocab_size) for _ in range(9)]
+    kv = setup.new_cache()
+    table = _blocks(rng, kv, [9])[0]
+    without = setup.forward(kv, [SequenceChunk(tokens, 0, table, -1)], pool=False)
+    assert_logits_close(without[0], setup.oracle.logits(tokens, None)[-1], REL, "no pool")
