@@ -50,10 +50,53 @@ def test_blocks_past_the_context_are_not_sent_or_checked():
     (SequenceChunk([1], 8, [0, 32]), r"block_table\[1\] = 32 is outside the cache's 32 blocks"),
     (SequenceChunk([1], 0, [0], adapter_slot=4), r"adapter_slot must be -1 or a slot below 4, got 4"),
     (SequenceChunk([1], 0, [0], adapter_slot=-3), r"adapter_slot must be -1 or a slot below 4"),
+    (SequenceChunk([1], 0, [0], adapter_slot=True), r"adapter_slot must be -1 or a slot below 4, got True"),
+    (SequenceChunk([1], True, [0]), r"num_cached must be an int >= 0, got True"),
+    (SequenceChunk([1], 0, [0], needs_logits="no"), r"needs_logits must be a bool, got 'no'"),
+    (SequenceChunk([1], 0, None), r"block_table must be a flat list of block ids, got None"),
+    (SequenceChunk([1], 0, [0.7]), r"block_table must be a flat list of block ids"),
+    (SequenceChunk([1], 0, [[0]]), r"block_table must be a flat list of block ids"),
 ])
 def test_bad_sequences_are_named(chunk, message):
     with pytest.raises(ValueError, match=message):
         build([SequenceChunk([1], 0, [1]), chunk], slots=4)
+
+
+def test_two_tokens_in_one_kv_slot_are_refused():
+    with pytest.raises(ValueError, match=r"sequences 0 and 1 write the same KV slot 42 \(block 5\)"):
+        build([SequenceChunk([1], 2, [5]), SequenceChunk([1, 2], 1, [5])])
+
+
+@pytest.mark.parametrize("field", ["block_size", "num_blocks", "vocab_size"])
+def test_bad_geometry_is_refused(field):
+    kwargs = dict(block_size=BS, num_blocks=8, vocab_size=100)
+    kwargs[field] = 0
+    with pytest.raises(ValueError, match=f"{field} must be a positive integer"):
+        ForwardBatch.build([SequenceChunk([1], 0, [1])], **kwargs)
+
+
+def test_graph_batch_is_rewritten_in_place_with_padding():
+    g = ForwardBatch.for_graph(4, 40, block_size=BS, num_blocks=32, vocab_size=100, num_adapter_slots=3,
+                               device="cpu")
+    ptrs = [t.data_ptr() for t in (g.input_ids, g.block_tables, g.lora.seg_indptr)]
+    g.update_([SequenceChunk([7], 17, [1, 7, 3], 2), SequenceChunk([9], 0, [4], -1)])
+    assert [t.data_ptr() for t in (g.input_ids, g.block_tables, g.lora.seg_indptr)] == ptrs
+    assert g.input_ids.tolist() == [7, 9, 0, 0] and g.positions.tolist() == [17, 0, 0, 0]
+    assert g.slot_mapping.tolist() == [3 * 8 + 1, 4 * 8, -1, -1]
+    assert g.query_start.tolist() == [0, 1, 2, 2, 2] and g.seq_lens.tolist() == [18, 1, 0, 0]
+    assert g.block_tables.shape == (4, 5) and g.block_tables[0, :3].tolist() == [1, 7, 3]
+    assert g.logits_rows.tolist() == [0, 1, 2, 3] and g.logits_seqs == (0, 1)
+    assert g.has_adapters and g.max_query_len == 1 and g.max_seq_len == 40 and g.num_tokens == 4
+    with pytest.raises(ValueError, match="a graph batch takes decode chunks of one token"):
+        g.update_([SequenceChunk([7, 8], 0, [1])])
+    with pytest.raises(ValueError, match="context 41 exceeds the graph batch's max_seq_len=40"):
+        g.update_([SequenceChunk([7], 40, [1, 2, 3, 4, 5, 6])])
+    with pytest.raises(ValueError, match="a graph batch for 4 sequences got 5"):
+        g.update_([SequenceChunk([1], 0, [i]) for i in range(5)])
+    with pytest.raises(ValueError, match="adapter_slot must be -1 or a slot below 3"):
+        g.update_([SequenceChunk([1], 0, [0], 3)])
+    with pytest.raises(ValueError, match="update_ needs a batch made by ForwardBatch.for_graph"):
+        build([SequenceChunk([1], 0, [1])]).update_([SequenceChunk([1], 0, [1])])
 
 
 def test_empty_batch_is_refused():

@@ -67,12 +67,14 @@ def test_dtype_auto_follows_the_config_and_an_override_wins(base, tmp_path):
     assert load_model(base).dtype == torch.float32  # saved as float32
     folder = _copy(base, tmp_path)
     cfg = json.loads((folder / "config.json").read_text())
-    cfg.pop("torch_dtype", None)
-    cfg["dtype"] = "bfloat16"
-    (folder / "config.json").write_text(json.dumps(cfg))
-    model = load_model(folder)
-    assert model.dtype == torch.bfloat16 and model.layers[0].qkv_proj.dtype == torch.bfloat16
-    assert load_model(folder, dtype="float16").norm.dtype == torch.float16
+    for key, name, dtype in (("dtype", "bfloat16", torch.bfloat16), ("torch_dtype", "float16", torch.float16)):
+        # transformers 5 writes `dtype`; older versions `torch_dtype`
+        cfg.pop("dtype", None)
+        cfg[key] = name
+        (folder / "config.json").write_text(json.dumps(cfg))
+        model = load_model(folder)
+        assert model.dtype == dtype and model.layers[0].qkv_proj.dtype == dtype and model.inv_freq.dtype == torch.float32
+    assert load_model(folder, dtype="bfloat16").norm.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="dtype must be"):
         load_model(folder, dtype="int8")
 
@@ -143,6 +145,67 @@ def test_progress_bar_on_request(base, capsys):
     assert "loading m" in capsys.readouterr().err
 
 
+def test_tied_checkpoints_that_also_store_lm_head_load_as_transformers_loads_them(tmp_path):
+    """Tied with an equal lm_head: stays tied. A different one: untied, with a warning (as
+    transformers does). lm_head alone: it fills the embedding."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+    base = make_hf_model(tmp_path / "tied", "qwen2-bias-tied-window")
+    weights = load_file(base / "model.safetensors")
+    embed = weights["model.embed_tokens.weight"]
+    cases = {"equal": {**weights, "lm_head.weight": embed.clone()},
+             "different": {**weights, "lm_head.weight": embed + 0.5},
+             "head-only": {**{k: v for k, v in weights.items() if "embed" not in k}, "lm_head.weight": embed + 0.5}}
+    for name, tensors in cases.items():
+        folder = shutil.copytree(base, tmp_path / name)
+        save_file(tensors, str(folder / "model.safetensors"))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ours = load_model(folder, dtype=torch.float32)
+        assert (ours.lm_head_weight is not None) == (name == "different"), name
+        assert any("differs from the embedding" in str(w.message) for w in caught) == (name == "different")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            theirs = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        assert torch.equal(ours.lm_head, theirs.lm_head.weight), name
+        assert torch.equal(ours.embed_tokens, theirs.model.embed_tokens.weight), name
+
+
+def test_moving_or_casting_the_model_keeps_rope_frequencies_in_float32(base):
+    model = load_model(base, dtype=torch.float32)
+    expect = model.inv_freq.clone()
+    model.to(torch.bfloat16)
+    assert model.dtype == torch.bfloat16 and torch.equal(model.inv_freq, expect)
+
+
+def test_gpu_only_head_sizes_are_refused_at_load():
+    from loraplex.models.loader import build_empty
+    config = ModelConfig(model_type="llama", hidden_size=72, intermediate_size=96, num_hidden_layers=1,
+                         num_attention_heads=6, num_key_value_heads=6, head_dim=12, vocab_size=50, name_or_path="odd")
+    with pytest.raises(ValueError, match=r"head_dim=12 \(odd\) is not served on the GPU"):
+        build_empty(config, torch.bfloat16, "cuda")
+
+
+def test_stop_tokens_include_generation_config(base, tmp_path):
+    folder = _copy(base, tmp_path)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["eos_token_id"] = 5
+    (folder / "config.json").write_text(json.dumps(cfg))
+    assert ModelConfig.from_pretrained(folder).eos_token_ids == (5, 2, 7)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": "x"}))
+    with pytest.raises(ValueError, match=r"generation_config.json: eos_token_id must be a token id"):
+        ModelConfig.from_pretrained(folder)
+
+
+def test_rope_theta_at_top_level_fills_rope_parameters():
+    cfg = {"rope_theta": 5e5, "max_position_embeddings": 4096,
+           "rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}}
+    rope = RopeConfig.from_config_dict(cfg)
+    assert rope.theta == 5e5 and rope.original_max_position_embeddings == 4096
+
+
 def test_rope_configs_old_and_new_formats_agree():
     old = RopeConfig.from_config_dict({"rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}})
     new = RopeConfig.from_config_dict({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}})
@@ -162,7 +225,8 @@ def test_llama3_rope_matches_transformers():
 
 
 def test_sliding_windows_follow_each_family():
-    base = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4}
+    base = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "num_key_value_heads": 2}
     assert ModelConfig.from_dict({**base, "model_type": "llama", "sliding_window": 8}).sliding_windows == ()
     assert ModelConfig.from_dict({**base, "model_type": "mistral", "sliding_window": 8}).sliding_windows == (8,) * 4
     assert ModelConfig.from_dict({**base, "model_type": "qwen2", "sliding_window": 8}).sliding_windows == ()
@@ -172,6 +236,13 @@ def test_sliding_windows_follow_each_family():
     assert ModelConfig.from_dict(typed).sliding_windows == (8, 0, 8, 0)
     with pytest.raises(ValueError, match="layer_types"):
         ModelConfig.from_dict({**qwen, "layer_types": ["sliding_attention"]})
+    # Missing keys take transformers' defaults; an explicit null means no window.
+    no_key = {k: v for k, v in base.items() if k != "num_key_value_heads"}
+    mistral = ModelConfig.from_dict({**no_key, "model_type": "mistral", "num_attention_heads": 8})
+    assert mistral.sliding_windows == (4096,) * 4 and mistral.num_key_value_heads == 8
+    assert ModelConfig.from_dict({**base, "model_type": "mistral", "sliding_window": None}).sliding_windows == ()
+    deep = {**base, "model_type": "qwen2", "num_hidden_layers": 30, "sliding_window": 8, "use_sliding_window": True}
+    assert ModelConfig.from_dict(deep).sliding_windows == (0,) * 28 + (8, 8)
 
 
 def test_presets_have_the_published_shapes():

@@ -150,6 +150,42 @@ def test_chunked_prefill_then_decode_matches_one_prefill(setup, adapter):
             assert_logits_close(out[0], expect[step], REL, f"decode at position {step}")
 
 
+def test_graph_batch_gives_the_same_logits_after_update(setup):
+    """A `for_graph` decode batch, rewritten with `update_`, computes what a freshly built one does."""
+    rng = random.Random(9)
+    kv = setup.new_cache()
+    lengths = [12, 30, 5]
+    tables = _blocks(rng, kv, lengths)
+    tokens = [[rng.randrange(setup.config.vocab_size) for _ in range(n)] for n in lengths]
+    adapters = ["all-r8", None, "mlp-patterned"]
+    setup.forward(kv, [SequenceChunk(t[:-1], 0, tab, setup.slots[a], needs_logits=False)
+                       for t, tab, a in zip(tokens, tables, adapters)])
+    graph = ForwardBatch.for_graph(5, 40, block_size=BLOCK, num_blocks=kv.num_blocks,
+                                   vocab_size=setup.config.vocab_size, num_adapter_slots=setup.pool.num_slots,
+                                   device="cpu")
+    chunks = [SequenceChunk(t[-1:], len(t) - 1, tab, setup.slots[a]) for t, tab, a in zip(tokens, tables, adapters)]
+    out = setup.model(graph.update_(chunks), kv, setup.pool)
+    assert out.shape == (5, setup.config.vocab_size)
+    for i, (t, a) in enumerate(zip(tokens, adapters)):
+        assert_logits_close(out[i], setup.oracle.logits(t, a)[-1], REL, f"graph batch sequence {i}")
+
+
+def test_batch_for_another_cache_or_model_is_refused(setup):
+    kv = setup.new_cache(16)
+    chunk = [SequenceChunk([1, 2], 0, [3])]
+    for kwargs, message in ((dict(block_size=16, num_blocks=16), "built for 16 KV blocks of 16 tokens"),
+                            (dict(block_size=BLOCK, num_blocks=32), "built for 32 KV blocks of 8 tokens"),
+                            (dict(block_size=BLOCK, num_blocks=16, vocab_size=10), "vocabulary of 10")):
+        kwargs.setdefault("vocab_size", setup.config.vocab_size)
+        batch = ForwardBatch.build(chunk, **kwargs)
+        with pytest.raises(ValueError, match=message):
+            setup.model(batch, kv, setup.pool)
+    batch = ForwardBatch.build([SequenceChunk([1], 0, [3], adapter_slot=7)], block_size=BLOCK, num_blocks=16,
+                               vocab_size=setup.config.vocab_size)
+    with pytest.raises(ValueError, match="uses adapter slot 7; the pool has 4"):
+        setup.model(batch, kv, setup.pool)
+
+
 def test_no_pool_is_the_base_model(setup):
     rng = random.Random(5)
     tokens = [rng.randrange(setup.config.vocab_size) for _ in range(9)]

@@ -95,14 +95,16 @@ class ModelConfig:
                 raise ValueError(f"config{where}: hidden_size={cfg['hidden_size']!r} does not split into "
                                  f"num_attention_heads={heads} heads and no head_dim is given")
             head_dim = cfg["hidden_size"] // heads
-        kv_heads = cfg.get("num_key_value_heads")
+        family = cfg["model_type"]
+        kv_heads = cfg.get("num_key_value_heads", _KV_HEADS_DEFAULT.get(family))
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"config{where}: hidden_act={cfg['hidden_act']!r} is not served (only 'silu')")
         if cfg.get("pretraining_tp", 1) not in (1, None):
             raise ValueError(f"config{where}: pretraining_tp={cfg['pretraining_tp']} is not served")
-        family = cfg["model_type"]
         architectures = cfg.get("architectures") or []
-        eos = cfg.get("eos_token_id")
+        # These two add `where` to their own errors.
+        rope = RopeConfig.from_config_dict(cfg, where)
+        windows = _sliding_windows(cfg, where)
         try:
             return cls(model_type=family, hidden_size=cfg["hidden_size"],
                        intermediate_size=cfg["intermediate_size"], num_hidden_layers=cfg["num_hidden_layers"],
@@ -110,17 +112,16 @@ class ModelConfig:
                        head_dim=head_dim, vocab_size=cfg.get("vocab_size", 32000),
                        name_or_path=name_or_path or cfg.get("_name_or_path", ""),
                        architecture=architectures[0] if isinstance(architectures, list) and architectures else "",
-                       rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-                       rope=RopeConfig.from_config_dict(cfg, where),
+                       rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope=rope,
                        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
                        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                        qkv_bias=family == "qwen2" or (family == "llama" and bool(cfg.get("attention_bias"))),
                        o_bias=family == "llama" and bool(cfg.get("attention_bias")),
                        mlp_bias=family == "llama" and bool(cfg.get("mlp_bias")),
-                       sliding_windows=_sliding_windows(cfg, where),
+                       sliding_windows=windows,
                        dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or ""),
                        bos_token_id=cfg.get("bos_token_id"),
-                       eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]))
+                       eos_token_ids=_token_ids(cfg.get("eos_token_id"), "eos_token_id"))
         except ValueError as e:
             raise ValueError(f"config{where}: {e}") from None
 
@@ -136,7 +137,17 @@ class ModelConfig:
             raise ValueError(f"{path}: cannot read it as JSON: {e}") from None
         if not isinstance(cfg, dict):
             raise ValueError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
-        return cls.from_dict(cfg, name_or_path=str(model_dir))
+        config = cls.from_dict(cfg, name_or_path=str(model_dir))
+        # Chat models list their end-of-turn tokens in generation_config.json (Llama 3: 128001, 128009).
+        gen_path = Path(model_dir) / "generation_config.json"
+        if gen_path.exists():
+            try:
+                gen = json.loads(gen_path.read_text())
+                extra = _token_ids(gen.get("eos_token_id") if isinstance(gen, dict) else None, "eos_token_id")
+            except (OSError, json.JSONDecodeError, ValueError) as e:
+                raise ValueError(f"{gen_path}: {e}") from None
+            config = replace(config, eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids + extra)))
+        return config
 
     def has_bias(self, proj: str) -> bool:
         if proj in ("q_proj", "k_proj", "v_proj"):
@@ -175,11 +186,24 @@ class ModelConfig:
         return per_layer * self.num_hidden_layers
 
 
+# transformers' defaults when config.json leaves num_key_value_heads out (Llama: as many as query heads).
+_KV_HEADS_DEFAULT = {"mistral": 8, "qwen2": 32}
+
+
+def _token_ids(value: Any, name: str) -> tuple[int, ...]:
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    if any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids):
+        raise ValueError(f"{name} must be a token id or a list of them, got {value!r}")
+    return tuple(ids)
+
+
 def _sliding_windows(cfg: dict[str, Any], where: str) -> tuple[int, ...]:
     """Per-layer windows as transformers applies them: Mistral on every layer when `sliding_window`
     is set; Qwen2 only with `use_sliding_window`, on the layers `layer_types` (or, in older
     configs, `max_window_layers`) marks; Llama never."""
-    family, window, layers = cfg["model_type"], cfg.get("sliding_window"), cfg["num_hidden_layers"]
+    family, layers = cfg["model_type"], cfg["num_hidden_layers"]
+    # A missing key takes transformers' default (Mistral: 4096); an explicit null means no window.
+    window = cfg.get("sliding_window", 4096 if family == "mistral" else None)
     if family == "llama" or window is None:
         return ()
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
@@ -190,7 +214,7 @@ def _sliding_windows(cfg: dict[str, Any], where: str) -> tuple[int, ...]:
         return ()
     types = cfg.get("layer_types")
     if types is None:
-        first = cfg.get("max_window_layers", layers)
+        first = cfg.get("max_window_layers", 28)  # transformers' Qwen2Config default
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
     if not isinstance(types, list) or len(types) != layers or \
             any(t not in ("sliding_attention", "full_attention") for t in types):

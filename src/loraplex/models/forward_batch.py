@@ -41,7 +41,12 @@ class ForwardBatch:
     max_query_len: int
     max_seq_len: int
     logits_seqs: tuple[int, ...]  # which sequences the logits rows belong to, in order
-    has_adapters: bool            # any segment uses an adapter
+    has_adapters: bool            # any segment uses an adapter (always True for a graph batch)
+    block_size: int               # the cache geometry and vocabulary it was checked against
+    num_blocks: int
+    vocab_size: int
+    _buffer: torch.Tensor | None = None  # a graph batch's fixed device buffer (see `for_graph`)
+    _capacity: int = 0                   # a graph batch's sequences (= rows: one token each)
 
     @property
     def num_seqs(self) -> int:
@@ -51,35 +56,114 @@ class ForwardBatch:
     def build(cls, chunks: Sequence[SequenceChunk], *, block_size: int, num_blocks: int, vocab_size: int,
               device: torch.device | str = "cpu", num_adapter_slots: int | None = None) -> "ForwardBatch":
         """Check `chunks` against the cache and vocabulary, lay them out, copy them over at once."""
-        if not chunks:
-            raise ValueError("a forward batch needs at least one sequence")
-        lens = np.array([_check_chunk(i, c, block_size, num_blocks, vocab_size, num_adapter_slots)
-                         for i, c in enumerate(chunks)], dtype=np.int64)
-        cached = np.array([c.num_cached for c in chunks], dtype=np.int64)
-        seq_lens = cached + lens
-        query_start = np.zeros(len(chunks) + 1, dtype=np.int64)
-        np.cumsum(lens, out=query_start[1:])
-        T = int(query_start[-1])
-        ids = np.concatenate([np.asarray(c.token_ids, dtype=np.int64) for c in chunks])
-        positions = np.arange(T, dtype=np.int64) - np.repeat(query_start[:-1] - cached, lens)
-        max_blocks = max(1, max(-(-int(n) // block_size) for n in seq_lens))
-        tables = np.zeros((len(chunks), max_blocks), dtype=np.int64)
-        for s, c in enumerate(chunks):
-            used = -(-int(seq_lens[s]) // block_size)  # only the blocks the context covers are sent
-            tables[s, :used] = np.asarray(c.block_table[:used], dtype=np.int64)
-        seq_of_row = np.repeat(np.arange(len(chunks)), lens)
-        slot_mapping = tables[seq_of_row, positions // block_size] * block_size + positions % block_size
-        logits_seqs = tuple(s for s, c in enumerate(chunks) if c.needs_logits)
-        logits_rows = query_start[1:][list(logits_seqs)] - 1 if logits_seqs else np.zeros(0, np.int64)
-        parts = [ids, positions, slot_mapping, query_start, seq_lens, tables.ravel(), logits_rows]
+        host = _layout(chunks, block_size, num_blocks, vocab_size, num_adapter_slots)
+        lens, slots = host.pop("lens"), host.pop("slots")
+        parts = [host["ids"], host["positions"], host["slot_mapping"], host["query_start"], host["seq_lens"],
+                 host["tables"].ravel(), host["logits_rows"]]
         buffer = torch.from_numpy(np.concatenate(parts).astype(np.int32))
         buffer = buffer.to(torch.device(device), non_blocking=True)
         views = list(torch.split(buffer, [len(p) for p in parts]))
-        views[5] = views[5].view(len(chunks), max_blocks)
-        slots = [c.adapter_slot for c in chunks]
+        views[5] = views[5].view(host["tables"].shape)
         lora = LoraBatch.from_lengths(lens.tolist(), slots, device)
-        return cls(*views, lora=lora, num_tokens=T, max_query_len=int(lens.max()),
-                   max_seq_len=int(seq_lens.max()), logits_seqs=logits_seqs, has_adapters=max(slots) >= 0)
+        return cls(*views, lora=lora, num_tokens=int(lens.sum()), max_query_len=int(lens.max()),
+                   max_seq_len=int(host["seq_lens"].max()), logits_seqs=host["logits_seqs"],
+                   has_adapters=max(slots) >= 0, block_size=block_size, num_blocks=num_blocks,
+                   vocab_size=vocab_size)
+
+    # ---- CUDA graphs: a decode batch in fixed buffers, rewritten in place -----------------
+
+    @classmethod
+    def for_graph(cls, max_seqs: int, max_seq_len: int, *, block_size: int, num_blocks: int, vocab_size: int,
+                  num_adapter_slots: int, device: torch.device | str) -> "ForwardBatch":
+        """A decode batch (one new token per sequence) whose tensors, sizes and launch grids stay
+        fixed, so a forward captured on it replays correctly after `update_`.
+
+        It always has `max_seqs` rows and logits rows; sequences past the real ones have no query
+        rows and their rows write no KV (slot -1) and use no adapter. `max_seq_len` bounds every
+        context the batch will hold (it fixes the attention's split-KV plan). `has_adapters` is
+        True: whether LoRA runs is decided by passing a pool, not by the contents.
+        """
+        _check_positive(max_seqs=max_seqs, max_seq_len=max_seq_len, block_size=block_size,
+                        num_blocks=num_blocks, vocab_size=vocab_size, num_adapter_slots=num_adapter_slots)
+        max_blocks = -(-max_seq_len // block_size)
+        sizes = [max_seqs, max_seqs, max_seqs, max_seqs + 1, max_seqs, max_seqs * max_blocks, max_seqs]
+        buffer = torch.zeros(sum(sizes), dtype=torch.int32, device=device)
+        views = list(torch.split(buffer, sizes))
+        views[5] = views[5].view(max_seqs, max_blocks)
+        lora = LoraBatch.with_capacity(max_seqs, max_seqs, device, num_slots=num_adapter_slots)
+        batch = cls(*views, lora=lora, num_tokens=max_seqs, max_query_len=1, max_seq_len=max_seq_len,
+                    logits_seqs=tuple(range(max_seqs)), has_adapters=True, block_size=block_size,
+                    num_blocks=num_blocks, vocab_size=vocab_size, _buffer=buffer, _capacity=max_seqs)
+        batch._num_adapter_slots = num_adapter_slots
+        return batch
+
+    def update_(self, chunks: Sequence[SequenceChunk]) -> "ForwardBatch":
+        """Rewrite a `for_graph` batch with up to `max_seqs` decode chunks (one host-to-device copy
+        for the batch, one for its LoraBatch). Logits row i belongs to chunk i; rows past
+        `len(chunks)` are padding. Do not call it while a replay reading the batch still runs."""
+        if self._buffer is None:
+            raise ValueError("update_ needs a batch made by ForwardBatch.for_graph")
+        S, max_blocks = self._capacity, self.block_tables.shape[1]
+        if not 0 < len(chunks) <= S:
+            raise ValueError(f"a graph batch for {S} sequences got {len(chunks)}")
+        host = _layout(chunks, self.block_size, self.num_blocks, self.vocab_size, self._num_adapter_slots)
+        lens, slots = host.pop("lens"), host.pop("slots")
+        if lens.max() != 1:
+            raise ValueError(f"sequence {int(np.argmax(lens))}: a graph batch takes decode chunks of one token, "
+                             f"got {int(lens.max())}")
+        if host["seq_lens"].max() > self.max_seq_len:
+            raise ValueError(f"sequence {int(np.argmax(host['seq_lens']))}: context {int(host['seq_lens'].max())} "
+                             f"exceeds the graph batch's max_seq_len={self.max_seq_len}")
+        n, pad = len(chunks), S - len(chunks)
+        tables = np.zeros((S, max_blocks), dtype=np.int64)
+        tables[:n, :host["tables"].shape[1]] = host["tables"]
+        fill = lambda a, value: np.concatenate([a, np.full(pad, value, np.int64)])  # noqa: E731
+        parts = [fill(host["ids"], 0), fill(host["positions"], 0), fill(host["slot_mapping"], -1),
+                 fill(host["query_start"], n), fill(host["seq_lens"], 0), tables.ravel(), np.arange(S)]
+        self._buffer.copy_(torch.from_numpy(np.concatenate(parts).astype(np.int32)), non_blocking=True)
+        self.lora.update_(lens.tolist(), slots)
+        self.logits_seqs = tuple(range(n))
+        return self
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _layout(chunks: Sequence[SequenceChunk], block_size: int, num_blocks: int, vocab_size: int,
+            num_adapter_slots: int | None) -> dict:
+    """The host arrays of a batch (int64 numpy), after checking every chunk."""
+    _check_positive(block_size=block_size, num_blocks=num_blocks, vocab_size=vocab_size)
+    if not chunks:
+        raise ValueError("a forward batch needs at least one sequence")
+    lens = np.array([_check_chunk(i, c, block_size, num_blocks, vocab_size, num_adapter_slots)
+                     for i, c in enumerate(chunks)], dtype=np.int64)
+    cached = np.array([c.num_cached for c in chunks], dtype=np.int64)
+    seq_lens = cached + lens
+    query_start = np.zeros(len(chunks) + 1, dtype=np.int64)
+    np.cumsum(lens, out=query_start[1:])
+    T = int(query_start[-1])
+    ids = np.concatenate([np.asarray(c.token_ids, dtype=np.int64) for c in chunks])
+    positions = np.arange(T, dtype=np.int64) - np.repeat(query_start[:-1] - cached, lens)
+    max_blocks = max(1, max(-(-int(n) // block_size) for n in seq_lens))
+    tables = np.zeros((len(chunks), max_blocks), dtype=np.int64)
+    for s, c in enumerate(chunks):
+        used = -(-int(seq_lens[s]) // block_size)  # only the blocks the context covers are sent
+        tables[s, :used] = np.asarray(c.block_table[:used], dtype=np.int64)
+    seq_of_row = np.repeat(np.arange(len(chunks)), lens)
+    slot_mapping = tables[seq_of_row, positions // block_size] * block_size + positions % block_size
+    unique, counts = np.unique(slot_mapping, return_counts=True)
+    if (counts > 1).any():  # two new tokens in one KV slot: the writes would race
+        rows = np.nonzero(slot_mapping == unique[counts > 1][0])[0]
+        raise ValueError(f"sequences {seq_of_row[rows[0]]} and {seq_of_row[rows[1]]} write the same KV slot "
+                         f"{unique[counts > 1][0]} (block {unique[counts > 1][0] // block_size})")
+    logits_seqs = tuple(s for s, c in enumerate(chunks) if c.needs_logits)
+    logits_rows = query_start[1:][list(logits_seqs)] - 1 if logits_seqs else np.zeros(0, np.int64)
+    return dict(lens=lens, slots=[int(c.adapter_slot) for c in chunks], ids=ids, positions=positions,
+                slot_mapping=slot_mapping, query_start=query_start, seq_lens=seq_lens, tables=tables,
+                logits_rows=logits_rows, logits_seqs=logits_seqs)
 
 
 def _check_chunk(i: int, c: SequenceChunk, block_size: int, num_blocks: int, vocab_size: int,
@@ -94,10 +178,18 @@ def _check_chunk(i: int, c: SequenceChunk, block_size: int, num_blocks: int, voc
     if len(bad):
         raise ValueError(f"sequence {i}: token_ids[{bad[0]}] = {ids[bad[0]]} is outside the vocabulary "
                          f"[0, {vocab_size})")
-    if not isinstance(c.num_cached, (int, np.integer)) or c.num_cached < 0:
+    if not _is_int(c.num_cached) or c.num_cached < 0:
         raise ValueError(f"sequence {i}: num_cached must be an int >= 0, got {c.num_cached!r}")
+    if not isinstance(c.needs_logits, (bool, np.bool_)):
+        raise ValueError(f"sequence {i}: needs_logits must be a bool, got {c.needs_logits!r}")
+    try:
+        full = np.asarray(c.block_table)
+    except (TypeError, ValueError):
+        full = None
+    if full is None or full.ndim != 1 or (len(full) and not np.issubdtype(full.dtype, np.integer)):
+        raise ValueError(f"sequence {i}: block_table must be a flat list of block ids, got {c.block_table!r:.80}")
     need = -(-(int(c.num_cached) + len(ids)) // block_size)
-    table = np.asarray(c.block_table[:need], dtype=np.int64) if len(c.block_table) else np.zeros(0, np.int64)
+    table = full[:need].astype(np.int64)
     if len(table) < need:
         raise ValueError(f"sequence {i}: {c.num_cached} cached + {len(ids)} new tokens need {need} blocks of "
                          f"{block_size}; its block_table has {len(c.block_table)}")
@@ -106,8 +198,12 @@ def _check_chunk(i: int, c: SequenceChunk, block_size: int, num_blocks: int, voc
         raise ValueError(f"sequence {i}: block_table[{bad[0]}] = {table[bad[0]]} is outside the cache's "
                          f"{num_blocks} blocks")
     slot = c.adapter_slot
-    if not isinstance(slot, (int, np.integer)) or slot < -1 or \
+    if not _is_int(slot) or slot < -1 or \
             (num_adapter_slots is not None and slot >= num_adapter_slots):
         limit = f" below {num_adapter_slots}" if num_adapter_slots is not None else ""
         raise ValueError(f"sequence {i}: adapter_slot must be -1 or a slot{limit}, got {slot!r}")
     return len(ids)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))

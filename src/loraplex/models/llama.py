@@ -101,6 +101,14 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("inv_freq", config.rope.inv_freq(config.head_dim), persistent=False)
         self.backend: str | None = None  # ops backend: None picks Triton on CUDA, the reference on the CPU
 
+    def _apply(self, fn, recurse: bool = True):
+        # Module moves and casts (to, half, to_empty) would cast or blank the rotary frequencies;
+        # they stay float32, recomputed wherever the weights go.
+        super()._apply(fn, recurse)
+        if self.inv_freq.device.type != "meta":
+            self.inv_freq = self.config.rope.inv_freq(self.config.head_dim).to(self.inv_freq.device)
+        return self
+
     @property
     def device(self) -> torch.device:
         return self.embed_tokens.device
@@ -132,6 +140,12 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens if self.lm_head_weight is None else self.lm_head_weight
 
     def _check(self, batch: ForwardBatch, kv: KVCache, pool: AdapterPool | None) -> None:
+        if (batch.block_size, batch.num_blocks) != (kv.block_size, kv.num_blocks):
+            raise ValueError(f"the batch was built for {batch.num_blocks} KV blocks of {batch.block_size} tokens; "
+                             f"the cache has {kv.num_blocks} of {kv.block_size}")
+        if batch.vocab_size != self.config.vocab_size:
+            raise ValueError(f"the batch was checked against a vocabulary of {batch.vocab_size}; "
+                             f"the model's is {self.config.vocab_size}")
         if kv.model.num_hidden_layers != self.config.num_hidden_layers or \
                 kv.model.num_key_value_heads != self.config.num_key_value_heads or \
                 kv.model.head_dim != self.config.head_dim:
@@ -146,6 +160,8 @@ class LlamaForCausalLM(nn.Module):
                                  f"the model is {self.dtype} on {self.device}")
             if pool.model.num_hidden_layers != self.config.num_hidden_layers:
                 raise ValueError("the adapter pool was made for a different model")
+            if batch.lora.max_slot >= pool.num_slots:
+                raise ValueError(f"the batch uses adapter slot {batch.lora.max_slot}; the pool has {pool.num_slots}")
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from ..ops.attention import TRITON_HEAD_DIMS
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
 from .presets import preset_config
@@ -43,9 +45,15 @@ def build_empty(config: ModelConfig, dtype: torch.dtype, device: torch.device | 
     cls = model_class(config)
     with torch.device("meta"):
         model = cls(config)
-    model = model.to(dtype=dtype).to_empty(device=device)
-    model.inv_freq = config.rope.inv_freq(config.head_dim).to(device)  # fp32, not the weights' dtype
-    return model.eval()
+    device = torch.device(device)
+    if device.type == "cuda" and config.head_dim not in TRITON_HEAD_DIMS:
+        raise ValueError(f"head_dim={config.head_dim}{_where(config)} is not served on the GPU: the attention "
+                         f"kernels take {TRITON_HEAD_DIMS}")
+    return model.to(dtype=dtype).to_empty(device=device).eval()  # the model keeps inv_freq in fp32
+
+
+def _where(config: ModelConfig) -> str:
+    return f" ({config.name_or_path})" if config.name_or_path else ""
 
 
 def weight_targets(model: LlamaForCausalLM) -> dict[str, tuple[torch.Tensor, int]]:
@@ -120,10 +128,14 @@ def load_weights(model: LlamaForCausalLM, folder: Path, progress: bool | None = 
     total = sum(f.stat().st_size for f in files)
     show = progress if progress is not None else total > 2**30
     filled: set[str] = set()
+    tied_head: tuple[Path, torch.Tensor] | None = None  # a stored lm_head.weight of a tied model
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {folder.name}", disable=not show) as bar:
         for path in files:
             for key, shape, load in _tensors(path):
-                if _IGNORED.search(key) or (key == "lm_head.weight" and model.config.tie_word_embeddings):
+                if _IGNORED.search(key):
+                    continue
+                if key == "lm_head.weight" and model.config.tie_word_embeddings:
+                    tied_head = (path, load())  # settled once the embedding is in (memory-mapped until then)
                     continue
                 if key not in targets:
                     raise ValueError(f"{path}: tensor {key!r} is not a weight of {type(model).__name__} "
@@ -142,10 +154,33 @@ def load_weights(model: LlamaForCausalLM, folder: Path, progress: bool | None = 
                     raise ValueError(f"{path}: tensor {key!r} has NaN or inf values in {model.dtype}")
                 filled.add(key)
                 bar.update(tensor.numel() * tensor.element_size())
+    if tied_head is not None:
+        _settle_tied_head(model, *tied_head, embedding_loaded="model.embed_tokens.weight" in filled)
+        filled.add("model.embed_tokens.weight")
     missing = sorted(set(targets) - filled)
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ValueError(f"{folder}: the checkpoint has no tensor {missing[0]!r}{more}")
+
+
+def _settle_tied_head(model: LlamaForCausalLM, path: Path, head: torch.Tensor, embedding_loaded: bool) -> None:
+    """A tied model whose checkpoint also stores lm_head.weight, as transformers resolves it: the
+    head alone fills the embedding; a head equal to the embedding stays tied; a different one
+    unties them (transformers warns and keeps both)."""
+    c = model.config
+    if tuple(head.shape) != (c.vocab_size, c.hidden_size):
+        raise ValueError(f"{path}: tensor 'lm_head.weight' has shape {list(head.shape)}; the config gives "
+                         f"{[c.vocab_size, c.hidden_size]}")
+    if not embedding_loaded:
+        model.embed_tokens.copy_(head)
+        return
+    if torch.equal(head.to(model.dtype).to(model.device), model.embed_tokens):
+        return
+    warnings.warn(f"{path}: tie_word_embeddings is set but lm_head.weight differs from the embedding; "
+                  f"using both, untied (as transformers does)")
+    model.lm_head_weight = torch.nn.Parameter(head.to(model.device, model.dtype), requires_grad=False)
+    if not torch.isfinite(model.lm_head_weight).all():
+        raise ValueError(f"{path}: tensor 'lm_head.weight' has NaN or inf values in {model.dtype}")
 
 
 def _part_rows(model: LlamaForCausalLM, key: str, dest: torch.Tensor) -> int:

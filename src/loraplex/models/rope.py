@@ -31,11 +31,16 @@ class RopeConfig:
     def from_config_dict(cls, cfg: dict[str, Any], where: str = "") -> "RopeConfig":
         params = cfg.get("rope_parameters")
         if params is None:
-            params = dict(cfg.get("rope_scaling") or {})
-            if "rope_theta" in cfg:
-                params.setdefault("rope_theta", cfg["rope_theta"])
+            params = cfg.get("rope_scaling") or {}
         if not isinstance(params, dict):
             raise ValueError(f"config{where}: rope_parameters must be an object, got {params!r}")
+        params = dict(params)
+        # As transformers does: a top-level rope_theta fills in, and llama3's original context
+        # defaults to max_position_embeddings.
+        if "rope_theta" in cfg:
+            params.setdefault("rope_theta", cfg["rope_theta"])
+        if "max_position_embeddings" in cfg:
+            params.setdefault("original_max_position_embeddings", cfg["max_position_embeddings"])
         if "sliding_attention" in params or "full_attention" in params:
             raise ValueError(f"config{where}: per-layer-type rope_parameters are not served")
         rope_type = params.get("rope_type", params.get("type", "default"))
