@@ -47,6 +47,7 @@ class ForwardBatch:
     vocab_size: int
     _buffer: torch.Tensor | None = None  # a graph batch's fixed device buffer (see `for_graph`)
     _capacity: int = 0                   # a graph batch's sequences (= rows: one token each)
+    _num_adapter_slots: int | None = None  # a graph batch's adapter slot bound
 
     @property
     def num_seqs(self) -> int:
@@ -91,11 +92,10 @@ class ForwardBatch:
         views = list(torch.split(buffer, sizes))
         views[5] = views[5].view(max_seqs, max_blocks)
         lora = LoraBatch.with_capacity(max_seqs, max_seqs, device, num_slots=num_adapter_slots)
-        batch = cls(*views, lora=lora, num_tokens=max_seqs, max_query_len=1, max_seq_len=max_seq_len,
-                    logits_seqs=tuple(range(max_seqs)), has_adapters=True, block_size=block_size,
-                    num_blocks=num_blocks, vocab_size=vocab_size, _buffer=buffer, _capacity=max_seqs)
-        batch._num_adapter_slots = num_adapter_slots
-        return batch
+        return cls(*views, lora=lora, num_tokens=max_seqs, max_query_len=1, max_seq_len=max_seq_len,
+                   logits_seqs=tuple(range(max_seqs)), has_adapters=True, block_size=block_size,
+                   num_blocks=num_blocks, vocab_size=vocab_size, _buffer=buffer, _capacity=max_seqs,
+                   _num_adapter_slots=num_adapter_slots)
 
     def update_(self, chunks: Sequence[SequenceChunk]) -> "ForwardBatch":
         """Rewrite a `for_graph` batch with up to `max_seqs` decode chunks (one host-to-device copy

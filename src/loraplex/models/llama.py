@@ -62,11 +62,13 @@ class DecoderLayer(nn.Module):
 
         def project(x: torch.Tensor, weight, bias, projs: tuple[str, ...]) -> torch.Tensor:
             y = F.linear(x, weight, bias)
-            if lora:
-                a, b, ranks, scalings = pool.stacks(L, projs)
-                add_lora(y, x, a if len(projs) > 1 else a[0], b if len(projs) > 1 else b[0], batch.lora,
-                         ranks if len(projs) > 1 else ranks[0], scalings if len(projs) > 1 else scalings[0],
-                         backend=backend)
+            if lora:  # fused projections: one multi-slice launch; a single one: plain tensors
+                if len(projs) > 1:
+                    a, b, ranks, scalings = pool.stacks(L, projs)
+                else:
+                    one = pool.stack(L, projs[0])
+                    a, b, ranks, scalings = one.lora_a, one.lora_b, one.ranks, one.scalings
+                add_lora(y, x, a, b, batch.lora, ranks, scalings, backend=backend)
             return y
 
         x, residual = rms_norm(hidden, self.input_layernorm, self.eps, residual=residual, backend=backend)
