@@ -32,6 +32,10 @@ def test_layout_of_a_mixed_batch():
     assert b.lora.seg_indptr.tolist() == [0, 3, 4, 8] and b.lora.slot_ids.tolist() == [2, -1, 0]
     for t in (b.input_ids, b.positions, b.slot_mapping, b.query_start, b.seq_lens, b.block_tables):
         assert t.dtype == torch.int32
+    # one transfer: the LoraBatch's arrays live in the same device buffer
+    storage = b.input_ids.untyped_storage().data_ptr()
+    assert b.lora.seg_indptr.untyped_storage().data_ptr() == storage
+    assert b.lora.work_end.untyped_storage().data_ptr() == storage
 
 
 def test_blocks_past_the_context_are_not_sent_or_checked():

@@ -3,7 +3,8 @@
 All new tokens of all sequences are concatenated; sequence `s` is one contiguous segment of
 rows (a prefill chunk, or one decode token), the same segment in the attention metadata and
 in the `LoraBatch`. Built on the host from `SequenceChunk`s, checked there, and copied to
-the device in one transfer; every layer reads the same tensors.
+the device in one transfer (the `LoraBatch`'s arrays included); every layer reads the same
+tensors.
 """
 from __future__ import annotations
 
@@ -61,11 +62,14 @@ class ForwardBatch:
         lens, slots = host.pop("lens"), host.pop("slots")
         parts = [host["ids"], host["positions"], host["slot_mapping"], host["query_start"], host["seq_lens"],
                  host["tables"].ravel(), host["logits_rows"]]
-        buffer = torch.from_numpy(np.concatenate(parts).astype(np.int32))
+        lora_parts, lora_plan = LoraBatch.host_parts(lens.tolist(), slots)
+        # One host-to-device copy for everything, the LoraBatch's arrays included.
+        buffer = torch.from_numpy(np.concatenate(parts + lora_parts).astype(np.int32))
         buffer = buffer.to(torch.device(device), non_blocking=True)
-        views = list(torch.split(buffer, [len(p) for p in parts]))
+        ours = sum(len(p) for p in parts)
+        views = list(torch.split(buffer[:ours], [len(p) for p in parts]))
         views[5] = views[5].view(host["tables"].shape)
-        lora = LoraBatch.from_lengths(lens.tolist(), slots, device)
+        lora = LoraBatch.from_parts(buffer[ours:], lora_plan)
         return cls(*views, lora=lora, num_tokens=int(lens.sum()), max_query_len=int(lens.max()),
                    max_seq_len=int(host["seq_lens"].max()), logits_seqs=host["logits_seqs"],
                    has_adapters=max(slots) >= 0, block_size=block_size, num_blocks=num_blocks,

@@ -127,6 +127,16 @@ class LoraBatch:
     def from_lengths(cls, seg_lens: Sequence[int], slot_ids: Sequence[int],
                      device: torch.device | str | None = None, *, block_m: int | None = None) -> "LoraBatch":
         """Build the metadata for segments of `seg_lens` rows using `slot_ids` (-1: no adapter)."""
+        parts, plan = cls.host_parts(seg_lens, slot_ids, block_m=block_m)
+        buffer = torch.from_numpy(np.concatenate(parts).astype(np.int32))
+        buffer = buffer.to(torch.device(device) if device is not None else "cpu", non_blocking=True)
+        return cls.from_parts(buffer, plan)
+
+    @classmethod
+    def host_parts(cls, seg_lens: Sequence[int], slot_ids: Sequence[int], *,
+                   block_m: int | None = None) -> tuple[list[np.ndarray], dict]:
+        """The host arrays of a batch (checked), for a caller that copies them over inside its own
+        buffer; `from_parts` then makes the batch from the device copy."""
         lens = _as_int_list(seg_lens, "seg_lens")
         slots = _as_int_list(slot_ids, "slot_ids")
         _validate(lens, slots)
@@ -134,15 +144,17 @@ class LoraBatch:
             block_m = cls.pick_block_m(lens, slots)
         _check_block_m(block_m)
         plan = _plan(lens, slots, block_m)
-        parts = [plan.seg_indptr, plan.slot_ids, plan.sorted_rows,
-                 plan.work_slot, plan.work_start, plan.work_end]
-        buffer = torch.from_numpy(np.concatenate(parts).astype(np.int32))
-        buffer = buffer.to(torch.device(device) if device is not None else "cpu", non_blocking=True)
-        views = _split(buffer, [len(p) for p in parts])
-        return cls(*views, num_rows=int(plan.seg_indptr[-1]), num_segments=len(lens), block_m=block_m,
-                   num_work=len(plan.work_slot), max_slot=int(slots.max(initial=-1)),
-                   group_slots=tuple(plan.group_slots.tolist()),
-                   group_bounds=tuple(plan.group_bounds.tolist()), _buffer=buffer)
+        parts = [plan.seg_indptr, plan.slot_ids, plan.sorted_rows, plan.work_slot, plan.work_start, plan.work_end]
+        return parts, dict(num_rows=int(plan.seg_indptr[-1]), num_segments=len(lens), block_m=block_m,
+                           num_work=len(plan.work_slot), max_slot=int(slots.max(initial=-1)),
+                           group_slots=tuple(plan.group_slots.tolist()),
+                           group_bounds=tuple(plan.group_bounds.tolist()), sizes=[len(p) for p in parts])
+
+    @classmethod
+    def from_parts(cls, buffer: torch.Tensor, plan: dict) -> "LoraBatch":
+        """The batch over `buffer`: int32, the concatenated `host_parts` arrays, on its device."""
+        plan = dict(plan)
+        return cls(*_split(buffer, plan.pop("sizes")), **plan, _buffer=buffer)
 
     @staticmethod
     def pick_block_m(seg_lens: np.ndarray, slot_ids: np.ndarray) -> int:
