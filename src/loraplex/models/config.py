@@ -149,11 +149,6 @@ class ModelConfig:
             config = replace(config, eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids + extra)))
         return config
 
-    def has_bias(self, proj: str) -> bool:
-        if proj in ("q_proj", "k_proj", "v_proj"):
-            return self.qkv_bias
-        return self.o_bias if proj == "o_proj" else self.mlp_bias
-
     def with_layers(self, num_hidden_layers: int) -> "ModelConfig":
         """The same model cut (or grown) to `num_hidden_layers` layers: benchmark and test shapes."""
         windows = self.sliding_windows

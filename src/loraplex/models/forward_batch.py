@@ -50,10 +50,6 @@ class ForwardBatch:
     _capacity: int = 0                   # a graph batch's sequences (= rows: one token each)
     _num_adapter_slots: int | None = None  # a graph batch's adapter slot bound
 
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens)
-
     @classmethod
     def build(cls, chunks: Sequence[SequenceChunk], *, block_size: int, num_blocks: int, vocab_size: int,
               device: torch.device | str = "cpu", num_adapter_slots: int | None = None) -> "ForwardBatch":
@@ -142,20 +138,20 @@ def _layout(chunks: Sequence[SequenceChunk], block_size: int, num_blocks: int, v
     _check_positive(block_size=block_size, num_blocks=num_blocks, vocab_size=vocab_size)
     if not chunks:
         raise ValueError("a forward batch needs at least one sequence")
-    lens = np.array([_check_chunk(i, c, block_size, num_blocks, vocab_size, num_adapter_slots)
-                     for i, c in enumerate(chunks)], dtype=np.int64)
+    checked = [_check_chunk(i, c, block_size, num_blocks, vocab_size, num_adapter_slots)
+               for i, c in enumerate(chunks)]  # (token ids, the blocks the context covers) per chunk
+    lens = np.array([len(ids) for ids, _ in checked], dtype=np.int64)
     cached = np.array([c.num_cached for c in chunks], dtype=np.int64)
     seq_lens = cached + lens
     query_start = np.zeros(len(chunks) + 1, dtype=np.int64)
     np.cumsum(lens, out=query_start[1:])
     T = int(query_start[-1])
-    ids = np.concatenate([np.asarray(c.token_ids, dtype=np.int64) for c in chunks])
+    ids = np.concatenate([ids for ids, _ in checked])
     positions = np.arange(T, dtype=np.int64) - np.repeat(query_start[:-1] - cached, lens)
     max_blocks = max(1, max(-(-int(n) // block_size) for n in seq_lens))
     tables = np.zeros((len(chunks), max_blocks), dtype=np.int64)
-    for s, c in enumerate(chunks):
-        used = -(-int(seq_lens[s]) // block_size)  # only the blocks the context covers are sent
-        tables[s, :used] = np.asarray(c.block_table[:used], dtype=np.int64)
+    for s, (_, used) in enumerate(checked):  # only the blocks the context covers are sent
+        tables[s, :len(used)] = used
     seq_of_row = np.repeat(np.arange(len(chunks)), lens)
     slot_mapping = tables[seq_of_row, positions // block_size] * block_size + positions % block_size
     unique, counts = np.unique(slot_mapping, return_counts=True)
@@ -171,8 +167,9 @@ def _layout(chunks: Sequence[SequenceChunk], block_size: int, num_blocks: int, v
 
 
 def _check_chunk(i: int, c: SequenceChunk, block_size: int, num_blocks: int, vocab_size: int,
-                 num_adapter_slots: int | None) -> int:
-    """The chunk's token count, after checking it; errors name the sequence and the field."""
+                 num_adapter_slots: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """The chunk's token ids and the blocks its context covers (int64), after checking it;
+    errors name the sequence and the field."""
     if not isinstance(c, SequenceChunk):
         raise ValueError(f"sequence {i}: expected a SequenceChunk, got {type(c).__name__}")
     ids = np.asarray(c.token_ids)
@@ -206,7 +203,7 @@ def _check_chunk(i: int, c: SequenceChunk, block_size: int, num_blocks: int, voc
             (num_adapter_slots is not None and slot >= num_adapter_slots):
         limit = f" below {num_adapter_slots}" if num_adapter_slots is not None else ""
         raise ValueError(f"sequence {i}: adapter_slot must be -1 or a slot{limit}, got {slot!r}")
-    return len(ids)
+    return ids.astype(np.int64), table
 
 
 def _is_int(value) -> bool:

@@ -30,10 +30,6 @@ class KVCache:
     def device(self) -> torch.device:
         return self.data.device
 
-    @property
-    def num_slots(self) -> int:
-        return self.num_blocks * self.block_size
-
     @staticmethod
     def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         per_token = 2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim

@@ -148,10 +148,10 @@ class LlamaForCausalLM(nn.Module):
         if batch.vocab_size != self.config.vocab_size:
             raise ValueError(f"the batch was checked against a vocabulary of {batch.vocab_size}; "
                              f"the model's is {self.config.vocab_size}")
-        if kv.model.num_hidden_layers != self.config.num_hidden_layers or \
-                kv.model.num_key_value_heads != self.config.num_key_value_heads or \
-                kv.model.head_dim != self.config.head_dim:
-            raise ValueError("the KV cache was made for a different model shape")
+        shape = lambda c: (c.num_hidden_layers, c.num_key_value_heads, c.head_dim)  # noqa: E731
+        if shape(kv.model) != shape(self.config):
+            raise ValueError(f"the KV cache holds (layers, kv heads, head_dim) = {shape(kv.model)}; "
+                             f"the model has {shape(self.config)}")
         if kv.dtype != self.dtype or kv.device != self.device:
             raise ValueError(f"the KV cache is {kv.dtype} on {kv.device}; the model is {self.dtype} on {self.device}")
         if batch.input_ids.device != self.device:
