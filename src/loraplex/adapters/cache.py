@@ -32,6 +32,7 @@ from ..models.config import ModelConfig
 from .packed import PackedFile
 from .peft_format import inspect_peft_adapter, read_peft_adapter
 from .pool import AdapterPool
+from .synthetic import read_synthetic, synthetic_spec
 from .spec import AdapterError, AdapterSpec, LoraAdapter, check_adapter_name
 
 log = logging.getLogger("loraplex.adapters")
@@ -103,6 +104,14 @@ class AdapterCache:
         self._check_new_name(name)
         spec = inspect_peft_adapter(folder, self.model, name=name, max_rank=self.pool.max_rank)
         self._add(name, spec, partial(read_peft_adapter, spec))
+        return spec
+
+    def register_synthetic(self, name: str, rank: int, *, seed: int = 0, alpha: float | None = None) -> AdapterSpec:
+        """Add a random adapter of `rank` on every projection (no files; for benchmarks and demos)."""
+        self._check_new_name(name)
+        spec = synthetic_spec(name, self.model, rank, alpha=alpha, seed=seed)
+        self.pool.check_fits(spec.max_rank, name)
+        self._add(name, spec, partial(read_synthetic, spec))
         return spec
 
     def register_packed(self, path: str | Path) -> list[str]:

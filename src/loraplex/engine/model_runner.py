@@ -1,0 +1,135 @@
+"""The model runner: owns the model, the KV cache, the adapter cache and the sampler; turns a
+step's scheduled chunks into one flat batch, runs it (eagerly, or by replaying a decode CUDA
+graph) and samples the next token of every sequence that reached its end."""
+from __future__ import annotations
+
+import logging
+from typing import Sequence as Seq
+
+import torch
+
+from ..adapters import AdapterCache
+from ..config import EngineConfig
+from ..models import dummy_model, load_model
+from ..models.forward_batch import ForwardBatch, SequenceChunk
+from ..models.kv_cache import KVCache
+from ..models.llama import LlamaForCausalLM
+from ..sampling import Sampler, SamplerOutput, SamplingParams
+from .cuda_graphs import DecodeGraphs
+from .scheduler import ScheduledChunk
+
+log = logging.getLogger("loraplex.engine")
+
+GRAPH_MEMORY_RESERVE = 512 << 20   # CUDA graphs' private memory and the sampler's temporaries
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.model = self._load_model()
+        c = self.model.config
+        self.max_model_len = min(config.max_model_len or c.max_position_embeddings, c.max_position_embeddings)
+        self.adapters = AdapterCache(c, max_gpu_adapters=config.max_gpu_adapters,
+                                     max_lora_rank=config.max_lora_rank, max_cpu_adapters=config.max_cpu_adapters,
+                                     dtype=self.model.dtype, device=self.device)
+        self.sampler = Sampler(self.device, seed=config.seed)
+        self.kv = KVCache(c, self._num_kv_blocks(), config.block_size, dtype=self.model.dtype, device=self.device)
+        log.info(self.kv.describe())
+        capacity = self.kv.num_blocks * self.kv.block_size
+        if self.max_model_len > capacity:
+            log.warning("max_model_len %d lowered to the KV cache's %d tokens", self.max_model_len, capacity)
+            self.max_model_len = capacity
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graphs = DecodeGraphs(self.model, self.kv, self.adapters.pool, max_seq_len=self.max_model_len,
+                                       max_batch=min(config.cuda_graph_max_batch, config.max_num_seqs))
+            self.graphs.capture()
+
+    # ---- setup ------------------------------------------------------------------------------------
+    def _load_model(self) -> LlamaForCausalLM:
+        cfg = self.config
+        if cfg.is_dummy:
+            dtype = "bfloat16" if cfg.dtype == "auto" else cfg.dtype
+            return dummy_model(str(cfg.model)[len("dummy:"):], dtype=dtype, device=self.device,
+                               num_layers=cfg.dummy_layers, seed=cfg.seed)
+        if cfg.dummy_layers is not None:
+            raise ValueError("EngineConfig.dummy_layers applies to 'dummy:<preset>' models only")
+        return load_model(cfg.model, dtype=cfg.dtype, device=self.device)
+
+    def _num_kv_blocks(self) -> int:
+        cfg, c = self.config, self.model.config
+        per_block = KVCache.bytes_per_block(c, cfg.block_size, self.model.dtype)
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        if self.device.type != "cuda":
+            return max(1, int(cfg.cpu_kv_cache_gib * 2**30 // per_block))
+        # What one step at full size needs beyond the weights and the pool, measured by running it.
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self._profile_step()
+        torch.cuda.synchronize(self.device)
+        activations = torch.cuda.max_memory_allocated(self.device) - before
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        others = total - free - torch.cuda.memory_reserved(self.device)   # CUDA context, other processes
+        budget = total * cfg.gpu_memory_utilization - others - before - activations - GRAPH_MEMORY_RESERVE
+        blocks = int(budget // per_block)
+        if blocks < 1:
+            raise ValueError(f"no GPU memory left for the KV cache: {total / 2**30:.1f} GiB × "
+                             f"gpu_memory_utilization {cfg.gpu_memory_utilization} leaves {budget / 2**30:.2f} GiB "
+                             f"after weights, adapter pool ({self.adapters.pool.nbytes / 2**30:.2f} GiB) and "
+                             f"activations ({activations / 2**30:.2f} GiB); lower max_gpu_adapters or "
+                             f"max_num_batched_tokens, or raise gpu_memory_utilization")
+        return blocks
+
+    def _profile_step(self) -> None:
+        """One forward + sample of the largest step the settings allow, on a throwaway cache."""
+        cfg, c = self.config, self.model.config
+        tokens = cfg.max_num_batched_tokens
+        seqs = min(cfg.max_num_seqs, tokens)
+        lens = [tokens // seqs + (1 if i < tokens % seqs else 0) for i in range(seqs)]
+        blocks_each = [-(-n // cfg.block_size) for n in lens]
+        kv = KVCache(c, sum(blocks_each), cfg.block_size, dtype=self.model.dtype, device=self.device)
+        chunks, start = [], 0
+        for i, n in enumerate(lens):
+            chunks.append(SequenceChunk([1] * n, 0, list(range(start, start + blocks_each[i])), adapter_slot=0))
+            start += blocks_each[i]
+        batch = ForwardBatch.build(chunks, block_size=kv.block_size, num_blocks=kv.num_blocks,
+                                   vocab_size=c.vocab_size, device=self.device,
+                                   num_adapter_slots=self.adapters.pool.num_slots)
+        # (slot 0 holds no adapter yet: its rank is 0, so the LoRA launches run but read no weights)
+        with torch.cuda.device(self.device):
+            logits = self.model(batch, kv, self.adapters.pool)
+            self.sampler(logits, [SamplingParams(top_p=0.9, top_k=50)] * len(lens), [None] * len(lens))
+        del kv, batch, logits
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def execute(self, chunks: Seq[ScheduledChunk]) -> SamplerOutput:
+        """Run one step; the sampled tokens of the chunks that need logits, in their order."""
+        batch_chunks = [SequenceChunk(c.seq.token_ids[c.seq.num_cached:c.seq.num_cached + c.num_tokens],
+                                      c.seq.num_cached, c.seq.block_table, c.seq.adapter_slot, c.needs_logits)
+                        for c in chunks]
+        decode = all(c.num_tokens == 1 and c.needs_logits for c in chunks)
+        if decode and self.graphs is not None and self.graphs.can_run(batch_chunks):
+            logits = self.graphs.run(batch_chunks)
+        else:
+            logits = self._run_eager(batch_chunks)
+        sampled = [c.seq for c in chunks if c.needs_logits]
+        if not sampled:
+            return SamplerOutput([], [])
+        return self.sampler(logits, [s.params for s in sampled], [s.generator for s in sampled])
+
+    def _run_eager(self, chunks: list[SequenceChunk]) -> torch.Tensor:
+        c = self.model.config
+        batch = ForwardBatch.build(chunks, block_size=self.kv.block_size, num_blocks=self.kv.num_blocks,
+                                   vocab_size=c.vocab_size, device=self.device,
+                                   num_adapter_slots=self.adapters.pool.num_slots)
+        return self.model(batch, self.kv, self.adapters.pool if batch.has_adapters else None)
+
+    def new_generator(self, seed: int) -> torch.Generator:
+        return self.sampler.new_generator(seed)

@@ -1,0 +1,196 @@
+"""The scheduler: which tokens of which sequences run in the next step.
+
+Each step packs, under a token budget and a cap on running sequences:
+1. every running sequence's next tokens, oldest first: one token for a decode, the next chunk
+   for a prompt being prefilled in pieces (chunked prefill);
+2. then waiting requests, first come first served. One whose adapter is not on the GPU starts
+   its load and is skipped, so others go ahead meanwhile; once it has waited
+   `max_queue_skip_ms` it is skipped no more: nothing behind it is admitted until it runs
+   (aging), so no request starves behind a popular adapter. Distinct adapters per step are
+   bounded by the GPU slots because every running request pins its adapter's slot.
+
+When a running sequence needs a KV block and none is free, the newest running sequence (by
+arrival) gives its blocks back and waits to be recomputed; its tokens so far are kept, so its
+output is the same as if it had never been preempted.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from dataclasses import dataclass, field
+
+from ..adapters import AdapterCache, AdapterError
+from ..config import EngineConfig
+from .block_manager import BlockManager
+from .sequence import Sequence, SequenceStatus
+
+log = logging.getLogger("loraplex.engine")
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    num_tokens: int   # fed this step, starting at seq.num_cached
+
+    @property
+    def needs_logits(self) -> bool:
+        return self.seq.num_cached + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    failed: list[Sequence] = field(default_factory=list)   # their adapter failed to load
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every chunk is one token that gets sampled (what CUDA graphs replay)."""
+        return bool(self.chunks) and all(c.num_tokens == 1 and c.needs_logits for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, blocks: BlockManager, adapters: AdapterCache | None) -> None:
+        self.config, self.blocks, self.adapters = config, blocks, adapters
+        self.waiting: list[Sequence] = []   # by arrival
+        self.running: list[Sequence] = []   # hold blocks; by admission
+        self.num_preemptions = 0
+        # free blocks kept back when admitting, so running decodes can grow without preempting at once
+        self.watermark = max(1, blocks.num_blocks // 100)
+
+    # ---- queue ---------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self._enqueue(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        """A running or waiting sequence is done (finished, aborted or failed): free what it holds."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self._release(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    # ---- one step -------------------------------------------------------------------------------
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        now = time.monotonic() if now is None else now
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[int] = set()
+
+        # 1. running sequences: decodes first (one token each, always within the budget), then prefill chunks
+        order = [s for s in self.running if s.num_uncached == 1] + [s for s in self.running if s.num_uncached > 1]
+        for seq in order:
+            if seq.status is not SequenceStatus.RUNNING or budget == 0:
+                continue
+            n = min(seq.num_uncached, budget)
+            while not self.blocks.can_grow(seq, seq.num_cached + n):
+                victim = max((s for s in self.running if id(s) not in scheduled), key=lambda s: s.times.arrival)
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            self.blocks.grow(seq, seq.num_cached + n)
+            out.chunks.append(ScheduledChunk(seq, n))
+            scheduled.add(id(seq))
+            budget -= n
+
+        # 2. waiting requests, first come first served
+        if not out.preempted and self._may_admit(now, budget):
+            budget = self._admit(now, budget, out)
+        self._prefetch_ahead()
+        return out
+
+    def _admit(self, now: float, budget: int, out: SchedulerOutput) -> int:
+        skip_after = self.config.max_queue_skip_ms / 1000
+        for seq in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            aged = now - seq.times.arrival >= skip_after
+            slot = -1
+            if seq.adapter is not None:
+                try:
+                    slot = self.adapters.try_acquire(seq.adapter)
+                except AdapterError as e:  # its load failed: this request ends, the others go on
+                    self.waiting.remove(seq)
+                    seq.error = str(e)
+                    out.failed.append(seq)
+                    continue
+                if slot is None:   # loading: others go ahead, unless it has waited too long
+                    if aged:
+                        break
+                    continue
+            # The whole of its tokens must fit now, or admitting it would only preempt someone soon.
+            if self.blocks.blocks_for(seq.num_tokens) > self.blocks.num_free - self.watermark \
+                    and (self.running or self.blocks.blocks_for(seq.num_tokens) > self.blocks.num_free):
+                if slot >= 0:
+                    self.adapters.release(seq.adapter)
+                break  # first come, first served for memory too
+            n = min(seq.num_uncached, budget)
+            self.blocks.grow(seq, seq.num_cached + n)
+            self.waiting.remove(seq)
+            seq.status, seq.adapter_slot = SequenceStatus.RUNNING, slot
+            if seq.times.first_scheduled is None:
+                seq.times.first_scheduled = now
+            self.running.append(seq)
+            out.chunks.append(ScheduledChunk(seq, n))
+            budget -= n
+        return budget
+
+    def _may_admit(self, now: float, budget: int) -> bool:
+        """The latency ↔ throughput setting: while sequences are decoding, new prompts may wait up
+        to `max_batch_wait_ms` for enough company to fill a step, unless the batch is full anyway."""
+        wait = self.config.max_batch_wait_ms / 1000
+        if wait <= 0 or not self.running or not self.waiting:
+            return True
+        if now - self.waiting[0].times.arrival >= wait:
+            return True
+        seats = self.config.max_num_seqs - len(self.running)
+        queued = self.waiting[:max(seats, 0)]
+        return len(queued) >= seats or sum(s.num_uncached for s in queued) >= budget
+
+    def _prefetch_ahead(self) -> None:
+        """Start loading the adapters of the next waiting requests, so they are on the GPU when their turn comes."""
+        if self.adapters is None:
+            return
+        names: list[str] = []
+        for seq in self.waiting:
+            if seq.adapter is not None and seq.adapter not in names:
+                names.append(seq.adapter)
+                if len(names) >= self.config.max_gpu_adapters:
+                    break
+        for name in names:
+            try:
+                self.adapters.prefetch(name)
+            except AdapterError:
+                pass  # reported to its requests by _admit
+
+    # ---- internals ------------------------------------------------------------------------------
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(seq)
+        out.preempted.append(seq)
+        log.debug("preempted %s (recomputed later)", seq.request_id)
+
+    def _release(self, seq: Sequence) -> None:
+        self.blocks.free(seq)
+        if seq.adapter_slot >= 0:
+            self.adapters.release(seq.adapter)
+            seq.adapter_slot = -1
+
+    def _enqueue(self, seq: Sequence) -> None:
+        keys = [s.times.arrival for s in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, seq.times.arrival), seq)

@@ -1,0 +1,84 @@
+"""The offline API: `LLM(model, adapters={...}).generate(prompts, params, adapter=...)`."""
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+from typing import Sequence
+
+from tqdm.auto import tqdm
+
+from .config import EngineConfig
+from .engine.engine import Engine
+from .engine.outputs import RequestOutput
+from .sampling import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """Many prompts, each with its own adapter (or none), through one engine.
+
+        llm = LLM("path/to/llama", adapters={"sql": "adapters/sql", "chat": "adapters/chat"})
+        outs = llm.generate(["SELECT", "Hi"], SamplingParams(max_tokens=64), adapter=["sql", "chat"])
+
+    `engine_settings` are `EngineConfig` fields (max_num_seqs, gpu_memory_utilization, …).
+    """
+
+    def __init__(self, model: str | Path, adapters: dict[str, str | Path] | None = None, **engine_settings) -> None:
+        self.engine = Engine(EngineConfig.from_kwargs(model, **engine_settings), adapters)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams |
+                 Sequence[SamplingParams] | None = None, adapter: str | None | Sequence[str | None] = None, *,
+                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in the prompts' order. A prompt is a string or a
+        list of token ids. `sampling_params` and `adapter` are one for all, or one per prompt."""
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and
+                                        isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = self._per_prompt(sampling_params, len(prompts), "sampling_params", SamplingParams)
+        adapters = self._per_prompt(adapter, len(prompts), "adapter", str)
+        ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        submitted = []
+        try:
+            for rid, prompt, p, a in zip(ids, prompts, params, adapters):
+                self.engine.add_request(rid, prompt, p, a)  # every bad prompt is refused before any runs
+                submitted.append(rid)
+        except Exception:
+            for rid in submitted:
+                self.engine.abort(rid)
+            raise
+        show = use_tqdm if use_tqdm is not None else len(prompts) > 1
+        done: dict[str, RequestOutput] = {}
+        with tqdm(total=len(prompts), desc="generating", unit="req", disable=not show) as bar:
+            try:
+                while len(done) < len(prompts):
+                    outputs = self.engine.step()
+                    for out in outputs:
+                        if out.finished and out.request_id in ids:
+                            done[out.request_id] = out
+                            bar.update(1)
+                    if not outputs:
+                        time.sleep(0.0005)   # waiting on an adapter load
+            except BaseException:
+                for rid in ids:
+                    if rid not in done:
+                        self.engine.abort(rid)
+                raise
+        return [done[rid] for rid in ids]
+
+    @staticmethod
+    def _per_prompt(value, n: int, name: str, kind: type) -> list:
+        if value is None or isinstance(value, kind):
+            return [value] * n
+        if not isinstance(value, Sequence):
+            raise ValueError(f"{name} must be a {kind.__name__}, None, or a list with one per prompt")
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+        return list(value)
