@@ -26,6 +26,10 @@ VARIANTS: dict[str, dict] = {
         family="qwen2", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, tie_word_embeddings=True,
         use_sliding_window=True, sliding_window=6, max_window_layers=1),
+    # a vocabulary that holds the tiny test tokenizers (tests/tokenizer_fixtures.py), for text in and out
+    "llama-text": dict(
+        family="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=320, max_position_embeddings=512, bos_token_id=1, eos_token_id=2),
 }
 
 

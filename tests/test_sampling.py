@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from loraplex.sampling import SamplerOutput, Sampler, SamplingParams
+from loraplex.sampling import Sampler, SamplerOutput, SamplingParams
 
 # ---------------------------------------------------------------------------------------------
 # The oracle: the loop in Sampler.__call__'s docstring, in float64, one row at a time.
@@ -176,28 +176,31 @@ def test_bfloat16_logits_are_upcast():
 # ---------------------------------------------------------------------------------------------
 
 DRAWS = 20_000
+# (params, logits seed): seeds picked so that every mutant below that applies is > 3 * bound away.
 DISTRIBUTION_CASES = [
-    SamplingParams(temperature=0.6),
-    SamplingParams(temperature=1.4, top_k=6),
-    SamplingParams(temperature=0.8, top_p=0.8),
-    SamplingParams(temperature=1.3, top_k=12, top_p=0.7),
-    SamplingParams(temperature=2.0, top_k=3, top_p=0.95),
+    (SamplingParams(temperature=0.6), 0),
+    (SamplingParams(temperature=0.5, top_k=6), 1026),
+    (SamplingParams(temperature=0.8, top_p=0.8), 2009),
+    (SamplingParams(temperature=0.6, top_k=12, top_p=0.7), 3003),
+    (SamplingParams(temperature=0.5, top_k=5, top_p=0.9), 4002),
+    (SamplingParams(temperature=1.5, top_k=8, top_p=0.6), 5004),
 ]
 MUTANTS = {
-    "temperature applied twice": dict(temperature_power=2),
-    "temperature ignored": dict(temperature_power=0),
-    "top-k keeps one fewer": dict(top_k_shift=-1),
-    "top-k keeps one more": dict(top_k_shift=1),
-    "top-p keeps one fewer": dict(top_p_shift=-1),
-    "top-p keeps one more": dict(top_p_shift=1),
+    "temperature applied twice": {"temperature_power": 2},
+    "temperature ignored": {"temperature_power": 0},
+    "top-k keeps one fewer": {"top_k_shift": -1},
+    "top-k keeps one more": {"top_k_shift": 1},
+    "top-p keeps one fewer": {"top_p_shift": -1},
+    "top-p keeps one more": {"top_p_shift": 1},
 }
 
 
 @pytest.mark.parametrize("case", range(len(DISTRIBUTION_CASES)))
 def test_frequencies_match_oracle(case):
-    p = DISTRIBUTION_CASES[case]
-    logits = random_logits(100 + case, 1, 40, scale=1.5)
+    p, logits_seed = DISTRIBUTION_CASES[case]
+    logits = random_logits(logits_seed, 1, 40)
     expected = oracle(logits, [p])[0]
+    assert (expected > 0).sum() >= 4  # a real choice, not a near-greedy row
 
     # With n draws, each frequency deviates by about sqrt(p_j (1 - p_j) / n), so the expected
     # total-variation distance is about 0.4 * sum_j of that; `bound` is 3.75 times it (the TV
@@ -237,6 +240,37 @@ def test_samples_stay_in_kept_set_with_ties_and_mixed_params():
         tokens = torch.tensor(sample(sampler, logits, params))
         expected = oracle(logits, params)
         assert bool((expected[torch.arange(rows), tokens] > 0).all())
+
+
+def test_kept_set_is_exact_under_forced_noise(monkeypatch):
+    # Every Exp(1) draw becomes 1 except an exact 0 at token j: the race p / e then picks j
+    # whenever j is kept (p_j > 0), and never a cut token (0 / 0 must not become a NaN winner).
+    favored = [0]
+
+    def fake_exponential(self, *args, **kwargs):
+        self.fill_(1.0)
+        self[..., favored[0]] = 0.0
+        return self
+
+    monkeypatch.setattr(torch.Tensor, "exponential_", fake_exponential)
+    vocab = 24
+    rows = list(random_logits(111, 12, vocab, scale=2.0))
+    # float32 rounds the top probability of this row to exactly 1: top-p must still cut nothing.
+    rows.append(torch.tensor([0.0] + [-20.0 - 0.5 * j for j in range(vocab - 1)]))
+    params = [SamplingParams(), SamplingParams(top_k=3), SamplingParams(top_p=0.5), SamplingParams(top_p=0.05),
+              SamplingParams(temperature=0.3, top_k=10, top_p=0.9), SamplingParams(temperature=2.0, top_p=0.7),
+              SamplingParams(top_k=1), SamplingParams(top_k=5, top_p=0.95, seed=1), SamplingParams(seed=2),
+              SamplingParams(temperature=0.5, top_k=20, top_p=0.99), SamplingParams(top_k=vocab + 5),
+              SamplingParams(temperature=0), SamplingParams(top_k=3, top_p=1.0)]
+    sampler = Sampler("cpu")
+    for row, p in zip(rows, params):
+        expected = oracle(row[None], [p])[0]
+        gens = [sampler.new_generator(p.seed) if p.seed is not None else None]
+        for j in range(vocab):
+            favored[0] = j
+            token = sample(sampler, row[None], [p], gens)[0]
+            assert (token == j) == bool(expected[j] > 0), f"{p}, token {j}: sampled {token}"
+            assert expected[token] > 0
 
 
 def test_ties_at_the_cutoff_all_stay():

@@ -29,6 +29,16 @@ class LLM:
         self.engine = Engine(EngineConfig.from_kwargs(model, **engine_settings), adapters)
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the adapter loader threads (the GPU memory goes with the object)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -167,7 +167,7 @@ class _Plan:
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
-              vocab: int) -> "_Plan":
+              vocab: int) -> _Plan:
         plan = cls(num_rows=len(params))
         for row, (p, gen) in enumerate(zip(params, generators)):
             if p.logprobs is not None:

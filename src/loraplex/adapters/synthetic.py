@@ -28,6 +28,21 @@ def synthetic_spec(name: str, model: ModelConfig, rank: int, *, alpha: float | N
                        weights_dtype=torch.float32)
 
 
+_NOISE_SIZE = 1 << 22
+_noise: torch.Tensor | None = None
+
+
+def _window(gen: torch.Generator, shape: tuple[int, int], scale: float) -> torch.Tensor:
+    """Standard-normal values of `shape`: a seeded window of one shared random array. Drawing 40M
+    fresh values per 7B-sized adapter would take most of a second; a window is a copy."""
+    global _noise
+    if _noise is None:
+        _noise = torch.randn(_NOISE_SIZE, generator=torch.Generator().manual_seed(0))
+    n = shape[0] * shape[1]
+    start = int(torch.randint(0, _NOISE_SIZE - n + 1, (1,), generator=gen))
+    return _noise[start:start + n].view(shape) * scale
+
+
 def read_synthetic(spec: AdapterSpec, dtype: torch.dtype, pin: bool) -> LoraAdapter:
     """The adapter's host weights (the reader the cache calls on a loader thread)."""
     model, seed = spec.locator
@@ -35,7 +50,6 @@ def read_synthetic(spec: AdapterSpec, dtype: torch.dtype, pin: bool) -> LoraAdap
     tensors = {}
     for (layer, proj), module in sorted(spec.modules.items()):
         in_f, out_f = model.projection_shape(proj)
-        a = torch.randn(module.rank, in_f, generator=gen) * in_f ** -0.5
-        b = torch.randn(out_f, module.rank, generator=gen) * module.rank ** -0.5
-        tensors[(layer, proj)] = (a, b)
+        tensors[(layer, proj)] = (_window(gen, (module.rank, in_f), in_f ** -0.5),
+                                  _window(gen, (out_f, module.rank), module.rank ** -0.5))
     return pack_host_adapter(spec, tensors, dtype, pin)

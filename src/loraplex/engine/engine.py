@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence as Seq
 
@@ -19,6 +20,17 @@ from .scheduler import ScheduledChunk, Scheduler
 from .sequence import FinishReason, Sequence, SequenceStatus
 
 log = logging.getLogger("loraplex.engine")
+
+
+@dataclass
+class StepInfo:
+    """What the last step ran (for metrics and benchmarks)."""
+    num_seqs: int
+    num_tokens: int
+    num_adapters: int      # distinct adapters in the step
+    decode: bool           # every sequence fed one token
+    graphed: bool          # replayed a CUDA graph
+    seconds: float         # wall time of the whole step: schedule, run, sample, postprocess
 
 
 class Engine:
@@ -36,6 +48,7 @@ class Engine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self._requests: dict[str, Sequence] = {}
+        self.last_step: StepInfo | None = None
         self.stats = {"steps": 0, "graph_steps": 0, "tokens_prefilled": 0, "tokens_generated": 0}
         for name, path in (adapters or {}).items():
             self.add_adapter(name, path)
@@ -135,6 +148,7 @@ class Engine:
     # ---- one step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run and postprocess one step; an output for every request that progressed."""
+        start = time.perf_counter()
         plan = self.scheduler.schedule()
         outputs = []
         for seq in plan.failed:
@@ -142,11 +156,14 @@ class Engine:
             outputs.append(make_output(seq))
         if not plan.chunks:
             return outputs
-        graphed = self.runner.graphs is not None and plan.is_decode
-        sampled = self.runner.execute(plan.chunks)
+        sampled, graphed = self.runner.execute(plan.chunks)
+        outputs += self._postprocess(plan.chunks, sampled)
         self.stats["steps"] += 1
         self.stats["graph_steps"] += int(graphed)
-        return outputs + self._postprocess(plan.chunks, sampled)
+        self.last_step = StepInfo(len(plan.chunks), plan.num_tokens,
+                                  len({c.seq.adapter for c in plan.chunks if c.seq.adapter is not None}),
+                                  plan.is_decode, graphed, time.perf_counter() - start)
+        return outputs
 
     def _postprocess(self, chunks: list[ScheduledChunk], sampled: SamplerOutput) -> list[RequestOutput]:
         now = time.monotonic()

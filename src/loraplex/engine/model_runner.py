@@ -109,20 +109,19 @@ class ModelRunner:
         del kv, batch, logits
 
     # ---- one step ---------------------------------------------------------------------------------
-    def execute(self, chunks: Seq[ScheduledChunk]) -> SamplerOutput:
-        """Run one step; the sampled tokens of the chunks that need logits, in their order."""
+    def execute(self, chunks: Seq[ScheduledChunk]) -> tuple[SamplerOutput, bool]:
+        """Run one step: the sampled tokens of the chunks that need logits (in their order), and
+        whether a CUDA graph ran it."""
         batch_chunks = [SequenceChunk(c.seq.token_ids[c.seq.num_cached:c.seq.num_cached + c.num_tokens],
                                       c.seq.num_cached, c.seq.block_table, c.seq.adapter_slot, c.needs_logits)
                         for c in chunks]
         decode = all(c.num_tokens == 1 and c.needs_logits for c in chunks)
-        if decode and self.graphs is not None and self.graphs.can_run(batch_chunks):
-            logits = self.graphs.run(batch_chunks)
-        else:
-            logits = self._run_eager(batch_chunks)
+        graphed = decode and self.graphs is not None and self.graphs.can_run(batch_chunks)
+        logits = self.graphs.run(batch_chunks) if graphed else self._run_eager(batch_chunks)
         sampled = [c.seq for c in chunks if c.needs_logits]
         if not sampled:
-            return SamplerOutput([], [])
-        return self.sampler(logits, [s.params for s in sampled], [s.generator for s in sampled])
+            return SamplerOutput([], []), graphed
+        return self.sampler(logits, [s.params for s in sampled], [s.generator for s in sampled]), graphed
 
     def _run_eager(self, chunks: list[SequenceChunk]) -> torch.Tensor:
         c = self.model.config

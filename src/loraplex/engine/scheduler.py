@@ -42,7 +42,8 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    failed: list[Sequence] = field(default_factory=list)   # their adapter failed to load
+    failed: list[Sequence] = field(default_factory=list)   # their adapter failed to load; still waiting:
+                                                           # the engine finishes them
 
     @property
     def num_tokens(self) -> int:
@@ -120,8 +121,7 @@ class Scheduler:
             if seq.adapter is not None:
                 try:
                     slot = self.adapters.try_acquire(seq.adapter)
-                except AdapterError as e:  # its load failed: this request ends, the others go on
-                    self.waiting.remove(seq)
+                except AdapterError as e:  # its load failed: this request ends (engine), the others go on
                     seq.error = str(e)
                     out.failed.append(seq)
                     continue

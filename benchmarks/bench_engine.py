@@ -1,0 +1,153 @@
+"""End-to-end engine benchmark on the GPU: Llama-2-7B shapes, dummy weights, bf16, rank-16
+adapters on all seven projections.
+
+Workload: `--requests` prompts of 128–512 random tokens, 128 output tokens each (ignore_eos),
+all submitted at once; `max_num_seqs` of 32 and 256. Three variants on the same prompts:
+- backbone: no adapters;
+- distinct: request i uses adapter i mod max_num_seqs, so every full batch has all-distinct adapters;
+- shared: every request uses one adapter.
+Adapters are synthetic (no files) and made resident before timing, so the runs measure serving,
+not loading. Each variant runs with CUDA graphs and with `enforce_eager`.
+
+Reported per run: output tokens/s over the whole run, the median wall time of full-batch decode
+steps (schedule + forward + sample + postprocess), and beside them the memory floor of such a
+step: weights + KV of the batch's contexts + each used adapter once, over the copy bandwidth
+measured in the same run.
+
+    python benchmarks/bench_engine.py --out benchmarks/results/engine.json --md benchmarks/results/engine.md
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_lora_ops import copy_bandwidth_gbs  # noqa: E402
+from bench_model import adapter_bytes, kv_bytes, weight_bytes  # noqa: E402
+
+from loraplex import SamplingParams  # noqa: E402
+from loraplex.config import EngineConfig  # noqa: E402
+from loraplex.engine import Engine  # noqa: E402
+
+RANK = 16
+OUTPUT_TOKENS = 128
+
+
+def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(128, 513, (n,), generator=gen).tolist()
+    return [torch.randint(3, vocab, (L,), generator=gen).tolist() for L in lens]
+
+
+def run(engine: Engine, work: list[list[int]], adapters: list[str | None]) -> dict:
+    params = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i, (p, a) in enumerate(zip(work, adapters)):
+        engine.add_request(f"r{i}", p, params, a)
+    steps, out_tokens, contexts = [], 0, []
+    while engine.has_unfinished():
+        outs = engine.step()
+        info = engine.last_step
+        out_tokens += sum(len(o.new_token_ids) for o in outs)
+        if info is not None and outs:
+            steps.append(info)
+            if info.decode and info.num_seqs == engine.config.max_num_seqs:
+                contexts.append(sum(s.num_tokens for s in engine.scheduler.running))
+        engine.last_step = None
+    seconds = time.perf_counter() - start
+    full = [s.seconds for s in steps if s.decode and s.num_seqs == engine.config.max_num_seqs]
+    return dict(seconds=seconds, output_tokens=out_tokens, tokens_per_s=out_tokens / seconds, steps=len(steps),
+                decode_steps=sum(s.decode for s in steps), graph_steps=sum(s.graphed for s in steps),
+                full_decode_steps=len(full), full_decode_step_ms=1e3 * statistics.median(full) if full else None,
+                mean_full_context=statistics.mean(contexts) / engine.config.max_num_seqs if contexts else None,
+                prefill_step_ms=1e3 * statistics.median([s.seconds for s in steps if not s.decode] or [0]))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="llama-2-7b")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--batches", default="32,256")
+    ap.add_argument("--waves", type=int, default=2, help="requests = waves × max_num_seqs")
+    ap.add_argument("--modes", default="graphs,eager")
+    ap.add_argument("--variants", default="backbone,distinct,shared")
+    ap.add_argument("--out")
+    ap.add_argument("--md")
+    args = ap.parse_args(argv)
+    copy_gbs = copy_bandwidth_gbs()
+    rows = []
+    for B in map(int, args.batches.split(",")):
+        for mode in args.modes.split(","):
+            config = EngineConfig(model=f"dummy:{args.preset}", dummy_layers=args.layers, dtype="bfloat16",
+                                  max_num_seqs=B, max_num_batched_tokens=max(2048, B), max_gpu_adapters=B,
+                                  max_lora_rank=RANK, max_cpu_adapters=0, enforce_eager=(mode == "eager"),
+                                  cuda_graph_max_batch=B, max_model_len=1024)
+            t0 = time.perf_counter()
+            engine = Engine(config)
+            setup_s = time.perf_counter() - t0
+            for i in range(B):
+                engine.adapters.register_synthetic(f"a{i}", RANK, seed=i + 1)
+            for i in range(B):
+                engine.adapters.prefetch(f"a{i}")
+            for i in range(B):
+                engine.adapters.wait_resident(f"a{i}", timeout=600)
+            model = engine.runner.model
+            work = prompts(args.waves * B, model.config.vocab_size)
+            for variant in args.variants.split(","):
+                adapters = {"backbone": [None] * len(work), "shared": ["a0"] * len(work),
+                            "distinct": [f"a{i % B}" for i in range(len(work))]}[variant]
+                run(engine, work[:B], adapters[:B])  # warm-up wave (Triton compiles, allocator settles)
+                res = run(engine, work, adapters)
+                used = {"backbone": 0, "shared": 1, "distinct": B}[variant]
+                ctx = res["mean_full_context"] or 0
+                floor_ms = (weight_bytes(model, B) + kv_bytes(model, int(ctx * B)) +
+                            used * adapter_bytes(model)) / (copy_gbs * 1e9) * 1e3
+                row = dict(batch=B, mode=mode, variant=variant, setup_s=setup_s, floor_ms=floor_ms, **res)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            engine.close()
+            del engine, model
+            torch.cuda.empty_cache()
+    result = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,
+                  preset=args.preset, layers=args.layers, rank=RANK, output_tokens=OUTPUT_TOKENS,
+                  copy_gbs=copy_gbs, rows=rows)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    table = markdown(result)
+    print(table)
+    if args.md:
+        Path(args.md).write_text(table)
+
+
+def markdown(res: dict) -> str:
+    lines = [f"# Engine throughput — {res['gpu']}, {res['date']}", "",
+             f"{res['preset']} dummy weights, bf16, rank-{res['rank']} adapters on all 7 projections; prompts "
+             f"128–512 tokens, {res['output_tokens']} output tokens each, all submitted at once. Copy bandwidth "
+             f"{res['copy_gbs']:.0f} GB/s.", "",
+             "| max seqs | mode | adapters | tokens/s | vs backbone | full-batch decode step (ms) | floor (ms) | "
+             "of floor | prefill step (ms) | graph steps |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    base = {(r["batch"], r["mode"]): r["tokens_per_s"] for r in res["rows"] if r["variant"] == "backbone"}
+    for r in res["rows"]:
+        step = r["full_decode_step_ms"]
+        rel = r["tokens_per_s"] / base[(r["batch"], r["mode"])] if (r["batch"], r["mode"]) in base else float("nan")
+        lines.append(f"| {r['batch']} | {r['mode']} | {r['variant']} | {r['tokens_per_s']:.0f} | {rel:.2f} | "
+                     f"{step:.2f} | {r['floor_ms']:.2f} | {step / r['floor_ms']:.2f}× | {r['prefill_step_ms']:.1f} | "
+                     f"{r['graph_steps']}/{r['steps']} |" if step else
+                     f"| {r['batch']} | {r['mode']} | {r['variant']} | {r['tokens_per_s']:.0f} | {rel:.2f} | – | – | – | "
+                     f"{r['prefill_step_ms']:.1f} | {r['graph_steps']}/{r['steps']} |")
+    lines += ["", "Floor: (weights + KV bytes of the batch's mean context + each used adapter once) / copy "
+              "bandwidth. Step times are wall times of the engine's whole step (host work included)."]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

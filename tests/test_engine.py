@@ -1,0 +1,228 @@
+"""The engine end to end on the CPU: outputs against transformers + PEFT `generate`, and the same
+output for a request whatever else runs with it (other adapters, chunked prefill, preemption)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_fixtures import GenerateOracle, make_served_model, random_prompts
+from loraplex import LLM, SamplingParams
+from loraplex.adapters import AdapterError
+from loraplex.config import EngineConfig
+
+VOCAB = 128
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    base, adapters = make_served_model(tmp_path_factory.mktemp("served"))
+    return base, adapters, GenerateOracle(base, adapters)
+
+
+def make_llm(served, **settings) -> LLM:
+    base, adapters, _ = served
+    defaults = dict(dtype="float32", device="cpu", num_kv_blocks=256, block_size=8, max_num_seqs=16,
+                    max_num_batched_tokens=256, max_gpu_adapters=4)
+    return LLM(str(base), adapters={k: str(v) for k, v in adapters.items()}, **{**defaults, **settings})
+
+
+def test_greedy_equals_transformers_peft_generate(served):
+    base, adapters, oracle = served
+    names = [None, *adapters]
+    prompts = random_prompts(8, VOCAB, (3, 40), seed=1)
+    which = [names[i % len(names)] for i in range(len(prompts))]
+    with make_llm(served) as llm:  # one batch: every adapter and the base model side by side
+        outs = llm.generate(prompts, SamplingParams(max_tokens=12, **GREEDY), adapter=which)
+    for prompt, adapter, out in zip(prompts, which, outs):
+        assert out.token_ids == oracle.greedy(prompt, adapter, 12), f"adapter {adapter}, prompt of {len(prompt)}"
+        assert out.finish_reason == "length" and out.finished
+    # the adapters matter: each changes the base model's output for some prompt
+    for name in adapters:
+        assert any(oracle.greedy(p, name, 12) != oracle.greedy(p, None, 12) for p in prompts)
+
+
+def _alone(served, prompts, which, max_tokens):
+    with make_llm(served) as llm:
+        return [llm.generate([p], SamplingParams(max_tokens=max_tokens, **GREEDY), adapter=a, use_tqdm=False)[0]
+                .token_ids for p, a in zip(prompts, which)]
+
+
+@pytest.mark.parametrize("setting", ["batched", "chunked", "preempted", "one-adapter-slot"])
+def test_same_output_alone_and_in_any_batch(served, setting):
+    _, adapters, _ = served
+    names = [None, *adapters]
+    prompts = random_prompts(10, VOCAB, (5, 60), seed=2)
+    which = [names[(3 * i) % len(names)] for i in range(len(prompts))]
+    alone = _alone(served, prompts, which, 16)
+    settings = {
+        "batched": {},
+        "chunked": dict(max_num_batched_tokens=16, max_num_seqs=4),     # prompts spread over many steps
+        "preempted": dict(num_kv_blocks=24, max_num_seqs=10),           # 192 tokens of KV for ~10 × 50
+        "one-adapter-slot": dict(max_gpu_adapters=1),                   # adapters take turns in one slot
+    }[setting]
+    with make_llm(served, **settings) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=16, **GREEDY), adapter=which)
+        engine = llm.engine
+        assert engine.blocks.num_free == engine.blocks.num_blocks
+        assert all(engine.adapters.pins(n) == 0 for n in adapters)
+    assert [o.token_ids for o in outs] == alone
+    if setting == "preempted":
+        assert sum(o.metrics.num_preemptions for o in outs) > 0
+    if setting == "chunked":  # every prompt token went through 16-token steps
+        assert engine.stats["steps"] >= sum(map(len, prompts)) // 16
+
+
+def test_burst_larger_than_kv_memory_all_finish(served):
+    _, adapters, oracle = served
+    names = [None, *adapters]
+    prompts = random_prompts(24, VOCAB, (20, 50), seed=3)
+    which = [names[i % len(names)] for i in range(len(prompts))]
+    # 16 blocks × 8 = 128 tokens of KV for 24 requests of up to 60 tokens each
+    with make_llm(served, num_kv_blocks=16, max_num_seqs=8, max_num_batched_tokens=32) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=10, **GREEDY), adapter=which)
+        assert llm.engine.blocks.num_free == 16
+    for prompt, adapter, out in zip(prompts, which, outs):
+        assert out.token_ids == oracle.greedy(prompt, adapter, 10)
+
+
+def test_seed_reproduces_whatever_the_batch(served):
+    _, adapters, _ = served
+    prompt = random_prompts(1, VOCAB, (12, 12), seed=4)[0]
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    with make_llm(served) as llm:
+        alone = llm.generate([prompt], params, adapter="all-r8", use_tqdm=False)[0].token_ids
+        others = random_prompts(5, VOCAB, (3, 30), seed=5)
+        mixed = llm.generate(others[:2] + [prompt] + others[2:],
+                             [SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)] * 2 + [params] +
+                             [SamplingParams(max_tokens=12, temperature=0.7, seed=7, ignore_eos=True)] * 3,
+                             adapter=[None, "qv-r4", "all-r8", None, "mlp-r2-rslora", "all-r8"])
+        other_seed = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=99,
+                                                           ignore_eos=True), adapter="all-r8")[0].token_ids
+    assert mixed[2].token_ids == alone
+    assert other_seed != alone
+
+
+def test_max_tokens_and_stop_token_ids(served):
+    _, _, oracle = served
+    prompt = random_prompts(1, VOCAB, (10, 10), seed=6)[0]
+    full = oracle.greedy(prompt, "qv-r4", 20)
+    stop_at = next(i for i in range(3, 20) if full[i] not in full[:i])  # first occurrence of that token
+    with make_llm(served) as llm:
+        short = llm.generate([prompt], SamplingParams(max_tokens=5, **GREEDY), adapter="qv-r4")[0]
+        stopped = llm.generate([prompt], SamplingParams(max_tokens=20, stop_token_ids=[full[stop_at]], **GREEDY),
+                               adapter="qv-r4")[0]
+    assert short.token_ids == full[:5] and short.finish_reason == "length"
+    assert stopped.token_ids == full[:stop_at + 1]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == full[stop_at]
+
+
+def test_eos_stops_unless_ignored(served):
+    base, _, oracle = served
+    prompt = random_prompts(1, VOCAB, (8, 8), seed=7)[0]
+    full = oracle.greedy(prompt, None, 20)
+    eos = next(t for t in full[2:] if t not in full[:2])  # declare one of its tokens the model's eos
+    with make_llm(served) as llm:
+        llm.engine.eos_token_ids = frozenset({eos})
+        cut = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0))[0]
+        kept = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))[0]
+    assert cut.token_ids == full[:full.index(eos) + 1] and cut.finish_reason == "stop" and cut.stop_reason is None
+    assert kept.token_ids == full
+
+
+def test_logprobs_match_the_model_distribution(served):
+    _, _, oracle = served
+    prompt = random_prompts(1, VOCAB, (9, 9), seed=8)[0]
+    with make_llm(served) as llm:
+        out = llm.generate([prompt], SamplingParams(max_tokens=4, logprobs=3, **GREEDY), adapter="all-r8")[0]
+    tokens = prompt + out.token_ids
+    ref = torch.log_softmax(oracle.logits(tokens, "all-r8").double(), dim=-1)
+    assert len(out.logprobs) == 4
+    for i, lp in enumerate(out.logprobs):
+        row = ref[len(prompt) - 1 + i]
+        assert lp.token_id == out.token_ids[i]
+        assert abs(lp.logprob - row[lp.token_id].item()) < 1e-4
+        top = torch.topk(row, 3)
+        assert [t for t, _ in lp.top] == top.indices.tolist()
+        assert max(abs(v - r) for (_, v), r in zip(lp.top, top.values.tolist())) < 1e-4
+
+
+def test_abort_frees_blocks_and_adapter_at_once(served):
+    with make_llm(served) as llm:
+        engine = llm.engine
+        assert engine.adapters.wait_resident("all-r8", timeout=30)
+        engine.add_request("a", list(range(3, 40)), SamplingParams(max_tokens=100, **GREEDY), adapter="all-r8")
+        engine.add_request("b", list(range(5, 20)), SamplingParams(max_tokens=8, **GREEDY))
+        for _ in range(3):
+            engine.step()
+        assert engine.blocks.num_free < engine.blocks.num_blocks and engine.adapters.pins("all-r8") == 1
+        out = engine.abort("a")
+        assert out.finished and out.finish_reason == "abort" and len(out.token_ids) == 3
+        assert engine.adapters.pins("all-r8") == 0
+        assert engine.blocks.num_free == engine.blocks.num_blocks - 3  # b's 15 + 3 tokens: 3 blocks of 8
+        assert engine.abort("a") is None
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_bad_requests_are_refused_at_submission(served):
+    with make_llm(served, max_model_len=64) as llm:
+        engine = llm.engine
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            engine.add_request("x", [1, 2, VOCAB], SamplingParams())
+        with pytest.raises(ValueError, match="max_model_len"):
+            engine.add_request("x", [5] * 64, SamplingParams())
+        with pytest.raises(ValueError, match="empty"):
+            engine.add_request("x", [], SamplingParams())
+        with pytest.raises(ValueError, match="no tokenizer"):
+            engine.add_request("x", "hello", SamplingParams())
+        with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+            engine.add_request("x", [5, 6], SamplingParams(stop="x"))
+        with pytest.raises(AdapterError, match="unknown adapter 'nope'"):
+            engine.add_request("x", [5, 6], SamplingParams(), adapter="nope")
+        with pytest.raises(ValueError, match="stop_token_ids"):
+            engine.add_request("x", [5, 6], SamplingParams(stop_token_ids=[VOCAB]))
+        with pytest.raises(ValueError, match="token ids"):
+            engine.add_request("x", [5, "6"], SamplingParams())
+        engine.add_request("x", [5, 6], SamplingParams(max_tokens=2))
+        with pytest.raises(ValueError, match="already running"):
+            engine.add_request("x", [5, 6], SamplingParams())
+        assert not engine.has_unfinished() or engine.num_unfinished == 1
+        with pytest.raises(ValueError, match="has 2 entries for 3 prompts"):
+            llm.generate([[5], [6], [7]], adapter=[None, None])
+        with pytest.raises(ValueError, match="unknown engine setting"):
+            make_llm(served, max_num_seq=3)
+
+
+def test_length_limit_of_the_model_ends_a_request(served):
+    with make_llm(served, max_model_len=20) as llm:
+        out = llm.generate([[5] * 15], SamplingParams(max_tokens=100, **GREEDY))[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+def test_a_failing_adapter_ends_only_its_requests(served, tmp_path):
+    import shutil
+    base, adapters, oracle = served
+    broken = tmp_path / "broken"
+    shutil.copytree(adapters["qv-r4"], broken)
+    with make_llm(served) as llm:
+        llm.engine.add_adapter("broken", broken)
+        (broken / "adapter_model.safetensors").write_bytes(b"not a safetensors file")  # breaks after registration
+        prompts = random_prompts(3, VOCAB, (5, 10), seed=9)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=6, **GREEDY), adapter=["all-r8", "broken", None])
+        assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
+    assert outs[1].finish_reason == "error" and "broken" in outs[1].error and outs[1].token_ids == []
+    assert outs[0].token_ids == oracle.greedy(prompts[0], "all-r8", 6)
+    assert outs[2].token_ids == oracle.greedy(prompts[2], None, 6)
+
+
+def test_engine_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineConfig(model="dummy:llama-2-7b", max_num_seqs=64, max_num_batched_tokens=32)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        EngineConfig(model="dummy:llama-2-7b", gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match="block_size"):
+        EngineConfig(model="dummy:llama-2-7b", block_size=0)
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig(model="dummy:llama-2-7b", dtype="int8")

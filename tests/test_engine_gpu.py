@@ -1,0 +1,79 @@
+"""The engine on a CUDA GPU: Triton kernels, KV sized from memory, decode CUDA graphs."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from engine_fixtures import GenerateOracle, make_served_model, random_prompts
+from loraplex import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+VOCAB = 128
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    base, adapters = make_served_model(tmp_path_factory.mktemp("served_gpu"))
+    return base, adapters, GenerateOracle(base, adapters)
+
+
+def make_llm(served, **settings) -> LLM:
+    gc.collect()  # engines of earlier tests give their memory back before this one measures it
+    torch.cuda.empty_cache()
+    base, adapters, _ = served
+    defaults = dict(dtype="float32", device="cuda", block_size=16, max_num_seqs=16, max_num_batched_tokens=128,
+                    max_gpu_adapters=4, gpu_memory_utilization=0.1)
+    return LLM(str(base), adapters={k: str(v) for k, v in adapters.items()}, **{**defaults, **settings})
+
+
+def test_graphs_and_eager_give_the_same_tokens_and_match_transformers(served):
+    _, adapters, oracle = served
+    names = [None, *adapters]
+    prompts = random_prompts(12, VOCAB, (4, 50), seed=21)
+    which = [names[i % len(names)] for i in range(len(prompts))]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    results = {}
+    for eager in (False, True):
+        with make_llm(served, enforce_eager=eager) as llm:
+            results[eager] = [o.token_ids for o in llm.generate(prompts, params, adapter=which)]
+            stats = llm.engine.stats
+            assert (stats["graph_steps"] > 0) != eager, stats
+            assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
+    assert results[False] == results[True]
+    agree = sum(out == oracle.greedy(p, a, 16) for p, a, out in zip(prompts, which, results[False]))
+    assert agree == len(prompts), f"{agree}/{len(prompts)} requests equal transformers + PEFT generate"
+
+
+def test_seeded_sampling_is_the_same_with_graphs_and_eager(served):
+    prompts = random_prompts(6, VOCAB, (4, 30), seed=22)
+    params = [SamplingParams(max_tokens=12, temperature=0.8, top_k=20, seed=100 + i, ignore_eos=True)
+              for i in range(len(prompts))]
+    outs = {}
+    for eager in (False, True):
+        with make_llm(served, enforce_eager=eager) as llm:
+            outs[eager] = [o.token_ids for o in llm.generate(prompts, params, adapter="all-r8")]
+    assert outs[False] == outs[True]
+
+
+def test_kv_cache_is_sized_from_free_memory(served):
+    total = torch.cuda.get_device_properties(0).total_memory
+    with make_llm(served, gpu_memory_utilization=0.1) as small:
+        small_blocks = small.engine.runner.kv.num_blocks
+        assert torch.cuda.memory_reserved() <= 0.1 * total + (256 << 20)
+    with make_llm(served, gpu_memory_utilization=0.2) as large:
+        large_blocks = large.engine.runner.kv.num_blocks
+    assert small_blocks > 1000 and large_blocks > 1.5 * small_blocks
+
+
+def test_preemption_on_gpu_keeps_outputs(served):
+    _, adapters, oracle = served
+    names = [None, *adapters]
+    prompts = random_prompts(16, VOCAB, (30, 60), seed=23)
+    which = [names[i % len(names)] for i in range(len(prompts))]
+    with make_llm(served, num_kv_blocks=12, max_num_seqs=8, max_num_batched_tokens=64) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True), adapter=which)
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    for p, a, o in zip(prompts, which, outs):
+        assert o.token_ids == oracle.greedy(p, a, 10)

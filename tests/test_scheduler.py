@@ -1,0 +1,722 @@
+"""The scheduler and block manager without a model: budgets, chunked prefill, KV accounting,
+preemption, adapter residency and aging, the latency ↔ throughput wait, FCFS for memory.
+
+The engine's postprocess is simulated: each scheduled chunk is cached, a chunk that reaches the
+end of its sequence samples one token, and a sequence that has its `max_tokens` is finished.
+Adapters are a fake with the scheduler's three calls, whose residency each test controls and
+which counts pins, so every acquire can be checked to have exactly one release.
+"""
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from loraplex.adapters import AdapterError
+from loraplex.config import EngineConfig
+from loraplex.engine.block_manager import BlockManager
+from loraplex.engine.scheduler import Scheduler, SchedulerOutput
+from loraplex.engine.sequence import Sequence, SequenceStatus
+from loraplex.sampling import SamplingParams
+
+WAITING, RUNNING, FINISHED = SequenceStatus.WAITING, SequenceStatus.RUNNING, SequenceStatus.FINISHED
+
+
+# ---- helpers ---------------------------------------------------------------------------------------
+class FakeAdapters:
+    """The scheduler's view of the adapter cache: try_acquire / release / prefetch.
+
+    Residency is set by the test (`make_resident`, `evict`), or, with `load_steps`, an adapter
+    asked for becomes resident that many `tick()`s later once a slot is free or held by an
+    unpinned adapter. A pinned adapter is never evicted; `release` without a pin fails the test.
+    """
+
+    def __init__(self, resident=(), failed=(), *, num_slots: int | None = None, load_steps: int | None = None):
+        self.slot_of: dict[str, int] = {}
+        self.failed = set(failed)
+        self.num_slots = num_slots
+        self.load_steps = load_steps
+        self.loading: dict[str, int] = {}
+        self.pins: Counter = Counter()
+        self.acquired: Counter = Counter()
+        self.released: Counter = Counter()
+        self.prefetched: list[str] = []
+        self.tried: list[str] = []
+        for name in resident:
+            assert self.make_resident(name)
+
+    # what the scheduler calls
+    def try_acquire(self, name: str) -> int | None:
+        self.tried.append(name)
+        if name in self.failed:
+            raise AdapterError(f"adapter {name!r} failed to load: corrupt")
+        if name in self.slot_of:
+            self.pins[name] += 1
+            self.acquired[name] += 1
+            return self.slot_of[name]
+        self._start_load(name)
+        return None
+
+    def release(self, name: str) -> None:
+        assert self.pins[name] > 0, f"release({name!r}) without a matching acquire"
+        self.pins[name] -= 1
+        self.released[name] += 1
+
+    def prefetch(self, name: str) -> None:
+        self.prefetched.append(name)
+        if name in self.failed:
+            raise AdapterError(f"adapter {name!r} failed to load: corrupt")
+        self._start_load(name)
+
+    # what tests call
+    def make_resident(self, name: str) -> bool:
+        if name in self.slot_of:
+            return True
+        used = set(self.slot_of.values())
+        if self.num_slots is None:
+            slot = max(used, default=-1) + 1
+        elif len(used) < self.num_slots:
+            slot = min(set(range(self.num_slots)) - used)
+        else:
+            victims = [n for n in self.slot_of if self.pins[n] == 0]
+            if not victims:
+                return False
+            slot = self.slot_of.pop(victims[0])
+        self.slot_of[name] = slot
+        self.loading.pop(name, None)
+        return True
+
+    def evict(self, name: str) -> None:
+        assert self.pins[name] == 0, f"evicting pinned adapter {name!r}"
+        self.slot_of.pop(name, None)
+
+    def tick(self) -> None:
+        for name in list(self.loading):
+            self.loading[name] -= 1
+            if self.loading[name] <= 0:
+                self.make_resident(name)   # stays loading if every slot is pinned
+
+    def _start_load(self, name: str) -> None:
+        if self.load_steps is not None and name not in self.slot_of and name not in self.loading:
+            self.loading[name] = self.load_steps
+
+    def assert_balanced(self) -> None:
+        assert not +self.pins, f"adapters still pinned: {dict(+self.pins)}"
+        assert self.acquired == self.released, f"acquires {dict(self.acquired)} != releases {dict(self.released)}"
+
+
+def make_scheduler(num_blocks: int = 64, block_size: int = 4, adapters=None, **settings) -> Scheduler:
+    config = EngineConfig(model="dummy:x", device="cpu", **settings)
+    return Scheduler(config, BlockManager(num_blocks, block_size), adapters)
+
+
+def make_seq(request_id: str, prompt_len: int, arrival: float, adapter: str | None = None,
+             max_tokens: int = 4) -> Sequence:
+    seq = Sequence(request_id, [(7 * i + 3) % 100 for i in range(prompt_len)],
+                   SamplingParams(max_tokens=max_tokens), adapter=adapter)
+    seq.times.arrival = arrival
+    return seq
+
+
+def postprocess(sched: Scheduler, out: SchedulerOutput, token: int = 5) -> list[Sequence]:
+    """What Engine._postprocess does to the host state; returns the sequences it finished."""
+    finished = []
+    for chunk in out.chunks:
+        seq = chunk.seq
+        needs_logits = chunk.needs_logits   # (before num_cached moves, as the engine does)
+        seq.num_cached += chunk.num_tokens
+        if not needs_logits:
+            continue
+        seq.token_ids.append(token)
+        if seq.num_output_tokens >= seq.params.max_tokens:
+            sched.finish(seq)
+            finished.append(seq)
+    return finished
+
+
+def step(sched: Scheduler, now: float) -> SchedulerOutput:
+    out = sched.schedule(now=now)
+    postprocess(sched, out)
+    return out
+
+
+def ids(seqs) -> list[str]:
+    return [s.request_id for s in seqs]
+
+
+def chunk_ids(out: SchedulerOutput) -> list[str]:
+    return [c.seq.request_id for c in out.chunks]
+
+
+def check_blocks(sched: Scheduler, all_seqs) -> None:
+    """Every block is either free or held by exactly one running sequence; waiting ones hold none."""
+    bm = sched.blocks
+    held: list[int] = []
+    for seq in all_seqs:
+        if seq.status is RUNNING:
+            held.extend(seq.block_table)
+        else:
+            assert seq.block_table == [], f"{seq} is not running but holds blocks"
+    assert len(held) == len(set(held)), f"a block is held twice: {sorted(held)}"
+    free = list(bm._free)
+    assert len(free) == len(set(free)) == bm.num_free, "the free list holds a block twice"
+    assert not set(held) & set(free), f"blocks both held and free: {set(held) & set(free)}"
+    assert set(held) | set(free) == set(range(bm.num_blocks)), "a block leaked"
+
+
+def run_to_completion(sched: Scheduler, seqs, *, now: float = 0.0, dt: float = 0.001, max_steps: int = 2000,
+                      on_step=None) -> list[SchedulerOutput]:
+    outs = []
+    for i in range(max_steps):
+        if not sched.has_work():
+            return outs
+        out = sched.schedule(now=now + i * dt)
+        outs.append(out)
+        if on_step is not None:
+            on_step(out)
+        postprocess(sched, out)
+        check_blocks(sched, seqs)
+    raise AssertionError(f"not done after {max_steps} steps: running {sched.running}, waiting {sched.waiting}")
+
+
+# ---- budgets and chunked prefill -----------------------------------------------------------------------
+def test_token_budget_and_seat_cap_hold_every_step():
+    sched = make_scheduler(num_blocks=200, block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+    seqs = [make_seq(f"r{i}", 3 + 5 * (i % 4), arrival=i, max_tokens=6) for i in range(12)]
+    for s in seqs:
+        sched.add(s)
+    seen_full = []
+
+    def on_step(out):
+        assert out.num_tokens <= 16
+        assert len(sched.running) <= 4
+        assert len(set(map(id, (c.seq for c in out.chunks)))) == len(out.chunks), "a sequence scheduled twice"
+        assert all(c.num_tokens >= 1 for c in out.chunks)
+        seen_full.append(len(sched.running) == 4)
+
+    run_to_completion(sched, seqs, on_step=on_step)
+    assert all(s.status is FINISHED and s.num_output_tokens == 6 for s in seqs)
+    assert any(seen_full), "the seat cap was never reached: the test did not exercise it"
+    assert sched.blocks.num_free == 200
+
+
+def test_long_prompt_is_prefilled_in_chunks_and_only_the_last_samples():
+    sched = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+    seq = make_seq("long", 50, arrival=0.0, max_tokens=2)
+    sched.add(seq)
+    sizes, logits = [], []
+    for i in range(4):
+        out = sched.schedule(now=1.0 + i)
+        assert len(out.chunks) == 1 and out.chunks[0].seq is seq
+        chunk = out.chunks[0]
+        sizes.append(chunk.num_tokens)
+        logits.append(chunk.needs_logits)
+        # the block table covers what is cached plus what runs now, and no more
+        assert len(seq.block_table) == sched.blocks.blocks_for(seq.num_cached + chunk.num_tokens)
+        postprocess(sched, out)
+    assert sizes == [16, 16, 16, 2]
+    assert logits == [False, False, False, True]
+    assert seq.num_output_tokens == 1 and seq.num_cached == 50
+    out = sched.schedule(now=10.0)
+    assert [(c.num_tokens, c.needs_logits) for c in out.chunks] == [(1, True)]   # now decoding
+    postprocess(sched, out)
+    assert seq.status is FINISHED and sched.blocks.num_free == 64
+
+
+def test_decodes_are_scheduled_before_prefill_chunks_whatever_the_running_order():
+    sched = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=8)
+    shorts = [make_seq(f"s{i}", 2, arrival=i, max_tokens=20) for i in range(3)]
+    long = make_seq("long", 40, arrival=3, max_tokens=2)
+    for s in shorts + [long]:
+        sched.add(s)
+    out = step(sched, now=10.0)
+    assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [("s0", 2), ("s1", 2), ("s2", 2), ("long", 2)]
+    # the long prompt first in `running`: the decodes must still come first and all get a token
+    sched.running.remove(long)
+    sched.running.insert(0, long)
+    for i in range(3):
+        out = sched.schedule(now=11.0 + i)
+        assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == \
+            [("s0", 1), ("s1", 1), ("s2", 1), ("long", 5)]
+        assert [c.needs_logits for c in out.chunks] == [True, True, True, False]
+        postprocess(sched, out)
+
+
+def test_a_new_request_is_admitted_in_the_same_step_as_running_decodes():
+    sched = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+    a = make_seq("a", 5, arrival=0.0, max_tokens=10)
+    sched.add(a)
+    step(sched, now=1.0)
+    b = make_seq("b", 30, arrival=1.5, max_tokens=1)
+    sched.add(b)
+    out = sched.schedule(now=2.0)
+    assert [(c.seq.request_id, c.num_tokens, c.needs_logits) for c in out.chunks] == \
+        [("a", 1, True), ("b", 15, False)]
+
+
+# ---- block accounting ----------------------------------------------------------------------------------
+def test_block_manager_grows_exactly_and_refuses_double_free():
+    bm = BlockManager(5, 4)
+    s = make_seq("s", 3, arrival=0)
+    t = make_seq("t", 3, arrival=0)
+    assert bm.blocks_for(0) == 0 and bm.blocks_for(4) == 1 and bm.blocks_for(5) == 2
+    bm.grow(s, 9)
+    assert len(s.block_table) == 3 and bm.num_free == 2
+    bm.grow(s, 12)   # still 3 blocks
+    assert len(s.block_table) == 3
+    assert not bm.can_grow(t, 12)
+    with pytest.raises(RuntimeError):
+        bm.grow(t, 12)
+    assert t.block_table == [] and bm.num_free == 2   # a refused grow takes nothing
+    bm.grow(t, 8)
+    assert not set(s.block_table) & set(t.block_table)
+    table = list(t.block_table)
+    bm.free(t)
+    assert t.block_table == [] and bm.num_free == 2
+    t.block_table = table                    # pretend t still held them
+    with pytest.raises(RuntimeError, match="double free"):
+        bm.free(t)
+    with pytest.raises(ValueError):
+        BlockManager(0, 4)
+
+
+def test_all_blocks_are_free_after_everything_finishes():
+    sched = make_scheduler(num_blocks=30, block_size=2, max_num_seqs=5, max_num_batched_tokens=12)
+    seqs = [make_seq(f"r{i}", 1 + (5 * i) % 13, arrival=i, max_tokens=1 + i % 5) for i in range(15)]
+    for s in seqs:
+        sched.add(s)
+    run_to_completion(sched, seqs)
+    assert all(s.status is FINISHED for s in seqs)
+    assert sched.blocks.num_free == 30 and not sched.running and not sched.waiting
+
+
+# ---- preemption ------------------------------------------------------------------------------------------
+def test_newest_by_arrival_is_preempted_not_the_last_admitted():
+    ad = FakeAdapters()
+    sched = make_scheduler(num_blocks=4, block_size=4, adapters=ad, max_num_seqs=4, max_num_batched_tokens=32,
+                           max_queue_skip_ms=10_000)
+    x = make_seq("x", 2, arrival=0.0, adapter="lora", max_tokens=8)   # arrives first, admitted last
+    a = make_seq("a", 2, arrival=1.0, max_tokens=8)
+    b = make_seq("b", 2, arrival=2.0, max_tokens=8)
+    for s in (x, a, b):
+        sched.add(s)
+    out = step(sched, now=3.0)
+    assert chunk_ids(out) == ["a", "b"] and ids(sched.waiting) == ["x"]
+    ad.make_resident("lora")
+    out = step(sched, now=3.1)
+    assert chunk_ids(out) == ["a", "b", "x"]
+    assert sched.blocks.num_free == 1 and [s.num_tokens for s in (a, b, x)] == [4, 4, 3]
+    out = step(sched, now=3.15)
+    assert not out.preempted and [s.num_tokens for s in (a, b, x)] == [5, 5, 4]
+    # a and b now need a second block, one is free: the newest by arrival (b) gives way, not x
+    b_tokens = list(b.token_ids)
+    out = sched.schedule(now=3.2)
+    assert ids(out.preempted) == ["b"]
+    assert sorted(chunk_ids(out)) == ["a", "x"]
+    assert b.status is WAITING and b.block_table == [] and b.num_cached == 0
+    assert b.token_ids == b_tokens and b.num_preemptions == 1 and sched.num_preemptions == 1
+    assert ids(sched.waiting) == ["b"] and b not in sched.running
+    assert ad.pins["lora"] == 1   # x kept its pin
+    postprocess(sched, out)
+    run_to_completion(sched, [x, a, b], now=4.0)
+    assert all(s.status is FINISHED and s.num_output_tokens == 8 for s in (x, a, b))
+    assert b.token_ids[:len(b_tokens)] == b_tokens
+    assert sched.blocks.num_free == 4
+    ad.assert_balanced()
+
+
+def test_preemption_frees_blocks_requeues_in_arrival_order_and_admits_nobody_that_step():
+    ad = FakeAdapters()
+    sched = make_scheduler(num_blocks=5, block_size=4, adapters=ad, max_num_seqs=4, max_num_batched_tokens=32,
+                           max_queue_skip_ms=10_000)
+    a = make_seq("a", 4, arrival=0.0, max_tokens=4)
+    d = make_seq("d", 1, arrival=1.0, adapter="late", max_tokens=1)   # small; its adapter is not loaded yet
+    c = make_seq("c", 11, arrival=2.0, max_tokens=6)
+    e = make_seq("e", 1, arrival=5.0, max_tokens=1)
+    for s in (a, d, c):
+        sched.add(s)
+    out = step(sched, now=3.0)
+    assert chunk_ids(out) == ["a", "c"]
+    out = step(sched, now=3.1)       # a grows to 2 blocks, c still fits in 3
+    assert sched.blocks.num_free == 0 and not out.preempted and chunk_ids(out) == ["a", "c"]
+    sched.add(e)
+    ad.make_resident("late")        # d could now run, if there were room
+    c_tokens = list(c.token_ids)
+    out = sched.schedule(now=3.2)   # c needs a 4th block: c, the newest, gives its blocks back
+    assert ids(out.preempted) == ["c"]
+    assert c.status is WAITING and c.block_table == [] and c.num_cached == 0 and c.token_ids == c_tokens
+    assert c.num_preemptions == 1 and sched.num_preemptions == 1
+    assert ids(sched.waiting) == ["d", "c", "e"], "the preempted sequence goes back in arrival order"
+    # d fits in the freed blocks, but nothing is admitted in a step that preempted
+    assert sched.blocks.num_free - sched.watermark >= sched.blocks.blocks_for(d.num_tokens)
+    assert chunk_ids(out) == ["a"] and ad.pins["late"] == 0
+    postprocess(sched, out)
+    check_blocks(sched, [a, c, d, e])
+    out = step(sched, now=3.3)
+    assert chunk_ids(out) == ["a", "d"], "d is admitted the step after"
+    run_to_completion(sched, [a, c, d, e], now=4.0)
+    assert [s.status for s in (a, c, d, e)] == [FINISHED] * 4
+    assert c.num_output_tokens == 6 and c.token_ids[:len(c_tokens)] == c_tokens
+    assert sched.blocks.num_free == 5
+    ad.assert_balanced()
+
+
+def test_a_preempted_sequence_recomputes_all_its_tokens_then_samples_the_next():
+    sched = make_scheduler(num_blocks=3, block_size=4, max_num_seqs=2, max_num_batched_tokens=32)
+    a = make_seq("a", 4, arrival=0.0, max_tokens=5)
+    b = make_seq("b", 3, arrival=1.0, max_tokens=3)
+    sched.add(a)
+    sched.add(b)
+    step(sched, now=2.0)       # a: 5 tokens, b: 4 tokens, one block each, 1 free
+    out = step(sched, now=2.1)  # a grows to 2 blocks; b decodes in its block
+    assert not out.preempted and sched.blocks.num_free == 0
+    out = sched.schedule(now=2.2)  # b needs a 2nd block: b is preempted
+    assert ids(out.preempted) == ["b"]
+    postprocess(sched, out)
+    tokens_before = b.num_tokens
+    recompute = None
+    for i in range(20):
+        out = sched.schedule(now=3.0 + i)
+        for c in out.chunks:
+            if c.seq is b and recompute is None:
+                recompute = (c.num_tokens, c.needs_logits)
+        postprocess(sched, out)
+        if not sched.has_work():
+            break
+    assert recompute == (tokens_before, True), "re-admission feeds every kept token and samples the next"
+    assert b.status is FINISHED and b.num_output_tokens == 3
+
+
+# ---- adapters --------------------------------------------------------------------------------------------
+def test_a_request_whose_adapter_is_not_resident_waits_and_others_go_ahead():
+    ad = FakeAdapters(resident=["hot"])
+    sched = make_scheduler(adapters=ad, max_num_seqs=8, max_num_batched_tokens=64, max_queue_skip_ms=10_000)
+    cold = make_seq("cold", 4, arrival=0.0, adapter="cold")
+    hot = make_seq("hot", 4, arrival=1.0, adapter="hot")
+    base = make_seq("base", 4, arrival=2.0)
+    for s in (cold, hot, base):
+        sched.add(s)
+    out = step(sched, now=3.0)
+    assert chunk_ids(out) == ["hot", "base"]
+    assert ids(sched.waiting) == ["cold"] and cold.block_table == []
+    assert "cold" in ad.prefetched, "the skipped request's adapter must start loading"
+    assert ad.pins == Counter({"hot": 1})
+    assert hot.adapter_slot == ad.slot_of["hot"] and base.adapter_slot == -1
+    out = step(sched, now=3.1)
+    assert chunk_ids(out) == ["hot", "base"]    # still not resident: still waiting
+    ad.make_resident("cold")
+    out = step(sched, now=3.2)
+    assert chunk_ids(out) == ["hot", "base", "cold"]
+    assert cold.status is RUNNING and cold.adapter_slot == ad.slot_of["cold"]
+    run_to_completion(sched, [cold, hot, base], now=4.0)
+    ad.assert_balanced()
+    assert ad.acquired == Counter({"hot": 1, "cold": 1})
+
+
+def test_an_aged_request_blocks_everything_behind_it():
+    ad = FakeAdapters()
+    sched = make_scheduler(adapters=ad, max_num_seqs=8, max_num_batched_tokens=64, max_queue_skip_ms=100)
+    cold = make_seq("cold", 4, arrival=0.0, adapter="cold")
+    sched.add(cold)
+    early = make_seq("early", 4, arrival=0.01)
+    sched.add(early)
+    out = step(sched, now=0.05)        # cold waited 50 ms < 100 ms: skipped
+    assert chunk_ids(out) == ["early"]
+    late = make_seq("late", 4, arrival=0.06)
+    sched.add(late)
+    out = step(sched, now=0.0999)      # 99.9 ms: still skipped
+    assert "late" in chunk_ids(out)
+    late2 = make_seq("late2", 4, arrival=0.1)
+    sched.add(late2)
+    for now in (0.1, 0.2, 1.0):       # from 100 ms on nothing behind it is admitted
+        out = step(sched, now=now)
+        assert "late2" not in chunk_ids(out) and "cold" not in chunk_ids(out)
+        assert ids(sched.waiting) == ["cold", "late2"]
+    assert "cold" in ad.prefetched
+    ad.make_resident("cold")
+    out = step(sched, now=1.1)
+    assert [c for c in chunk_ids(out) if c in ("cold", "late2")] == ["cold", "late2"]
+    run_to_completion(sched, [cold, early, late, late2], now=2.0)
+    ad.assert_balanced()
+
+
+def test_a_failed_adapter_fails_its_request_and_the_rest_go_on():
+    ad = FakeAdapters(resident=["ok"], failed=["bad"])
+    sched = make_scheduler(adapters=ad, max_num_seqs=8, max_num_batched_tokens=64)
+    first = make_seq("first", 4, arrival=0.0)
+    bad = make_seq("bad", 4, arrival=1.0, adapter="bad")
+    ok = make_seq("ok", 4, arrival=2.0, adapter="ok")
+    for s in (first, bad, ok):
+        sched.add(s)
+    out = sched.schedule(now=3.0)
+    assert ids(out.failed) == ["bad"]
+    assert bad.error and "corrupt" in bad.error
+    assert chunk_ids(out) == ["first", "ok"]
+    assert bad not in sched.running and bad.block_table == [] and bad.adapter_slot == -1
+    assert ad.pins["bad"] == 0
+    for seq in out.failed:     # what the engine does: Engine._finish(seq, ERROR) → Scheduler.finish(seq)
+        sched.finish(seq)
+    assert bad.status is FINISHED and bad not in sched.waiting and bad not in sched.running
+    postprocess(sched, out)
+    out = sched.schedule(now=3.1)        # reported once, not again
+    assert out.failed == []
+    postprocess(sched, out)
+    run_to_completion(sched, [first, ok], now=4.0)
+    assert first.status is FINISHED and ok.status is FINISHED
+    ad.assert_balanced()
+
+
+def test_an_adapter_acquired_for_a_request_that_does_not_fit_is_released():
+    ad = FakeAdapters(resident=["a"])
+    sched = make_scheduler(num_blocks=4, block_size=4, adapters=ad, max_num_seqs=4, max_num_batched_tokens=64)
+    runner = make_seq("runner", 2, arrival=0.0, max_tokens=3)
+    sched.add(runner)
+    step(sched, now=1.0)
+    big = make_seq("big", 12, arrival=1.5, adapter="a", max_tokens=1)
+    sched.add(big)
+    # 3 blocks free, big needs 3: it would fit, but not with the watermark kept free for running decodes
+    assert sched.blocks.num_free == 3 == sched.blocks.blocks_for(big.num_tokens) and sched.watermark == 1
+    for i in range(2):
+        out = step(sched, now=2.0 + i)
+        assert chunk_ids(out) == ["runner"]
+        assert ad.pins["a"] == 0 and ad.acquired["a"] == ad.released["a"] == i + 1
+        assert big.adapter_slot == -1 and big.status is WAITING
+    run_to_completion(sched, [runner, big], now=5.0)
+    assert big.status is FINISHED
+    ad.assert_balanced()
+
+
+def test_an_idle_engine_admits_a_request_that_needs_every_block():
+    sched = make_scheduler(num_blocks=4, block_size=4)
+    big = make_seq("big", 16, arrival=0.0, max_tokens=1)
+    sched.add(big)
+    out = sched.schedule(now=1.0)
+    assert chunk_ids(out) == ["big"] and sched.blocks.num_free == 0
+    postprocess(sched, out)
+    assert big.status is FINISHED and sched.blocks.num_free == 4
+
+
+def test_every_acquire_is_released_once_on_finish_and_on_preemption():
+    ad = FakeAdapters(resident=["a", "b"])
+    sched = make_scheduler(num_blocks=3, block_size=4, adapters=ad, max_num_seqs=3, max_num_batched_tokens=32)
+    x = make_seq("x", 4, arrival=0.0, adapter="a", max_tokens=5)
+    y = make_seq("y", 3, arrival=1.0, adapter="b", max_tokens=3)
+    sched.add(x)
+    sched.add(y)
+    preempted = []
+    run_to_completion(sched, [x, y], now=2.0, on_step=lambda out: preempted.extend(out.preempted))
+    assert ids(preempted) == ["y"], "the scenario must preempt y once"
+    assert ad.acquired["a"] == 1
+    # y acquires once to run, again on each admission attempt (released when it did not fit), and to re-run
+    assert ad.acquired["b"] >= 2
+    ad.assert_balanced()
+
+
+# ---- latency ↔ throughput --------------------------------------------------------------------------------
+def _one_running(**settings) -> Scheduler:
+    sched = make_scheduler(num_blocks=100, block_size=4, **settings)
+    a = make_seq("a", 4, arrival=0.0, max_tokens=1000)
+    sched.add(a)
+    step(sched, now=0.0)
+    assert sched.running == [a]
+    return sched
+
+
+def test_with_a_batch_wait_a_lone_new_request_waits_that_long():
+    sched = _one_running(max_num_seqs=4, max_num_batched_tokens=64, max_batch_wait_ms=50)
+    b = make_seq("b", 4, arrival=1.0)
+    sched.add(b)
+    for now in (1.0, 1.02, 1.0499):
+        out = step(sched, now=now)
+        assert chunk_ids(out) == ["a"], f"admitted after {now - 1.0:.4f}s < 50 ms"
+    out = step(sched, now=1.05)
+    assert chunk_ids(out) == ["a", "b"]
+
+
+def test_with_a_batch_wait_enough_requests_to_fill_the_seats_go_at_once():
+    sched = _one_running(max_num_seqs=3, max_num_batched_tokens=64, max_batch_wait_ms=50)
+    b = make_seq("b", 4, arrival=1.0)
+    sched.add(b)
+    assert chunk_ids(step(sched, now=1.001)) == ["a"]
+    c = make_seq("c", 4, arrival=1.002)
+    sched.add(c)
+    out = step(sched, now=1.003)     # two seats, two waiting: full
+    assert chunk_ids(out) == ["a", "b", "c"]
+
+
+def test_with_a_batch_wait_enough_tokens_to_fill_the_budget_go_at_once():
+    sched = _one_running(max_num_seqs=8, max_num_batched_tokens=16, max_batch_wait_ms=50)
+    b = make_seq("b", 8, arrival=1.0)
+    sched.add(b)
+    assert chunk_ids(step(sched, now=1.001)) == ["a"]      # 8 < 15 tokens of budget left
+    c = make_seq("c", 8, arrival=1.002)
+    sched.add(c)
+    out = step(sched, now=1.003)                             # 16 >= 15: the step is full
+    assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 8), ("c", 7)]
+
+
+def test_without_a_batch_wait_a_new_request_is_admitted_at_once():
+    sched = _one_running(max_num_seqs=4, max_num_batched_tokens=64, max_batch_wait_ms=0)
+    b = make_seq("b", 4, arrival=1.0)
+    sched.add(b)
+    assert chunk_ids(step(sched, now=1.0)) == ["a", "b"]
+
+
+def test_with_a_batch_wait_an_idle_engine_admits_at_once():
+    sched = make_scheduler(max_num_seqs=4, max_num_batched_tokens=64, max_batch_wait_ms=50)
+    b = make_seq("b", 4, arrival=1.0)
+    sched.add(b)
+    assert chunk_ids(step(sched, now=1.0)) == ["b"]
+
+
+# ---- FCFS for memory ---------------------------------------------------------------------------------------
+def test_a_large_oldest_request_is_not_overtaken_by_smaller_ones():
+    sched = make_scheduler(num_blocks=8, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    runner = make_seq("runner", 16, arrival=0.0, max_tokens=3)   # 4 blocks, then a 5th
+    sched.add(runner)
+    step(sched, now=1.0)
+    big = make_seq("big", 16, arrival=1.0, max_tokens=2)      # 4 blocks: 4 free, 1 is the watermark
+    small = make_seq("small", 2, arrival=2.0, max_tokens=2)   # 1 block would fit
+    sched.add(big)
+    sched.add(small)
+    out = step(sched, now=3.0)
+    assert chunk_ids(out) == ["runner"]
+    assert sched.blocks.num_free - sched.watermark >= 1   # small would have fit
+    assert ids(sched.waiting) == ["big", "small"]
+    out = step(sched, now=4.0)   # runner finishes
+    assert runner.status is FINISHED
+    out = step(sched, now=5.0)
+    assert chunk_ids(out) == ["big", "small"]
+    run_to_completion(sched, [big, small], now=6.0)
+
+
+# ---- randomized: invariants after every step -----------------------------------------------------------------
+ADAPTER_NAMES = [None, "a", "b", "c", "d"]
+
+
+def _check_step(sched: Scheduler, ad: FakeAdapters, out: SchedulerOutput, before: dict, seqs: list[Sequence]) -> None:
+    cfg, bm = sched.config, sched.blocks
+    assert out.num_tokens <= cfg.max_num_batched_tokens
+    assert len(sched.running) <= cfg.max_num_seqs
+    chunk_seqs = [c.seq for c in out.chunks]
+    assert len(set(map(id, chunk_seqs))) == len(chunk_seqs), "a sequence scheduled twice"
+    was_running = {id(s) for s, (status, *_ ) in before.items() if status is RUNNING}
+    # decodes of sequences that were running come first, and none is left out
+    kinds = []
+    for c in out.chunks:
+        assert c.seq.status is RUNNING and c.seq in sched.running
+        assert c.num_tokens >= 1
+        assert c.seq.num_cached + c.num_tokens <= c.seq.num_tokens
+        assert c.needs_logits == (c.seq.num_cached + c.num_tokens == c.seq.num_tokens)
+        assert len(c.seq.block_table) == bm.blocks_for(c.seq.num_cached + c.num_tokens)
+        if id(c.seq) in was_running:
+            kinds.append("decode" if before[c.seq][2] == 1 else "prefill")
+        else:
+            assert c.seq.num_cached == 0, "an admitted sequence starts from its first token"
+    assert kinds == sorted(kinds), f"a decode after a prefill chunk: {kinds}"
+    scheduled = {id(s) for s in chunk_seqs}
+    preempted = {id(s) for s in out.preempted}
+    for s, (status, _, uncached) in before.items():
+        if status is RUNNING and uncached == 1 and s.status is RUNNING:
+            assert id(s) in scheduled or id(s) in preempted, f"decode of {s} left out"
+    # preemption: no admissions that step; victims newest among the unscheduled
+    if out.preempted:
+        assert all(id(s) in was_running for s in chunk_seqs), "admitted in a step that preempted"
+    for v in out.preempted:
+        assert v.status is WAITING and v in sched.waiting and v.block_table == [] and v.num_cached == 0
+        assert v.adapter_slot == -1
+        for s in sched.running:
+            if s.times.arrival > v.times.arrival:
+                assert id(s) in scheduled, f"{v} preempted while newer unscheduled {s} kept running"
+    # running sequences not scheduled hold exactly their cached tokens' blocks
+    for s in sched.running:
+        if id(s) not in scheduled:
+            assert len(s.block_table) == bm.blocks_for(s.num_cached)
+    # waiting: arrival order, nothing held
+    arrivals = [s.times.arrival for s in sched.waiting]
+    assert arrivals == sorted(arrivals), "waiting is not in arrival order"
+    for s in sched.waiting:
+        assert s.status is WAITING and s.num_cached == 0 and s.block_table == [] and s.adapter_slot == -1
+    # pins: exactly one per running request with an adapter, on the slot it uses
+    using = Counter(s.adapter for s in sched.running if s.adapter is not None)
+    assert +ad.pins == using, f"pins {dict(+ad.pins)} != running uses {dict(using)}"
+    for s in sched.running:
+        if s.adapter is not None:
+            assert s.adapter_slot == ad.slot_of[s.adapter]
+        else:
+            assert s.adapter_slot == -1
+    if ad.num_slots is not None:
+        assert len(using) <= ad.num_slots
+    # tokens are never lost
+    for s, (_, tokens, _) in before.items():
+        assert s.token_ids[:len(tokens)] == tokens
+    check_blocks(sched, seqs)
+
+
+def _random_run(seed: int) -> Counter:
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 2, 4, 8])
+    num_blocks = rng.randint(3, 24)
+    max_num_seqs = rng.randint(1, 6)
+    budget = rng.randint(max_num_seqs, 40)
+    ad = FakeAdapters(num_slots=rng.randint(1, 3), load_steps=rng.randint(0, 4))
+    sched = make_scheduler(num_blocks, block_size, ad, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                           max_batch_wait_ms=rng.choice([0, 0, 3]), max_queue_skip_ms=rng.choice([0, 5, 1000]),
+                           max_gpu_adapters=3)
+    capacity = num_blocks * block_size
+    n_requests = rng.randint(5, 30)
+    seqs: list[Sequence] = []
+    stats = Counter()
+    dt = 0.001
+    for i in range(3000):
+        now = i * dt
+        ad.tick()
+        while len(seqs) < n_requests and rng.random() < 0.4:
+            prompt = rng.randint(1, min(capacity - 1, 40))
+            max_tokens = rng.randint(1, min(capacity - prompt, 12))   # the engine's max_model_len ≤ capacity
+            seq = make_seq(f"r{len(seqs)}", prompt, arrival=now + len(seqs) * 1e-7,
+                           adapter=rng.choice(ADAPTER_NAMES), max_tokens=max_tokens)
+            seqs.append(seq)
+            sched.add(seq)
+        if rng.random() < 0.03:   # an abort, of a running or a waiting request
+            live = [s for s in seqs if s.status is not FINISHED]
+            if live:
+                victim = rng.choice(live)
+                stats["aborted_" + victim.status.value] += 1
+                sched.finish(victim)
+        if len(seqs) == n_requests and not sched.has_work():
+            break
+        before = {s: (s.status, list(s.token_ids), s.num_uncached) for s in seqs if s.status is not FINISHED}
+        out = sched.schedule(now=now)
+        _check_step(sched, ad, out, before, seqs)
+        assert not out.failed
+        stats["preemptions"] += len(out.preempted)
+        stats["chunked"] += sum(1 for c in out.chunks if not c.needs_logits)
+        stats["skipped"] += sum(1 for s in sched.waiting if s.adapter is not None and s.adapter not in ad.slot_of)
+        postprocess(sched, out, token=rng.randrange(100))
+        check_blocks(sched, seqs)
+    else:
+        raise AssertionError(f"seed {seed}: not done after 3000 steps: running {sched.running}, "
+                             f"waiting {sched.waiting}, resident {ad.slot_of}, loading {ad.loading}")
+    assert all(s.status is FINISHED for s in seqs)
+    for s in seqs:
+        if s.num_output_tokens < s.params.max_tokens:
+            stats["unfinished_ok_if_aborted"] += 1
+    assert sched.blocks.num_free == num_blocks, f"seed {seed}: blocks leaked"
+    assert not sched.running and not sched.waiting
+    ad.assert_balanced()
+    return stats
+
+
+@pytest.mark.parametrize("group", range(8))
+def test_random_workloads_keep_every_invariant(group):
+    totals = Counter()
+    for seed in range(group * 40, group * 40 + 40):
+        try:
+            totals += _random_run(seed)
+        except AssertionError as e:
+            raise AssertionError(f"seed {seed}: {e}") from e
+    # the workloads must actually exercise what the invariants guard
+    assert totals["preemptions"] > 0 and totals["chunked"] > 0 and totals["skipped"] > 0, totals
+    assert totals["aborted_running"] + totals["aborted_waiting"] > 0, totals
