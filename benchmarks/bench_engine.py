@@ -48,6 +48,7 @@ def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 def run(engine: Engine, work: list[list[int]], adapters: list[str | None]) -> dict:
     params = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
+    engine.stats["overlapped_steps"] = 0
     torch.cuda.synchronize()
     start = time.perf_counter()
     for i, (p, a) in enumerate(zip(work, adapters)):
@@ -66,6 +67,7 @@ def run(engine: Engine, work: list[list[int]], adapters: list[str | None]) -> di
     full = [s.seconds for s in steps if s.decode and s.num_seqs == engine.config.max_num_seqs]
     return dict(seconds=seconds, output_tokens=out_tokens, tokens_per_s=out_tokens / seconds, steps=len(steps),
                 decode_steps=sum(s.decode for s in steps), graph_steps=sum(s.graphed for s in steps),
+                overlapped_steps=engine.stats["overlapped_steps"],
                 full_decode_steps=len(full), full_decode_step_ms=1e3 * statistics.median(full) if full else None,
                 mean_full_context=statistics.mean(contexts) / engine.config.max_num_seqs if contexts else None,
                 prefill_step_ms=1e3 * statistics.median([s.seconds for s in steps if not s.decode] or [0]))

@@ -189,6 +189,17 @@ def test_prompt_ending_inside_a_character(tok):
     assert out.text == "".join(deltas) == tok.decode(output)
 
 
+def test_output_continuing_a_prompt_byte_run(tok):
+    # Llama 2 spells 你 in byte tokens; a stray continuation byte right after it would turn that whole run
+    # into U+FFFD when decoded together. The prompt's text is not the output's to change.
+    prompt = tok.encode("Q: \u4f60")
+    output = [tok.convert_tokens_to_ids("<0x80>") if byte_token_ids(tok) else encode(tok, "\u4f60")[-1]]
+    output += encode(tok, " ok")
+    out, deltas, _ = stream(tok, prompt, output)
+    assert out.text == "".join(deltas) == tok.decode(output)
+    assert out.text.startswith(REPLACEMENT_CHAR) and out.text.endswith("ok")
+
+
 def test_special_tokens_skipped_or_kept(tok):
     body = encode(tok, "Hi \u4f60 there")
     mid = next(i for i in range(1, len(body)) if REPLACEMENT_CHAR in tok.decode(body[:i]))  # inside 你

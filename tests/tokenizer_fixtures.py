@@ -29,7 +29,8 @@ CORPUS: tuple[str, ...] = (
     "Punctuation (brackets) [square] {curly} <angle> \"quotes\" 'single' - dash; semi: colon... ?!",
     "the the the and and of of to to in in is is it it that that with with for for on on",
     "Stop here. STOP! end of text; the end.",
-    "Caf\u00e9 cr\u00e8me br\u00fbl\u00e9e, na\u00efve fa\u00e7ade, \u00fcber Stra\u00dfe, ma\u00f1ana, S\u00e3o Paulo, \u00c5ngstr\u00f6m.",
+    "Caf\u00e9 cr\u00e8me br\u00fbl\u00e9e, na\u00efve fa\u00e7ade, \u00fcber Stra\u00dfe, "
+    "ma\u00f1ana, S\u00e3o Paulo, \u00c5ngstr\u00f6m.",
     "\u4f60\u597d\uff0c\u4e16\u754c\u3002\u4eca\u5929\u5929\u6c14\u5f88\u597d\u3002",  # Chinese
     "\u3053\u3093\u306b\u3061\u306f\u3001\u4e16\u754c\u3002\u30c6\u30b9\u30c8\u3067\u3059\u3002",  # Japanese
     "\ud55c\uad6d\uc5b4 \ubb38\uc7a5\uc785\ub2c8\ub2e4.",  # Korean

@@ -139,6 +139,25 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]  # None for rows whose params.logprobs is None
 
 
+@dataclass
+class PendingSample:
+    """A sample whose work is queued: `tokens` (long [N], on the device) is usable by later work on
+    the same stream; `result()` waits for the host copy."""
+
+    tokens: torch.Tensor
+    _values: torch.Tensor | None
+    _event: object | None
+    _plan: "_Plan"
+    _sampler: "Sampler"
+
+    def result(self) -> SamplerOutput:
+        if self._values is None:
+            return SamplerOutput([], [])
+        if self._event is not None:
+            self._event.synchronize()
+        return self._sampler._unpack(self._values.tolist(), self._plan)
+
+
 def _same_device(a: torch.device, b: torch.device) -> bool:
     return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
@@ -286,17 +305,26 @@ class Sampler:
         A row with a generator draws its noise alone, `torch.empty(V).exponential_(generator=gen)`,
         once per call, so its token depends only on its seed, how many times it was drawn from,
         and its own logits. Rows without one share one batched draw from the engine's generator.
+        A non-greedy row whose params carry a seed must come with its generator (ValueError).
 
-        Math is float32 (other float dtypes are upcast); `logits` is not modified. A row holding
+        Math is float32 (other float dtypes are upcast); `logits` is not modified. A positive
+        temperature below float32's smallest normal number acts as that number. A row holding
         NaN (or +inf, or only -inf) gets some token id in [0, V) and NaN logprobs; the engine
         handles such rows itself. One device-to-host transfer at the end; the per-row metadata
         goes to the device in one (asynchronous on CUDA) copy.
         """
+        return self.launch(logits, params, generators).result()
+
+    def launch(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+               generators: Sequence[torch.Generator | None]) -> "PendingSample":
+        """`__call__` without waiting: the work and the copy back are queued on the current stream;
+        `.tokens` holds the sampled ids on the device (for the next step's input), `.result()`
+        waits for this sample only, not for work queued after it."""
         self._check(logits, params, generators)
         num_rows, vocab = logits.shape
-        if num_rows == 0:
-            return SamplerOutput([], [])
         plan = _Plan.build(params, generators, vocab)
+        if num_rows == 0:
+            return PendingSample(torch.zeros(0, dtype=torch.long, device=self.device), None, None, plan, self)
         with torch.no_grad():
             x = logits.float()  # a no-op for float32: nothing below writes into x
             meta = plan.to_device(self.device)
@@ -304,8 +332,15 @@ class Sampler:
             parts = [tokens.double()]
             if plan.with_logprobs:
                 parts += self._logprobs(x, tokens, plan, meta)
-            values = torch.cat(parts).cpu().tolist()  # the one device-to-host sync
-        return self._unpack(values, plan)
+            values = torch.cat(parts)
+            event = None
+            if values.device.type == "cuda":  # the one device-to-host copy, queued, into pinned memory
+                host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+                host.copy_(values, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                values = host
+        return PendingSample(tokens, values, event, plan, self)
 
     def _check(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                generators: Sequence[torch.Generator | None]) -> None:

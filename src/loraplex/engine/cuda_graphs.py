@@ -84,11 +84,16 @@ class DecodeGraphs:
         return self.bucket_for(len(chunks)) is not None and \
             max(c.num_cached for c in chunks) + 1 <= self.max_seq_len
 
-    def run(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
-        """Logits `[len(chunks), vocab]` of a decode batch (one token per chunk), by replay."""
+    def run(self, chunks: Sequence[SequenceChunk],
+            inputs: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Logits `[len(chunks), vocab]` of a decode batch (one token per chunk), by replay.
+        With `inputs` = (device ids, index), chunk i's token is `ids[index[i]]` instead of its own."""
         bucket = self.bucket_for(len(chunks))
         lora = self.pool is not None and any(c.adapter_slot >= 0 for c in chunks)
         g = self._graphs[(bucket, lora)]
         g.batch.update_(chunks)
+        if inputs is not None:
+            with torch.inference_mode():
+                g.batch.input_ids[:len(chunks)].copy_(inputs[0].index_select(0, inputs[1]))
         g.graph.replay()
         return g.logits[:len(chunks)]

@@ -77,7 +77,8 @@ class OutputText:
         self._max_stop_len = max((len(s) for s in stops), default=0)
 
         # The window: a few prompt tokens of context, then the output. Offsets index into it.
-        self._ids = self._context([operator.index(t) for t in prompt_token_ids])
+        keep = CONTEXT_TOKENS + MAX_HELD_TOKENS + 1  # the context, and a trailing byte run to drop before it
+        self._ids = self._context([operator.index(t) for t in prompt_token_ids[-keep:]])
         self._prefix_text = self._decode(self._ids)
         if self._prefix_text.endswith(REPLACEMENT_CHAR):
             # The prompt ends inside a character: the output cannot be told apart from it, so decode it alone.

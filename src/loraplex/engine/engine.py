@@ -10,9 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence as Seq
 
+import torch
+
 from ..adapters import AdapterError
 from ..config import EngineConfig
-from ..sampling import SamplerOutput, SamplingParams
+from ..sampling import PendingSample, SamplingParams
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
 from .outputs import RequestOutput, make_output
@@ -20,6 +22,13 @@ from .scheduler import ScheduledChunk, Scheduler
 from .sequence import FinishReason, Sequence, SequenceStatus
 
 log = logging.getLogger("loraplex.engine")
+
+
+@dataclass
+class _Launched:
+    chunks: list[ScheduledChunk]
+    pending: PendingSample
+    graphed: bool
 
 
 @dataclass
@@ -49,7 +58,8 @@ class Engine:
         self.eos_token_ids = frozenset(eos)
         self._requests: dict[str, Sequence] = {}
         self.last_step: StepInfo | None = None
-        self.stats = {"steps": 0, "graph_steps": 0, "tokens_prefilled": 0, "tokens_generated": 0}
+        self._inflight: _Launched | None = None   # a step queued on the GPU, not yet postprocessed
+        self.stats = {"steps": 0, "graph_steps": 0, "overlapped_steps": 0, "tokens_prefilled": 0, "tokens_generated": 0}
         for name, path in (adapters or {}).items():
             self.add_adapter(name, path)
 
@@ -147,39 +157,95 @@ class Engine:
 
     # ---- one step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run and postprocess one step; an output for every request that progressed."""
+        """Run one step and postprocess it; an output for every request that progressed.
+
+        Steps overlap: when the step just launched is all decodes (or last prompt chunks) and
+        nothing new is waiting to be admitted, the next decode step is queued on the GPU before
+        this one's tokens reach the host, its inputs taken from this step's sample on the device.
+        The host then postprocesses while the GPU runs, so a decode step costs its GPU time.
+        """
         start = time.perf_counter()
-        plan = self.scheduler.schedule()
-        outputs = []
-        for seq in plan.failed:
-            self._finish(seq, FinishReason.ERROR)
-            outputs.append(make_output(seq))
-        if not plan.chunks:
-            return outputs
-        sampled, graphed = self.runner.execute(plan.chunks)
-        outputs += self._postprocess(plan.chunks, sampled)
+        outputs: list[RequestOutput] = []
+        current, self._inflight = self._inflight, None
+        if current is None or not any(c.seq.status is SequenceStatus.RUNNING for c in current.chunks):
+            plan = self.scheduler.schedule()
+            for seq in plan.failed:
+                self._finish(seq, FinishReason.ERROR)
+                outputs.append(make_output(seq))
+            if not plan.chunks:
+                return outputs
+            current = self._launch(plan.chunks)
+        self._inflight = self._continue(current)
+        outputs += self._postprocess(current)
+        chunks = current.chunks
         self.stats["steps"] += 1
-        self.stats["graph_steps"] += int(graphed)
-        self.last_step = StepInfo(len(plan.chunks), plan.num_tokens,
-                                  len({c.seq.adapter for c in plan.chunks if c.seq.adapter is not None}),
-                                  plan.is_decode, graphed, time.perf_counter() - start)
+        self.stats["graph_steps"] += int(current.graphed)
+        self.stats["overlapped_steps"] += int(self._inflight is not None)
+        self.last_step = StepInfo(len(chunks), sum(c.num_tokens for c in chunks),
+                                  len({c.seq.adapter for c in chunks if c.seq.adapter is not None}),
+                                  all(c.num_tokens == 1 and c.needs_logits for c in chunks), current.graphed,
+                                  time.perf_counter() - start)
         return outputs
 
-    def _postprocess(self, chunks: list[ScheduledChunk], sampled: SamplerOutput) -> list[RequestOutput]:
+    def _launch(self, chunks: list[ScheduledChunk], inputs=None) -> "_Launched":
+        pending, graphed = self.runner.launch(chunks, inputs)
+        return _Launched(chunks, pending, graphed)
+
+    def _continue(self, current: "_Launched") -> "_Launched | None":
+        """Queue the next decode step of `current`'s sequences now, if that is what the scheduler
+        would run next: every chunk ends its sequence, nothing waiting could be admitted, and the
+        KV blocks for one more token each are free (no preemption happens here)."""
+        if not all(c.needs_logits for c in current.chunks) or self._admissible_waiting():
+            return None
+        rows, chunks = [], []
+        for row, c in enumerate(current.chunks):
+            seq = c.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            # sequences that end by length with this token are left out (their row would be wasted)
+            if seq.num_output_tokens + 1 >= seq.params.max_tokens or seq.num_tokens + 1 >= self.max_model_len:
+                continue
+            rows.append(row)
+            chunks.append(ScheduledChunk(seq, 1, start=seq.num_tokens, needs_logits=True))
+        if not chunks:
+            return None
+        need = sum(self.blocks.missing(c.seq, c.start + 1) for c in chunks)
+        if need > self.blocks.num_free:
+            return None
+        for c in chunks:
+            self.blocks.grow(c.seq, c.start + 1)
+        index = torch.tensor(rows, dtype=torch.long).to(self.runner.device, non_blocking=True)
+        return self._launch(chunks, (current.pending.tokens, index))
+
+    def _admissible_waiting(self) -> bool:
+        """A waiting request the scheduler could admit now (its adapter is on the GPU, seats are free)."""
+        sched = self.scheduler
+        if not sched.waiting or len(sched.running) >= self.config.max_num_seqs:
+            return False
+        if not sched.may_admit(time.monotonic(), self.config.max_num_batched_tokens - len(sched.running)):
+            return False  # the latency/throughput setting holds new prompts back for now
+        for seq in sched.waiting:
+            if seq.adapter is None or self.adapters.is_resident(seq.adapter) or self.adapters.error(seq.adapter):
+                return True
+        return False
+
+    def _postprocess(self, launched: "_Launched") -> list[RequestOutput]:
+        sampled = launched.pending.result()
         now = time.monotonic()
-        outputs, row = [], 0
-        for chunk in chunks:
+        outputs, row = [], -1
+        for chunk in launched.chunks:
             seq = chunk.seq
-            needs_logits = chunk.needs_logits
-            seq.num_cached += chunk.num_tokens
+            row += int(chunk.needs_logits)
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted, or finished by the step before (an overlapped row): nothing to keep
+            seq.num_cached = chunk.start + chunk.num_tokens
             if seq.num_output_tokens == 0:
                 self.stats["tokens_prefilled"] += chunk.num_tokens
-            if not needs_logits:
+            if not chunk.needs_logits:
                 continue
             token = sampled.token_ids[row]
             if seq.logprobs is not None:
                 seq.logprobs.append(sampled.logprobs[row])
-            row += 1
             seq.token_ids.append(token)
             self.stats["tokens_generated"] += 1
             if seq.times.first_token is None:
@@ -213,4 +279,6 @@ class Engine:
         self._requests.pop(seq.request_id, None)
 
     def close(self) -> None:
-        self.adapters.close()
+        """Stop the adapter threads and give the GPU memory back."""
+        self._inflight = None
+        self.runner.close()

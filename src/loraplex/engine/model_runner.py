@@ -14,7 +14,7 @@ from ..models import dummy_model, load_model
 from ..models.forward_batch import ForwardBatch, SequenceChunk
 from ..models.kv_cache import KVCache
 from ..models.llama import LlamaForCausalLM
-from ..sampling import Sampler, SamplerOutput, SamplingParams
+from ..sampling import PendingSample, Sampler, SamplingParams
 from .cuda_graphs import DecodeGraphs
 from .scheduler import ScheduledChunk
 
@@ -109,26 +109,43 @@ class ModelRunner:
         del kv, batch, logits
 
     # ---- one step ---------------------------------------------------------------------------------
-    def execute(self, chunks: Seq[ScheduledChunk]) -> tuple[SamplerOutput, bool]:
-        """Run one step: the sampled tokens of the chunks that need logits (in their order), and
-        whether a CUDA graph ran it."""
-        batch_chunks = [SequenceChunk(c.seq.token_ids[c.seq.num_cached:c.seq.num_cached + c.num_tokens],
-                                      c.seq.num_cached, c.seq.block_table, c.seq.adapter_slot, c.needs_logits)
-                        for c in chunks]
+    def launch(self, chunks: Seq[ScheduledChunk],
+               inputs: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[PendingSample, bool]:
+        """Queue one step: the sample of the chunks that need logits (in their order), and whether
+        a CUDA graph runs it. `inputs` = (device token ids, index): the chunks are one-token decodes
+        whose token is `ids[index[i]]`, sampled by a step still in flight (their host value is not
+        known yet)."""
+        batch_chunks = []
+        for c in chunks:
+            ids = [0] if inputs is not None else c.seq.token_ids[c.start:c.start + c.num_tokens]
+            batch_chunks.append(SequenceChunk(ids, c.start, c.seq.block_table, c.seq.adapter_slot, c.needs_logits))
         decode = all(c.num_tokens == 1 and c.needs_logits for c in chunks)
         graphed = decode and self.graphs is not None and self.graphs.can_run(batch_chunks)
-        logits = self.graphs.run(batch_chunks) if graphed else self._run_eager(batch_chunks)
+        if graphed:
+            logits = self.graphs.run(batch_chunks, inputs)
+        else:
+            logits = self._run_eager(batch_chunks, inputs)
         sampled = [c.seq for c in chunks if c.needs_logits]
-        if not sampled:
-            return SamplerOutput([], []), graphed
-        return self.sampler(logits, [s.params for s in sampled], [s.generator for s in sampled]), graphed
+        return self.sampler.launch(logits, [s.params for s in sampled], [s.generator for s in sampled]), graphed
 
-    def _run_eager(self, chunks: list[SequenceChunk]) -> torch.Tensor:
+    def _run_eager(self, chunks: list[SequenceChunk], inputs=None) -> torch.Tensor:
         c = self.model.config
         batch = ForwardBatch.build(chunks, block_size=self.kv.block_size, num_blocks=self.kv.num_blocks,
                                    vocab_size=c.vocab_size, device=self.device,
                                    num_adapter_slots=self.adapters.pool.num_slots)
+        if inputs is not None:
+            with torch.inference_mode():
+                batch.input_ids[:len(chunks)].copy_(inputs[0].index_select(0, inputs[1]))
         return self.model(batch, self.kv, self.adapters.pool if batch.has_adapters else None)
 
     def new_generator(self, seed: int) -> torch.Generator:
         return self.sampler.new_generator(seed)
+
+    def close(self) -> None:
+        """Give the GPU memory back (the object is unusable after)."""
+        self.adapters.close()
+        self.graphs = None
+        self.kv = None
+        self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

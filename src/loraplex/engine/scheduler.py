@@ -31,11 +31,15 @@ log = logging.getLogger("loraplex.engine")
 @dataclass
 class ScheduledChunk:
     seq: Sequence
-    num_tokens: int   # fed this step, starting at seq.num_cached
+    num_tokens: int                  # tokens fed this step
+    start: int = -1                  # the first one's position (default: seq.num_cached now)
+    needs_logits: bool | None = None  # the chunk reaches the sequence's end (default: from its state now)
 
-    @property
-    def needs_logits(self) -> bool:
-        return self.seq.num_cached + self.num_tokens == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        if self.start < 0:
+            self.start = self.seq.num_cached
+        if self.needs_logits is None:
+            self.needs_logits = self.start + self.num_tokens == self.seq.num_tokens
 
 
 @dataclass
@@ -106,7 +110,7 @@ class Scheduler:
             budget -= n
 
         # 2. waiting requests, first come first served
-        if not out.preempted and self._may_admit(now, budget):
+        if not out.preempted and self.may_admit(now, budget):
             budget = self._admit(now, budget, out)
         self._prefetch_ahead()
         return out
@@ -146,7 +150,7 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _may_admit(self, now: float, budget: int) -> bool:
+    def may_admit(self, now: float, budget: int) -> bool:
         """The latency ↔ throughput setting: while sequences are decoding, new prompts may wait up
         to `max_batch_wait_ms` for enough company to fill a step, unless the batch is full anyway."""
         wait = self.config.max_batch_wait_ms / 1000
