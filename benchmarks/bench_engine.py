@@ -58,14 +58,18 @@ def run(engine: Engine, work: list[list[int]], adapters: list[str | None]) -> di
         outs = engine.step()
         info = engine.last_step
         out_tokens += sum(len(o.new_token_ids) for o in outs)
-        if info is not None and outs:
+        if info is not None:
             steps.append(info)
             if info.decode and info.num_seqs == engine.config.max_num_seqs:
                 contexts.append(sum(s.num_tokens for s in engine.scheduler.running))
         engine.last_step = None
     seconds = time.perf_counter() - start
+    kinds = {"decode": [s for s in steps if s.decode], "mixed": [s for s in steps if not s.decode and s.num_seqs > 1],
+             "prefill": [s for s in steps if not s.decode and s.num_seqs == 1]}
+    breakdown = {k: dict(steps=len(v), seconds=round(sum(s.seconds for s in v), 3),
+                         tokens=sum(s.num_tokens for s in v)) for k, v in kinds.items()}
     full = [s.seconds for s in steps if s.decode and s.num_seqs == engine.config.max_num_seqs]
-    return dict(seconds=seconds, output_tokens=out_tokens, tokens_per_s=out_tokens / seconds, steps=len(steps),
+    return dict(seconds=seconds, breakdown=breakdown, step_seconds=round(sum(s.seconds for s in steps), 3), output_tokens=out_tokens, tokens_per_s=out_tokens / seconds, steps=len(steps),
                 decode_steps=sum(s.decode for s in steps), graph_steps=sum(s.graphed for s in steps),
                 overlapped_steps=engine.stats["overlapped_steps"],
                 full_decode_steps=len(full), full_decode_step_ms=1e3 * statistics.median(full) if full else None,
@@ -106,7 +110,7 @@ def main(argv=None) -> None:
             for variant in args.variants.split(","):
                 adapters = {"backbone": [None] * len(work), "shared": ["a0"] * len(work),
                             "distinct": [f"a{i % B}" for i in range(len(work))]}[variant]
-                run(engine, work[:B], adapters[:B])  # warm-up wave (Triton compiles, allocator settles)
+                run(engine, work, adapters)  # warm-up: every step shape once (Triton compiles, allocator settles)
                 res = run(engine, work, adapters)
                 used = {"backbone": 0, "shared": 1, "distinct": B}[variant]
                 ctx = res["mean_full_context"] or 0

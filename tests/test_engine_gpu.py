@@ -72,7 +72,7 @@ def test_preemption_on_gpu_keeps_outputs(served):
     names = [None, *adapters]
     prompts = random_prompts(16, VOCAB, (30, 60), seed=23)
     which = [names[i % len(names)] for i in range(len(prompts))]
-    with make_llm(served, num_kv_blocks=12, max_num_seqs=8, max_num_batched_tokens=64) as llm:
+    with make_llm(served, num_kv_blocks=24, block_size=8, max_num_seqs=10, max_num_batched_tokens=64) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True), adapter=which)
     assert sum(o.metrics.num_preemptions for o in outs) > 0
     for p, a, o in zip(prompts, which, outs):
