@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import threading
 import time
 
 import pytest
@@ -16,7 +17,7 @@ from loraplex.adapters import AdapterError
 from loraplex.config import EngineConfig
 from loraplex.engine.async_engine import AsyncEngine, EngineDeadError
 
-SETTINGS = dict(dtype="float32", device="cpu", num_kv_blocks=32, max_num_seqs=8, max_num_batched_tokens=64)
+SETTINGS = {"dtype": "float32", "device": "cpu", "num_kv_blocks": 32, "max_num_seqs": 8, "max_num_batched_tokens": 64}
 PROMPT = [3, 17, 42, 99, 5, 64, 120, 7]
 PROMPT2 = [11, 12, 13, 90, 91, 2]
 
@@ -106,6 +107,21 @@ def check_stream(outs, max_tokens: int | None = None, reason: str = "length") ->
     return concat
 
 
+def hold_worker(engine: AsyncEngine):
+    """Park the worker inside a `run_on_engine` call until the returned gate is set; commands
+    queued meanwhile are applied, in order, once it is."""
+    inside, gate = threading.Event(), threading.Event()
+
+    def hold(_):
+        inside.set()
+        gate.wait(20)
+
+    thread = threading.Thread(target=engine.run_on_engine, args=(hold,), daemon=True)
+    thread.start()
+    assert inside.wait(10), "the worker did not take the call"
+    return gate, thread
+
+
 # ---- streaming -------------------------------------------------------------------------------------
 def test_outputs_stream_token_by_token(make_engine, reference):
     engine = make_engine()
@@ -135,11 +151,19 @@ CASES = [  # (prompt, adapter, max_tokens); prompts of 12-15 tokens cross a 16-t
 @pytest.mark.parametrize("num_kv_blocks", [32, 5], ids=["roomy", "preempting"])
 def test_concurrent_requests_with_different_adapters_match_running_alone(make_engine, reference, num_kv_blocks):
     engine = make_engine(num_kv_blocks=num_kv_blocks)
+    gate, holder = hold_worker(engine)   # every request is queued before the first step
 
     async def main():
-        return await asyncio.gather(*(collect(engine.generate(p, greedy(n), adapter=a)) for p, a, n in CASES))
+        tasks = [asyncio.create_task(collect(engine.generate(p, greedy(n), adapter=a))) for p, a, n in CASES]
+        await asyncio.sleep(0.05)
+        gate.set()
+        return await asyncio.gather(*tasks)
 
-    results = asyncio.run(main())
+    try:
+        results = asyncio.run(main())
+    finally:
+        gate.set()
+        holder.join()
     for (prompt, adapter, n), outs in zip(CASES, results):
         tokens = check_stream(outs, n)
         assert tokens == reference(prompt, adapter, n), f"adapter {adapter!r}, prompt of {len(prompt)}"
@@ -284,6 +308,94 @@ def test_an_adapter_that_fails_to_load_fails_only_its_request(make_engine, files
     assert engine.is_running and all_released(engine, "a")
 
 
+# ---- regressions: bugs found in review, fixed ----------------------------------------------------
+def test_cancelling_a_submit_aborts_its_request(make_engine):
+    engine = make_engine()
+    gate, holder = hold_worker(engine)
+
+    async def main():
+        task = asyncio.create_task(engine.submit(PROMPT, greedy(200), adapter="a", request_id="gone"))
+        await asyncio.sleep(0.01)          # its "add" is queued behind the held call
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        gate.set()
+        await asyncio.to_thread(engine.run_on_engine, lambda e: None)   # the "add" has been applied
+        return await wait_until(lambda: all_released(engine, "a"), timeout=5)
+
+    try:
+        released = asyncio.run(main())
+    finally:
+        gate.set()
+        holder.join()
+    assert released and engine.engine.stats["tokens_generated"] < 200, \
+        f"the cancelled request ran on: {engine.engine.stats['tokens_generated']} tokens"
+
+
+def test_a_submit_from_a_closed_event_loop_does_not_kill_the_worker(make_engine, reference):
+    engine = make_engine()
+    gate, holder = hold_worker(engine)
+
+    async def orphan():
+        task = asyncio.create_task(engine.submit(PROMPT, greedy(3), request_id="orphan"))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    try:
+        asyncio.run(orphan())   # its loop is closed before the worker reads the "add"
+    finally:
+        gate.set()
+        holder.join()
+    engine.run_on_engine(lambda e: None, timeout=3)   # the worker has read the "add"
+    assert engine.is_running, f"the worker died: {engine.error!r}"
+    outs = asyncio.run(asyncio.wait_for(collect(engine.generate(PROMPT2, greedy(4))), timeout=10))
+    assert check_stream(outs, 4) == reference(PROMPT2, None, 4)
+
+
+def test_a_submit_in_flight_when_the_worker_dies_raises(make_engine):
+    engine = make_engine()
+    entered, gate = threading.Event(), threading.Event()
+
+    def dying_step():
+        entered.set()
+        gate.wait(10)
+        raise RuntimeError("device lost")
+
+    async def main():
+        await engine.submit(PROMPT, greedy(200), request_id="running")
+        await asyncio.to_thread(engine.run_on_engine, lambda e: setattr(e, "step", dying_step))
+        assert await asyncio.to_thread(entered.wait, 10)
+        late = asyncio.create_task(engine.submit(PROMPT2, greedy(2), request_id="late"))
+        await asyncio.sleep(0.01)          # queued while the step runs
+        gate.set()
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(late, timeout=2)
+
+    try:
+        asyncio.run(main())
+    finally:
+        gate.set()
+
+
+def test_a_generated_request_id_never_collides_with_a_chosen_one(make_engine):
+    engine = make_engine()
+
+    async def main():
+        await engine.submit(PROMPT, greedy(30), request_id="req-0")
+        try:
+            rid = await engine.submit(PROMPT2, greedy(2))   # the caller named no id: nothing to collide with
+        finally:
+            engine.abort("req-0")
+            await collect(engine.stream("req-0"))
+        outs = await collect(engine.stream(rid))
+        return rid, outs
+
+    rid, outs = asyncio.run(main())
+    assert rid != "req-0" and check_stream(outs, 2)
+
+
 # ---- worker failure and shutdown ----------------------------------------------------------------------
 def test_a_dead_worker_fails_open_streams_and_refuses_new_requests(make_engine):
     engine = make_engine()
@@ -330,3 +442,24 @@ def test_shutdown_joins_the_worker_thread(make_engine):
     assert not engine.is_running
     with pytest.raises(EngineDeadError, match="shut down"):
         asyncio.run(engine.submit(PROMPT, greedy(2)))
+
+
+def test_shutdown_ends_open_streams(make_engine):
+    engine = make_engine()
+
+    async def main():
+        rid = await engine.submit(PROMPT, greedy(200))
+        stream = engine.stream(rid)
+        await stream.__anext__()
+        await asyncio.to_thread(engine.shutdown)
+
+        async def rest():
+            return [out async for out in stream]
+
+        try:
+            outs = await asyncio.wait_for(rest(), timeout=2)
+        except EngineDeadError:
+            return
+        assert outs and outs[-1].finished
+
+    asyncio.run(main())

@@ -48,7 +48,10 @@ class AsyncEngine:
                      adapter: str | None = None, request_id: str | None = None) -> str:
         """Queue a request and return its id; raises (ValueError / AdapterError) if it is refused."""
         self._check_alive()
-        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+            while request_id in self._streams:  # a caller may have chosen a name of this form
+                request_id = f"req-{next(self._ids)}"
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already running")
         loop = asyncio.get_running_loop()
@@ -58,8 +61,10 @@ class AsyncEngine:
         self._wake.set()
         try:
             await accepted
-        except BaseException:
+        except BaseException as e:
             self._streams.pop(request_id, None)
+            if not isinstance(e, (ValueError, EngineDeadError)):  # cancelled: the request may be queued
+                self.abort(request_id)
             raise
         return request_id
 
@@ -96,20 +101,27 @@ class AsyncEngine:
 
     def run_on_engine(self, fn, timeout: float | None = 60.0):
         """Call `fn(engine)` on the worker thread between steps (e.g. adapter registration); returns its result."""
+        self._check_alive()
         done = threading.Event()
         box: list = []
         self._commands.put(("call", fn, box, done))
         self._wake.set()
-        if not done.wait(timeout):
-            raise TimeoutError("the engine did not answer in time")
+        waited = 0.0
+        while not done.wait(0.05):
+            waited += 0.05
+            self._check_alive()
+            if timeout is not None and waited >= timeout:
+                raise TimeoutError("the engine did not answer in time")
         if isinstance(box[0], BaseException):
             raise box[0]
         return box[1]
 
     def shutdown(self) -> None:
+        """Stop the worker; open streams end with EngineDeadError, queued submissions are refused."""
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=30)
+        self._fail_all(EngineDeadError("the engine was shut down"))
         self.engine.close()
 
     @property
@@ -140,8 +152,25 @@ class AsyncEngine:
         except BaseException as e:  # a bug or a device failure: fail every open stream, loudly
             log.exception("engine worker stopped")
             self.error = e
-            for request_id in list(self._streams):
-                self._deliver(request_id, e)
+            self._fail_all(e)
+
+    def _fail_all(self, error: BaseException) -> None:
+        """End every open stream and refuse every queued command with `error`."""
+        for request_id in list(self._streams):
+            self._deliver(request_id, error)
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, request_id, _, _, _, loop, accepted = cmd
+                dead = error if isinstance(error, EngineDeadError) else \
+                    EngineDeadError(f"the engine stopped: {error!r}")
+                _call_soon(loop, _settle, accepted, dead)
+            elif cmd[0] == "call":
+                cmd[2][:] = [EngineDeadError(f"the engine stopped: {error!r}")]
+                cmd[3].set()
 
     def _apply_commands(self) -> None:
         while True:
@@ -154,9 +183,11 @@ class AsyncEngine:
                 try:
                     self.engine.add_request(request_id, prompt, params, adapter)
                 except Exception as e:  # refused: only this caller hears of it
-                    loop.call_soon_threadsafe(_settle, accepted, e)
+                    _call_soon(loop, _settle, accepted, e)
                 else:
-                    loop.call_soon_threadsafe(_settle, accepted, None)
+                    if not _call_soon(loop, _settle, accepted, None):  # the caller's loop is gone
+                        self.engine.abort(request_id)
+                        self._streams.pop(request_id, None)
             elif cmd[0] == "abort":
                 out = self.engine.abort(cmd[1])
                 if out is not None:
@@ -177,6 +208,15 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(outputs.put_nowait, item)
             except RuntimeError:  # the caller's loop is closed
                 self._streams.pop(request_id, None)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
+    """`loop.call_soon_threadsafe`; False if the loop is closed (its caller is gone)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+        return True
+    except RuntimeError:
+        return False
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:

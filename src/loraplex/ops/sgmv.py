@@ -236,9 +236,12 @@ MAX_SPLIT_K = 8
 MAX_PARTIAL_BYTES = 64 << 20  # the partials span every row of x: a few adapter rows in a huge batch split less
 _SHRINK = Launcher(_sgmv_shrink_kernel)
 _EXPAND = Launcher(_sgmv_expand_kernel)
-# Decode-like tiles (16 rows, few of them) are latency-bound: wide K tiles, more programs.
+# Decode-like tiles (16 rows, few of them) are latency-bound: wide K tiles and many programs, so
+# each program's serial loop is short (benchmarks/sweep_decode_lora.py: the 128 add_lora calls of
+# a Llama-2-7B decode step in a CUDA graph, batches 1–256, distinct and shared adapters).
 # Prefill-like tiles (64 rows) stream x and y. Chosen by benchmarks/sweep_lora_configs.py on an H200.
-CONFIGS = {16: KernelConfig(shrink_block_k=256, expand_block_n=256, expand_programs_per_sm=2.0),
+CONFIGS = {16: KernelConfig(shrink_block_k=256, expand_block_n=256, shrink_programs_per_sm=16.0,
+                            expand_programs_per_sm=16.0),
            64: KernelConfig(shrink_block_k=128, expand_block_n=128, expand_programs_per_sm=2.0)}
 
 
