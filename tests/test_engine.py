@@ -69,6 +69,8 @@ def test_same_output_alone_and_in_any_batch(served, setting):
     assert [o.token_ids for o in outs] == alone
     if setting == "preempted":
         assert sum(o.metrics.num_preemptions for o in outs) > 0
+    if setting == "batched":  # decode steps were queued before the previous step's tokens were known
+        assert engine.stats["overlapped_steps"] > 0
     if setting == "chunked":  # every prompt token went through 16-token steps
         assert engine.stats["steps"] >= sum(map(len, prompts)) // 16
 
