@@ -463,3 +463,21 @@ def test_shutdown_ends_open_streams(make_engine):
         assert outs and outs[-1].finished
 
     asyncio.run(main())
+
+
+def test_a_reused_id_never_gets_the_abandoned_requests_outputs(make_engine, reference):
+    engine = make_engine()
+    other = [9, 10, 11]
+
+    async def main():
+        async for _ in engine.generate(PROMPT, greedy(200), request_id="x"):
+            break   # abandoned: its abort is queued
+        while True:  # the id comes back once the worker has applied the abort
+            try:
+                return await collect(engine.generate(other, greedy(5), request_id="x"))
+            except ValueError:
+                await asyncio.sleep(0.002)
+
+    outs = asyncio.run(main())
+    assert all(o.prompt_token_ids == other for o in outs)
+    assert check_stream(outs, 5) == reference(other, None, 5)

@@ -228,3 +228,49 @@ def test_engine_config_errors_name_the_field():
         EngineConfig(model="dummy:llama-2-7b", block_size=0)
     with pytest.raises(ValueError, match="dtype"):
         EngineConfig(model="dummy:llama-2-7b", dtype="int8")
+
+
+def test_removing_an_adapter_ends_only_its_queued_requests(served):
+    with make_llm(served) as llm:
+        engine = llm.engine
+        engine.add_request("a", list(range(3, 20)), SamplingParams(max_tokens=12, **GREEDY))
+        for _ in range(2):
+            engine.step()
+        engine.add_request("w", list(range(5, 15)), SamplingParams(max_tokens=4, **GREEDY), adapter="qv-r4")
+        engine.remove_adapter("qv-r4")
+        outs = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                outs[out.request_id] = out
+        assert outs["w"].finish_reason == "error" and "qv-r4" in outs["w"].error
+        assert outs["a"].finish_reason == "length" and len(outs["a"].token_ids) == 12
+
+
+def test_non_finite_logits_end_the_request_with_an_error(served):
+    with make_llm(served) as llm:
+        engine = llm.engine
+        launch = engine.runner.sampler.launch
+
+        def poisoned(logits, params, generators):  # the second request's row turns NaN
+            logits = logits.clone()
+            logits[-1] = float("nan")
+            return launch(logits, params, generators)
+
+        engine.runner.sampler.launch = poisoned
+        outs = llm.generate([[5, 6, 7], [8, 9, 10]], SamplingParams(max_tokens=3, **GREEDY))
+        assert outs[1].finish_reason == "error" and "non-finite" in outs[1].error and outs[1].token_ids == []
+        assert outs[0].finish_reason in ("length", "error")  # it is the last row once the other is gone
+
+
+def test_stop_token_text_is_not_in_the_output(tmp_path):
+    from model_fixtures import make_hf_model
+    from tokenizer_fixtures import make_tokenizer
+    folder = make_hf_model(tmp_path / "m", "llama-text", seed=5)
+    make_tokenizer(folder, "byte_bpe", vocab_size=320)
+    with LLM(str(folder), dtype="float32", device="cpu", num_kv_blocks=64, block_size=8) as llm:
+        full = llm.generate(["Hello"], SamplingParams(max_tokens=12, **GREEDY))[0]
+        stop = full.token_ids[4]
+        cut = llm.generate(["Hello"], SamplingParams(max_tokens=12, stop_token_ids=[stop], **GREEDY))[0]
+    first = full.token_ids.index(stop)
+    assert cut.token_ids == full.token_ids[:first + 1] and cut.stop_reason == stop
+    assert cut.text == llm.tokenizer.decode(full.token_ids[:first], skip_special_tokens=True)

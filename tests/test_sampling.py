@@ -423,6 +423,7 @@ def test_nan_rows_give_a_valid_token():
     out = sampler(logits, params, [None] * 5 + [sampler.new_generator(5)])
     assert all(0 <= t < vocab for t in out.token_ids)
     assert out.token_ids[4] == int(torch.argmax(logits[4]))  # clean rows are unaffected
+    assert out.finite == [False, False, False, False, True, True]  # the engine ends the others with an error
     alone = Sampler("cpu", seed=1)
     assert out.token_ids[5] == sample(alone, logits[5:], params[5:], [alone.new_generator(5)])[0]
 

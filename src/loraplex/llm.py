@@ -74,8 +74,8 @@ class LLM:
                         if out.finished and out.request_id in ids:
                             done[out.request_id] = out
                             bar.update(1)
-                    if not outputs:
-                        time.sleep(0.0005)   # waiting on an adapter load
+                    if self.engine.last_step is None and not outputs:
+                        time.sleep(0.0005)   # nothing could run: waiting on an adapter load
             except BaseException:
                 for rid in ids:
                     if rid not in done:

@@ -137,6 +137,7 @@ class TokenLogprobs:
 class SamplerOutput:
     token_ids: list[int]  # one per logits row
     logprobs: list[TokenLogprobs | None]  # None for rows whose params.logprobs is None
+    finite: list[bool] = field(default_factory=list)  # per row: its logits were all finite
 
 
 @dataclass
@@ -332,13 +333,14 @@ class Sampler:
             parts = [tokens.double()]
             if plan.with_logprobs:
                 parts += self._logprobs(x, tokens, plan, meta)
+            parts.append(torch.isfinite(x).all(dim=1).double())  # last: which rows can be trusted
             values = torch.cat(parts)
             event = None
             if values.device.type == "cuda":  # the one device-to-host copy, queued, into pinned memory
                 host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
                 host.copy_(values, non_blocking=True)
                 event = torch.cuda.Event()
-                event.record()
+                event.record(torch.cuda.current_stream(self.device))
                 values = host
         return PendingSample(tokens, values, event, plan, self)
 
@@ -440,9 +442,10 @@ class Sampler:
         logprobs: list[TokenLogprobs | None] = [None] * num_rows
         chosen = values[num_rows:num_rows + count]
         top_values = values[num_rows + count:num_rows + count + count * width]
-        top_ids = values[num_rows + count + count * width:]
+        top_ids = values[num_rows + count + count * width:len(values) - num_rows]
+        finite = [v != 0 for v in values[len(values) - num_rows:]]
         for j, (row, n) in enumerate(zip(plan.with_logprobs, plan.logprob_counts)):
             base = j * width  # every row got `width` top entries; keep the n it asked for
             top = [(int(top_ids[base + k]), top_values[base + k]) for k in range(n)]
             logprobs[row] = TokenLogprobs(token_ids[row], chosen[j], top)
-        return SamplerOutput(token_ids, logprobs)
+        return SamplerOutput(token_ids, logprobs, finite)

@@ -39,6 +39,8 @@ def _window(gen: torch.Generator, shape: tuple[int, int], scale: float) -> torch
     if _noise is None:
         _noise = torch.randn(_NOISE_SIZE, generator=torch.Generator().manual_seed(0))
     n = shape[0] * shape[1]
+    if n > _NOISE_SIZE:  # larger than the shared array: draw it (rare: rank × width above 4M)
+        return torch.randn(shape, generator=gen) * scale
     start = int(torch.randint(0, _NOISE_SIZE - n + 1, (1,), generator=gen))
     return _noise[start:start + n].view(shape) * scale
 

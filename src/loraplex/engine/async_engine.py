@@ -11,10 +11,12 @@ cancelling the task) aborts the request, so its KV blocks and adapter pin are fr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Sequence
 
@@ -35,7 +37,11 @@ class AsyncEngine:
                  engine: Engine | None = None) -> None:
         self.engine = engine if engine is not None else Engine(config, adapters)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # request id → its stream; an entry left by its reader stays (closing) until the worker has
+        # applied the abort, so the id cannot be reused while the old request may still deliver
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()   # liveness checks and queueing vs the worker's final drain
+        self._closed = False
         self._ids = itertools.count()
         self._wake = threading.Event()
         self._stop = False
@@ -47,32 +53,36 @@ class AsyncEngine:
     async def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                      adapter: str | None = None, request_id: str | None = None) -> str:
         """Queue a request and return its id; raises (ValueError / AdapterError) if it is refused."""
-        self._check_alive()
-        if request_id is None:
-            request_id = f"req-{next(self._ids)}"
-            while request_id in self._streams:  # a caller may have chosen a name of this form
-                request_id = f"req-{next(self._ids)}"
-        if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already running")
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future = loop.create_future()
-        self._streams[request_id] = (loop, asyncio.Queue())
-        self._commands.put(("add", request_id, prompt, params, adapter, loop, accepted))
+        with self._lock:  # the worker's final drain takes the lock: nothing queued here is ever lost
+            self._check_alive()
+            if request_id is None:
+                request_id = f"req-{next(self._ids)}"
+                while request_id in self._streams:  # a caller may have chosen a name of this form
+                    request_id = f"req-{next(self._ids)}"
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already running")
+            entry = self._streams[request_id] = _Stream(loop, asyncio.Queue())
+            self._commands.put(("add", request_id, prompt, params, adapter, loop, accepted))
         self._wake.set()
         try:
             await accepted
         except BaseException as e:
-            self._streams.pop(request_id, None)
-            if not isinstance(e, (ValueError, EngineDeadError)):  # cancelled: the request may be queued
+            if isinstance(e, (ValueError, EngineDeadError)):  # refused: nothing runs under this id
+                self._pop_stream(request_id, entry)
+            else:  # cancelled: the request may be queued; the worker frees the id once it is aborted
+                entry.closing = True
                 self.abort(request_id)
             raise
         return request_id
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """The request's outputs as they are made; the last one has `finished` set."""
-        if request_id not in self._streams:
+        entry = self._streams.get(request_id)
+        if entry is None or entry.closing:
             raise ValueError(f"unknown request {request_id!r}")
-        _, outputs = self._streams[request_id]
+        outputs = entry.outputs
         finished = False
         try:
             while True:
@@ -84,15 +94,18 @@ class AsyncEngine:
                     finished = True
                     return
         finally:
-            self._streams.pop(request_id, None)
-            if not finished:   # the caller left early or was cancelled
+            if finished:
+                self._pop_stream(request_id, entry)
+            else:   # the caller left early or was cancelled: the worker drops the entry once aborted
+                entry.closing = True
                 self.abort(request_id)
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                        adapter: str | None = None, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         request_id = await self.submit(prompt, params, adapter, request_id)
-        async for out in self.stream(request_id):
-            yield out
+        async with contextlib.aclosing(self.stream(request_id)) as outputs:  # leaving early aborts at once
+            async for out in outputs:
+                yield out
 
     def abort(self, request_id: str) -> None:
         """Abort from any thread; takes effect before the engine's next step."""
@@ -101,10 +114,11 @@ class AsyncEngine:
 
     def run_on_engine(self, fn, timeout: float | None = 60.0):
         """Call `fn(engine)` on the worker thread between steps (e.g. adapter registration); returns its result."""
-        self._check_alive()
         done = threading.Event()
         box: list = []
-        self._commands.put(("call", fn, box, done))
+        with self._lock:
+            self._check_alive()
+            self._commands.put(("call", fn, box, done))
         self._wake.set()
         waited = 0.0
         while not done.wait(0.05):
@@ -121,7 +135,9 @@ class AsyncEngine:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=30)
-        self._fail_all(EngineDeadError("the engine was shut down"))
+        with self._lock:
+            self._closed = True
+            self._fail_all(EngineDeadError("the engine was shut down"))
         self.engine.close()
 
     @property
@@ -129,6 +145,8 @@ class AsyncEngine:
         return self._thread.is_alive() and self.error is None
 
     def _check_alive(self) -> None:
+        if self._closed:
+            raise EngineDeadError("the engine is shut down")
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped: {self.error!r}")
         if not self._thread.is_alive():
@@ -136,6 +154,9 @@ class AsyncEngine:
 
     # ---- worker thread ----------------------------------------------------------------------------
     def _loop(self) -> None:
+        if self.engine.runner.device.type == "cuda":
+            import torch
+            torch.cuda.set_device(self.engine.runner.device)   # this thread launches on the engine's GPU
         try:
             while not self._stop:
                 self._apply_commands()
@@ -146,13 +167,14 @@ class AsyncEngine:
                 outputs = self.engine.step()
                 for out in outputs:
                     self._deliver(out.request_id, out)
-                if not outputs:
-                    self._wake.wait(0.0005)   # waiting on an adapter load
+                if self.engine.last_step is None and not outputs:
+                    self._wake.wait(0.0005)   # nothing could run: waiting on an adapter load
                     self._wake.clear()
         except BaseException as e:  # a bug or a device failure: fail every open stream, loudly
             log.exception("engine worker stopped")
-            self.error = e
-            self._fail_all(e)
+            with self._lock:
+                self.error = e
+                self._fail_all(e)
 
     def _fail_all(self, error: BaseException) -> None:
         """End every open stream and refuse every queued command with `error`."""
@@ -187,10 +209,15 @@ class AsyncEngine:
                 else:
                     if not _call_soon(loop, _settle, accepted, None):  # the caller's loop is gone
                         self.engine.abort(request_id)
-                        self._streams.pop(request_id, None)
+                        entry = self._streams.get(request_id)
+                        if entry is not None:
+                            self._pop_stream(request_id, entry)
             elif cmd[0] == "abort":
                 out = self.engine.abort(cmd[1])
-                if out is not None:
+                entry = self._streams.get(cmd[1])
+                if entry is not None and entry.closing:
+                    self._pop_stream(cmd[1], entry)   # its reader left: the id is free again
+                elif out is not None:
                     self._deliver(cmd[1], out)
             elif cmd[0] == "call":
                 _, fn, box, done = cmd
@@ -202,12 +229,20 @@ class AsyncEngine:
 
     def _deliver(self, request_id: str, item) -> None:
         entry = self._streams.get(request_id)
-        if entry is not None:
-            loop, outputs = entry
-            try:
-                loop.call_soon_threadsafe(outputs.put_nowait, item)
-            except RuntimeError:  # the caller's loop is closed
-                self._streams.pop(request_id, None)
+        if entry is not None and not entry.closing:
+            if not _call_soon(entry.loop, entry.outputs.put_nowait, item):  # the caller's loop is closed
+                self._pop_stream(request_id, entry)
+
+    def _pop_stream(self, request_id: str, entry: "_Stream") -> None:
+        if self._streams.get(request_id) is entry:
+            del self._streams[request_id]
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue
+    closing: bool = False
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:

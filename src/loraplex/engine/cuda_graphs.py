@@ -64,11 +64,12 @@ class DecodeGraphs:
         # One real row (into KV block 0, which no sequence holds yet) so every kernel runs while capturing.
         batch.update_([SequenceChunk([0], 0, [0])])
         pool = self.pool if lora else None
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
+        device = self.kv.device
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):  # warm-up outside the graph: Triton compiles, allocator settles
             self.model(batch, self.kv, pool)
-        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._memory):
             logits = self.model(batch, self.kv, pool)

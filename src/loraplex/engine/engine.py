@@ -165,6 +165,7 @@ class Engine:
         The host then postprocesses while the GPU runs, so a decode step costs its GPU time.
         """
         start = time.perf_counter()
+        self.last_step = None   # stays None when nothing ran (callers may then wait a little)
         outputs: list[RequestOutput] = []
         current, self._inflight = self._inflight, None
         if current is None or not any(c.seq.status is SequenceStatus.RUNNING for c in current.chunks):
@@ -195,7 +196,7 @@ class Engine:
         """Queue the next decode step of `current`'s sequences now, if that is what the scheduler
         would run next: every chunk ends its sequence, nothing waiting could be admitted, and the
         KV blocks for one more token each are free (no preemption happens here)."""
-        if not all(c.needs_logits for c in current.chunks) or self._admissible_waiting():
+        if not all(c.needs_logits for c in current.chunks):
             return None
         rows, chunks = [], []
         for row, c in enumerate(current.chunks):
@@ -210,23 +211,33 @@ class Engine:
         if not chunks:
             return None
         need = sum(self.blocks.missing(c.seq, c.start + 1) for c in chunks)
-        if need > self.blocks.num_free:
+        if need > self.blocks.num_free or self._admissible_waiting(need):
             return None
         for c in chunks:
             self.blocks.grow(c.seq, c.start + 1)
         index = torch.tensor(rows, dtype=torch.long).to(self.runner.device, non_blocking=True)
         return self._launch(chunks, (current.pending.tokens, index))
 
-    def _admissible_waiting(self) -> bool:
-        """A waiting request the scheduler could admit now (its adapter is on the GPU, seats are free)."""
-        sched = self.scheduler
+    def _admissible_waiting(self, extra_blocks: int = 0) -> bool:
+        """Would the scheduler admit a waiting request now? (Then it runs next, not a continuation.)
+        Mirrors its rules: adapters not on the GPU are skipped until aged; the first request it
+        reaches must fit in the free KV blocks (after `extra_blocks` for the continuation)."""
+        sched, now = self.scheduler, time.monotonic()
         if not sched.waiting or len(sched.running) >= self.config.max_num_seqs:
             return False
-        if not sched.may_admit(time.monotonic(), self.config.max_num_batched_tokens - len(sched.running)):
+        if not sched.may_admit(now, self.config.max_num_batched_tokens - len(sched.running)):
             return False  # the latency/throughput setting holds new prompts back for now
         for seq in sched.waiting:
-            if seq.adapter is None or self.adapters.is_resident(seq.adapter) or self.adapters.error(seq.adapter):
-                return True
+            if seq.adapter is not None:
+                if seq.adapter not in self.adapters or self.adapters.error(seq.adapter) is not None:
+                    return True   # the scheduler fails it at once
+                if not self.adapters.is_resident(seq.adapter):
+                    if now - seq.times.arrival >= self.config.max_queue_skip_ms / 1000:
+                        return False  # aged: it blocks the queue until its adapter lands
+                    continue
+            free = self.blocks.num_free - extra_blocks
+            return self.blocks.blocks_for(seq.num_tokens) <= free - sched.watermark or \
+                (not sched.running and self.blocks.blocks_for(seq.num_tokens) <= free)
         return False
 
     def _postprocess(self, launched: "_Launched") -> list[RequestOutput]:
@@ -243,6 +254,11 @@ class Engine:
                 self.stats["tokens_prefilled"] += chunk.num_tokens
             if not chunk.needs_logits:
                 continue
+            if not sampled.finite[row]:  # NaN/inf logits: this request's output cannot be trusted
+                seq.error = "the model produced non-finite logits (NaN or inf) for this request"
+                self._finish(seq, FinishReason.ERROR)
+                outputs.append(make_output(seq))
+                continue
             token = sampled.token_ids[row]
             if seq.logprobs is not None:
                 seq.logprobs.append(sampled.logprobs[row])
@@ -258,14 +274,15 @@ class Engine:
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         params = seq.params
-        stop_str = seq.text.append(token) if seq.text is not None else None
-        if stop_str is not None:
-            seq.stop_reason = stop_str
-            return FinishReason.STOP
+        # A stop token or eos ends the request; its id stays in token_ids, its text is not added.
         if token in params.stop_token_ids:
             seq.stop_reason = token
             return FinishReason.STOP
         if not params.ignore_eos and token in self.eos_token_ids:
+            return FinishReason.STOP
+        stop_str = seq.text.append(token) if seq.text is not None else None
+        if stop_str is not None:
+            seq.stop_reason = stop_str
             return FinishReason.STOP
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH

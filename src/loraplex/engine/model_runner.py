@@ -3,6 +3,7 @@ step's scheduled chunks into one flat batch, runs it (eagerly, or by replaying a
 graph) and samples the next token of every sequence that reached its end."""
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Sequence as Seq
 
@@ -44,6 +45,7 @@ class ModelRunner:
             self.max_model_len = capacity
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
+            torch.cuda.set_device(self.device)   # capture on our GPU
             self.graphs = DecodeGraphs(self.model, self.kv, self.adapters.pool, max_seq_len=self.max_model_len,
                                        max_batch=min(config.cuda_graph_max_batch, config.max_num_seqs))
             self.graphs.capture()
@@ -121,12 +123,15 @@ class ModelRunner:
             batch_chunks.append(SequenceChunk(ids, c.start, c.seq.block_table, c.seq.adapter_slot, c.needs_logits))
         decode = all(c.num_tokens == 1 and c.needs_logits for c in chunks)
         graphed = decode and self.graphs is not None and self.graphs.can_run(batch_chunks)
-        if graphed:
-            logits = self.graphs.run(batch_chunks, inputs)
-        else:
-            logits = self._run_eager(batch_chunks, inputs)
-        sampled = [c.seq for c in chunks if c.needs_logits]
-        return self.sampler.launch(logits, [s.params for s in sampled], [s.generator for s in sampled]), graphed
+        # everything on our GPU's current stream, whichever device the calling thread has current
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            if graphed:
+                logits = self.graphs.run(batch_chunks, inputs)
+            else:
+                logits = self._run_eager(batch_chunks, inputs)
+            sampled = [c.seq for c in chunks if c.needs_logits]
+            pending = self.sampler.launch(logits, [s.params for s in sampled], [s.generator for s in sampled])
+        return pending, graphed
 
     def _run_eager(self, chunks: list[SequenceChunk], inputs=None) -> torch.Tensor:
         c = self.model.config

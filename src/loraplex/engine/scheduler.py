@@ -98,7 +98,14 @@ class Scheduler:
                 continue
             n = min(seq.num_uncached, budget)
             while not self.blocks.can_grow(seq, seq.num_cached + n):
-                victim = max((s for s in self.running if id(s) not in scheduled), key=lambda s: s.times.arrival)
+                # the newest running sequence by arrival gives way, even if it was already scheduled
+                # this step (admission order is not arrival order: a request may wait for its adapter)
+                victim = max(self.running, key=lambda s: s.times.arrival)
+                if id(victim) in scheduled:
+                    dropped = next(c for c in out.chunks if c.seq is victim)
+                    out.chunks.remove(dropped)
+                    scheduled.discard(id(victim))
+                    budget += dropped.num_tokens
                 self._preempt(victim, out)
                 if victim is seq:
                     break
