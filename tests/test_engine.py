@@ -274,3 +274,15 @@ def test_stop_token_text_is_not_in_the_output(tmp_path):
     first = full.token_ids.index(stop)
     assert cut.token_ids == full.token_ids[:first + 1] and cut.stop_reason == stop
     assert cut.text == llm.tokenizer.decode(full.token_ids[:first], skip_special_tokens=True)
+
+
+def test_lora_kernel_warmup_launches_every_variant_and_changes_nothing():
+    from loraplex.adapters import AdapterPool
+    from loraplex.engine.warmup import compile_lora_kernels
+    from loraplex.models import ModelConfig
+    from model_fixtures import hf_config
+    config = ModelConfig.from_dict(hf_config("llama-gqa-llama3rope").to_dict())
+    pool = AdapterPool(config, num_slots=2, max_rank=4, dtype=torch.float32, device="cpu")
+    pool.ranks.fill_(3)
+    assert compile_lora_kernels(config, pool, torch.float32) == 2 * 4 * 4 * 2
+    assert bool((pool.ranks == 3).all())

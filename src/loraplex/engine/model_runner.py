@@ -18,6 +18,7 @@ from ..models.llama import LlamaForCausalLM
 from ..sampling import PendingSample, Sampler, SamplingParams
 from .cuda_graphs import DecodeGraphs
 from .scheduler import ScheduledChunk
+from .warmup import compile_lora_kernels
 
 log = logging.getLogger("loraplex.engine")
 
@@ -44,6 +45,8 @@ class ModelRunner:
             log.warning("max_model_len %d lowered to the KV cache's %d tokens", self.max_model_len, capacity)
             self.max_model_len = capacity
         self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda":
+            compile_lora_kernels(c, self.adapters.pool, self.model.dtype)
         if self.device.type == "cuda" and not config.enforce_eager:
             torch.cuda.set_device(self.device)   # capture on our GPU
             self.graphs = DecodeGraphs(self.model, self.kv, self.adapters.pool, max_seq_len=self.max_model_len,
