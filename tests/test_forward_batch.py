@@ -120,3 +120,25 @@ def test_kv_cache_sizes_and_errors():
         KVCache(config, 4, 12)
     with pytest.raises(ValueError, match="holds no block"):
         KVCache.for_memory(config, per_block - 1, 16, dtype=torch.float16)
+
+
+def test_every_metadata_array_starts_16_byte_aligned():
+    """Triton compiles a kernel variant per alignment of its pointer arguments: views that shift
+    with the batch's sizes would recompile kernels mid-serving."""
+    import random
+    from loraplex.models.forward_batch import ForwardBatch, SequenceChunk
+    rng = random.Random(0)
+    for _ in range(20):
+        chunks, next_block = [], 0
+        for s in range(rng.randint(1, 7)):
+            n, cached = rng.randint(1, 13), rng.randint(0, 20)
+            blocks = -(-(n + cached) // 8)
+            chunks.append(SequenceChunk([1] * n, cached, list(range(next_block, next_block + blocks)),
+                                        rng.choice([-1, 0, 1]), rng.random() < 0.7))
+            next_block += blocks
+        b = ForwardBatch.build(chunks, block_size=8, num_blocks=next_block, vocab_size=10, num_adapter_slots=2)
+        arrays = [b.input_ids, b.positions, b.slot_mapping, b.query_start, b.seq_lens, b.block_tables,
+                  b.logits_rows, b.lora.seg_indptr, b.lora.slot_ids, b.lora.sorted_rows, b.lora.work_slot,
+                  b.lora.work_start, b.lora.work_end]
+        base = b.input_ids.data_ptr()
+        assert all((t.data_ptr() - base) % 16 == 0 for t in arrays), [(t.data_ptr() - base) % 16 for t in arrays]

@@ -10,6 +10,7 @@ Triton, so later start-ups are quick.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 
@@ -35,24 +36,37 @@ def compile_lora_kernels(config: ModelConfig, pool: AdapterPool, dtype: torch.dt
     widths = {"hidden": config.hidden_size, "attention": config.num_attention_heads * config.head_dim,
               "intermediate": config.intermediate_size}
     start, launches = time.perf_counter(), 0
-    saved = pool.ranks[0, :, 0].clone()
-    pool.ranks[0, :, 0] = 0   # slot 0 reads nothing, whatever it holds
+    saved = pool.ranks[:, :, 0].clone()
+    pool.ranks[:, :, 0] = 0   # slot 0 reads nothing, whatever it holds
     try:
         for block_m in (SMALL_BLOCK_M, LARGE_BLOCK_M):
             batch = LoraBatch.from_lengths([block_m], [0], device, block_m=block_m)
             base = sgmv.config_for(block_m)
-            for projs, width in CALLS:
-                a, b, ranks, scalings = pool.stacks(0, projs)
+            # layers 0-3: the per-layer rank and scaling views take every alignment they can take
+            for layer, (projs, width) in itertools.product(range(min(4, config.num_hidden_layers)), CALLS):
+                a, b, ranks, scalings = pool.stacks(layer, projs)
                 x = torch.zeros(block_m, widths[width], dtype=dtype, device=device)
                 y = torch.zeros(block_m, sum(t.shape[1] for t in b), dtype=dtype, device=device)
-                for split_k in (1, 2, 4, 8):
-                    for n_chunks in (1, 2):
-                        cfg = dataclasses.replace(base, split_k=split_k, n_chunks=n_chunks)
-                        sgmv.add_lora(y, x, a, b, batch, ranks, scalings, 0, cfg)
-                        launches += 1
+                n_tiles = -(-max(t.shape[1] for t in b) // base.expand_block_n)
+                for split_k, n_chunks in itertools.product((1, 2, 4, 8), _chunk_classes(n_tiles)):
+                    cfg = dataclasses.replace(base, split_k=split_k, n_chunks=n_chunks)
+                    sgmv.add_lora(y, x, a, b, batch, ranks, scalings, 0, cfg)
+                    launches += 1
     finally:
-        pool.ranks[0, :, 0] = saved
+        pool.ranks[:, :, 0] = saved
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     log.info("compiled the LoRA kernels' variants (%d calls) in %.1f s", launches, time.perf_counter() - start)
     return launches
+
+
+def _chunk_classes(n_tiles: int) -> list[int]:
+    """N-chunk counts (as `KernelConfig.n_chunks`) whose resulting chunk count covers each way
+    Triton specializes an int: equal to 1, divisible by 16, neither."""
+    found: dict[object, int] = {}
+    for wanted in range(1, n_tiles + 1):
+        per_prog = -(-n_tiles // wanted)
+        chunks = -(-n_tiles // per_prog)
+        key = 1 if chunks == 1 else chunks % 16 == 0
+        found.setdefault(key, wanted)
+    return list(found.values())

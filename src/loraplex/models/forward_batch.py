@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ..ops import LoraBatch
+from ..ops.batch import aligned_views, pad_parts
 
 
 @dataclass
@@ -59,11 +60,12 @@ class ForwardBatch:
         parts = [host["ids"], host["positions"], host["slot_mapping"], host["query_start"], host["seq_lens"],
                  host["tables"].ravel(), host["logits_rows"]]
         lora_parts, lora_plan = LoraBatch.host_parts(lens.tolist(), slots)
-        # One host-to-device copy for everything, the LoraBatch's arrays included.
-        buffer = torch.from_numpy(np.concatenate(parts + lora_parts).astype(np.int32))
+        # One host-to-device copy for everything, the LoraBatch's arrays included, each array
+        # 16-byte aligned (kernels are compiled per alignment of their pointer arguments).
+        buffer = torch.from_numpy(np.concatenate(pad_parts(parts + lora_parts)).astype(np.int32))
         buffer = buffer.to(torch.device(device), non_blocking=True)
-        ours = sum(len(p) for p in parts)
-        views = list(torch.split(buffer[:ours], [len(p) for p in parts]))
+        ours = sum(len(p) for p in pad_parts(parts))
+        views = aligned_views(buffer[:ours], [len(p) for p in parts])
         views[5] = views[5].view(host["tables"].shape)
         lora = LoraBatch.from_parts(buffer[ours:], lora_plan)
         return cls(*views, lora=lora, num_tokens=int(lens.sum()), max_query_len=int(lens.max()),
