@@ -180,11 +180,7 @@ class AsyncEngine:
         """End every open stream and refuse every queued command with `error`."""
         for request_id in list(self._streams):
             self._deliver(request_id, error)
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        for cmd in self._queued_commands():
             if cmd[0] == "add":
                 _, request_id, _, _, _, loop, accepted = cmd
                 dead = error if isinstance(error, EngineDeadError) else \
@@ -194,12 +190,15 @@ class AsyncEngine:
                 cmd[2][:] = [EngineDeadError(f"the engine stopped: {error!r}")]
                 cmd[3].set()
 
-    def _apply_commands(self) -> None:
+    def _queued_commands(self):
         while True:
             try:
-                cmd = self._commands.get_nowait()
+                yield self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _apply_commands(self) -> None:
+        for cmd in self._queued_commands():
             if cmd[0] == "add":
                 _, request_id, prompt, params, adapter, loop, accepted = cmd
                 try:
