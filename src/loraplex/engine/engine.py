@@ -198,6 +198,9 @@ class Engine:
         KV blocks for one more token each are free (no preemption happens here)."""
         if not all(c.needs_logits for c in current.chunks):
             return None
+        in_step = {id(c.seq) for c in current.chunks}
+        if any(id(s) not in in_step for s in self.scheduler.running):
+            return None  # a running prompt got no budget this step: the scheduler must see it next
         rows, chunks = [], []
         for row, c in enumerate(current.chunks):
             seq = c.seq
