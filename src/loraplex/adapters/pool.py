@@ -51,6 +51,7 @@ class AdapterPool:
                 b[proj] = torch.empty(S, out_f, R, dtype=dtype, device=self.device)
             self.lora_a.append(a)
             self.lora_b.append(b)
+        self._stacks: dict[tuple, tuple[list, list, list, list]] = {}
         self.ranks = torch.zeros(L, len(PROJECTIONS), S, dtype=torch.int32, device=self.device)
         self.scalings = torch.zeros(L, len(PROJECTIONS), S, dtype=torch.float32, device=self.device)
 
@@ -70,10 +71,17 @@ class AdapterPool:
                          self.scalings[layer, p])
 
     def stacks(self, layer: int, projs: tuple[str, ...] | list[str]) -> tuple[list, list, list, list]:
-        """(lora_a, lora_b, ranks, scalings) lists for one multi-slice add_lora over fused projections."""
-        parts = [self.stack(layer, p) for p in projs]
-        return ([s.lora_a for s in parts], [s.lora_b for s in parts], [s.ranks for s in parts],
-                [s.scalings for s in parts])
+        """(lora_a, lora_b, ranks, scalings) lists for one multi-slice add_lora over fused projections.
+
+        Built once per (layer, projections) and returned again after (the views never change:
+        slots are rewritten in place); callers must not modify the lists."""
+        key = (layer, tuple(projs))
+        cached = self._stacks.get(key)
+        if cached is None:
+            parts = [self.stack(layer, p) for p in projs]
+            cached = self._stacks[key] = ([s.lora_a for s in parts], [s.lora_b for s in parts],
+                                          [s.ranks for s in parts], [s.scalings for s in parts])
+        return cached
 
     def check_fits(self, adapter_max_rank: int, name: str) -> None:
         if adapter_max_rank > self.max_rank:

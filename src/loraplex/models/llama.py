@@ -11,12 +11,14 @@ parts (`qkv_proj = [q; k; v]`, `gate_up_proj = [gate; up]`), filled by the loade
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..adapters.pool import AdapterPool
-from ..ops import add_lora
+from ..ops import add_lora, api, resolve_backend
 from ..ops.attention import paged_attention, store_kv
 from ..ops.fused import apply_rope, rms_norm, silu_and_mul
 from .config import ModelConfig
@@ -56,19 +58,18 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
                 kv: KVCache, pool: AdapterPool | None, inv_freq: torch.Tensor,
-                backend: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+                backend: str | None, direct_lora: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         T, L = hidden.shape[0], self.layer
         lora = pool is not None and batch.has_adapters
 
         def project(x: torch.Tensor, weight, bias, projs: tuple[str, ...]) -> torch.Tensor:
             y = F.linear(x, weight, bias)
-            if lora:  # fused projections: one multi-slice launch; a single one: plain tensors
-                if len(projs) > 1:
-                    a, b, ranks, scalings = pool.stacks(L, projs)
+            if lora:  # fused projections: one multi-slice launch
+                a, b, ranks, scalings = pool.stacks(L, projs)
+                if direct_lora:  # the Triton kernels without the per-call argument checks (see forward)
+                    api.sgmv.add_lora(y, x, a, b, batch.lora, ranks, scalings, 0)
                 else:
-                    one = pool.stack(L, projs[0])
-                    a, b, ranks, scalings = one.lora_a, one.lora_b, one.ranks, one.scalings
-                add_lora(y, x, a, b, batch.lora, ranks, scalings, backend=backend)
+                    add_lora(y, x, a, b, batch.lora, ranks, scalings, backend=backend)
             return y
 
         x, residual = rms_norm(hidden, self.input_layernorm, self.eps, residual=residual, backend=backend)
@@ -127,10 +128,16 @@ class LlamaForCausalLM(nn.Module):
         (or every sequence, without a `pool`) run the base model.
         """
         self._check(batch, kv_cache, pool)
+        # Every add_lora argument is the model's own (shapes by construction; the batch and pool
+        # checked just above), so on the Triton path the 128 calls of a step skip their checks:
+        # they cost more host time than the kernels take on the GPU in eager steps.
+        direct = pool is not None and resolve_backend(self.backend, self.device) == "triton"
         hidden = F.embedding(batch.input_ids, self.embed_tokens)
         residual = None
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, batch, kv_cache, pool, self.inv_freq, self.backend)
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            for layer in self.layers:
+                hidden, residual = layer(hidden, residual, batch, kv_cache, pool, self.inv_freq, self.backend,
+                                         direct)
         # Only the rows that get logits go through the final norm and the lm_head.
         rows = batch.logits_rows
         hidden, _ = rms_norm(hidden.index_select(0, rows), self.norm, self.config.rms_norm_eps,
