@@ -62,7 +62,6 @@ def run(engine: Engine, work: list[list[int]], adapters: list[str | None]) -> di
             steps.append(info)
             if info.decode and info.num_seqs == engine.config.max_num_seqs:
                 contexts.append(sum(s.num_tokens for s in engine.scheduler.running))
-        engine.last_step = None
     seconds = time.perf_counter() - start
     kinds = {"decode": [s for s in steps if s.decode], "mixed": [s for s in steps if not s.decode and s.num_seqs > 1],
              "prefill": [s for s in steps if not s.decode and s.num_seqs == 1]}

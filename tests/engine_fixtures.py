@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from adapter_fixtures import make_adapter
-from model_fixtures import make_hf_model
+from model_fixtures import HFOracle, make_hf_model
 
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -24,41 +24,24 @@ def make_served_model(root: Path, variant: str = "llama-gqa-llama3rope") -> tupl
     return base, adapters
 
 
-class GenerateOracle:
-    """Greedy token ids from transformers' `generate` (+ PEFT per adapter), float32, cached."""
+class GenerateOracle(HFOracle):
+    """Greedy token ids from transformers' `generate` (+ PEFT per adapter), float32, cached; and
+    the models' logits (`HFOracle.logits`)."""
 
     def __init__(self, base: Path, adapters: dict[str, Path]) -> None:
-        self.base, self.adapters = base, adapters
-        self._models: dict = {}
-        self._cache: dict = {}
-
-    def _model(self, adapter: str | None):
-        if adapter not in self._models:
-            from transformers import AutoModelForCausalLM
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                model = AutoModelForCausalLM.from_pretrained(self.base, dtype=torch.float32,
-                                                             attn_implementation="eager")
-                if adapter is not None:
-                    from peft import PeftModel
-                    model = PeftModel.from_pretrained(model, self.adapters[adapter])
-            self._models[adapter] = model.eval()
-        return self._models[adapter]
+        super().__init__(base, adapters)
+        self._generated: dict = {}
 
     def greedy(self, prompt: list[int], adapter: str | None, max_new_tokens: int) -> list[int]:
         key = (tuple(prompt), adapter, max_new_tokens)
-        if key not in self._cache:
+        if key not in self._generated:
             with torch.no_grad(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 out = self._model(adapter).generate(
                     torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
                     do_sample=False, eos_token_id=None, pad_token_id=0)
-            self._cache[key] = out[0, len(prompt):].tolist()
-        return self._cache[key]
-
-    def logits(self, tokens: list[int], adapter: str | None) -> torch.Tensor:
-        with torch.no_grad():
-            return self._model(adapter)(input_ids=torch.tensor([tokens])).logits[0].float()
+            self._generated[key] = out[0, len(prompt):].tolist()
+        return self._generated[key]
 
 
 def random_prompts(n: int, vocab: int, lengths: tuple[int, int], seed: int) -> list[list[int]]:

@@ -18,7 +18,7 @@ from ..sampling import PendingSample, SamplingParams
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
 from .outputs import RequestOutput, make_output
-from .scheduler import ScheduledChunk, Scheduler
+from .scheduler import ScheduledChunk, Scheduler, is_decode
 from .sequence import FinishReason, Sequence, SequenceStatus
 
 log = logging.getLogger("loraplex.engine")
@@ -184,7 +184,7 @@ class Engine:
         self.stats["overlapped_steps"] += int(self._inflight is not None)
         self.last_step = StepInfo(len(chunks), sum(c.num_tokens for c in chunks),
                                   len({c.seq.adapter for c in chunks if c.seq.adapter is not None}),
-                                  all(c.num_tokens == 1 and c.needs_logits for c in chunks), current.graphed,
+                                  is_decode(chunks), current.graphed,
                                   time.perf_counter() - start)
         return outputs
 

@@ -17,7 +17,7 @@ from ..models.kv_cache import KVCache
 from ..models.llama import LlamaForCausalLM
 from ..sampling import PendingSample, Sampler, SamplingParams
 from .cuda_graphs import DecodeGraphs
-from .scheduler import ScheduledChunk
+from .scheduler import ScheduledChunk, is_decode
 from .warmup import compile_lora_kernels
 
 log = logging.getLogger("loraplex.engine")
@@ -124,8 +124,7 @@ class ModelRunner:
         for c in chunks:
             ids = [0] if inputs is not None else c.seq.token_ids[c.start:c.start + c.num_tokens]
             batch_chunks.append(SequenceChunk(ids, c.start, c.seq.block_table, c.seq.adapter_slot, c.needs_logits))
-        decode = all(c.num_tokens == 1 and c.needs_logits for c in chunks)
-        graphed = decode and self.graphs is not None and self.graphs.can_run(batch_chunks)
+        graphed = is_decode(chunks) and self.graphs is not None and self.graphs.can_run(batch_chunks)
         # everything on our GPU's current stream, whichever device the calling thread has current
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             if graphed:

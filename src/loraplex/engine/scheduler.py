@@ -42,6 +42,11 @@ class ScheduledChunk:
             self.needs_logits = self.start + self.num_tokens == self.seq.num_tokens
 
 
+def is_decode(chunks: list[ScheduledChunk]) -> bool:
+    """Every chunk is one token that gets sampled (what CUDA graphs replay)."""
+    return bool(chunks) and all(c.num_tokens == 1 and c.needs_logits for c in chunks)
+
+
 @dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
@@ -53,10 +58,6 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
 
-    @property
-    def is_decode(self) -> bool:
-        """Every chunk is one token that gets sampled (what CUDA graphs replay)."""
-        return bool(self.chunks) and all(c.num_tokens == 1 and c.needs_logits for c in self.chunks)
 
 
 class Scheduler:
