@@ -1,0 +1,56 @@
+"""`ServerSettings`: how the HTTP server listens, authenticates and bounds its work (the engine's own
+settings are `EngineConfig`)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class ServerSettings:
+    """Checked on construction; errors name the field."""
+
+    host: str = "127.0.0.1"                 # address to listen on
+    port: int = 8000                        # TCP port (0: any free port)
+    api_key: str | None = None              # when set, every endpoint but /health needs `Authorization: Bearer KEY`
+    admin_api_key: str | None = None        # key for POST/DELETE /v1/adapters; default: api_key
+    adapter_roots: list[Path] = field(default_factory=list)  # run-time adapter loads only from inside these
+    served_model_name: str | None = None    # the base model's name in the API; default: the model folder's name
+    max_waiting_requests: int = 1024        # requests queued beyond the running batch; past it: 429
+    max_body_bytes: int = 4 * 1024 * 1024   # request bodies above this: 413
+    max_adapter_labels: int = 100           # distinct adapter labels in /metrics; the rest count as "other"
+    graceful_shutdown_s: float = 60.0       # on SIGTERM, how long requests in flight may take to finish
+    log_level: str = "info"                 # uvicorn's: critical | error | warning | info | debug
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"ServerSettings.host must be a non-empty string, got {self.host!r}")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"ServerSettings.port must be an integer in [0, 65535], got {self.port!r}")
+        for name in ("api_key", "admin_api_key", "served_model_name"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"ServerSettings.{name} must be None or a non-empty string, got {value!r}")
+        roots = []
+        for root in self.adapter_roots:
+            path = Path(root).expanduser()
+            if not path.is_dir():
+                raise ValueError(f"ServerSettings.adapter_roots: {root} is not a folder")
+            roots.append(path.resolve())
+        self.adapter_roots = roots
+        for name, minimum in (("max_waiting_requests", 0), ("max_body_bytes", 1024), ("max_adapter_labels", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"ServerSettings.{name} must be an integer >= {minimum}, got {value!r}")
+        g = self.graceful_shutdown_s
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g < 0:
+            raise ValueError(f"ServerSettings.graceful_shutdown_s must be a finite number >= 0, got {g!r}")
+        if self.log_level not in ("critical", "error", "warning", "info", "debug"):
+            raise ValueError(f"ServerSettings.log_level must be critical, error, warning, info or debug, "
+                             f"got {self.log_level!r}")
+
+    @property
+    def admin_key(self) -> str | None:
+        """The key the adapter-management endpoints need (None: open)."""
+        return self.admin_api_key if self.admin_api_key is not None else self.api_key
