@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 import warnings
 
 import pytest
@@ -465,3 +466,44 @@ def test_cuda_launch_never_syncs_and_same_rules():
     gen = alone.new_generator(3)
     first = [sample(alone, logits[1:2], [params[1]], [gen])[0] for _ in range(2)]
     assert first[1] == out.token_ids[1]
+
+
+def test_logit_bias_steers_choice_not_logprobs():
+    vocab = 64
+    logits = random_logits(83, 4, vocab)
+    target = int(logits[0].argmin())
+    banned = int(logits[1].argmax())
+    params = [SamplingParams(temperature=0, logit_bias={target: 100.0}, logprobs=2),
+              SamplingParams(temperature=0, logit_bias={banned: -100.0}),
+              SamplingParams(temperature=1.0, seed=5, top_k=2, logit_bias={int(logits[2].argmax()): -100.0}),
+              SamplingParams(temperature=0)]
+    sampler = Sampler("cpu")
+    before = logits.clone()
+    out = sampler(logits, params, [None, None, sampler.new_generator(5), None])
+    assert torch.equal(logits, before)
+    assert out.token_ids[0] == target
+    expected = logits[1].clone()
+    expected[banned] = -math.inf
+    assert out.token_ids[1] == int(expected.argmax())
+    row2 = logits[2].clone()
+    row2[int(logits[2].argmax())] = -math.inf
+    second_best = set(torch.topk(row2, 2).indices.tolist())
+    assert out.token_ids[2] in second_best                      # the banned token left the top 2
+    assert out.token_ids[3] == int(logits[3].argmax())          # rows without bias are untouched
+    raw = torch.log_softmax(logits[0].double(), dim=0)
+    assert abs(out.logprobs[0].logprob - raw[target].item()) < 1e-5   # logprobs stay raw
+
+
+@pytest.mark.parametrize("bias, message", [
+    ({-1: 1.0}, "keys must be token ids"), ({"3": 1.0}, "keys must be token ids"),
+    ({3: 101.0}, "logit_bias[3]"), ({3: math.nan}, "logit_bias[3]"), ([1, 2], "logit_bias"),
+    ({i: 1.0 for i in range(301)}, "at most 300"),
+])
+def test_bad_logit_bias_names_the_entry(bias, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SamplingParams(logit_bias=bias)
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused():
+    with pytest.raises(ValueError, match="logit_bias has token id 70"):
+        SamplingParams(logit_bias={70: 1.0}).check_vocab(64)

@@ -1,16 +1,249 @@
-"""The `loraplex` command: `op-demo` (the batched LoRA op on this machine), `convert` (pack adapters)."""
+"""The `loraplex` command: `serve` (the OpenAI-compatible server), `generate` (prompts in, text out),
+`convert` (pack adapters into one file) and `op-demo` (the batched LoRA op on this machine).
+
+The engine and server flags are built from the fields of `EngineConfig` and `ServerSettings` (their
+metadata holds each one's help and group), so a new setting is a new flag with nothing to add here.
+Heavy imports (torch, the server) happen inside the commands: `loraplex --help` stays fast.
+"""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import re
 import sys
 import time
+import types
+import typing
+from pathlib import Path
 
-import numpy as np
-import torch
+if typing.TYPE_CHECKING:
+    from loraplex import LLM, SamplingParams
+
+# --help sections, in this order; each dataclass field's metadata names one of them.
+GROUPS = ("model", "batching", "memory", "adapters", "execution", "server")
+
+# Metavars that read better than the type's; every other flag gets one from its type.
+_METAVARS = {"model": "DIR|dummy:PRESET", "tokenizer": "DIR", "device": "DEVICE", "host": "ADDR",
+             "api_key": "KEY", "admin_api_key": "KEY", "adapter_roots": "DIR", "served_model_name": "NAME"}
+_TYPE_METAVARS = {int: "N", float: "NUM", str: "STR", Path: "PATH"}
+
+_PRESETS_NOTE = """\
+--model takes a Hugging Face model folder, or dummy:<preset> for random weights of a published
+shape (nothing to download; for benchmarks; --dummy-layers N builds fewer layers).
+Presets: {presets}."""
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Fills in the preset names only when help is printed: listing them imports torch."""
+
+    def _format_text(self, text: str) -> str:
+        if "{presets}" in text:
+            from loraplex.models.presets import PRESETS
+            text = text.replace("{presets}", ", ".join(sorted(PRESETS)))
+        return super()._format_text(text)
+
+
+@dataclasses.dataclass(frozen=True)
+class _FlagSpec:
+    """What argparse needs for one dataclass field."""
+    kind: type            # int, float, str, bool, Path: the value type after None is dropped
+    repeated: bool        # a list field: the flag is given once per element
+
+
+def _flag_spec(hint) -> _FlagSpec:
+    origin = typing.get_origin(hint)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return _FlagSpec(item, True)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        # `str | Path` takes the text as given: the dataclass keeps (and checks) what the user wrote.
+        kind = str if str in args else args[0] if len(args) == 1 else None
+        if kind is None:
+            raise TypeError(f"no command-line type for {hint}")
+        return _FlagSpec(kind, False)
+    return _FlagSpec(hint, False)
+
+
+def _flag_name(name: str, repeated: bool) -> str:
+    # a list field is given once per element, so its flag is singular: adapter_roots → --adapter-root
+    if repeated and name.endswith("s"):
+        name = name[:-1]
+    return "--" + name.replace("_", "-")
+
+
+def add_dataclass_flags(parser: argparse.ArgumentParser, groups: dict[str, argparse._ArgumentGroup], cls: type,
+                        prefix: str, rename: dict[str, str] | None = None) -> dict[str, str]:
+    """One flag per field of dataclass `cls`, in the group its metadata names, stored as `prefix.field`.
+
+    Nothing is stored for a flag the user leaves out, so the dataclass's own default rules; the help
+    shows that default. `rename` gives a field another flag (where a command's own flag has its name).
+    Returns `Cls.field` → flag, to point error messages at the flag.
+    """
+    hints = typing.get_type_hints(cls)
+    flags = {}
+    for f in dataclasses.fields(cls):
+        text, group = f.metadata.get("help"), f.metadata.get("group")
+        if not text or group not in groups:
+            raise TypeError(f"{cls.__name__}.{f.name} needs metadata with a 'help' and a 'group' of {sorted(groups)}")
+        spec = _flag_spec(hints[f.name])
+        flag = _flag_name((rename or {}).get(f.name, f.name), spec.repeated)
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if not required and f.default is not None and f.default is not dataclasses.MISSING and spec.kind is not bool:
+            text = f"{text.rstrip('.')}; default: {f.default}."
+        kwargs: dict = {"dest": f"{prefix}.{f.name}", "default": argparse.SUPPRESS, "required": required,
+                        "help": text.replace("%", "%%")}
+        if spec.kind is bool:
+            kwargs["action"] = "store_true" if f.default is False else argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = spec.kind
+            if "choices" in f.metadata:
+                kwargs["choices"] = f.metadata["choices"]
+            else:
+                kwargs["metavar"] = _METAVARS.get(f.name, _TYPE_METAVARS.get(spec.kind, "VALUE"))
+            if spec.repeated:
+                kwargs["action"] = "append"
+                kwargs["help"] += " Repeat the flag for more."
+        groups[group].add_argument(flag, **kwargs)
+        flags[f"{cls.__name__}.{f.name}"] = flag
+    return flags
+
+
+def given(args: argparse.Namespace, prefix: str) -> dict:
+    """The `prefix.field` values the user gave, keyed by field."""
+    return {k[len(prefix) + 1:]: v for k, v in vars(args).items() if k.startswith(prefix + ".")}
+
+
+class CommandError(Exception):
+    """A refused command line: `main` prints `error: <message>` and returns 2, with no traceback."""
+
+
+@contextlib.contextmanager
+def refused(flags: dict[str, str] | None = None):
+    """A setting, adapter or model the library refuses (ValueError, AdapterError, OSError) becomes a
+    CommandError; when the message names a dataclass field (`EngineConfig.port`), the flag is added."""
+    try:
+        yield
+    except (ValueError, OSError) as e:
+        text = str(e)
+        for name, flag in (flags or {}).items():
+            if re.search(rf"\b{re.escape(name)}\b", text):
+                text += f" [{flag}]"
+                break
+        raise CommandError(text) from e
+
+
+def _adapters(args: argparse.Namespace) -> dict[str, Path]:
+    """The --lora NAME=DIR pairs as a dict."""
+    adapters: dict[str, Path] = {}
+    for name, folder in args.lora or []:
+        if name in adapters:
+            raise CommandError(f"--lora {name}: the name is given twice")
+        if not Path(folder).is_dir():
+            raise CommandError(f"--lora {name}={folder}: {folder} is not a folder")
+        adapters[name] = Path(folder)
+    return adapters
+
+
+def _groups(parser: argparse.ArgumentParser, names: typing.Iterable[str]) -> dict[str, argparse._ArgumentGroup]:
+    return {name: parser.add_argument_group(name) for name in names}
+
+
+def serve_cmd(args: argparse.Namespace) -> int:
+    """Start the OpenAI-compatible HTTP server; returns its exit status when it stops."""
+    from loraplex.config import EngineConfig
+    from loraplex.server.settings import ServerSettings
+
+    with refused(args.flag_names):
+        config = EngineConfig(**given(args, "engine"))
+        settings = ServerSettings(**given(args, "server"))
+    adapters = _adapters(args)
+    packed = [Path(p) for p in args.packed or []]
+    for path in packed:
+        if not path.exists():
+            raise CommandError(f"--packed {path}: no such file or folder")
+    try:
+        from loraplex.server.serve import run_server
+    except ModuleNotFoundError as e:
+        if e.name and not e.name.startswith("loraplex"):
+            print(f"error: loraplex serve needs the server's packages (fastapi, uvicorn): {e}", file=sys.stderr)
+            return 1
+        raise
+    return run_server(config, settings, adapters=adapters, packed=packed)
+
+
+def _sampling_settings(args: argparse.Namespace) -> dict:
+    settings = {"max_tokens": args.max_tokens, "temperature": args.temperature, "ignore_eos": args.ignore_eos}
+    for name in ("top_p", "top_k", "seed", "stop"):
+        if getattr(args, name) is not None:
+            settings[name] = getattr(args, name)
+    return settings
+
+
+def generate_cmd(args: argparse.Namespace) -> int:
+    """Run the prompts through the engine (offline, no server) and print the completions."""
+    from loraplex import LLM, SamplingParams
+    from loraplex.config import EngineConfig
+
+    if args.stream and len(args.prompts) > 1:
+        raise CommandError("--stream takes one prompt")
+    with refused():
+        params = SamplingParams(**_sampling_settings(args))
+    adapters = _adapters(args)
+    if args.adapter is not None and args.adapter not in adapters:
+        raise CommandError(f"--adapter {args.adapter}: not among the --lora names "
+                           f"({', '.join(adapters) or 'none given'})")
+    engine_settings = given(args, "engine")
+    with refused(args.flag_names):   # checked before the model loads: a bad setting costs no time
+        config = EngineConfig(**engine_settings)
+    if config.is_dummy and config.tokenizer is None:
+        raise CommandError(f"--model {config.model}: dummy models have no tokenizer; give --tokenizer DIR "
+                           f"for text prompts")
+    with refused(args.flag_names):   # the model folder, the adapters (AdapterError is a ValueError)
+        llm = LLM(engine_settings.pop("model"), adapters=adapters, **engine_settings)
+    with llm, refused():             # a prompt the engine refuses: too long, ...
+        if args.stream:
+            return _stream(llm, args.prompts[0], params, args.adapter)
+        outputs = llm.generate(args.prompts, params, adapter=args.adapter)
+    status = 0
+    for i, (prompt, out) in enumerate(zip(args.prompts, outputs)):
+        if len(args.prompts) > 1:
+            if i:
+                print()
+            print(f"==> prompt {i + 1}: {prompt!r:.70} <==")
+        print(out.text)
+        if out.finish_reason == "error":
+            print(f"error: prompt {i + 1}: {out.error}", file=sys.stderr)
+            status = 1
+    return status
+
+
+def _stream(llm: LLM, prompt: str, params: SamplingParams, adapter: str | None) -> int:
+    """Print the text of one request as the engine makes it."""
+    engine = llm.engine
+    engine.add_request("cli-stream", prompt, params, adapter)
+    last = None
+    while engine.has_unfinished():
+        outputs = engine.step()
+        for out in outputs:
+            sys.stdout.write(out.new_text)
+            sys.stdout.flush()
+            last = out
+        if engine.last_step is None and not outputs:
+            time.sleep(0.0005)   # nothing could run: waiting on an adapter load
+    print()
+    if last is not None and last.finish_reason == "error":
+        print(f"error: {last.error}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def op_demo(args: argparse.Namespace) -> int:
     """Serve a mixed batch of requests, each with its own adapter, in one add_lora call."""
+    import numpy as np
+    import torch
+
     from loraplex import ops
     from loraplex.workloads import popularity_slots
 
@@ -105,9 +338,77 @@ def convert_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_parser(sub) -> None:
+    from loraplex.config import EngineConfig
+    from loraplex.server.settings import ServerSettings
+
+    serve = sub.add_parser("serve", help="serve a model and its adapters over an OpenAI-compatible HTTP API",
+                           description="Serve a base model and many LoRA adapters over an OpenAI-compatible "
+                                       "HTTP API;\nevery adapter is a model a client can name.",
+                           epilog=_PRESETS_NOTE, formatter_class=_Formatter, allow_abbrev=False)
+    groups = _groups(serve, GROUPS)
+    flags = add_dataclass_flags(serve, groups, EngineConfig, "engine")
+    flags |= add_dataclass_flags(serve, groups, ServerSettings, "server")
+    groups["adapters"].add_argument("--lora", action="append", type=_parse_lora, metavar="NAME=DIR",
+                                    help="Serve the PEFT adapter folder DIR as model NAME. Repeat the flag for more.")
+    groups["adapters"].add_argument("--packed", action="append", metavar="FILE",
+                                    help="Serve every adapter of a packed file (see loraplex convert). "
+                                         "Repeat the flag for more.")
+    serve.set_defaults(func=serve_cmd, flag_names=flags)
+
+
+def _generate_parser(sub) -> None:
+    from loraplex.config import EngineConfig
+
+    gen = sub.add_parser("generate", help="complete prompts offline (no server) and print the text",
+                         description="Complete each PROMPT with the engine (no server) and print the text;\n"
+                                     "several prompts run as one batch.",
+                         epilog=_PRESETS_NOTE, formatter_class=_Formatter, allow_abbrev=False)
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT", help="A prompt (text); several run as one batch.")
+    sampling = gen.add_argument_group("generation")
+    sampling.add_argument("--max-tokens", type=int, default=64, metavar="N",
+                          help="Most tokens to generate per prompt; default: 64.")
+    sampling.add_argument("--temperature", type=float, default=0.0, metavar="NUM",
+                          help="Sampling temperature, 0 for greedy; default: 0.")
+    sampling.add_argument("--top-p", type=float, metavar="NUM",
+                          help="Sample from the fewest tokens whose probabilities add up to this, in (0, 1]; "
+                               "default: 1 (off).")
+    sampling.add_argument("--top-k", type=int, metavar="N", help="Sample from the N most likely tokens; default: off.")
+    sampling.add_argument("--seed", type=int, metavar="N",
+                          help="Sampling seed of the prompts: the same seed gives the same text; default: "
+                               "--engine-seed's generator.")
+    sampling.add_argument("--stop", action="append", metavar="TEXT",
+                          help="End the text before this string. Repeat the flag for more.")
+    sampling.add_argument("--ignore-eos", action="store_true", help="Keep generating past the end-of-text token.")
+    sampling.add_argument("--stream", action="store_true", help="Print the text as it is made (one prompt only).")
+    groups = _groups(gen, [g for g in GROUPS if g != "server"])
+    # --seed is the requests' sampling seed here; the engine's seed (dummy weights) moves to --engine-seed
+    flags = add_dataclass_flags(gen, groups, EngineConfig, "engine", rename={"seed": "engine_seed"})
+    groups["adapters"].add_argument("--lora", action="append", type=_parse_lora, metavar="NAME=DIR",
+                                    help="Load the PEFT adapter folder DIR as NAME. Repeat the flag for more.")
+    groups["adapters"].add_argument("--adapter", metavar="NAME",
+                                    help="The --lora adapter every prompt runs with; default: none (the base model).")
+    gen.set_defaults(func=generate_cmd, flag_names=flags)
+
+
 def main(argv: list[str] | None = None) -> int:
+    from loraplex import __version__
+
     parser = argparse.ArgumentParser(prog="loraplex", description="Serve many LoRA adapters of one model.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"loraplex {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
+    _serve_parser(sub)
+    _generate_parser(sub)
+    conv = sub.add_parser("convert", help="validate PEFT adapters and pack them into one safetensors file")
+    conv.add_argument("--base", required=True, help="the base model's folder (its config.json is read)")
+    conv.add_argument("--lora", nargs="+", type=_parse_lora, metavar="NAME=DIR", help="PEFT adapter folders")
+    conv.add_argument("--lora-dir", nargs="+", metavar="DIR",
+                      help="folders whose subfolders are PEFT adapters, each named after its subfolder")
+    conv.add_argument("--out", required=True, help="output folder; adapters.safetensors is written there")
+    conv.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                      help="stored precision; auto keeps the sources' (float32 when they differ)")
+    conv.add_argument("--quiet", action="store_true", help="no progress bar or listing")
+    conv.set_defaults(func=convert_cmd)
     demo = sub.add_parser("op-demo", help="run the batched multi-LoRA op on a random mixed batch")
     demo.add_argument("--device", default="auto", help="cuda, cpu or auto (default)")
     demo.add_argument("--requests", type=int, default=12, help="requests (segments) in the batch")
@@ -119,18 +420,15 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--iters", type=int, default=10, help="timed calls")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=op_demo)
-    conv = sub.add_parser("convert", help="validate PEFT adapters and pack them into one safetensors file")
-    conv.add_argument("--base", required=True, help="the base model's folder (its config.json is read)")
-    conv.add_argument("--lora", nargs="+", type=_parse_lora, metavar="NAME=DIR", help="PEFT adapter folders")
-    conv.add_argument("--lora-dir", nargs="+", metavar="DIR",
-                      help="folders whose subfolders are PEFT adapters, each named after its subfolder")
-    conv.add_argument("--out", required=True, help="output folder; adapters.safetensors is written there")
-    conv.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                      help="stored precision; auto keeps the sources' (float32 when they differ)")
-    conv.add_argument("--quiet", action="store_true", help="no progress bar or listing")
-    conv.set_defaults(func=convert_cmd)
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except CommandError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:   # Ctrl-C: no traceback (the LLM's exit has aborted its requests)
+        print(file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
 def _default_device() -> str:
@@ -15,41 +17,71 @@ def _default_device() -> str:
 class EngineConfig:
     """What the engine serves and how. Checked on construction; errors name the field."""
 
-    model: str | Path                      # a Hugging Face model folder, or "dummy:<preset>" (random weights)
-    tokenizer: str | Path | None = None    # a folder with tokenizer files; default: the model folder
-    dtype: str = "auto"                    # auto | bfloat16 | float16 | float32
-    device: str | None = None              # default: cuda when available, else cpu
-    dummy_layers: int | None = None        # "dummy:" models only: fewer layers than the preset
-    seed: int = 0                          # the sampler's seed for requests that bring none
+    # Each field's metadata holds its "help" (one sentence: meaning, units, what None means) and its
+    # "group"; the `loraplex` command builds its flags from them, so a new field is a new flag.
+    model: str | Path = field(metadata={
+        "group": "model", "help": "The base model: a Hugging Face model folder (config.json + safetensors), "
+                                  "or dummy:<preset> for random weights of a published shape."})
+    tokenizer: str | Path | None = field(default=None, metadata={
+        "group": "model", "help": "Folder with the tokenizer files; default: the model folder (dummy models have "
+                                  "none, so their prompts are token ids)."})
+    dtype: str = field(default="auto", metadata={
+        "group": "model", "choices": DTYPES,
+        "help": "Precision of weights and activations; auto is the checkpoint's torch_dtype (float32 when it "
+                "names none; bfloat16 for dummy models)."})
+    device: str | None = field(default=None, metadata={
+        "group": "model", "help": "Device to run on (cuda, cuda:N or cpu); default: cuda when available, else cpu."})
+    dummy_layers: int | None = field(default=None, metadata={
+        "group": "model", "help": "For dummy:<preset> models only: build this many layers instead of the "
+                                  "preset's; default: all of them."})
+    seed: int = field(default=0, metadata={
+        "group": "model", "help": "Seed of dummy weights and of sampling for requests that bring no seed."})
 
-    # batching
-    max_num_seqs: int = 256                # sequences in one step at most
-    max_num_batched_tokens: int = 2048     # tokens in one step at most (prefill chunks + decodes)
-    max_model_len: int | None = None       # prompt + output tokens per sequence; default: the model's limit
-    max_batch_wait_ms: float = 0.0         # latency ↔ throughput: how long new prompts may wait for a fuller batch
-    max_queue_skip_ms: float = 2000.0      # after waiting this long, no later request is admitted before it
+    max_num_seqs: int = field(default=256, metadata={
+        "group": "batching", "help": "Maximum number of sequences in one engine step (the running batch)."})
+    max_num_batched_tokens: int = field(default=2048, metadata={
+        "group": "batching", "help": "Maximum number of tokens in one engine step, prefill chunks and decodes "
+                                     "together; at least max_num_seqs."})
+    max_model_len: int | None = field(default=None, metadata={
+        "group": "batching", "help": "Maximum number of tokens per sequence, prompt and output together; "
+                                     "default: the model's max_position_embeddings."})
+    max_batch_wait_ms: float = field(default=0.0, metadata={
+        "group": "batching", "help": "Milliseconds new prompts may wait for a fuller batch (latency traded for "
+                                     "throughput); 0 starts them at once."})
+    max_queue_skip_ms: float = field(default=2000.0, metadata={
+        "group": "batching", "help": "Milliseconds a waiting request may be overtaken while its adapter loads; "
+                                     "after that nothing later is admitted before it."})
 
-    # memory
-    block_size: int = 16                   # tokens per KV block
-    gpu_memory_utilization: float = 0.90   # share of the GPU's memory the engine may use in all
-    num_kv_blocks: int | None = None       # fixed KV size instead of sizing from memory
-    cpu_kv_cache_gib: float = 1.0          # KV budget on the CPU, where free memory is not measured
+    block_size: int = field(default=16, metadata={
+        "group": "memory", "help": "Tokens per paged KV-cache block."})
+    gpu_memory_utilization: float = field(default=0.90, metadata={
+        "group": "memory", "help": "Share of the GPU's memory, in (0, 1], the engine may use for weights, "
+                                   "adapters and KV cache together."})
+    num_kv_blocks: int | None = field(default=None, metadata={
+        "group": "memory", "help": "A fixed number of KV-cache blocks; default: as many as the memory budget holds."})
+    cpu_kv_cache_gib: float = field(default=1.0, metadata={
+        "group": "memory", "help": "KV-cache budget in GiB on the CPU, where free memory is not measured."})
 
-    # adapters
-    max_gpu_adapters: int = 8              # adapter slots on the GPU = distinct adapters in one step at most
-    max_lora_rank: int = 16
-    max_cpu_adapters: int = 32             # pinned host copies kept for fast reloads
+    max_gpu_adapters: int = field(default=8, metadata={
+        "group": "adapters", "help": "Adapter slots on the GPU, which is the most distinct adapters in one step."})
+    max_lora_rank: int = field(default=16, metadata={
+        "group": "adapters", "help": "Highest LoRA rank an adapter may have (sets the size of each GPU slot)."})
+    max_cpu_adapters: int = field(default=32, metadata={
+        "group": "adapters", "help": "Adapters kept as pinned host copies for fast reloads into GPU slots "
+                                     "(0: none)."})
 
-    # execution
-    enforce_eager: bool = False            # no CUDA graphs
-    cuda_graph_max_batch: int = 256        # decode batches above this run eagerly
+    enforce_eager: bool = field(default=False, metadata={
+        "group": "execution", "help": "Run every step eagerly, capturing no CUDA graphs."})
+    cuda_graph_max_batch: int = field(default=256, metadata={
+        "group": "execution", "help": "Largest decode batch, in sequences, replayed from a CUDA graph; larger "
+                                      "ones run eagerly."})
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, Path)) or not str(self.model):
             raise ValueError(f"EngineConfig.model must be a model folder or 'dummy:<preset>', got {self.model!r}")
         if self.device is None:
             self.device = _default_device()
-        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+        if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         positive = ["max_num_seqs", "max_num_batched_tokens", "block_size", "max_gpu_adapters", "max_lora_rank",
                     "cuda_graph_max_batch"]

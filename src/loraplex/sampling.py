@@ -15,6 +15,8 @@ import torch
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS = 300       # entries per request (OpenAI's limit)
+LOGIT_BIAS_LIMIT = 100.0   # |bias| at most this (OpenAI's range)
 SEED_LIMIT = 2**63  # seeds are int64-sized so every backend's generator takes them as they are
 
 # A positive temperature below this would become 0 (or a denormal that overflows) in float32.
@@ -52,6 +54,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n: the sampled token's logprob + the n most likely
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before choosing (not to logprobs)
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -86,6 +89,25 @@ class SamplingParams:
             raise _bad("logprobs", f"must be None or an int in [0, {MAX_LOGPROBS}]", self.logprobs)
         if self.logprobs is not None:
             self.logprobs = int(self.logprobs)
+        self.logit_bias = self._normalize_logit_bias(self.logit_bias)
+
+    @staticmethod
+    def _normalize_logit_bias(bias) -> dict[int, float] | None:
+        if bias is None:
+            return None
+        if not isinstance(bias, dict):
+            raise _bad("logit_bias", "must be None or a dict of token id -> bias", bias)
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"SamplingParams.logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+        out = {}
+        for token, value in bias.items():
+            if not _is_int(token) or token < 0:
+                raise ValueError(f"SamplingParams.logit_bias keys must be token ids (ints >= 0), got {token!r:.40}")
+            if not _is_real(value) or not math.isfinite(value) or abs(value) > LOGIT_BIAS_LIMIT:
+                raise ValueError(f"SamplingParams.logit_bias[{token}] must be a number in "
+                                 f"[-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], got {value!r:.40}")
+            out[int(token)] = float(value)
+        return out or None
 
     @staticmethod
     def _normalize_stop(stop) -> tuple[str, ...]:
@@ -123,6 +145,10 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if t >= vocab_size:
                 raise ValueError(f"SamplingParams.stop_token_ids holds {t}, which is not below "
+                                 f"the vocabulary size {vocab_size}")
+        for t in self.logit_bias or ():
+            if t >= vocab_size:
+                raise ValueError(f"SamplingParams.logit_bias has token id {t}, which is not below "
                                  f"the vocabulary size {vocab_size}")
 
 
@@ -285,7 +311,9 @@ class Sampler:
             for i in range(N):
                 row, p = logits[i], params[i]
                 if p.logprobs is not None:
-                    lp = log_softmax(row)             # the raw row: before temperature, top-k, top-p
+                    lp = log_softmax(row)             # the raw row: before bias, temperature, top-k, top-p
+                for token, bias in (p.logit_bias or {}).items():
+                    row[token] += bias                # on a copy: `logits` is not modified
                 if p.temperature == 0:
                     token = argmax(row)               # lowest id on ties; draws no noise
                 else:
@@ -329,7 +357,7 @@ class Sampler:
         with torch.no_grad():
             x = logits.float()  # a no-op for float32: nothing below writes into x
             meta = plan.to_device(self.device)
-            tokens = self._tokens(x, plan, meta)
+            tokens = self._tokens(self._biased(x, params), plan, meta)
             parts = [tokens.double()]
             if plan.with_logprobs:
                 parts += self._logprobs(x, tokens, plan, meta)
@@ -371,6 +399,21 @@ class Sampler:
                 raise ValueError(f"generators[{row}] must be a torch.Generator or None, got {type(gen).__name__}")
             elif not _same_device(gen.device, self.device):
                 raise ValueError(f"generators[{row}] is on {gen.device} but the sampler is on {self.device}")
+
+    def _biased(self, x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """`x` with each row's logit_bias added (a copy; `x` itself when no row has one)."""
+        rows, cols, values = [], [], []
+        for row, p in enumerate(params):
+            if p.logit_bias:
+                rows += [row] * len(p.logit_bias)
+                cols += list(p.logit_bias)
+                values += list(p.logit_bias.values())
+        if not rows:
+            return x
+        index = torch.tensor([rows, cols], dtype=torch.long).to(x.device, non_blocking=True)
+        biased = x.clone()
+        biased.index_put_((index[0], index[1]), torch.tensor(values).to(x.device, non_blocking=True), accumulate=True)
+        return biased
 
     def _tokens(self, x: torch.Tensor, plan: _Plan, meta: dict[str, torch.Tensor]) -> torch.Tensor:
         num_rows = x.shape[0]

@@ -19,7 +19,7 @@ import enum
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -63,6 +63,7 @@ class _Entry:
     want_gpu: bool = False
     error: str | None = None
     removed: bool = False                 # unregistered while pinned: goes when the last pin does
+    gpu_load_start: float = 0.0           # time.monotonic() when its slot was assigned
 
 
 class AdapterCache:
@@ -95,6 +96,8 @@ class AdapterCache:
         # Reads started for loads still waiting on a GPU slot hold host memory outside the CPU tier;
         # at most this many at once, so prefetching a long queue cannot exhaust host memory.
         self._max_staged = max(max_gpu_adapters, loader_threads)
+        # (stage "disk" | "gpu", seconds) of recent loads, for metrics; `take_load_times` empties it
+        self._load_times: deque[tuple[str, float]] = deque(maxlen=4096)
         self.counters = {"disk_reads": 0, "gpu_loads": 0, "gpu_evictions": 0, "cpu_evictions": 0, "failures": 0}
         log.info(self.pool.describe())
 
@@ -270,6 +273,26 @@ class AdapterCache:
         with self._lock:
             return [e.name for e in self._slot_owner if e is not None and not e.removed and self._poll(e)]
 
+    def take_load_times(self) -> list[tuple[str, float]]:
+        """(stage, seconds) of the loads finished since the last call: "disk" = read to a host copy,
+        "gpu" = slot assigned to copy complete (as seen by the next poll)."""
+        with self._lock:
+            out = list(self._load_times)
+            self._load_times.clear()
+        return out
+
+    def counts_by_state(self) -> dict[str, int]:
+        """How many registered adapters are in each state (AdapterState values)."""
+        counts = {state.value: 0 for state in AdapterState}
+        with self._lock:
+            names = list(self._entries)
+        for name in names:
+            try:
+                counts[self.state(name).value] += 1
+            except AdapterError:  # unregistered meanwhile
+                pass
+        return counts
+
     def pins(self, name: str) -> int:
         with self._lock:
             return self._get(name).pins
@@ -290,6 +313,7 @@ class AdapterCache:
             return False
         if not entry.gpu_ready and (not self._cuda or entry.ready_event.query()):
             entry.gpu_ready = True
+            self._load_times.append(("gpu", time.monotonic() - entry.gpu_load_start))
             if entry.pins == 0 and not entry.removed:
                 self._gpu_lru[entry.name] = None
             if entry.name not in self._cpu_lru:
@@ -339,6 +363,7 @@ class AdapterCache:
 
     def _assign(self, entry: _Entry, slot: int) -> None:
         entry.slot, entry.gpu_ready, entry.ready_event = slot, False, None
+        entry.gpu_load_start = time.monotonic()
         self._slot_owner[slot] = entry
         entry.want_gpu = False
 
@@ -377,6 +402,7 @@ class AdapterCache:
 
     def _read(self, entry: _Entry) -> None:
         """Runs on a loader thread: read from disk without the lock, then file the result."""
+        start = time.monotonic()
         try:
             host, error = entry.read(self.pool.dtype, self._cuda), None
         except Exception as e:  # an adapter that breaks on disk must not take anything else down
@@ -384,6 +410,8 @@ class AdapterCache:
         with self._lock:
             entry.reading = None
             self.counters["disk_reads"] += 1
+            if error is None:
+                self._load_times.append(("disk", time.monotonic() - start))
             if self._entries.get(entry.name) is not entry:
                 return
             if error is not None:

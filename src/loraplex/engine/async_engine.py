@@ -18,7 +18,7 @@ import queue
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Callable, Sequence
 
 from ..config import EngineConfig
 from ..sampling import SamplingParams
@@ -34,8 +34,11 @@ class EngineDeadError(RuntimeError):
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig, adapters: dict[str, str | Path] | None = None, *,
-                 engine: Engine | None = None) -> None:
+                 engine: Engine | None = None, observer: Callable[[Engine], None] | None = None) -> None:
         self.engine = engine if engine is not None else Engine(config, adapters)
+        # called on the worker thread after every step and every idle tick (~20 per second), where the
+        # engine's state may be read (metrics); its errors are logged, never fatal
+        self.observer = observer
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # request id → its stream; an entry left by its reader stays (closing) until the worker has
         # applied the abort, so the id cannot be reused while the old request may still deliver
@@ -161,12 +164,14 @@ class AsyncEngine:
             while not self._stop:
                 self._apply_commands()
                 if not self.engine.has_unfinished():
+                    self._observe()
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
                 outputs = self.engine.step()
                 for out in outputs:
                     self._deliver(out.request_id, out)
+                self._observe()
                 if self.engine.last_step is None and not outputs:
                     self._wake.wait(0.0005)   # nothing could run: waiting on an adapter load
                     self._wake.clear()
@@ -175,6 +180,14 @@ class AsyncEngine:
             with self._lock:
                 self.error = e
                 self._fail_all(e)
+
+    def _observe(self) -> None:
+        if self.observer is None:
+            return
+        try:
+            self.observer(self.engine)
+        except Exception:
+            log.exception("the engine observer failed")
 
     def _fail_all(self, error: BaseException) -> None:
         """End every open stream and refuse every queued command with `error`."""

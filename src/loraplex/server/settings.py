@@ -6,22 +6,42 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
 
 @dataclass
 class ServerSettings:
     """Checked on construction; errors name the field."""
 
-    host: str = "127.0.0.1"                 # address to listen on
-    port: int = 8000                        # TCP port (0: any free port)
-    api_key: str | None = None              # when set, every endpoint but /health needs `Authorization: Bearer KEY`
-    admin_api_key: str | None = None        # key for POST/DELETE /v1/adapters; default: api_key
-    adapter_roots: list[Path] = field(default_factory=list)  # run-time adapter loads only from inside these
-    served_model_name: str | None = None    # the base model's name in the API; default: the model folder's name
-    max_waiting_requests: int = 1024        # requests queued beyond the running batch; past it: 429
-    max_body_bytes: int = 4 * 1024 * 1024   # request bodies above this: 413
-    max_adapter_labels: int = 100           # distinct adapter labels in /metrics; the rest count as "other"
-    graceful_shutdown_s: float = 60.0       # on SIGTERM, how long requests in flight may take to finish
-    log_level: str = "info"                 # uvicorn's: critical | error | warning | info | debug
+    # Each field's metadata holds its "help" (one sentence: meaning, units, what None means) and its
+    # "group"; `loraplex serve` builds its flags from them, so a new field is a new flag.
+    host: str = field(default="127.0.0.1", metadata={
+        "group": "server", "help": "Address to listen on (0.0.0.0: every interface)."})
+    port: int = field(default=8000, metadata={
+        "group": "server", "help": "TCP port to listen on (0: any free port)."})
+    api_key: str | None = field(default=None, metadata={
+        "group": "server", "help": "When set, every endpoint but /health needs the header "
+                                  "'Authorization: Bearer KEY'; default: no key, open to all."})
+    admin_api_key: str | None = field(default=None, metadata={
+        "group": "server", "help": "Key for loading and unloading adapters (POST/DELETE /v1/adapters); "
+                                  "default: api_key."})
+    adapter_roots: list[Path] = field(default_factory=list, metadata={
+        "group": "adapters", "help": "Folders inside which adapters may be loaded at run time "
+                                    "(POST /v1/adapters); default: none (no run-time loads)."})
+    served_model_name: str | None = field(default=None, metadata={
+        "group": "server", "help": "The base model's name in the API; default: the model folder's name."})
+    max_waiting_requests: int = field(default=1024, metadata={
+        "group": "server", "help": "Requests that may queue beyond the running batch; past that the server "
+                                  "answers 429."})
+    max_body_bytes: int = field(default=4 * 1024 * 1024, metadata={
+        "group": "server", "help": "Largest request body in bytes (at least 1024); larger ones get 413."})
+    max_adapter_labels: int = field(default=100, metadata={
+        "group": "server", "help": "Distinct adapter labels in /metrics; requests for the others count as "
+                                  "'other'."})
+    graceful_shutdown_s: float = field(default=60.0, metadata={
+        "group": "server", "help": "Seconds requests in flight may take to finish after SIGTERM."})
+    log_level: str = field(default="info", metadata={
+        "group": "server", "choices": LOG_LEVELS, "help": "Log level of the server (uvicorn's)."})
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -46,7 +66,7 @@ class ServerSettings:
         g = self.graceful_shutdown_s
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g < 0:
             raise ValueError(f"ServerSettings.graceful_shutdown_s must be a finite number >= 0, got {g!r}")
-        if self.log_level not in ("critical", "error", "warning", "info", "debug"):
+        if self.log_level not in LOG_LEVELS:
             raise ValueError(f"ServerSettings.log_level must be critical, error, warning, info or debug, "
                              f"got {self.log_level!r}")
 

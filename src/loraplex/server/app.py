@@ -1,0 +1,93 @@
+"""The FastAPI app: OpenAI's completions, chat and models endpoints, health, metrics, and the
+adapter routes (adapters_api.py). `create_app(state)` builds it around a running `AsyncEngine`.
+
+Every adapter is a model: a request's `model` names the base model or any served adapter.
+"""
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from .adapters_api import router as adapters_router
+from .errors import APIError, install_error_handlers
+from .generation import Run, prepare, respond_stream, respond_whole
+from .guards import BodySizeLimit, check_key
+from .protocol import ChatCompletionRequest, CompletionRequest
+from .state import ServerState
+
+log = logging.getLogger("loraplex.server")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}   # proxies must not buffer the stream
+
+
+def create_app(state: ServerState, *, lifespan=None) -> FastAPI:
+    app = FastAPI(title="loraplex", summary="OpenAI-compatible multi-LoRA server", lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.loraplex = state
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, limit=state.settings.max_body_bytes)
+    app.include_router(adapters_router)
+
+    def authorized(request: Request) -> ServerState:
+        check_key(request, state.settings.api_key)
+        return state
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not state.engine.is_running:
+            return JSONResponse({"status": "error", "detail": "the engine is not running"}, status_code=503)
+        return JSONResponse({"status": "ok" if state.accepting else "draining"})
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        authorized(request)
+        body, content_type = state.metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        authorized(request)
+        data = [{"id": state.model_name, "object": "model", "created": state.created, "owned_by": "loraplex",
+                 "root": state.model_name, "parent": None}]
+        for name, record in sorted(state.adapters.items()):
+            if name not in state.draining:
+                data.append({"id": name, "object": "model", "created": record.created, "owned_by": "loraplex",
+                             "root": record.source, "parent": state.model_name})
+        return {"object": "list", "data": data}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> dict:
+        listed = await models(request)
+        for entry in listed["data"]:
+            if entry["id"] == model_id:
+                return entry
+        raise APIError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest) -> Response:
+        authorized(request)
+        return await _generate(state, request, body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+        authorized(request)
+        return await _generate(state, request, body, chat=True)
+
+    return app
+
+
+async def _generate(state: ServerState, request: Request, body, chat: bool) -> Response:
+    try:
+        prep = await prepare(state, body, chat)
+        run = Run(state, prep)
+        await run.submit()
+    except APIError as e:   # refused before it ran: counted by adapter (unknown names count as "other")
+        state.metrics.request_rejected(None if body.model == state.model_name else body.model, e.status)
+        raise
+    if prep.stream:
+        return StreamingResponse(respond_stream(run), media_type="text/event-stream", headers=SSE_HEADERS,
+                                 background=BackgroundTask(run.close))
+    return JSONResponse(await respond_whole(run, request))

@@ -1,0 +1,81 @@
+"""What every request passes before a route runs: the body-size limit (413) and the API keys (401)."""
+from __future__ import annotations
+
+import hmac
+
+from fastapi import Request
+
+from .errors import APIError, error_response
+
+
+class BodySizeLimit:
+    """ASGI middleware: a body over `limit` bytes gets 413, whether it announces its length or not.
+
+    Checked before anything parses it, so a huge body costs at most `limit` bytes of memory.
+    """
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        message = f"the request body is larger than this server's limit of {self.limit} bytes"
+        for key, value in scope.get("headers", ()):
+            if key == b"content-length":
+                try:
+                    too_large = int(value) > self.limit
+                except ValueError:
+                    too_large = False
+                if too_large:
+                    await error_response(413, message, code="request_too_large")(scope, receive, send)
+                    return
+        # read the whole body first (it is at most `limit` bytes), then hand it on: a parser that
+        # catches errors while reading could not tell "too large" from "malformed"
+        messages, received = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                messages.append(msg)
+                break
+            received += len(msg.get("body", b""))
+            if received > self.limit:
+                await error_response(413, message, code="request_too_large")(scope, receive, send)
+                return
+            messages.append(msg)
+            if not msg.get("more_body", False):
+                break
+        body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request")
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                if messages and messages[-1]["type"] != "http.request":
+                    return messages[-1]   # the client left while sending
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()   # after the body: disconnect notices
+
+        await self.app(scope, replay, send)
+
+
+def _bearer(request: Request) -> str | None:
+    header = request.headers.get("authorization")
+    if not header:
+        return None
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
+def check_key(request: Request, expected: str | None, what: str = "API") -> None:
+    """401 unless the request carries `Authorization: Bearer <expected>` (no key set: open)."""
+    if expected is None:
+        return
+    given = _bearer(request)
+    if given is None:
+        raise APIError(401, f"missing {what} key: send 'Authorization: Bearer <key>'", code="missing_api_key",
+                       headers={"WWW-Authenticate": "Bearer"})
+    if not hmac.compare_digest(given.encode(), expected.encode()):   # constant time: no guessing by timing
+        raise APIError(401, f"invalid {what} key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})

@@ -1,0 +1,109 @@
+"""`loraplex serve`: load the engine and its adapters, then serve the app with uvicorn until
+SIGINT/SIGTERM, which stop new requests and let those in flight finish (up to
+`graceful_shutdown_s`) before the engine shuts down.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import sys
+import time
+from pathlib import Path
+
+import uvicorn
+
+from ..adapters import AdapterError
+from ..config import EngineConfig
+from .settings import ServerSettings
+
+log = logging.getLogger("loraplex.server")
+
+
+def _say(message: str) -> None:
+    print(f"loraplex: {message}", file=sys.stderr, flush=True)
+
+
+def build_state(config: EngineConfig, settings: ServerSettings, adapters: dict[str, Path], packed: list[Path]):
+    """The engine (loaded), its adapters (validated) and the server's state around them."""
+    from ..engine.async_engine import AsyncEngine
+    from ..engine.engine import Engine
+    from .metrics import ServerMetrics
+    from .state import ServerState, default_model_name
+
+    engine = Engine(config)
+    try:
+        sources: dict[str, str] = {}
+        for name, folder in adapters.items():
+            engine.add_adapter(name, folder)
+            sources[name] = str(folder)
+        for path in packed:
+            for name in engine.adapters.register_packed(path):
+                sources[name] = str(path)
+        model_name = settings.served_model_name or default_model_name(config.model)
+        if model_name in sources:
+            raise ValueError(f"an adapter is named {model_name!r}, like the base model; rename one "
+                             f"(--served-model-name sets the base model's name)")
+    except BaseException:
+        engine.close()
+        raise
+    state = ServerState(AsyncEngine(config, engine=engine), settings,
+                        ServerMetrics(max_adapter_labels=settings.max_adapter_labels), model_name)
+    state.register_existing(sources)
+    return state
+
+
+def run_server(config: EngineConfig, settings: ServerSettings, *, adapters: dict[str, Path],
+               packed: list[Path]) -> int:
+    from .app import create_app
+
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        sock = socket.create_server((settings.host, settings.port), reuse_port=False)
+    except OSError as e:
+        print(f"error: cannot listen on {settings.host}:{settings.port}: {e}", file=sys.stderr)
+        return 1
+    start = time.monotonic()
+    _say(f"loading {config.model} on {config.device} ({config.dtype}) …")
+    try:
+        state = build_state(config, settings, adapters, packed)
+    except (AdapterError, ValueError, OSError) as e:
+        sock.close()
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    host, port = sock.getsockname()[:2]
+    names = sorted(state.adapters)
+    shown = ", ".join(names[:8]) + (f", … ({len(names)} in all)" if len(names) > 8 else "")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        _say(f"serving {state.model_name}" + (f" with {len(names)} adapter(s): {shown}" if names else " (no adapters)")
+             + f" at http://{host}:{port}/v1 (ready in {time.monotonic() - start:.1f} s)")
+        try:
+            yield
+        finally:
+            state.accepting = False
+            state.engine.shutdown()
+            _say("stopped")
+
+    app = create_app(state, lifespan=lifespan)
+    uv_config = uvicorn.Config(app, log_level=settings.log_level, timeout_graceful_shutdown=settings.graceful_shutdown_s,
+                               access_log=settings.log_level == "debug")
+    server = _Server(uv_config, state)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    return 0 if state.engine.error is None else 1
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, but a shutdown signal first stops new requests (503 on open connections)."""
+
+    def __init__(self, config: uvicorn.Config, state) -> None:
+        super().__init__(config)
+        self.loraplex_state = state
+
+    def handle_exit(self, sig, frame) -> None:
+        self.loraplex_state.accepting = False
+        super().handle_exit(sig, frame)
