@@ -144,6 +144,10 @@ def test_adapters_added_and_removed_while_requests_run(client, server, model):
     assert r.status_code == 200, r.text
     assert greedy(client, "quotes", "Once upon", 60) == expected
     assert httpx.delete(server.url + "/v1/adapters/spare", headers=auth(ADMIN)).status_code == 200
+    # names may hold "/" (an org prefix): served and deleted like any other
+    assert post(server, "/v1/adapters", {"name": "org/poet", "path": "poet"}, key=ADMIN).status_code == 200
+    assert greedy(client, "org/poet", "Hello world", 12) == greedy(client, "poet", "Hello world", 12)
+    assert httpx.delete(server.url + "/v1/adapters/org/poet", headers=auth(ADMIN)).status_code == 200
 
 
 def test_adapter_loads_are_confined_to_the_roots(server, model, tmp_path):
@@ -151,7 +155,13 @@ def test_adapter_loads_are_confined_to_the_roots(server, model, tmp_path):
     outside = tmp_path / "outside"
     shutil.copytree(root / "adapters" / "poet", outside)
     os.symlink(outside, root / "adapters" / "link-out")
-    cases = {"../base": 403, str(outside): 403, "link-out": 403, "/etc": 403, "missing": 400}
+    sneaky = root / "adapters" / "sneaky"   # a folder inside the roots whose files point outside
+    sneaky.mkdir()
+    for f in outside.iterdir():
+        os.symlink(f, sneaky / f.name)
+    os.symlink(root / "adapters" / "loop", root / "adapters" / "loop")
+    cases = {"../base": 403, str(outside): 403, "link-out": 403, "/etc": 403, "missing": 400, "sneaky": 403,
+             "loop": 403, "~nosuchuser/a": 400}
     for path, status in cases.items():
         r = post(server, "/v1/adapters", {"name": "x1", "path": path}, key=ADMIN)
         assert r.status_code == status, (path, r.text)
@@ -191,3 +201,11 @@ def test_run_time_loading_is_off_without_roots(model):
     with pytest.raises(APIError) as e:
         resolve_inside_roots(str(model[0] / "adapters" / "poet"), [])
     assert e.value.status == 403 and "--adapter-root" in e.value.message
+
+
+def test_relative_paths_are_looked_up_in_every_root(tmp_path, model):
+    from loraplex.server.adapters_api import resolve_inside_roots
+    first, second = tmp_path / "r1", tmp_path / "r2"
+    first.mkdir()
+    shutil.copytree(model[0] / "adapters" / "poet", second / "poet")
+    assert resolve_inside_roots("poet", [first.resolve(), second.resolve()]) == (second / "poet").resolve()

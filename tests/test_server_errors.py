@@ -2,6 +2,7 @@
 nothing else breaks."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -9,7 +10,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -61,6 +61,7 @@ def test_bad_chat_fields_and_bodies(server):
                     400)["param"] == "max_completion_tokens"
     assert "JSON" in error_of(post(server, "/v1/completions", b'{"model": "poet", "prompt": '), 400)["message"]
     assert "object" in error_of(post(server, "/v1/completions", [1, 2, 3]), 400)["message"]
+    assert error_of(post(server, "/v1/completions", b'{"model": "poet", "prompt": "\\ud800"}'), 400)["param"] == "prompt"
     huge = "x" * 20_000
     body = error_of(post(server, "/v1/completions", {**GOOD, "temperature": huge}), 400)
     assert huge[:100] not in body["message"]
@@ -86,6 +87,11 @@ def test_unknown_model_route_and_keys(server):
     error_of(httpx.get(server.url + "/metrics"), 401)
     error_of(httpx.get(server.url + "/v1/adapters", headers=auth(KEY)), 401)   # management needs the admin key
     assert httpx.get(server.url + "/health").json()["status"] == "ok"          # open, no key
+    # the key is checked before the body is even parsed
+    error_of(post(server, "/v1/completions", {**GOOD, "n": 99}, key=None), 401)
+    error_of(post(server, "/v1/completions", b"{not json", key=None), 401)
+    error_of(post(server, "/v1/adapters", {"name": "x", "path": "poet"}, key=None), 401)
+    error_of(httpx.delete(server.url + "/v1/adapters/poet", headers=auth(KEY)), 401)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="bad", max_retries=0).models.list()
 
@@ -259,3 +265,52 @@ def test_serve_refuses_a_bad_adapter_at_start(model, tmp_path):
     r = subprocess.run([sys.executable, "-m", "loraplex.cli", "serve", "--model", str(base), "--port", "0",
                         "--device", "cpu", "--lora", f"bad={bad}"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "adapter_config.json" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_concurrent_arrivals_cannot_overrun_the_queue_bound(server):
+    old = server.state.settings.max_waiting_requests
+    server.state.settings.max_waiting_requests = 0
+    limit = server.state.max_in_flight
+    peak = 0
+
+    async def burst():
+        nonlocal peak
+        async with httpx.AsyncClient(base_url=server.url, headers=auth(), timeout=120) as c:
+            async def one(i):
+                nonlocal peak
+                r = await c.post("/v1/chat/completions", json={
+                    "model": "coder", "messages": [{"role": "user", "content": "hi " * (i % 5 + 1)}],
+                    "max_tokens": 20, "temperature": 0, "ignore_eos": True})
+                peak = max(peak, server.state.in_flight)
+                return r.status_code
+            return await asyncio.gather(*[one(i) for i in range(30)])
+    try:
+        with slowed(server, 0.01):
+            statuses = asyncio.run(burst())
+    finally:
+        server.state.settings.max_waiting_requests = old
+    assert set(statuses) <= {200, 429} and statuses.count(200) >= 1 and statuses.count(429) >= 1
+    assert peak <= limit
+    server.wait_idle()
+
+
+def test_a_partial_multi_choice_submit_leaves_nothing_behind(server, monkeypatch):
+    engine = server.state.engine
+    real = engine.submit
+    calls = 0
+
+    async def flaky(prompt, params=None, adapter=None, request_id=None):
+        nonlocal calls
+        calls += 1
+        if calls % 3 == 2:
+            raise ValueError("injected refusal")
+        return await real(prompt, params, adapter, request_id)
+    monkeypatch.setattr(engine, "submit", flaky)
+    for _ in range(3):
+        error_of(post(server, "/v1/completions", {**GOOD, "n": 3, "temperature": 1.0}), 400)
+    monkeypatch.undo()
+    server.wait_idle()
+    deadline = time.monotonic() + 5
+    while engine._streams and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not engine._streams, "aborted choices must not leave stream entries"

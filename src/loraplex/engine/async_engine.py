@@ -115,6 +115,14 @@ class AsyncEngine:
         self._commands.put(("abort", request_id))
         self._wake.set()
 
+    def cancel(self, request_id: str) -> None:
+        """Abort a submitted request whose stream nobody will read (call on its submitter's loop);
+        its id is free again once the abort has been applied."""
+        entry = self._streams.get(request_id)
+        if entry is not None:
+            entry.closing = True
+        self.abort(request_id)
+
     def run_on_engine(self, fn, timeout: float | None = 60.0):
         """Call `fn(engine)` on the worker thread between steps (e.g. adapter registration); returns its result."""
         done = threading.Event()
@@ -134,7 +142,10 @@ class AsyncEngine:
         return box[1]
 
     def shutdown(self) -> None:
-        """Stop the worker; open streams end with EngineDeadError, queued submissions are refused."""
+        """Stop the worker; open streams end with EngineDeadError, queued submissions are refused.
+        Calling it again does nothing."""
+        if self._closed:
+            return
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=30)

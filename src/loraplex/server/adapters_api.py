@@ -1,7 +1,9 @@
 """`/v1/adapters`: register, list and remove adapters while the server serves.
 
-Loads read only inside the operator's `--adapter-root` folders: the path is resolved (symlinks and
-`..` followed) and must land inside one of them, else 403. The folder is validated in full before
+Loads read only inside the operator's `--adapter-root` folders: the path and every file in its
+folder are resolved (symlinks and `..` followed) and must land inside them, else 403. (The check
+is made at registration; the operator is trusted not to swap files inside the roots later, when
+an evicted adapter is read again.) The folder is validated in full before
 it is registered — config, every key and shape, and every weight read and checked finite — so a
 bad adapter is reported to the caller who sent it and nothing else changes. Only safetensors, or
 `.bin` through `torch.load(weights_only=True)`, is ever read (the adapters package's rule).
@@ -21,7 +23,6 @@ from pydantic import BaseModel, ConfigDict
 from ..adapters import AdapterError, inspect_peft_adapter, read_peft_adapter
 from ..adapters.spec import check_adapter_name
 from .errors import APIError
-from .guards import check_key
 from .state import AdapterRecord, ServerState
 
 router = APIRouter()
@@ -34,36 +35,65 @@ class AdapterLoad(BaseModel):
 
 
 def _state(request: Request) -> ServerState:
-    state: ServerState = request.app.state.loraplex
-    check_key(request, state.settings.admin_key, "admin")
-    return state
+    return request.app.state.loraplex   # the admin key was checked by guards.Guard
+
+
+def _inside(path: Path, roots: list[Path]) -> bool:
+    return any(path == root or path.is_relative_to(root) for root in roots)
 
 
 def resolve_inside_roots(path: str, roots: list[Path]) -> Path:
-    """The folder `path` names, if it lies inside one of `roots` (absolute, or relative to a root)."""
+    """The folder `path` names (absolute, or relative to a root: the first root that has it), if it
+    and every file in it resolve inside the roots; 403 if anything points outside them."""
     if not roots:
         raise APIError(403, "loading adapters at run time is off: start the server with --adapter-root DIR "
                             "(repeatable) to allow loads from inside DIR", code="adapter_loading_disabled")
     if not path or "\x00" in path:
         raise APIError(400, "the adapter path is empty or invalid", param="path")
-    given = Path(path).expanduser()
+    given = Path(path)
     candidates = [given] if given.is_absolute() else [root / given for root in roots]
+    allowed = False
     for candidate in candidates:
-        resolved = candidate.resolve()   # follows symlinks and `..`: what would really be read
-        if any(resolved == root or resolved.is_relative_to(root) for root in roots):
-            if not resolved.is_dir():
-                raise APIError(400, f"no adapter folder at {path!r} inside the adapter roots", param="path",
-                               code="adapter_not_found")
+        try:
+            resolved = candidate.resolve()   # follows symlinks and `..`: what would really be read
+        except (OSError, RuntimeError):       # a symlink loop, an unreadable path
+            continue
+        if not _inside(resolved, roots):
+            continue
+        allowed = True
+        if resolved.is_dir():
+            _check_files_inside(resolved, roots, path)
             return resolved
-    raise APIError(403, f"the adapter path {path!r} is outside the server's adapter roots", param="path",
-                   code="path_not_allowed")
+    if not allowed:
+        raise APIError(403, f"the adapter path {path!r} is outside the server's adapter roots", param="path",
+                       code="path_not_allowed")
+    raise APIError(400, f"no adapter folder at {path!r} inside the adapter roots", param="path",
+                   code="adapter_not_found")
 
 
-def _validate(state: ServerState, name: str, folder: Path) -> None:
-    """Runs on a worker thread: the folder against the served model, then every weight."""
+def _check_files_inside(folder: Path, roots: list[Path], shown: str) -> None:
+    """A folder inside the roots may still hold symlinks to files elsewhere: refuse those too."""
+    try:
+        entries = list(folder.iterdir())
+    except OSError as e:
+        raise APIError(400, f"cannot list the adapter folder {shown!r}: {e.strerror}", param="path") from None
+    for entry in entries:
+        try:
+            target = entry.resolve()
+        except (OSError, RuntimeError):
+            target = None
+        if target is None or not _inside(target, roots):
+            raise APIError(403, f"{shown}/{entry.name} points outside the server's adapter roots", param="path",
+                           code="path_not_allowed")
+
+
+def _validate_and_register(state: ServerState, name: str, folder: Path) -> None:
+    """Runs on a worker thread (reads can take seconds): the folder against the served model,
+    every weight read and checked, then registered."""
     cache = state.cache
     spec = inspect_peft_adapter(folder, cache.model, name=name, max_rank=cache.pool.max_rank)
     read_peft_adapter(spec, cache.pool.dtype, pin=False)
+    cache.register(name, folder)
 
 
 @router.get("/v1/adapters")
@@ -94,9 +124,10 @@ async def load_adapter(request: Request, body: AdapterLoad) -> dict:
     folder = resolve_inside_roots(body.path, state.settings.adapter_roots)
     start = time.monotonic()
     try:
-        await anyio.to_thread.run_sync(_validate, state, body.name, folder)
-        state.cache.register(body.name, folder)
+        await anyio.to_thread.run_sync(_validate_and_register, state, body.name, folder)
     except AdapterError as e:
+        if body.name in state.cache or "still being unregistered" in str(e):   # a name clash, not a bad folder
+            raise APIError(409, f"the name {body.name!r}: {e}", param="name", code="adapter_exists") from None
         raise APIError(400, f"adapter {body.name!r} did not load: {e}", param="path", code="invalid_adapter") from None
     state.metrics.adapter_loaded(time.monotonic() - start, "register")
     state.adapters[body.name] = AdapterRecord(body.name, str(folder), int(time.time()))
@@ -106,7 +137,7 @@ async def load_adapter(request: Request, body: AdapterLoad) -> dict:
             "targets": spec.projections, "source": str(folder)}
 
 
-@router.delete("/v1/adapters/{name}")
+@router.delete("/v1/adapters/{name:path}")   # names may hold "/"
 async def remove_adapter(request: Request, name: str) -> dict:
     state = _state(request)
     if name not in state.adapters or name in state.draining:

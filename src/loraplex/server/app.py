@@ -14,7 +14,7 @@ from starlette.background import BackgroundTask
 from .adapters_api import router as adapters_router
 from .errors import APIError, install_error_handlers
 from .generation import Run, prepare, respond_stream, respond_whole
-from .guards import BodySizeLimit, check_key
+from .guards import Guard
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .state import ServerState
 
@@ -28,34 +28,31 @@ def create_app(state: ServerState, *, lifespan=None) -> FastAPI:
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.loraplex = state
     install_error_handlers(app)
-    app.add_middleware(BodySizeLimit, limit=state.settings.max_body_bytes)
+    app.add_middleware(Guard, limit=state.settings.max_body_bytes, api_key=state.settings.api_key,
+                       admin_key=state.settings.admin_key)
     app.include_router(adapters_router)
-
-    def authorized(request: Request) -> ServerState:
-        check_key(request, state.settings.api_key)
-        return state
 
     @app.get("/health")
     async def health() -> Response:
         if not state.engine.is_running:
             return JSONResponse({"status": "error", "detail": "the engine is not running"}, status_code=503)
-        return JSONResponse({"status": "ok" if state.accepting else "draining"})
+        if not state.accepting:   # load balancers stop routing here while requests in flight finish
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        authorized(request)
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
-        authorized(request)
         data = [{"id": state.model_name, "object": "model", "created": state.created, "owned_by": "loraplex",
                  "root": state.model_name, "parent": None}]
         for name, record in sorted(state.adapters.items()):
             if name not in state.draining:
                 data.append({"id": name, "object": "model", "created": record.created, "owned_by": "loraplex",
-                             "root": record.source, "parent": state.model_name})
+                             "root": name, "parent": state.model_name})
         return {"object": "list", "data": data}
 
     @app.get("/v1/models/{model_id:path}")
@@ -68,12 +65,10 @@ def create_app(state: ServerState, *, lifespan=None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest) -> Response:
-        authorized(request)
         return await _generate(state, request, body, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
-        authorized(request)
         return await _generate(state, request, body, chat=True)
 
     return app

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from ..sampling import SEED_LIMIT, SamplingParams
 from . import protocol
 from .errors import APIError, error_body
 from .state import ServerState
+
+log = logging.getLogger("loraplex.server")
 
 DISCONNECT_POLL_S = 0.25
 
@@ -53,10 +56,15 @@ def resolve_model(state: ServerState, model: str) -> str | None:
 
 
 def _encode(tokenizer, text: str) -> list[int]:
-    return list(tokenizer.encode(text))
+    try:
+        return list(tokenizer.encode(text))
+    except Exception as e:   # e.g. a lone surrogate the tokenizer cannot take
+        raise APIError(400, f"the prompt could not be tokenized: {type(e).__name__}: {e}", param="prompt") from None
 
 
 async def prepare(state: ServerState, req, chat: bool) -> Prepared:
+    """Check and translate the request; its `n` engine requests are reserved in `state` (no await
+    comes between the checks and the reservation); on any error here they are released."""
     if not state.accepting:
         raise APIError(503, "the server is shutting down", code="shutting_down")
     adapter = resolve_model(state, req.model)
@@ -64,6 +72,16 @@ async def prepare(state: ServerState, req, chat: bool) -> Prepared:
     if state.in_flight + n > state.max_in_flight:
         raise APIError(429, f"the server is at capacity ({state.in_flight} requests in flight); retry shortly",
                        code="queue_full", headers={"Retry-After": "1"})
+    state.reserve(adapter, n)
+    try:
+        return await _prepare(state, req, chat, adapter, n)
+    except BaseException:
+        for _ in range(n):
+            state.release(adapter)
+        raise
+
+
+async def _prepare(state: ServerState, req, chat: bool, adapter: str | None, n: int) -> Prepared:
     tokenizer = state.tokenizer
     if chat:
         # templates and tokenizers run off the event loop: a long prompt must not stall other clients
@@ -105,18 +123,19 @@ class Run:
         self._tasks: list[asyncio.Task] = []
 
     async def submit(self) -> None:
+        """Queue every choice in the engine (all or none); takes over `prepare`'s reservations."""
         state, prep = self.state, self.prep
         try:
             for i, params in enumerate(prep.params):
                 rid = await state.engine.submit(prep.prompt_ids, params, prep.adapter, request_id=f"{prep.request_id}-{i}")
                 self.ids.append(rid)
-                state.started(prep.adapter)
         except BaseException as e:
-            for rid in self.ids:   # all choices or none
+            for rid in self.ids:   # accepted choices: aborted, and their streams dropped
                 with contextlib.suppress(Exception):
-                    state.engine.abort(rid)
-                state.ended(prep.adapter)
+                    state.engine.cancel(rid)
             self.ids.clear()
+            for _ in prep.params:
+                state.release(prep.adapter)
             raise _submit_error(state, prep, e) from e
         self._start_pumps()
 
@@ -159,8 +178,11 @@ class Run:
                 queue.put_nowait(e)
             raise
         finally:
-            self._record(last)
-            self.state.ended(self.prep.adapter)
+            try:
+                self._record(last)
+            except Exception:   # metrics must never leak a request
+                log.exception("recording a request's metrics")
+            self.state.release(self.prep.adapter, served=last is not None and last.finish_reason in ("stop", "length"))
             queue.put_nowait(None)
 
     def _record(self, out: RequestOutput | None) -> None:

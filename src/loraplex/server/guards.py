@@ -1,26 +1,41 @@
-"""What every request passes before a route runs: the body-size limit (413) and the API keys (401)."""
+"""What every request passes before a route runs, in this order: the API keys (401), then the
+body-size limit (413). Both act before the body is parsed, so an unauthenticated client learns
+nothing about what a valid request looks like."""
 from __future__ import annotations
 
 import hmac
 
-from fastapi import Request
-
 from .errors import APIError, error_response
 
 
-class BodySizeLimit:
-    """ASGI middleware: a body over `limit` bytes gets 413, whether it announces its length or not.
+OPEN_PATHS = ("/health",)
+ADMIN_PREFIX = "/v1/adapters"
 
-    Checked before anything parses it, so a huge body costs at most `limit` bytes of memory.
+
+class Guard:
+    """ASGI middleware: keys, then a body over `limit` bytes gets 413, whether it announces its
+    length or not (so a huge body costs at most `limit` bytes of memory).
+
+    Keys: `/health` is open; `/v1/adapters…` needs `admin_key`; everything else `api_key`.
     """
 
-    def __init__(self, app, limit: int) -> None:
+    def __init__(self, app, limit: int, api_key: str | None, admin_key: str | None) -> None:
         self.app, self.limit = app, limit
+        self.api_key, self.admin_key = api_key, admin_key
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        path = scope.get("path", "")
+        if path not in OPEN_PATHS:
+            admin = path == ADMIN_PREFIX or path.startswith(ADMIN_PREFIX + "/")
+            try:
+                check_key(_header(scope, b"authorization"), self.admin_key if admin else self.api_key,
+                          "admin" if admin else "API")
+            except APIError as e:
+                await e.response()(scope, receive, send)
+                return
         message = f"the request body is larger than this server's limit of {self.limit} bytes"
         for key, value in scope.get("headers", ()):
             if key == b"content-length":
@@ -61,19 +76,25 @@ class BodySizeLimit:
         await self.app(scope, replay, send)
 
 
-def _bearer(request: Request) -> str | None:
-    header = request.headers.get("authorization")
+def _header(scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+def _bearer(header: str | None) -> str | None:
     if not header:
         return None
     scheme, _, token = header.partition(" ")
     return token.strip() if scheme.lower() == "bearer" else None
 
 
-def check_key(request: Request, expected: str | None, what: str = "API") -> None:
-    """401 unless the request carries `Authorization: Bearer <expected>` (no key set: open)."""
+def check_key(authorization: str | None, expected: str | None, what: str = "API") -> None:
+    """401 unless the `Authorization` header is `Bearer <expected>` (no key set: open)."""
     if expected is None:
         return
-    given = _bearer(request)
+    given = _bearer(authorization)
     if given is None:
         raise APIError(401, f"missing {what} key: send 'Authorization: Bearer <key>'", code="missing_api_key",
                        headers={"WWW-Authenticate": "Bearer"})

@@ -58,8 +58,8 @@ def run_server(config: EngineConfig, settings: ServerSettings, *, adapters: dict
     from .app import create_app
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        sock = socket.create_server((settings.host, settings.port), reuse_port=False)
+    try:   # bound now (a busy port fails before the model loads), listening only once serving starts
+        sock = _bind(settings.host, settings.port)
     except OSError as e:
         print(f"error: cannot listen on {settings.host}:{settings.port}: {e}", file=sys.stderr)
         return 1
@@ -94,7 +94,20 @@ def run_server(config: EngineConfig, settings: ServerSettings, *, adapters: dict
         server.run(sockets=[sock])
     finally:
         sock.close()
+        state.engine.shutdown()   # (again, harmlessly): a second Ctrl-C skips the lifespan's shutdown
     return 0 if state.engine.error is None else 1
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 class _Server(uvicorn.Server):

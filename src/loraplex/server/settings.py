@@ -23,8 +23,8 @@ class ServerSettings:
         "group": "server", "help": "When set, every endpoint but /health needs the header "
                                   "'Authorization: Bearer KEY'; default: no key, open to all."})
     admin_api_key: str | None = field(default=None, metadata={
-        "group": "server", "help": "Key for loading and unloading adapters (POST/DELETE /v1/adapters); "
-                                  "default: api_key."})
+        "group": "server", "help": "Key for the adapter-management endpoints (GET/POST/DELETE "
+                                  "/v1/adapters); default: api_key."})
     adapter_roots: list[Path] = field(default_factory=list, metadata={
         "group": "adapters", "help": "Folders inside which adapters may be loaded at run time "
                                     "(POST /v1/adapters); default: none (no run-time loads)."})

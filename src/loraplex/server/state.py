@@ -20,7 +20,7 @@ from .settings import ServerSettings
 
 log = logging.getLogger("loraplex.server")
 
-SNAPSHOT_EVERY_S = 0.2   # how often the engine thread refreshes the gauges
+SNAPSHOT_EVERY_S = 0.5   # how often the engine thread refreshes the gauges
 
 
 @dataclass
@@ -81,18 +81,21 @@ class ServerState:
             self.adapters[name] = AdapterRecord(name, source, now)
 
     # ---- requests in flight -----------------------------------------------------------------------
-    def started(self, adapter: str | None, count: int = 1) -> None:
+    def reserve(self, adapter: str | None, count: int) -> None:
+        """Count `count` engine requests in flight, before any await: the 429 bound and adapter
+        removal both see a request from the moment it is accepted, not once it reaches the engine."""
         self.in_flight += count
         if adapter is not None:
             self.in_flight_by_adapter[adapter] += count
 
-    def ended(self, adapter: str | None) -> None:
+    def release(self, adapter: str | None, served: bool = False) -> None:
+        """One reserved engine request is over (`served`: it finished with stop or length)."""
         self.in_flight -= 1
         if adapter is None:
             return
         self.in_flight_by_adapter[adapter] -= 1
         record = self.adapters.get(adapter)
-        if record is not None:
+        if record is not None and served:
             record.requests_served += 1
         if self.in_flight_by_adapter[adapter] <= 0:
             del self.in_flight_by_adapter[adapter]
