@@ -46,7 +46,8 @@ def make_text_model(root: Path) -> tuple[Path, dict[str, Path]]:
 class ServerThread:
     """`loraplex.server` on a free port of 127.0.0.1, in a thread; `.state` is its ServerState."""
 
-    def __init__(self, base: Path, adapters: dict[str, Path], engine: dict | None = None, **settings) -> None:
+    def __init__(self, base: Path, adapters: dict[str, Path], engine: dict | None = None,
+                 packed: list[Path] = (), **settings) -> None:
         import uvicorn
 
         from loraplex.config import EngineConfig
@@ -56,7 +57,7 @@ class ServerThread:
 
         self.settings = ServerSettings(port=0, log_level="warning", **settings)
         config = EngineConfig(str(base), **(engine or SERVER_ENGINE))
-        self.state = build_state(config, self.settings, adapters, [])
+        self.state = build_state(config, self.settings, adapters, list(packed))
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"

@@ -209,3 +209,19 @@ def test_relative_paths_are_looked_up_in_every_root(tmp_path, model):
     first.mkdir()
     shutil.copytree(model[0] / "adapters" / "poet", second / "poet")
     assert resolve_inside_roots("poet", [first.resolve(), second.resolve()]) == (second / "poet").resolve()
+
+
+def test_packed_adapters_are_served_like_folders(model, tmp_path):
+    from loraplex.adapters import convert
+    from loraplex.models import ModelConfig
+    from server_fixtures import SERVER_ENGINE, ServerThread
+    _, base, adapters = model
+    packed = convert(ModelConfig.from_pretrained(base), [("p-poet", adapters["poet"]), ("p-coder", adapters["coder"])],
+                     tmp_path / "packed", dtype=None, progress=False)
+    srv = ServerThread(base, {"poet": adapters["poet"]}, packed=[packed])
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        assert {m.id for m in c.models.list().data} == {"base", "poet", "p-poet", "p-coder"}
+        assert greedy(c, "p-poet", "Hello world", 12) == greedy(c, "poet", "Hello world", 12)
+    finally:
+        srv.close()
