@@ -214,7 +214,7 @@ def test_relative_paths_are_looked_up_in_every_root(tmp_path, model):
 def test_packed_adapters_are_served_like_folders(model, tmp_path):
     from loraplex.adapters import convert
     from loraplex.models import ModelConfig
-    from server_fixtures import SERVER_ENGINE, ServerThread
+    from server_fixtures import ServerThread
     _, base, adapters = model
     packed = convert(ModelConfig.from_pretrained(base), [("p-poet", adapters["poet"]), ("p-coder", adapters["coder"])],
                      tmp_path / "packed", dtype=None, progress=False)

@@ -2,31 +2,23 @@
 `convert` (pack adapters into one file) and `op-demo` (the batched LoRA op on this machine).
 
 The engine and server flags are built from the fields of `EngineConfig` and `ServerSettings` (their
-metadata holds each one's help and group), so a new setting is a new flag with nothing to add here.
+metadata holds each one's help and group; see cli_flags.py), so a new setting is a new flag.
 Heavy imports (torch, the server) happen inside the commands: `loraplex --help` stays fast.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import re
 import sys
 import time
-import types
 import typing
 from pathlib import Path
 
+from loraplex.cli_flags import GROUPS, add_dataclass_flags, argument_groups, given
+
 if typing.TYPE_CHECKING:
     from loraplex import LLM, SamplingParams
-
-# --help sections, in this order; each dataclass field's metadata names one of them.
-GROUPS = ("model", "batching", "memory", "adapters", "execution", "server")
-
-# Metavars that read better than the type's; every other flag gets one from its type.
-_METAVARS = {"model": "DIR|dummy:PRESET", "tokenizer": "DIR", "device": "DEVICE", "host": "ADDR",
-             "api_key": "KEY", "admin_api_key": "KEY", "adapter_roots": "DIR", "served_model_name": "NAME"}
-_TYPE_METAVARS = {int: "N", float: "NUM", str: "STR", Path: "PATH"}
 
 _PRESETS_NOTE = """\
 --model takes a Hugging Face model folder, or dummy:<preset> for random weights of a published
@@ -42,77 +34,6 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
             from loraplex.models.presets import PRESETS
             text = text.replace("{presets}", ", ".join(sorted(PRESETS)))
         return super()._format_text(text)
-
-
-@dataclasses.dataclass(frozen=True)
-class _FlagSpec:
-    """What argparse needs for one dataclass field."""
-    kind: type            # int, float, str, bool, Path: the value type after None is dropped
-    repeated: bool        # a list field: the flag is given once per element
-
-
-def _flag_spec(hint) -> _FlagSpec:
-    origin = typing.get_origin(hint)
-    if origin is list:
-        (item,) = typing.get_args(hint)
-        return _FlagSpec(item, True)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        # `str | Path` takes the text as given: the dataclass keeps (and checks) what the user wrote.
-        kind = str if str in args else args[0] if len(args) == 1 else None
-        if kind is None:
-            raise TypeError(f"no command-line type for {hint}")
-        return _FlagSpec(kind, False)
-    return _FlagSpec(hint, False)
-
-
-def _flag_name(name: str, repeated: bool) -> str:
-    # a list field is given once per element, so its flag is singular: adapter_roots → --adapter-root
-    if repeated and name.endswith("s"):
-        name = name[:-1]
-    return "--" + name.replace("_", "-")
-
-
-def add_dataclass_flags(parser: argparse.ArgumentParser, groups: dict[str, argparse._ArgumentGroup], cls: type,
-                        prefix: str, rename: dict[str, str] | None = None) -> dict[str, str]:
-    """One flag per field of dataclass `cls`, in the group its metadata names, stored as `prefix.field`.
-
-    Nothing is stored for a flag the user leaves out, so the dataclass's own default rules; the help
-    shows that default. `rename` gives a field another flag (where a command's own flag has its name).
-    Returns `Cls.field` → flag, to point error messages at the flag.
-    """
-    hints = typing.get_type_hints(cls)
-    flags = {}
-    for f in dataclasses.fields(cls):
-        text, group = f.metadata.get("help"), f.metadata.get("group")
-        if not text or group not in groups:
-            raise TypeError(f"{cls.__name__}.{f.name} needs metadata with a 'help' and a 'group' of {sorted(groups)}")
-        spec = _flag_spec(hints[f.name])
-        flag = _flag_name((rename or {}).get(f.name, f.name), spec.repeated)
-        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        if not required and f.default is not None and f.default is not dataclasses.MISSING and spec.kind is not bool:
-            text = f"{text.rstrip('.')}; default: {f.default}."
-        kwargs: dict = {"dest": f"{prefix}.{f.name}", "default": argparse.SUPPRESS, "required": required,
-                        "help": text.replace("%", "%%")}
-        if spec.kind is bool:
-            kwargs["action"] = "store_true" if f.default is False else argparse.BooleanOptionalAction
-        else:
-            kwargs["type"] = spec.kind
-            if "choices" in f.metadata:
-                kwargs["choices"] = f.metadata["choices"]
-            else:
-                kwargs["metavar"] = _METAVARS.get(f.name, _TYPE_METAVARS.get(spec.kind, "VALUE"))
-            if spec.repeated:
-                kwargs["action"] = "append"
-                kwargs["help"] += " Repeat the flag for more."
-        groups[group].add_argument(flag, **kwargs)
-        flags[f"{cls.__name__}.{f.name}"] = flag
-    return flags
-
-
-def given(args: argparse.Namespace, prefix: str) -> dict:
-    """The `prefix.field` values the user gave, keyed by field."""
-    return {k[len(prefix) + 1:]: v for k, v in vars(args).items() if k.startswith(prefix + ".")}
 
 
 class CommandError(Exception):
@@ -144,10 +65,6 @@ def _adapters(args: argparse.Namespace) -> dict[str, Path]:
             raise CommandError(f"--lora {name}={folder}: {folder} is not a folder")
         adapters[name] = Path(folder)
     return adapters
-
-
-def _groups(parser: argparse.ArgumentParser, names: typing.Iterable[str]) -> dict[str, argparse._ArgumentGroup]:
-    return {name: parser.add_argument_group(name) for name in names}
 
 
 def serve_cmd(args: argparse.Namespace) -> int:
@@ -285,7 +202,7 @@ def op_demo(args: argparse.Namespace) -> int:
     print(f"loraplex op-demo on {device} ({backend} backend, {str(dtype).replace('torch.', '')})")
     print(f"  {args.requests} requests, {sum(seg_lens)} tokens, {len(set(s for s in slots if s >= 0))} adapters "
           f"of rank {args.rank}, hidden {K}, popularity {args.popularity}")
-    print(f"  per request (tokens:slot): " + " ".join(f"{n}:{s}" for n, s in zip(seg_lens, slots)))
+    print("  per request (tokens:slot): " + " ".join(f"{n}:{s}" for n, s in zip(seg_lens, slots)))
     print(f"  add_lora: {ms:.3f} ms per call; error vs a float64 loop, relative to the LoRA delta: {err:.1e}")
     return 0 if err < 2e-2 else 1
 
@@ -346,7 +263,7 @@ def _serve_parser(sub) -> None:
                            description="Serve a base model and many LoRA adapters over an OpenAI-compatible "
                                        "HTTP API;\nevery adapter is a model a client can name.",
                            epilog=_PRESETS_NOTE, formatter_class=_Formatter, allow_abbrev=False)
-    groups = _groups(serve, GROUPS)
+    groups = argument_groups(serve, GROUPS)
     flags = add_dataclass_flags(serve, groups, EngineConfig, "engine")
     flags |= add_dataclass_flags(serve, groups, ServerSettings, "server")
     groups["adapters"].add_argument("--lora", action="append", type=_parse_lora, metavar="NAME=DIR",
@@ -381,7 +298,7 @@ def _generate_parser(sub) -> None:
                           help="End the text before this string. Repeat the flag for more.")
     sampling.add_argument("--ignore-eos", action="store_true", help="Keep generating past the end-of-text token.")
     sampling.add_argument("--stream", action="store_true", help="Print the text as it is made (one prompt only).")
-    groups = _groups(gen, [g for g in GROUPS if g != "server"])
+    groups = argument_groups(gen, [g for g in GROUPS if g != "server"])
     # --seed is the requests' sampling seed here; the engine's seed (dummy weights) moves to --engine-seed
     flags = add_dataclass_flags(gen, groups, EngineConfig, "engine", rename={"seed": "engine_seed"})
     groups["adapters"].add_argument("--lora", action="append", type=_parse_lora, metavar="NAME=DIR",

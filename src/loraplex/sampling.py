@@ -210,12 +210,19 @@ class _Plan:
     with_logprobs: list[int] = field(default_factory=list)
     logprob_counts: list[int] = field(default_factory=list)  # min(n, V) per row of with_logprobs
     max_logprobs: int = 0
+    bias_rows: list[int] = field(default_factory=list)    # logit_bias entries, flattened over rows
+    bias_tokens: list[int] = field(default_factory=list)
+    bias_values: list[float] = field(default_factory=list)
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
               vocab: int) -> _Plan:
         plan = cls(num_rows=len(params))
         for row, (p, gen) in enumerate(zip(params, generators)):
+            if p.logit_bias:
+                plan.bias_rows += [row] * len(p.logit_bias)
+                plan.bias_tokens += list(p.logit_bias)
+                plan.bias_values += list(p.logit_bias.values())
             if p.logprobs is not None:
                 plan.with_logprobs.append(row)
                 plan.logprob_counts.append(min(p.logprobs, vocab))
@@ -246,6 +253,7 @@ class _Plan:
             "greedy": self.greedy, "sampled": self.sampled, "temperatures": self.temperatures,
             "top_ks": self.top_ks, "top_ps": self.top_ps, "filtered": self.filtered,
             "unseeded": self.unseeded, "seeded": self.seeded, "with_logprobs": self.with_logprobs,
+            "bias_rows": self.bias_rows, "bias_tokens": self.bias_tokens, "bias_values": self.bias_values,
         }
         flat = [float(v) for values in sections.values() for v in values]
         host = torch.tensor(flat, dtype=torch.float64)
@@ -264,6 +272,16 @@ class _Plan:
 def _subset(x: torch.Tensor, index: torch.Tensor, count: int) -> torch.Tensor:
     """Rows `index` of `x`; `x` itself when the index covers all rows (index lists are ascending)."""
     return x if count == x.shape[0] else x.index_select(0, index)
+
+
+def _biased(x: torch.Tensor, plan: _Plan, meta: dict[str, torch.Tensor]) -> torch.Tensor:
+    """`x` with each row's logit_bias added (a copy; `x` itself when no row has one)."""
+    if not plan.bias_rows:
+        return x
+    biased = x.clone()
+    biased.index_put_((meta["bias_rows"].long(), meta["bias_tokens"].long()), meta["bias_values"].float(),
+                      accumulate=True)
+    return biased
 
 
 def _cutoffs(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -357,7 +375,7 @@ class Sampler:
         with torch.no_grad():
             x = logits.float()  # a no-op for float32: nothing below writes into x
             meta = plan.to_device(self.device)
-            tokens = self._tokens(self._biased(x, params), plan, meta)
+            tokens = self._tokens(_biased(x, plan, meta), plan, meta)
             parts = [tokens.double()]
             if plan.with_logprobs:
                 parts += self._logprobs(x, tokens, plan, meta)
@@ -399,21 +417,6 @@ class Sampler:
                 raise ValueError(f"generators[{row}] must be a torch.Generator or None, got {type(gen).__name__}")
             elif not _same_device(gen.device, self.device):
                 raise ValueError(f"generators[{row}] is on {gen.device} but the sampler is on {self.device}")
-
-    def _biased(self, x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-        """`x` with each row's logit_bias added (a copy; `x` itself when no row has one)."""
-        rows, cols, values = [], [], []
-        for row, p in enumerate(params):
-            if p.logit_bias:
-                rows += [row] * len(p.logit_bias)
-                cols += list(p.logit_bias)
-                values += list(p.logit_bias.values())
-        if not rows:
-            return x
-        index = torch.tensor([rows, cols], dtype=torch.long).to(x.device, non_blocking=True)
-        biased = x.clone()
-        biased.index_put_((index[0], index[1]), torch.tensor(values).to(x.device, non_blocking=True), accumulate=True)
-        return biased
 
     def _tokens(self, x: torch.Tensor, plan: _Plan, meta: dict[str, torch.Tensor]) -> torch.Tensor:
         num_rows = x.shape[0]

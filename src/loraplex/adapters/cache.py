@@ -167,15 +167,17 @@ class AdapterCache:
 
     def state(self, name: str) -> AdapterState:
         with self._lock:
-            entry = self._get(name)
-            self._poll(entry)
-            if entry.error is not None:
-                return AdapterState.FAILED
-            if entry.slot is not None:
-                return AdapterState.GPU if entry.gpu_ready else AdapterState.LOADING
-            if entry.staged is not None:
-                return AdapterState.CPU
-            return AdapterState.READING if entry.reading is not None else AdapterState.DISK
+            return self._state(self._get(name))
+
+    def _state(self, entry: _Entry) -> AdapterState:
+        self._poll(entry)
+        if entry.error is not None:
+            return AdapterState.FAILED
+        if entry.slot is not None:
+            return AdapterState.GPU if entry.gpu_ready else AdapterState.LOADING
+        if entry.staged is not None:
+            return AdapterState.CPU
+        return AdapterState.READING if entry.reading is not None else AdapterState.DISK
 
     def error(self, name: str) -> str | None:
         with self._lock:
@@ -285,12 +287,8 @@ class AdapterCache:
         """How many registered adapters are in each state (AdapterState values)."""
         counts = {state.value: 0 for state in AdapterState}
         with self._lock:
-            names = list(self._entries)
-        for name in names:
-            try:
-                counts[self.state(name).value] += 1
-            except AdapterError:  # unregistered meanwhile
-                pass
+            for entry in self._entries.values():
+                counts[self._state(entry).value] += 1
         return counts
 
     def pins(self, name: str) -> int:

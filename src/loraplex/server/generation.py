@@ -13,7 +13,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
 import anyio
@@ -23,7 +23,7 @@ from ..adapters import AdapterError
 from ..engine.async_engine import EngineDeadError
 from ..engine.outputs import RequestOutput
 from ..sampling import SEED_LIMIT, SamplingParams
-from . import protocol
+from . import protocol, responses
 from .errors import APIError, error_body
 from .state import ServerState
 
@@ -102,15 +102,10 @@ async def _prepare(state: ServerState, req, chat: bool, adapter: str | None, n: 
     choices = [params]
     for i in range(1, n):   # with a seed, choice i draws from seed + i: different and reproducible
         seed = None if params.seed is None else (params.seed + i) % SEED_LIMIT
-        choices.append(_with_seed(params, seed))
+        choices.append(replace(params, seed=seed))
     prefix = "chatcmpl" if chat else "cmpl"
     return Prepared(chat, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), req.model, adapter, prompt_ids,
                     choices, req.include_usage, bool(req.stream))
-
-
-def _with_seed(params: SamplingParams, seed: int | None) -> SamplingParams:
-    from dataclasses import replace
-    return replace(params, seed=seed)
 
 
 # ---- running the choices ----------------------------------------------------------------------
@@ -186,14 +181,14 @@ class Run:
             queue.put_nowait(None)
 
     def _record(self, out: RequestOutput | None) -> None:
-        outcome = out.finish_reason if out is not None and out.finished else "abort"
+        outcome = out.finish_reason if out is not None and out.finished else "abort"   # the reader left
         m = out.metrics if out is not None else None
         tokens = out.num_output_tokens if out is not None else 0
         tpot = None
         if m is not None and m.finished_time is not None and m.first_token_time is not None and tokens > 1:
             tpot = (m.finished_time - m.first_token_time) / (tokens - 1)
         self.state.metrics.request_finished(
-            self.prep.adapter, outcome if outcome in ("stop", "length", "abort", "error") else "abort",
+            self.prep.adapter, outcome,
             prompt_tokens=len(self.prep.prompt_ids), output_tokens=tokens,
             ttft_s=m.time_to_first_token if m is not None else None,
             e2e_s=m.latency if m is not None and out.finished else None, tpot_s=tpot)
@@ -205,11 +200,11 @@ def _submit_error(state: ServerState, prep: Prepared, e: BaseException) -> BaseE
     if isinstance(e, EngineDeadError):
         return APIError(503, "the engine is not running", code="engine_dead")
     if isinstance(e, AdapterError) and prep.adapter is not None:
-        error = state.cache.error(prep.adapter) if prep.adapter in state.cache else None
-        if error is not None:
-            return APIError(500, f"adapter {prep.adapter!r} failed to load: {error}", code="adapter_load_failed")
         if prep.adapter not in state.cache:
             return APIError(404, f"the model {prep.adapter!r} does not exist", param="model", code="model_not_found")
+        error = state.cache.error(prep.adapter)
+        if error is not None:
+            return APIError(500, f"adapter {prep.adapter!r} failed to load: {error}", code="adapter_load_failed")
     if isinstance(e, ValueError):
         return APIError(400, str(e))
     return e
@@ -251,9 +246,9 @@ async def respond_whole(run: Run, request: Request) -> dict:
     for out in finals.values():
         if out.finish_reason == "error":
             raise _failure(out)
-    choices = [protocol.Choice(i, finals[i].text, finals[i].token_ids, finals[i].finish_reason, finals[i].logprobs)
+    choices = [responses.Choice(i, finals[i].text, finals[i].token_ids, finals[i].finish_reason, finals[i].logprobs)
                for i in sorted(finals)]
-    build = protocol.chat_response if prep.chat else protocol.completion_response
+    build = responses.chat_response if prep.chat else responses.completion_response
     return build(prep.request_id, prep.model, prep.created, choices, len(prep.prompt_ids), run.state.tokenizer)
 
 
@@ -269,13 +264,12 @@ async def respond_stream(run: Run) -> AsyncIterator[str]:
     try:
         if prep.chat:
             for i in range(len(run.ids)):
-                yield _event(protocol.chat_chunk(prep.request_id, prep.model, prep.created, i, role="assistant",
+                yield _event(responses.chat_chunk(prep.request_id, prep.model, prep.created, i, role="assistant",
                                                  content=""))
         async with contextlib.aclosing(run.outputs()) as outputs:
             async for index, out in outputs:
                 if out.finished and out.finish_reason == "error":
-                    yield _event(error_body(500, f"generation failed: {out.error or 'unknown error'}",
-                                            code="generation_failed"))
+                    yield _event(_failure(out).body())
                     break
                 new_lp = None
                 if out.logprobs is not None and out.new_token_ids:
@@ -286,11 +280,11 @@ async def respond_stream(run: Run) -> AsyncIterator[str]:
                     continue
                 reason = out.finish_reason if out.finished else None
                 if prep.chat:
-                    chunk = protocol.chat_chunk(prep.request_id, prep.model, prep.created, index,
+                    chunk = responses.chat_chunk(prep.request_id, prep.model, prep.created, index,
                                                 content=out.new_text or None,
                                                 finish_reason=reason, logprobs=new_lp, tokenizer=tokenizer)
                 else:
-                    chunk = protocol.completion_chunk(prep.request_id, prep.model, prep.created, index, out.new_text,
+                    chunk = responses.completion_chunk(prep.request_id, prep.model, prep.created, index, out.new_text,
                                                       reason, logprobs=new_lp, tokenizer=tokenizer,
                                                       text_offset=sent_chars[index])
                 sent_chars[index] += len(out.new_text)
@@ -298,7 +292,7 @@ async def respond_stream(run: Run) -> AsyncIterator[str]:
             else:
                 if prep.include_usage:
                     name = "chat.completion.chunk" if prep.chat else "text_completion"
-                    yield _event(protocol.usage_chunk(prep.request_id, prep.model, prep.created, name,
+                    yield _event(responses.usage_chunk(prep.request_id, prep.model, prep.created, name,
                                                       len(prep.prompt_ids), completion_tokens))
     except EngineDeadError:
         yield _event(error_body(503, "the engine stopped", code="engine_dead"))
