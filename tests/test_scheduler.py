@@ -721,3 +721,36 @@ def test_random_workloads_keep_every_invariant(group):
     # the workloads must actually exercise what the invariants guard
     assert totals["preemptions"] > 0 and totals["chunked"] > 0 and totals["skipped"] > 0, totals
     assert totals["aborted_running"] + totals["aborted_waiting"] > 0, totals
+
+
+class LruAdapters(FakeAdapters):
+    """FakeAdapters whose eviction takes the least recently used adapter, a prefetch of a resident one
+    counting as a use (as the real cache's LRU does)."""
+
+    def prefetch(self, name: str) -> None:
+        if name in self.slot_of:
+            self.slot_of[name] = self.slot_of.pop(name)   # most recently used
+        super().prefetch(name)
+
+
+def test_many_distinct_adapters_do_not_thrash_the_gpu_slots():
+    # every request its own adapter, more requests than slots: the prefetches of later requests must not
+    # evict the adapters of earlier ones before those are admitted (they would, in turn, forever)
+    ad = LruAdapters(num_slots=4, load_steps=1)
+    sched = make_scheduler(adapters=ad, max_num_seqs=2, max_num_batched_tokens=64, max_gpu_adapters=4,
+                           max_queue_skip_ms=1e9)
+    seqs = [make_seq(f"r{i}", 3, arrival=i * 1e-3, adapter=f"a{i}", max_tokens=3) for i in range(12)]
+    for s in seqs:
+        sched.add(s)
+
+    def on_step(out) -> None:
+        pinned = {s.adapter for s in sched.running}
+        new = ad.prefetched[on_step.seen:]
+        on_step.seen = len(ad.prefetched)
+        assert len(set(new)) <= 4 - len(pinned), "prefetched more adapters than the free slots"
+        ad.tick()
+    on_step.seen = 0
+    outs = run_to_completion(sched, seqs, max_steps=200, on_step=on_step)
+    assert all(s.status is FINISHED for s in seqs)
+    assert len(outs) < 60, f"{len(outs)} steps for 12 requests of 3 tokens, 2 at a time"
+    ad.assert_balanced()

@@ -67,15 +67,37 @@ def _adapters(args: argparse.Namespace) -> dict[str, Path]:
     return adapters
 
 
+DEMO_MODEL_NAME = "loraplex-demo"   # the API name of the shipped demo model
+
+
+def _with_demo(engine_settings: dict, adapters: dict[str, Path]) -> tuple[dict, dict[str, Path]]:
+    """No --model: the demo model shipped with loraplex, with its adapters beside any --lora given."""
+    if "model" in engine_settings:
+        return engine_settings, adapters
+    from loraplex.demo.assets import DemoModelMissing, demo_adapters, demo_model_dir
+    try:
+        model, shipped = demo_model_dir(), demo_adapters()
+    except DemoModelMissing as e:
+        raise CommandError(f"no --model given, and {e}") from e
+    print(f"no --model given: the demo model ({model}) with adapters {', '.join(shipped)}", file=sys.stderr)
+    engine_settings = dict(engine_settings, model=str(model))
+    if "dtype" not in engine_settings and (engine_settings.get("device") or "cpu") == "cpu":
+        engine_settings["dtype"] = "float32"
+    return engine_settings, {**shipped, **adapters}
+
+
 def serve_cmd(args: argparse.Namespace) -> int:
     """Start the OpenAI-compatible HTTP server; returns its exit status when it stops."""
     from loraplex.config import EngineConfig
     from loraplex.server.settings import ServerSettings
 
+    server_settings = given(args, "server")
+    if "model" not in given(args, "engine"):
+        server_settings.setdefault("served_model_name", DEMO_MODEL_NAME)
+    engine_settings, adapters = _with_demo(given(args, "engine"), _adapters(args))
     with refused(args.flag_names):
-        config = EngineConfig(**given(args, "engine"))
-        settings = ServerSettings(**given(args, "server"))
-    adapters = _adapters(args)
+        config = EngineConfig(**engine_settings)
+        settings = ServerSettings(**server_settings)
     packed = [Path(p) for p in args.packed or []]
     for path in packed:
         if not path.exists():
@@ -107,11 +129,10 @@ def generate_cmd(args: argparse.Namespace) -> int:
         raise CommandError("--stream takes one prompt")
     with refused():
         params = SamplingParams(**_sampling_settings(args))
-    adapters = _adapters(args)
+    engine_settings, adapters = _with_demo(given(args, "engine"), _adapters(args))
     if args.adapter is not None and args.adapter not in adapters:
         raise CommandError(f"--adapter {args.adapter}: not among the --lora names "
                            f"({', '.join(adapters) or 'none given'})")
-    engine_settings = given(args, "engine")
     with refused(args.flag_names):   # checked before the model loads: a bad setting costs no time
         config = EngineConfig(**engine_settings)
     if config.is_dummy and config.tokenizer is None:
@@ -264,7 +285,7 @@ def _serve_parser(sub) -> None:
                                        "HTTP API;\nevery adapter is a model a client can name.",
                            epilog=_PRESETS_NOTE, formatter_class=_Formatter, allow_abbrev=False)
     groups = argument_groups(serve, GROUPS)
-    flags = add_dataclass_flags(serve, groups, EngineConfig, "engine")
+    flags = add_dataclass_flags(serve, groups, EngineConfig, "engine", optional=("model",))
     flags |= add_dataclass_flags(serve, groups, ServerSettings, "server")
     groups["adapters"].add_argument("--lora", action="append", type=_parse_lora, metavar="NAME=DIR",
                                     help="Serve the PEFT adapter folder DIR as model NAME. Repeat the flag for more.")
@@ -300,7 +321,8 @@ def _generate_parser(sub) -> None:
     sampling.add_argument("--stream", action="store_true", help="Print the text as it is made (one prompt only).")
     groups = argument_groups(gen, [g for g in GROUPS if g != "server"])
     # --seed is the requests' sampling seed here; the engine's seed (dummy weights) moves to --engine-seed
-    flags = add_dataclass_flags(gen, groups, EngineConfig, "engine", rename={"seed": "engine_seed"})
+    flags = add_dataclass_flags(gen, groups, EngineConfig, "engine", rename={"seed": "engine_seed"},
+                                optional=("model",))
     groups["adapters"].add_argument("--lora", action="append", type=_parse_lora, metavar="NAME=DIR",
                                     help="Load the PEFT adapter folder DIR as NAME. Repeat the flag for more.")
     groups["adapters"].add_argument("--adapter", metavar="NAME",
@@ -308,14 +330,33 @@ def _generate_parser(sub) -> None:
     gen.set_defaults(func=generate_cmd, flag_names=flags)
 
 
+def _bench_parser(sub) -> None:
+    from loraplex.bench.textgen import add_arguments
+
+    bench = sub.add_parser("bench", help="offline text-generation benchmark: loraplex against transformers + PEFT",
+                           description="Run the same requests through loraplex, its backbone and transformers "
+                                       "(+ PEFT);\nwrite JSON, a markdown table and bar charts.",
+                           formatter_class=_Formatter)
+    add_arguments(bench)
+    bench.set_defaults(func=_bench_cmd)
+
+
+def _bench_cmd(args: argparse.Namespace) -> int:
+    from loraplex.bench.textgen import run
+    return run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     from loraplex import __version__
+    from loraplex.demo.demo_command import add_demo_parser
 
     parser = argparse.ArgumentParser(prog="loraplex", description="Serve many LoRA adapters of one model.")
     parser.add_argument("--version", action="version", version=f"loraplex {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
     _serve_parser(sub)
     _generate_parser(sub)
+    add_demo_parser(sub)
+    _bench_parser(sub)
     conv = sub.add_parser("convert", help="validate PEFT adapters and pack them into one safetensors file")
     conv.add_argument("--base", required=True, help="the base model's folder (its config.json is read)")
     conv.add_argument("--lora", nargs="+", type=_parse_lora, metavar="NAME=DIR", help="PEFT adapter folders")

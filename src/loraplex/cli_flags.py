@@ -48,11 +48,13 @@ def _flag_name(name: str, repeated: bool) -> str:
 
 
 def add_dataclass_flags(parser: argparse.ArgumentParser, groups: dict[str, argparse._ArgumentGroup], cls: type,
-                        prefix: str, rename: dict[str, str] | None = None) -> dict[str, str]:
+                        prefix: str, rename: dict[str, str] | None = None,
+                        optional: tuple[str, ...] = ()) -> dict[str, str]:
     """One flag per field of dataclass `cls`, in the group its metadata names, stored as `prefix.field`.
 
     Nothing is stored for a flag the user leaves out, so the dataclass's own default rules; the help
     shows that default. `rename` gives a field another flag (where a command's own flag has its name).
+    Fields in `optional` are optional flags even without a default (the command fills them in).
     Returns `Cls.field` → flag, to point error messages at the flag.
     """
     hints = typing.get_type_hints(cls)
@@ -63,7 +65,8 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, groups: dict[str, argpa
             raise TypeError(f"{cls.__name__}.{f.name} needs metadata with a 'help' and a 'group' of {sorted(groups)}")
         spec = _flag_spec(hints[f.name])
         flag = _flag_name((rename or {}).get(f.name, f.name), spec.repeated)
-        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        required = (f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+                    and f.name not in optional)
         if not required and f.default is not None and f.default is not dataclasses.MISSING and spec.kind is not bool:
             text = f"{text.rstrip('.')}; default: {f.default}."
         kwargs: dict = {"dest": f"{prefix}.{f.name}", "default": argparse.SUPPRESS, "required": required,

@@ -21,7 +21,8 @@ class EngineConfig:
     # "group"; the `loraplex` command builds its flags from them, so a new field is a new flag.
     model: str | Path = field(metadata={
         "group": "model", "help": "The base model: a Hugging Face model folder (config.json + safetensors), "
-                                  "or dummy:<preset> for random weights of a published shape."})
+                                  "or dummy:<preset> for random weights of a published shape; the commands' default: "
+                                  "the demo model shipped with loraplex, with its adapters."})
     tokenizer: str | Path | None = field(default=None, metadata={
         "group": "model", "help": "Folder with the tokenizer files; default: the model folder (dummy models have "
                                   "none, so their prompts are token ids)."})

@@ -174,12 +174,18 @@ class Scheduler:
         """Start loading the adapters of the next waiting requests, so they are on the GPU when their turn comes."""
         if self.adapters is None:
             return
+        # Only as many as the slots the running requests leave free: prefetching more would make the
+        # later requests' loads evict the adapters of the earlier ones (least recently used) before
+        # those are admitted, and under many distinct adapters the queue's head would never find its
+        # adapter resident.
+        pinned = {seq.adapter for seq in self.running if seq.adapter is not None}
+        free = self.config.max_gpu_adapters - len(pinned)
         names: list[str] = []
         for seq in self.waiting:
-            if seq.adapter is not None and seq.adapter not in names:
+            if len(names) >= free:
+                break
+            if seq.adapter is not None and seq.adapter not in pinned and seq.adapter not in names:
                 names.append(seq.adapter)
-                if len(names) >= self.config.max_gpu_adapters:
-                    break
         for name in names:
             try:
                 self.adapters.prefetch(name)

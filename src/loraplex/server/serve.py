@@ -40,6 +40,9 @@ def build_state(config: EngineConfig, settings: ServerSettings, adapters: dict[s
         for path in packed:
             for name in engine.adapters.register_packed(path):
                 sources[name] = str(path)
+        for i in range(settings.synthetic_adapters):
+            engine.adapters.register_synthetic(f"syn-{i}", config.max_lora_rank, seed=i + 1)
+            sources[f"syn-{i}"] = "synthetic"
         model_name = settings.served_model_name or default_model_name(config.model)
         if model_name in sources:
             raise ValueError(f"an adapter is named {model_name!r}, like the base model; rename one "

@@ -40,6 +40,9 @@ class ServerSettings:
                                   "'other'."})
     graceful_shutdown_s: float = field(default=60.0, metadata={
         "group": "server", "help": "Seconds requests in flight may take to finish after SIGTERM."})
+    synthetic_adapters: int = field(default=0, metadata={
+        "group": "server", "help": "Also serve this many random adapters named syn-0, syn-1, … of rank "
+                                  "--max-lora-rank on every projection (for benchmarks: no files needed)."})
     log_level: str = field(default="info", metadata={
         "group": "server", "choices": LOG_LEVELS, "help": "Log level of the server (uvicorn's)."})
 
@@ -59,7 +62,8 @@ class ServerSettings:
                 raise ValueError(f"ServerSettings.adapter_roots: {root} is not a folder")
             roots.append(path.resolve())
         self.adapter_roots = roots
-        for name, minimum in (("max_waiting_requests", 0), ("max_body_bytes", 1024), ("max_adapter_labels", 1)):
+        for name, minimum in (("max_waiting_requests", 0), ("max_body_bytes", 1024), ("max_adapter_labels", 1),
+                              ("synthetic_adapters", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"ServerSettings.{name} must be an integer >= {minimum}, got {value!r}")

@@ -1,0 +1,97 @@
+"""loraplex on a benchmark workload: one engine, random adapters, every request queued at once."""
+from __future__ import annotations
+
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from ..config import EngineConfig
+from ..engine.engine import Engine
+from ..sampling import SamplingParams
+from .results import RunResult, check_complete
+from .workload import Workload
+
+UNLIMITED_SEQS = 256      # "unlimited": more than the KV memory of a 7B model on one GPU holds at these lengths
+
+
+def engine_config(model: str, *, max_batch: int | None, rank: int, max_len: int, device: str | None,
+                  dtype: str, layers: int | None = None, **overrides) -> EngineConfig:
+    seqs = max_batch if max_batch is not None else UNLIMITED_SEQS
+    settings = dict(model=model, dummy_layers=layers if model.startswith("dummy:") else None, dtype=dtype,
+                    device=device, max_num_seqs=seqs, max_num_batched_tokens=max(2048, seqs),
+                    max_model_len=max_len, max_lora_rank=rank, max_gpu_adapters=max(2 * seqs, 8) if max_batch
+                    else seqs, max_cpu_adapters=max(2 * seqs, 8), cuda_graph_max_batch=min(seqs, 256))
+    settings.update(overrides)
+    return EngineConfig(**settings)
+
+
+class LoraplexSystem:
+    """One engine (one max batch size) with `num_adapters` random rank-`rank` adapters a0, a1, …"""
+
+    def __init__(self, config: EngineConfig, num_adapters: int) -> None:
+        self.config = config
+        started = time.perf_counter()
+        self.engine = Engine(config)
+        for i in range(num_adapters):
+            self.engine.adapters.register_synthetic(f"a{i}", config.max_lora_rank, seed=i + 1)
+        self.setup_s = time.perf_counter() - started
+        self.num_adapters = num_adapters
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.engine.runner.kv.num_blocks * self.engine.runner.kv.block_size
+
+    def close(self) -> None:
+        self.engine.close()
+        del self.engine
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+
+    def run(self, workload: Workload, prompts: list[list[int]], *, backbone: bool, name: str,
+            progress: bool = True, cap_output: int | None = None) -> RunResult:
+        """Every request queued at t=0, stepped to the end. `cap_output` shortens outputs (warm-up)."""
+        engine = self.engine
+        lens = [min(r.output_len, cap_output or r.output_len) for r in workload.requests]
+        ids = [f"{name}-{r.index}" for r in workload.requests]
+        index = {rid: i for i, rid in enumerate(ids)}
+        first = [0.0] * len(ids)
+        last = [0.0] * len(ids)
+        got = [0] * len(ids)
+        steps = decode_steps = seq_sum = 0
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for rid, r, p, n in zip(ids, workload.requests, prompts, lens):
+            adapter = None if backbone else f"a{r.adapter % self.num_adapters}"
+            engine.add_request(rid, p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), adapter)
+        with tqdm(total=sum(lens), desc=name, unit="tok", disable=not progress, mininterval=2) as bar:
+            while engine.has_unfinished():
+                outs = engine.step()
+                now = time.perf_counter() - start
+                info = engine.last_step
+                if info is not None:
+                    steps += 1
+                    decode_steps += info.decode
+                    seq_sum += info.num_seqs
+                for out in outs:
+                    i = index[out.request_id]
+                    if out.finish_reason in ("abort", "error"):
+                        raise RuntimeError(f"{name}: request {out.request_id} ended with {out.finish_reason}: "
+                                           f"{out.error}")
+                    if out.new_token_ids:
+                        if got[i] == 0:
+                            first[i] = now
+                        last[i] = now
+                        got[i] += len(out.new_token_ids)
+                        bar.update(len(out.new_token_ids))
+        seconds = time.perf_counter() - start
+        result = RunResult(name, workload.popularity, self.config.max_num_seqs, len(ids), workload.prompt_tokens,
+                           sum(got), seconds, first, last, got,
+                           extra=dict(steps=steps, decode_steps=decode_steps,
+                                      mean_batch=seq_sum / steps if steps else 0.0))
+        check_complete(result, lens)
+        return result

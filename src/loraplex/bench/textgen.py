@@ -1,0 +1,210 @@
+"""`loraplex bench`: offline text generation, loraplex against transformers + PEFT and its own backbone.
+
+Every system runs the same requests (see workload.py) in this one process, one after another; the
+GPU memory of each is freed before the next. Results: JSON, a markdown table with ratios, and one bar
+chart per popularity, under --out-dir.
+
+    loraplex bench --model dummy:llama-2-7b --requests 1000 --popularity distinct --max-batch 32,unlimited \
+        --baseline-requests 64 --out-dir benchmarks/results --name textgen_7b
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .ceiling import StepBytes, copy_bandwidth_gbs, simulate_ceiling
+from .report import markdown, plot, ratios
+from .run_hf import HF_SYSTEMS, add_adapters, load_hf_model, run_hf
+from .run_loraplex import LoraplexSystem, engine_config
+from .workload import LENGTHS, POPULARITIES, make_workload
+
+SYSTEMS = ("loraplex", "loraplex-backbone") + HF_SYSTEMS
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", default="dummy:llama-2-7b", help="a model folder or dummy:<preset> (random weights)")
+    ap.add_argument("--layers", type=int, default=None, help="dummy models: build this many layers")
+    ap.add_argument("--dtype", default=None, help="bfloat16 (default on a GPU), float16 or float32 (default on a CPU)")
+    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--popularity", default="distinct", help=f"comma-separated, of {', '.join(POPULARITIES)}")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
+    ap.add_argument("--max-batch", default="32", help="comma-separated sizes; 'unlimited' (loraplex only): as "
+                                                      "many sequences as the KV memory holds")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--lengths", default="punica", choices=LENGTHS)
+    ap.add_argument("--max-len", type=int, default=2048, help="punica lengths: longest prompt + output")
+    ap.add_argument("--prompt-len", type=int, default=128, help="fixed lengths: prompt tokens")
+    ap.add_argument("--output-len", type=int, default=128, help="fixed lengths: output tokens")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--baseline-requests", type=int, default=None,
+                    help="run the hf-* systems on only the first N requests (they are slow), and loraplex on "
+                         "those too, for a ratio on the same requests")
+    ap.add_argument("--out-dir", type=Path, default=None, help="write NAME.json, NAME.md and NAME_<popularity>.png")
+    ap.add_argument("--name", default="textgen")
+    ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _parse(args) -> tuple[list[str], list[str], list[int | None]]:
+    pops = [p.strip() for p in args.popularity.split(",") if p.strip()]
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    for p in pops:
+        if p not in POPULARITIES:
+            raise SystemExit(f"error: --popularity {p}: must be one of {', '.join(POPULARITIES)}")
+    for s in systems:
+        if s not in SYSTEMS:
+            raise SystemExit(f"error: --systems {s}: must be one of {', '.join(SYSTEMS)}")
+    sizes: list[int | None] = []
+    for b in args.max_batch.split(","):
+        if b.strip() == "unlimited":
+            sizes.append(None)
+        elif b.strip().isdigit() and int(b) > 0:
+            sizes.append(int(b))
+        else:
+            raise SystemExit(f"error: --max-batch {b}: must be a positive integer or 'unlimited'")
+    if args.requests < 1:
+        raise SystemExit(f"error: --requests must be at least 1, got {args.requests}")
+    if args.baseline_requests is not None and not 1 <= args.baseline_requests <= args.requests:
+        raise SystemExit(f"error: --baseline-requests must be in [1, --requests], got {args.baseline_requests}")
+    return pops, systems, sizes
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def cpu_copy_bandwidth_gbs(size: int = 1 << 26, reps: int = 5) -> float:
+    a = torch.empty(size, dtype=torch.uint8).random_()
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        b.copy_(a)
+        times.append(time.perf_counter() - t)
+    return 2 * size / sorted(times)[reps // 2] / 1e9
+
+
+def run(args: argparse.Namespace) -> int:
+    pops, systems, sizes = _parse(args)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
+    progress = not args.quiet
+    workloads = {p: make_workload(args.requests, p, lengths=args.lengths, max_len=args.max_len, seed=args.seed,
+                                  prompt_len=args.prompt_len, output_len=args.output_len) for p in pops}
+    n_base = args.baseline_requests or args.requests
+    bandwidth = copy_bandwidth_gbs(device) if device == "cuda" else cpu_copy_bandwidth_gbs()
+    rows, notes = [], []
+
+    def add(result, workload, kv_tokens, step_bytes, backbone: bool, max_batch):
+        row = result.summary()
+        row["max_batch"] = max_batch if max_batch is not None else "unlimited"
+        row.update(simulate_ceiling(workload, step_bytes, bandwidth, max_batch=result.max_batch,
+                                    kv_tokens=kv_tokens, with_adapters=not backbone))
+        rows.append(row)
+        print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+        if args.out_dir is not None:   # what is done survives a run cut short
+            args.out_dir.mkdir(parents=True, exist_ok=True)
+            (args.out_dir / f"{args.name}.partial.json").write_text(json.dumps(rows, indent=1))
+
+    if any(s.startswith("loraplex") for s in systems):
+        for max_batch in sizes:
+            config = engine_config(args.model, max_batch=max_batch, rank=args.rank,
+                                   max_len=max(w.max_len for w in workloads.values()), device=device, dtype=dtype,
+                                   layers=args.layers)
+            system = LoraplexSystem(config, max(w.num_adapters for w in workloads.values()))
+            step_bytes = StepBytes.of(system.engine.model_config, args.rank, torch.finfo(
+                getattr(torch, dtype)).bits // 8)
+            first = next(iter(workloads.values()))
+            prompts = first.prompt_ids(system.vocab_size)
+            warm = first.head(min(len(first.requests), 2 * config.max_num_seqs))
+            system.run(warm, prompts, backbone=False, name="warm-up", progress=False, cap_output=16)
+            heads = sorted({args.requests, n_base})
+            for pop in pops:
+                for n in heads:
+                    w = workloads[pop].head(n)
+                    if "loraplex" in systems:
+                        add(system.run(w, prompts, backbone=False, name="loraplex", progress=progress), w,
+                            system.kv_tokens, step_bytes, False, max_batch)
+                    if "loraplex-backbone" in systems and pop == pops[0]:
+                        add(system.run(w, prompts, backbone=True, name="loraplex-backbone", progress=progress),
+                            w, system.kv_tokens, step_bytes, True, max_batch)
+            system.close()
+            del system
+            _free()
+
+    hf_systems = [s for s in systems if s in HF_SYSTEMS]
+    hf_sizes = [b for b in sizes if b is not None]
+    if hf_systems and not hf_sizes:
+        notes.append("hf-* systems need a numeric --max-batch; none was given, so they did not run")
+    if hf_systems and hf_sizes:
+        if n_base < args.requests:
+            notes.append(f"hf-* systems ran the first {n_base} of the {args.requests} requests (too slow for all); "
+                         f"loraplex also ran those {n_base}, and each ratio compares the same requests")
+        hf = load_hf_model(args.model, layers=args.layers, dtype=getattr(torch, dtype), device=device)
+        step_bytes = StepBytes.of(_model_config(args.model, args.layers), args.rank,
+                                  torch.finfo(getattr(torch, dtype)).bits // 8)
+        vocab = hf.config.vocab_size
+        heads = {p: workloads[p].head(n_base) for p in pops}
+        kv_tokens = 1 << 40    # HF's cache grows as needed: the ceiling is not KV-limited
+        for max_batch in hf_sizes:
+            if "hf-backbone" in hf_systems:
+                w = heads[pops[0]]
+                add(run_hf(hf, "hf-backbone", w, w.prompt_ids(vocab), max_batch=max_batch, progress=progress), w,
+                    kv_tokens, step_bytes, True, max_batch)
+        peft_systems = [s for s in hf_systems if s != "hf-backbone"]
+        if peft_systems:
+            model = add_adapters(hf, max(w.num_adapters for w in heads.values()), args.rank)
+            for max_batch in hf_sizes:
+                for pop in pops:
+                    w = heads[pop]
+                    for s in peft_systems:
+                        add(run_hf(model, s, w, w.prompt_ids(vocab), max_batch=max_batch, progress=progress), w,
+                            kv_tokens, step_bytes, False, max_batch)
+            del model
+        del hf
+        _free()
+
+    result = dict(gpu=torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                  date=datetime.date.today().isoformat(), torch=torch.__version__, model=args.model,
+                  layers=args.layers, dtype=dtype, rank=args.rank, bandwidth_gbs=bandwidth,
+                  workload=dict(requests=args.requests, lengths=args.lengths, max_len=args.max_len, seed=args.seed,
+                                popularity=pops, baseline_requests=n_base),
+                  rows=rows, ratios=ratios(rows), notes=notes)
+    table = markdown(result)
+    print(table)
+    if args.out_dir is not None:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        (args.out_dir / f"{args.name}.json").write_text(json.dumps(result, indent=1))
+        (args.out_dir / f"{args.name}.md").write_text(table)
+        (args.out_dir / f"{args.name}.partial.json").unlink(missing_ok=True)
+        if not args.no_plots:
+            plot(result, args.out_dir, args.name)
+    return 0
+
+
+def _model_config(model: str, layers: int | None):
+    from ..models.config import ModelConfig
+    from ..models.presets import preset_config
+    if model.startswith("dummy:"):
+        return preset_config(model.removeprefix("dummy:"), layers)
+    return ModelConfig.from_pretrained(model)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
