@@ -81,7 +81,8 @@ def _with_demo(engine_settings: dict, adapters: dict[str, Path]) -> tuple[dict, 
         raise CommandError(f"no --model given, and {e}") from e
     print(f"no --model given: the demo model ({model}) with adapters {', '.join(shipped)}", file=sys.stderr)
     engine_settings = dict(engine_settings, model=str(model))
-    if "dtype" not in engine_settings and (engine_settings.get("device") or "cpu") == "cpu":
+    from loraplex.config import _default_device
+    if "dtype" not in engine_settings and (engine_settings.get("device") or _default_device()) == "cpu":
         engine_settings["dtype"] = "float32"
     return engine_settings, {**shipped, **adapters}
 

@@ -73,6 +73,8 @@ class LoraplexSystem:
                 outs = engine.step()
                 now = time.perf_counter() - start
                 info = engine.last_step
+                if info is None and not outs:
+                    time.sleep(0.0005)   # nothing could run (adapter loads): leave the GIL to the loaders
                 if info is not None:
                     steps += 1
                     decode_steps += info.decode
