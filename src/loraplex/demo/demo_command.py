@@ -77,18 +77,12 @@ def _panes(args: argparse.Namespace, adapters: dict[str, Path], prompts: dict[st
 
 def demo_cmd(args: argparse.Namespace) -> int:
     """Load the model and adapters into one engine, run the UI until q, then stop the engine."""
-    from loraplex.cli import CommandError, refused
+    from loraplex.cli import CommandError, _adapters, refused
     from loraplex.sampling import SamplingParams
 
     with refused():
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
-    loras: dict[str, Path] = {}
-    for name, folder in args.lora or []:
-        if name in loras:
-            raise CommandError(f"--lora {name}: the name is given twice")
-        if not Path(folder).is_dir():
-            raise CommandError(f"--lora {name}={folder}: {folder} is not a folder")
-        loras[name] = Path(folder)
+    loras = _adapters(args)   # the --lora NAME=DIR pairs, checked as serve and generate check them
     if args.model is None:
         model, adapters, prompts = _builtin_model()
         adapters = {**adapters, **loras}
