@@ -309,3 +309,91 @@ def test_unregister_during_a_load_then_reuse_the_name(folders):
         cache.register("a0", folders["a0"])
     cache.close()
     assert all(cache.slot_owner(s) in (None, "a0") for s in range(2))
+
+
+# ---- the scheduler's wishes: want / acquire_if_resident -----------------------------------------------------
+def until(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.002)
+
+
+def test_acquire_if_resident_starts_no_load(folders):
+    cache = make_cache(folders, ["a0"])
+    assert cache.acquire_if_resident("a0") is None
+    time.sleep(0.1)
+    assert cache.state("a0") == AdapterState.DISK and cache.counters["disk_reads"] == 0
+    cache.close()
+
+
+def test_wanted_adapters_load_and_are_never_evicted_for_another_load(folders):
+    cache = make_cache(folders, ["a0", "a1", "a2"], slots=2)
+    cache.want(["a0", "a1", "a2"], 2)     # a2 beyond the slots: no CPU tier, so nothing for it
+    until(lambda: cache.is_resident("a0") and cache.is_resident("a1"))
+    cache.prefetch("a2")                   # a load from elsewhere finds only wanted adapters: it waits
+    time.sleep(0.2)
+    assert cache.is_resident("a0") and cache.is_resident("a1") and not cache.is_resident("a2")
+    assert cache.counters["gpu_evictions"] == 0
+    cache.want(["a2", "a0"], 2)            # a1 no longer wanted: the waiting a2 may take its slot
+    until(lambda: cache.is_resident("a2"))
+    assert cache.is_resident("a0") and not cache.is_resident("a1")
+    for name in ("a0", "a2"):
+        slot = cache.acquire_if_resident(name)
+        assert_slot_holds(cache, slot, folders[name], name)
+        cache.release(name)
+    cache.close()
+
+
+def test_a_withdrawn_wish_gives_up_its_slot_request_and_host_copy(folders):
+    cache = make_cache(folders, ["a0", "a1"], slots=1)
+    load(cache, "a0")                      # pinned: a1 can only wait for the slot
+    cache.want(["a1"], 1)
+    until(lambda: cache.state("a1") == AdapterState.CPU)
+    cache.want([], 0)                      # its request went
+    assert cache.state("a1") == AdapterState.DISK
+    loads = cache.counters["gpu_loads"]
+    cache.release("a0")
+    time.sleep(0.2)
+    assert cache.is_resident("a0") and cache.counters["gpu_loads"] == loads, "a withdrawn wish was loaded"
+    cache.close()
+
+
+def test_names_past_the_slots_are_read_ahead_into_the_cpu_tier_only(folders):
+    cache = make_cache(folders, ["a0", "a1", "a2", "a3", "a4"], slots=1, cpu=3)
+    cache.want(["a0", "a1", "a2", "a3", "a4"], 1)   # tier of 3: a0 (wanted) + a1, a2 read ahead
+    until(lambda: cache.is_resident("a0") and cache.state("a1") == cache.state("a2") == AdapterState.CPU)
+    time.sleep(0.1)
+    assert cache.state("a3") == cache.state("a4") == AdapterState.DISK
+    assert cache.counters["gpu_loads"] == 1 and cache.counters["disk_reads"] == 3
+    cache.want(["a1"], 1)                  # now wanted: from host memory, no disk read
+    until(lambda: cache.is_resident("a1"))
+    assert cache.counters["disk_reads"] == 3
+    cache.close()
+
+
+def test_a_prefetch_past_the_host_memory_limit_starts_when_room_frees(folders):
+    # one slot, one loader thread: at most one host copy held for the GPU outside the CPU tier
+    cache = make_cache(folders, ["a0", "a1", "a2"], slots=1, loader_threads=1)
+    load(cache, "a0")
+    cache.prefetch("a1")
+    until(lambda: cache.state("a1") == AdapterState.CPU)
+    cache.prefetch("a2")                   # over the limit: deferred, and nobody asks again
+    time.sleep(0.1)
+    assert cache.state("a2") == AdapterState.DISK
+    cache.release("a0")
+    until(lambda: cache.is_resident("a2"))  # a1's copy landed, then a2 was read and took the slot
+    cache.close()
+
+
+def test_failed_names_are_skipped_by_want(folders, tmp_path):
+    import shutil
+    broken = shutil.copytree(folders["a0"], tmp_path / "broken")
+    cache = make_cache(folders, ["a1"], slots=1)
+    cache.register("broken", broken)
+    (broken / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(AdapterError):
+        cache.wait_resident("broken", timeout=10)
+    cache.want(["broken", "nope", "a1"], 1)   # the one slot goes to the first usable name
+    until(lambda: cache.is_resident("a1"))
+    cache.close()

@@ -99,3 +99,62 @@ def test_bench_command_refuses_bad_settings(tmp_path, capsys):
         main(["bench", "--max-batch", "0", "--device", "cpu"])
     with pytest.raises(SystemExit, match="--baseline-requests"):
         main(["bench", "--requests", "5", "--baseline-requests", "9", "--device", "cpu"])
+
+
+def test_distinct_adapters_are_each_loaded_once_by_the_real_cache(tmp_path):
+    """One adapter per request, more requests than GPU slots, through the real engine and adapter cache:
+    every adapter is read and copied into a slot exactly once (no load is evicted before its request
+    runs), and the warm-up's adapters are its own."""
+    from loraplex.bench.run_loraplex import LoraplexSystem, engine_config
+    base, _ = make_text_model(tmp_path / "m")
+    config = engine_config(str(base), max_batch=2, rank=4, max_len=16, device="cpu", dtype="float32",
+                           max_gpu_adapters=4, max_cpu_adapters=3, enforce_eager=True)
+    system = LoraplexSystem(config, num_adapters=12)
+    try:
+        w = make_workload(12, "distinct", lengths="fixed", prompt_len=3, output_len=3, max_len=16, seed=1)
+        prompts = w.prompt_ids(system.vocab_size)
+        system.warm_up(w, prompts)
+        cache = system.engine.adapters
+        assert not any(name in cache.resident() for name in (f"a{i}" for i in range(12)))
+        before = dict(cache.counters)
+        result = system.run(w, prompts, backbone=False, name="loraplex", progress=False)
+        assert result.output_tokens == 12 * 3
+        loads = {k: cache.counters[k] - before[k] for k in before}
+        assert loads["gpu_loads"] == 12 and loads["disk_reads"] == 12, loads
+        # preloading puts the first adapters (as many as the slots) on the GPU before the clock starts
+        again = system.run(w.head(6), prompts, backbone=False, name="pre", progress=False, preload=True)
+        assert again.extra["preloaded"] == 4 and again.output_tokens == 6 * 3
+    finally:
+        system.close()
+
+
+def test_report_merges_runs_and_compares_only_rows_of_the_same_workload(tmp_path):
+    from loraplex.bench.report import main as report_main
+
+    def run(lengths, rows, **workload):
+        return dict(gpu="G", date="2026-11-30", torch="t", model="dummy:m", layers=None, dtype="bfloat16", rank=16,
+                    bandwidth_gbs=1000.0, rows=rows, ratios=[], notes=[f"note {lengths}"],
+                    workload=dict(requests=rows[0]["requests"], lengths=lengths, max_len=64, seed=0, **workload))
+
+    def row(system, tps, requests):
+        return dict(system=system, popularity="distinct", max_batch=2, requests=requests, tokens_per_s=tps,
+                    requests_per_s=1.0, ttft_ms_p50=1.0, ttft_ms_p99=2.0, tpot_ms_p50=1.0, tpot_ms_p99=2.0,
+                    ceiling_tokens_per_s=400.0)
+    a = run("punica", [row("loraplex", 300.0, 4), row("loraplex-backbone", 400.0, 4)])
+    b = run("fixed", [row("loraplex", 200.0, 4), row("hf-peft", 2.0, 4)], prompt_len=8, output_len=4)
+    paths = []
+    for i, r in enumerate((a, b)):
+        paths.append(tmp_path / f"r{i}.json")
+        paths[-1].write_text(json.dumps(r))
+    assert report_main([str(p) for p in paths] + ["--out-dir", str(tmp_path), "--name", "all"]) == 0
+    merged = json.loads((tmp_path / "all.json").read_text())
+    got = {(q["lengths"], q["versus"]): round(q["ratio"], 3) for q in merged["ratios"]}
+    # punica's loraplex is compared with punica's backbone only, fixed's with fixed's hf-peft only
+    assert got == {("punica ≤64", "loraplex-backbone"): 0.75, ("punica ≤64", "ceiling"): 0.75,
+                   ("fixed 8+4", "hf-peft"): 100.0, ("fixed 8+4", "ceiling"): 0.5}
+    table = (tmp_path / "all.md").read_text()
+    assert "| fixed 8+4 | distinct | 2 | hf-peft | 4 |" in table and "fixed 8+4: note fixed" in table
+    assert (tmp_path / "all_distinct.png").stat().st_size > 0
+    paths[1].write_text(json.dumps(dict(b, model="dummy:other")))
+    with pytest.raises(SystemExit, match="different model"):
+        report_main([str(p) for p in paths] + ["--out-dir", str(tmp_path), "--name", "bad"])

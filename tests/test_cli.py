@@ -39,8 +39,15 @@ def test_top_level_help_lists_the_commands(capsys):
         main(["--help"])
     assert exit_.value.code == 0
     out = capsys.readouterr().out
-    for command in ("serve", "generate", "convert", "op-demo"):
+    for command in ("serve", "generate", "convert", "op-demo", "bench", "demo"):
         assert f"    {command} " in out
+
+
+def test_top_level_help_imports_neither_torch_nor_numpy():
+    code = ("import sys\nfrom loraplex.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "heavy = [m for m in ('torch', 'numpy', 'transformers') if m in sys.modules]\n"
+            "assert not heavy, heavy\n")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
 
 
 @pytest.mark.parametrize("cls", SETTINGS)

@@ -25,11 +25,11 @@ WAITING, RUNNING, FINISHED = SequenceStatus.WAITING, SequenceStatus.RUNNING, Seq
 
 # ---- helpers ---------------------------------------------------------------------------------------
 class FakeAdapters:
-    """The scheduler's view of the adapter cache: try_acquire / release / prefetch.
+    """The scheduler's view of the adapter cache: acquire_if_resident / release / want.
 
     Residency is set by the test (`make_resident`, `evict`), or, with `load_steps`, an adapter
-    asked for becomes resident that many `tick()`s later once a slot is free or held by an
-    unpinned adapter. A pinned adapter is never evicted; `release` without a pin fails the test.
+    wanted becomes resident that many `tick()`s later once a slot is free or held by an adapter
+    neither pinned nor wanted. A pinned adapter is never evicted; `release` without a pin fails the test.
     """
 
     def __init__(self, resident=(), failed=(), *, num_slots: int | None = None, load_steps: int | None = None):
@@ -41,13 +41,16 @@ class FakeAdapters:
         self.pins: Counter = Counter()
         self.acquired: Counter = Counter()
         self.released: Counter = Counter()
-        self.prefetched: list[str] = []
+        self.prefetched: list[str] = []     # every name ever wanted on the GPU, in order
+        self.wanted: list[str] = []         # the latest wishes
+        self.read_ahead: list[str] = []
+        self.loads: Counter = Counter()     # times each adapter was put in a slot
         self.tried: list[str] = []
         for name in resident:
             assert self.make_resident(name)
 
     # what the scheduler calls
-    def try_acquire(self, name: str) -> int | None:
+    def acquire_if_resident(self, name: str) -> int | None:
         self.tried.append(name)
         if name in self.failed:
             raise AdapterError(f"adapter {name!r} failed to load: corrupt")
@@ -55,7 +58,6 @@ class FakeAdapters:
             self.pins[name] += 1
             self.acquired[name] += 1
             return self.slot_of[name]
-        self._start_load(name)
         return None
 
     def release(self, name: str) -> None:
@@ -63,11 +65,14 @@ class FakeAdapters:
         self.pins[name] -= 1
         self.released[name] += 1
 
-    def prefetch(self, name: str) -> None:
-        self.prefetched.append(name)
-        if name in self.failed:
-            raise AdapterError(f"adapter {name!r} failed to load: corrupt")
-        self._start_load(name)
+    def want(self, names: list[str], num_gpu: int) -> None:
+        assert len(set(names)) == len(names), f"duplicate wishes {names}"
+        usable = [n for n in names if n not in self.failed]
+        self.wanted, self.read_ahead = usable[:num_gpu], usable[num_gpu:]
+        self.loading = {n: left for n, left in self.loading.items() if n in self.wanted}   # withdrawn wishes
+        for name in self.wanted:
+            self.prefetched.append(name)
+            self._start_load(name)
 
     # what tests call
     def make_resident(self, name: str) -> bool:
@@ -79,11 +84,12 @@ class FakeAdapters:
         elif len(used) < self.num_slots:
             slot = min(set(range(self.num_slots)) - used)
         else:
-            victims = [n for n in self.slot_of if self.pins[n] == 0]
+            victims = [n for n in self.slot_of if self.pins[n] == 0 and n not in self.wanted]
             if not victims:
                 return False
             slot = self.slot_of.pop(victims[0])
         self.slot_of[name] = slot
+        self.loads[name] += 1
         self.loading.pop(name, None)
         return True
 
@@ -98,6 +104,8 @@ class FakeAdapters:
                 self.make_resident(name)   # stays loading if every slot is pinned
 
     def _start_load(self, name: str) -> None:
+        if name in self.failed:
+            return
         if self.load_steps is not None and name not in self.slot_of and name not in self.loading:
             self.loading[name] = self.load_steps
 
@@ -724,33 +732,50 @@ def test_random_workloads_keep_every_invariant(group):
 
 
 class LruAdapters(FakeAdapters):
-    """FakeAdapters whose eviction takes the least recently used adapter, a prefetch of a resident one
+    """FakeAdapters whose eviction takes the least recently used adapter, a wish for a resident one
     counting as a use (as the real cache's LRU does)."""
 
-    def prefetch(self, name: str) -> None:
-        if name in self.slot_of:
-            self.slot_of[name] = self.slot_of.pop(name)   # most recently used
-        super().prefetch(name)
+    def want(self, names: list[str], num_gpu: int) -> None:
+        for name in names[:num_gpu]:
+            if name in self.slot_of:
+                self.slot_of[name] = self.slot_of.pop(name)   # most recently used
+        super().want(names, num_gpu)
 
 
-def test_many_distinct_adapters_do_not_thrash_the_gpu_slots():
-    # every request its own adapter, more requests than slots: the prefetches of later requests must not
+def test_many_distinct_adapters_load_each_adapter_once():
+    # every request its own adapter, more requests than slots: the loads for later requests must not
     # evict the adapters of earlier ones before those are admitted (they would, in turn, forever)
     ad = LruAdapters(num_slots=4, load_steps=1)
     sched = make_scheduler(adapters=ad, max_num_seqs=2, max_num_batched_tokens=64, max_gpu_adapters=4,
-                           max_queue_skip_ms=1e9)
+                           max_cpu_adapters=3, max_queue_skip_ms=1e9)
     seqs = [make_seq(f"r{i}", 3, arrival=i * 1e-3, adapter=f"a{i}", max_tokens=3) for i in range(12)]
     for s in seqs:
         sched.add(s)
 
     def on_step(out) -> None:
         pinned = {s.adapter for s in sched.running}
-        new = ad.prefetched[on_step.seen:]
-        on_step.seen = len(ad.prefetched)
-        assert len(set(new)) <= 4 - len(pinned), "prefetched more adapters than the free slots"
+        assert len(ad.wanted) <= 4 - len(pinned), "wanted more adapters than the free slots"
+        waiting = list(dict.fromkeys(s.adapter for s in sched.waiting if s.adapter not in pinned))
+        assert ad.wanted + ad.read_ahead == waiting[:len(ad.wanted) + len(ad.read_ahead)], "not in queue order"
+        assert len(ad.read_ahead) <= 3
         ad.tick()
-    on_step.seen = 0
     outs = run_to_completion(sched, seqs, max_steps=200, on_step=on_step)
     assert all(s.status is FINISHED for s in seqs)
+    assert ad.loads == Counter({f"a{i}": 1 for i in range(12)}), f"adapters loaded more than once: {ad.loads}"
     assert len(outs) < 60, f"{len(outs)} steps for 12 requests of 3 tokens, 2 at a time"
     ad.assert_balanced()
+
+
+def test_a_wish_withdrawn_stops_its_load():
+    # the queue's head goes (aborted) before its adapter lands: its load stops, the next request's starts
+    ad = FakeAdapters(num_slots=1, load_steps=3)
+    sched = make_scheduler(adapters=ad, max_num_seqs=1, max_num_batched_tokens=64, max_gpu_adapters=1,
+                           max_queue_skip_ms=1e9)
+    first, second = (make_seq(f"r{i}", 3, arrival=i * 1e-3, adapter=f"a{i}") for i in range(2))
+    sched.add(first)
+    sched.add(second)
+    step(sched, now=1.0)
+    assert ad.wanted == ["a0"] and set(ad.loading) == {"a0"}
+    sched.finish(first)
+    step(sched, now=1.1)
+    assert ad.wanted == ["a1"] and set(ad.loading) == {"a1"}

@@ -28,6 +28,8 @@ def test_models_lists_base_and_adapters(client, server):
     listed = {m.id: m for m in client.models.list().data}
     assert set(listed) >= {"base", "poet", "coder", "quotes"}
     assert listed["poet"].model_extra["parent"] == "base" and listed["base"].model_extra["parent"] is None
+    from server_fixtures import SERVER_ENGINE
+    assert {m.model_extra["max_model_len"] for m in listed.values()} == {SERVER_ENGINE["max_model_len"]}
 
 
 def test_completions_match_the_offline_engine_for_base_and_each_adapter(client, server, model):

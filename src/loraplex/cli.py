@@ -332,7 +332,7 @@ def _generate_parser(sub) -> None:
 
 
 def _bench_parser(sub) -> None:
-    from loraplex.bench.textgen import add_arguments
+    from loraplex.bench.flags import add_arguments
 
     bench = sub.add_parser("bench", help="offline text-generation benchmark: loraplex against transformers + PEFT",
                            description="Run the same requests through loraplex, its backbone and transformers "

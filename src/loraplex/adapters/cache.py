@@ -2,15 +2,19 @@
 
 What the scheduler uses, from any thread:
 
-    cache.try_acquire(name)  # the slot, pinned, if the adapter is on the GPU; else start moving it up, None
-    cache.release(name)      # a request using it finished (each acquire needs one release)
-    cache.prefetch(name)     # start moving it up, without waiting
-    cache.is_resident(name)  # on the GPU and its copy finished
+    cache.acquire_if_resident(name)  # the slot, pinned, if the adapter is on the GPU; else None
+    cache.release(name)              # a request using it finished (each acquire needs one release)
+    cache.want(names, num_gpu)       # its wishes: the first num_gpu on the GPU next, the rest on the host
+    cache.is_resident(name)          # on the GPU and its copy finished
+
+and, for tools and the server: `prefetch(name)` (start moving it up, without waiting) and
+`try_acquire(name)` (acquire, or else prefetch and return None).
 
 Reads from disk run on a small thread pool; host→device copies run on a side stream, and a slot
 counts as resident only once its copy has finished, so a load never stalls the running batch.
 GPU slots and CPU copies are each evicted least-recently-used first; a slot pinned by a running
-request is never evicted or overwritten. An adapter whose read fails is marked failed, and
+request is never evicted or overwritten, and one the scheduler wants next is not evicted either
+(its request is about to be admitted). An adapter whose read fails is marked failed, and
 acquiring it raises its error, until it is registered again.
 """
 from __future__ import annotations
@@ -60,7 +64,8 @@ class _Entry:
     gpu_ready: bool = False
     staged: LoraAdapter | None = None     # host copy kept for a GPU load (CPU tier or waiting for a slot)
     reading: Future | None = None
-    want_gpu: bool = False
+    requested: bool = False               # prefetch() asked for it on the GPU (until it gets a slot)
+    read_ahead: bool = False              # its read in flight is a read-ahead (on the read-ahead thread)
     error: str | None = None
     removed: bool = False                 # unregistered while pinned: goes when the last pin does
     gpu_load_start: float = 0.0           # time.monotonic() when its slot was assigned
@@ -91,8 +96,14 @@ class AdapterCache:
         self._cpu_lru: OrderedDict[str, LoraAdapter] = OrderedDict()
         # host copies ready for the GPU but without a slot, oldest wish first: served whenever a slot frees
         self._waiting: OrderedDict[str, _Entry] = OrderedDict()
+        # the scheduler's latest wishes (want): adapters of the next requests to admit, first first
+        self._wanted: dict[str, None] = {}
         self._executor = ThreadPoolExecutor(loader_threads, thread_name_prefix="loraplex-adapter-read")
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="loraplex-adapter-copy")
+        # read-ahead on its own thread, so reads for the GPU never queue behind it
+        self._ahead_executor = ThreadPoolExecutor(1, thread_name_prefix="loraplex-adapter-read-ahead")
+        self._reading: dict[str, _Entry] = {}                 # reads in flight
+        self._deferred: OrderedDict[str, _Entry] = OrderedDict()  # prefetch()ed, read not yet started
         # Reads started for loads still waiting on a GPU slot hold host memory outside the CPU tier;
         # at most this many at once, so prefetching a long queue cannot exhaust host memory.
         self._max_staged = max(max_gpu_adapters, loader_threads)
@@ -201,6 +212,14 @@ class AdapterCache:
             self._gpu_lru.pop(name, None)
             return entry.slot
 
+    def acquire_if_resident(self, name: str) -> int | None:
+        """`acquire` if resident, else None (starting nothing: loads are for `want` to order)."""
+        with self._lock:
+            entry = self._get(name)
+            if entry.error is not None:
+                raise AdapterError(f"adapter {name!r} failed to load: {entry.error}")
+            return self.acquire(name) if self._poll(entry) else None
+
     def try_acquire(self, name: str) -> int | None:
         """`acquire` if resident; otherwise start moving it up (as `prefetch`) and return None."""
         with self._lock:
@@ -229,6 +248,7 @@ class AdapterCache:
             else:
                 self._gpu_lru[name] = None
                 self._serve_waiting()
+            self._start_deferred()
             self._changed.notify_all()
 
     def prefetch(self, name: str) -> None:
@@ -237,20 +257,53 @@ class AdapterCache:
             entry = self._get(name)
             if entry.error is not None:
                 raise AdapterError(f"adapter {name!r} failed to load: {entry.error}")
-            if entry.slot is not None:
-                if name in self._gpu_lru:
-                    self._gpu_lru.move_to_end(name)
-                return
-            entry.want_gpu = True
-            host = entry.staged
-            if host is None:
-                if entry.reading is None and self._staged_outside_cpu_tier() < self._max_staged:
-                    entry.reading = self._executor.submit(self._read, entry)
-                return
-            if name in self._cpu_lru:
-                self._cpu_lru.move_to_end(name)
-            self._waiting.setdefault(name, entry)
+            if entry.slot is None:
+                entry.requested = True
+            self._move_up(entry)
+
+    def want(self, names: list[str], num_gpu: int) -> None:
+        """The scheduler's wishes, replacing its last ones; returns at once.
+
+        `names`: the adapters of the waiting requests in queue order. The first `num_gpu` usable ones
+        (the slots that running requests leave free) move towards a GPU slot, ahead of any other
+        load, and one already there is not evicted while wanted. An adapter wanted before and not
+        now stops waiting for a slot (its request went, or others come first now): loads are never
+        made for requests that will not run soon, so the adapters of the queue's head are not
+        evicted by those of requests behind it. The names after those are read ahead from disk into
+        the CPU tier (as many as it holds beside the wanted ones), so that their GPU loads start
+        from host memory. Unknown and failed names are skipped (the scheduler fails their requests).
+        """
+        with self._lock:
+            usable = [n for n in dict.fromkeys(names) if self._usable(n)]
+            wanted = dict.fromkeys(usable[:max(num_gpu, 0)])
+            for name in self._wanted.keys() - wanted.keys():
+                entry = self._entries.get(name)
+                if entry is None or entry.requested or entry.slot is not None:
+                    continue
+                self._waiting.pop(name, None)
+                if name not in self._cpu_lru:
+                    entry.staged = None   # only kept for that load
+            self._wanted = wanted
+            for name in wanted:
+                entry = self._entries[name]
+                if entry.read_ahead and entry.reading is not None and entry.reading.cancel():
+                    self._forget_read(entry)   # still queued behind read-ahead: read it for the GPU now
+                self._move_up(entry, serve=False)
+            for name in reversed(wanted):   # slots go to waiting copies in wish order, before prefetches
+                if name in self._waiting:
+                    self._waiting.move_to_end(name, last=False)
+            room = max(self.max_cpu_adapters - len(wanted), 0)   # wanted copies land in the tier too
+            for name in reversed(usable[len(wanted):len(wanted) + room]):  # the first ones most recent
+                entry = self._entries[name]
+                if entry.slot is not None:
+                    continue
+                if name in self._cpu_lru:
+                    self._cpu_lru.move_to_end(name)
+                elif entry.reading is None and entry.staged is None:
+                    self._start_read(entry, ahead=True)
             self._serve_waiting()
+            if self._deferred:
+                self._start_deferred()
 
     def wait_resident(self, name: str, timeout: float | None = None) -> bool:
         """Prefetch and block until resident (for tools and tests; the engine never waits)."""
@@ -296,6 +349,7 @@ class AdapterCache:
             return self._get(name).pins
 
     def close(self) -> None:
+        self._ahead_executor.shutdown(wait=True, cancel_futures=True)
         self._executor.shutdown(wait=True, cancel_futures=True)
         self._copier.shutdown(wait=True)
 
@@ -305,6 +359,33 @@ class AdapterCache:
         if entry is None or entry.removed:
             raise AdapterError(f"unknown adapter {name!r}")
         return entry
+
+    def _usable(self, name: str) -> bool:
+        entry = self._entries.get(name)
+        return entry is not None and not entry.removed and entry.error is None
+
+    def _wants_gpu(self, entry: _Entry) -> bool:
+        return entry.requested or entry.name in self._wanted
+
+    def _move_up(self, entry: _Entry, serve: bool = True) -> None:
+        """One step towards a GPU slot: touch it if it has one, else read it or queue its host copy."""
+        if entry.slot is not None:
+            if entry.name in self._gpu_lru:
+                self._gpu_lru.move_to_end(entry.name)
+            return
+        if entry.staged is None:
+            if entry.reading is None:
+                if self._staged_outside_cpu_tier() < self._max_staged:
+                    self._deferred.pop(entry.name, None)
+                    self._start_read(entry)
+                elif entry.requested:
+                    self._deferred[entry.name] = entry   # started when a read finishes
+            return
+        if entry.name in self._cpu_lru:
+            self._cpu_lru.move_to_end(entry.name)
+        self._waiting.setdefault(entry.name, entry)
+        if serve:
+            self._serve_waiting()
 
     def _poll(self, entry: _Entry) -> bool:
         if entry.slot is None or entry.ready_event is None:
@@ -324,19 +405,40 @@ class AdapterCache:
             if owner is not None:
                 self._poll(owner)
 
+    def _start_read(self, entry: _Entry, ahead: bool = False) -> None:
+        entry.read_ahead = ahead
+        entry.reading = (self._ahead_executor if ahead else self._executor).submit(self._read, entry)
+        self._reading[entry.name] = entry
+
+    def _forget_read(self, entry: _Entry) -> None:
+        entry.reading, entry.read_ahead = None, False
+        if self._reading.get(entry.name) is entry:
+            del self._reading[entry.name]
+
+    def _start_deferred(self) -> None:
+        """Start the reads that prefetch() could not start for the host-memory limit, oldest first."""
+        while self._deferred and self._staged_outside_cpu_tier() < self._max_staged:
+            _, entry = self._deferred.popitem(last=False)
+            if self._entries.get(entry.name) is entry and entry.requested and entry.error is None:
+                self._move_up(entry)
+
     def _staged_outside_cpu_tier(self) -> int:
+        """Host copies held for the GPU outside the CPU tier, reads for the GPU included: those in
+        flight, those waiting for a slot, and those whose copy into a slot has not finished."""
         self._poll_slots()
-        return sum(1 for e in self._entries.values()
-                   if e.reading is not None or (e.staged is not None and e.name not in self._cpu_lru))
+        outside = lambda e: e.staged is not None and e.name not in self._cpu_lru  # noqa: E731
+        return (sum(1 for e in self._reading.values() if self._wants_gpu(e))
+                + sum(1 for e in self._waiting.values() if outside(e))
+                + sum(1 for e in self._slot_owner if e is not None and outside(e) and e.name not in self._waiting))
 
     def _take_slot(self) -> int | None:
         for slot, owner in enumerate(self._slot_owner):
             if owner is None:
                 return slot
         self._poll_slots()
-        if not self._gpu_lru:
-            return None  # every slot is pinned or still loading
-        victim = self._entries[next(iter(self._gpu_lru))]
+        victim = next((self._entries[n] for n in self._gpu_lru if n not in self._wanted), None)
+        if victim is None:
+            return None  # every slot is pinned, still loading or wanted next
         self._gpu_lru.pop(victim.name)
         slot = victim.slot
         victim.slot, victim.gpu_ready, victim.ready_event = None, False, None
@@ -363,7 +465,7 @@ class AdapterCache:
         entry.slot, entry.gpu_ready, entry.ready_event = slot, False, None
         entry.gpu_load_start = time.monotonic()
         self._slot_owner[slot] = entry
-        entry.want_gpu = False
+        entry.requested = False
 
     def _copy_to_slot(self, entry: _Entry, slot: int, host: LoraAdapter) -> None:
         """Queue the copy outside the lock (hundreds of small copies); the slot is reserved meanwhile."""
@@ -382,7 +484,9 @@ class AdapterCache:
                 event = True
         except Exception as e:  # e.g. out of memory for a staging copy: fail this adapter, keep the slot
             with self._lock:
-                entry.slot = None
+                entry.slot, entry.requested = None, False
+                if entry.name not in self._cpu_lru:
+                    entry.staged = None
                 self._release_slot(slot)
                 entry.error = f"copy into GPU slot {slot} failed: {type(e).__name__}: {e}"
                 self.counters["failures"] += 1
@@ -396,6 +500,7 @@ class AdapterCache:
             if self._entries.get(entry.name) is not entry:  # unregistered meanwhile: free the slot
                 self._release_slot(slot)
                 self._serve_waiting()
+            self._start_deferred()
             self._changed.notify_all()
 
     def _read(self, entry: _Entry) -> None:
@@ -406,20 +511,23 @@ class AdapterCache:
         except Exception as e:  # an adapter that breaks on disk must not take anything else down
             host, error = None, str(e) if isinstance(e, AdapterError) else f"{type(e).__name__}: {e}"
         with self._lock:
-            entry.reading = None
+            self._forget_read(entry)
             self.counters["disk_reads"] += 1
             if error is None:
                 self._load_times.append(("disk", time.monotonic() - start))
             if self._entries.get(entry.name) is not entry:
+                self._start_deferred()
                 return
             if error is not None:
-                entry.error = error
+                entry.error, entry.requested = error, False
                 self.counters["failures"] += 1
                 log.error("adapter %r failed to load: %s", entry.name, error)
+                self._start_deferred()
                 self._changed.notify_all()
                 return
-            entry.staged = host
+            entry.staged = host if self._wants_gpu(entry) else None
             if self.max_cpu_adapters:
+                entry.staged = host
                 self._cpu_lru[entry.name] = host
                 while len(self._cpu_lru) > self.max_cpu_adapters:
                     old_name, _ = self._cpu_lru.popitem(last=False)
@@ -427,9 +535,10 @@ class AdapterCache:
                     if old is not None and old is not entry and old.name not in self._waiting:
                         old.staged = None  # a copy already queued for a GPU slot keeps its own reference
                     self.counters["cpu_evictions"] += 1
-            if entry.want_gpu:
+            if self._wants_gpu(entry):
                 self._waiting[entry.name] = entry
                 self._serve_waiting()
+            self._start_deferred()
             self._changed.notify_all()
 
     def _release_slot(self, slot: int) -> None:
@@ -442,6 +551,8 @@ class AdapterCache:
         self._waiting.pop(entry.name, None)
         if entry.reading is not None:
             entry.reading.cancel()
+            self._forget_read(entry)
+        self._deferred.pop(entry.name, None)
         if entry.slot is not None and entry.ready_event is not None:
             self._release_slot(entry.slot)
         entry.slot, entry.staged = None, None

@@ -1,11 +1,25 @@
-"""The text-generation benchmark's markdown table, ratios and bar charts."""
+"""The text-generation benchmark's markdown table, ratios and bar charts; and merging the results of
+several runs (each GPU call has a time limit) into one report:
+
+    python -m loraplex.bench.report run1.json run2.json … --out-dir benchmarks/results --name textgen_7b
+"""
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 from pathlib import Path
 
 
 def _key(row: dict) -> tuple:
     return row["popularity"], str(row["max_batch"]), row["requests"]
+
+
+def _where(row: dict) -> dict:
+    where = dict(popularity=row["popularity"], max_batch=row["max_batch"], requests=row["requests"])
+    if "lengths" in row:
+        where = dict(lengths=row["lengths"], **where)
+    return where
 
 
 def ratios(rows: list[dict]) -> list[dict]:
@@ -16,38 +30,48 @@ def ratios(rows: list[dict]) -> list[dict]:
             continue
         for other in rows:
             same = (other["max_batch"] == row["max_batch"] and other["requests"] == row["requests"] and
+                    other.get("lengths") == row.get("lengths") and
                     (other["popularity"] == row["popularity"] or other["system"] in ("loraplex-backbone",
                                                                                      "hf-backbone")))
             if other is not row and same:
-                out.append(dict(popularity=row["popularity"], max_batch=row["max_batch"], requests=row["requests"],
-                                versus=other["system"], ratio=row["tokens_per_s"] / other["tokens_per_s"]))
+                out.append(dict(_where(row), versus=other["system"], ratio=row["tokens_per_s"] / other["tokens_per_s"]))
         if row.get("ceiling_tokens_per_s"):
-            out.append(dict(popularity=row["popularity"], max_batch=row["max_batch"], requests=row["requests"],
-                            versus="ceiling", ratio=row["tokens_per_s"] / row["ceiling_tokens_per_s"]))
+            out.append(dict(_where(row), versus="ceiling", ratio=row["tokens_per_s"] / row["ceiling_tokens_per_s"]))
     return out
 
 
 def markdown(result: dict) -> str:
     w = result["workload"]
+    if "runs" in w:   # merged
+        what = (f"Workloads: {'; '.join(w['runs'])}. Each run's own copy bandwidth is in the JSON "
+                f"(median {result['bandwidth_gbs']:.0f} GB/s)." if result.get("bandwidth_gbs") else "")
+    else:
+        what = (f"Workload: {w['requests']} requests, lengths {w['lengths']} (max {w['max_len']}), seed {w['seed']}. "
+                f"Copy bandwidth " + (f"{result['bandwidth_gbs']:.0f} GB/s." if result.get("bandwidth_gbs")
+                                      else "not measured."))
     lines = [f"# Text generation — {result['gpu']}, {result['date']}", "",
              f"Model {result['model']} ({result['dtype']}), rank-{result['rank']} adapters on all seven projections. "
-             f"Workload: {w['requests']} requests, lengths {w['lengths']} (max {w['max_len']}), seed {w['seed']}; "
-             f"every request queued at once; greedy, EOS ignored. Copy bandwidth "
-             + (f"{result['bandwidth_gbs']:.0f} GB/s." if result.get("bandwidth_gbs") else "not measured."), "",
+             f"Every request queued at once; greedy, EOS ignored. {what}", "",
              "| popularity | max batch | system | requests | output tok/s | req/s | TTFT p50 / p99 (ms) | "
              "TPOT p50 / p99 (ms) | ceiling tok/s | of ceiling |",
              "|---|---|---|---|---|---|---|---|---|---|"]
+    merged = any("lengths" in r for r in result["rows"])
+    if merged:
+        lines[-2:] = ["| lengths " + lines[-2], "|---" + lines[-1]]
     for r in result["rows"]:
         ceil = r.get("ceiling_tokens_per_s")
-        lines.append(f"| {r['popularity']} | {r['max_batch']} | {r['system']} | {r['requests']} | "
+        lines.append((f"| {r.get('lengths', '')} " if merged else "") +
+                     f"| {r['popularity']} | {r['max_batch']} | {r['system']} | {r['requests']} | "
                      f"{r['tokens_per_s']:.1f} | {r['requests_per_s']:.3f} | {r['ttft_ms_p50']:.0f} / "
                      f"{r['ttft_ms_p99']:.0f} | {r['tpot_ms_p50']:.2f} / {r['tpot_ms_p99']:.2f} | "
                      + (f"{ceil:.0f} | {r['tokens_per_s'] / ceil:.2f} |" if ceil else "– | – |"))
     if result["ratios"]:
         lines += ["", "loraplex over each system, on the same requests:", "",
-                  "| popularity | max batch | requests | versus | ratio |", "|---|---|---|---|---|"]
+                  ("| lengths " if merged else "") + "| popularity | max batch | requests | versus | ratio |",
+                  ("|---" if merged else "") + "|---|---|---|---|---|"]
         for q in result["ratios"]:
-            lines.append(f"| {q['popularity']} | {q['max_batch']} | {q['requests']} | {q['versus']} | "
+            lines.append((f"| {q.get('lengths', '')} " if merged else "") +
+                         f"| {q['popularity']} | {q['max_batch']} | {q['requests']} | {q['versus']} | "
                          f"{q['ratio']:.2f}× |")
     lines += ["", "Ceiling: per step, weights + KV of the batch's contexts + each adapter in the batch once, over "
               "the copy bandwidth, summed over a first-come-first-served schedule of the same requests "
@@ -67,7 +91,8 @@ def plot(result: dict, folder: Path, name: str) -> list[Path]:
     pops = list(dict.fromkeys(r["popularity"] for r in result["rows"]))
     for pop in pops:
         rows = [r for r in result["rows"] if r["popularity"] == pop]
-        labels = [f"{r['system']}\nB={r['max_batch']}, n={r['requests']}" for r in rows]
+        labels = [f"{r['system']}\nB={r['max_batch']}, n={r['requests']}"
+                  + (f"\n{r['lengths']}" if "lengths" in r else "") for r in rows]
         values = [r["tokens_per_s"] for r in rows]
         fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(rows)), 4.5))
         bars = ax.bar(range(len(rows)), values, color=["tab:blue" if r["system"].startswith("loraplex") else
@@ -87,3 +112,68 @@ def plot(result: dict, folder: Path, name: str) -> list[Path]:
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def lengths_label(w: dict) -> str:
+    """What tells runs' workloads apart in a merged report (rows are compared only within one)."""
+    label = (f"fixed {w.get('prompt_len', '?')}+{w.get('output_len', '?')}" if w["lengths"] == "fixed"
+             else f"{w['lengths']} ≤{w['max_len']}")
+    return label if w.get("seed", 0) == 0 else f"{label} seed {w['seed']}"
+
+
+def describe_workload(w: dict) -> str:
+    return f"{lengths_label(w)}: {w['requests']} requests, seed {w['seed']}"
+
+
+def merge(results: list[dict]) -> dict:
+    """One report from several runs of the same model: each row keeps its run's lengths and copy
+    bandwidth, and ratios only compare rows of the same workload, popularity, batch and requests."""
+    if not results:
+        raise ValueError("nothing to merge")
+    first = results[0]
+    for key in ("gpu", "model", "dtype", "rank"):
+        differ = {str(r.get(key)) for r in results}
+        if len(differ) > 1:
+            raise ValueError(f"cannot merge runs with different {key}: {sorted(differ)}")
+    rows, notes, runs = [], [], []
+    for r in results:
+        label = lengths_label(r["workload"])
+        runs.append(describe_workload(r["workload"]))
+        for row in r["rows"]:
+            rows.append(dict(row, lengths=label, run_date=r["date"]))
+        notes += [f"{label}: {n}" for n in r.get("notes", []) if f"{label}: {n}" not in notes]
+    bandwidths = sorted(r["bandwidth_gbs"] for r in results if r.get("bandwidth_gbs"))
+    return dict(first, date=max(r["date"] for r in results), rows=rows, ratios=ratios(rows), notes=notes,
+                workload=dict(runs=list(dict.fromkeys(runs))),
+                bandwidth_gbs=bandwidths[len(bandwidths) // 2] if bandwidths else None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m loraplex.bench.report", description=merge.__doc__)
+    ap.add_argument("results", nargs="+", type=Path, help="JSON files written by loraplex bench")
+    ap.add_argument("--out-dir", type=Path, required=True)
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--no-plots", action="store_true")
+    args = ap.parse_args(argv)
+    results = []
+    for path in args.results:
+        try:
+            results.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError) as e:
+            raise SystemExit(f"error: {path}: {e}")
+    try:
+        result = merge(results)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    table = markdown(result)
+    (args.out_dir / f"{args.name}.json").write_text(json.dumps(result, indent=1))
+    (args.out_dir / f"{args.name}.md").write_text(table)
+    if not args.no_plots:
+        plot(result, args.out_dir, args.name)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

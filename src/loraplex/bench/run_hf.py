@@ -15,10 +15,9 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from .flags import HF_SYSTEMS  # noqa: F401
 from .results import RunResult, check_complete
 from .workload import Workload
-
-HF_SYSTEMS = ("hf-backbone", "hf-peft", "hf-peft-grouped")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 

@@ -21,37 +21,10 @@ import torch
 
 from .ceiling import StepBytes, copy_bandwidth_gbs, simulate_ceiling
 from .report import markdown, plot, ratios
-from .run_hf import HF_SYSTEMS, add_adapters, load_hf_model, run_hf
+from .flags import HF_SYSTEMS, SYSTEMS, add_arguments  # noqa: F401  (add_arguments: the CLI's import)
+from .run_hf import add_adapters, load_hf_model, run_hf
 from .run_loraplex import LoraplexSystem, engine_config
-from .workload import LENGTHS, POPULARITIES, make_workload
-
-SYSTEMS = ("loraplex", "loraplex-backbone") + HF_SYSTEMS
-
-
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default="dummy:llama-2-7b", help="a model folder or dummy:<preset> (random weights)")
-    ap.add_argument("--layers", type=int, default=None, help="dummy models: build this many layers")
-    ap.add_argument("--dtype", default=None, help="bfloat16 (default on a GPU), float16 or float32 (default on a CPU)")
-    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
-    ap.add_argument("--requests", type=int, default=1000)
-    ap.add_argument("--popularity", default="distinct", help=f"comma-separated, of {', '.join(POPULARITIES)}")
-    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
-    ap.add_argument("--max-batch", default="32", help="comma-separated sizes; 'unlimited' (loraplex only): as "
-                                                      "many sequences as the KV memory holds")
-    ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--lengths", default="punica", choices=LENGTHS)
-    ap.add_argument("--max-len", type=int, default=2048, help="punica lengths: longest prompt + output")
-    ap.add_argument("--prompt-len", type=int, default=128, help="fixed lengths: prompt tokens")
-    ap.add_argument("--output-len", type=int, default=128, help="fixed lengths: output tokens")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--baseline-requests", type=int, default=None,
-                    help="run the hf-* systems on only the first N requests (they are slow), and loraplex on "
-                         "those too, for a ratio on the same requests")
-    ap.add_argument("--out-dir", type=Path, default=None, help="write NAME.json, NAME.md and NAME_<popularity>.png")
-    ap.add_argument("--name", default="textgen")
-    ap.add_argument("--no-plots", action="store_true")
-    ap.add_argument("--quiet", action="store_true", help="no progress bars")
-
+from .workload import POPULARITIES, make_workload
 
 def _parse(args) -> tuple[list[str], list[str], list[int | None]]:
     pops = [p.strip() for p in args.popularity.split(",") if p.strip()]
@@ -104,6 +77,9 @@ def run(args: argparse.Namespace) -> int:
     n_base = args.baseline_requests or args.requests
     bandwidth = copy_bandwidth_gbs(device) if device == "cuda" else cpu_copy_bandwidth_gbs()
     rows, notes = [], []
+    if args.preload_adapters:
+        notes.append("loraplex rows: each workload's adapters were put on the GPU before timing, up to the "
+                     "number of slots (`preloaded` in the JSON); otherwise they start on disk")
 
     def add(result, workload, kv_tokens, step_bytes, backbone: bool, max_batch):
         row = result.summary()
@@ -126,14 +102,14 @@ def run(args: argparse.Namespace) -> int:
                 getattr(torch, dtype)).bits // 8)
             first = next(iter(workloads.values()))
             prompts = first.prompt_ids(system.vocab_size)
-            warm = first.head(min(len(first.requests), 2 * config.max_num_seqs))
-            system.run(warm, prompts, backbone=False, name="warm-up", progress=False, cap_output=16)
+            system.warm_up(first, prompts)
             heads = sorted({args.requests, n_base})
             for pop in pops:
                 for n in heads:
                     w = workloads[pop].head(n)
                     if "loraplex" in systems:
-                        add(system.run(w, prompts, backbone=False, name="loraplex", progress=progress), w,
+                        add(system.run(w, prompts, backbone=False, name="loraplex", progress=progress,
+                                       preload=args.preload_adapters), w,
                             system.kv_tokens, step_bytes, False, max_batch)
                     if "loraplex-backbone" in systems and pop == pops[0]:
                         add(system.run(w, prompts, backbone=True, name="loraplex-backbone", progress=progress),
@@ -178,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
                   date=datetime.date.today().isoformat(), torch=torch.__version__, model=args.model,
                   layers=args.layers, dtype=dtype, rank=args.rank, bandwidth_gbs=bandwidth,
                   workload=dict(requests=args.requests, lengths=args.lengths, max_len=args.max_len, seed=args.seed,
+                                prompt_len=args.prompt_len, output_len=args.output_len,
                                 popularity=pops, baseline_requests=n_base),
                   rows=rows, ratios=ratios(rows), notes=notes)
     table = markdown(result)

@@ -18,9 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..workloads import popularity_slots
-
-POPULARITIES = ("distinct", "uniform", "skewed", "identical")
-LENGTHS = ("punica", "fixed")
+from .flags import LENGTHS, POPULARITIES  # noqa: F401  (defined where the CLI can read them without numpy)
 
 
 @dataclass(frozen=True)

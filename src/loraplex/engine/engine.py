@@ -105,7 +105,7 @@ class Engine:
                 raise AdapterError(f"unknown adapter {adapter!r} (registered: {known})")
             if self.adapters.error(adapter) is not None:
                 raise AdapterError(f"adapter {adapter!r} failed to load: {self.adapters.error(adapter)}")
-            self.adapters.prefetch(adapter)   # it loads while the request queues
+            # its load is ordered by the scheduler's plan (queue order, into free slots), from the next step
         seq = Sequence(request_id, token_ids, params, adapter=adapter, prompt=text_prompt)
         if params.seed is not None:
             seq.generator = self.runner.new_generator(params.seed)
@@ -168,7 +168,8 @@ class Engine:
         self.last_step = None   # stays None when nothing ran (callers may then wait a little)
         outputs: list[RequestOutput] = []
         current, self._inflight = self._inflight, None
-        if current is None or not any(c.seq.status is SequenceStatus.RUNNING for c in current.chunks):
+        continued = current is not None and any(c.seq.status is SequenceStatus.RUNNING for c in current.chunks)
+        if not continued:
             plan = self.scheduler.schedule()
             for seq in plan.failed:
                 self._finish(seq, FinishReason.ERROR)
@@ -177,6 +178,8 @@ class Engine:
                 return outputs
             current = self._launch(plan.chunks)
         self._inflight = self._continue(current)
+        if continued:   # schedule() was not called: adapter loads still follow the queue
+            self.scheduler.plan_adapter_loads()
         outputs += self._postprocess(current)
         chunks = current.chunks
         self.stats["steps"] += 1

@@ -3,8 +3,8 @@
 Each step packs, under a token budget and a cap on running sequences:
 1. every running sequence's next tokens, oldest first: one token for a decode, the next chunk
    for a prompt being prefilled in pieces (chunked prefill);
-2. then waiting requests, first come first served. One whose adapter is not on the GPU starts
-   its load and is skipped, so others go ahead meanwhile; once it has waited
+2. then waiting requests, first come first served. One whose adapter is not on the GPU is
+   skipped, so others go ahead meanwhile, while its adapter loads (`plan_adapter_loads`); once it has waited
    `max_queue_skip_ms` it is skipped no more: nothing behind it is admitted until it runs
    (aging), so no request starves behind a popular adapter. Distinct adapters per step are
    bounded by the GPU slots because every running request pins its adapter's slot.
@@ -61,6 +61,8 @@ class SchedulerOutput:
 
 
 class Scheduler:
+    PLAN_SCAN = 4096   # waiting requests looked at per step for adapters to load (queue order)
+
     def __init__(self, config: EngineConfig, blocks: BlockManager, adapters: AdapterCache | None) -> None:
         self.config, self.blocks, self.adapters = config, blocks, adapters
         self.waiting: list[Sequence] = []   # by arrival
@@ -83,6 +85,8 @@ class Scheduler:
             self._release(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+            if seq.adapter is not None:
+                self.plan_adapter_loads()   # withdraw its load now: the engine may not step again soon
         seq.status = SequenceStatus.FINISHED
 
     # ---- one step -------------------------------------------------------------------------------
@@ -120,7 +124,7 @@ class Scheduler:
         # 2. waiting requests, first come first served
         if not out.preempted and self.may_admit(now, budget):
             budget = self._admit(now, budget, out)
-        self._prefetch_ahead()
+        self.plan_adapter_loads()
         return out
 
     def _admit(self, now: float, budget: int, out: SchedulerOutput) -> int:
@@ -132,7 +136,7 @@ class Scheduler:
             slot = -1
             if seq.adapter is not None:
                 try:
-                    slot = self.adapters.try_acquire(seq.adapter)
+                    slot = self.adapters.acquire_if_resident(seq.adapter)
                 except AdapterError as e:  # its load failed: this request ends (engine), the others go on
                     seq.error = str(e)
                     out.failed.append(seq)
@@ -170,27 +174,32 @@ class Scheduler:
         queued = self.waiting[:max(seats, 0)]
         return len(queued) >= seats or sum(s.num_uncached for s in queued) >= budget
 
-    def _prefetch_ahead(self) -> None:
-        """Start loading the adapters of the next waiting requests, so they are on the GPU when their turn comes."""
+    def plan_adapter_loads(self) -> None:
+        """Tell the adapter cache what the waiting requests need, in queue order: on the GPU, the
+        adapters of as many of them as the slots the running requests leave free; on the host
+        (read ahead from disk), those of the requests after them, as many as the CPU tier holds. The engine calls it every step.
+
+        Wanting more than the free slots would make the later requests' loads evict the adapters of
+        the earlier ones (least recently used) before those are admitted: under many distinct
+        adapters the queue's head would then never find its adapter resident.
+        """
         if self.adapters is None:
             return
-        # Only as many as the slots the running requests leave free: prefetching more would make the
-        # later requests' loads evict the adapters of the earlier ones (least recently used) before
-        # those are admitted, and under many distinct adapters the queue's head would never find its
-        # adapter resident.
+        if not self.waiting:
+            self.adapters.want([], 0)
+            return
         pinned = {seq.adapter for seq in self.running if seq.adapter is not None}
-        free = self.config.max_gpu_adapters - len(pinned)
-        names: list[str] = []
-        for seq in self.waiting:
-            if len(names) >= free:
+        free = max(self.config.max_gpu_adapters - len(pinned), 0)
+        # every host copy lands in the CPU tier: wishes and read-ahead together must fit in it, or the
+        # read-ahead would evict its own copies before they are used (the cache caps it so)
+        ahead = max(free, self.config.max_cpu_adapters)
+        names: dict[str, None] = {}
+        for i, seq in enumerate(self.waiting):
+            if len(names) >= ahead or i >= self.PLAN_SCAN:
                 break
-            if seq.adapter is not None and seq.adapter not in pinned and seq.adapter not in names:
-                names.append(seq.adapter)
-        for name in names:
-            try:
-                self.adapters.prefetch(name)
-            except AdapterError:
-                pass  # reported to its requests by _admit
+            if seq.adapter is not None and seq.adapter not in pinned:
+                names[seq.adapter] = None
+        self.adapters.want(list(names), free)
 
     # ---- internals ------------------------------------------------------------------------------
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:

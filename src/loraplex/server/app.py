@@ -47,12 +47,13 @@ def create_app(state: ServerState, *, lifespan=None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
+        # max_model_len as vLLM reports it: clients size prompts and max_tokens from it
         data = [{"id": state.model_name, "object": "model", "created": state.created, "owned_by": "loraplex",
-                 "root": state.model_name, "parent": None}]
+                 "root": state.model_name, "parent": None, "max_model_len": state.max_model_len}]
         for name, record in sorted(state.adapters.items()):
             if name not in state.draining:
                 data.append({"id": name, "object": "model", "created": record.created, "owned_by": "loraplex",
-                             "root": name, "parent": state.model_name})
+                             "root": name, "parent": state.model_name, "max_model_len": state.max_model_len})
         return {"object": "list", "data": data}
 
     @app.get("/v1/models/{model_id:path}")

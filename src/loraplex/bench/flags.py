@@ -1,0 +1,40 @@
+"""`loraplex bench`'s flags, apart from the benchmark so that building the CLI imports no torch
+(`loraplex --help` stays fast)."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+# (workload.py imports numpy; these are here so that the CLI needs neither it nor torch)
+LENGTHS = ("punica", "fixed")
+POPULARITIES = ("distinct", "uniform", "skewed", "identical")
+HF_SYSTEMS = ("hf-backbone", "hf-peft", "hf-peft-grouped")
+SYSTEMS = ("loraplex", "loraplex-backbone") + HF_SYSTEMS
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", default="dummy:llama-2-7b", help="a model folder or dummy:<preset> (random weights)")
+    ap.add_argument("--layers", type=int, default=None, help="dummy models: build this many layers")
+    ap.add_argument("--dtype", default=None, help="bfloat16 (default on a GPU), float16 or float32 (default on a CPU)")
+    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--popularity", default="distinct", help=f"comma-separated, of {', '.join(POPULARITIES)}")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
+    ap.add_argument("--max-batch", default="32", help="comma-separated sizes; 'unlimited' (loraplex only): as "
+                                                      "many sequences as the KV memory holds")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--lengths", default="punica", choices=LENGTHS)
+    ap.add_argument("--max-len", type=int, default=2048, help="punica lengths: longest prompt + output")
+    ap.add_argument("--prompt-len", type=int, default=128, help="fixed lengths: prompt tokens")
+    ap.add_argument("--output-len", type=int, default=128, help="fixed lengths: output tokens")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--baseline-requests", type=int, default=None,
+                    help="run the hf-* systems on only the first N requests (they are slow), and loraplex on "
+                         "those too, for a ratio on the same requests")
+    ap.add_argument("--preload-adapters", action="store_true",
+                    help="loraplex: put each workload's adapters on the GPU before timing (as many as there are "
+                         "slots), as the hf-* systems have theirs; default: every adapter starts on disk")
+    ap.add_argument("--out-dir", type=Path, default=None, help="write NAME.json, NAME.md and NAME_<popularity>.png")
+    ap.add_argument("--name", default="textgen")
+    ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--quiet", action="store_true", help="no progress bars")
