@@ -284,11 +284,12 @@ class AdapterCache:
                 if name not in self._cpu_lru:
                     entry.staged = None   # only kept for that load
             self._wanted = wanted
+            may_read = True   # once the limit holds a read back, it holds the later ones (one count per call)
             for name in wanted:
                 entry = self._entries[name]
                 if entry.read_ahead and entry.reading is not None and entry.reading.cancel():
                     self._forget_read(entry)   # still queued behind read-ahead: read it for the GPU now
-                self._move_up(entry, serve=False)
+                may_read = self._move_up(entry, serve=False, may_read=may_read) and may_read
             for name in reversed(wanted):   # slots go to waiting copies in wish order, before prefetches
                 if name in self._waiting:
                     self._waiting.move_to_end(name, last=False)
@@ -367,25 +368,29 @@ class AdapterCache:
     def _wants_gpu(self, entry: _Entry) -> bool:
         return entry.requested or entry.name in self._wanted
 
-    def _move_up(self, entry: _Entry, serve: bool = True) -> None:
-        """One step towards a GPU slot: touch it if it has one, else read it or queue its host copy."""
+    def _move_up(self, entry: _Entry, serve: bool = True, may_read: bool = True) -> bool:
+        """One step towards a GPU slot: touch it if it has one, else read it or queue its host copy.
+        False if it needed a read that the host-memory limit (or `may_read`) held back."""
         if entry.slot is not None:
             if entry.name in self._gpu_lru:
                 self._gpu_lru.move_to_end(entry.name)
-            return
+            return True
         if entry.staged is None:
             if entry.reading is None:
-                if self._staged_outside_cpu_tier() < self._max_staged:
+                if may_read and self._staged_outside_cpu_tier() < self._max_staged:
                     self._deferred.pop(entry.name, None)
                     self._start_read(entry)
-                elif entry.requested:
+                    return True
+                if entry.requested:
                     self._deferred[entry.name] = entry   # started when a read finishes
-            return
+                return False
+            return True
         if entry.name in self._cpu_lru:
             self._cpu_lru.move_to_end(entry.name)
         self._waiting.setdefault(entry.name, entry)
         if serve:
             self._serve_waiting()
+        return True
 
     def _poll(self, entry: _Entry) -> bool:
         if entry.slot is None or entry.ready_event is None:
