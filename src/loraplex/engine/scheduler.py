@@ -4,8 +4,8 @@ Each step packs, under a token budget and a cap on running sequences:
 1. every running sequence's next tokens, oldest first: one token for a decode, the next chunk
    for a prompt being prefilled in pieces (chunked prefill);
 2. then waiting requests, first come first served. One whose adapter is not on the GPU is
-   skipped, so others go ahead meanwhile, while its adapter loads (`plan_adapter_loads`); once it has waited
-   `max_queue_skip_ms` it is skipped no more: nothing behind it is admitted until it runs
+   skipped, so others go ahead meanwhile, while its adapter loads (`plan_adapter_loads`); once
+   it has waited `max_queue_skip_ms` it is skipped no more: nothing behind it is admitted until it runs
    (aging), so no request starves behind a popular adapter. Distinct adapters per step are
    bounded by the GPU slots because every running request pins its adapter's slot.
 
@@ -177,7 +177,8 @@ class Scheduler:
     def plan_adapter_loads(self) -> None:
         """Tell the adapter cache what the waiting requests need, in queue order: on the GPU, the
         adapters of as many of them as the slots the running requests leave free; on the host
-        (read ahead from disk), those of the requests after them, as many as the CPU tier holds. The engine calls it every step.
+        (read ahead from disk), those of the requests after them, as many as the CPU tier holds.
+        The engine calls it every step.
 
         Wanting more than the free slots would make the later requests' loads evict the adapters of
         the earlier ones (least recently used) before those are admitted: under many distinct
