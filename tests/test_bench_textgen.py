@@ -68,7 +68,8 @@ def test_bench_command_writes_a_report_from_every_system(tmp_path):
     out = tmp_path / "results"
     code = main(["bench", "--model", str(base), "--device", "cpu", "--requests", "6", "--baseline-requests", "4",
                  "--popularity", "distinct,identical", "--max-batch", "3,unlimited", "--lengths", "punica",
-                 "--max-len", "24", "--rank", "4", "--out-dir", str(out), "--name", "smoke", "--quiet"])
+                 "--max-len", "24", "--rank", "4", "--gpu-adapters", "9", "--preload-adapters", "--out-dir", str(out),
+                 "--name", "smoke", "--quiet"])
     assert code == 0
     result = json.loads((out / "smoke.json").read_text())
     systems = {(r["system"], r["popularity"], str(r["max_batch"]), r["requests"]) for r in result["rows"]}
@@ -84,7 +85,11 @@ def test_bench_command_writes_a_report_from_every_system(tmp_path):
         assert r["tokens_per_s"] > 0 and r["ceiling_tokens_per_s"] > 0
         assert r["ttft_ms_p50"] <= r["ttft_ms_p99"] and r["tpot_ms_p50"] <= r["tpot_ms_p99"]
     assert any(q["versus"] == "hf-peft" and q["requests"] == 4 for q in result["ratios"])
-    assert result["notes"] and "first 4 of the 6" in result["notes"][0]
+    assert any("first 4 of the 6" in n for n in result["notes"])
+    assert any("put on the GPU before timing" in n for n in result["notes"])
+    preloaded = {(r["popularity"], str(r["max_batch"]), r["requests"]): r.get("preloaded")
+                 for r in result["rows"] if r["system"] == "loraplex"}
+    assert preloaded[("distinct", "3", 6)] == 6 and preloaded[("identical", "3", 6)] == 1, preloaded
     md = (out / "smoke.md").read_text()
     assert "| distinct | 3 | hf-peft | 4 |" in md and "cpu" in md
     for pop in ("distinct", "identical"):
@@ -97,6 +102,8 @@ def test_bench_command_refuses_bad_settings(tmp_path, capsys):
         main(["bench", "--popularity", "zipfy", "--device", "cpu"])
     with pytest.raises(SystemExit, match="--max-batch 0"):
         main(["bench", "--max-batch", "0", "--device", "cpu"])
+    with pytest.raises(SystemExit, match="--gpu-adapters"):
+        main(["bench", "--gpu-adapters", "0", "--device", "cpu"])
     with pytest.raises(SystemExit, match="--baseline-requests"):
         main(["bench", "--requests", "5", "--baseline-requests", "9", "--device", "cpu"])
 

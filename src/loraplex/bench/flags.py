@@ -31,6 +31,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--baseline-requests", type=int, default=None,
                     help="run the hf-* systems on only the first N requests (they are slow), and loraplex on "
                          "those too, for a ratio on the same requests")
+    ap.add_argument("--gpu-adapters", type=int, default=None,
+                    help="loraplex: GPU adapter slots (default: twice the max batch; unlimited: as many as it)")
     ap.add_argument("--preload-adapters", action="store_true",
                     help="loraplex: put each workload's adapters on the GPU before timing (as many as there are "
                          "slots), as the hf-* systems have theirs; default: every adapter starts on disk")

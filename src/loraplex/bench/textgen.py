@@ -43,6 +43,8 @@ def _parse(args) -> tuple[list[str], list[str], list[int | None]]:
             sizes.append(int(b))
         else:
             raise SystemExit(f"error: --max-batch {b}: must be a positive integer or 'unlimited'")
+    if args.gpu_adapters is not None and args.gpu_adapters < 1:
+        raise SystemExit(f"error: --gpu-adapters must be at least 1, got {args.gpu_adapters}")
     if args.requests < 1:
         raise SystemExit(f"error: --requests must be at least 1, got {args.requests}")
     if args.baseline_requests is not None and not 1 <= args.baseline_requests <= args.requests:
@@ -94,9 +96,10 @@ def run(args: argparse.Namespace) -> int:
 
     if any(s.startswith("loraplex") for s in systems):
         for max_batch in sizes:
+            slots = {} if args.gpu_adapters is None else dict(max_gpu_adapters=args.gpu_adapters)
             config = engine_config(args.model, max_batch=max_batch, rank=args.rank,
                                    max_len=max(w.max_len for w in workloads.values()), device=device, dtype=dtype,
-                                   layers=args.layers)
+                                   layers=args.layers, **slots)
             system = LoraplexSystem(config, max(w.num_adapters for w in workloads.values()))
             step_bytes = StepBytes.of(system.engine.model_config, args.rank, torch.finfo(
                 getattr(torch, dtype)).bits // 8)
