@@ -225,3 +225,57 @@ def test_one_slice_lists_round_trip_through_the_halves(backend):
     assert v.shape == (1, case.x.shape[0], 8)
     y = ops.lora_expand(case.y0.clone(), v, case.lora_b, batch, case.ranks, case.scalings, backend=backend)
     assert rel_err(y, case.oracle(), case.y0) <= 1e-5
+
+
+# ---- the one-launch (fused) decode path: sgmv_fused.py ----------------------------------------------------------
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("popularity", POPULARITIES)
+@pytest.mark.parametrize("n_chunks", [None, 1, 3])
+def test_fused_kernel_matches_the_float64_loop(dtype, popularity, n_chunks):
+    rng = np.random.default_rng(stable_seed("fused", str(dtype), popularity, str(n_chunks)))
+    case = make_case(rng, seg_lens=[1] * 20 + [3, 17], popularity=popularity, K=200, Ns=(72, 24, 40), R=16,
+                     ranks="mixed", dtype=dtype, none_frac=0.25, y_offset=2, extra_cols=3)
+    cfg = sgmv.KernelConfig(fused=True, shrink_block_k=64, expand_block_n=16, n_chunks=n_chunks)
+    for block_m in (16, 64):
+        y = case.y0.clone()
+        sgmv.add_lora(y, case.x, case.lora_a, case.lora_b, case.batch(block_m=block_m), case.ranks, case.scalings,
+                      case.y_offset, cfg)
+        untouched = case.untouched()
+        assert torch.equal(y[untouched], case.y0[untouched]), "rows or columns outside the LoRA slices changed"
+        assert rel_err(y, case.oracle(), case.y0) <= TOL[dtype]
+
+
+@interpreted
+@pytest.mark.parametrize("R", [1, 7, 33, 64])
+def test_fused_kernel_honours_every_rank_up_to_one_tile(R):
+    rng = np.random.default_rng(R)
+    case = make_case(rng, seg_lens=[1, 1, 6, 1], popularity="distinct", K=96, Ns=(48,), R=R, ranks="mixed")
+    y = case.y0.clone()
+    sgmv.add_lora(y, case.x, case.lora_a, case.lora_b, case.batch(), case.ranks, case.scalings, 0,
+                  sgmv.KernelConfig(fused=True, expand_block_n=16))
+    assert rel_err(y, case.oracle(), case.y0) <= 1e-5
+
+
+@interpreted
+def test_fused_config_with_ranks_past_one_tile_takes_the_two_launches():
+    from loraplex.ops import sgmv_fused
+    rng = np.random.default_rng(128)
+    case = make_case(rng, seg_lens=[1, 2, 1], popularity="distinct", K=64, Ns=(32,), R=128, ranks="mixed")
+    with pytest.raises(ValueError, match="ranks up to 64"):
+        sgmv_fused.add_lora(case.y0.clone(), case.x, case.lora_a, case.lora_b, case.batch(), case.ranks,
+                            case.scalings, 0, sgmv.KernelConfig(fused=True))
+    y = case.y0.clone()
+    sgmv.add_lora(y, case.x, case.lora_a, case.lora_b, case.batch(), case.ranks, case.scalings, 0,
+                  sgmv.KernelConfig(fused=True, expand_block_n=16))
+    assert rel_err(y, case.oracle(), case.y0) <= 1e-5
+
+
+def test_fused_decode_is_opt_in_through_the_environment():
+    import subprocess
+    import sys
+    code = "from loraplex.ops import sgmv; print(sgmv.CONFIGS[16].fused, sgmv.CONFIGS[64].fused)"
+    for value, expect in (("1", "True False"), ("0", "False False")):
+        env = dict(__import__("os").environ, LORAPLEX_FUSED_DECODE=value)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.split() == expect.split()
