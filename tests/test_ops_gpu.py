@@ -152,9 +152,9 @@ def test_fused_decode_kernel_matches_float64_loop(dtype, popularity):
         case = make_case(rng, seg_lens=[1] * int(rng.choice([1, 32, 256])), popularity=popularity, K=K, Ns=Ns,
                          R=64 if i % 2 else 16, ranks="mixed", dtype=dtype, device="cuda", none_frac=0.2,
                          y_offset=i, extra_cols=2)
-        for n_chunks in (None, 1):
+        for n_chunks, block_m in ((None, 16), (1, 16), (None, None)):   # 16-row tiles: what graphs run
             y = case.y0.clone()
-            sgmv.add_lora(y, case.x, case.lora_a, case.lora_b, case.batch(), case.ranks, case.scalings,
+            sgmv.add_lora(y, case.x, case.lora_a, case.lora_b, case.batch(block_m=block_m), case.ranks, case.scalings,
                           case.y_offset, sgmv.KernelConfig(fused=True, n_chunks=n_chunks, shrink_block_k=256,
                                                            expand_block_n=256))
             untouched = case.untouched()

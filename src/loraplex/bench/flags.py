@@ -32,7 +32,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="run the hf-* systems on only the first N requests (they are slow), and loraplex on "
                          "those too, for a ratio on the same requests")
     ap.add_argument("--gpu-adapters", type=int, default=None,
-                    help="loraplex: GPU adapter slots (default: twice the max batch; unlimited: as many as it)")
+                    help="loraplex: GPU adapter slots (default: twice the max batch, at least 8; unlimited: as "
+                         "many as the batch)")
     ap.add_argument("--preload-adapters", action="store_true",
                     help="loraplex: put each workload's adapters on the GPU before timing (as many as there are "
                          "slots), as the hf-* systems have theirs; default: every adapter starts on disk")

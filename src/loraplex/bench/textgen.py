@@ -13,9 +13,9 @@ import argparse
 import datetime
 import gc
 import json
+import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -156,6 +156,8 @@ def run(args: argparse.Namespace) -> int:
     result = dict(gpu=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                   date=datetime.date.today().isoformat(), torch=torch.__version__, model=args.model,
                   layers=args.layers, dtype=dtype, rank=args.rank, bandwidth_gbs=bandwidth,
+                  gpu_adapters=args.gpu_adapters, preload_adapters=args.preload_adapters,
+                  fused_decode=os.environ.get("LORAPLEX_FUSED_DECODE"),
                   workload=dict(requests=args.requests, lengths=args.lengths, max_len=args.max_len, seed=args.seed,
                                 prompt_len=args.prompt_len, output_len=args.output_len,
                                 popularity=pops, baseline_requests=n_base),

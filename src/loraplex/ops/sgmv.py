@@ -252,7 +252,7 @@ CONFIGS = {16: KernelConfig(shrink_block_k=256, expand_block_n=256, shrink_progr
            64: KernelConfig(shrink_block_k=128, expand_block_n=128, expand_programs_per_sm=2.0)}
 
 
-if os.environ.get("LORAPLEX_FUSED_DECODE", "0") not in ("0", "", "false", "no"):
+if os.environ.get("LORAPLEX_FUSED_DECODE", "0").strip().lower() not in ("0", "", "false", "no", "off"):
     # not measured yet against the two launches: opt in (benchmarks/sweep_decode_lora.py compares them)
     CONFIGS[16] = dataclasses.replace(CONFIGS[16], fused=True)
 
@@ -357,7 +357,8 @@ def add_lora(y, x, lora_a, lora_b, batch, ranks, scalings, y_offset: int, cfg: K
     cfg = cfg or config_for(batch.block_m)
     num_slices = len(lora_a)
     R = lora_a[0].shape[1]
-    if cfg.fused and R <= _block_r(R):
+    # (not when y is x's storage: its programs would write columns that others still read)
+    if cfg.fused and R <= _block_r(R) and x.untyped_storage().data_ptr() != y.untyped_storage().data_ptr():
         from . import sgmv_fused  # imports this module: loaded on first use
         return sgmv_fused.add_lora(y, x, lora_a, lora_b, batch, ranks, scalings, y_offset, cfg)
     split_k = choose_split_k(batch.num_work * num_slices * _cdiv(R, _block_r(R)), x.shape[1], x.device, cfg,

@@ -18,14 +18,14 @@ the config asks for it (`KernelConfig.fused`, or LORAPLEX_FUSED_DECODE=1 for dec
 """
 from __future__ import annotations
 
-import math
+import dataclasses
 
 import torch
 import triton
 import triton.language as tl
 
 from .launch import Launcher
-from .sgmv import MAX_SLICES, KernelConfig, _block_r, _cdiv, _dot_v_b, _load_b, _num_sms
+from .sgmv import MAX_SLICES, KernelConfig, _block_r, _dot_v_b, _load_b, choose_n_chunks
 
 
 @triton.jit
@@ -116,13 +116,9 @@ def fits(R: int) -> bool:
 
 
 def choose_chunks(num_programs: int, N: int, device: torch.device, cfg: KernelConfig) -> tuple[int, int]:
-    """(chunks, columns per program): about `fused_programs_per_sm` programs per SM, each chunk whole
-    BLOCK_N tiles; `cfg.n_chunks` fixes the number."""
-    tiles = _cdiv(N, cfg.expand_block_n)
-    chunks = cfg.n_chunks or math.ceil(cfg.fused_programs_per_sm * _num_sms(device) / max(num_programs, 1))
-    chunks = max(1, min(chunks, tiles))
-    per_prog = _cdiv(tiles, chunks) * cfg.expand_block_n
-    return _cdiv(N, per_prog), per_prog
+    """(chunks, columns per program): the expand's rule, at `fused_programs_per_sm` programs per SM."""
+    return choose_n_chunks(num_programs, N, device,
+                           dataclasses.replace(cfg, expand_programs_per_sm=cfg.fused_programs_per_sm))
 
 
 def add_lora(y, x, lora_a, lora_b, batch, ranks, scalings, y_offset: int, cfg: KernelConfig) -> torch.Tensor:
