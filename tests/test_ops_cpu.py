@@ -228,6 +228,13 @@ def test_one_slice_lists_round_trip_through_the_halves(backend):
 
 
 # ---- the one-launch (fused) decode path: sgmv_fused.py ----------------------------------------------------------
+def _fused(case, block_m=None, **cfg) -> torch.Tensor:
+    """sgmv.add_lora with a fused config on a fresh copy of y0."""
+    y = case.y0.clone()
+    sgmv.add_lora(y, case.x, case.lora_a, case.lora_b, case.batch(block_m=block_m), case.ranks, case.scalings,
+                  case.y_offset, sgmv.KernelConfig(**{"fused": True, "expand_block_n": 16, **cfg}))
+    return y
+
 @interpreted
 @pytest.mark.parametrize("dtype, precision", [(torch.float32, None), (torch.float16, None), (torch.float16, "split")])
 @pytest.mark.parametrize("popularity", POPULARITIES)
@@ -236,12 +243,8 @@ def test_fused_kernel_matches_the_float64_loop(dtype, precision, popularity, n_c
     rng = np.random.default_rng(stable_seed("fused", str(dtype), str(precision), popularity, str(n_chunks)))
     case = make_case(rng, seg_lens=[1] * 20 + [3, 17], popularity=popularity, K=200, Ns=(72, 24, 40), R=16,
                      ranks="mixed", dtype=dtype, none_frac=0.25, y_offset=2, extra_cols=3)
-    cfg = sgmv.KernelConfig(fused=True, shrink_block_k=64, expand_block_n=16, n_chunks=n_chunks,
-                            expand_precision=precision)
     for block_m in (16, 64):
-        y = case.y0.clone()
-        sgmv.add_lora(y, case.x, case.lora_a, case.lora_b, case.batch(block_m=block_m), case.ranks, case.scalings,
-                      case.y_offset, cfg)
+        y = _fused(case, block_m, shrink_block_k=64, n_chunks=n_chunks, expand_precision=precision)
         untouched = case.untouched()
         assert torch.equal(y[untouched], case.y0[untouched]), "rows or columns outside the LoRA slices changed"
         assert rel_err(y, case.oracle(), case.y0) <= TOL[dtype]
@@ -252,10 +255,7 @@ def test_fused_kernel_matches_the_float64_loop(dtype, precision, popularity, n_c
 def test_fused_kernel_honours_every_rank_up_to_one_tile(R):
     rng = np.random.default_rng(R)
     case = make_case(rng, seg_lens=[1, 1, 6, 1], popularity="distinct", K=96, Ns=(48,), R=R, ranks="mixed")
-    y = case.y0.clone()
-    sgmv.add_lora(y, case.x, case.lora_a, case.lora_b, case.batch(), case.ranks, case.scalings, 0,
-                  sgmv.KernelConfig(fused=True, expand_block_n=16))
-    assert rel_err(y, case.oracle(), case.y0) <= 1e-5
+    assert rel_err(_fused(case), case.oracle(), case.y0) <= 1e-5
 
 
 @interpreted
@@ -266,10 +266,7 @@ def test_fused_config_with_ranks_past_one_tile_takes_the_two_launches():
     with pytest.raises(ValueError, match="ranks up to 64"):
         sgmv_fused.add_lora(case.y0.clone(), case.x, case.lora_a, case.lora_b, case.batch(), case.ranks,
                             case.scalings, 0, sgmv.KernelConfig(fused=True))
-    y = case.y0.clone()
-    sgmv.add_lora(y, case.x, case.lora_a, case.lora_b, case.batch(), case.ranks, case.scalings, 0,
-                  sgmv.KernelConfig(fused=True, expand_block_n=16))
-    assert rel_err(y, case.oracle(), case.y0) <= 1e-5
+    assert rel_err(_fused(case), case.oracle(), case.y0) <= 1e-5
 
 
 @interpreted
@@ -278,10 +275,7 @@ def test_fused_config_counts_a_rank_above_the_stack_width_as_the_width():
     case = make_case(rng, seg_lens=[1, 4, 1, 9], popularity="distinct", K=64, Ns=(32,), R=16)
     expected = case.oracle()
     case.ranks[0].fill_(16 + 5)
-    y = case.y0.clone()
-    sgmv.add_lora(y, case.x, case.lora_a, case.lora_b, case.batch(), case.ranks, case.scalings, 0,
-                  sgmv.KernelConfig(fused=True, expand_block_n=16))
-    assert rel_err(y, expected, case.y0) <= 1e-5
+    assert rel_err(_fused(case), expected, case.y0) <= 1e-5
 
 
 @interpreted

@@ -281,6 +281,11 @@ def _block_r(R: int) -> int:
     return min(max(16, 1 << (max(R, 1) - 1).bit_length()), 64)
 
 
+def one_rank_tile(R: int) -> bool:
+    """The whole rank in one rank tile (R ≤ 64): what the fused kernel handles."""
+    return R <= _block_r(R)
+
+
 def choose_split_k(num_programs: int, K: int, device: torch.device, cfg: KernelConfig,
                    partial_bytes: int = 0) -> int:
     """The power of two (≤ MAX_SPLIT_K, ≥ 1 K-tile per split, partials ≤ MAX_PARTIAL_BYTES) that brings
@@ -358,7 +363,7 @@ def add_lora(y, x, lora_a, lora_b, batch, ranks, scalings, y_offset: int, cfg: K
     num_slices = len(lora_a)
     R = lora_a[0].shape[1]
     # (not when y is x's storage: its programs would write columns that others still read)
-    if cfg.fused and R <= _block_r(R) and x.untyped_storage().data_ptr() != y.untyped_storage().data_ptr():
+    if cfg.fused and one_rank_tile(R) and x.untyped_storage().data_ptr() != y.untyped_storage().data_ptr():
         from . import sgmv_fused  # imports this module: loaded on first use
         return sgmv_fused.add_lora(y, x, lora_a, lora_b, batch, ranks, scalings, y_offset, cfg)
     split_k = choose_split_k(batch.num_work * num_slices * _cdiv(R, _block_r(R)), x.shape[1], x.device, cfg,

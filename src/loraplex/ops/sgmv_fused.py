@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .launch import Launcher
-from .sgmv import MAX_SLICES, KernelConfig, _block_r, _dot_v_b, _load_b, choose_n_chunks
+from .sgmv import MAX_SLICES, KernelConfig, _block_r, _dot_v_b, _load_b, choose_n_chunks, one_rank_tile
 
 
 @triton.jit
@@ -110,11 +110,6 @@ def _sgmv_fused_kernel(
 _FUSED = Launcher(_sgmv_fused_kernel)
 
 
-def fits(R: int) -> bool:
-    """The whole rank in one rank tile: what the fused kernel handles."""
-    return R <= _block_r(R)
-
-
 def choose_chunks(num_programs: int, N: int, device: torch.device, cfg: KernelConfig) -> tuple[int, int]:
     """(chunks, columns per program): the expand's rule, at `fused_programs_per_sm` programs per SM."""
     return choose_n_chunks(num_programs, N, device,
@@ -125,7 +120,7 @@ def add_lora(y, x, lora_a, lora_b, batch, ranks, scalings, y_offset: int, cfg: K
     """One launch: every (tile, slice, column chunk) program shrinks its rows and expands its chunk."""
     num_slices = len(lora_a)
     _, R, K = lora_a[0].shape
-    if not fits(R):
+    if not one_rank_tile(R):
         raise ValueError(f"the fused LoRA kernel takes ranks up to 64 (one rank tile), got a stack width of {R}")
     ns = [b.shape[1] for b in lora_b]
     cols = [y_offset + sum(ns[:i]) for i in range(num_slices)]
