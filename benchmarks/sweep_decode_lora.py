@@ -3,10 +3,9 @@ the 4 `add_lora` calls of each of Llama-2-7B's 32 layers (q/k/v fused, o, gate/u
 rank 16, on a CUDA-graph batch as the engine builds it, captured and replayed.
 
     python benchmarks/sweep_decode_lora.py --out benchmarks/results/decode_lora_sweep.json
-    python benchmarks/sweep_decode_lora.py --fused --out benchmarks/results/decode_lora_fused.json
 
-`--fused` sweeps the one-launch kernel (sgmv_fused.py: block sizes and programs per SM) beside the
-default two launches, in the same run on the same batches.
+(`results/decode_lora_fused.json` came from this script's former `--fused` option, which timed a
+one-launch kernel beside these two launches; it lost at every batch and was removed.)
 """
 from __future__ import annotations
 
@@ -45,7 +44,6 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,8,32,128,256")
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--fused", action="store_true", help="sweep the one-launch kernel against the default")
     args = ap.parse_args(argv)
     c = preset_config("llama-2-7b")
     batches = [int(b) for b in args.batches.split(",")]
@@ -53,14 +51,7 @@ def main(argv=None) -> None:
     fill_pool(pool, torch.Generator(device="cuda").manual_seed(0))
     copy_gbs = copy_bandwidth_gbs()
     base = sgmv.CONFIGS[16]
-    if args.fused:   # (fused, shrink_block_k, shrink or fused programs per SM, expand_block_n, expand pps)
-        grid = [(False, base.shrink_block_k, base.shrink_programs_per_sm, base.expand_block_n,
-                 base.expand_programs_per_sm)]
-        grid += [(True, sbk, fpps, ebn, base.expand_programs_per_sm)
-                 for sbk, fpps, ebn in itertools.product((128, 256), (0.5, 1.0, 2.0, 4.0), (64, 128, 256))]
-    else:
-        grid = [(False, *g) for g in itertools.product((128, 256), (2.0, 4.0, 8.0, 16.0), (64, 128, 256),
-                                                        (2.0, 4.0, 8.0, 16.0))]
+    grid = list(itertools.product((128, 256), (2.0, 4.0, 8.0, 16.0), (64, 128, 256), (2.0, 4.0, 8.0, 16.0)))
     rows = []
     for B in batches:
         xs = {"hidden": torch.randn(B, c.hidden_size, device="cuda", dtype=torch.bfloat16),
@@ -74,10 +65,9 @@ def main(argv=None) -> None:
             batch.update_([SequenceChunk([1], 100, list(range(i * 64, i * 64 + 8)), s) for i, s in enumerate(slots)])
             used = B if variant == "distinct" else 1
             floor_us = used * adapter_bytes_of(c) / copy_gbs / 1e3
-            for fused, sbk, spps, ebn, epps in grid:
+            for sbk, spps, ebn, epps in grid:
                 sgmv.CONFIGS[16] = dataclasses.replace(base, shrink_block_k=sbk, shrink_programs_per_sm=spps,
-                                                       expand_block_n=ebn, expand_programs_per_sm=epps, fused=fused,
-                                                       fused_programs_per_sm=spps)
+                                                       expand_block_n=ebn, expand_programs_per_sm=epps)
                 fn = lora_step(pool, batch, xs, ys)
                 fn()
                 torch.cuda.synchronize()
@@ -85,9 +75,9 @@ def main(argv=None) -> None:
                 with torch.cuda.graph(graph):
                     fn()
                 us = time_us([graph.replay], target_ms=20, reps=5)
-                row = dict(batch=B, variant=variant, fused=fused, shrink_block_k=sbk, shrink_pps=spps,
+                row = dict(batch=B, variant=variant, shrink_block_k=sbk, shrink_pps=spps,
                            expand_block_n=ebn, expand_pps=epps, us=us, floor_us=floor_us,
-                           default=not fused and (sbk, spps, ebn, epps) == (
+                           default=(sbk, spps, ebn, epps) == (
                                base.shrink_block_k, base.shrink_programs_per_sm, base.expand_block_n,
                                base.expand_programs_per_sm))
                 rows.append(row)

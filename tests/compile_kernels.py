@@ -45,19 +45,7 @@ def expand(dtype: str, block_m: int) -> None:
         _compile(sgmv._sgmv_expand_kernel, types, consts, cfg.expand_warps, cfg.expand_stages)
 
 
-def fused(dtype: str, block_m: int) -> None:
-    from loraplex.ops import sgmv_fused
-    cfg = sgmv.config_for(block_m)
-    types = {"y_": "*" + dtype, "x_": "*" + dtype, "sorted_": "*i32", "work_": "*i32", "a": "*" + dtype,
-             "b": "*" + dtype, "rk": "*i32", "sc": "*fp32"}
-    for num_slices, block_r in ((1, 16), (3, 64)):
-        consts = dict(NUM_SLICES=num_slices, BLOCK_M=block_m, BLOCK_N=cfg.expand_block_n, BLOCK_R=block_r,
-                      BLOCK_K=cfg.shrink_block_k, S_PRECISION="tf32x3" if dtype == "fp32" else "tf32",
-                      E_PRECISION="split" if dtype == "bf16" else "tf32x3")
-        _compile(sgmv_fused._sgmv_fused_kernel, types, consts, cfg.expand_warps, cfg.expand_stages)
-
-
 if __name__ == "__main__":
     kind, dtype, block_m = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    {"shrink": shrink, "expand": expand, "fused": fused}[kind](dtype, block_m)
+    {"shrink": shrink, "expand": expand}[kind](dtype, block_m)
     print("compiled", kind, dtype, block_m)

@@ -162,6 +162,12 @@ def test_report_merges_runs_and_compares_only_rows_of_the_same_workload(tmp_path
     table = (tmp_path / "all.md").read_text()
     assert "| fixed 8+4 | distinct | 2 | hf-peft | 4 |" in table and "fixed 8+4: note fixed" in table
     assert (tmp_path / "all_distinct.png").stat().st_size > 0
+    assert "run on" not in table   # one date: nothing to say
+    paths[1].write_text(json.dumps(dict(b, date="2026-12-01")))
+    assert report_main([str(p) for p in paths] + ["--out-dir", str(tmp_path), "--name", "dated"]) == 0
+    table = (tmp_path / "dated.md").read_text()
+    assert "run on 2026-11-30: punica ≤64 loraplex (max batch 2), punica ≤64 loraplex-backbone (max batch 2)" in table
+    assert "run on 2026-12-01: fixed 8+4 loraplex (max batch 2), fixed 8+4 hf-peft (max batch 2)" in table
     paths[1].write_text(json.dumps(dict(b, model="dummy:other")))
     with pytest.raises(SystemExit, match="different model"):
         report_main([str(p) for p in paths] + ["--out-dir", str(tmp_path), "--name", "bad"])

@@ -286,3 +286,36 @@ def test_lora_kernel_warmup_launches_every_variant_and_changes_nothing():
     pool.ranks.fill_(3)
     assert compile_lora_kernels(config, pool, torch.float32) >= 2 * 2 * 4 * 4
     assert bool((pool.ranks == 3).all())
+
+
+@pytest.mark.parametrize("graphs, setting", [(True, None), (False, None), (True, "0")])
+def test_eager_forwards_run_with_adapter_loads_stepping_aside(served, graphs, setting, monkeypatch):
+    """With decode graphs, each eager forward is a `busy` stretch of adapters/priority.py (loads get the
+    graphed steps' host time instead); without graphs (the CPU, enforce_eager) every step is eager, so
+    loads are never held back; nor with LORAPLEX_HOST_PRIORITY=0."""
+    from loraplex.adapters.priority import HOST_PRIORITY
+    if setting is not None:
+        monkeypatch.setenv("LORAPLEX_HOST_PRIORITY", setting)
+
+    class NoDecodeGraph:   # an engine with graphs whose steps all run eager (as mixed steps do)
+        def can_run(self, chunks):
+            return False
+
+    llm = make_llm(served)
+    runner, seen = llm.engine.runner, []
+    if graphs:
+        runner.graphs = NoDecodeGraph()
+    run_eager = runner._run_eager
+
+    def recording(*args, **kwargs):
+        seen.append(HOST_PRIORITY.is_busy)
+        return run_eager(*args, **kwargs)
+
+    runner._run_eager = recording
+    try:
+        llm.generate([[5, 6, 7]] * 3, SamplingParams(max_tokens=4, **GREEDY), adapter=["all-r8", None, "qv-r4"])
+    finally:
+        runner.graphs = None
+        llm.close()
+    assert seen and set(seen) == {graphs and setting is None}
+    assert not HOST_PRIORITY.is_busy

@@ -93,35 +93,6 @@ def test_triton_kernels_in_the_interpreter_match_too(setup):
         setup.model.backend = None
 
 
-def test_fused_decode_lora_kernel_in_the_interpreter_matches_too(setup, monkeypatch):
-    """The same with the one-launch LoRA kernel (sgmv_fused.py) for 16-row tiles, as LORAPLEX_FUSED_DECODE=1
-    selects: every tile of this batch has at most 16 rows, so every LoRA call takes it."""
-    import dataclasses
-    from loraplex.ops import sgmv
-    if setup.config.head_dim & (setup.config.head_dim - 1):
-        pytest.skip("the Triton attention kernels take power-of-two head sizes")
-    monkeypatch.setitem(sgmv.CONFIGS, 16, dataclasses.replace(sgmv.CONFIGS[16], fused=True))
-    calls, two_launch = [], []
-    from loraplex.ops import sgmv_fused
-    monkeypatch.setattr(sgmv_fused, "_FUSED", _counting(sgmv_fused._FUSED, calls))
-    monkeypatch.setattr(sgmv, "_SHRINK", _counting(sgmv._SHRINK, two_launch))
-    setup.model.backend = "triton"
-    try:
-        check_mixed_batch(setup, [("all-r8", 0, 11), ("attn-r4", 9, 1), (None, 3, 5), ("mlp-patterned", 17, 1)])
-    finally:
-        setup.model.backend = None
-    # the steps that build each sequence's cached prefix have 17+ rows for one adapter: 64-row tiles
-    tiles = [constexprs["BLOCK_M"] for (_, _, constexprs, *_) in two_launch]
-    assert calls and set(tiles) <= {64}, f"{len(calls)} fused calls; two launches for tile heights {tiles}"
-
-
-def _counting(launcher, calls: list):
-    def launch(*args, **kwargs):
-        calls.append(args)
-        return launcher(*args, **kwargs)
-    return launch
-
-
 def check_mixed_batch(setup, plan):
     rng = random.Random(7)
     V = setup.config.vocab_size

@@ -227,79 +227,27 @@ def test_one_slice_lists_round_trip_through_the_halves(backend):
     assert rel_err(y, case.oracle(), case.y0) <= 1e-5
 
 
-# ---- the one-launch (fused) decode path: sgmv_fused.py ----------------------------------------------------------
-def _fused(case, block_m=None, **cfg) -> torch.Tensor:
-    """sgmv.add_lora with a fused config on a fresh copy of y0."""
-    y = case.y0.clone()
-    sgmv.add_lora(y, case.x, case.lora_a, case.lora_b, case.batch(block_m=block_m), case.ranks, case.scalings,
-                  case.y_offset, sgmv.KernelConfig(**{"fused": True, "expand_block_n": 16, **cfg}))
-    return y
-
 @interpreted
-@pytest.mark.parametrize("dtype, precision", [(torch.float32, None), (torch.float16, None), (torch.float16, "split")])
-@pytest.mark.parametrize("popularity", POPULARITIES)
-@pytest.mark.parametrize("n_chunks", [None, 1, 3])
-def test_fused_kernel_matches_the_float64_loop(dtype, precision, popularity, n_chunks):
-    rng = np.random.default_rng(stable_seed("fused", str(dtype), str(precision), popularity, str(n_chunks)))
-    case = make_case(rng, seg_lens=[1] * 20 + [3, 17], popularity=popularity, K=200, Ns=(72, 24, 40), R=16,
-                     ranks="mixed", dtype=dtype, none_frac=0.25, y_offset=2, extra_cols=3)
-    for block_m in (16, 64):
-        y = _fused(case, block_m, shrink_block_k=64, n_chunks=n_chunks, expand_precision=precision)
-        untouched = case.untouched()
-        assert torch.equal(y[untouched], case.y0[untouched]), "rows or columns outside the LoRA slices changed"
-        assert rel_err(y, case.oracle(), case.y0) <= TOL[dtype]
-
-
-@interpreted
-@pytest.mark.parametrize("R", [1, 7, 33, 64])
-def test_fused_kernel_honours_every_rank_up_to_one_tile(R):
-    rng = np.random.default_rng(R)
-    case = make_case(rng, seg_lens=[1, 1, 6, 1], popularity="distinct", K=96, Ns=(48,), R=R, ranks="mixed")
-    assert rel_err(_fused(case), case.oracle(), case.y0) <= 1e-5
-
-
-@interpreted
-def test_fused_config_with_ranks_past_one_tile_takes_the_two_launches():
-    from loraplex.ops import sgmv_fused
-    rng = np.random.default_rng(128)
-    case = make_case(rng, seg_lens=[1, 2, 1], popularity="distinct", K=64, Ns=(32,), R=128, ranks="mixed")
-    with pytest.raises(ValueError, match="ranks up to 64"):
-        sgmv_fused.add_lora(case.y0.clone(), case.x, case.lora_a, case.lora_b, case.batch(), case.ranks,
-                            case.scalings, 0, sgmv.KernelConfig(fused=True))
-    assert rel_err(_fused(case), case.oracle(), case.y0) <= 1e-5
-
-
-@interpreted
-def test_fused_config_counts_a_rank_above_the_stack_width_as_the_width():
-    rng = np.random.default_rng(61)
-    case = make_case(rng, seg_lens=[1, 4, 1, 9], popularity="distinct", K=64, Ns=(32,), R=16)
-    expected = case.oracle()
-    case.ranks[0].fill_(16 + 5)
-    assert rel_err(_fused(case), expected, case.y0) <= 1e-5
-
-
-@interpreted
-def test_fused_config_with_y_in_xs_storage_takes_the_two_launches():
-    """add_lora(y, y, …) is allowed; one launch would write columns of x that other programs still read."""
+def test_y_in_xs_storage():
+    """add_lora(y, y, …) is allowed: the shrink reads all of x before the expand writes y."""
     rng = np.random.default_rng(62)
     case = make_case(rng, seg_lens=[1] * 6, popularity="distinct", K=64, Ns=(64,), R=16)
     y = case.x.clone()
     expected = ops.add_lora(y.clone(), y.clone(), case.lora_a[0], case.lora_b[0], case.batch(), case.ranks[0],
                             case.scalings[0], backend="reference")
     sgmv.add_lora(y, y, case.lora_a, case.lora_b, case.batch(), case.ranks, case.scalings, 0,
-                  sgmv.KernelConfig(fused=True, expand_block_n=16, n_chunks=2))
+                  sgmv.KernelConfig(expand_block_n=16, n_chunks=2))
     assert torch.allclose(y, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_fused_decode_is_opt_in_through_the_environment():
-    import os
-    import subprocess
-    import sys
-    code = "from loraplex.ops import sgmv; print(sgmv.CONFIGS[16].fused, sgmv.CONFIGS[64].fused)"
-    for value, expect in (("1", "True False"), ("yes", "True False"), ("0", "False False"),
-                          ("False", "False False"), ("off", "False False"), (None, "False False")):
-        env = {k: v for k, v in os.environ.items() if k != "LORAPLEX_FUSED_DECODE"}
-        if value is not None:
-            env["LORAPLEX_FUSED_DECODE"] = value
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-        assert out.stdout.split() == expect.split(), value
+@pytest.mark.parametrize("value, on", [(None, True), ("1", True), ("0", False), ("off", False), ("False", False)])
+def test_lora_overlap_setting(value, on, monkeypatch):
+    """LORAPLEX_LORA_OVERLAP: the shrink beside the GEMM in captured decode steps of up to MAX_ROWS rows,
+    by default (ops/overlap.py)."""
+    from loraplex.ops import overlap
+    if value is None:
+        monkeypatch.delenv("LORAPLEX_LORA_OVERLAP", raising=False)
+    else:
+        monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", value)
+    assert overlap.enabled(1) == on and overlap.enabled(overlap.MAX_ROWS) == on
+    assert not overlap.enabled(overlap.MAX_ROWS + 1)

@@ -140,24 +140,3 @@ def test_fast_launch_matches_tritons_own_launch():
         assert all(launcher.direct_launches > d for launcher, d in zip(launchers, direct)), "direct path unused"
         assert torch.equal(outs[1], outs[2]) and torch.equal(outs[0], outs[2])
         assert rel_err(outs[1], case.oracle(), case.y0) <= TOL[dtype]
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("popularity", POPULARITIES)
-def test_fused_decode_kernel_matches_float64_loop(dtype, popularity):
-    """The one-launch path (sgmv_fused.py, opt-in) on Llama-2-7B's decode shapes, every rank up to 64."""
-    rng = np.random.default_rng(stable_seed("fused", str(dtype), popularity))
-    for i, (K, Ns) in enumerate([(4096, (4096, 4096, 4096)), (4096, (4096,)), (4096, (11008, 11008)),
-                                 (11008, (4096,))]):
-        case = make_case(rng, seg_lens=[1] * int(rng.choice([1, 32, 256])), popularity=popularity, K=K, Ns=Ns,
-                         R=64 if i % 2 else 16, ranks="mixed", dtype=dtype, device="cuda", none_frac=0.2,
-                         y_offset=i, extra_cols=2)
-        for n_chunks, block_m in ((None, 16), (1, 16), (None, None)):   # 16-row tiles: what graphs run
-            y = case.y0.clone()
-            sgmv.add_lora(y, case.x, case.lora_a, case.lora_b, case.batch(block_m=block_m), case.ranks, case.scalings,
-                          case.y_offset, sgmv.KernelConfig(fused=True, n_chunks=n_chunks, shrink_block_k=256,
-                                                           expand_block_n=256))
-            untouched = case.untouched()
-            assert torch.equal(y[untouched], case.y0[untouched])
-            err = rel_err(y, case.oracle(), case.y0)
-            assert err <= TOL[dtype], f"K={K} Ns={Ns} n_chunks={n_chunks}: rel err {err:.2e}"

@@ -23,6 +23,7 @@ import torch
 
 from ..models.config import PROJECTIONS, ModelConfig
 from .peft_format import inspect_peft_adapter, read_peft_adapter
+from .priority import HOST_PRIORITY
 from .spec import (AdapterError, AdapterSpec, LoraAdapter, ModuleSpec, check_adapter_name, check_finite,
                    pack_host_adapter)
 
@@ -265,6 +266,7 @@ class PackedFile:
         item = self.dtype.itemsize
         tensors = {}
         for (layer, proj), m in spec.modules.items():
+            HOST_PRIORITY.checkpoint()
             start = self._offsets[index][layer][PROJECTIONS.index(proj)]
             blocks = []
             for suffix in ("lora_a", "lora_b_t"):

@@ -21,6 +21,7 @@ import torch
 
 from ..models.config import ATTENTION_PROJECTIONS, PROJECTIONS, ModelConfig
 from .peft_config import resolve_modules
+from .priority import HOST_PRIORITY
 from .spec import AdapterError, AdapterSpec, LoraAdapter, ModuleKey, check_finite, pack_host_adapter
 
 log = logging.getLogger("loraplex.adapters")
@@ -199,6 +200,7 @@ def read_peft_adapter(spec: AdapterSpec, dtype: torch.dtype, pin: bool = False) 
         try:
             with safe_open(str(path), framework="pt") as f:
                 for module, ab in keys.items():
+                    HOST_PRIORITY.checkpoint()
                     tensors[module] = (f.get_tensor(ab["A"]), f.get_tensor(ab["B"]))
         except Exception as e:
             raise AdapterError(f"{path}: unreadable safetensors file: {e}") from None

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..models.config import PROJECTIONS, ModelConfig
+from .priority import HOST_PRIORITY
 from .spec import AdapterError, LoraAdapter
 
 _PROJ_INDEX = {p: i for i, p in enumerate(PROJECTIONS)}
@@ -99,6 +100,7 @@ class AdapterPool:
         ranks = torch.zeros(L, len(PROJECTIONS), dtype=torch.int32)
         scalings = torch.zeros(L, len(PROJECTIONS), dtype=torch.float32)
         for (layer, proj), module in adapter.modules.items():
+            HOST_PRIORITY.checkpoint()
             r, p = module.a.shape[0], _PROJ_INDEX[proj]
             if layer >= L:
                 raise AdapterError(f"adapter {adapter.name!r} has layer {layer}; the model has {L}")

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ..models.config import PROJECTIONS, ModelConfig
+from .priority import HOST_PRIORITY
 
 ModuleKey = tuple[int, str]  # (layer index, projection name)
 
@@ -137,7 +138,9 @@ def pack_host_adapter(spec: AdapterSpec, tensors: dict[ModuleKey, tuple[torch.Te
     places, chunk_sizes = _layout(sizes, chunk)
     buffers = [torch.empty(n, dtype=dtype, pin_memory=pin) for n in chunk_sizes]
     views = []
-    for t, (c, offset) in zip(flat, places):
+    for i, (t, (c, offset)) in enumerate(zip(flat, places)):
+        if i % 2 == 0:
+            HOST_PRIORITY.checkpoint()
         view = buffers[c][offset: offset + t.numel()].view(t.shape)
         view.copy_(t)
         views.append(view)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..models.config import PROJECTIONS, ModelConfig
+from .priority import HOST_PRIORITY
 from .spec import AdapterSpec, LoraAdapter, ModuleSpec, check_adapter_name, pack_host_adapter
 
 
@@ -51,6 +52,7 @@ def read_synthetic(spec: AdapterSpec, dtype: torch.dtype, pin: bool) -> LoraAdap
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for (layer, proj), module in sorted(spec.modules.items()):
+        HOST_PRIORITY.checkpoint()
         in_f, out_f = model.projection_shape(proj)
         tensors[(layer, proj)] = (_window(gen, (module.rank, in_f), in_f ** -0.5),
                                   _window(gen, (out_f, module.rank), module.rank ** -0.5))

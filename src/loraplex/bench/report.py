@@ -142,8 +142,14 @@ def merge(results: list[dict]) -> dict:
         for row in r["rows"]:
             rows.append(dict(row, lengths=label, run_date=r["date"]))
         notes += [f"{label}: {n}" for n in r.get("notes", []) if f"{label}: {n}" not in notes]
+    dates = sorted({r["date"] for r in results})
+    if len(dates) > 1:   # say which rows are older: code and machine may differ between runs
+        for date in dates:
+            which = [f"{row['lengths']} {row['system']} (max batch {row['max_batch'] or 'unlimited'})"
+                     for row in rows if row["run_date"] == date]
+            notes.append(f"run on {date}: {', '.join(which)}")
     bandwidths = sorted(r["bandwidth_gbs"] for r in results if r.get("bandwidth_gbs"))
-    return dict(first, date=max(r["date"] for r in results), rows=rows, ratios=ratios(rows), notes=notes,
+    return dict(first, date=max(dates), rows=rows, ratios=ratios(rows), notes=notes,
                 workload=dict(runs=list(dict.fromkeys(runs))),
                 bandwidth_gbs=bandwidths[len(bandwidths) // 2] if bandwidths else None)
 

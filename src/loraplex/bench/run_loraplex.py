@@ -93,6 +93,7 @@ class LoraplexSystem:
         last = [0.0] * len(ids)
         got = [0] * len(ids)
         steps = decode_steps = seq_sum = 0
+        decode_s = mixed_s = 0.0   # wall time of the steps that ran, by kind (where a gap to the backbone lies)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -110,6 +111,10 @@ class LoraplexSystem:
                     steps += 1
                     decode_steps += info.decode
                     seq_sum += info.num_seqs
+                    if info.decode:
+                        decode_s += info.seconds
+                    else:
+                        mixed_s += info.seconds
                 for out in outs:
                     i = index[out.request_id]
                     if out.finish_reason in ("abort", "error"):
@@ -125,6 +130,9 @@ class LoraplexSystem:
         result = RunResult(name, workload.popularity, self.config.max_num_seqs, len(ids), workload.prompt_tokens,
                            sum(got), seconds, first, last, got,
                            extra=dict(steps=steps, decode_steps=decode_steps,
-                                      mean_batch=seq_sum / steps if steps else 0.0, preloaded=preloaded))
+                                      mean_batch=seq_sum / steps if steps else 0.0, preloaded=preloaded,
+                                      decode_step_ms=1e3 * decode_s / decode_steps if decode_steps else 0.0,
+                                      mixed_step_ms=1e3 * mixed_s / (steps - decode_steps) if steps > decode_steps
+                                      else 0.0, other_seconds=seconds - decode_s - mixed_s))
         check_complete(result, lens)
         return result

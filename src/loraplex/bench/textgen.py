@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
                   date=datetime.date.today().isoformat(), torch=torch.__version__, model=args.model,
                   layers=args.layers, dtype=dtype, rank=args.rank, bandwidth_gbs=bandwidth,
                   gpu_adapters=args.gpu_adapters, preload_adapters=args.preload_adapters,
-                  fused_decode=os.environ.get("LORAPLEX_FUSED_DECODE"),
+                  lora_overlap=os.environ.get("LORAPLEX_LORA_OVERLAP"),
                   workload=dict(requests=args.requests, lengths=args.lengths, max_len=args.max_len, seed=args.seed,
                                 prompt_len=args.prompt_len, output_len=args.output_len,
                                 popularity=pops, baseline_requests=n_base),

@@ -10,6 +10,8 @@ from typing import Sequence as Seq
 import torch
 
 from ..adapters import AdapterCache
+from ..adapters import priority as host_priority
+from ..adapters.priority import HOST_PRIORITY
 from ..config import EngineConfig
 from ..models import dummy_model, load_model
 from ..models.forward_batch import ForwardBatch, SequenceChunk
@@ -130,7 +132,12 @@ class ModelRunner:
             if graphed:
                 logits = self.graphs.run(batch_chunks, inputs)
             else:
-                logits = self._run_eager(batch_chunks, inputs)
+                # Host-bound (~1,500 launches from Python): adapter loads step aside meanwhile, where
+                # graphed decode steps leave them host time. Without graphs every step is eager, and
+                # loads would only crawl at the checkpoints' bound, so they keep running.
+                yield_loads = self.graphs is not None and host_priority.enabled()
+                with HOST_PRIORITY.busy() if yield_loads else contextlib.nullcontext():
+                    logits = self._run_eager(batch_chunks, inputs)
             sampled = [c.seq for c in chunks if c.needs_logits]
             pending = self.sampler.launch(logits, [s.params for s in sampled], [s.generator for s in sampled])
         return pending, graphed

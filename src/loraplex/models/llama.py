@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..adapters.pool import AdapterPool
-from ..ops import add_lora, api, resolve_backend
+from ..ops import add_lora, api, overlap, resolve_backend
 from ..ops.attention import paged_attention, store_kv
 from ..ops.fused import apply_rope, rms_norm, silu_and_mul
 from .config import ModelConfig
@@ -58,11 +58,15 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
                 kv: KVCache, pool: AdapterPool | None, inv_freq: torch.Tensor,
-                backend: str | None, direct_lora: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                backend: str | None, direct_lora: bool = False,
+                overlap_lora: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         T, L = hidden.shape[0], self.layer
         lora = pool is not None and batch.has_adapters
 
         def project(x: torch.Tensor, weight, bias, projs: tuple[str, ...]) -> torch.Tensor:
+            if lora and overlap_lora:  # the LoRA shrink beside the GEMM (CUDA-graph capture)
+                a, b, ranks, scalings = pool.stacks(L, projs)
+                return overlap.linear_with_lora(x, weight, bias, a, b, batch.lora, ranks, scalings)
             y = F.linear(x, weight, bias)
             if lora:  # fused projections: one multi-slice launch
                 a, b, ranks, scalings = pool.stacks(L, projs)
@@ -132,12 +136,16 @@ class LlamaForCausalLM(nn.Module):
         # checked just above), so on the Triton path the 128 calls of a step skip their checks:
         # they cost more host time than the kernels take on the GPU in eager steps.
         direct = pool is not None and resolve_backend(self.backend, self.device) == "triton"
+        # While a CUDA graph is captured, each LoRA shrink goes on a side stream beside its GEMM
+        # (ops/overlap.py); eager steps keep one stream, where forks and joins cost host time.
         hidden = F.embedding(batch.input_ids, self.embed_tokens)
         residual = None
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            side = (direct and self.device.type == "cuda" and overlap.enabled(batch.input_ids.shape[0])
+                    and torch.cuda.is_current_stream_capturing())
             for layer in self.layers:
                 hidden, residual = layer(hidden, residual, batch, kv_cache, pool, self.inv_freq, self.backend,
-                                         direct)
+                                         direct, side)
         # Only the rows that get logits go through the final norm and the lm_head.
         rows = batch.logits_rows
         hidden, _ = rms_norm(hidden.index_select(0, rows), self.norm, self.config.rms_norm_eps,

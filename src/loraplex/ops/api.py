@@ -72,8 +72,7 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: TensorOrList, lora_b: Ten
             y[rows, y_offset:y_offset+N] += scalings[slot] * (x[rows] @ lora_a[slot, :r].T) @ lora_b[slot, :, :r].T
 
     The intermediate is accumulated and kept in fp32. Never synchronises with the host on
-    the Triton path (two launches, or one with the opt-in fused decode kernel), so it can be
-    captured in a CUDA graph. A rank above R
+    the Triton path (two launches), so it can be captured in a CUDA graph. A rank above R
     counts as R (ranks are validated where they are written, not here). Not differentiable.
     """
     check_x(x)

@@ -16,15 +16,14 @@ Up to `MAX_SLICES` output slices (fused q/k/v, gate/up) share one launch per dir
 each slice's tensors come in as their own kernel arguments so the compiler keeps their
 alignment, and the program picks its slice with a branch.
 
-sgmv_fused.py holds a one-launch variant (shrink and expand in the same program) for ranks up
-to 64, taken when the config says `fused`: opt-in until measured against these two launches.
+A one-launch variant (each program shrinking over the whole K, then expanding its columns) was
+measured on an H200 and lost 1.1–3.3× to these two launches at every decode batch: without
+split-K each program's K loop is one long latency chain (benchmarks/NOTES.md).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -235,8 +234,6 @@ class KernelConfig:
     split_k: int | None = None  # fixed K splits (a power of two up to MAX_SPLIT_K) instead of the rule above
     n_chunks: int | None = None  # fixed N chunks per slice instead of the rule above
     expand_precision: str | None = None  # None: "split" for bf16 weights, "tf32x3" for fp16 and fp32
-    fused: bool = False  # one launch, shrink and expand in the same program (sgmv_fused.py; ranks ≤ 64)
-    fused_programs_per_sm: float = 1.0  # fused: cut N into chunks until about this many programs per SM
 
 
 MAX_SPLIT_K = 8
@@ -250,11 +247,6 @@ _EXPAND = Launcher(_sgmv_expand_kernel)
 CONFIGS = {16: KernelConfig(shrink_block_k=256, expand_block_n=256, shrink_programs_per_sm=16.0,
                             expand_programs_per_sm=16.0),
            64: KernelConfig(shrink_block_k=128, expand_block_n=128, expand_programs_per_sm=2.0)}
-
-
-if os.environ.get("LORAPLEX_FUSED_DECODE", "0").strip().lower() not in ("0", "", "false", "no", "off"):
-    # not measured yet against the two launches: opt in (benchmarks/sweep_decode_lora.py compares them)
-    CONFIGS[16] = dataclasses.replace(CONFIGS[16], fused=True)
 
 
 def config_for(block_m: int) -> KernelConfig:
@@ -279,11 +271,6 @@ def _cdiv(a: int, b: int) -> int:
 
 def _block_r(R: int) -> int:
     return min(max(16, 1 << (max(R, 1) - 1).bit_length()), 64)
-
-
-def one_rank_tile(R: int) -> bool:
-    """The whole rank in one rank tile (R ≤ 64): what the fused kernel handles."""
-    return R <= _block_r(R)
 
 
 def choose_split_k(num_programs: int, K: int, device: torch.device, cfg: KernelConfig,
@@ -356,19 +343,18 @@ def expand_from(y: torch.Tensor, part: torch.Tensor, lora_b: list[torch.Tensor],
             cfg.expand_warps, cfg.expand_stages)
 
 
-def add_lora(y, x, lora_a, lora_b, batch, ranks, scalings, y_offset: int, cfg: KernelConfig | None = None):
-    """Shrink into a per-call fp32 partial buffer, then expand into y (two launches); or, when the
-    config says `fused` and the rank fits one tile, both in one launch (sgmv_fused.py)."""
-    cfg = cfg or config_for(batch.block_m)
-    num_slices = len(lora_a)
-    R = lora_a[0].shape[1]
-    # (not when y is x's storage: its programs would write columns that others still read)
-    if cfg.fused and one_rank_tile(R) and x.untyped_storage().data_ptr() != y.untyped_storage().data_ptr():
-        from . import sgmv_fused  # imports this module: loaded on first use
-        return sgmv_fused.add_lora(y, x, lora_a, lora_b, batch, ranks, scalings, y_offset, cfg)
+def new_partials(x: torch.Tensor, lora_a: list[torch.Tensor], batch, cfg: KernelConfig) -> torch.Tensor:
+    """The shrink's fp32 output `[split_k, slices, T, R]`, split K ways by the rule above."""
+    num_slices, R = len(lora_a), lora_a[0].shape[1]
     split_k = choose_split_k(batch.num_work * num_slices * _cdiv(R, _block_r(R)), x.shape[1], x.device, cfg,
                              num_slices * x.shape[0] * R * 4)
-    part = torch.empty((split_k, num_slices, x.shape[0], R), dtype=torch.float32, device=x.device)
+    return torch.empty((split_k, num_slices, x.shape[0], R), dtype=torch.float32, device=x.device)
+
+
+def add_lora(y, x, lora_a, lora_b, batch, ranks, scalings, y_offset: int, cfg: KernelConfig | None = None):
+    """Shrink into a per-call fp32 partial buffer, then expand into y (two launches)."""
+    cfg = cfg or config_for(batch.block_m)
+    part = new_partials(x, lora_a, batch, cfg)
     shrink_into(part, x, lora_a, ranks, batch, cfg)
     expand_from(y, part, lora_b, ranks, scalings, batch, y_offset, cfg)
     return y

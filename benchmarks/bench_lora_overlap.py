@@ -1,0 +1,116 @@
+"""Decode forwards with the LoRA kernels beside the GEMMs or after them, side by side (one H200 run).
+
+Llama-2-7B shapes, dummy bf16 weights, rank-16 adapters on all seven projections, context 512,
+batches of 1–256 sequences: the backbone alone, then each sequence with its own adapter ("distinct")
+and all sharing one ("shared"), each captured in a CUDA graph two ways (ops/overlap.py): `off`
+(shrink and expand after the GEMM, one stream) and `shrink` (the shrink on a side stream beside the
+GEMM), at every batch size whatever `overlap.MAX_ROWS` says. Median replay times
+from CUDA events, beside the memory floor (weights, KV and each used adapter once over the copy
+bandwidth measured in the same run).
+
+    python benchmarks/bench_lora_overlap.py --out benchmarks/results/lora_overlap.json \
+        --md benchmarks/results/lora_overlap.md
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_lora_ops import copy_bandwidth_gbs, time_us  # noqa: E402
+from bench_model import BLOCK, RANK, adapter_bytes, capture, fill_pool, kv_bytes, tables, weight_bytes  # noqa: E402
+
+from loraplex.adapters import AdapterPool  # noqa: E402
+from loraplex.models import ForwardBatch, KVCache, SequenceChunk, dummy_model  # noqa: E402
+from loraplex.ops import overlap  # noqa: E402
+
+MODES = ("off", "shrink")
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="llama-2-7b")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--batches", default="1,32,128,256")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--md", type=Path)
+    args = ap.parse_args(argv)
+    overlap.MAX_ROWS = 1 << 30   # time both ways at every size
+    batches = [int(b) for b in args.batches.split(",")]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    cpu_gen = torch.Generator().manual_seed(0)
+    model = dummy_model(args.preset, dtype="bfloat16", device="cuda", num_layers=args.layers)
+    c = model.config
+    ctx_blocks = -(-args.context // BLOCK)
+    kv = KVCache(c, max(batches) * ctx_blocks, BLOCK, dtype=torch.bfloat16, device="cuda")
+    kv.data.normal_(0, 1, generator=gen)
+    pool = AdapterPool(c, num_slots=max(batches), max_rank=RANK, dtype=torch.bfloat16, device="cuda")
+    fill_pool(pool, gen)
+    copy_gbs = copy_bandwidth_gbs()
+    print(f"{torch.cuda.get_device_name()}: copy {copy_gbs:.0f} GB/s", flush=True)
+    rows = []
+    for B in batches:
+        tabs = tables(B, ctx_blocks, 0, cpu_gen)
+        tokens = torch.randint(0, c.vocab_size, (B,), generator=cpu_gen).tolist()
+        for variant in ("backbone", "distinct", "shared"):
+            slots = {"backbone": [-1] * B, "distinct": list(range(B)), "shared": [0] * B}[variant]
+            batch = ForwardBatch.build([SequenceChunk([t], args.context - 1, tab, s)
+                                        for t, tab, s in zip(tokens, tabs, slots)], block_size=BLOCK,
+                                       num_blocks=kv.num_blocks, vocab_size=c.vocab_size, device="cuda",
+                                       num_adapter_slots=pool.num_slots)
+            use_pool = None if variant == "backbone" else pool
+            fn = lambda: model(batch, kv, use_pool)  # noqa: E731
+            eager = fn().clone()
+            adapters = {"backbone": 0, "distinct": B, "shared": 1}[variant]
+            floor_us = (weight_bytes(model, B) + kv_bytes(model, B * args.context)
+                        + adapters * adapter_bytes(model)) / copy_gbs / 1e3
+            for mode in (("off",) if variant == "backbone" else MODES):
+                os.environ["LORAPLEX_LORA_OVERLAP"] = "0" if mode == "off" else "1"
+                replay, out = capture(fn)
+                with torch.inference_mode():
+                    out.fill_(float("nan"))
+                replay()
+                err = (out - eager).abs().max().item() / max(eager.abs().max().item(), 1e-30)
+                us = time_us([replay], target_ms=30, reps=7)
+                rows.append(dict(batch=B, variant=variant, overlap=mode, graph_us=us, floor_us=floor_us,
+                                 of_floor=floor_us / us, rel_err_vs_eager=err))
+                print(f"B={B:4d} {variant:9s} {mode:7s} {us:8.0f} µs  floor {floor_us:7.0f} µs "
+                      f"({100 * floor_us / us:.0f}%)  rel err vs eager {err:.1e}", flush=True)
+                del replay, out
+        torch.cuda.empty_cache()
+    result = dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                  torch=torch.__version__, preset=args.preset, layers=c.num_hidden_layers, rank=RANK,
+                  context=args.context, copy_gbs=copy_gbs, rows=rows)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+    if args.md:
+        args.md.write_text(markdown(result))
+    return result
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# Decode forward, LoRA beside the GEMMs — {result['gpu']}, {result['date'][:10]}", "",
+             f"{result['preset']} ({result['layers']} layers), dummy bf16 weights, rank {result['rank']} on all "
+             f"7 projections, context {result['context']}; CUDA-graph replays, median of CUDA events; copy "
+             f"bandwidth {result['copy_gbs']:.0f} GB/s.", "",
+             "| batch | adapters | LoRA after the GEMM (µs) | shrink beside it (µs) | backbone (µs) | floor (µs) |",
+             "|---:|---|---:|---:|---:|---:|"]
+    rows = result["rows"]
+    for B in sorted({r["batch"] for r in rows}):
+        base = next(r for r in rows if r["batch"] == B and r["variant"] == "backbone")
+        for variant in ("distinct", "shared"):
+            t = {r["overlap"]: r for r in rows if r["batch"] == B and r["variant"] == variant}
+            lines.append(f"| {B} | {variant} | {t['off']['graph_us']:.0f} | {t['shrink']['graph_us']:.0f} | "
+                         f"{base['graph_us']:.0f} | {t['off']['floor_us']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
