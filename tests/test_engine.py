@@ -288,11 +288,12 @@ def test_lora_kernel_warmup_launches_every_variant_and_changes_nothing():
     assert bool((pool.ranks == 3).all())
 
 
-@pytest.mark.parametrize("graphs, setting", [(True, None), (False, None), (True, "0")])
+@pytest.mark.parametrize("graphs, setting", [(True, None), (False, None), (True, "0"), (True, "adaptive")])
 def test_eager_forwards_run_with_adapter_loads_stepping_aside(served, graphs, setting, monkeypatch):
     """With decode graphs, each eager forward is a `busy` stretch of adapters/priority.py (loads get the
     graphed steps' host time instead); without graphs (the CPU, enforce_eager) every step is eager, so
-    loads are never held back; nor with LORAPLEX_HOST_PRIORITY=0."""
+    loads are never held back; nor with LORAPLEX_HOST_PRIORITY=0. With `adaptive`, only in steps
+    where no request that fits waits for its adapter."""
     from loraplex.adapters.priority import HOST_PRIORITY
     if setting is not None:
         monkeypatch.setenv("LORAPLEX_HOST_PRIORITY", setting)
@@ -308,7 +309,7 @@ def test_eager_forwards_run_with_adapter_loads_stepping_aside(served, graphs, se
     run_eager = runner._run_eager
 
     def recording(*args, **kwargs):
-        seen.append(HOST_PRIORITY.is_busy)
+        seen.append((HOST_PRIORITY.is_busy, llm.engine.scheduler.waiting_on_adapters))
         return run_eager(*args, **kwargs)
 
     runner._run_eager = recording
@@ -317,5 +318,10 @@ def test_eager_forwards_run_with_adapter_loads_stepping_aside(served, graphs, se
     finally:
         runner.graphs = None
         llm.close()
-    assert seen and set(seen) == {graphs and setting is None}
+    busy = [b for b, _ in seen]
+    if setting == "adaptive":
+        assert all(b == (not waiting) for b, waiting in seen), seen
+        assert any(waiting for _, waiting in seen), "no step waited for an adapter: the test shows nothing"
+    else:
+        assert seen and set(busy) == {graphs and setting is None}
     assert not HOST_PRIORITY.is_busy

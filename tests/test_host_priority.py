@@ -62,14 +62,15 @@ def test_busy_nests_and_ends_on_errors():
     assert not hp.is_busy
 
 
-@pytest.mark.parametrize("value, on", [(None, True), ("1", True), ("0", False), ("off", False)])
-def test_the_engine_setting(value, on, monkeypatch):
+@pytest.mark.parametrize("value, mode", [(None, "always"), ("1", "always"), ("0", "off"), ("off", "off"),
+                                         ("adaptive", "adaptive"), ("Adaptive", "adaptive")])
+def test_the_engine_setting(value, mode, monkeypatch):
     from loraplex.adapters import priority
     if value is None:
         monkeypatch.delenv("LORAPLEX_HOST_PRIORITY", raising=False)
     else:
         monkeypatch.setenv("LORAPLEX_HOST_PRIORITY", value)
-    assert priority.enabled() == on
+    assert priority.mode() == mode
 
 
 def test_max_wait_must_be_positive():

@@ -779,3 +779,21 @@ def test_a_wish_withdrawn_stops_its_load():
     sched.finish(first)
     step(sched, now=1.1)
     assert ad.wanted == ["a1"] and set(ad.loading) == {"a1"}
+
+
+def test_waiting_on_adapters_says_whether_a_request_that_fits_waits_for_its_load():
+    """What adapters/priority.py's adaptive mode reads: True only while a request that the batch has
+    room for is held back by its adapter's load."""
+    ad = FakeAdapters(resident=["hot"])
+    sched = make_scheduler(adapters=ad, max_num_seqs=2, max_num_batched_tokens=64, max_queue_skip_ms=1e9)
+    sched.add(make_seq("a", 3, arrival=0.0, adapter="hot", max_tokens=8))
+    sched.add(make_seq("b", 3, arrival=1e-3, adapter="cold", max_tokens=8))
+    postprocess(sched, sched.schedule())
+    assert [s.request_id for s in sched.running] == ["a"] and sched.waiting_on_adapters
+    ad.make_resident("cold")
+    postprocess(sched, sched.schedule())
+    assert len(sched.running) == 2 and not sched.waiting_on_adapters
+    # a full batch: a cold adapter behind it is not what holds anyone back
+    sched.add(make_seq("c", 3, arrival=2e-3, adapter="colder", max_tokens=8))
+    postprocess(sched, sched.schedule())
+    assert len(sched.running) == 2 and not sched.waiting_on_adapters

@@ -11,6 +11,9 @@ the engine is busy a checkpoint waits until it is done, but at most `max_wait_s`
 loads still progress through long runs of eager steps. Decode steps replay CUDA graphs and leave
 their host time to the loaders. LORAPLEX_HOST_PRIORITY=0 turns it off (on the H200 it cost 3% at
 unlimited batch, where loads hold the batch back, and gained 9% at batch 32: benchmarks/NOTES.md).
+LORAPLEX_HOST_PRIORITY=adaptive (not yet measured) pauses loads only in steps where no request
+that would fit in the batch waits for its adapter: where loads are what holds the batch back,
+they keep running.
 """
 from __future__ import annotations
 
@@ -20,9 +23,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 
-def enabled() -> bool:
-    """Does the engine mark its eager forwards busy? (LORAPLEX_HOST_PRIORITY, on by default.)"""
-    return os.environ.get("LORAPLEX_HOST_PRIORITY", "1").strip().lower() not in ("0", "false", "no", "off")
+def mode() -> str:
+    """When the engine marks its eager forwards busy, from LORAPLEX_HOST_PRIORITY: "always" (the
+    default), "adaptive" (unless requests wait for adapter loads to be admitted) or "off"."""
+    value = os.environ.get("LORAPLEX_HOST_PRIORITY", "1").strip().lower()
+    if value in ("0", "false", "no", "off"):
+        return "off"
+    return "adaptive" if value == "adaptive" else "always"
 
 
 class HostPriority:

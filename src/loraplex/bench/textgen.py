@@ -158,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
                   layers=args.layers, dtype=dtype, rank=args.rank, bandwidth_gbs=bandwidth,
                   gpu_adapters=args.gpu_adapters, preload_adapters=args.preload_adapters,
                   lora_overlap=os.environ.get("LORAPLEX_LORA_OVERLAP"),
+                  host_priority=os.environ.get("LORAPLEX_HOST_PRIORITY"),
                   workload=dict(requests=args.requests, lengths=args.lengths, max_len=args.max_len, seed=args.seed,
                                 prompt_len=args.prompt_len, output_len=args.output_len,
                                 popularity=pops, baseline_requests=n_base),

@@ -192,7 +192,7 @@ class Engine:
         return outputs
 
     def _launch(self, chunks: list[ScheduledChunk], inputs=None) -> "_Launched":
-        pending, graphed = self.runner.launch(chunks, inputs)
+        pending, graphed = self.runner.launch(chunks, inputs, loads_urgent=self.scheduler.waiting_on_adapters)
         return _Launched(chunks, pending, graphed)
 
     def _continue(self, current: "_Launched") -> "_Launched | None":

@@ -116,12 +116,13 @@ class ModelRunner:
         del kv, batch, logits
 
     # ---- one step ---------------------------------------------------------------------------------
-    def launch(self, chunks: Seq[ScheduledChunk],
-               inputs: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[PendingSample, bool]:
+    def launch(self, chunks: Seq[ScheduledChunk], inputs: tuple[torch.Tensor, torch.Tensor] | None = None, *,
+               loads_urgent: bool = False) -> tuple[PendingSample, bool]:
         """Queue one step: the sample of the chunks that need logits (in their order), and whether
         a CUDA graph runs it. `inputs` = (device token ids, index): the chunks are one-token decodes
         whose token is `ids[index[i]]`, sampled by a step still in flight (their host value is not
-        known yet)."""
+        known yet). `loads_urgent`: requests wait for adapter loads to be admitted (see
+        adapters/priority.py's adaptive mode)."""
         batch_chunks = []
         for c in chunks:
             ids = [0] if inputs is not None else c.seq.token_ids[c.start:c.start + c.num_tokens]
@@ -135,7 +136,8 @@ class ModelRunner:
                 # Host-bound (~1,500 launches from Python): adapter loads step aside meanwhile, where
                 # graphed decode steps leave them host time. Without graphs every step is eager, and
                 # loads would only crawl at the checkpoints' bound, so they keep running.
-                yield_loads = self.graphs is not None and host_priority.enabled()
+                when = host_priority.mode()
+                yield_loads = self.graphs is not None and (when == "always" or when == "adaptive" and not loads_urgent)
                 with HOST_PRIORITY.busy() if yield_loads else contextlib.nullcontext():
                     logits = self._run_eager(batch_chunks, inputs)
             sampled = [c.seq for c in chunks if c.needs_logits]

@@ -68,6 +68,8 @@ class Scheduler:
         self.waiting: list[Sequence] = []   # by arrival
         self.running: list[Sequence] = []   # hold blocks; by admission
         self.num_preemptions = 0
+        # the last schedule() left a request that would fit in the batch waiting for its adapter
+        self.waiting_on_adapters = False
         # free blocks kept back when admitting, so running decodes can grow without preempting at once
         self.watermark = max(1, blocks.num_blocks // 100)
 
@@ -122,6 +124,7 @@ class Scheduler:
             budget -= n
 
         # 2. waiting requests, first come first served
+        self.waiting_on_adapters = False
         if not out.preempted and self.may_admit(now, budget):
             budget = self._admit(now, budget, out)
         self.plan_adapter_loads()
@@ -142,6 +145,7 @@ class Scheduler:
                     out.failed.append(seq)
                     continue
                 if slot is None:   # loading: others go ahead, unless it has waited too long
+                    self.waiting_on_adapters = True
                     if aged:
                         break
                     continue
