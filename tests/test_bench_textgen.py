@@ -90,8 +90,14 @@ def test_bench_command_writes_a_report_from_every_system(tmp_path):
     preloaded = {(r["popularity"], str(r["max_batch"]), r["requests"]): r.get("preloaded")
                  for r in result["rows"] if r["system"] == "loraplex"}
     assert preloaded[("distinct", "3", 6)] == 6 and preloaded[("identical", "3", 6)] == 1, preloaded
+    for r in result["rows"]:
+        if r["system"].startswith("loraplex"):   # the run's time, split by step kind, adds up
+            mixed = r["steps"] - r["decode_steps"]
+            split = (r["decode_steps"] * r["decode_step_ms"] + mixed * r["mixed_step_ms"]) / 1e3 + r["other_seconds"]
+            assert r["steps"] > 0 and r["other_seconds"] >= 0 and split == pytest.approx(r["seconds"], abs=1e-3)  # (seconds: rounded to ms)
     md = (out / "smoke.md").read_text()
     assert "| distinct | 3 | hf-peft | 4 |" in md and "cpu" in md
+    assert "Where loraplex's time went" in md and "| distinct | 3 | loraplex | " in md.split("time went")[1]
     for pop in ("distinct", "identical"):
         assert (out / f"smoke_{pop}.png").stat().st_size > 1000
     assert not (out / "smoke.partial.json").exists()
@@ -166,6 +172,7 @@ def test_report_merges_runs_and_compares_only_rows_of_the_same_workload(tmp_path
     paths[1].write_text(json.dumps(dict(b, date="2026-12-01")))
     assert report_main([str(p) for p in paths] + ["--out-dir", str(tmp_path), "--name", "dated"]) == 0
     table = (tmp_path / "dated.md").read_text()
+    assert "Where loraplex's time went" not in table   # these rows did not record it
     assert "run on 2026-11-30: punica ≤64 loraplex (max batch 2), punica ≤64 loraplex-backbone (max batch 2)" in table
     assert "run on 2026-12-01: fixed 8+4 loraplex (max batch 2), fixed 8+4 hf-peft (max batch 2)" in table
     paths[1].write_text(json.dumps(dict(b, model="dummy:other")))

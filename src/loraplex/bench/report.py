@@ -73,6 +73,19 @@ def markdown(result: dict) -> str:
             lines.append((f"| {q.get('lengths', '')} " if merged else "") +
                          f"| {q['popularity']} | {q['max_batch']} | {q['requests']} | {q['versus']} | "
                          f"{q['ratio']:.2f}× |")
+    steps = [r for r in result["rows"] if r.get("decode_step_ms") is not None]
+    if steps:   # where each loraplex run's time went (runs before 2026-12-01 did not record it)
+        lines += ["", "Where loraplex's time went: decode steps (every sequence fed one token; overlapped, so "
+                  "each costs its GPU time), mixed steps (prompts in them: eager), and the rest (between steps, and "
+                  "waits when nothing could run, e.g. for adapter loads):", "",
+                  ("| lengths " if merged else "") + "| popularity | max batch | system | decode steps × ms | "
+                  "mixed steps × ms | other (s) | mean batch |", ("|---" if merged else "") + "|---|---|---|---|---|---|---|"]
+        for r in steps:
+            mixed = r["steps"] - r["decode_steps"]
+            lines.append((f"| {r.get('lengths', '')} " if merged else "") +
+                         f"| {r['popularity']} | {r['max_batch']} | {r['system']} | {r['decode_steps']} × "
+                         f"{r['decode_step_ms']:.2f} | {mixed} × {r['mixed_step_ms']:.1f} | "
+                         f"{r['other_seconds']:.1f} | {r['mean_batch']:.1f} |")
     lines += ["", "Ceiling: per step, weights + KV of the batch's contexts + each adapter in the batch once, over "
               "the copy bandwidth, summed over a first-come-first-served schedule of the same requests "
               "(src/loraplex/bench/ceiling.py). Backbone rows (no adapters) are the same for every popularity."]
