@@ -64,17 +64,15 @@ class DecoderLayer(nn.Module):
         lora = pool is not None and batch.has_adapters
 
         def project(x: torch.Tensor, weight, bias, projs: tuple[str, ...]) -> torch.Tensor:
-            if lora and overlap_lora:  # the LoRA shrink beside the GEMM (CUDA-graph capture)
-                a, b, ranks, scalings = pool.stacks(L, projs)
+            if not lora:
+                return F.linear(x, weight, bias)
+            a, b, ranks, scalings = pool.stacks(L, projs)   # fused projections: one multi-slice launch
+            if overlap_lora:  # the LoRA shrink beside the GEMM (CUDA-graph capture)
                 return overlap.linear_with_lora(x, weight, bias, a, b, batch.lora, ranks, scalings)
             y = F.linear(x, weight, bias)
-            if lora:  # fused projections: one multi-slice launch
-                a, b, ranks, scalings = pool.stacks(L, projs)
-                if direct_lora:  # the Triton kernels without the per-call argument checks (see forward)
-                    api.sgmv.add_lora(y, x, a, b, batch.lora, ranks, scalings, 0)
-                else:
-                    add_lora(y, x, a, b, batch.lora, ranks, scalings, backend=backend)
-            return y
+            if direct_lora:  # the Triton kernels without the per-call argument checks (see forward)
+                return api.sgmv.add_lora(y, x, a, b, batch.lora, ranks, scalings, 0)
+            return add_lora(y, x, a, b, batch.lora, ranks, scalings, backend=backend)
 
         x, residual = rms_norm(hidden, self.input_layernorm, self.eps, residual=residual, backend=backend)
         qkv = project(x, self.qkv_proj, self.qkv_bias, QKV)

@@ -53,14 +53,11 @@ def linear_with_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                      ranks: list[torch.Tensor], scalings: list[torch.Tensor]) -> torch.Tensor:
     """`F.linear(x, weight, bias)` plus `sgmv.add_lora` of the slices, the shrink beside the GEMM (CUDA only)."""
     from . import sgmv   # Triton: imported where it runs, so that the CPU path needs none
-    cfg = sgmv.config_for(batch.block_m)
-    part = sgmv.new_partials(x, lora_a, batch, cfg)   # allocated on the main stream, which frees it
     main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
     if side == main:   # PyTorch hands out pooled streams in turn: this capture may have drawn ours
-        sgmv.shrink_into(part, x, lora_a, ranks, batch, cfg)
-        y = F.linear(x, weight, bias)
-        sgmv.expand_from(y, part, lora_b, ranks, scalings, batch, 0, cfg)
-        return y
+        return sgmv.add_lora(F.linear(x, weight, bias), x, lora_a, lora_b, batch, ranks, scalings, 0)
+    cfg = sgmv.config_for(batch.block_m)
+    part = sgmv.new_partials(x, lora_a, batch, cfg)   # allocated on the main stream, which frees it
     side.wait_stream(main)          # x is ready
     with torch.cuda.stream(side):
         sgmv.shrink_into(part, x, lora_a, ranks, batch, cfg)
