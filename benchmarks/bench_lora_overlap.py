@@ -2,9 +2,10 @@
 
 Llama-2-7B shapes, dummy bf16 weights, rank-16 adapters on all seven projections, context 512,
 batches of 1–256 sequences: the backbone alone, then each sequence with its own adapter ("distinct")
-and all sharing one ("shared"), each captured in a CUDA graph two ways (ops/overlap.py): `off`
-(shrink and expand after the GEMM, one stream) and `shrink` (the shrink on a side stream beside the
-GEMM), at every batch size whatever `overlap.MAX_ROWS` says. Median replay times
+and all sharing one ("shared"), each captured in a CUDA graph three ways (ops/overlap.py): `off`
+(shrink and expand after the GEMM, one stream), `shrink` (the shrink on a side stream beside the
+GEMM) and `full` (shrink and expand beside the GEMM, the product added by the next op), at every
+batch size whatever `overlap.MAX_ROWS` says. Median replay times
 from CUDA events, beside the memory floor (weights, KV and each used adapter once over the copy
 bandwidth measured in the same run).
 
@@ -30,14 +31,14 @@ from loraplex.adapters import AdapterPool  # noqa: E402
 from loraplex.models import ForwardBatch, KVCache, SequenceChunk, dummy_model  # noqa: E402
 from loraplex.ops import overlap  # noqa: E402
 
-MODES = ("off", "shrink")
+MODES = ("off", "shrink", "full")
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="llama-2-7b")
     ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--batches", default="1,32,128,256")
+    ap.add_argument("--batches", default="1,32,64,128,256")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--md", type=Path)
@@ -67,12 +68,12 @@ def main(argv=None) -> dict:
                                        num_adapter_slots=pool.num_slots)
             use_pool = None if variant == "backbone" else pool
             fn = lambda: model(batch, kv, use_pool)  # noqa: E731
-            eager = fn().clone()
             adapters = {"backbone": 0, "distinct": B, "shared": 1}[variant]
             floor_us = (weight_bytes(model, B) + kv_bytes(model, B * args.context)
                         + adapters * adapter_bytes(model)) / copy_gbs / 1e3
             for mode in (("off",) if variant == "backbone" else MODES):
-                os.environ["LORAPLEX_LORA_OVERLAP"] = "0" if mode == "off" else "1"
+                os.environ["LORAPLEX_LORA_OVERLAP"] = mode
+                eager = fn().clone()   # "full" changes the eager forward too (the product added by the next op)
                 replay, out = capture(fn)
                 with torch.inference_mode():
                     out.fill_(float("nan"))
@@ -100,14 +101,16 @@ def markdown(result: dict) -> str:
              f"{result['preset']} ({result['layers']} layers), dummy bf16 weights, rank {result['rank']} on all "
              f"7 projections, context {result['context']}; CUDA-graph replays, median of CUDA events; copy "
              f"bandwidth {result['copy_gbs']:.0f} GB/s.", "",
-             "| batch | adapters | LoRA after the GEMM (µs) | shrink beside it (µs) | backbone (µs) | floor (µs) |",
-             "|---:|---|---:|---:|---:|---:|"]
+             "| batch | adapters | LoRA after the GEMM (µs) | shrink beside it (µs) | both beside it (µs) | "
+             "backbone (µs) | floor (µs) |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
     rows = result["rows"]
     for B in sorted({r["batch"] for r in rows}):
         base = next(r for r in rows if r["batch"] == B and r["variant"] == "backbone")
         for variant in ("distinct", "shared"):
             t = {r["overlap"]: r for r in rows if r["batch"] == B and r["variant"] == variant}
-            lines.append(f"| {B} | {variant} | {t['off']['graph_us']:.0f} | {t['shrink']['graph_us']:.0f} | "
+            full = f"{t['full']['graph_us']:.0f}" if "full" in t else "–"
+            lines.append(f"| {B} | {variant} | {t['off']['graph_us']:.0f} | {t['shrink']['graph_us']:.0f} | {full} | "
                          f"{base['graph_us']:.0f} | {t['off']['floor_us']:.0f} |")
     return "\n".join(lines) + "\n"
 

@@ -49,35 +49,41 @@ def _no_approx(ptx: str, what: str) -> None:
 
 def rms_norm(dtype: str, arch: int) -> None:
     from loraplex.ops import fused_kernels as fk
-    # (residual, weight dtype, BLOCK, ONE_PASS): one pass at Llama widths and a small tile, the tiled loop.
-    variants = ((True, dtype, 8192, True), (False, dtype, 128, True), (True, "fp32", 4096, False))
-    for has_res, w_dtype, block, one_pass in variants:
-        types = dict(x_ptr="*" + dtype, r_ptr="*" + dtype, w_ptr="*" + w_dtype, out_ptr="*" + dtype,
-                     s_ptr="*" + dtype)
-        ptx = _compile(fk._rms_norm_kernel, types, dict(HAS_RESIDUAL=has_res, BLOCK=block, ONE_PASS=one_pass,
-                                                        COMPILED=True), arch, max(1, min(16, block // 512)))
-        what = f"rms_norm {dtype} weight {w_dtype} residual={has_res} BLOCK={block}"
+    # (residual, LoRA delta, weight dtype, BLOCK, ONE_PASS): one pass at Llama widths and a small tile,
+    # the tiled loop; with and without a delta (ops/overlap.py).
+    variants = ((True, False, dtype, 8192, True), (False, False, dtype, 128, True), (True, True, dtype, 8192, True),
+                (False, True, dtype, 128, True), (True, False, "fp32", 4096, False), (True, True, "fp32", 4096, False))
+    for has_res, has_delta, w_dtype, block, one_pass in variants:
+        types = dict(x_ptr="*" + dtype, d_ptr="*fp32" if has_delta else "*" + dtype, r_ptr="*" + dtype,
+                     w_ptr="*" + w_dtype, out_ptr="*" + dtype, s_ptr="*" + dtype)
+        ptx = _compile(fk._rms_norm_kernel, types, dict(HAS_DELTA=has_delta, HAS_RESIDUAL=has_res,
+                                                        WRITE_S=has_res or has_delta, BLOCK=block,
+                                                        ONE_PASS=one_pass, COMPILED=True),
+                       arch, max(1, min(16, block // 512)))
+        what = f"rms_norm {dtype} weight {w_dtype} residual={has_res} delta={has_delta} BLOCK={block}"
         _no_approx(ptx, what)
         assert re.search(r"mul\.rn(\.ftz)?\.f32", ptx), f"{what}: sum·(1/H) must be a separate product before + eps"
 
 
 def silu(dtype: str, arch: int) -> None:
     from loraplex.ops import fused_kernels as fk
-    for block in (128, 1024):
-        ptx = _compile(fk._silu_and_mul_kernel, dict(gu_ptr="*" + dtype, out_ptr="*" + dtype),
-                       dict(BLOCK=block, COMPILED=True), arch, max(1, min(4, block // 256)))
+    for block, has_delta in ((128, False), (1024, False), (1024, True)):
+        ptx = _compile(fk._silu_and_mul_kernel, dict(gu_ptr="*" + dtype, d_ptr="*fp32" if has_delta else "*" + dtype,
+                                                     out_ptr="*" + dtype),
+                       dict(HAS_DELTA=has_delta, BLOCK=block, COMPILED=True), arch, max(1, min(4, block // 256)))
         _no_approx(ptx, f"silu {dtype}")
         assert "div.rn.f32" in ptx, f"silu {dtype}: the division must be IEEE"
 
 
 def rope(dtype: str, arch: int) -> None:
     from loraplex.ops import fused_kernels as fk
-    for pos, block_h, block_d in (("i64", 16, 64), ("i32", 1, 32)):
-        ptx = _compile(fk._rope_kernel, dict(q_ptr="*" + dtype, k_ptr="*" + dtype, pos_ptr="*" + pos,
+    for pos, block_h, block_d, has_delta in (("i64", 16, 64, False), ("i32", 1, 32, False), ("i64", 16, 64, True)):
+        ptx = _compile(fk._rope_kernel, dict(q_ptr="*" + dtype, k_ptr="*" + dtype, v_ptr="*" + dtype,
+                                             d_ptr="*fp32" if has_delta else "*" + dtype, pos_ptr="*" + pos,
                                              inv_freq_ptr="*fp32"),
-                       dict(BLOCK_H=block_h, BLOCK_D=block_d, COMPILED=True), arch,
+                       dict(HAS_DELTA=has_delta, BLOCK_H=block_h, BLOCK_D=block_d, COMPILED=True), arch,
                        max(1, min(4, block_h * block_d // 256)))
-        what = f"rope {dtype} positions {pos} BLOCK_H={block_h} BLOCK_D={block_d}"
+        what = f"rope {dtype} positions {pos} BLOCK_H={block_h} BLOCK_D={block_d} delta={has_delta}"
         _no_approx(ptx, what)
         # Every product that feeds the rotation's sums is rounded on its own (4 per element pair).
         assert len(re.findall(r"mul\.rn(?:\.ftz)?\.f32", ptx)) >= 4, f"{what}: products must be mul.rn"

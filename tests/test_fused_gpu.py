@@ -255,3 +255,41 @@ def test_auto_backend_is_triton_on_cuda(monkeypatch):
     monkeypatch.delenv("LORAPLEX_OPS_BACKEND", raising=False)
     fused.silu_and_mul(torch.randn(2, 64, device=CUDA))
     assert calls and ops.resolve_backend(None, torch.device(CUDA)) == "triton"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lora_deltas_are_added_before_each_op(dtype):
+    """The compiled kernels with an fp32 LoRA delta (ops/overlap.py) give, bit for bit, what they give
+    on `(t.float() + delta)` rounded to the dtype, at Llama-2-7B widths; the inputs are not written."""
+    gen = _gen("delta-gpu", str(dtype))
+    T, H, I, Hq, Hkv, D = 32, 4096, 11008, 32, 8, 128
+
+    def pair(*shape):
+        t = torch.randn(*shape, generator=gen).to(dtype)
+        return t.to(CUDA), (t.float().abs().mean() * torch.randn(*shape, generator=gen)).to(CUDA)
+
+    def plus(t, d):
+        return (t.float() + d).to(t.dtype)
+
+    x, d = pair(T, H)
+    r, w = torch.randn(T, H, generator=gen).to(dtype).to(CUDA), torch.rand(H, generator=gen).to(dtype).to(CUDA)
+    x_in = x.clone()
+    out, s = fused.rms_norm(x, w, 1e-5, residual=r, delta=d)
+    want, want_s = fused.rms_norm(plus(x, d), w, 1e-5, residual=r)
+    assert torch.equal(out, want) and torch.equal(s, want_s) and torch.equal(x, x_in)
+    gate_up, d = pair(T, 2 * I)
+    assert torch.equal(fused.silu_and_mul(gate_up, delta=d), fused.silu_and_mul(plus(gate_up, d)))
+    qkv, d = pair(T, (Hq + 2 * Hkv) * D)
+    want = plus(qkv, d)
+    positions = torch.randint(0, 4096, (T,), generator=gen).to(CUDA)
+    inv_freq = LlamaRotaryEmbedding(rope_config(Hq, Hkv, D)).inv_freq.to(CUDA)
+
+    def views(buf):
+        return (buf[:, :Hq * D].view(T, Hq, D), buf[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D),
+                buf[:, (Hq + Hkv) * D:].view(T, Hkv, D))
+
+    q, k, v = views(qkv)
+    fused.apply_rope(q, k, positions, inv_freq, v=v, delta=d)
+    q_w, k_w, _ = views(want)
+    fused.apply_rope(q_w, k_w, positions, inv_freq)
+    assert torch.equal(qkv, want)

@@ -460,6 +460,19 @@ ERRORS = [
     (_rope, dict(inv_freq=meta(8, dtype=torch.float32)), r"inv_freq must be contiguous float32 \[D/2=4\]"),
     (_rope, dict(inv_freq=meta(8, dtype=torch.float32)[::2]), r"inv_freq must be contiguous float32"),
     (_rope, dict(inv_freq=[1.0] * 4), "inv_freq must be a torch.Tensor"),
+    (_rms, dict(delta=meta(4, 32)), r"delta must be a contiguous float32 \[T=4, 32\] \(x is shape \[4, 32\]"),
+    (_rms, dict(delta=meta(4, 31, dtype=torch.float32)), r"delta must be a contiguous float32 \[T=4, 32\]"),
+    (_rms, dict(delta=meta(32, 4, dtype=torch.float32).t()), r"delta must be a contiguous float32"),
+    (_rms, dict(delta=torch.empty(4, 32)), "delta is on cpu but x is on meta"),
+    (_silu, dict(delta=meta(4, 16, dtype=torch.float32)), r"delta must be a contiguous float32 \[T=4, 32\]"),
+    (_silu, dict(delta=meta(4, 32, 1, dtype=torch.float32)), r"delta must be float32 \[T=4, 32\]"),
+    (_rope, dict(delta=meta(4, 32, dtype=torch.float32)), "delta covers q, k and v: pass v too"),
+    (_rope, dict(v=meta(4, 1, 8)), "v is only taken with a delta"),
+    (_rope, dict(v=meta(4, 2, 8), delta=meta(4, 32, dtype=torch.float32)), r"v must be torch.float16 \[T=4, Hkv=1"),
+    (_rope, dict(v=meta(4, 1, 8, dtype=torch.float32), delta=meta(4, 32, dtype=torch.float32)), r"v must be"),
+    (_rope, dict(v=meta(1, 1, 8).expand(4, 1, 8), delta=meta(4, 32, dtype=torch.float32)), "v has elements"),
+    (_rope, dict(v=meta(4, 1, 8), delta=meta(4, 24, dtype=torch.float32)),
+     r"delta must be a contiguous float32 \[T=4, 32\] \(q is"),
 ]
 
 
@@ -475,3 +488,74 @@ def test_good_arguments_pass_the_checks():
     _silu(gate_up=torch.randn(4, 32).half(), out=torch.empty(4, 16).half())
     _rope(q=torch.randn(4, 2, 8).half(), k=torch.randn(4, 1, 8).half(), positions=torch.arange(4),
           inv_freq=torch.rand(4))
+    _rms(x=torch.randn(4, 32).half(), weight=torch.ones(32).half(), delta=torch.randn(4, 32))
+    _silu(gate_up=torch.randn(4, 32).half(), delta=torch.randn(4, 32))
+    _rope(q=torch.randn(4, 2, 8).half(), k=torch.randn(4, 1, 8).half(), positions=torch.arange(4),
+          inv_freq=torch.rand(4), v=torch.randn(4, 1, 8).half(), delta=torch.randn(4, 32))
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA deltas (ops/overlap.py leaves a projection's fp32 LoRA product for its consumer to add).
+# Documented semantics: the op runs on `(t.float() + delta)` rounded to t's dtype. Both backends
+# must give, bit for bit, what they give on that sum computed here; t itself is never written.
+
+
+def _plus(t: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    return (t.float() + delta).to(t.dtype)
+
+
+def _delta_like(gen, t: torch.Tensor) -> torch.Tensor:
+    """An fp32 delta of the input's own size order, so the sum moves most elements."""
+    return t.float().abs().mean().clamp(min=1e-3) * torch.randn(t.shape, generator=gen)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("residual, max_block", [(True, 8192), (False, 8192), (True, 64)])
+def test_rms_norm_with_a_delta_is_the_norm_of_the_sum(backend, dtype, residual, max_block, monkeypatch):
+    gen = torch.Generator().manual_seed(stable_seed("rms-delta", str(dtype), residual, max_block))
+    T, H = 7, 200
+    x = rows_with_scales(gen, T, H, dtype, large=False)
+    r = rows_with_scales(gen, T, H, dtype, large=False) if residual else None
+    w = (1 + 0.3 * torch.randn(H, generator=gen)).to(dtype)
+    d = _delta_like(gen, x)
+    x_in = x.clone()
+    monkeypatch.setattr(fused_kernels, "RMS_MAX_BLOCK", max_block)
+    out, s = fused.rms_norm(x, w, 1e-6, residual=r, delta=d, backend=backend)
+    want, want_s = fused.rms_norm(_plus(x, d), w, 1e-6, residual=r, backend=backend)
+    assert torch.equal(out, want) and torch.equal(s, want_s)
+    assert torch.equal(x, x_in) and s.data_ptr() != x.data_ptr()
+    assert not torch.equal(out, fused.rms_norm(x, w, 1e-6, residual=r, backend=backend)[0])  # the delta counted
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_with_a_delta_is_silu_of_the_sum(backend, dtype):
+    gen = torch.Generator().manual_seed(stable_seed("silu-delta", str(dtype)))
+    _, _, gate_up = _gate_up(gen, 5, 300, dtype)
+    d = _delta_like(gen, gate_up)
+    gate_up_in = gate_up.clone()
+    out = fused.silu_and_mul(gate_up, out=torch.full((5, 300), float("nan"), dtype=dtype), delta=d, backend=backend)
+    assert torch.equal(out, fused.silu_and_mul(_plus(gate_up, d), backend=backend))
+    assert torch.equal(gate_up, gate_up_in)
+    assert not torch.equal(out, fused.silu_and_mul(gate_up, backend=backend))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("Hq, Hkv, D, tile", [(4, 2, 64, 1024), (6, 2, 128, 64), (3, 1, 80, 1024)])
+def test_rope_with_a_delta_rotates_the_sum_and_adds_v(backend, dtype, Hq, Hkv, D, tile, monkeypatch):
+    """q, k, v as views of one fused qkv output and its fp32 delta; tile=64 loops over heads."""
+    gen = torch.Generator().manual_seed(stable_seed("rope-delta", str(dtype), Hq, Hkv, D, tile))
+    T = 9
+    q, k, qkv = qkv_views(gen, T, Hq, Hkv, D, dtype, "fused")
+    v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
+    positions = random_positions(gen, T)
+    inv_freq = LlamaRotaryEmbedding(rope_config(Hq, Hkv, D)).inv_freq
+    d = _delta_like(gen, qkv)
+    want = _plus(qkv, d)
+    q_want, k_want, _ = views_of(want, T, Hq, Hkv, D, "fused")
+    monkeypatch.setattr(fused_kernels, "ROPE_TILE", tile)
+    fused.apply_rope(q_want, k_want, positions, inv_freq, backend=backend)
+    fused.apply_rope(q, k, positions, inv_freq, v=v, delta=d, backend=backend)
+    assert torch.equal(qkv, want)

@@ -138,13 +138,14 @@ def test_mixed_bf16_batch_matches_transformers_peft(setup):
         assert ours_err <= 2 * hf_err + 2e-3, (i, adapter, ours_err, hf_err)
 
 
-@pytest.mark.parametrize("overlap_lora", [True, False])
-def test_decode_graph_replays_new_batches(setup, overlap_lora, monkeypatch):
+@pytest.mark.parametrize("overlap_mode", ["full", "shrink", "off"])
+def test_decode_graph_replays_new_batches(setup, overlap_mode, monkeypatch):
     """Capture one decode forward on a `for_graph` batch, rewrite the batch with other sequences,
-    lengths and adapters (and fewer of them), replay: each replay equals an eager forward. With
-    `overlap_lora` the capture runs each LoRA shrink on a side stream beside its GEMM (ops/overlap.py)."""
+    lengths and adapters (and fewer of them), replay: each replay equals an eager forward. The capture
+    runs the LoRA kernels on a side stream beside each GEMM ("full": both, their product added by the
+    next op, in eager forwards too; "shrink": the shrink) or after it ("off"); ops/overlap.py."""
     from loraplex.ops import overlap
-    monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", "1" if overlap_lora else "0")
+    monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", overlap_mode)
     monkeypatch.setattr(overlap, "_SIDE_STREAMS", {})
     rng = random.Random(1)
     kv = KVCache(setup.config, 640, BLOCK, dtype=torch.bfloat16, device="cuda")
@@ -164,7 +165,7 @@ def test_decode_graph_replays_new_batches(setup, overlap_lora, monkeypatch):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = setup.ours(graph_batch, kv, setup.pool)
-    assert bool(overlap._SIDE_STREAMS) == overlap_lora
+    assert bool(overlap._SIDE_STREAMS) == (overlap_mode != "off")
     for n in (8, 3, 8, 1):
         chunks = decode_chunks(n)
         graph_batch.update_(chunks)

@@ -82,15 +82,25 @@ def test_mixed_batch_matches_transformers_peft(setup):
     check_mixed_batch(setup, PLAN)
 
 
-def test_triton_kernels_in_the_interpreter_match_too(setup):
-    """The same through every Triton kernel (LoRA, attention, fused ops) run by Triton's CPU interpreter."""
+@pytest.mark.parametrize("overlap_mode", ["full", "off"])
+def test_triton_kernels_in_the_interpreter_match_too(setup, overlap_mode, monkeypatch):
+    """The same through every Triton kernel (LoRA, attention, fused ops) run by Triton's CPU interpreter:
+    with each LoRA product left for the next op to add (ops/overlap.py, the default for forwards of up
+    to MAX_ROWS rows), and added after each GEMM."""
+    from loraplex.ops import overlap
     if setup.config.head_dim & (setup.config.head_dim - 1):
         pytest.skip("the Triton attention kernels take power-of-two head sizes")
+    monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", overlap_mode)
+    calls = []
+    real = overlap.linear_with_lora_delta
+    monkeypatch.setattr(overlap, "linear_with_lora_delta", lambda *a, **kw: calls.append(kw["side"]) or real(*a, **kw))
     setup.model.backend = "triton"
     try:
         check_mixed_batch(setup, [("all-r8", 0, 11), ("attn-r4", 9, 1), (None, 3, 5), ("mlp-patterned", 17, 1)])
     finally:
         setup.model.backend = None
+    assert len(calls) == (2 * 4 * setup.config.num_hidden_layers if overlap_mode == "full" else 0)
+    assert not any(calls)   # the side stream only while a CUDA graph is captured
 
 
 def check_mixed_batch(setup, plan):

@@ -11,7 +11,7 @@ from loraplex.ops import sgmv
 from loraplex.workloads import POPULARITIES
 
 from lora_cases import make_case, rel_err, stable_seed
-from oracle import shrink_f64
+from oracle import add_lora_f64, shrink_f64
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 # These tests run the Triton kernels on CPU tensors, in Triton's interpreter; on a CUDA machine
@@ -240,14 +240,71 @@ def test_y_in_xs_storage():
     assert torch.allclose(y, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("value, on", [(None, True), ("1", True), ("0", False), ("off", False), ("False", False)])
-def test_lora_overlap_setting(value, on, monkeypatch):
-    """LORAPLEX_LORA_OVERLAP: the shrink beside the GEMM in captured decode steps of up to MAX_ROWS rows,
-    by default (ops/overlap.py)."""
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_expand_can_store_the_product_instead_of_adding_it(dtype):
+    """accumulate=False: y is an fp32 buffer; rows with an adapter get scaling · v @ Bᵀ, every other
+    element keeps what it held (here NaN)."""
+    rng = np.random.default_rng(stable_seed("store", str(dtype)))
+    case = make_case(rng, seg_lens=[1, 3, 1, 1, 20, 1, 2], popularity="uniform", K=96, Ns=(40, 24), R=16,
+                     dtype=dtype, none_frac=0.3)
+    batch = case.batch()
+    cfg = sgmv.KernelConfig(split_k=2, n_chunks=2, expand_block_n=16)
+    part = sgmv.new_partials(case.x, case.lora_a, batch, cfg)
+    sgmv.shrink_into(part, case.x, case.lora_a, case.ranks, batch, cfg)
+    delta = torch.full(case.y0.shape, float("nan"))
+    sgmv.expand_from(delta, part, case.lora_b, case.ranks, case.scalings, batch, 0, cfg, accumulate=False)
+    untouched = case.untouched()
+    assert untouched.any() and not untouched.all()
+    assert torch.isnan(delta[untouched]).all()
+    expected = case.oracle() - case.y0.double()
+    err = (delta.double() - expected)[~untouched].norm() / expected[~untouched].norm()
+    assert err <= TOL[dtype], f"rel err {err:.2e}"
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("regime", ["decode", "prefill"])
+def test_linear_with_lora_delta_leaves_the_product_for_the_next_op(dtype, regime):
+    """ops/overlap.py's "full" path on one stream: y is the plain GEMM; y + delta is add_lora's sum;
+    rows without an adapter, and slices of rank 0, get a delta of exactly 0."""
+    from loraplex.ops import overlap
+    rng = np.random.default_rng(stable_seed("delta", str(dtype), regime))
+    case = make_case(rng, seg_lens=_lens(regime, rng, 9), popularity="skewed", K=64, Ns=(48, 16, 16), R=16,
+                     ranks="mixed", dtype=dtype, none_frac=0.3)
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    weight = (torch.randn(80, 64, generator=gen) / 8).to(dtype)
+    bias = torch.randn(80, generator=gen).to(dtype)
+    y, delta = overlap.linear_with_lora_delta(case.x, weight, bias, case.lora_a, case.lora_b, case.batch(),
+                                              case.ranks, case.scalings, side=False)
+    base = torch.nn.functional.linear(case.x, weight, bias)
+    assert torch.equal(y, base) and delta.dtype == torch.float32 and delta.shape == base.shape
+    want = add_lora_f64(base, case.x, case.lora_a, case.lora_b, case.ranks, case.scalings, case.seg_lens,
+                        case.slot_ids) - base.double()
+    zero = want == 0
+    assert torch.equal(delta[zero], torch.zeros(int(zero.sum()))) and zero.any() and not zero.all()
+    err = (delta.double() - want).norm() / want.norm()
+    assert err <= TOL[dtype], f"rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("value, mode", [(None, "full"), ("1", "full"), ("full", "full"), (" Shrink ", "shrink"),
+                                         ("0", "off"), ("off", "off"), ("False", "off")])
+def test_lora_overlap_setting(value, mode, monkeypatch):
+    """LORAPLEX_LORA_OVERLAP (ops/overlap.py): by default ("full") forwards of up to MAX_ROWS rows leave
+    each LoRA product to the next op, and captured ones run the LoRA kernels on a side stream."""
     from loraplex.ops import overlap
     if value is None:
         monkeypatch.delenv("LORAPLEX_LORA_OVERLAP", raising=False)
     else:
         monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", value)
-    assert overlap.enabled(1) == on and overlap.enabled(overlap.MAX_ROWS) == on
-    assert not overlap.enabled(overlap.MAX_ROWS + 1)
+    assert overlap.mode() == mode
+    assert overlap.enabled(1) == (mode != "off") and overlap.enabled(overlap.MAX_ROWS) == (mode != "off")
+    assert overlap.uses_delta(overlap.MAX_ROWS) == (mode == "full")
+    assert not overlap.enabled(overlap.MAX_ROWS + 1) and not overlap.uses_delta(overlap.MAX_ROWS + 1)
+
+
+def test_lora_overlap_setting_refuses_a_bad_value(monkeypatch):
+    from loraplex.ops import overlap
+    monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", "sideways")
+    with pytest.raises(ValueError, match="LORAPLEX_LORA_OVERLAP='sideways': expected full"):
+        overlap.mode()

@@ -140,3 +140,27 @@ def test_fast_launch_matches_tritons_own_launch():
         assert all(launcher.direct_launches > d for launcher, d in zip(launchers, direct)), "direct path unused"
         assert torch.equal(outs[1], outs[2]) and torch.equal(outs[0], outs[2])
         assert rel_err(outs[1], case.oracle(), case.y0) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("side", [False, True])
+def test_lora_delta_beside_the_gemm(dtype, side):
+    """ops/overlap.py's "full" path, at 7B widths (q/k/v slices), on one stream and on the side stream:
+    y is the plain GEMM, y + delta matches the float64 loop, rows without an adapter get exactly 0."""
+    from loraplex.ops import overlap
+    rng = np.random.default_rng(stable_seed("delta-gpu", str(dtype), side))
+    case = make_case(rng, seg_lens=[1] * 32, popularity="distinct", K=4096, Ns=(4096, 1024, 1024), R=16,
+                     dtype=dtype, device="cuda", none_frac=0.2)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    weight = (torch.randn(6144, 4096, generator=gen, device="cuda") / 64).to(dtype)
+    y, delta = overlap.linear_with_lora_delta(case.x, weight, None, case.lora_a, case.lora_b, case.batch(),
+                                              case.ranks, case.scalings, side=side)
+    torch.cuda.synchronize()
+    base = torch.nn.functional.linear(case.x, weight)
+    assert torch.equal(y, base)
+    want = add_lora_f64(base, case.x, case.lora_a, case.lora_b, case.ranks, case.scalings, case.seg_lens,
+                        case.slot_ids) - base.double()
+    zero = want == 0
+    assert zero.any() and torch.equal(delta[zero], torch.zeros_like(delta[zero]))
+    err = ((delta.double() - want).norm() / want.norm()).item()
+    assert err <= TOL[dtype], f"rel err {err:.2e}"

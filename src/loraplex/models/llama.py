@@ -56,39 +56,48 @@ class DecoderLayer(nn.Module):
         self.down_proj = _weight(c.hidden_size, c.intermediate_size)
         self.down_bias = _bias(c.hidden_size, c.mlp_bias)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
-                kv: KVCache, pool: AdapterPool | None, inv_freq: torch.Tensor,
-                backend: str | None, direct_lora: bool = False,
-                overlap_lora: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, delta: torch.Tensor | None,
+                batch: ForwardBatch, kv: KVCache, pool: AdapterPool | None, inv_freq: torch.Tensor,
+                backend: str | None, lora_path: str = "checked"
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """One layer: `(hidden, residual, delta)` in and out; `delta` is the LoRA product that the
+        "delta" paths leave for the next op to add to `hidden` (None otherwise). `lora_path` as
+        LlamaForCausalLM.forward picks it."""
         T, L = hidden.shape[0], self.layer
         lora = pool is not None and batch.has_adapters
 
-        def project(x: torch.Tensor, weight, bias, projs: tuple[str, ...]) -> torch.Tensor:
+        def project(x: torch.Tensor, weight, bias, projs: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
             if not lora:
-                return F.linear(x, weight, bias)
+                return F.linear(x, weight, bias), None
             a, b, ranks, scalings = pool.stacks(L, projs)   # fused projections: one multi-slice launch
-            if overlap_lora:  # the LoRA shrink beside the GEMM (CUDA-graph capture)
-                return overlap.linear_with_lora(x, weight, bias, a, b, batch.lora, ranks, scalings)
+            if lora_path in ("delta", "delta-side"):
+                return overlap.linear_with_lora_delta(x, weight, bias, a, b, batch.lora, ranks, scalings,
+                                                      side=lora_path == "delta-side")
+            if lora_path == "shrink-side":
+                return overlap.linear_with_lora(x, weight, bias, a, b, batch.lora, ranks, scalings), None
             y = F.linear(x, weight, bias)
-            if direct_lora:  # the Triton kernels without the per-call argument checks (see forward)
-                return api.sgmv.add_lora(y, x, a, b, batch.lora, ranks, scalings, 0)
-            return add_lora(y, x, a, b, batch.lora, ranks, scalings, backend=backend)
+            if lora_path == "direct":  # the Triton kernels without the per-call argument checks (see forward)
+                return api.sgmv.add_lora(y, x, a, b, batch.lora, ranks, scalings, 0), None
+            return add_lora(y, x, a, b, batch.lora, ranks, scalings, backend=backend), None
 
-        x, residual = rms_norm(hidden, self.input_layernorm, self.eps, residual=residual, backend=backend)
-        qkv = project(x, self.qkv_proj, self.qkv_bias, QKV)
+        x, residual = rms_norm(hidden, self.input_layernorm, self.eps, residual=residual, delta=delta,
+                               backend=backend)
+        qkv, delta = project(x, self.qkv_proj, self.qkv_bias, QKV)
         q = qkv[:, :self.q_width].view(T, self.num_heads, self.head_dim)
         k = qkv[:, self.q_width:self.q_width + self.kv_width].view(T, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_width + self.kv_width:].view(T, self.num_kv_heads, self.head_dim)
-        apply_rope(q, k, batch.positions, inv_freq, backend=backend)
+        apply_rope(q, k, batch.positions, inv_freq, v=None if delta is None else v, delta=delta, backend=backend)
         store_kv(k, v, kv.k[L], kv.v[L], batch.slot_mapping, backend=backend)
         attn = paged_attention(q, kv.k[L], kv.v[L], batch.block_tables, batch.seq_lens, batch.query_start,
                                max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len,
                                scale=self.scale, sliding_window=self.sliding_window, backend=backend)
-        out = project(attn.view(T, self.q_width), self.o_proj, self.o_bias, ("o_proj",))
-        x, residual = rms_norm(out, self.post_attention_layernorm, self.eps, residual=residual, backend=backend)
-        gate_up = project(x, self.gate_up_proj, self.gate_up_bias, GATE_UP)
-        out = project(silu_and_mul(gate_up, backend=backend), self.down_proj, self.down_bias, ("down_proj",))
-        return out, residual
+        out, delta = project(attn.view(T, self.q_width), self.o_proj, self.o_bias, ("o_proj",))
+        x, residual = rms_norm(out, self.post_attention_layernorm, self.eps, residual=residual, delta=delta,
+                               backend=backend)
+        gate_up, delta = project(x, self.gate_up_proj, self.gate_up_bias, GATE_UP)
+        out, delta = project(silu_and_mul(gate_up, delta=delta, backend=backend), self.down_proj, self.down_bias,
+                             ("down_proj",))
+        return out, residual, delta
 
 
 class LlamaForCausalLM(nn.Module):
@@ -130,25 +139,35 @@ class LlamaForCausalLM(nn.Module):
         (or every sequence, without a `pool`) run the base model.
         """
         self._check(batch, kv_cache, pool)
-        # Every add_lora argument is the model's own (shapes by construction; the batch and pool
-        # checked just above), so on the Triton path the 128 calls of a step skip their checks:
-        # they cost more host time than the kernels take on the GPU in eager steps.
-        direct = pool is not None and resolve_backend(self.backend, self.device) == "triton"
-        # While a CUDA graph is captured, each LoRA shrink goes on a side stream beside its GEMM
-        # (ops/overlap.py); eager steps keep one stream, where forks and joins cost host time.
         hidden = F.embedding(batch.input_ids, self.embed_tokens)
-        residual = None
+        residual = delta = None
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
-            side = (direct and self.device.type == "cuda" and overlap.enabled(batch.input_ids.shape[0])
-                    and torch.cuda.is_current_stream_capturing())
+            path = self._lora_path(batch.input_ids.shape[0], pool)
             for layer in self.layers:
-                hidden, residual = layer(hidden, residual, batch, kv_cache, pool, self.inv_freq, self.backend,
-                                         direct, side)
+                hidden, residual, delta = layer(hidden, residual, delta, batch, kv_cache, pool, self.inv_freq,
+                                                self.backend, path)
         # Only the rows that get logits go through the final norm and the lm_head.
         rows = batch.logits_rows
         hidden, _ = rms_norm(hidden.index_select(0, rows), self.norm, self.config.rms_norm_eps,
-                             residual=residual.index_select(0, rows), backend=self.backend)
+                             residual=residual.index_select(0, rows),
+                             delta=None if delta is None else delta.index_select(0, rows), backend=self.backend)
         return F.linear(hidden, self.lm_head).float()
+
+    def _lora_path(self, rows: int, pool: AdapterPool | None) -> str:
+        """How the projections add LoRA: "checked" (`ops.add_lora`: the reference backend on the CPU),
+        or on the Triton path, where every argument is the model's own (shapes by construction, the
+        batch and pool checked in `_check`) and the 128 calls of a step skip their checks (they cost
+        more host time than the kernels take in eager steps): "direct" (`sgmv.add_lora` after each
+        GEMM), "delta" (each product left for the next op to add, in forwards of up to
+        `overlap.MAX_ROWS` rows), "delta-side" (the same, the LoRA kernels on a side stream beside the
+        GEMMs, while a CUDA graph is captured) or "shrink-side" (only the shrink beside, captured).
+        See ops/overlap.py; eager steps keep one stream, where forks and joins cost host time."""
+        if pool is None or resolve_backend(self.backend, self.device) != "triton":
+            return "checked"
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if overlap.uses_delta(rows):
+            return "delta-side" if capturing else "delta"
+        return "shrink-side" if capturing and overlap.enabled(rows) else "direct"
 
     @property
     def lm_head(self) -> torch.Tensor:

@@ -66,17 +66,34 @@ def _writable(t: torch.Tensor, name: str) -> None:
                          f"it is written")
 
 
+def _delta(delta, name: str, rows: int, width: int, like: torch.Tensor, like_name: str) -> None:
+    """A LoRA delta: contiguous float32 `[rows, width]` on `like`'s device (ops/overlap.py makes them)."""
+    _tensor(delta, name, 2, f"float32 [T={rows}, {width}]")
+    _same_device(delta, name, like, like_name)
+    if delta.dtype != torch.float32 or tuple(delta.shape) != (rows, width) or not delta.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous float32 [T={rows}, {width}] ({like_name} is {_desc(like)}), "
+                         f"got {_desc(delta)} with strides {delta.stride()}")
+
+
+def _plus_delta(t: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+    # The reference of every kernel's delta: the sum in fp32, rounded to t's dtype once.
+    return t if delta is None else (t.to(torch.float32) + delta).to(t.dtype)
+
+
 # ---------------------------------------------------------------------------------------------
 # RMSNorm
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: torch.Tensor | None = None,
-             backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             delta: torch.Tensor | None = None, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of x, or of `residual + x`; returns `(normed, s)`.
 
     `x [T, H]` (last dimension contiguous; T may be 0), `weight [H]` (float16, bfloat16 or
     float32), `eps` ≥ 0. With `residual=None`, s is x itself (no copy). With `residual [T, H]`
     (x's dtype), `s = residual + x` rounded to x's dtype, as transformers' `residual + hidden_states`.
+    With `delta` (contiguous float32 `[T, H]`, a LoRA delta that ops/overlap.py left for this op),
+    x is first replaced by `(x.float() + delta)` rounded to x's dtype, the sum the LoRA expand
+    would have written into x; s is then a new tensor even without a residual.
 
         v = s.float()
         n = (v * rsqrt(mean(v ** 2, -1) + eps)).to(x.dtype)
@@ -108,16 +125,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: tor
         _same_device(residual, "residual", x, "x")
         if residual.shape != x.shape or residual.dtype != x.dtype:
             raise ValueError(f"residual must match x ({_desc(x)}), got {_desc(residual)}")
+    if delta is not None:
+        _delta(delta, "delta", T, H, x, "x")
     if resolve_backend(backend, x.device) == "reference":
-        return _rms_norm_reference(x, weight, eps, residual)
+        return _rms_norm_reference(x, weight, eps, residual, delta)
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
-    s = x if residual is None else torch.empty((T, H), dtype=x.dtype, device=x.device)
+    fresh_s = residual is not None or delta is not None
+    s = torch.empty((T, H), dtype=x.dtype, device=x.device) if fresh_s else x
     with _on(x.device):
-        fused_kernels.rms_norm(x, weight, eps, residual, out, None if residual is None else s)
+        fused_kernels.rms_norm(x, weight, eps, residual, out, s if fresh_s else None, delta=delta)
     return out, s
 
 
-def _rms_norm_reference(x, weight, eps, residual):
+def _rms_norm_reference(x, weight, eps, residual, delta=None):
+    x = _plus_delta(x, delta)
     s = x if residual is None else residual + x
     v = s.to(torch.float32)
     n = (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
@@ -128,12 +149,14 @@ def _rms_norm_reference(x, weight, eps, residual):
 # SiLU and multiply
 
 
-def silu_and_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None,
+def silu_and_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None, delta: torch.Tensor | None = None,
                  backend: str | None = None) -> torch.Tensor:
     """`silu(gate) * up` from a fused gate/up GEMM output; returns `[T, I]` (`out` when given).
 
     `gate_up [T, 2·I]` (last dimension contiguous): gate is columns `:I`, up columns `I:`.
     `out [T, I]`, gate_up's dtype, last dimension contiguous (it may be `gate_up[:, :I]`).
+    `delta` (contiguous float32 `[T, 2·I]`, a LoRA delta left by ops/overlap.py): gate and up are
+    first `(gate_up.float() + delta)` rounded to the dtype; gate_up itself is not written.
 
         a = silu(gate) rounded to the dtype      # silu(g) = g / (1 + exp(-g)), in fp32
         out = (a * up) rounded to the dtype
@@ -155,13 +178,16 @@ def silu_and_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None,
         if tuple(out.shape) != (T, I) or out.dtype != gate_up.dtype:
             raise ValueError(f"out must be [T={T}, I={I}] of gate_up's dtype {gate_up.dtype}, got {_desc(out)}")
         _writable(out, "out")
+    if delta is not None:
+        _delta(delta, "delta", T, width, gate_up, "gate_up")
     if resolve_backend(backend, gate_up.device) == "reference":
+        gate_up = _plus_delta(gate_up, delta)
         # silu on a contiguous gate, as transformers' gate_proj output is: PyTorch's CPU silu takes
         # a scalar path for each inner loop's tail, so a strided view would round differently there.
         torch.mul(F.silu(gate_up[:, :I].contiguous()), gate_up[:, I:], out=out)
         return out
     with _on(gate_up.device):
-        fused_kernels.silu_and_mul(gate_up, out)
+        fused_kernels.silu_and_mul(gate_up, out, delta=delta)
     _bump_version(out)
     return out
 
@@ -171,6 +197,7 @@ def silu_and_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None,
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *,
+               v: torch.Tensor | None = None, delta: torch.Tensor | None = None,
                backend: str | None = None) -> None:
     """Rotary embedding of q and k in place (transformers' rotate_half convention).
 
@@ -188,6 +215,10 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_fr
     angle for any angle, Payne-Hanek reduction past ~1e5 rad). The angle itself is fp32, as in
     transformers: at position 1e5 it is only good to ~4e-3 rad, the same error in both.
     q and k must not overlap each other.
+
+    With `delta` (contiguous float32 `[T, (Hq + 2·Hkv)·D]`, a fused q/k/v LoRA delta left by
+    ops/overlap.py, laid out q | k | v per token) and `v [T, Hkv, D]` (q's dtype): q, k and v
+    first become `(t.float() + their delta)` rounded to the dtype, in place; then q and k rotate.
     """
     _float_rows(q, "q", "[T, Hq, D]", 3)
     _float_rows(k, "k", "[T, Hkv, D]", 3)
@@ -209,13 +240,30 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_fr
     _same_device(inv_freq, "inv_freq", q, "q")
     if inv_freq.dtype != torch.float32 or inv_freq.shape[0] != D // 2 or (D > 2 and inv_freq.stride(0) != 1):
         raise ValueError(f"inv_freq must be contiguous float32 [D/2={D // 2}], got {_desc(inv_freq)}")
+    if delta is not None:
+        if v is None:
+            raise ValueError("delta covers q, k and v: pass v too")
+        _float_rows(v, "v", f"[T={T}, Hkv={k.shape[1]}, D={D}]", 3)
+        _same_device(v, "v", q, "q")
+        if v.dtype != q.dtype or tuple(v.shape) != tuple(k.shape):
+            raise ValueError(f"v must be {q.dtype} [T={T}, Hkv={k.shape[1]}, D={D}] as k, got {_desc(v)}")
+        _writable(v, "v")
+        _delta(delta, "delta", T, (q.shape[1] + 2 * k.shape[1]) * D, q, "q")
+    elif v is not None:
+        raise ValueError("v is only taken with a delta")
     if resolve_backend(backend, q.device) == "reference":
+        if delta is not None:
+            widths = (q.shape[1] * D, k.shape[1] * D, k.shape[1] * D)
+            for t, d in zip((q, k, v), delta.split(widths, dim=1)):
+                t.copy_(_plus_delta(t, d.reshape(t.shape)))
         _rope_reference(q, k, positions, inv_freq)
         return
     with _on(q.device):
-        fused_kernels.apply_rope(q, k, positions, inv_freq)
+        fused_kernels.apply_rope(q, k, positions, inv_freq, v=v, delta=delta)
     _bump_version(q)
     _bump_version(k)
+    if v is not None:
+        _bump_version(v)
 
 
 def _rope_reference(q, k, positions, inv_freq):

@@ -68,16 +68,26 @@ def _mul(a, b, COMPILED: tl.constexpr):
 
 
 @triton.jit
-def _norm_input(x_row, r_row, s_row, offs, mask, HAS_RESIDUAL: tl.constexpr, STORE_S: tl.constexpr,
-                COMPILED: tl.constexpr):
-    """The row segment to normalise, fp32: x, or residual + x rounded to x's dtype (stored to s if STORE_S)."""
+def _add_delta(v, d_row, offs, mask, DT, HAS_DELTA: tl.constexpr, COMPILED: tl.constexpr):
+    """v + an fp32 LoRA delta, rounded to DT, as the expand's in-place add rounds (ops/overlap.py)."""
+    if HAS_DELTA:
+        v = _round(v + tl.load(d_row + offs, mask=mask, other=0.0), DT, COMPILED)
+    return v
+
+
+@triton.jit
+def _norm_input(x_row, d_row, r_row, s_row, offs, mask, HAS_DELTA: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                STORE_S: tl.constexpr, COMPILED: tl.constexpr):
+    """The row segment to normalise, fp32: s = x (+ delta) (+ residual), each sum rounded to x's
+    dtype (stored to s if STORE_S)."""
     DT = x_row.dtype.element_ty
-    v = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+    v = _add_delta(tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32), d_row, offs, mask, DT,
+                   HAS_DELTA, COMPILED)
     if HAS_RESIDUAL:
         r = tl.load(r_row + offs, mask=mask, other=0.0).to(tl.float32)
         v = _round(r + v, DT, COMPILED)
-        if STORE_S:
-            tl.store(s_row + offs, v.to(DT), mask=mask)
+    if STORE_S:
+        tl.store(s_row + offs, v.to(DT), mask=mask)
     return v
 
 
@@ -102,12 +112,13 @@ def _rstd(sum_sq, inv_h, eps, COMPILED: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, H, inv_h, eps, stride_x, stride_r, stride_out, stride_s,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
-                     COMPILED: tl.constexpr):
-    """One program per row: out[row] = weight * normalize(s[row]), s = x (+ residual)."""
+def _rms_norm_kernel(x_ptr, d_ptr, r_ptr, w_ptr, out_ptr, s_ptr, H, inv_h, eps, stride_x, stride_d, stride_r,
+                     stride_out, stride_s, HAS_DELTA: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                     WRITE_S: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, COMPILED: tl.constexpr):
+    """One program per row: out[row] = weight * normalize(s[row]), s = x (+ delta) (+ residual)."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
+    d_row = d_ptr + row * stride_d
     r_row = r_ptr + row * stride_r
     s_row = s_ptr + row * stride_s
     out_row = out_ptr + row * stride_out
@@ -115,21 +126,23 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, H, inv_h, eps, stride_
     if ONE_PASS:
         # The row fits one tile: read it once, keep it in registers.
         mask = offs < H
-        v = _norm_input(x_row, r_row, s_row, offs, mask, HAS_RESIDUAL, True, COMPILED)
+        v = _norm_input(x_row, d_row, r_row, s_row, offs, mask, HAS_DELTA, HAS_RESIDUAL, WRITE_S, COMPILED)
         rstd = _rstd(tl.sum(v * v, axis=0), inv_h, eps, COMPILED)
         _norm_output(v, rstd, w_ptr, out_row, offs, mask, COMPILED)
     else:
         # Wide rows: sum the squares tile by tile, then re-read (and re-add: recomputing
-        # residual + x gives the same bits and needs no ordering against our own stores).
+        # x + delta + residual gives the same bits and needs no ordering against our own stores).
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for c in range(0, H, BLOCK):
             mask = c + offs < H
-            v = _norm_input(x_row, r_row, s_row, c + offs, mask, HAS_RESIDUAL, True, COMPILED)
+            v = _norm_input(x_row, d_row, r_row, s_row, c + offs, mask, HAS_DELTA, HAS_RESIDUAL, WRITE_S,
+                            COMPILED)
             acc += v * v
         rstd = _rstd(tl.sum(acc, axis=0), inv_h, eps, COMPILED)
         for c in range(0, H, BLOCK):
             mask = c + offs < H
-            v = _norm_input(x_row, r_row, s_row, c + offs, mask, HAS_RESIDUAL, False, COMPILED)
+            v = _norm_input(x_row, d_row, r_row, s_row, c + offs, mask, HAS_DELTA, HAS_RESIDUAL, False,
+                            COMPILED)
             _norm_output(v, rstd, w_ptr, out_row, c + offs, mask, COMPILED)
 
 
@@ -138,15 +151,20 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, H, inv_h, eps, stride_
 
 
 @triton.jit
-def _silu_and_mul_kernel(gu_ptr, out_ptr, I, stride_gu, stride_out, BLOCK: tl.constexpr, COMPILED: tl.constexpr):
-    """Program (row, column block): out = round(round(silu(gate)) * up), silu(g) = g / (1 + exp(-g))."""
+def _silu_and_mul_kernel(gu_ptr, d_ptr, out_ptr, I, stride_gu, stride_d, stride_out, HAS_DELTA: tl.constexpr,
+                         BLOCK: tl.constexpr, COMPILED: tl.constexpr):
+    """Program (row, column block): out = round(round(silu(gate)) * up), silu(g) = g / (1 + exp(-g));
+    gate and up first take their LoRA delta when HAS_DELTA (each sum rounded)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
     DT = out_ptr.dtype.element_ty
     gu_row = gu_ptr + row * stride_gu
-    g = tl.load(gu_row + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gu_row + I + offs, mask=mask, other=0.0).to(tl.float32)
+    d_row = d_ptr + row * stride_d
+    g = _add_delta(tl.load(gu_row + offs, mask=mask, other=0.0).to(tl.float32), d_row, offs, mask, DT,
+                   HAS_DELTA, COMPILED)
+    u = _add_delta(tl.load(gu_row + I + offs, mask=mask, other=0.0).to(tl.float32), d_row + I, offs, mask, DT,
+                   HAS_DELTA, COMPILED)
     if COMPILED:
         e = libdevice.exp(-g)
     else:
@@ -163,16 +181,20 @@ def _silu_and_mul_kernel(gu_ptr, out_ptr, I, stride_gu, stride_out, BLOCK: tl.co
 
 
 @triton.jit
-def _rotate_heads(base, num_heads, stride_h, HALF, c, s, offs_d, d_mask, BLOCK_H: tl.constexpr,
-                  COMPILED: tl.constexpr):
-    """x1' = x1·cos − x2·sin, x2' = x2·cos + x1·sin for every head of one token, each op rounded."""
+def _rotate_heads(base, d_base, num_heads, stride_h, HALF, c, s, offs_d, d_mask, HAS_DELTA: tl.constexpr,
+                  BLOCK_H: tl.constexpr, COMPILED: tl.constexpr):
+    """x1' = x1·cos − x2·sin, x2' = x2·cos + x1·sin for every head of one token, each op rounded;
+    with HAS_DELTA each head first takes its LoRA delta (`d_base`: heads of 2·HALF fp32, contiguous)."""
     DT = base.dtype.element_ty
     for h0 in range(0, num_heads, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
         mask = (offs_h < num_heads)[:, None] & d_mask[None, :]
         p1 = base + offs_h[:, None] * stride_h + offs_d[None, :]
-        x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
+        dp1 = offs_h[:, None] * (2 * HALF) + offs_d[None, :]
+        x1 = _add_delta(tl.load(p1, mask=mask, other=0.0).to(tl.float32), d_base, dp1, mask, DT, HAS_DELTA,
+                        COMPILED)
+        x2 = _add_delta(tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32), d_base, dp1 + HALF, mask, DT,
+                        HAS_DELTA, COMPILED)
         # transformers adds (-x2)·sin; negation is exact and rounding symmetric, so that is x1·cos − x2·sin.
         o1 = _round(_round(_mul(x1, c, COMPILED), DT, COMPILED) - _round(_mul(x2, s, COMPILED), DT, COMPILED),
                     DT, COMPILED)
@@ -183,9 +205,26 @@ def _rotate_heads(base, num_heads, stride_h, HALF, c, s, offs_d, d_mask, BLOCK_H
 
 
 @triton.jit
-def _rope_kernel(q_ptr, k_ptr, pos_ptr, inv_freq_ptr, HQ, HKV, HALF, stride_qt, stride_qh, stride_kt, stride_kh,
-                 stride_pos, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, COMPILED: tl.constexpr):
-    """One program per token: cos/sin of position · inv_freq (fp32, rounded to q's dtype), then all heads of q and k."""
+def _add_heads(base, d_base, num_heads, stride_h, HALF, offs_d, d_mask, BLOCK_H: tl.constexpr,
+               COMPILED: tl.constexpr):
+    """x = round(x + delta) for every head of one token (v's LoRA delta), in place."""
+    DT = base.dtype.element_ty
+    for h0 in range(0, num_heads, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        mask = (offs_h < num_heads)[:, None] & d_mask[None, :]
+        for half in tl.static_range(2):
+            p = base + offs_h[:, None] * stride_h + (half * HALF + offs_d)[None, :]
+            dp = offs_h[:, None] * (2 * HALF) + (half * HALF + offs_d)[None, :]
+            x = _add_delta(tl.load(p, mask=mask, other=0.0).to(tl.float32), d_base, dp, mask, DT, True, COMPILED)
+            tl.store(p, x.to(DT), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, v_ptr, d_ptr, pos_ptr, inv_freq_ptr, HQ, HKV, HALF, stride_qt, stride_qh, stride_kt,
+                 stride_kh, stride_vt, stride_vh, stride_dt, stride_pos, HAS_DELTA: tl.constexpr,
+                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, COMPILED: tl.constexpr):
+    """One program per token: cos/sin of position · inv_freq (fp32, rounded to q's dtype), then all heads
+    of q and k. HAS_DELTA: q, k and v first take their LoRA delta (`d`: [q | k | v] fp32 per token)."""
     t = tl.program_id(0).to(tl.int64)
     DT = q_ptr.dtype.element_ty
     offs_d = tl.arange(0, BLOCK_D)
@@ -200,8 +239,14 @@ def _rope_kernel(q_ptr, k_ptr, pos_ptr, inv_freq_ptr, HQ, HKV, HALF, stride_qt, 
         s = tl.sin(freqs)
     c = _round(c, DT, COMPILED)
     s = _round(s, DT, COMPILED)
-    _rotate_heads(q_ptr + t * stride_qt, HQ, stride_qh, HALF, c, s, offs_d, d_mask, BLOCK_H, COMPILED)
-    _rotate_heads(k_ptr + t * stride_kt, HKV, stride_kh, HALF, c, s, offs_d, d_mask, BLOCK_H, COMPILED)
+    d_row = d_ptr + t * stride_dt
+    _rotate_heads(q_ptr + t * stride_qt, d_row, HQ, stride_qh, HALF, c, s, offs_d, d_mask, HAS_DELTA, BLOCK_H,
+                  COMPILED)
+    _rotate_heads(k_ptr + t * stride_kt, d_row + HQ * 2 * HALF, HKV, stride_kh, HALF, c, s, offs_d, d_mask,
+                  HAS_DELTA, BLOCK_H, COMPILED)
+    if HAS_DELTA:
+        _add_heads(v_ptr + t * stride_vt, d_row + (HQ + HKV) * 2 * HALF, HKV, stride_vh, HALF, offs_d, d_mask,
+                   BLOCK_H, COMPILED)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,40 +274,52 @@ def _inv(n: int) -> float:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
-             out: torch.Tensor, s_out: torch.Tensor | None, max_block: int = RMS_MAX_BLOCK) -> None:
-    """out = weight * normalize(s); s = residual + x written to s_out when residual is given."""
+             out: torch.Tensor, s_out: torch.Tensor | None, max_block: int | None = None,
+             delta: torch.Tensor | None = None) -> None:
+    """out = weight * normalize(s); s = x (+ delta) (+ residual) written to s_out when either is given."""
     T, H = x.shape
     if T == 0:
         return
+    max_block = max_block or RMS_MAX_BLOCK
     one_pass = _pow2(H) <= max_block
     block = _pow2(H) if one_pass else _pow2(max_block)
-    has_res = residual is not None
-    r, s = (residual, s_out) if has_res else (x, out)  # unused pointers when there is no residual
-    args = (x, r, weight, out, s, H, _inv(H), float(eps), x.stride(0), r.stride(0), out.stride(0), s.stride(0))
-    _RMS((T,), args, dict(HAS_RESIDUAL=has_res, BLOCK=block, ONE_PASS=one_pass, COMPILED=COMPILED),
+    has_res, has_delta = residual is not None, delta is not None
+    r = residual if has_res else x          # unused pointers stand in for absent tensors
+    s = s_out if s_out is not None else out
+    d = delta if has_delta else x
+    args = (x, d, r, weight, out, s, H, _inv(H), float(eps), x.stride(0), d.stride(0), r.stride(0), out.stride(0),
+            s.stride(0))
+    _RMS((T,), args, dict(HAS_DELTA=has_delta, HAS_RESIDUAL=has_res, WRITE_S=s_out is not None, BLOCK=block,
+                          ONE_PASS=one_pass, COMPILED=COMPILED),
          max(1, min(16, block // 512)), 1)
 
 
-def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor, block: int = SILU_BLOCK) -> None:
-    """out = silu(gate_up[:, :I]) * gate_up[:, I:], rounded as transformers rounds."""
+def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor, block: int = SILU_BLOCK,
+                 delta: torch.Tensor | None = None) -> None:
+    """out = silu(gate_up[:, :I]) * gate_up[:, I:] (each half plus its delta first), rounded as transformers rounds."""
     T, I = out.shape
     if T == 0:
         return
     block = min(_pow2(I), block)
-    _SILU((T, -(-I // block)), (gate_up, out, I, gate_up.stride(0), out.stride(0)),
-          dict(BLOCK=block, COMPILED=COMPILED), max(1, min(4, block // 256)), 1)
+    d = delta if delta is not None else gate_up
+    _SILU((T, -(-I // block)), (gate_up, d, out, I, gate_up.stride(0), d.stride(0), out.stride(0)),
+          dict(HAS_DELTA=delta is not None, BLOCK=block, COMPILED=COMPILED), max(1, min(4, block // 256)), 1)
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-               tile: int = ROPE_TILE) -> None:
-    """Rotate q and k in place (one launch, one program per token)."""
+               tile: int | None = None, v: torch.Tensor | None = None, delta: torch.Tensor | None = None) -> None:
+    """Rotate q and k in place (one launch, one program per token); with `delta` ([q | k | v] fp32
+    per token), q, k and v first take it."""
     T, Hq, D = q.shape
     if T == 0:
         return
+    tile = tile or ROPE_TILE
     half = D // 2
     block_d = _pow2(half)
     block_h = min(_pow2(max(Hq, k.shape[1])), max(1, tile // block_d))
-    args = (q, k, positions, inv_freq, Hq, k.shape[1], half, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            positions.stride(0))
-    _ROPE((T,), args, dict(BLOCK_H=block_h, BLOCK_D=block_d, COMPILED=COMPILED),
+    has_delta = delta is not None
+    v, d = (v, delta) if has_delta else (k, q)   # unused pointers without a delta
+    args = (q, k, v, d, positions, inv_freq, Hq, k.shape[1], half, q.stride(0), q.stride(1), k.stride(0),
+            k.stride(1), v.stride(0), v.stride(1), d.stride(0), positions.stride(0))
+    _ROPE((T,), args, dict(HAS_DELTA=has_delta, BLOCK_H=block_h, BLOCK_D=block_d, COMPILED=COMPILED),
           max(1, min(4, block_h * block_d // 256)), 1)

@@ -1,24 +1,26 @@
-"""A projection's GEMM and its LoRA shrink side by side, for decode steps captured in CUDA graphs.
+"""A projection's LoRA beside its GEMM, for decode steps of at most `MAX_ROWS` rows.
 
 At decode the LoRA kernels are short and latency-bound (a few µs each for a few MB), while the
-projection's GEMM streams its weight for tens of µs. The shrink reads only x, so it need not wait
-for the GEMM: it runs on a side stream, forked from and joined back to the current one, and the
-expand adds into the GEMM's output once both are done:
+projection's GEMM streams its weight for tens of µs. Neither LoRA kernel needs the GEMM's output
+if the expand writes its product into a buffer of its own, so both run on a side stream, forked
+from and joined back to the current one, and the op that consumes the projection adds that
+buffer as it loads its input (RMSNorm, SiLU-and-mul, RoPE: ops/fused.py's `delta` arguments):
 
-    main:  y = x @ Wᵀ (+ bias) ───────────────┐
-    side:  part = shrink(x, A[slot]) ─────────┴─> expand: y += scaling · part @ B[slot]ᵀ
+    main:  y = x @ Wᵀ (+ bias) ─────────────────────────────────┐
+    side:  delta = 0; part = shrink(x, A[slot]); delta = scaling · part @ B[slot]ᵀ ─┴─> consumer(y + delta)
 
-Same result as `F.linear` followed by `sgmv.add_lora`, bit for bit (the same kernels on the same
-data). Used while a CUDA graph of at most `MAX_ROWS` rows is captured, where the fork and join cost
-nothing at replay; eager steps keep one stream (each fork/join costs host time there).
-LORAPLEX_LORA_OVERLAP=0 turns it off.
+`y + delta` is the sum the in-place expand computes (fp32, rounded once to y's dtype; the expand
+may fuse its product into that sum, so the two can differ in the last bit). Used for the forwards
+of at most MAX_ROWS rows with the Triton kernels, captured or not, so that eager decode steps and
+graph replays compute the same bits; the side stream only while a CUDA graph is captured, where the
+fork and join cost nothing at replay (eager steps keep one stream: each fork/join costs host time).
 
-Measured on an H200 (`benchmarks/bench_lora_overlap.py`, results/lora_overlap.md): Llama-2-7B decode
-forwards 7.5% faster at batch 1, 0.4% (distinct adapters) and 5% (one shared) at batch 32; at 256
-no faster (distinct) and 2% slower (shared), where the GEMMs fill the GPU: hence `MAX_ROWS`.
+LORAPLEX_LORA_OVERLAP: "full" (default; also "1"), "shrink" (only the shrink beside the GEMM, the
+expand after it into y: bit-identical to the plain order), "off" (also "0").
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -28,14 +30,30 @@ from .batch import LoraBatch
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
+MODES = ("full", "shrink", "off")
+MAX_ROWS = 32   # larger batches keep the plain order (the GEMMs fill the GPU there: results/lora_overlap.md)
 
-MAX_ROWS = 32   # larger decode batches keep one stream (measured no faster at 256; 64–128 not measured)
+
+def mode() -> str:
+    """The LORAPLEX_LORA_OVERLAP setting, one of MODES."""
+    value = os.environ.get("LORAPLEX_LORA_OVERLAP", "full").strip().lower()
+    if value in ("", "1", "true", "yes", "on", "full"):
+        return "full"
+    if value in ("0", "false", "no", "off"):
+        return "off"
+    if value == "shrink":
+        return "shrink"
+    raise ValueError(f"LORAPLEX_LORA_OVERLAP={value!r}: expected full (or 1), shrink, or off (or 0)")
 
 
 def enabled(rows: int) -> bool:
-    """Overlap the LoRA of a captured forward of `rows` rows? (LORAPLEX_LORA_OVERLAP=0: never.)"""
-    value = os.environ.get("LORAPLEX_LORA_OVERLAP", "1").strip().lower()
-    return value not in ("0", "false", "no", "off") and rows <= MAX_ROWS
+    """Does a captured forward of `rows` rows run LoRA kernels on a side stream?"""
+    return rows <= MAX_ROWS and mode() != "off"
+
+
+def uses_delta(rows: int) -> bool:
+    """Does a forward of `rows` rows (captured or eager) leave each LoRA product to the next op?"""
+    return rows <= MAX_ROWS and mode() == "full"
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -48,14 +66,20 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE_STREAMS[index]
 
 
+def _usable_side(device: torch.device) -> torch.cuda.Stream | None:
+    main, side = torch.cuda.current_stream(device), _side_stream(device)
+    return None if side == main else side   # PyTorch hands out pooled streams in turn: this capture may hold ours
+
+
 def linear_with_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      lora_a: list[torch.Tensor], lora_b: list[torch.Tensor], batch: LoraBatch,
                      ranks: list[torch.Tensor], scalings: list[torch.Tensor]) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` plus `sgmv.add_lora` of the slices, the shrink beside the GEMM (CUDA only)."""
+    """"shrink": `F.linear(x, weight, bias)` plus `sgmv.add_lora` of the slices, the shrink beside the GEMM."""
     from . import sgmv   # Triton: imported where it runs, so that the CPU path needs none
-    main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
-    if side == main:   # PyTorch hands out pooled streams in turn: this capture may have drawn ours
+    side = _usable_side(x.device)
+    if side is None:
         return sgmv.add_lora(F.linear(x, weight, bias), x, lora_a, lora_b, batch, ranks, scalings, 0)
+    main = torch.cuda.current_stream(x.device)
     cfg = sgmv.config_for(batch.block_m)
     part = sgmv.new_partials(x, lora_a, batch, cfg)   # allocated on the main stream, which frees it
     side.wait_stream(main)          # x is ready
@@ -65,3 +89,29 @@ def linear_with_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     main.wait_stream(side)
     sgmv.expand_from(y, part, lora_b, ranks, scalings, batch, 0, cfg)
     return y
+
+
+def linear_with_lora_delta(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           lora_a: list[torch.Tensor], lora_b: list[torch.Tensor], batch: LoraBatch,
+                           ranks: list[torch.Tensor], scalings: list[torch.Tensor], *,
+                           side: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """"full": `(F.linear(x, weight, bias), delta)`, delta the fp32 `[T, ΣN]` LoRA product of the slices
+    (zero for rows without an adapter), for the consumer to add. `side`: on a side stream (capture only)."""
+    from . import sgmv
+    cfg = sgmv.config_for(batch.block_m)
+    # Both allocated on the main stream, which frees them after it has joined the side stream.
+    part = sgmv.new_partials(x, lora_a, batch, cfg)
+    delta = torch.empty((x.shape[0], sum(b.shape[1] for b in lora_b)), dtype=torch.float32, device=x.device)
+    stream = _usable_side(x.device) if side else None
+    main = torch.cuda.current_stream(x.device) if stream is not None else None
+    if stream is not None:
+        stream.wait_stream(main)    # x is ready
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        delta.zero_()   # rows without an adapter, and slices of rank 0, get no product
+        sgmv.shrink_into(part, x, lora_a, ranks, batch, cfg)
+        sgmv.expand_from(delta, part, lora_b, ranks, scalings, batch, 0, cfg, accumulate=False)
+    y = F.linear(x, weight, bias)
+    if stream is not None:
+        main.wait_stream(stream)
+    return y, delta
+

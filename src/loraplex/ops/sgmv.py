@@ -144,7 +144,7 @@ def _dot_v_b(v, b, acc, PRECISION: tl.constexpr):
 def _expand_tile(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, slot, start, end, n_chunk, N, col0,
                  n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R,
                  SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                 ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr):
+                 ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr):
     rank = tl.minimum(tl.load(rank_ptr + slot), R)  # a rank past R (the stacks' width) is R
     n_begin = n_chunk * n_per_prog
     if (rank > 0) & (n_begin < N):
@@ -163,7 +163,10 @@ def _expand_tile(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, s
             n_mask = offs_n < n_end
             y_ptrs = y_rows + (col0 + offs_n)[None, :] * stride_yn
             y_mask = m_mask[:, None] & n_mask[None, :]
-            y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
+            if ACCUMULATE:  # loaded first, so that its latency hides behind the dot
+                y_old = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
+            else:  # y is an fp32 buffer of LoRA products that a later op adds (ops/overlap.py)
+                y_old = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             if ONE_R_TILE:
                 # The whole rank fits one tile: v (loaded once, above) stays in registers.
@@ -173,7 +176,7 @@ def _expand_tile(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, s
                     v_r, offs_rr, r_mask_r = _load_v(part_ptr, rows, m_mask, r0, rank, stride_p_split, stride_pm,
                                                      SPLIT_K, BLOCK_R)
                     acc = _dot_v_b(v_r, _load_b(b_base, offs_n, n_mask, offs_rr, r_mask_r, R), acc, PRECISION)
-            tl.store(y_ptrs, (y_old.to(tl.float32) + acc * scale).to(y_old.dtype), mask=y_mask)
+            tl.store(y_ptrs, (y_old + acc * scale).to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 @triton.jit
@@ -182,8 +185,9 @@ def _sgmv_expand_kernel(
         b0, b1, b2, b3, rk0, rk1, rk2, rk3, sc0, sc1, sc2, sc3, n0, n1, n2, n3, c0, c1, c2, c3,
         n_chunks, n_per_prog, R, stride_ym, stride_yn, stride_p_split, stride_p_slice, stride_pm,
         NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_R: tl.constexpr, ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr):
-    """y[rows, c_i + n] += sc_i[slot] * (Σ_split part[split, i, rows, :rank]) @ B_i[slot, n, :rank]ᵀ."""
+        BLOCK_R: tl.constexpr, ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr):
+    """y[rows, c_i + n] += sc_i[slot] * (Σ_split part[split, i, rows, :rank]) @ B_i[slot, n, :rank]ᵀ
+    (ACCUMULATE), or y[rows, c_i + n] = that product (y an fp32 delta buffer)."""
     pid = tl.program_id(0)
     work = pid // (NUM_SLICES * n_chunks)
     inner = pid % (NUM_SLICES * n_chunks)
@@ -197,22 +201,22 @@ def _sgmv_expand_kernel(
         if sl == 0:
             _expand_tile(y_ptr, part, b0, rk0, sc0, sorted_rows_ptr, slot, start, end, n_chunk, n0, c0, n_per_prog,
                          stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R,
-                         ONE_R_TILE, PRECISION)
+                         ONE_R_TILE, PRECISION, ACCUMULATE)
         if NUM_SLICES > 1:
             if sl == 1:
                 _expand_tile(y_ptr, part, b1, rk1, sc1, sorted_rows_ptr, slot, start, end, n_chunk, n1, c1,
                              n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M,
-                             BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION)
+                             BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION, ACCUMULATE)
         if NUM_SLICES > 2:
             if sl == 2:
                 _expand_tile(y_ptr, part, b2, rk2, sc2, sorted_rows_ptr, slot, start, end, n_chunk, n2, c2,
                              n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M,
-                             BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION)
+                             BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION, ACCUMULATE)
         if NUM_SLICES > 3:
             if sl == 3:
                 _expand_tile(y_ptr, part, b3, rk3, sc3, sorted_rows_ptr, slot, start, end, n_chunk, n3, c3,
                              n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M,
-                             BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION)
+                             BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION, ACCUMULATE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,8 +322,11 @@ def shrink_into(part: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],
 
 
 def expand_from(y: torch.Tensor, part: torch.Tensor, lora_b: list[torch.Tensor], ranks: list[torch.Tensor],
-                scalings: list[torch.Tensor], batch, y_offset: int, cfg: KernelConfig) -> None:
-    """Launch expand adding `scalings[slot] * Σ_split part @ B[slot]ᵀ` into y's slices."""
+                scalings: list[torch.Tensor], batch, y_offset: int, cfg: KernelConfig, *,
+                accumulate: bool = True) -> None:
+    """Launch expand adding `scalings[slot] * Σ_split part @ B[slot]ᵀ` into y's slices; with
+    `accumulate=False`, y is fp32 and that product is stored instead (rows without an adapter, and
+    slices of rank 0, are left as they were)."""
     num_slices = len(lora_b)
     R = lora_b[0].shape[2]
     ns = [b.shape[1] for b in lora_b]
@@ -331,7 +338,8 @@ def expand_from(y: torch.Tensor, part: torch.Tensor, lora_b: list[torch.Tensor],
     pad = MAX_SLICES - num_slices
     # bf16 keeps fp32's exponent range, so v splits into two bf16 halves without overflow; fp16 would
     # overflow past 65504, so fp16 (exactly representable in fp32) takes the fp32 product.
-    precision = cfg.expand_precision or ("split" if y.dtype == torch.bfloat16 else "tf32x3")
+    dtype = y.dtype if accumulate else lora_b[0].dtype
+    precision = cfg.expand_precision or ("split" if dtype == torch.bfloat16 else "tf32x3")
     block_r = _block_r(R)
     args = (y, part, batch.sorted_rows, batch.work_slot, batch.work_start, batch.work_end,
             *lora_b, *[lora_b[0]] * pad, *ranks, *[ranks[0]] * pad, *scalings, *[scalings[0]] * pad,
@@ -339,7 +347,7 @@ def expand_from(y: torch.Tensor, part: torch.Tensor, lora_b: list[torch.Tensor],
             n_chunks, n_per_prog, R, y.stride(0), y.stride(1), part.stride(0), part.stride(1), part.stride(2))
     _EXPAND(grid, args, dict(NUM_SLICES=num_slices, SPLIT_K=part.shape[0], BLOCK_M=batch.block_m,
                              BLOCK_N=cfg.expand_block_n, BLOCK_R=block_r, ONE_R_TILE=R <= block_r,
-                             PRECISION=precision),
+                             PRECISION=precision, ACCUMULATE=accumulate),
             cfg.expand_warps, cfg.expand_stages)
 
 
