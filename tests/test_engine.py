@@ -276,15 +276,26 @@ def test_stop_token_text_is_not_in_the_output(tmp_path):
     assert cut.text == llm.tokenizer.decode(full.token_ids[:first], skip_special_tokens=True)
 
 
-def test_lora_kernel_warmup_launches_every_variant_and_changes_nothing():
+@pytest.mark.parametrize("overlap_mode", ["full", "off"])
+def test_lora_kernel_warmup_launches_every_variant_and_changes_nothing(overlap_mode, monkeypatch):
+    """Every (tile height, K splits, N chunk class) after the GEMMs; with the LoRA products beside them
+    (ops/overlap.py "full", the default) the same again into fp32 buffers, which eager forwards of
+    up to overlap.MAX_ROWS rows launch too."""
     from loraplex.adapters import AdapterPool
     from loraplex.engine.warmup import compile_lora_kernels
     from loraplex.models import ModelConfig
+    from loraplex.ops import sgmv
     from model_fixtures import hf_config
+    monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", overlap_mode)
     config = ModelConfig.from_dict(hf_config("llama-gqa-llama3rope").to_dict())
     pool = AdapterPool(config, num_slots=2, max_rank=4, dtype=torch.float32, device="cpu")
     pool.ranks.fill_(3)
-    assert compile_lora_kernels(config, pool, torch.float32) >= 2 * 2 * 4 * 4
+    stores = []
+    real = sgmv.add_lora
+    monkeypatch.setattr(sgmv, "add_lora", lambda *a, **kw: stores.append(not kw["accumulate"]) or real(*a, **kw))
+    launches = compile_lora_kernels(config, pool, torch.float32)
+    assert launches == len(stores) and launches >= 2 * 2 * 4 * 4 * (2 if overlap_mode == "full" else 1)
+    assert sum(stores) == (launches // 2 if overlap_mode == "full" else 0)
     assert bool((pool.ranks == 3).all())
 
 

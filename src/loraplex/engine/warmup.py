@@ -18,8 +18,7 @@ import torch
 
 from ..adapters.pool import AdapterPool
 from ..models.config import ModelConfig
-from ..ops import LoraBatch
-from ..ops import sgmv
+from ..ops import LoraBatch, overlap, sgmv
 from ..ops.batch import LARGE_BLOCK_M, SMALL_BLOCK_M
 
 log = logging.getLogger("loraplex.engine")
@@ -39,18 +38,18 @@ def compile_lora_kernels(config: ModelConfig, pool: AdapterPool, dtype: torch.dt
     saved = pool.ranks[:, :, 0].clone()
     pool.ranks[:, :, 0] = 0   # slot 0 reads nothing, whatever it holds
     try:
-        for block_m in (SMALL_BLOCK_M, LARGE_BLOCK_M):
+        for block_m, base, accumulate in _variants():
             batch = LoraBatch.from_lengths([block_m], [0], device, block_m=block_m)
-            base = sgmv.config_for(block_m)
             # layers 0-3: the per-layer rank and scaling views take every alignment they can take
             for layer, (projs, width) in itertools.product(range(min(4, config.num_hidden_layers)), CALLS):
                 a, b, ranks, scalings = pool.stacks(layer, projs)
                 x = torch.zeros(block_m, widths[width], dtype=dtype, device=device)
-                y = torch.zeros(block_m, sum(t.shape[1] for t in b), dtype=dtype, device=device)
+                y = torch.zeros(block_m, sum(t.shape[1] for t in b), dtype=dtype if accumulate else torch.float32,
+                                device=device)
                 n_tiles = -(-max(t.shape[1] for t in b) // base.expand_block_n)
                 for split_k, n_chunks in itertools.product((1, 2, 4, 8), _chunk_classes(n_tiles)):
                     cfg = dataclasses.replace(base, split_k=split_k, n_chunks=n_chunks)
-                    sgmv.add_lora(y, x, a, b, batch, ranks, scalings, 0, cfg)
+                    sgmv.add_lora(y, x, a, b, batch, ranks, scalings, 0, cfg, accumulate=accumulate)
                     launches += 1
     finally:
         pool.ranks[:, :, 0] = saved
@@ -58,6 +57,20 @@ def compile_lora_kernels(config: ModelConfig, pool: AdapterPool, dtype: torch.dt
         torch.cuda.synchronize(device)
     log.info("compiled the LoRA kernels' variants (%d calls) in %.1f s", launches, time.perf_counter() - start)
     return launches
+
+
+def _variants() -> list[tuple[int, sgmv.KernelConfig, bool]]:
+    """(tile height, settings, accumulate) of every way a step can launch the kernels: after the
+    GEMMs, and beside them (ops/overlap.py: the products into fp32 buffers, in eager forwards of up
+    to overlap.MAX_ROWS rows too, whose tiles may be either height)."""
+    found = [(block_m, sgmv.config_for(block_m), True) for block_m in (SMALL_BLOCK_M, LARGE_BLOCK_M)]
+    mode = overlap.mode()
+    if mode != "off":
+        for block_m in (SMALL_BLOCK_M, LARGE_BLOCK_M):
+            variant = (block_m, overlap.config_for(block_m), mode == "shrink")
+            if variant not in found:
+                found.append(variant)
+    return found
 
 
 def _chunk_classes(n_tiles: int) -> list[int]:

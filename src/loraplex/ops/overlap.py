@@ -32,6 +32,15 @@ _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 MODES = ("full", "shrink", "off")
 MAX_ROWS = 32   # larger batches keep the plain order (the GEMMs fill the GPU there: results/lora_overlap.md)
+# Kernel settings beside a GEMM, per tile height, where they differ from sgmv.CONFIGS (tuned for
+# the kernels alone): benchmarks/sweep_overlap_configs.py.
+CONFIGS: dict = {}
+
+
+def config_for(block_m: int):
+    """The sgmv.KernelConfig of the LoRA kernels beside the GEMMs (eager "full" forwards use it too)."""
+    from . import sgmv
+    return CONFIGS.get(block_m) or sgmv.config_for(block_m)
 
 
 def mode() -> str:
@@ -77,10 +86,10 @@ def linear_with_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """"shrink": `F.linear(x, weight, bias)` plus `sgmv.add_lora` of the slices, the shrink beside the GEMM."""
     from . import sgmv   # Triton: imported where it runs, so that the CPU path needs none
     side = _usable_side(x.device)
+    cfg = config_for(batch.block_m)
     if side is None:
-        return sgmv.add_lora(F.linear(x, weight, bias), x, lora_a, lora_b, batch, ranks, scalings, 0)
+        return sgmv.add_lora(F.linear(x, weight, bias), x, lora_a, lora_b, batch, ranks, scalings, 0, cfg)
     main = torch.cuda.current_stream(x.device)
-    cfg = sgmv.config_for(batch.block_m)
     part = sgmv.new_partials(x, lora_a, batch, cfg)   # allocated on the main stream, which frees it
     side.wait_stream(main)          # x is ready
     with torch.cuda.stream(side):
@@ -98,7 +107,7 @@ def linear_with_lora_delta(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     """"full": `(F.linear(x, weight, bias), delta)`, delta the fp32 `[T, ΣN]` LoRA product of the slices
     (zero for rows without an adapter), for the consumer to add. `side`: on a side stream (capture only)."""
     from . import sgmv
-    cfg = sgmv.config_for(batch.block_m)
+    cfg = config_for(batch.block_m)
     # Both allocated on the main stream, which frees them after it has joined the side stream.
     part = sgmv.new_partials(x, lora_a, batch, cfg)
     delta = torch.empty((x.shape[0], sum(b.shape[1] for b in lora_b)), dtype=torch.float32, device=x.device)

@@ -359,10 +359,12 @@ def new_partials(x: torch.Tensor, lora_a: list[torch.Tensor], batch, cfg: Kernel
     return torch.empty((split_k, num_slices, x.shape[0], R), dtype=torch.float32, device=x.device)
 
 
-def add_lora(y, x, lora_a, lora_b, batch, ranks, scalings, y_offset: int, cfg: KernelConfig | None = None):
-    """Shrink into a per-call fp32 partial buffer, then expand into y (two launches)."""
+def add_lora(y, x, lora_a, lora_b, batch, ranks, scalings, y_offset: int, cfg: KernelConfig | None = None, *,
+             accumulate: bool = True):
+    """Shrink into a per-call fp32 partial buffer, then expand into y (two launches); `accumulate` as
+    for `expand_from`."""
     cfg = cfg or config_for(batch.block_m)
     part = new_partials(x, lora_a, batch, cfg)
     shrink_into(part, x, lora_a, ranks, batch, cfg)
-    expand_from(y, part, lora_b, ranks, scalings, batch, y_offset, cfg)
+    expand_from(y, part, lora_b, ranks, scalings, batch, y_offset, cfg, accumulate=accumulate)
     return y
