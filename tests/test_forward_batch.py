@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from loraplex.models import ForwardBatch, KVCache, ModelConfig, SequenceChunk
+from loraplex.models.forward_batch import TABLE_ALIGN
 
 BS = 8
 
@@ -25,8 +26,9 @@ def test_layout_of_a_mixed_batch():
     assert b.slot_mapping.tolist() == [32, 33, 34, 3 * 8 + 1, 11 * 8 + 6, 11 * 8 + 7, 12 * 8 + 0, 12 * 8 + 1]
     assert b.query_start.tolist() == [0, 3, 4, 8]
     assert b.seq_lens.tolist() == [3, 18, 10]
-    assert b.block_tables.shape == (3, 3)
-    assert b.block_tables[1].tolist() == [1, 7, 3] and b.block_tables[2, :2].tolist() == [11, 12]
+    # 3 blocks at most, padded to TABLE_ALIGN columns (one stride class for the attention kernels)
+    assert b.block_tables.shape == (3, TABLE_ALIGN)
+    assert b.block_tables[1, :3].tolist() == [1, 7, 3] and b.block_tables[2, :2].tolist() == [11, 12]
     assert b.logits_rows.tolist() == [2, 3] and b.logits_seqs == (0, 1)
     assert (b.max_query_len, b.max_seq_len, b.num_tokens, b.has_adapters) == (4, 18, 8, True)
     assert b.lora.seg_indptr.tolist() == [0, 3, 4, 8] and b.lora.slot_ids.tolist() == [2, -1, 0]
@@ -40,7 +42,7 @@ def test_layout_of_a_mixed_batch():
 
 def test_blocks_past_the_context_are_not_sent_or_checked():
     b = build([SequenceChunk([1], 0, [3, 10**9])])  # the second block is not needed yet
-    assert b.block_tables.tolist() == [[3]]
+    assert b.block_tables.tolist() == [[3] + [0] * (TABLE_ALIGN - 1)]   # padding columns are 0, never read
     assert not build([SequenceChunk([1], 0, [3])], slots=4).has_adapters
 
 
@@ -88,7 +90,7 @@ def test_graph_batch_is_rewritten_in_place_with_padding():
     assert g.input_ids.tolist() == [7, 9, 0, 0] and g.positions.tolist() == [17, 0, 0, 0]
     assert g.slot_mapping.tolist() == [3 * 8 + 1, 4 * 8, -1, -1]
     assert g.query_start.tolist() == [0, 1, 2, 2, 2] and g.seq_lens.tolist() == [18, 1, 0, 0]
-    assert g.block_tables.shape == (4, 5) and g.block_tables[0, :3].tolist() == [1, 7, 3]
+    assert g.block_tables.shape == (4, TABLE_ALIGN) and g.block_tables[0, :3].tolist() == [1, 7, 3]
     assert g.logits_rows.tolist() == [0, 1, 2, 3] and g.logits_seqs == (0, 1)
     assert g.has_adapters and g.max_query_len == 1 and g.max_seq_len == 40 and g.num_tokens == 4
     with pytest.raises(ValueError, match="a graph batch takes decode chunks of one token"):
@@ -142,3 +144,17 @@ def test_every_metadata_array_starts_16_byte_aligned():
                   b.lora.work_start, b.lora.work_end]
         base = b.input_ids.data_ptr()
         assert all((t.data_ptr() - base) % 16 == 0 for t in arrays), [(t.data_ptr() - base) % 16 for t in arrays]
+
+
+@pytest.mark.parametrize("context", [1, 8, 9, 16 * 8, 16 * 8 + 1, 40 * 8])
+def test_block_table_stride_is_always_a_multiple_of_the_alignment(context):
+    """Whatever the contexts, the attention kernels see one class of row stride (so eager steps never
+    compile a new variant mid-run): a multiple of TABLE_ALIGN, in built and in graph batches."""
+    blocks = -(-context // 8)
+    b = ForwardBatch.build([SequenceChunk([1], context - 1, list(range(blocks)), -1)], block_size=8,
+                           num_blocks=64, vocab_size=16)
+    g = ForwardBatch.for_graph(2, context, block_size=8, num_blocks=64, vocab_size=16, num_adapter_slots=1,
+                               device="cpu")
+    for t in (b.block_tables, g.block_tables):
+        assert t.stride(0) % TABLE_ALIGN == 0 and t.shape[1] >= blocks
+    assert b.block_tables[0, :blocks].tolist() == list(range(blocks))

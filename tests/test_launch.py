@@ -19,5 +19,15 @@ def test_key_separates_what_triton_specializes_on():
                                                                              b, torch.Tensor) else b.data_ptr())
 
 
+def test_plain_key_separates_what_triton_keeps_of_an_unspecialized_int():
+    """Parameters marked do_not_specialize (the prefill kernel's sequence count): only the width counts."""
+    values = [1, 0, 16, 17, 32, -5, 2**31 - 16, 2**31, 2**40 + 3, 2**63]
+    for a in values:
+        for b in values:
+            same_triton = native_specialize_impl(CUDABackend, a, False, False, True) == \
+                native_specialize_impl(CUDABackend, b, False, False, True)
+            assert (launch._plain_spec(a) == launch._plain_spec(b)) == same_triton, (a, b)
+
+
 def test_default_hooks_do_not_count_as_installed():
     assert not launch._hooks_installed()

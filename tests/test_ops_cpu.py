@@ -291,16 +291,37 @@ def test_linear_with_lora_delta_leaves_the_product_for_the_next_op(dtype, regime
                                          ("0", "off"), ("off", "off"), ("False", "off")])
 def test_lora_overlap_setting(value, mode, monkeypatch):
     """LORAPLEX_LORA_OVERLAP (ops/overlap.py): by default ("full") forwards of up to MAX_ROWS rows leave
-    each LoRA product to the next op, and captured ones run the LoRA kernels on a side stream."""
+    each LoRA product to the next op, and captured ones run the LoRA kernels on a side stream; captured
+    forwards of up to SHRINK_MAX_ROWS run the shrink there."""
     from loraplex.ops import overlap
     if value is None:
         monkeypatch.delenv("LORAPLEX_LORA_OVERLAP", raising=False)
     else:
         monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", value)
     assert overlap.mode() == mode
-    assert overlap.enabled(1) == (mode != "off") and overlap.enabled(overlap.MAX_ROWS) == (mode != "off")
-    assert overlap.uses_delta(overlap.MAX_ROWS) == (mode == "full")
-    assert not overlap.enabled(overlap.MAX_ROWS + 1) and not overlap.uses_delta(overlap.MAX_ROWS + 1)
+    assert overlap.MAX_ROWS < overlap.SHRINK_MAX_ROWS
+    for rows in (1, overlap.MAX_ROWS, overlap.MAX_ROWS + 1, overlap.SHRINK_MAX_ROWS):
+        assert overlap.enabled(rows) == (mode != "off")
+        assert overlap.uses_delta(rows) == (mode == "full" and rows <= overlap.MAX_ROWS)
+    assert not overlap.enabled(overlap.SHRINK_MAX_ROWS + 1) and not overlap.uses_delta(overlap.SHRINK_MAX_ROWS + 1)
+
+
+@pytest.mark.parametrize("mode", ["full", "shrink", "off"])
+def test_lora_path_by_rows_and_capture(mode, monkeypatch):
+    """The measured policy (ops/overlap.py): captured forwards put both LoRA kernels beside the GEMM up to
+    MAX_ROWS rows, the shrink up to SHRINK_MAX_ROWS, neither beyond; eager ones never use a side stream."""
+    from loraplex.ops import overlap
+    monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", mode)
+    small, middle, large = 1, overlap.MAX_ROWS + 1, overlap.SHRINK_MAX_ROWS + 1
+    want = {"full": {(small, True): "delta-side", (small, False): "delta", (middle, True): "shrink-side",
+                     (middle, False): "direct"},
+            "shrink": {(small, True): "shrink-side", (small, False): "direct", (middle, True): "shrink-side",
+                       (middle, False): "direct"},
+            "off": {(small, True): "direct", (small, False): "direct", (middle, True): "direct",
+                    (middle, False): "direct"}}[mode]
+    for (rows, capturing), path in want.items():
+        assert overlap.lora_path(rows, capturing) == path, (rows, capturing)
+    assert overlap.lora_path(large, True) == overlap.lora_path(large, False) == "direct"
 
 
 def test_lora_overlap_setting_refuses_a_bad_value(monkeypatch):

@@ -88,7 +88,7 @@ class ForwardBatch:
         """
         _check_positive(max_seqs=max_seqs, max_seq_len=max_seq_len, block_size=block_size,
                         num_blocks=num_blocks, vocab_size=vocab_size, num_adapter_slots=num_adapter_slots)
-        max_blocks = -(-max_seq_len // block_size)
+        max_blocks = _table_width(-(-max_seq_len // block_size))
         sizes = [max_seqs, max_seqs, max_seqs, max_seqs + 1, max_seqs, max_seqs * max_blocks, max_seqs]
         buffer = torch.zeros(sum(sizes), dtype=torch.int32, device=device)
         views = list(torch.split(buffer, sizes))
@@ -128,6 +128,18 @@ class ForwardBatch:
         return self
 
 
+TABLE_ALIGN = 16
+
+
+def _table_width(blocks: int) -> int:
+    """Block-table columns for contexts of up to `blocks` blocks: a multiple of TABLE_ALIGN. The
+    attention kernels take the row stride as an argument, and Triton compiles a variant per class
+    of it (1, a multiple of 16, anything else); a stride that moved between those classes from step
+    to step made eager steps stop for seconds to compile mid-run. Columns past a sequence's last
+    block are never read."""
+    return -(-max(1, blocks) // TABLE_ALIGN) * TABLE_ALIGN
+
+
 def _check_positive(**values: int) -> None:
     for name, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -150,7 +162,7 @@ def _layout(chunks: Sequence[SequenceChunk], block_size: int, num_blocks: int, v
     T = int(query_start[-1])
     ids = np.concatenate([ids for ids, _ in checked])
     positions = np.arange(T, dtype=np.int64) - np.repeat(query_start[:-1] - cached, lens)
-    max_blocks = max(1, max(-(-int(n) // block_size) for n in seq_lens))
+    max_blocks = _table_width(max(-(-int(n) // block_size) for n in seq_lens))
     tables = np.zeros((len(chunks), max_blocks), dtype=np.int64)
     for s, (_, used) in enumerate(checked):  # only the blocks the context covers are sent
         tables[s, :len(used)] = used

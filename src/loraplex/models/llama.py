@@ -160,14 +160,12 @@ class LlamaForCausalLM(nn.Module):
         more host time than the kernels take in eager steps): "direct" (`sgmv.add_lora` after each
         GEMM), "delta" (each product left for the next op to add, in forwards of up to
         `overlap.MAX_ROWS` rows), "delta-side" (the same, the LoRA kernels on a side stream beside the
-        GEMMs, while a CUDA graph is captured) or "shrink-side" (only the shrink beside, captured).
+        GEMMs, while a CUDA graph is captured) or "shrink-side" (only the shrink beside, in captured
+        forwards of up to `overlap.SHRINK_MAX_ROWS` rows).
         See ops/overlap.py; eager steps keep one stream, where forks and joins cost host time."""
         if pool is None or resolve_backend(self.backend, self.device) != "triton":
             return "checked"
-        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if overlap.uses_delta(rows):
-            return "delta-side" if capturing else "delta"
-        return "shrink-side" if capturing and overlap.enabled(rows) else "direct"
+        return overlap.lora_path(rows, self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
     @property
     def lm_head(self) -> torch.Tensor:

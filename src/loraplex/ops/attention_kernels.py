@@ -146,7 +146,8 @@ def _find_sequence(query_start_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr, SCAN_
     return count
 
 
-@triton.jit
+# num_seqs changes from step to step (1, 16, 31...): specializing on it would compile a variant per class mid-run.
+@triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
                     num_seqs, qk_scale, window,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_bt,

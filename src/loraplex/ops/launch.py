@@ -4,7 +4,8 @@ Triton's `kernel[grid](...)` re-derives every argument's specialization on each 
 our ~30 arguments that costs tens of µs of host time per launch, more than the GPU work of a
 decode step. A compiled kernel depends only on its constexprs and options, each tensor's
 dtype and 16-byte alignment, and each int's being 1, its divisibility by 16 and its width
-(exactly what `triton._C.libtriton.native_specialize_impl` derives). We key on those: the
+(exactly what `triton._C.libtriton.native_specialize_impl` derives; only the width for an int
+marked `do_not_specialize`). We key on those: the
 first call per key goes through Triton (compiling if needed) and returns the compiled kernel,
 later calls hand the arguments to its launcher directly.
 
@@ -59,6 +60,13 @@ def _spec(arg, _tensor=torch.Tensor, _int32=_INT32):
     return type(arg), arg
 
 
+def _plain_spec(arg, _int32=_INT32):
+    """The same for a parameter marked `do_not_specialize`: Triton keeps only an int's width."""
+    if type(arg) is int:
+        return ("plain", arg in _int32, arg < 2**63)
+    return _spec(arg)
+
+
 class Launcher:
     """`Launcher(kernel)(grid, args, constexprs, num_warps, num_stages)` ≡ `kernel[grid](*args, **constexprs, ...)`.
 
@@ -75,13 +83,19 @@ class Launcher:
             if kernel.arg_names[len(kernel.arg_names) - len(const_names):] != const_names:
                 raise TypeError(f"{kernel.fn.__name__}: constexpr parameters must come last")
             self._const_names = const_names
+            # Runtime parameters marked do_not_specialize: Triton compiles one variant for every value.
+            self._plain = [i for i, p in enumerate(kernel.params[:len(kernel.arg_names) - len(const_names)])
+                           if p.do_not_specialize]
 
     def __call__(self, grid: tuple, args: tuple, constexprs: dict, num_warps: int, num_stages: int) -> None:
         if not self.enabled or _hooks_installed():
             self.kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
             return
         device = torch.cuda.current_device()
-        key = (device, num_warps, num_stages, *constexprs.values(), *map(_spec, args))
+        specs = tuple(map(_spec, args))
+        if self._plain:
+            specs = tuple(_plain_spec(a) if i in self._plain else sp for i, (a, sp) in enumerate(zip(args, specs)))
+        key = (device, num_warps, num_stages, *constexprs.values(), *specs)
         compiled = self._compiled.get(key)
         if compiled is None:
             self._compiled[key] = self.kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)

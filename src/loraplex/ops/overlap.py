@@ -14,9 +14,11 @@ may fuse its product into that sum, so the two can differ in the last bit). Used
 of at most MAX_ROWS rows with the Triton kernels, captured or not, so that eager decode steps and
 graph replays compute the same bits; the side stream only while a CUDA graph is captured, where the
 fork and join cost nothing at replay (eager steps keep one stream: each fork/join costs host time).
+Captured forwards of more rows, up to SHRINK_MAX_ROWS, run only the shrink beside the GEMM and the
+expand after it, into y (bit-identical to the plain order).
 
-LORAPLEX_LORA_OVERLAP: "full" (default; also "1"), "shrink" (only the shrink beside the GEMM, the
-expand after it into y: bit-identical to the plain order), "off" (also "0").
+LORAPLEX_LORA_OVERLAP: "full" (default; also "1"), "shrink" (only the shrink beside the GEMM, up to
+SHRINK_MAX_ROWS rows), "off" (also "0").
 """
 from __future__ import annotations
 
@@ -31,7 +33,11 @@ from .batch import LoraBatch
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 MODES = ("full", "shrink", "off")
-MAX_ROWS = 32   # larger batches keep the plain order (the GEMMs fill the GPU there: results/lora_overlap.md)
+# Measured on an H200 (results/lora_overlap.md, Llama-2-7B decode forwards): both kernels beside the
+# GEMM win up to 32 rows (12% at batch 1, 2–10% at 32); from 64 rows only the shrink beside it wins
+# (1.4–4% at 64 and 128); at 256 the GEMMs fill the GPU and the plain order is best.
+MAX_ROWS = 32           # the LoRA product beside the GEMM, added by the next op ("full")
+SHRINK_MAX_ROWS = 128   # the shrink beside the GEMM (captured forwards; "full" and "shrink")
 # Kernel settings beside a GEMM, per tile height, where they differ from sgmv.CONFIGS (tuned for
 # the kernels alone): benchmarks/sweep_overlap_configs.py.
 CONFIGS: dict = {}
@@ -57,12 +63,20 @@ def mode() -> str:
 
 def enabled(rows: int) -> bool:
     """Does a captured forward of `rows` rows run LoRA kernels on a side stream?"""
-    return rows <= MAX_ROWS and mode() != "off"
+    return rows <= SHRINK_MAX_ROWS and mode() != "off"
 
 
 def uses_delta(rows: int) -> bool:
     """Does a forward of `rows` rows (captured or eager) leave each LoRA product to the next op?"""
     return rows <= MAX_ROWS and mode() == "full"
+
+
+def lora_path(rows: int, capturing: bool) -> str:
+    """How a Triton forward of `rows` rows adds LoRA: "delta-side", "delta", "shrink-side" or "direct"
+    (see LlamaForCausalLM._lora_path). `capturing`: a CUDA graph is being captured."""
+    if uses_delta(rows):
+        return "delta-side" if capturing else "delta"
+    return "shrink-side" if capturing and enabled(rows) else "direct"
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
