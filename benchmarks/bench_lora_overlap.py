@@ -1,7 +1,9 @@
 """Decode forwards with the LoRA kernels beside the GEMMs or after them, side by side (one H200 run).
 
 Llama-2-7B shapes, dummy bf16 weights, rank-16 adapters on all seven projections, context 512,
-batches of 1–256 sequences: the backbone alone, then each sequence with its own adapter ("distinct")
+batches of 1–256 sequences in graph batches as the engine captures them (16-row LoRA tiles; runs
+before 2026-12-02 built their batches with `ForwardBatch.build`, which gave one shared adapter
+64-row tiles from 17 sequences up): the backbone alone, then each sequence with its own adapter ("distinct")
 and all sharing one ("shared"), each captured in a CUDA graph three ways (ops/overlap.py): `off`
 (shrink and expand after the GEMM, one stream), `shrink` (the shrink on a side stream beside the
 GEMM) and `full` (shrink and expand beside the GEMM, the product added by the next op), at every
@@ -62,10 +64,10 @@ def main(argv=None) -> dict:
         tokens = torch.randint(0, c.vocab_size, (B,), generator=cpu_gen).tolist()
         for variant in ("backbone", "distinct", "shared"):
             slots = {"backbone": [-1] * B, "distinct": list(range(B)), "shared": [0] * B}[variant]
-            batch = ForwardBatch.build([SequenceChunk([t], args.context - 1, tab, s)
-                                        for t, tab, s in zip(tokens, tabs, slots)], block_size=BLOCK,
-                                       num_blocks=kv.num_blocks, vocab_size=c.vocab_size, device="cuda",
-                                       num_adapter_slots=pool.num_slots)
+            # A graph batch, as the engine captures: 16-row LoRA tiles whatever the adapters.
+            batch = ForwardBatch.for_graph(B, args.context, block_size=BLOCK, num_blocks=kv.num_blocks,
+                                           vocab_size=c.vocab_size, num_adapter_slots=pool.num_slots, device="cuda")
+            batch.update_([SequenceChunk([t], args.context - 1, tab, s) for t, tab, s in zip(tokens, tabs, slots)])
             use_pool = None if variant == "backbone" else pool
             fn = lambda: model(batch, kv, use_pool)  # noqa: E731
             adapters = {"backbone": 0, "distinct": B, "shared": 1}[variant]

@@ -7,7 +7,8 @@ The kernels' own sweep (sweep_decode_lora.py) timed them alone, where many small
 it, so fewer, longer programs may interfere less. Every setting is timed at batch 32 with distinct
 adapters (the Punica case); the best few and the default again at batch 32 with one shared adapter
 and at batch 1. A setting replaces the default only if its geometric mean over the three is at
-least `--min-gain` better.
+least `--min-gain` better. (The run of 2026-12-01 built its batches with `ForwardBatch.build`, whose
+shared case at batch 32 had 64-row tiles, untouched by the settings swept: a noise term in its mean.)
 
     python benchmarks/sweep_overlap_configs.py --out sweep.json [--bench "bench --requests 1000 ..."]
 """
@@ -72,11 +73,11 @@ def main(argv=None) -> dict:
     for B, variant in CASES + ((32, "backbone"),):
         slots = {"backbone": [-1] * B, "distinct": list(range(B)), "shared": [0] * B}[variant]
         tokens = torch.randint(0, c.vocab_size, (B,), generator=cpu_gen).tolist()
-        batches[(B, variant)] = ForwardBatch.build(
-            [SequenceChunk([t], args.context - 1, tab, s) for t, tab, s in zip(tokens, tables(B, ctx_blocks, 0,
-                                                                                                cpu_gen), slots)],
-            block_size=BLOCK, num_blocks=kv.num_blocks, vocab_size=c.vocab_size, device="cuda",
-            num_adapter_slots=pool.num_slots)
+        # Graph batches, as the engine captures them (16-row tiles: the settings swept here).
+        batch = ForwardBatch.for_graph(B, args.context, block_size=BLOCK, num_blocks=kv.num_blocks,
+                                       vocab_size=c.vocab_size, num_adapter_slots=pool.num_slots, device="cuda")
+        batches[(B, variant)] = batch.update_([SequenceChunk([t], args.context - 1, tab, s) for t, tab, s
+                                               in zip(tokens, tables(B, ctx_blocks, 0, cpu_gen), slots)])
 
     def timed(cfg, B, variant) -> float:
         overlap.CONFIGS[16] = cfg

@@ -61,15 +61,11 @@ def compile_lora_kernels(config: ModelConfig, pool: AdapterPool, dtype: torch.dt
 
 def _variants() -> list[tuple[int, sgmv.KernelConfig, bool]]:
     """(tile height, settings, accumulate) of every way a step can launch the kernels: after the
-    GEMMs, and beside them (ops/overlap.py: the products into fp32 buffers, in eager forwards of up
-    to overlap.MAX_ROWS rows too, whose tiles may be either height)."""
+    GEMMs, and in "full" (ops/overlap.py) the products into fp32 buffers, which eager forwards of up
+    to overlap.MAX_ROWS rows launch too (16-row tiles; 64-row ones only for hand-built batches)."""
     found = [(block_m, sgmv.config_for(block_m), True) for block_m in (SMALL_BLOCK_M, LARGE_BLOCK_M)]
-    mode = overlap.mode()
-    if mode != "off":
-        for block_m in (SMALL_BLOCK_M, LARGE_BLOCK_M):
-            variant = (block_m, overlap.config_for(block_m), mode == "shrink")
-            if variant not in found:
-                found.append(variant)
+    if overlap.mode() == "full":   # ("shrink" launches the plain order's variants)
+        found += [(block_m, overlap.config_for(block_m), False) for block_m in (SMALL_BLOCK_M, LARGE_BLOCK_M)]
     return found
 
 

@@ -14,7 +14,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..ops import LoraBatch
+from ..ops import LoraBatch, overlap
+from ..ops.batch import SMALL_BLOCK_M
 from ..ops.batch import aligned_views, pad_parts
 
 
@@ -59,7 +60,10 @@ class ForwardBatch:
         lens, slots = host.pop("lens"), host.pop("slots")
         parts = [host["ids"], host["positions"], host["slot_mapping"], host["query_start"], host["seq_lens"],
                  host["tables"].ravel(), host["logits_rows"]]
-        lora_parts, lora_plan = LoraBatch.host_parts(lens.tolist(), slots)
+        # Batches that could be a decode graph's take its tile height, so that an eager forward of them
+        # runs the LoRA kernels with the settings a replay uses and gives the same bits (ops/overlap.py).
+        lora_parts, lora_plan = LoraBatch.host_parts(
+            lens.tolist(), slots, block_m=SMALL_BLOCK_M if lens.sum() <= overlap.MAX_ROWS else None)
         # One host-to-device copy for everything, the LoraBatch's arrays included, each array
         # 16-byte aligned (kernels are compiled per alignment of their pointer arguments).
         buffer = torch.from_numpy(np.concatenate(pad_parts(parts + lora_parts)).astype(np.int32))

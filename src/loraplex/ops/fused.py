@@ -156,7 +156,7 @@ def silu_and_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None, delt
     `gate_up [T, 2·I]` (last dimension contiguous): gate is columns `:I`, up columns `I:`.
     `out [T, I]`, gate_up's dtype, last dimension contiguous (it may be `gate_up[:, :I]`).
     `delta` (contiguous float32 `[T, 2·I]`, a LoRA delta left by ops/overlap.py): gate and up are
-    first `(gate_up.float() + delta)` rounded to the dtype; gate_up itself is not written.
+    first `(gate_up.float() + delta)` rounded to the dtype (gate_up is only written where `out` lies in it).
 
         a = silu(gate) rounded to the dtype      # silu(g) = g / (1 + exp(-g)), in fp32
         out = (a * up) rounded to the dtype
@@ -219,6 +219,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_fr
     With `delta` (contiguous float32 `[T, (Hq + 2·Hkv)·D]`, a fused q/k/v LoRA delta left by
     ops/overlap.py, laid out q | k | v per token) and `v [T, Hkv, D]` (q's dtype): q, k and v
     first become `(t.float() + their delta)` rounded to the dtype, in place; then q and k rotate.
+    v must not overlap q or k.
     """
     _float_rows(q, "q", "[T, Hq, D]", 3)
     _float_rows(k, "k", "[T, Hkv, D]", 3)

@@ -38,27 +38,29 @@ MODES = ("full", "shrink", "off")
 # (1.4–4% at 64 and 128); at 256 the GEMMs fill the GPU and the plain order is best.
 MAX_ROWS = 32           # the LoRA product beside the GEMM, added by the next op ("full")
 SHRINK_MAX_ROWS = 128   # the shrink beside the GEMM (captured forwards; "full" and "shrink")
-# Kernel settings beside a GEMM, per tile height, where they differ from sgmv.CONFIGS (tuned for
-# the kernels alone): benchmarks/sweep_overlap_configs.py.
+# Kernel settings of the "full" path, per tile height, where they differ from sgmv.CONFIGS (tuned for
+# the kernels alone): benchmarks/sweep_overlap_configs.py found none better (results/overlap_sweep.json).
 CONFIGS: dict = {}
 
 
 def config_for(block_m: int):
-    """The sgmv.KernelConfig of the LoRA kernels beside the GEMMs (eager "full" forwards use it too)."""
+    """The sgmv.KernelConfig of the "full" path (eager forwards of up to MAX_ROWS rows use it too). The
+    shrink-only path keeps sgmv's, so that it stays bit-identical to the plain order."""
     from . import sgmv
     return CONFIGS.get(block_m) or sgmv.config_for(block_m)
 
 
 def mode() -> str:
     """The LORAPLEX_LORA_OVERLAP setting, one of MODES."""
-    value = os.environ.get("LORAPLEX_LORA_OVERLAP", "full").strip().lower()
+    raw = os.environ.get("LORAPLEX_LORA_OVERLAP", "full")
+    value = raw.strip().lower()
     if value in ("", "1", "true", "yes", "on", "full"):
         return "full"
     if value in ("0", "false", "no", "off"):
         return "off"
     if value == "shrink":
         return "shrink"
-    raise ValueError(f"LORAPLEX_LORA_OVERLAP={value!r}: expected full (or 1), shrink, or off (or 0)")
+    raise ValueError(f"LORAPLEX_LORA_OVERLAP={raw!r}: expected full (or 1), shrink, or off (or 0)")
 
 
 def enabled(rows: int) -> bool:
@@ -100,7 +102,7 @@ def linear_with_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """"shrink": `F.linear(x, weight, bias)` plus `sgmv.add_lora` of the slices, the shrink beside the GEMM."""
     from . import sgmv   # Triton: imported where it runs, so that the CPU path needs none
     side = _usable_side(x.device)
-    cfg = config_for(batch.block_m)
+    cfg = sgmv.config_for(batch.block_m)   # the plain order's settings: the same bits
     if side is None:
         return sgmv.add_lora(F.linear(x, weight, bias), x, lora_a, lora_b, batch, ranks, scalings, 0, cfg)
     main = torch.cuda.current_stream(x.device)
