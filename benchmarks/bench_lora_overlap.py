@@ -42,9 +42,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--batches", default="1,32,64,128,256")
     ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--carveouts", default="0",
+                    help="SMs kept from cuBLAS's GEMMs while capturing (torch._C._set_sm_carveout_experimental), "
+                         "comma-separated; values > 0 are timed for the backbone and the 'full' mode only")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--md", type=Path)
     args = ap.parse_args(argv)
+    carveouts = [int(v) for v in args.carveouts.split(",")]
     overlap.MAX_ROWS = overlap.SHRINK_MAX_ROWS = 1 << 30   # time every way at every size
     batches = [int(b) for b in args.batches.split(",")]
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -73,18 +77,25 @@ def main(argv=None) -> dict:
             adapters = {"backbone": 0, "distinct": B, "shared": 1}[variant]
             floor_us = (weight_bytes(model, B) + kv_bytes(model, B * args.context)
                         + adapters * adapter_bytes(model)) / copy_gbs / 1e3
-            for mode in (("off",) if variant == "backbone" else MODES):
+            runs = [(mode, 0) for mode in (("off",) if variant == "backbone" else MODES)]
+            runs += [("off" if variant == "backbone" else "full", c) for c in carveouts if c > 0]
+            for mode, carveout in runs:
                 os.environ["LORAPLEX_LORA_OVERLAP"] = mode
                 eager = fn().clone()   # "full" changes the eager forward too (the product added by the next op)
-                replay, out = capture(fn)
+                # The GEMMs' kernels (and grids) are chosen while capturing: the carve-out holds at replay.
+                torch._C._set_sm_carveout_experimental(carveout or None)
+                try:
+                    replay, out = capture(fn)
+                finally:
+                    torch._C._set_sm_carveout_experimental(None)
                 with torch.inference_mode():
                     out.fill_(float("nan"))
                 replay()
                 err = (out - eager).abs().max().item() / max(eager.abs().max().item(), 1e-30)
                 us = time_us([replay], target_ms=30, reps=7)
-                rows.append(dict(batch=B, variant=variant, overlap=mode, graph_us=us, floor_us=floor_us,
-                                 of_floor=floor_us / us, rel_err_vs_eager=err))
-                print(f"B={B:4d} {variant:9s} {mode:7s} {us:8.0f} µs  floor {floor_us:7.0f} µs "
+                rows.append(dict(batch=B, variant=variant, overlap=mode, carveout=carveout, graph_us=us,
+                                 floor_us=floor_us, of_floor=floor_us / us, rel_err_vs_eager=err))
+                print(f"B={B:4d} {variant:9s} {mode:7s} carve-out {carveout:3d} {us:8.0f} µs  floor {floor_us:7.0f} µs "
                       f"({100 * floor_us / us:.0f}%)  rel err vs eager {err:.1e}", flush=True)
                 del replay, out
         torch.cuda.empty_cache()
@@ -106,7 +117,8 @@ def markdown(result: dict) -> str:
              "| batch | adapters | LoRA after the GEMM (µs) | shrink beside it (µs) | both beside it (µs) | "
              "backbone (µs) | floor (µs) |",
              "|---:|---|---:|---:|---:|---:|---:|"]
-    rows = result["rows"]
+    all_rows = result["rows"]
+    rows = [r for r in all_rows if not r.get("carveout")]
     for B in sorted({r["batch"] for r in rows}):
         base = next(r for r in rows if r["batch"] == B and r["variant"] == "backbone")
         for variant in ("distinct", "shared"):
@@ -114,6 +126,18 @@ def markdown(result: dict) -> str:
             full = f"{t['full']['graph_us']:.0f}" if "full" in t else "–"
             lines.append(f"| {B} | {variant} | {t['off']['graph_us']:.0f} | {t['shrink']['graph_us']:.0f} | {full} | "
                          f"{base['graph_us']:.0f} | {t['off']['floor_us']:.0f} |")
+    carved = sorted({r["carveout"] for r in all_rows if r.get("carveout")})
+    if carved:
+        lines += ["", "SMs kept from the GEMMs while capturing (cuBLAS SM carve-out); backbone and \"both beside\":", "",
+                  "| batch | adapters | " + " | ".join(f"{c} SMs (µs)" for c in [0] + carved) + " |",
+                  "|---:|---|" + "---:|" * (len(carved) + 1)]
+        for B in sorted({r["batch"] for r in all_rows}):
+            for variant in ("backbone", "distinct", "shared"):
+                mode = "off" if variant == "backbone" else "full"
+                t = {r.get("carveout", 0): r["graph_us"] for r in all_rows
+                     if r["batch"] == B and r["variant"] == variant and r["overlap"] == mode}
+                lines.append(f"| {B} | {variant} | " + " | ".join(f"{t[c]:.0f}" if c in t else "–"
+                                                                  for c in [0] + carved) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -34,8 +34,8 @@ _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 MODES = ("full", "shrink", "off")
 # Measured on an H200 (results/lora_overlap.md, Llama-2-7B decode forwards): both kernels beside the
-# GEMM win up to 32 rows (12% at batch 1, 2–10% at 32); from 64 rows only the shrink beside it wins
-# (1.4–4% at 64 and 128); at 256 the GEMMs fill the GPU and the plain order is best.
+# GEMM win up to 32 rows (12% at batch 1, 2.4% at 32 with distinct adapters); from 64 rows only the
+# shrink beside it wins (1.4–1.9% at 64 and 128); at 256 the GEMMs fill the GPU and the plain order is best.
 MAX_ROWS = 32           # the LoRA product beside the GEMM, added by the next op ("full")
 SHRINK_MAX_ROWS = 128   # the shrink beside the GEMM (captured forwards; "full" and "shrink")
 # Kernel settings of the "full" path, per tile height, where they differ from sgmv.CONFIGS (tuned for
