@@ -184,6 +184,36 @@ def test_decode_graph_replays_new_batches(setup, overlap_mode, monkeypatch):
             assert (out[:n] - eager).abs().max().item() <= 2e-2 * scale, n
 
 
+def test_decode_graph_of_one_shared_adapter_replays_the_eager_bits(setup):
+    """32 decode rows on one adapter: an eager batch would pick 64-row LoRA tiles by its own rule, but
+    batches of up to overlap.MAX_ROWS rows take the graphs' 16-row tiles, so the replay ("full" path,
+    LoRA beside the GEMMs) and the eager forward give the same bits."""
+    rng = random.Random(3)
+    kv = KVCache(setup.config, 1100, BLOCK, dtype=torch.bfloat16, device="cuda")
+    kv.data.normal_()
+    lengths = [rng.randrange(1, 512) for _ in range(32)]
+    tables = _tables(rng, kv.num_blocks, lengths)
+    chunks = [SequenceChunk([rng.randrange(32000)], n - 1, tab, 0) for n, tab in zip(lengths, tables)]
+    graph_batch = ForwardBatch.for_graph(32, 512, block_size=BLOCK, num_blocks=kv.num_blocks,
+                                         vocab_size=setup.config.vocab_size, num_adapter_slots=4, device="cuda")
+    graph_batch.update_(chunks)
+    setup.ours(graph_batch, kv, setup.pool)  # warm-up: compiles every kernel outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = setup.ours(graph_batch, kv, setup.pool)
+    with torch.inference_mode():
+        out.fill_(float("nan"))
+    graph.replay()
+    batch = ForwardBatch.build(chunks, block_size=BLOCK, num_blocks=kv.num_blocks,
+                               vocab_size=setup.config.vocab_size, device="cuda")
+    batch.max_seq_len = graph_batch.max_seq_len  # the same split-KV plan
+    assert batch.lora.block_m == graph_batch.lora.block_m
+    eager = setup.ours(batch, kv, setup.pool)
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
 @pytest.mark.parametrize("variant", ["llama-gqa-llama3rope", "mistral-gqa4-window", "qwen2-bias-tied-window"])
 def test_tiny_variants_in_bf16_match_transformers(variant, tmp_path):
     """The CPU fixtures' architectures (Qwen2 biases and sliding layers, Mistral windows, tied
