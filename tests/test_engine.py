@@ -336,3 +336,13 @@ def test_eager_forwards_run_with_adapter_loads_stepping_aside(served, graphs, se
     else:
         assert seen and set(busy) == {graphs and setting is None}
     assert not HOST_PRIORITY.is_busy
+
+
+@pytest.mark.parametrize("name, value", [("LORAPLEX_HOST_PRIORITY", "adaptiv"), ("LORAPLEX_LORA_OVERLAP", "sideways")])
+def test_a_bad_engine_setting_fails_at_start_up(name, value, tmp_path, monkeypatch):
+    """Settings read in every step are checked when the engine starts, with the variable named."""
+    from model_fixtures import make_hf_model
+    folder = make_hf_model(tmp_path / "m", "llama-text", seed=5)
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"{name}='{value}'"):
+        LLM(str(folder), dtype="float32", device="cpu", num_kv_blocks=64, block_size=8)

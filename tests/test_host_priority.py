@@ -73,6 +73,13 @@ def test_the_engine_setting(value, mode, monkeypatch):
     assert priority.mode() == mode
 
 
+def test_the_engine_setting_refuses_a_bad_value(monkeypatch):
+    from loraplex.adapters import priority
+    monkeypatch.setenv("LORAPLEX_HOST_PRIORITY", "adaptiv")
+    with pytest.raises(ValueError, match="LORAPLEX_HOST_PRIORITY='adaptiv': expected always"):
+        priority.mode()
+
+
 def test_max_wait_must_be_positive():
     with pytest.raises(ValueError, match="max_wait_s"):
         HostPriority(max_wait_s=0)

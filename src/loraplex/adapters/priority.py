@@ -26,10 +26,15 @@ from contextlib import contextmanager
 def mode() -> str:
     """When the engine marks its eager forwards busy, from LORAPLEX_HOST_PRIORITY: "always" (the
     default), "adaptive" (unless requests wait for adapter loads to be admitted) or "off"."""
-    value = os.environ.get("LORAPLEX_HOST_PRIORITY", "1").strip().lower()
+    raw = os.environ.get("LORAPLEX_HOST_PRIORITY", "1")
+    value = raw.strip().lower()
     if value in ("0", "false", "no", "off"):
         return "off"
-    return "adaptive" if value == "adaptive" else "always"
+    if value in ("", "1", "true", "yes", "on", "always"):
+        return "always"
+    if value == "adaptive":
+        return "adaptive"
+    raise ValueError(f"LORAPLEX_HOST_PRIORITY={raw!r}: expected always (or 1), adaptive, or off (or 0)")
 
 
 class HostPriority:

@@ -17,6 +17,7 @@ from ..models import dummy_model, load_model
 from ..models.forward_batch import ForwardBatch, SequenceChunk
 from ..models.kv_cache import KVCache
 from ..models.llama import LlamaForCausalLM
+from ..ops import overlap
 from ..sampling import PendingSample, Sampler, SamplingParams
 from .cuda_graphs import DecodeGraphs
 from .scheduler import ScheduledChunk, is_decode
@@ -47,6 +48,7 @@ class ModelRunner:
             log.warning("max_model_len %d lowered to the KV cache's %d tokens", self.max_model_len, capacity)
             self.max_model_len = capacity
         self.graphs: DecodeGraphs | None = None
+        host_priority.mode(), overlap.mode()   # a bad setting fails here, not in the first step
         if self.device.type == "cuda":
             compile_lora_kernels(c, self.adapters.pool, self.model.dtype)
         if self.device.type == "cuda" and not config.enforce_eager:
