@@ -33,7 +33,7 @@ from loraplex.adapters import AdapterPool  # noqa: E402
 from loraplex.models import ForwardBatch, KVCache, SequenceChunk, dummy_model  # noqa: E402
 from loraplex.ops import overlap  # noqa: E402
 
-MODES = ("off", "shrink", "full")
+MODES = ("off", "shrink", "full", "fused")
 
 
 def main(argv=None) -> dict:
@@ -44,7 +44,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--carveouts", default="0",
                     help="SMs kept from cuBLAS's GEMMs while capturing (torch._C._set_sm_carveout_experimental), "
-                         "comma-separated; values > 0 are timed for the backbone and the 'full' mode only")
+                         "comma-separated; values > 0 are timed for the backbone and --carveout-mode only")
+    ap.add_argument("--carveout-mode", default="fused", choices=MODES[1:])
     ap.add_argument("--out", type=Path)
     ap.add_argument("--md", type=Path)
     args = ap.parse_args(argv)
@@ -78,10 +79,10 @@ def main(argv=None) -> dict:
             floor_us = (weight_bytes(model, B) + kv_bytes(model, B * args.context)
                         + adapters * adapter_bytes(model)) / copy_gbs / 1e3
             runs = [(mode, 0) for mode in (("off",) if variant == "backbone" else MODES)]
-            runs += [("off" if variant == "backbone" else "full", c) for c in carveouts if c > 0]
+            runs += [("off" if variant == "backbone" else args.carveout_mode, c) for c in carveouts if c > 0]
             for mode, carveout in runs:
                 os.environ["LORAPLEX_LORA_OVERLAP"] = mode
-                eager = fn().clone()   # "full" changes the eager forward too (the product added by the next op)
+                eager = fn().clone()   # "full" and "fused" change the eager forward too (the next op adds the product)
                 # The GEMMs' kernels (and grids) are chosen while capturing: the carve-out holds at replay.
                 torch._C._set_sm_carveout_experimental(carveout or None)
                 try:
@@ -101,12 +102,19 @@ def main(argv=None) -> dict:
         torch.cuda.empty_cache()
     result = dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                   torch=torch.__version__, preset=args.preset, layers=c.num_hidden_layers, rank=RANK,
-                  context=args.context, copy_gbs=copy_gbs, rows=rows)
+                  context=args.context, copy_gbs=copy_gbs, carveout_mode=args.carveout_mode,
+                  fused_projections=sorted(overlap.FUSED_PROJECTIONS), rows=rows)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
     if args.md:
         args.md.write_text(markdown(result))
     return result
+
+
+def _projs(result: dict) -> str:
+    # Runs before 2026-12-01's third session left every projection's product to the next op.
+    names = result.get("fused_projections", ["down_proj", "gate_proj", "o_proj", "q_proj"])
+    return "/".join({"q_proj": "qkv", "o_proj": "o", "gate_proj": "gate_up", "down_proj": "down"}[n] for n in names)
 
 
 def markdown(result: dict) -> str:
@@ -115,25 +123,28 @@ def markdown(result: dict) -> str:
              f"7 projections, context {result['context']}; CUDA-graph replays, median of CUDA events; copy "
              f"bandwidth {result['copy_gbs']:.0f} GB/s.", "",
              "| batch | adapters | LoRA after the GEMM (µs) | shrink beside it (µs) | both beside it (µs) | "
+             f"fused: {_projs(result)} expanded by the next op, the rest both beside (µs) | "
              "backbone (µs) | floor (µs) |",
-             "|---:|---|---:|---:|---:|---:|---:|"]
+             "|---:|---|---:|---:|---:|---:|---:|---:|"]
     all_rows = result["rows"]
     rows = [r for r in all_rows if not r.get("carveout")]
     for B in sorted({r["batch"] for r in rows}):
         base = next(r for r in rows if r["batch"] == B and r["variant"] == "backbone")
         for variant in ("distinct", "shared"):
             t = {r["overlap"]: r for r in rows if r["batch"] == B and r["variant"] == variant}
-            full = f"{t['full']['graph_us']:.0f}" if "full" in t else "–"
-            lines.append(f"| {B} | {variant} | {t['off']['graph_us']:.0f} | {t['shrink']['graph_us']:.0f} | {full} | "
+            cell = lambda m: f"{t[m]['graph_us']:.0f}" if m in t else "–"  # noqa: E731
+            lines.append(f"| {B} | {variant} | {cell('off')} | {cell('shrink')} | {cell('full')} | {cell('fused')} | "
                          f"{base['graph_us']:.0f} | {t['off']['floor_us']:.0f} |")
     carved = sorted({r["carveout"] for r in all_rows if r.get("carveout")})
     if carved:
-        lines += ["", "SMs kept from the GEMMs while capturing (cuBLAS SM carve-out); backbone and \"both beside\":", "",
+        carve_mode = result.get("carveout_mode", "full")
+        lines += ["", "SMs kept from the GEMMs while capturing (cuBLAS SM carve-out); backbone and "
+                      f"\"{carve_mode}\":", "",
                   "| batch | adapters | " + " | ".join(f"{c} SMs (µs)" for c in [0] + carved) + " |",
                   "|---:|---|" + "---:|" * (len(carved) + 1)]
         for B in sorted({r["batch"] for r in all_rows}):
             for variant in ("backbone", "distinct", "shared"):
-                mode = "off" if variant == "backbone" else "full"
+                mode = "off" if variant == "backbone" else carve_mode
                 t = {r.get("carveout", 0): r["graph_us"] for r in all_rows
                      if r["batch"] == B and r["variant"] == variant and r["overlap"] == mode}
                 lines.append(f"| {B} | {variant} | " + " | ".join(f"{t[c]:.0f}" if c in t else "–"

@@ -276,26 +276,42 @@ def test_stop_token_text_is_not_in_the_output(tmp_path):
     assert cut.text == llm.tokenizer.decode(full.token_ids[:first], skip_special_tokens=True)
 
 
-@pytest.mark.parametrize("overlap_mode", ["full", "off"])
-def test_lora_kernel_warmup_launches_every_variant_and_changes_nothing(overlap_mode, monkeypatch):
+@pytest.mark.parametrize("overlap_mode, fused_projs", [("full", None), ("fused", None), ("fused", "all"),
+                                                       ("off", None)])
+def test_lora_kernel_warmup_launches_every_variant_and_changes_nothing(overlap_mode, fused_projs, monkeypatch):
     """Every (tile height, K splits, N chunk class) after the GEMMs; with the LoRA products beside them
-    (ops/overlap.py "full", the default) the same again into fp32 buffers, which eager forwards of
-    up to overlap.MAX_ROWS rows launch too."""
+    (ops/overlap.py "full", the default, and "fused") the same again into fp32 buffers, which eager
+    forwards of up to overlap.MAX_ROWS rows launch too; with "fused" also the ops that expand the
+    products of overlap.FUSED_PROJECTIONS (by default q/k/v's: RoPE), once per K-split count the shrink
+    can pick there (ops/lora_product.py)."""
     from loraplex.adapters import AdapterPool
     from loraplex.engine.warmup import compile_lora_kernels
     from loraplex.models import ModelConfig
-    from loraplex.ops import sgmv
+    from loraplex.ops import fused, overlap, sgmv
     from model_fixtures import hf_config
     monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", overlap_mode)
+    if fused_projs == "all":
+        monkeypatch.setattr(overlap, "FUSED_PROJECTIONS", frozenset({"q_proj", "o_proj", "gate_proj", "down_proj"}))
     config = ModelConfig.from_dict(hf_config("llama-gqa-llama3rope").to_dict())
     pool = AdapterPool(config, num_slots=2, max_rank=4, dtype=torch.float32, device="cpu")
     pool.ranks.fill_(3)
-    stores = []
+    stores, products = [], []
     real = sgmv.add_lora
     monkeypatch.setattr(sgmv, "add_lora", lambda *a, **kw: stores.append(not kw["accumulate"]) or real(*a, **kw))
+    for name in ("rms_norm", "silu_and_mul", "apply_rope"):
+        op = getattr(fused, name)
+        monkeypatch.setattr(fused, name, lambda *a, _op=op, _name=name, **kw: products.append(
+            (_name, kw["delta"].part.shape[0])) or _op(*a, **kw))
     launches = compile_lora_kernels(config, pool, torch.float32)
-    assert launches == len(stores) and launches >= 2 * 2 * 4 * 4 * (2 if overlap_mode == "full" else 1)
-    assert sum(stores) == (launches // 2 if overlap_mode == "full" else 0)
+    beside = overlap_mode in ("full", "fused")   # both launch the fp32-product expand
+    assert launches == len(stores) + len(products) and len(stores) >= 2 * 2 * 4 * 4 * (2 if beside else 1)
+    assert sum(stores) == (len(stores) // 2 if beside else 0)
+    if overlap_mode == "fused":
+        splits = {s for _, s in products}   # each op once per split count and row count (1 and 16)
+        ops_used = ("rms_norm", "silu_and_mul", "apply_rope") if fused_projs == "all" else ("apply_rope",)
+        assert splits and sorted(products) == sorted((n, s) for n in ops_used for s in splits for _ in range(2))
+    else:
+        assert not products
     assert bool((pool.ranks == 3).all())
 
 

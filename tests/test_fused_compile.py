@@ -4,9 +4,11 @@ The CPU tests run the kernels in Triton's interpreter, which takes the `COMPILED
 (numpy stand-ins for libdevice) and accepts code the compiler rejects; so every kernel variant is
 also compiled here with `COMPILED=True`, in a subprocess without TRITON_INTERPRET (this session's
 kernels may be the interpreter's). The PTX is checked for the numerics the kernels promise: no
-approximate sine/cosine or division, and products that feed an addition kept out of FMAs.
+approximate sine/cosine or division, and products that feed an addition kept out of FMAs. The
+LoraProduct consumers (ops/fused_lora_kernels.py, "*_lora") are compiled and checked the same way.
 
     TRITON_INTERPRET=0 python tests/test_fused_compile.py rope
+    TRITON_INTERPRET=0 python tests/test_fused_compile.py rope_lora
 """
 from __future__ import annotations
 
@@ -22,12 +24,16 @@ ARCHS = (90, 80)
 DTYPES = ("fp16", "bf16", "fp32")
 
 
-def _compile(kernel, pointer_types: dict, constexprs: dict, arch: int, num_warps: int) -> str:
+def _compile(kernel, pointer_types: dict, constexprs: dict, arch: int, num_warps: int, num_stages: int = 1) -> str:
     """Compile `kernel` for sm_`arch` (float scalars fp32, other scalars i32); returns its PTX."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    unknown = set(pointer_types) - set(kernel.arg_names)
+    assert not unknown, f"{kernel.fn.__name__} has no arguments {sorted(unknown)}"   # else they would compile as i32
+    missing = {kernel.arg_names[i] for i in kernel.constexprs} - set(constexprs)
+    assert not missing, f"{kernel.fn.__name__}: constexprs {sorted(missing)} not given (they would compile as i32)"
     signature = {}
     for name in kernel.arg_names:
         if name in constexprs:
@@ -37,7 +43,8 @@ def _compile(kernel, pointer_types: dict, constexprs: dict, arch: int, num_warps
         else:
             signature[name] = "fp32" if name in ("inv_h", "eps") else "i32"
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-                              target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps, num_stages=1))
+                              target=GPUTarget("cuda", arch, 32),
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
     return compiled.asm["ptx"]
 
 
@@ -89,7 +96,68 @@ def rope(dtype: str, arch: int) -> None:
         assert len(re.findall(r"mul\.rn(?:\.ftz)?\.f32", ptx)) >= 4, f"{what}: products must be mul.rn"
 
 
-KERNELS = {"rms_norm": rms_norm, "silu_and_mul": silu, "rope": rope}
+# The consumers of a LoraProduct (ops/fused_lora_kernels.py), with the constexprs their launchers pick:
+# SPLIT_K the shrink's K splits (1 up to sgmv.MAX_SPLIT_K = 8), BLOCK_R = min(pow2(R), 32) (ranks 8, 16,
+# and 64: two rank tiles, ONE_R_TILE off), the widths' blocks (fused_lora_kernels.RMS_BLOCK, SILU_BLOCK,
+# ROPE_HEADS at Llama widths; small ones for narrow models) and the launchers' warp counts and stages.
+# Few variants: each compile costs seconds, and CI compiles them from an empty cache.
+
+
+LORA_POINTERS = dict(part_ptr="*fp32", row_slot_ptr="*i32")   # the shrink's partials, each row's slot
+
+
+def rms_norm_lora(dtype: str, arch: int) -> None:
+    from loraplex.ops import fused_lora_kernels as k
+    # (residual, SPLIT_K, BLOCK_R, ONE_R_TILE, BLOCK, weight dtype)
+    variants = ((True, 8, 16, True, k.RMS_BLOCK, dtype), (False, 1, 32, False, 64, dtype),
+                (True, 2, 8, True, 128, "fp32"))
+    for has_res, split_k, block_r, one_r, block, w_dtype in variants:
+        types = dict(x_ptr="*" + dtype, r_ptr="*" + dtype, w_ptr="*" + w_dtype, out_ptr="*" + dtype,
+                     s_ptr="*" + dtype, b_ptr="*" + dtype, rank_ptr="*i32", scale_ptr="*fp32", **LORA_POINTERS)
+        ptx = _compile(k._rms_norm_lora_kernel, types,
+                       dict(HAS_RESIDUAL=has_res, ONE_R_TILE=one_r, SPLIT_K=split_k, BLOCK_R=block_r, BLOCK=block,
+                            COMPILED=True), arch, max(1, min(8, block // 128)), k.RMS_STAGES)
+        what = (f"rms_norm_lora {dtype} weight {w_dtype} residual={has_res} SPLIT_K={split_k} BLOCK_R={block_r} "
+                f"one rank tile={one_r} BLOCK={block}")
+        _no_approx(ptx, what)
+        assert re.search(r"mul\.rn(\.ftz)?\.f32", ptx), f"{what}: sum·(1/H) must be a separate product before + eps"
+
+
+def silu_lora(dtype: str, arch: int) -> None:
+    from loraplex.ops import fused_lora_kernels as k
+    # (SPLIT_K, BLOCK_R, ONE_R_TILE, BLOCK)
+    for split_k, block_r, one_r, block in ((8, 16, True, k.SILU_BLOCK), (2, 32, False, 64)):
+        types = dict(gu_ptr="*" + dtype, out_ptr="*" + dtype, b0="*" + dtype, b1="*" + dtype, rk0="*i32", rk1="*i32",
+                     sc0="*fp32", sc1="*fp32", **LORA_POINTERS)
+        ptx = _compile(k._silu_and_mul_lora_kernel, types,
+                       dict(ONE_R_TILE=one_r, SPLIT_K=split_k, BLOCK_R=block_r, BLOCK=block, COMPILED=True), arch,
+                       max(1, min(4, block // 128)))
+        what = f"silu_and_mul_lora {dtype} SPLIT_K={split_k} BLOCK_R={block_r} BLOCK={block}"
+        _no_approx(ptx, what)
+        assert "div.rn.f32" in ptx, f"{what}: the division must be IEEE"
+
+
+def rope_lora(dtype: str, arch: int) -> None:
+    from loraplex.ops import fused_lora_kernels as k
+    # (positions, SPLIT_K, BLOCK_R, ONE_R_TILE, BLOCK_H, BLOCK_D): D=128 heads ROPE_HEADS at a time; D=64
+    # one head per program, two rank tiles.
+    for pos, split_k, block_r, one_r, block_h, block_d in (("i64", 8, 16, True, k.ROPE_HEADS, 64),
+                                                            ("i32", 2, 32, False, 1, 32)):
+        types = dict(q_ptr="*" + dtype, k_ptr="*" + dtype, v_ptr="*" + dtype, pos_ptr="*" + pos,
+                     inv_freq_ptr="*fp32", b0="*" + dtype, b1="*" + dtype, b2="*" + dtype, rk0="*i32", rk1="*i32",
+                     rk2="*i32", sc0="*fp32", sc1="*fp32", sc2="*fp32", **LORA_POINTERS)
+        ptx = _compile(k._rope_lora_kernel, types,
+                       dict(ONE_R_TILE=one_r, SPLIT_K=split_k, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_D=block_d,
+                            COMPILED=True), arch, max(1, min(4, block_h * block_d // 128)))
+        what = (f"rope_lora {dtype} positions {pos} SPLIT_K={split_k} BLOCK_R={block_r} BLOCK_H={block_h} "
+                f"BLOCK_D={block_d}")
+        _no_approx(ptx, what)
+        # As rope: every product that feeds the rotation's sums is rounded on its own.
+        assert len(re.findall(r"mul\.rn(?:\.ftz)?\.f32", ptx)) >= 4, f"{what}: products must be mul.rn"
+
+
+KERNELS = {"rms_norm": rms_norm, "silu_and_mul": silu, "rope": rope, "rms_norm_lora": rms_norm_lora,
+           "silu_and_mul_lora": silu_lora, "rope_lora": rope_lora}
 
 
 @pytest.mark.parametrize("kernel", list(KERNELS))

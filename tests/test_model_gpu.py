@@ -138,15 +138,21 @@ def test_mixed_bf16_batch_matches_transformers_peft(setup):
         assert ours_err <= 2 * hf_err + 2e-3, (i, adapter, ours_err, hf_err)
 
 
-@pytest.mark.parametrize("overlap_mode", ["full", "shrink", "off"])
+@pytest.mark.parametrize("overlap_mode", ["full", "fused", "shrink", "off"])
 def test_decode_graph_replays_new_batches(setup, overlap_mode, monkeypatch):
     """Capture one decode forward on a `for_graph` batch, rewrite the batch with other sequences,
     lengths and adapters (and fewer of them), replay: each replay equals an eager forward. The capture
     runs the LoRA kernels on a side stream beside each GEMM ("full": both, their product added by the
-    next op, in eager forwards too; "shrink": the shrink) or after it ("off"); ops/overlap.py."""
+    next op, in eager forwards too; "fused": the shrink, its product expanded by the next op as it loads
+    its input (a LoraProduct), in eager forwards too; "shrink": the shrink) or after it ("off");
+    ops/overlap.py."""
     from loraplex.ops import overlap
     monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", overlap_mode)
     monkeypatch.setattr(overlap, "_SIDE_STREAMS", {})
+    product_sides = []   # `side` of each linear_with_lora_product call: the "fused" path, and only it
+    real = overlap.linear_with_lora_product
+    monkeypatch.setattr(overlap, "linear_with_lora_product",
+                        lambda *a, **kw: product_sides.append(kw["side"]) or real(*a, **kw))
     rng = random.Random(1)
     kv = KVCache(setup.config, 640, BLOCK, dtype=torch.bfloat16, device="cuda")
     kv.data.normal_()
@@ -163,9 +169,17 @@ def test_decode_graph_replays_new_batches(setup, overlap_mode, monkeypatch):
     setup.ours(graph_batch, kv, setup.pool)  # warm-up: compiles every kernel outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
+    eager_sides = list(product_sides)
     with torch.cuda.graph(graph):
         out = setup.ours(graph_batch, kv, setup.pool)
     assert bool(overlap._SIDE_STREAMS) == (overlap_mode != "off")
+    captured_sides = product_sides[len(eager_sides):]
+    if overlap_mode == "fused":   # FUSED_PROJECTIONS a layer; the side stream only while capturing
+        per_forward = len(overlap.FUSED_PROJECTIONS) * setup.config.num_hidden_layers
+        assert eager_sides == [False] * per_forward and per_forward > 0
+        assert captured_sides == [True] * per_forward
+    else:
+        assert not product_sides
     for n in (8, 3, 8, 1):
         chunks = decode_chunks(n)
         graph_batch.update_(chunks)
@@ -184,10 +198,13 @@ def test_decode_graph_replays_new_batches(setup, overlap_mode, monkeypatch):
             assert (out[:n] - eager).abs().max().item() <= 2e-2 * scale, n
 
 
-def test_decode_graph_of_one_shared_adapter_replays_the_eager_bits(setup):
+@pytest.mark.parametrize("overlap_mode", ["full", "fused"])
+def test_decode_graph_of_one_shared_adapter_replays_the_eager_bits(setup, overlap_mode, monkeypatch):
     """32 decode rows on one adapter: an eager batch would pick 64-row LoRA tiles by its own rule, but
-    batches of up to overlap.MAX_ROWS rows take the graphs' 16-row tiles, so the replay ("full" path,
-    LoRA beside the GEMMs) and the eager forward give the same bits."""
+    batches of up to overlap.MAX_ROWS rows take the graphs' 16-row tiles, so the replay (LoRA beside the
+    GEMMs: "full", the product added by the next op; "fused", expanded by it) and the eager forward give
+    the same bits."""
+    monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", overlap_mode)
     rng = random.Random(3)
     kv = KVCache(setup.config, 1100, BLOCK, dtype=torch.bfloat16, device="cuda")
     kv.data.normal_()

@@ -82,25 +82,34 @@ def test_mixed_batch_matches_transformers_peft(setup):
     check_mixed_batch(setup, PLAN)
 
 
-@pytest.mark.parametrize("overlap_mode", ["full", "off"])
-def test_triton_kernels_in_the_interpreter_match_too(setup, overlap_mode, monkeypatch):
+@pytest.mark.parametrize("overlap_mode, fused_projs", [("full", None), ("fused", None),
+                                                       ("fused", ("q_proj", "o_proj", "gate_proj", "down_proj")),
+                                                       ("off", None)])
+def test_triton_kernels_in_the_interpreter_match_too(setup, overlap_mode, fused_projs, monkeypatch):
     """The same through every Triton kernel (LoRA, attention, fused ops) run by Triton's CPU interpreter:
-    with each LoRA product left for the next op to add (ops/overlap.py, the default for forwards of up
-    to MAX_ROWS rows), and added after each GEMM."""
+    with each LoRA product left for the next op to add (ops/overlap.py's "full", the default for forwards
+    of up to MAX_ROWS rows), left unexpanded for the next op to expand ("fused"), and added after each GEMM."""
     from loraplex.ops import overlap
     if setup.config.head_dim & (setup.config.head_dim - 1):
         pytest.skip("the Triton attention kernels take power-of-two head sizes")
     monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", overlap_mode)
-    calls = []
-    real = overlap.linear_with_lora_delta
-    monkeypatch.setattr(overlap, "linear_with_lora_delta", lambda *a, **kw: calls.append(kw["side"]) or real(*a, **kw))
+    if fused_projs:
+        monkeypatch.setattr(overlap, "FUSED_PROJECTIONS", frozenset(fused_projs))
+    calls = {"full": [], "fused": []}
+    for mode, name in (("full", "linear_with_lora_delta"), ("fused", "linear_with_lora_product")):
+        real = getattr(overlap, name)
+        monkeypatch.setattr(overlap, name, lambda *a, _real=real, _log=calls[mode], **kw: _log.append(kw["side"])
+                            or _real(*a, **kw))
     setup.model.backend = "triton"
     try:
         check_mixed_batch(setup, [("all-r8", 0, 11), ("attn-r4", 9, 1), (None, 3, 5), ("mlp-patterned", 17, 1)])
     finally:
         setup.model.backend = None
-    assert len(calls) == (2 * 4 * setup.config.num_hidden_layers if overlap_mode == "full" else 0)
-    assert not any(calls)   # the side stream only while a CUDA graph is captured
+    per_step = 2 * setup.config.num_hidden_layers   # two forwards (prefixes, then everything)
+    fused_count = len(fused_projs or overlap.FUSED_PROJECTIONS) if overlap_mode == "fused" else 0
+    assert len(calls["fused"]) == fused_count * per_step
+    assert len(calls["full"]) == {"full": 4, "fused": 4 - fused_count, "off": 0}[overlap_mode] * per_step
+    assert not any(calls["full"] + calls["fused"])   # the side stream only while a CUDA graph is captured
 
 
 def check_mixed_batch(setup, plan):

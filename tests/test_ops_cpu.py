@@ -287,10 +287,10 @@ def test_linear_with_lora_delta_leaves_the_product_for_the_next_op(dtype, regime
     assert err <= TOL[dtype], f"rel err {err:.2e}"
 
 
-@pytest.mark.parametrize("value, mode", [(None, "full"), ("1", "full"), ("full", "full"), (" Shrink ", "shrink"),
-                                         ("0", "off"), ("off", "off"), ("False", "off")])
+@pytest.mark.parametrize("value, mode", [(None, "fused"), ("1", "fused"), ("full", "full"), (" Shrink ", "shrink"),
+                                         ("FUSED", "fused"), ("0", "off"), ("off", "off"), ("False", "off")])
 def test_lora_overlap_setting(value, mode, monkeypatch):
-    """LORAPLEX_LORA_OVERLAP (ops/overlap.py): by default ("full") forwards of up to MAX_ROWS rows leave
+    """LORAPLEX_LORA_OVERLAP (ops/overlap.py): by default ("fused") forwards of up to MAX_ROWS rows leave
     each LoRA product to the next op, and captured ones run the LoRA kernels on a side stream; captured
     forwards of up to SHRINK_MAX_ROWS run the shrink there."""
     from loraplex.ops import overlap
@@ -302,11 +302,11 @@ def test_lora_overlap_setting(value, mode, monkeypatch):
     assert overlap.MAX_ROWS < overlap.SHRINK_MAX_ROWS
     for rows in (1, overlap.MAX_ROWS, overlap.MAX_ROWS + 1, overlap.SHRINK_MAX_ROWS):
         assert overlap.enabled(rows) == (mode != "off")
-        assert overlap.uses_delta(rows) == (mode == "full" and rows <= overlap.MAX_ROWS)
+        assert overlap.uses_delta(rows) == (mode in ("full", "fused") and rows <= overlap.MAX_ROWS)
     assert not overlap.enabled(overlap.SHRINK_MAX_ROWS + 1) and not overlap.uses_delta(overlap.SHRINK_MAX_ROWS + 1)
 
 
-@pytest.mark.parametrize("mode", ["full", "shrink", "off"])
+@pytest.mark.parametrize("mode", ["full", "fused", "shrink", "off"])
 def test_lora_path_by_rows_and_capture(mode, monkeypatch):
     """The measured policy (ops/overlap.py): captured forwards put both LoRA kernels beside the GEMM up to
     MAX_ROWS rows, the shrink up to SHRINK_MAX_ROWS, neither beyond; eager ones never use a side stream."""
@@ -315,6 +315,8 @@ def test_lora_path_by_rows_and_capture(mode, monkeypatch):
     small, middle, large = 1, overlap.MAX_ROWS + 1, overlap.SHRINK_MAX_ROWS + 1
     want = {"full": {(small, True): "delta-side", (small, False): "delta", (middle, True): "shrink-side",
                      (middle, False): "direct"},
+            "fused": {(small, True): "product-side", (small, False): "product", (middle, True): "shrink-side",
+                      (middle, False): "direct"},
             "shrink": {(small, True): "shrink-side", (small, False): "direct", (middle, True): "shrink-side",
                        (middle, False): "direct"},
             "off": {(small, True): "direct", (small, False): "direct", (middle, True): "direct",
@@ -327,5 +329,5 @@ def test_lora_path_by_rows_and_capture(mode, monkeypatch):
 def test_lora_overlap_setting_refuses_a_bad_value(monkeypatch):
     from loraplex.ops import overlap
     monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", "sideways")
-    with pytest.raises(ValueError, match="LORAPLEX_LORA_OVERLAP='sideways': expected full"):
+    with pytest.raises(ValueError, match="LORAPLEX_LORA_OVERLAP='sideways': expected fused"):
         overlap.mode()

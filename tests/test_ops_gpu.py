@@ -164,3 +164,34 @@ def test_lora_delta_beside_the_gemm(dtype, side):
     assert zero.any() and torch.equal(delta[zero], torch.zeros_like(delta[zero]))
     err = ((delta.double() - want).norm() / want.norm()).item()
     assert err <= TOL[dtype], f"rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("side", [False, True])
+@pytest.mark.parametrize("Ns", [(4096, 4096, 4096), (11008, 11008)])
+def test_lora_product_beside_the_gemm(dtype, side, Ns, monkeypatch):
+    """ops/overlap.py's "fused" path at 7B widths (q/k/v, gate/up slices), the shrink on one stream or on
+    the side stream (forked eagerly here; the model forks only while capturing): y is the plain GEMM bit
+    for bit, each row carries its segment's slot, and the product the consumers expand (`dense()`)
+    matches the float64 loop; rows without an adapter get exactly 0."""
+    from loraplex.ops import overlap
+    monkeypatch.setattr(overlap, "_SIDE_STREAMS", {})
+    rng = np.random.default_rng(stable_seed("product-gpu", str(dtype), side, Ns))
+    case = make_case(rng, seg_lens=[1] * 32, popularity="distinct", K=4096, Ns=Ns, R=16, ranks="mixed",
+                     dtype=dtype, device="cuda", none_frac=0.2)
+    case.slot_ids[1] = -1   # at least one row without an adapter
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed("product-weight", Ns))
+    weight = (torch.randn(sum(Ns), 4096, generator=gen, device="cuda") / 64).to(dtype)
+    y, product = overlap.linear_with_lora_product(case.x, weight, None, case.lora_a, case.lora_b, case.batch(),
+                                                  case.ranks, case.scalings, side=side)
+    torch.cuda.synchronize()
+    assert bool(overlap._SIDE_STREAMS) == side, "side=True forks to the side stream"
+    assert torch.equal(y, torch.nn.functional.linear(case.x, weight))
+    assert product.row_slot.tolist() == np.repeat(case.slot_ids, case.seg_lens).tolist()
+    dense = product.dense()
+    want = add_lora_f64(torch.zeros_like(dense), case.x, case.lora_a, case.lora_b, case.ranks, case.scalings,
+                        case.seg_lens, case.slot_ids)
+    none = product.row_slot < 0
+    assert torch.equal(dense[none], torch.zeros_like(dense[none]))
+    err = ((dense.double() - want).norm() / want.norm()).item()
+    assert err <= TOL[dtype], f"rel err {err:.2e}"

@@ -18,8 +18,9 @@ import torch
 
 from ..adapters.pool import AdapterPool
 from ..models.config import ModelConfig
-from ..ops import LoraBatch, overlap, sgmv
+from ..ops import LoraBatch, fused, overlap, sgmv
 from ..ops.batch import LARGE_BLOCK_M, SMALL_BLOCK_M
+from ..ops.lora_product import LoraProduct
 
 log = logging.getLogger("loraplex.engine")
 
@@ -51,6 +52,8 @@ def compile_lora_kernels(config: ModelConfig, pool: AdapterPool, dtype: torch.dt
                     cfg = dataclasses.replace(base, split_k=split_k, n_chunks=n_chunks)
                     sgmv.add_lora(y, x, a, b, batch, ranks, scalings, 0, cfg, accumulate=accumulate)
                     launches += 1
+        if overlap.mode() == "fused":
+            launches += _compile_consumers(config, pool, dtype)
     finally:
         pool.ranks[:, :, 0] = saved
     if device.type == "cuda":
@@ -59,12 +62,51 @@ def compile_lora_kernels(config: ModelConfig, pool: AdapterPool, dtype: torch.dt
     return launches
 
 
+def _compile_consumers(config: ModelConfig, pool: AdapterPool, dtype: torch.dtype) -> int:
+    """"fused" (ops/lora_product.py): the ops that expand the products of overlap.FUSED_PROJECTIONS, for
+    every K-split count the shrink can pick in forwards of up to overlap.MAX_ROWS rows, on rows of
+    slot 0 (rank 0 here: nothing read)."""
+    device, c = pool.device, config
+    cfg = overlap.config_for(SMALL_BLOCK_M)
+    R = pool.max_rank
+    most = (-(-overlap.MAX_ROWS // SMALL_BLOCK_M) + overlap.MAX_ROWS) * 3 * -(-R // sgmv._block_r(R))
+    widths = (c.hidden_size, c.num_attention_heads * c.head_dim, c.intermediate_size)
+    splits = sorted({sgmv.choose_split_k(n, k, device, cfg) for n in range(1, most + 1) for k in widths})
+    hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    launches = 0
+    for split_k, rows in itertools.product(splits, (1, SMALL_BLOCK_M)):
+        def product(projs):
+            _, b, ranks, scalings = pool.stacks(0, projs)
+            part = torch.zeros(split_k, len(b), rows, R, dtype=torch.float32, device=device)
+            return LoraProduct(part, tuple(b), tuple(ranks), tuple(scalings),
+                               torch.zeros(rows, dtype=torch.int32, device=device))
+        zeros = lambda *shape: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
+        if overlap.FUSED_PROJECTIONS & {"o_proj", "down_proj"}:
+            weight = torch.ones(c.hidden_size, dtype=dtype, device=device)
+            fused.rms_norm(zeros(rows, c.hidden_size), weight, c.rms_norm_eps, residual=zeros(rows, c.hidden_size),
+                           delta=product(("o_proj",)))
+            launches += 1
+        if "gate_proj" in overlap.FUSED_PROJECTIONS:
+            fused.silu_and_mul(zeros(rows, 2 * c.intermediate_size), delta=product(("gate_proj", "up_proj")))
+            launches += 1
+        if "q_proj" in overlap.FUSED_PROJECTIONS:
+            qkv = zeros(rows, (hq + 2 * hkv) * d)
+            q = qkv[:, :hq * d].view(rows, hq, d)
+            k = qkv[:, hq * d:(hq + hkv) * d].view(rows, hkv, d)
+            v = qkv[:, (hq + hkv) * d:].view(rows, hkv, d)
+            inv_freq = torch.ones(d // 2, dtype=torch.float32, device=device)
+            fused.apply_rope(q, k, torch.zeros(rows, dtype=torch.int32, device=device), inv_freq, v=v,
+                             delta=product(("q_proj", "k_proj", "v_proj")))
+            launches += 1
+    return launches
+
+
 def _variants() -> list[tuple[int, sgmv.KernelConfig, bool]]:
     """(tile height, settings, accumulate) of every way a step can launch the kernels: after the
     GEMMs, and in "full" (ops/overlap.py) the products into fp32 buffers, which eager forwards of up
     to overlap.MAX_ROWS rows launch too (16-row tiles; 64-row ones only for hand-built batches)."""
     found = [(block_m, sgmv.config_for(block_m), True) for block_m in (SMALL_BLOCK_M, LARGE_BLOCK_M)]
-    if overlap.mode() == "full":   # ("shrink" launches the plain order's variants)
+    if overlap.mode() in ("full", "fused"):   # ("shrink" launches the plain order's variants)
         found += [(block_m, overlap.config_for(block_m), False) for block_m in (SMALL_BLOCK_M, LARGE_BLOCK_M)]
     return found
 

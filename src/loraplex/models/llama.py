@@ -21,6 +21,7 @@ from ..adapters.pool import AdapterPool
 from ..ops import add_lora, api, overlap, resolve_backend
 from ..ops.attention import paged_attention, store_kv
 from ..ops.fused import apply_rope, rms_norm, silu_and_mul
+from ..ops.lora_product import LoraProduct
 from .config import ModelConfig
 from .forward_batch import ForwardBatch
 from .kv_cache import KVCache
@@ -56,23 +57,27 @@ class DecoderLayer(nn.Module):
         self.down_proj = _weight(c.hidden_size, c.intermediate_size)
         self.down_bias = _bias(c.hidden_size, c.mlp_bias)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, delta: torch.Tensor | None,
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, delta: torch.Tensor | LoraProduct | None,
                 batch: ForwardBatch, kv: KVCache, pool: AdapterPool | None, inv_freq: torch.Tensor,
                 backend: str | None, lora_path: str = "checked"
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | LoraProduct | None]:
         """One layer: `(hidden, residual, delta)` in and out; `delta` is the LoRA product that the
-        "delta" paths leave for the next op to add to `hidden` (None otherwise). `lora_path` as
+        "delta" paths (an fp32 tensor) and "product" paths (a LoraProduct) leave for the next op to
+        add to `hidden` (None otherwise). `lora_path` as
         LlamaForCausalLM.forward picks it."""
         T, L = hidden.shape[0], self.layer
         lora = pool is not None and batch.has_adapters
 
-        def project(x: torch.Tensor, weight, bias, projs: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        def project(x: torch.Tensor, weight, bias, projs: tuple[str, ...]):
             if not lora:
                 return F.linear(x, weight, bias), None
             a, b, ranks, scalings = pool.stacks(L, projs)   # fused projections: one multi-slice launch
-            if lora_path in ("delta", "delta-side"):
+            if lora_path in ("product", "product-side") and projs[0] in overlap.FUSED_PROJECTIONS:
+                return overlap.linear_with_lora_product(x, weight, bias, a, b, batch.lora, ranks, scalings,
+                                                        side=lora_path == "product-side")
+            if lora_path in ("delta", "delta-side", "product", "product-side"):
                 return overlap.linear_with_lora_delta(x, weight, bias, a, b, batch.lora, ranks, scalings,
-                                                      side=lora_path == "delta-side")
+                                                      side=lora_path.endswith("-side"))
             if lora_path == "shrink-side":
                 return overlap.linear_with_lora(x, weight, bias, a, b, batch.lora, ranks, scalings), None
             y = F.linear(x, weight, bias)
@@ -98,6 +103,12 @@ class DecoderLayer(nn.Module):
         out, delta = project(silu_and_mul(gate_up, delta=delta, backend=backend), self.down_proj, self.down_bias,
                              ("down_proj",))
         return out, residual, delta
+
+
+def _select_rows(delta: torch.Tensor | LoraProduct | None, rows: torch.Tensor):
+    if delta is None:
+        return None
+    return delta.select(rows) if isinstance(delta, LoraProduct) else delta.index_select(0, rows)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -150,7 +161,7 @@ class LlamaForCausalLM(nn.Module):
         rows = batch.logits_rows
         hidden, _ = rms_norm(hidden.index_select(0, rows), self.norm, self.config.rms_norm_eps,
                              residual=residual.index_select(0, rows),
-                             delta=None if delta is None else delta.index_select(0, rows), backend=self.backend)
+                             delta=_select_rows(delta, rows), backend=self.backend)
         return F.linear(hidden, self.lm_head).float()
 
     def _lora_path(self, rows: int, pool: AdapterPool | None) -> str:
@@ -160,8 +171,10 @@ class LlamaForCausalLM(nn.Module):
         more host time than the kernels take in eager steps): "direct" (`sgmv.add_lora` after each
         GEMM), "delta" (each product left for the next op to add, in forwards of up to
         `overlap.MAX_ROWS` rows), "delta-side" (the same, the LoRA kernels on a side stream beside the
-        GEMMs, while a CUDA graph is captured) or "shrink-side" (only the shrink beside, in captured
-        forwards of up to `overlap.SHRINK_MAX_ROWS` rows).
+        GEMMs, while a CUDA graph is captured), "product" / "product-side" (as "delta", but only the
+        shrink runs and the next op expands it: LORAPLEX_LORA_OVERLAP=fused, for the projections in
+        `overlap.FUSED_PROJECTIONS`; the others as "delta") or "shrink-side" (only the
+        shrink beside, in captured forwards of up to `overlap.SHRINK_MAX_ROWS` rows).
         See ops/overlap.py; eager steps keep one stream, where forks and joins cost host time."""
         if pool is None or resolve_backend(self.backend, self.device) != "triton":
             return "checked"

@@ -53,6 +53,7 @@ class _HostPlan:
     work_slot: np.ndarray
     work_start: np.ndarray
     work_end: np.ndarray
+    row_slot: np.ndarray
 
 
 def _plan(seg_lens: np.ndarray, slot_ids: np.ndarray, block_m: int) -> _HostPlan:
@@ -76,7 +77,7 @@ def _plan(seg_lens: np.ndarray, slot_ids: np.ndarray, block_m: int) -> _HostPlan
     work_start = np.repeat(group_bounds[:-1], tiles) + tile_idx * block_m
     work_end = np.minimum(work_start + block_m, np.repeat(group_bounds[1:], tiles))
     return _HostPlan(indptr, slot_ids, sorted_rows, group_slots, group_bounds,
-                     np.repeat(group_slots, tiles), work_start, work_end)
+                     np.repeat(group_slots, tiles), work_start, work_end, np.repeat(slot_ids, seg_lens))
 
 
 def _validate(seg_lens: np.ndarray, slot_ids: np.ndarray) -> None:
@@ -98,7 +99,9 @@ class LoraBatch:
 
     Device tensors (int32): `seg_indptr [S+1]`, `slot_ids [S]`, `sorted_rows` (the rows of
     every segment with an adapter, grouped by slot), and the work tiles `work_slot`,
-    `work_start`, `work_end` (each tile is `sorted_rows[work_start:work_end]`, one slot).
+    `work_start`, `work_end` (each tile is `sorted_rows[work_start:work_end]`, one slot), and
+    `row_slot [T]`, each row's slot (-1: none), for ops that add a row's LoRA product themselves
+    (ops/lora_product.py).
     Host values: sizes, the tile height `block_m`, the number of tiles the grid covers
     (`num_work`), and the groups (slot and bounds in `sorted_rows`) for the reference path.
     """
@@ -109,6 +112,7 @@ class LoraBatch:
     work_slot: torch.Tensor
     work_start: torch.Tensor
     work_end: torch.Tensor
+    row_slot: torch.Tensor
     num_rows: int
     num_segments: int
     block_m: int
@@ -144,7 +148,8 @@ class LoraBatch:
             block_m = cls.pick_block_m(lens, slots)
         _check_block_m(block_m)
         plan = _plan(lens, slots, block_m)
-        parts = [plan.seg_indptr, plan.slot_ids, plan.sorted_rows, plan.work_slot, plan.work_start, plan.work_end]
+        parts = [plan.seg_indptr, plan.slot_ids, plan.sorted_rows, plan.work_slot, plan.work_start, plan.work_end,
+                 plan.row_slot]
         return parts, dict(num_rows=int(plan.seg_indptr[-1]), num_segments=len(lens), block_m=block_m,
                            num_work=len(plan.work_slot), max_slot=int(slots.max(initial=-1)),
                            group_slots=tuple(plan.group_slots.tolist()),
@@ -187,7 +192,7 @@ class LoraBatch:
         sizes = _capacity_sizes(max_rows, max_segments, block_m)
         buffer = torch.zeros(sum(sizes), dtype=torch.int32, device=device)
         batch = cls(*_split(buffer, sizes), num_rows=max_rows, num_segments=max_segments + 1, block_m=block_m,
-                    num_work=sizes[-1], max_slot=-1, group_slots=(), group_bounds=(0,), _buffer=buffer,
+                    num_work=sizes[3], max_slot=-1, group_slots=(), group_bounds=(0,), _buffer=buffer,
                     _capacity=(max_rows, max_segments, num_slots))
         return batch.update_([max_rows], [-1])
 
@@ -208,11 +213,11 @@ class LoraBatch:
         lens = np.append(lens, max_rows - lens.sum())  # padding rows: one segment, no adapter
         slots = np.append(slots, -1)
         plan = _plan(lens, slots, self.block_m)
-        n_ptr, n_seg, rows, work = _capacity_sizes(max_rows, max_segments, self.block_m)[:4]
+        n_ptr, n_seg, rows, work, _, _, _ = _capacity_sizes(max_rows, max_segments, self.block_m)
         pad = lambda a, n, fill: np.concatenate([a, np.full(n - len(a), fill, np.int64)])
         host = np.concatenate([pad(plan.seg_indptr, n_ptr, max_rows), pad(plan.slot_ids, n_seg, -1),
                                pad(plan.sorted_rows, rows, 0), pad(plan.work_slot, work, -1),
-                               pad(plan.work_start, work, 0), pad(plan.work_end, work, 0)])
+                               pad(plan.work_start, work, 0), pad(plan.work_end, work, 0), plan.row_slot])
         self._buffer.copy_(torch.from_numpy(host.astype(np.int32)), non_blocking=True)
         self.num_rows, self.num_segments = max_rows, n_seg
         self.max_slot = int(slots.max(initial=-1))
@@ -222,10 +227,10 @@ class LoraBatch:
 
 
 def _capacity_sizes(max_rows: int, max_segments: int, block_m: int) -> list[int]:
-    """Lengths of a capacity batch's six arrays: room for one padding segment, and for the worst
+    """Lengths of a capacity batch's seven arrays: room for one padding segment, and for the worst
     tiling (every group adds at most one partial tile)."""
     segments, work = max_segments + 1, -(-max_rows // block_m) + max_segments
-    return [segments + 1, segments, max_rows, work, work, work]
+    return [segments + 1, segments, max_rows, work, work, work, max_rows]
 
 
 ALIGN = 4  # int32 elements = 16 bytes

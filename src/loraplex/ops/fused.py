@@ -23,13 +23,14 @@ import torch.nn.functional as F
 
 from .api import _bump_version, _on, resolve_backend
 from .checks import FLOAT_DTYPES, _desc
+from .lora_product import LoraProduct
 
 try:  # as in api.py: without Triton the reference path runs
     import triton  # noqa: F401
 except ImportError:  # pragma: no cover - triton is a dependency on Linux
     fused_kernels = None
 else:
-    from . import fused_kernels
+    from . import fused_kernels, fused_lora_kernels
 
 # ---------------------------------------------------------------------------------------------
 # Argument checks
@@ -66,8 +67,13 @@ def _writable(t: torch.Tensor, name: str) -> None:
                          f"it is written")
 
 
-def _delta(delta, name: str, rows: int, width: int, like: torch.Tensor, like_name: str) -> None:
-    """A LoRA delta: contiguous float32 `[rows, width]` on `like`'s device (ops/overlap.py makes them)."""
+def _delta(delta, name: str, rows: int, widths: tuple[int, ...], like: torch.Tensor, like_name: str) -> None:
+    """A LoRA delta (ops/overlap.py makes them): a contiguous float32 `[rows, Σwidths]` on `like`'s
+    device, or a LoraProduct whose slices are `widths` wide."""
+    if isinstance(delta, LoraProduct):
+        delta.check(rows, widths, like, like_name, name)
+        return
+    width = sum(widths)
     _tensor(delta, name, 2, f"float32 [T={rows}, {width}]")
     _same_device(delta, name, like, like_name)
     if delta.dtype != torch.float32 or tuple(delta.shape) != (rows, width) or not delta.is_contiguous():
@@ -75,9 +81,22 @@ def _delta(delta, name: str, rows: int, width: int, like: torch.Tensor, like_nam
                          f"got {_desc(delta)} with strides {delta.stride()}")
 
 
-def _plus_delta(t: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
-    # The reference of every kernel's delta: the sum in fp32, rounded to t's dtype once.
-    return t if delta is None else (t.to(torch.float32) + delta).to(t.dtype)
+def _dense(delta: torch.Tensor | LoraProduct) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(fp32 delta, rows that keep their bits or None) of a delta tensor or LoraProduct."""
+    if isinstance(delta, LoraProduct):
+        return delta.dense(), delta.row_slot < 0
+    return delta, None
+
+
+def _plus_delta(t: torch.Tensor, delta, keep: torch.Tensor | None = None) -> torch.Tensor:
+    # The reference of every kernel's delta: the sum in fp32, rounded to t's dtype once; rows in
+    # `keep` (a LoraProduct's rows without an adapter) stay as they are.
+    if delta is None:
+        return t
+    if isinstance(delta, LoraProduct):
+        delta, keep = _dense(delta)
+    summed = (t.to(torch.float32) + delta.reshape(t.shape)).to(t.dtype)
+    return summed if keep is None else torch.where(keep.view(-1, *[1] * (t.dim() - 1)), t, summed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -85,7 +104,8 @@ def _plus_delta(t: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: torch.Tensor | None = None,
-             delta: torch.Tensor | None = None, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             delta: torch.Tensor | LoraProduct | None = None,
+             backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of x, or of `residual + x`; returns `(normed, s)`.
 
     `x [T, H]` (last dimension contiguous; T may be 0), `weight [H]` (float16, bfloat16 or
@@ -93,7 +113,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: tor
     (x's dtype), `s = residual + x` rounded to x's dtype, as transformers' `residual + hidden_states`.
     With `delta` (contiguous float32 `[T, H]`, a LoRA delta that ops/overlap.py left for this op),
     x is first replaced by `(x.float() + delta)` rounded to x's dtype, the sum the LoRA expand
-    would have written into x; s is then a new tensor even without a residual.
+    would have written into x; s is then a new tensor even without a residual. `delta` may also be a
+    one-slice LoraProduct (ops/lora_product.py): the kernel expands each row's product as it loads
+    the row (rows without an adapter take nothing).
 
         v = s.float()
         n = (v * rsqrt(mean(v ** 2, -1) + eps)).to(x.dtype)
@@ -126,14 +148,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: tor
         if residual.shape != x.shape or residual.dtype != x.dtype:
             raise ValueError(f"residual must match x ({_desc(x)}), got {_desc(residual)}")
     if delta is not None:
-        _delta(delta, "delta", T, H, x, "x")
+        _delta(delta, "delta", T, (H,), x, "x")
     if resolve_backend(backend, x.device) == "reference":
         return _rms_norm_reference(x, weight, eps, residual, delta)
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     fresh_s = residual is not None or delta is not None
     s = torch.empty((T, H), dtype=x.dtype, device=x.device) if fresh_s else x
     with _on(x.device):
-        fused_kernels.rms_norm(x, weight, eps, residual, out, s if fresh_s else None, delta=delta)
+        if isinstance(delta, LoraProduct):
+            fused_lora_kernels.rms_norm(x, weight, eps, residual, out, s, delta)
+        else:
+            fused_kernels.rms_norm(x, weight, eps, residual, out, s if fresh_s else None, delta=delta)
     return out, s
 
 
@@ -149,14 +174,15 @@ def _rms_norm_reference(x, weight, eps, residual, delta=None):
 # SiLU and multiply
 
 
-def silu_and_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None, delta: torch.Tensor | None = None,
-                 backend: str | None = None) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None,
+                 delta: torch.Tensor | LoraProduct | None = None, backend: str | None = None) -> torch.Tensor:
     """`silu(gate) * up` from a fused gate/up GEMM output; returns `[T, I]` (`out` when given).
 
     `gate_up [T, 2·I]` (last dimension contiguous): gate is columns `:I`, up columns `I:`.
     `out [T, I]`, gate_up's dtype, last dimension contiguous (it may be `gate_up[:, :I]`).
     `delta` (contiguous float32 `[T, 2·I]`, a LoRA delta left by ops/overlap.py): gate and up are
     first `(gate_up.float() + delta)` rounded to the dtype (gate_up is only written where `out` lies in it).
+    `delta` may also be a two-slice (gate, up) LoraProduct, expanded by the kernel as it loads.
 
         a = silu(gate) rounded to the dtype      # silu(g) = g / (1 + exp(-g)), in fp32
         out = (a * up) rounded to the dtype
@@ -179,7 +205,7 @@ def silu_and_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None, delt
             raise ValueError(f"out must be [T={T}, I={I}] of gate_up's dtype {gate_up.dtype}, got {_desc(out)}")
         _writable(out, "out")
     if delta is not None:
-        _delta(delta, "delta", T, width, gate_up, "gate_up")
+        _delta(delta, "delta", T, (I, I), gate_up, "gate_up")
     if resolve_backend(backend, gate_up.device) == "reference":
         gate_up = _plus_delta(gate_up, delta)
         # silu on a contiguous gate, as transformers' gate_proj output is: PyTorch's CPU silu takes
@@ -187,7 +213,10 @@ def silu_and_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None, delt
         torch.mul(F.silu(gate_up[:, :I].contiguous()), gate_up[:, I:], out=out)
         return out
     with _on(gate_up.device):
-        fused_kernels.silu_and_mul(gate_up, out, delta=delta)
+        if isinstance(delta, LoraProduct):
+            fused_lora_kernels.silu_and_mul(gate_up, out, delta)
+        else:
+            fused_kernels.silu_and_mul(gate_up, out, delta=delta)
     _bump_version(out)
     return out
 
@@ -197,7 +226,7 @@ def silu_and_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None, delt
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *,
-               v: torch.Tensor | None = None, delta: torch.Tensor | None = None,
+               v: torch.Tensor | None = None, delta: torch.Tensor | LoraProduct | None = None,
                backend: str | None = None) -> None:
     """Rotary embedding of q and k in place (transformers' rotate_half convention).
 
@@ -219,7 +248,8 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_fr
     With `delta` (contiguous float32 `[T, (Hq + 2·Hkv)·D]`, a fused q/k/v LoRA delta left by
     ops/overlap.py, laid out q | k | v per token) and `v [T, Hkv, D]` (q's dtype): q, k and v
     first become `(t.float() + their delta)` rounded to the dtype, in place; then q and k rotate.
-    v must not overlap q or k.
+    v must not overlap q or k. `delta` may also be a three-slice (q, k, v) LoraProduct: one program per
+    (token, q|k|v, block of heads) expands its heads' products as it loads them.
     """
     _float_rows(q, "q", "[T, Hq, D]", 3)
     _float_rows(k, "k", "[T, Hkv, D]", 3)
@@ -249,18 +279,22 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_fr
         if v.dtype != q.dtype or tuple(v.shape) != tuple(k.shape):
             raise ValueError(f"v must be {q.dtype} [T={T}, Hkv={k.shape[1]}, D={D}] as k, got {_desc(v)}")
         _writable(v, "v")
-        _delta(delta, "delta", T, (q.shape[1] + 2 * k.shape[1]) * D, q, "q")
+        _delta(delta, "delta", T, (q.shape[1] * D, k.shape[1] * D, k.shape[1] * D), q, "q")
     elif v is not None:
         raise ValueError("v is only taken with a delta")
     if resolve_backend(backend, q.device) == "reference":
         if delta is not None:
             widths = (q.shape[1] * D, k.shape[1] * D, k.shape[1] * D)
-            for t, d in zip((q, k, v), delta.split(widths, dim=1)):
-                t.copy_(_plus_delta(t, d.reshape(t.shape)))
+            dense, keep = _dense(delta)
+            for t, d in zip((q, k, v), dense.split(widths, dim=1)):
+                t.copy_(_plus_delta(t, d, keep))
         _rope_reference(q, k, positions, inv_freq)
         return
     with _on(q.device):
-        fused_kernels.apply_rope(q, k, positions, inv_freq, v=v, delta=delta)
+        if isinstance(delta, LoraProduct):
+            fused_lora_kernels.apply_rope(q, k, v, positions, inv_freq, delta)
+        else:
+            fused_kernels.apply_rope(q, k, positions, inv_freq, v=v, delta=delta)
     _bump_version(q)
     _bump_version(k)
     if v is not None:

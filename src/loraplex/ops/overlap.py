@@ -17,8 +17,16 @@ fork and join cost nothing at replay (eager steps keep one stream: each fork/joi
 Captured forwards of more rows, up to SHRINK_MAX_ROWS, run only the shrink beside the GEMM and the
 expand after it, into y (bit-identical to the plain order).
 
-LORAPLEX_LORA_OVERLAP: "full" (default; also "1"), "shrink" (only the shrink beside the GEMM, up to
-SHRINK_MAX_ROWS rows), "off" (also "0").
+"fused" (the default) goes one step further for the projections in FUSED_PROJECTIONS: only the shrink
+runs beside the GEMM, and the consumer expands each row's product itself as it loads the row
+(`LoraProduct`, ops/lora_product.py): one LoRA launch instead of three (zero fill, shrink, expand).
+
+    side:  part = shrink(x, A[slot]) ──> consumer(y + scaling · part @ B[slot]ᵀ, row by row)
+
+The other projections take "full"'s way in the same forward.
+
+LORAPLEX_LORA_OVERLAP: "fused" (default; also "1"), "full", "shrink" (only the shrink beside the GEMM,
+up to SHRINK_MAX_ROWS rows), "off" (also "0").
 """
 from __future__ import annotations
 
@@ -29,15 +37,24 @@ import torch
 import torch.nn.functional as F
 
 from .batch import LoraBatch
+from .lora_product import LoraProduct
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
-MODES = ("full", "shrink", "off")
+MODES = ("fused", "full", "shrink", "off")
 # Measured on an H200 (results/lora_overlap.md, Llama-2-7B decode forwards): both kernels beside the
 # GEMM win up to 32 rows (12% at batch 1, 2.4% at 32 with distinct adapters); from 64 rows only the
 # shrink beside it wins (1.4–1.9% at 64 and 128); at 256 the GEMMs fill the GPU and the plain order is best.
-MAX_ROWS = 32           # the LoRA product beside the GEMM, added by the next op ("full")
-SHRINK_MAX_ROWS = 128   # the shrink beside the GEMM (captured forwards; "full" and "shrink")
+MAX_ROWS = 32           # the LoRA product beside the GEMM, added by the next op ("full", "fused")
+SHRINK_MAX_ROWS = 128   # the shrink beside the GEMM (captured forwards; "full", "fused" and "shrink")
+# The projections (named by their first part) whose product "fused" leaves unexpanded; the others take
+# "full"'s way (expand beside the GEMM into an fp32 buffer), which the same consumers add. Only q/k/v:
+# RoPE expands it at no cost (8.7 µs against 8.9 for the plain RoPE, 32 rows), while RMSNorm (one
+# program per row: 10.6 µs against 2.5) and SiLU-and-mul (19.8 against 2.7) take longer than the expand
+# they replace. Of all 16 choices (results/fused_projections.json) q/k/v alone was fastest at batch 32
+# with distinct adapters; side by side with "full" (results/lora_overlap_default.md, Llama-2-7B decode
+# forwards): 8,380 against 8,605 µs there (-2.6%), within 0.7% of it at batch 1 and 32 shared.
+FUSED_PROJECTIONS = frozenset({"q_proj"})
 # Kernel settings of the "full" path, per tile height, where they differ from sgmv.CONFIGS (tuned for
 # the kernels alone): benchmarks/sweep_overlap_configs.py found none better (results/overlap_sweep.json).
 CONFIGS: dict = {}
@@ -52,15 +69,15 @@ def config_for(block_m: int):
 
 def mode() -> str:
     """The LORAPLEX_LORA_OVERLAP setting, one of MODES."""
-    raw = os.environ.get("LORAPLEX_LORA_OVERLAP", "full")
+    raw = os.environ.get("LORAPLEX_LORA_OVERLAP", "fused")
     value = raw.strip().lower()
-    if value in ("", "1", "true", "yes", "on", "full"):
-        return "full"
+    if value in ("", "1", "true", "yes", "on", "fused"):
+        return "fused"
     if value in ("0", "false", "no", "off"):
         return "off"
-    if value == "shrink":
-        return "shrink"
-    raise ValueError(f"LORAPLEX_LORA_OVERLAP={raw!r}: expected full (or 1), shrink, or off (or 0)")
+    if value in ("shrink", "full"):
+        return value
+    raise ValueError(f"LORAPLEX_LORA_OVERLAP={raw!r}: expected fused (or 1), full, shrink, or off (or 0)")
 
 
 def enabled(rows: int) -> bool:
@@ -70,14 +87,16 @@ def enabled(rows: int) -> bool:
 
 def uses_delta(rows: int) -> bool:
     """Does a forward of `rows` rows (captured or eager) leave each LoRA product to the next op?"""
-    return rows <= MAX_ROWS and mode() == "full"
+    return rows <= MAX_ROWS and mode() in ("full", "fused")
 
 
 def lora_path(rows: int, capturing: bool) -> str:
-    """How a Triton forward of `rows` rows adds LoRA: "delta-side", "delta", "shrink-side" or "direct"
-    (see LlamaForCausalLM._lora_path). `capturing`: a CUDA graph is being captured."""
+    """How a Triton forward of `rows` rows adds LoRA: "product-side", "product" ("fused"), "delta-side",
+    "delta" ("full"), "shrink-side" or "direct" (see LlamaForCausalLM._lora_path). `capturing`: a CUDA
+    graph is being captured."""
     if uses_delta(rows):
-        return "delta-side" if capturing else "delta"
+        kind = "product" if mode() == "fused" else "delta"
+        return f"{kind}-side" if capturing else kind
     return "shrink-side" if capturing and enabled(rows) else "direct"
 
 
@@ -140,3 +159,26 @@ def linear_with_lora_delta(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         main.wait_stream(stream)
     return y, delta
 
+
+
+def linear_with_lora_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             lora_a: list[torch.Tensor], lora_b: list[torch.Tensor], batch: LoraBatch,
+                             ranks: list[torch.Tensor], scalings: list[torch.Tensor], *,
+                             side: bool) -> tuple[torch.Tensor, LoraProduct]:
+    """"fused": `(F.linear(x, weight, bias), product)`, the product the shrink of the slices left for the
+    consumer to expand (ops/lora_product.py). `side`: the shrink on a side stream (capture only)."""
+    from . import sgmv
+    cfg = config_for(batch.block_m)
+    part = sgmv.new_partials(x, lora_a, batch, cfg)   # allocated on the main stream, which frees it
+    stream = _usable_side(x.device) if side else None
+    if stream is None:
+        sgmv.shrink_into(part, x, lora_a, ranks, batch, cfg)
+        y = F.linear(x, weight, bias)
+    else:
+        main = torch.cuda.current_stream(x.device)
+        stream.wait_stream(main)    # x is ready
+        with torch.cuda.stream(stream):
+            sgmv.shrink_into(part, x, lora_a, ranks, batch, cfg)
+        y = F.linear(x, weight, bias)
+        main.wait_stream(stream)
+    return y, LoraProduct(part, tuple(lora_b), tuple(ranks), tuple(scalings), batch.row_slot)

@@ -1,0 +1,307 @@
+"""Triton consumers of a `LoraProduct` (lora_product.py): RMSNorm, SiLU-and-mul and RoPE that expand a
+projection's LoRA product for each row as they load the row, then run the op of fused_kernels.py on
+the sum, rounded as there.
+
+For a row with slot s ≥ 0, slice i, column n of the slice (lora_product.py's loop, in fp32):
+
+    delta = scalings_i[s] * Σ_{r < rank} (Σ_split part[split, i, row, r]) * B_i[s, n, r]
+    x     = round(x + delta)                  # to x's dtype, as the in-place expand would round
+
+and x untouched for rows with s = -1. Each program sums the splits and reads the B columns it needs:
+the expand's bytes spread over the consumer's grid, so RoPE and SiLU-and-mul run one program per
+(token, head block) and (token, column block); RMSNorm keeps one program per row (it needs the whole
+row's sum of squares) and walks the row in tiles.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from .fused_kernels import COMPILED, _mul, _norm_output, _pow2, _round, _rstd, _inv
+from .launch import Launcher
+
+
+@triton.jit
+def _slot_of(row_slot_ptr, row, rank_ptr, scale_ptr, R):
+    """(has, slot, rank, scale) of a row: rank 0 and slot 0 where it has no adapter (nothing is read)."""
+    slot = tl.load(row_slot_ptr + row)
+    has = slot >= 0
+    safe = tl.maximum(slot, 0)
+    rank = tl.where(has, tl.minimum(tl.load(rank_ptr + safe), R), 0)
+    return has, safe, rank, tl.load(scale_ptr + safe)
+
+
+@triton.jit
+def _v(part_row, r0, rank, stride_p_split, SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Σ over the K splits of the shrink's fp32 partials, rank columns r0..r0+BLOCK_R."""
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    v = tl.load(part_row + offs_r, mask=r_mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        v += tl.load(part_row + s * stride_p_split + offs_r, mask=r_mask, other=0.0)
+    return v, offs_r, r_mask
+
+
+@triton.jit
+def _product(part_row, b_slot, rank, scale, cols, mask, R, stride_p_split, v, offs_r, r_mask,
+             ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
+    """fp32 [BLOCK]: scale · Σ_{r<rank} v[r] · B[cols, r] (B: this slot's [N, R] block). ONE_R_TILE (R ≤
+    BLOCK_R): `v` (with `offs_r`, `r_mask`) is the row's, loaded once by the caller; else loaded here,
+    BLOCK_R ranks at a time."""
+    if ONE_R_TILE:
+        b = tl.load(b_slot + cols[:, None] * R + offs_r[None, :], mask=mask[:, None] & r_mask[None, :], other=0.0)
+        acc = tl.sum(b.to(tl.float32) * v[None, :], axis=1)
+    else:
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for r0 in range(0, rank, BLOCK_R):
+            v_r, offs_rr, r_mask_r = _v(part_row, r0, rank, stride_p_split, SPLIT_K, BLOCK_R)
+            b = tl.load(b_slot + cols[:, None] * R + offs_rr[None, :], mask=mask[:, None] & r_mask_r[None, :],
+                        other=0.0)
+            acc += tl.sum(b.to(tl.float32) * v_r[None, :], axis=1)
+    return acc * scale
+
+
+@triton.jit
+def _product_2d(part_row, b_slot, rank, scale, cols, mask, R, stride_p_split, v, offs_r, r_mask,
+                ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    """`_product` over a [BLOCK_H, BLOCK_D] tile of columns (heads × half a head)."""
+    if ONE_R_TILE:
+        b = tl.load(b_slot + cols[:, :, None] * R + offs_r[None, None, :],
+                    mask=mask[:, :, None] & r_mask[None, None, :], other=0.0)
+        acc = tl.sum(b.to(tl.float32) * v[None, None, :], axis=2)
+    else:
+        acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
+        for r0 in range(0, rank, BLOCK_R):
+            v_r, offs_rr, r_mask_r = _v(part_row, r0, rank, stride_p_split, SPLIT_K, BLOCK_R)
+            b = tl.load(b_slot + cols[:, :, None] * R + offs_rr[None, None, :],
+                        mask=mask[:, :, None] & r_mask_r[None, None, :], other=0.0)
+            acc += tl.sum(b.to(tl.float32) * v_r[None, None, :], axis=2)
+    return acc * scale
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm (+ residual add) of o's and down's output
+
+
+@triton.jit
+def _rms_norm_lora_kernel(x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, part_ptr, row_slot_ptr, b_ptr, rank_ptr, scale_ptr,
+                          R, stride_p_split, stride_pm, H, inv_h, eps, stride_x, stride_r, stride_out, stride_s,
+                          HAS_RESIDUAL: tl.constexpr, ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, COMPILED: tl.constexpr):
+    """One program per row: s = round(x + delta) (+ residual, rounded), stored; out = weight · normalize(s)."""
+    row = tl.program_id(0).to(tl.int64)
+    DT = x_ptr.dtype.element_ty
+    has, slot, rank, scale = _slot_of(row_slot_ptr, row, rank_ptr, scale_ptr, R)
+    b_slot = b_ptr + slot.to(tl.int64) * H * R
+    part_row = part_ptr + row * stride_pm
+    x_row, r_row = x_ptr + row * stride_x, r_ptr + row * stride_r
+    s_row, out_row = s_ptr + row * stride_s, out_ptr + row * stride_out
+    offs = tl.arange(0, BLOCK)
+    # The row's shrink output, loaded once (one rank tile; rows without an adapter: rank 0, nothing read).
+    lv, offs_r, r_mask = _v(part_row, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for c in range(0, H, BLOCK):
+        mask = c + offs < H
+        v = tl.load(x_row + c + offs, mask=mask, other=0.0).to(tl.float32)
+        if has:
+            d = _product(part_row, b_slot, rank, scale, c + offs, mask, R, stride_p_split, lv, offs_r, r_mask,
+                         ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK)
+            v = _round(v + d, DT, COMPILED)
+        if HAS_RESIDUAL:
+            v = _round(tl.load(r_row + c + offs, mask=mask, other=0.0).to(tl.float32) + v, DT, COMPILED)
+        tl.store(s_row + c + offs, v.to(DT), mask=mask)
+        acc += v * v
+    rstd = _rstd(tl.sum(acc, axis=0), inv_h, eps, COMPILED)
+    tl.debug_barrier()   # s, stored above by this program's threads, is read back by others below
+    for c in range(0, H, BLOCK):
+        mask = c + offs < H
+        v = tl.load(s_row + c + offs, mask=mask, other=0.0).to(tl.float32)
+        _norm_output(v, rstd, w_ptr, out_row, c + offs, mask, COMPILED)
+
+
+# ---------------------------------------------------------------------------------------------
+# SiLU(gate) * up
+
+
+@triton.jit
+def _silu_and_mul_lora_kernel(gu_ptr, out_ptr, part_ptr, row_slot_ptr, b0, b1, rk0, rk1, sc0, sc1, R,
+                              stride_p_split, stride_p_slice, stride_pm, I, stride_gu, stride_out,
+                              ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                              BLOCK: tl.constexpr, COMPILED: tl.constexpr):
+    """Program (row, column block): gate and up take their slice's product, then out = silu(gate) · up."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < I
+    DT = out_ptr.dtype.element_ty
+    gu_row = gu_ptr + row * stride_gu
+    g = tl.load(gu_row + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_row + I + offs, mask=mask, other=0.0).to(tl.float32)
+    has, slot, rank_g, scale_g = _slot_of(row_slot_ptr, row, rk0, sc0, R)
+    if has:
+        # Both slices' scalars and shrink outputs first, so that their loads overlap.
+        rank_u = tl.minimum(tl.load(rk1 + slot), R)
+        scale_u = tl.load(sc1 + slot)
+        part_g = part_ptr + row * stride_pm
+        part_u = part_g + stride_p_slice
+        vg, offs_r, rm_g = _v(part_g, 0, rank_g, stride_p_split, SPLIT_K, BLOCK_R)
+        vu, _, rm_u = _v(part_u, 0, rank_u, stride_p_split, SPLIT_K, BLOCK_R)
+        dg = _product(part_g, b0 + slot.to(tl.int64) * I * R, rank_g, scale_g, offs, mask, R, stride_p_split, vg,
+                      offs_r, rm_g, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK)
+        du = _product(part_u, b1 + slot.to(tl.int64) * I * R, rank_u, scale_u, offs, mask, R, stride_p_split, vu,
+                      offs_r, rm_u, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK)
+        g = _round(g + dg, DT, COMPILED)
+        u = _round(u + du, DT, COMPILED)
+    if COMPILED:
+        e = libdevice.exp(-g)
+    else:
+        e = tl.exp(-g)
+    a = _round(tl.math.div_rn(g, 1.0 + e), DT, COMPILED)   # as fused_kernels' silu_and_mul
+    tl.store(out_ptr + row * stride_out + offs, _round(a * u, DT, COMPILED).to(DT), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary embedding of q and k, v's product added, in place
+
+
+@triton.jit
+def _heads(base, stride_h, num_heads, h0, part_row, b_ptr, rank_ptr, scale_ptr, slot, has, R, stride_p_split, HALF,
+           c, s, offs_d, d_mask, ROTATE: tl.constexpr, ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr,
+           BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, COMPILED: tl.constexpr):
+    """Heads h0..h0+BLOCK_H of one token: each half takes its product (rows with an adapter), then
+    q and k rotate (ROTATE); v is only stored back when it changed."""
+    DT = base.dtype.element_ty
+    offs_h = h0 + tl.arange(0, BLOCK_H)
+    mask = (offs_h < num_heads)[:, None] & d_mask[None, :]
+    p1 = base + offs_h[:, None] * stride_h + offs_d[None, :]
+    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
+    if has:
+        rank = tl.minimum(tl.load(rank_ptr + slot), R)
+        scale = tl.load(scale_ptr + slot)
+        b_slot = b_ptr + slot.to(tl.int64) * num_heads * 2 * HALF * R
+        cols = offs_h[:, None] * (2 * HALF) + offs_d[None, :]
+        lv, offs_r, r_mask = _v(part_row, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
+        d1 = _product_2d(part_row, b_slot, rank, scale, cols, mask, R, stride_p_split, lv, offs_r, r_mask,
+                         ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D)
+        d2 = _product_2d(part_row, b_slot, rank, scale, cols + HALF, mask, R, stride_p_split, lv, offs_r, r_mask,
+                         ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D)
+        x1 = _round(x1 + d1, DT, COMPILED)
+        x2 = _round(x2 + d2, DT, COMPILED)
+    if ROTATE:
+        # As fused_kernels' _rotate_heads: x1·cos − x2·sin and x2·cos + x1·sin, each op rounded.
+        o1 = _round(_round(_mul(x1, c, COMPILED), DT, COMPILED) - _round(_mul(x2, s, COMPILED), DT, COMPILED),
+                    DT, COMPILED)
+        o2 = _round(_round(_mul(x2, c, COMPILED), DT, COMPILED) + _round(_mul(x1, s, COMPILED), DT, COMPILED),
+                    DT, COMPILED)
+        tl.store(p1, o1.to(DT), mask=mask)
+        tl.store(p1 + HALF, o2.to(DT), mask=mask)
+    elif has:
+        tl.store(p1, x1.to(DT), mask=mask)
+        tl.store(p1 + HALF, x2.to(DT), mask=mask)
+
+
+@triton.jit
+def _rope_lora_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_ptr, row_slot_ptr, b0, b1, b2, rk0, rk1, rk2,
+                      sc0, sc1, sc2, R, stride_p_split, stride_p_slice, stride_pm, HQ, HKV, HALF, stride_qt,
+                      stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_pos, ONE_R_TILE: tl.constexpr,
+                      SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                      COMPILED: tl.constexpr):
+    """Program (token, q|k|v, head block): q/k/v heads take their slice's product; q and k rotate."""
+    t = tl.program_id(0).to(tl.int64)
+    which = tl.program_id(1)
+    h0 = tl.program_id(2) * BLOCK_H
+    DT = q_ptr.dtype.element_ty
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HALF
+    pos = tl.load(pos_ptr + t * stride_pos).to(tl.float32)
+    freqs = pos * tl.load(inv_freq_ptr + offs_d, mask=d_mask, other=0.0)
+    if COMPILED:
+        c = libdevice.cos(freqs)
+        s = libdevice.sin(freqs)
+    else:
+        c = tl.cos(freqs)
+        s = tl.sin(freqs)
+    c = _round(c, DT, COMPILED)
+    s = _round(s, DT, COMPILED)
+    slot = tl.load(row_slot_ptr + t)
+    has = slot >= 0
+    slot = tl.maximum(slot, 0)
+    part_row = part_ptr + t * stride_pm
+    if which == 0:
+        _heads(q_ptr + t * stride_qt, stride_qh, HQ, h0, part_row, b0, rk0, sc0, slot, has, R, stride_p_split, HALF,
+               c, s, offs_d, d_mask, True, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D, COMPILED)
+    elif which == 1:
+        _heads(k_ptr + t * stride_kt, stride_kh, HKV, h0, part_row + stride_p_slice, b1, rk1, sc1, slot, has, R,
+               stride_p_split, HALF, c, s, offs_d, d_mask, True, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D,
+               COMPILED)
+    else:
+        _heads(v_ptr + t * stride_vt, stride_vh, HKV, h0, part_row + 2 * stride_p_slice, b2, rk2, sc2, slot, has, R,
+               stride_p_split, HALF, c, s, offs_d, d_mask, False, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D,
+               COMPILED)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers. Arguments arrive validated (fused.py); T = 0 launches nothing.
+
+# Tile settings: benchmarks/sweep_fused_consumers.py on an H200 (results/fused_sweep.json).
+RMS_BLOCK = 2048    # columns per tile of the row walk (B tile: RMS_BLOCK × BLOCK_R)
+RMS_STAGES = 2      # the row walk's loads pipelined this deep
+SILU_BLOCK = 512
+ROPE_HEADS = 4      # heads per program
+_RMS = Launcher(_rms_norm_lora_kernel)
+_SILU = Launcher(_silu_and_mul_lora_kernel)
+_ROPE = Launcher(_rope_lora_kernel)
+
+
+def _block_r(R: int) -> int:
+    return min(_pow2(R), 32)
+
+
+def _tiles(R: int) -> dict:
+    block_r = _block_r(R)
+    return dict(ONE_R_TILE=R <= block_r, BLOCK_R=block_r)
+
+
+def rms_norm(x, weight, eps: float, residual, out, s_out, lora, block: int | None = None) -> None:
+    """`fused_kernels.rms_norm` on x plus the LoraProduct `lora` (one slice), s always written."""
+    T, H = x.shape
+    if T == 0:
+        return
+    block = min(_pow2(H), block or RMS_BLOCK)
+    p, row_slot, b, _, _, rk, _, _, sc, _, _, R, sp, _, sm = lora.kernel_args()
+    r = residual if residual is not None else x
+    args = (x, r, weight, out, s_out, p, row_slot, b, rk, sc, R, sp, sm, H, _inv(H), float(eps), x.stride(0),
+            r.stride(0), out.stride(0), s_out.stride(0))
+    consts = dict(HAS_RESIDUAL=residual is not None, **_tiles(R), SPLIT_K=p.shape[0], BLOCK=block, COMPILED=COMPILED)
+    _RMS((T,), args, consts, max(1, min(8, block // 128)), RMS_STAGES)
+
+
+def silu_and_mul(gate_up, out, lora, block: int = SILU_BLOCK) -> None:
+    """`fused_kernels.silu_and_mul` on gate/up plus the LoraProduct `lora` (two slices)."""
+    T, I = out.shape
+    if T == 0:
+        return
+    block = min(_pow2(I), block)
+    p, row_slot, b0, b1, _, rk0, rk1, _, sc0, sc1, _, R, sp, ss, sm = lora.kernel_args()
+    args = (gate_up, out, p, row_slot, b0, b1, rk0, rk1, sc0, sc1, R, sp, ss, sm, I, gate_up.stride(0), out.stride(0))
+    _SILU((T, -(-I // block)), args, dict(**_tiles(R), SPLIT_K=p.shape[0], BLOCK=block, COMPILED=COMPILED),
+          max(1, min(4, block // 128)), 1)
+
+
+def apply_rope(q, k, v, positions, inv_freq, lora, heads: int | None = None) -> None:
+    """`fused_kernels.apply_rope` on q/k/v plus the LoraProduct `lora` (three slices); v takes its product."""
+    T, Hq, D = q.shape
+    if T == 0:
+        return
+    Hkv, half = k.shape[1], D // 2
+    block_h = min(_pow2(max(Hq, Hkv)), heads or ROPE_HEADS)
+    block_d = _pow2(half)
+    p, row_slot, b0, b1, b2, rk0, rk1, rk2, sc0, sc1, sc2, R, sp, ss, sm = lora.kernel_args()
+    args = (q, k, v, positions, inv_freq, p, row_slot, b0, b1, b2, rk0, rk1, rk2, sc0, sc1, sc2, R, sp, ss, sm,
+            Hq, Hkv, half, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            positions.stride(0))
+    grid = (T, 3, -(-max(Hq, Hkv) // block_h))
+    _ROPE(grid, args, dict(**_tiles(R), SPLIT_K=p.shape[0], BLOCK_H=block_h, BLOCK_D=block_d, COMPILED=COMPILED),
+          max(1, min(4, block_h * block_d // 128)), 1)

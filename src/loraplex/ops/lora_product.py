@@ -1,0 +1,108 @@
+"""`LoraProduct`: a projection's LoRA product left unexpanded, for the op that consumes the projection.
+
+The "fused" path of ops/overlap.py runs only the SGMV shrink beside a decode GEMM; the op that reads
+the projection's output next (RMSNorm for o and down, SiLU-and-mul for gate/up, RoPE for q/k/v: the
+`delta` arguments of ops/fused.py) computes each row's expand itself as it loads that row. A
+separate expand kernel, a zeroed product buffer and a dependent launch per projection go away, and
+the expand's reads of B spread over the consumer's programs.
+
+For row m with slot s = row_slot[m] ≥ 0 and slice i (q/k/v or gate/up: slices side by side, in order)
+the product the consumer adds to column c_i + n of the projection is, in fp32:
+
+    v[r]  = Σ_split part[split, i, m, r]                     # r < rank_i = min(ranks[i][s], R)
+    delta = scalings[i][s] * Σ_{r < rank_i} v[r] * lora_b[i][s, n, r]
+
+and no product at all (not even +0) for rows with s = -1. The shrink (`sgmv.shrink_into`) writes
+`part` only for rows with an adapter and only its first rank_i columns: the rest is never read.
+The Triton consumers sum over r in another order than `dense()` (the reference, fp32 matmul), so
+the two agree to fp32 rounding, not to the bit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .checks import _desc
+
+MAX_SLICES = 3   # q/k/v is the widest consumer
+
+
+@dataclass(frozen=True)
+class LoraProduct:
+    """The shrink's fp32 partials `part [split_k, slices, T, R]` with what expands them: per slice the
+    B stack `[slots, N_i, R]`, its ranks (int32 `[slots]`) and scalings (float32 `[slots]`), and
+    each row's slot (int32 `[T]`, -1: none)."""
+
+    part: torch.Tensor
+    lora_b: tuple[torch.Tensor, ...]
+    ranks: tuple[torch.Tensor, ...]
+    scalings: tuple[torch.Tensor, ...]
+    row_slot: torch.Tensor
+
+    @property
+    def width(self) -> int:
+        return sum(b.shape[1] for b in self.lora_b)
+
+    @property
+    def rows(self) -> int:
+        return self.part.shape[2]
+
+    @property
+    def device(self) -> torch.device:
+        return self.part.device
+
+    def select(self, rows: torch.Tensor) -> "LoraProduct":
+        """The product of these rows only (the final norm's logits rows)."""
+        return LoraProduct(self.part.index_select(2, rows), self.lora_b, self.ranks, self.scalings,
+                           self.row_slot.index_select(0, rows))
+
+    def check(self, rows: int, widths: tuple[int, ...], like: torch.Tensor, like_name: str, name: str) -> None:
+        """Raise ValueError unless this product fits a consumer of `rows` rows and slices `widths` wide."""
+        got = tuple(b.shape[1] for b in self.lora_b)
+        if got != tuple(widths):
+            raise ValueError(f"{name} expands to slices of widths {got}; {like_name} ({_desc(like)}) needs {widths}")
+        if self.part.device != like.device:
+            raise ValueError(f"{name} is on {self.part.device} but {like_name} is on {like.device}")
+        S, slices, T, R = self.part.shape if self.part.dim() == 4 else (0, -1, -1, -1)
+        if self.part.dtype != torch.float32 or slices != len(got) or T != rows or S < 1 \
+                or self.part.stride(3) != 1:
+            raise ValueError(f"{name}.part must be float32 [split_k, {len(got)}, T={rows}, R] with R contiguous, "
+                             f"got {_desc(self.part)}")
+        if self.row_slot.dtype != torch.int32 or tuple(self.row_slot.shape) != (rows,):
+            raise ValueError(f"{name}.row_slot must be int32 [T={rows}], got {_desc(self.row_slot)}")
+        for i, (b, rk, sc) in enumerate(zip(self.lora_b, self.ranks, self.scalings)):
+            if b.dim() != 3 or b.shape[2] != R or not b.is_contiguous() or b.dtype != like.dtype:
+                raise ValueError(f"{name}.lora_b[{i}] must be a contiguous {like.dtype} [slots, N, R={R}], "
+                                 f"got {_desc(b)}")
+            if rk.dtype != torch.int32 or sc.dtype != torch.float32 or rk.shape != (b.shape[0],) \
+                    or sc.shape != (b.shape[0],):
+                raise ValueError(f"{name}.ranks[{i}] / scalings[{i}] must be int32 / float32 [slots={b.shape[0]}], "
+                                 f"got {_desc(rk)} and {_desc(sc)}")
+        if len(got) > MAX_SLICES:
+            raise ValueError(f"{name} has {len(got)} slices; at most {MAX_SLICES}")
+
+    def dense(self) -> torch.Tensor:
+        """The fp32 `[T, ΣN]` product, by the loop of the module docstring (rows without an adapter: 0).
+        The reference path of the consumers; it reads the slots back to the host."""
+        v = self.part.sum(0)                       # [slices, T, R]
+        out = torch.zeros((self.rows, self.width), dtype=torch.float32, device=self.device)
+        R = self.part.shape[3]
+        for m, s in enumerate(self.row_slot.tolist()):
+            if s < 0:
+                continue
+            col = 0
+            for i, (b, rk, sc) in enumerate(zip(self.lora_b, self.ranks, self.scalings)):
+                r = min(int(rk[s]), R)
+                out[m, col:col + b.shape[1]] = (b[s, :, :r].float() @ v[i, m, :r]) * sc[s]
+                col += b.shape[1]
+        return out
+
+    def kernel_args(self) -> tuple:
+        """Pointers and strides for the consumer kernels (fused_lora_kernels.py), slices padded to
+        MAX_SLICES by repeating the first."""
+        pad = MAX_SLICES - len(self.lora_b)
+        p = self.part
+        return (p, self.row_slot, *self.lora_b, *[self.lora_b[0]] * pad, *self.ranks, *[self.ranks[0]] * pad,
+                *self.scalings, *[self.scalings[0]] * pad, p.shape[3], p.stride(0), p.stride(1), p.stride(2))
+

@@ -1,0 +1,238 @@
+"""A LoRA product left unexpanded for the next op (ops/lora_product.py), on the CPU.
+
+The consumers (rms_norm, silu_and_mul, apply_rope with `delta=LoraProduct`) are held to a float64
+loop of lora_product.py's documented semantics: each row with an adapter takes
+`scaling · Σ_r (Σ_split part[split, slice, row, r]) · B[slot, n, r]`, rounded once onto the input;
+rows without an adapter keep their bits. The partials of rows without an adapter, the partials past
+each slot's rank and B's columns past it are NaN: reading any of them would show. The Triton
+consumers run in Triton's interpreter; tests/test_fused_gpu.py runs them compiled.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from loraplex import ops
+from loraplex.ops import LoraBatch, fused, fused_lora_kernels
+from loraplex.ops.lora_product import LoraProduct
+
+from lora_cases import make_case, stable_seed
+from oracle import add_lora_f64
+from test_fused_ops import qkv_views, random_positions, rope_config, rows_with_scales, views_of
+
+interpreted = pytest.mark.skipif(not ops.triton_interpreted(), reason="needs TRITON_INTERPRET=1 (no CUDA)")
+BACKENDS = ["reference", pytest.param("triton", marks=interpreted)]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+ULPS = {torch.float32: 2.0 ** -20, torch.float16: 2.0 ** -9, torch.bfloat16: 2.0 ** -6}  # ~2 ulps, relative
+
+
+def make_product(gen: torch.Generator, T: int, widths: tuple[int, ...], dtype: torch.dtype, *, R: int = 16,
+                 split_k: int = 3, num_slots: int = 5, sizes: torch.Tensor | None = None) -> LoraProduct:
+    """Random partials and B stacks; ranks 0..R per slot and slice (one slot of rank R), about a third of
+    the rows without an adapter; every value that must not be read is NaN. `sizes`: the typical size
+    of each row's input, so that deltas move most elements."""
+    row_slot = torch.randint(-1, num_slots, (T,), generator=gen, dtype=torch.int32)
+    row_slot[0], row_slot[-1] = -1, 0
+    part = torch.randn(split_k, len(widths), T, R, generator=gen)
+    lora_b, ranks, scalings = [], [], []
+    for i, n in enumerate(widths):
+        rk = torch.randint(0, R + 1, (num_slots,), generator=gen, dtype=torch.int32)
+        rk[0] = R
+        b = torch.randn(num_slots, n, R, generator=gen)
+        for s in range(num_slots):
+            b[s, :, int(rk[s]):] = float("nan")
+            part[:, i, row_slot == s, int(rk[s]):] = float("nan")
+        lora_b.append(b.to(dtype))
+        ranks.append(rk)
+        scalings.append((torch.rand(num_slots, generator=gen) + 0.5) / (R * split_k) ** 0.5)
+    part[:, :, row_slot < 0] = float("nan")
+    if sizes is not None:
+        scalings = [sc * float(sizes.mean()) for sc in scalings]
+    return LoraProduct(part, tuple(lora_b), tuple(ranks), tuple(scalings), row_slot)
+
+
+def delta_f64(p: LoraProduct) -> torch.Tensor:
+    """The documented loop, float64: [T, Σwidths], rows without an adapter 0."""
+    out = torch.zeros(p.rows, p.width, dtype=torch.float64)
+    R = p.part.shape[3]
+    for m, s in enumerate(p.row_slot.tolist()):
+        if s < 0:
+            continue
+        col = 0
+        for i, (b, rk, sc) in enumerate(zip(p.lora_b, p.ranks, p.scalings)):
+            r = min(int(rk[s]), R)
+            v = p.part[:, i, m, :r].double().sum(0)
+            out[m, col:col + b.shape[1]] = float(sc[s]) * (b[s, :, :r].double() @ v)
+            col += b.shape[1]
+    return out
+
+
+def plus_f64(t: torch.Tensor, p: LoraProduct) -> torch.Tensor:
+    """t + the product, rounded once to t's dtype; rows without an adapter: t's own bits."""
+    summed = (t.double() + delta_f64(p).view(t.shape)).to(t.dtype)
+    return torch.where((p.row_slot < 0).view(-1, *[1] * (t.dim() - 1)), t, summed)
+
+
+def assert_close_ulps(out: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Within ~2 ulps of the dtype: the kernel's fp32 product and the float64 one can round x + delta
+    to neighbouring values."""
+    assert not torch.isnan(out).any(), f"{what}: NaN (a value that must not be read was)"
+    tol = ULPS[out.dtype] * want.double().abs() + 1e-6
+    bad = (out.double() - want.double()).abs() > tol
+    assert not bad.any(), \
+        f"{what}: {int(bad.sum())} of {bad.numel()} elements off, e.g. {out[bad][:3]} vs {want[bad][:3]}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("residual, H, block", [(True, 200, None), (False, 200, None), (True, 96, 32)])
+def test_rms_norm_expands_the_product(backend, dtype, residual, H, block, monkeypatch):
+    gen = torch.Generator().manual_seed(stable_seed("rms-product", str(dtype), residual, H, block))
+    T = 9
+    x = rows_with_scales(gen, T, H, dtype, large=False)
+    r = rows_with_scales(gen, T, H, dtype, large=False) if residual else None
+    w = (1 + 0.3 * torch.randn(H, generator=gen)).to(dtype)
+    p = make_product(gen, T, (H,), dtype, sizes=x.float().abs().mean(1))
+    if block:
+        monkeypatch.setattr(fused_lora_kernels, "RMS_BLOCK", block)   # the row walked in several tiles
+    x_in = x.clone()
+    out, s = fused.rms_norm(x, w, 1e-6, residual=r, delta=p, backend=backend)
+    want, want_s = fused.rms_norm(plus_f64(x, p), w, 1e-6, residual=r, backend="reference")
+    assert torch.equal(x, x_in) and s.data_ptr() != x.data_ptr()
+    assert_close_ulps(s, want_s, "s")
+    assert_close_ulps(out, want, "out")
+    keep = p.row_slot < 0
+    plain, plain_s = fused.rms_norm(x, w, 1e-6, residual=r, backend=backend)
+    assert torch.equal(s[keep], plain_s[keep])   # rows without an adapter take nothing, not even +0
+    if block is None:   # the plain kernel sums the squares in one tile too: the same bits
+        assert torch.equal(out[keep], plain[keep])
+    assert not torch.equal(out[~keep], plain[~keep])   # the product counted
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("I, split_k, R", [(300, 3, 16), (40, 1, 40)])
+def test_silu_and_mul_expands_the_product(backend, dtype, I, split_k, R):
+    """R=40: rank columns in two tiles of the consumer's loop."""
+    gen = torch.Generator().manual_seed(stable_seed("silu-product", str(dtype), I, split_k, R))
+    T = 7
+    gate_up = (torch.randn(T, 2 * I, generator=gen) * 2).to(dtype)
+    p = make_product(gen, T, (I, I), dtype, R=R, split_k=split_k, sizes=torch.full((T,), 2.0))
+    gate_up_in = gate_up.clone()
+    out = fused.silu_and_mul(gate_up, out=torch.full((T, I), float("nan"), dtype=dtype), delta=p, backend=backend)
+    assert torch.equal(gate_up, gate_up_in)
+    assert_close_ulps(out, fused.silu_and_mul(plus_f64(gate_up, p), backend="reference"), "out")
+    keep = p.row_slot < 0
+    plain = fused.silu_and_mul(gate_up, backend=backend)
+    assert torch.equal(out[keep], plain[keep]) and not torch.equal(out[~keep], plain[~keep])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("Hq, Hkv, D, heads", [(4, 2, 64, None), (6, 2, 128, 4), (3, 1, 80, 2)])
+def test_rope_expands_the_product_into_q_k_and_v(backend, dtype, Hq, Hkv, D, heads, monkeypatch):
+    """q, k, v as views of one fused qkv output; `heads` per program below the head count: several
+    head blocks per token (and k/v blocks past their heads, with GQA)."""
+    gen = torch.Generator().manual_seed(stable_seed("rope-product", str(dtype), Hq, Hkv, D, heads))
+    T = 9
+    q, k, qkv = qkv_views(gen, T, Hq, Hkv, D, dtype, "fused")
+    v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
+    positions = random_positions(gen, T)
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    inv_freq = LlamaRotaryEmbedding(rope_config(Hq, Hkv, D)).inv_freq
+    p = make_product(gen, T, (Hq * D, Hkv * D, Hkv * D), dtype, sizes=qkv.float().abs().mean(1))
+    if heads:
+        monkeypatch.setattr(fused_lora_kernels, "ROPE_HEADS", heads)
+    want = plus_f64(qkv, p)
+    q_want, k_want, _ = views_of(want, T, Hq, Hkv, D, "fused")
+    fused.apply_rope(q_want, k_want, positions, inv_freq, backend="reference")
+    before = qkv.clone()
+    fused.apply_rope(q, k, positions, inv_freq, v=v, delta=p, backend=backend)
+    assert_close_ulps(qkv, want, "q|k|v")
+    keep = p.row_slot < 0
+    q0, k0, _ = views_of(before, T, Hq, Hkv, D, "fused")
+    fused.apply_rope(q0, k0, positions, inv_freq, backend=backend)
+    assert torch.equal(qkv[keep], before[keep])   # rows without an adapter: rotated only, v untouched
+    assert not torch.equal(qkv[~keep], before[~keep])
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("regime", ["decode", "prefill"])
+def test_linear_with_lora_product_leaves_the_shrink_for_the_next_op(dtype, regime):
+    """ops/overlap.py's "fused" path on one stream: y is the plain GEMM, and the product's dense form is
+    add_lora's delta (rows without an adapter, and slices of rank 0, exactly 0)."""
+    from loraplex.ops import overlap
+    rng = np.random.default_rng(stable_seed("product", str(dtype), regime))
+    lens = [1] * 9 if regime == "decode" else [int(n) for n in rng.integers(1, 30, 5)]
+    case = make_case(rng, seg_lens=lens, popularity="skewed", K=64, Ns=(48, 16, 16), R=16, ranks="mixed",
+                     dtype=dtype, none_frac=0.3)
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    weight = (torch.randn(80, 64, generator=gen) / 8).to(dtype)
+    y, product = overlap.linear_with_lora_product(case.x, weight, None, case.lora_a, case.lora_b, case.batch(),
+                                                  case.ranks, case.scalings, side=False)
+    base = torch.nn.functional.linear(case.x, weight)
+    assert torch.equal(y, base) and product.width == 80 and product.rows == base.shape[0]
+    want = add_lora_f64(base, case.x, case.lora_a, case.lora_b, case.ranks, case.scalings, case.seg_lens,
+                        case.slot_ids) - base.double()
+    got = product.dense().double()
+    zero = want == 0
+    assert torch.equal(got[zero], torch.zeros(int(zero.sum()), dtype=torch.float64)) and zero.any() and not zero.all()
+    err = (got - want).norm() / want.norm()
+    assert err <= 1e-3, f"rel err {err:.2e}"
+
+
+def test_row_slot_of_built_and_capacity_batches():
+    b = LoraBatch.from_lengths([2, 0, 3, 1], [4, 1, -1, 0])
+    assert b.row_slot.dtype == torch.int32 and b.row_slot.tolist() == [4, 4, -1, -1, -1, 0]
+    cap = LoraBatch.with_capacity(8, 4, "cpu", num_slots=6)
+    assert cap.row_slot.tolist() == [-1] * 8
+    cap.update_([1, 2], [5, 3])
+    assert cap.row_slot.tolist() == [5, 3, 3] + [-1] * 5   # padding rows: no adapter
+    assert cap.num_work == -(-8 // cap.block_m) + 4
+
+
+def test_select_keeps_the_rows_products():
+    gen = torch.Generator().manual_seed(3)
+    p = make_product(gen, 6, (10, 4), torch.float32)
+    rows = torch.tensor([5, 0, 2])
+    assert torch.equal(p.select(rows).dense(), p.dense()[rows])
+
+
+def _meta_product(T=4, widths=(32,), dtype=torch.float16, **over) -> LoraProduct:
+    parts = dict(part=torch.empty(2, len(widths), T, 8, device="meta"),
+                 lora_b=tuple(torch.empty(3, n, 8, dtype=dtype, device="meta") for n in widths),
+                 ranks=tuple(torch.empty(3, dtype=torch.int32, device="meta") for _ in widths),
+                 scalings=tuple(torch.empty(3, device="meta") for _ in widths),
+                 row_slot=torch.empty(T, dtype=torch.int32, device="meta"))
+    parts.update(over)
+    return LoraProduct(**parts)
+
+
+def _meta(*shape, dtype=torch.float16):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: fused.rms_norm(_meta(4, 32), _meta(32), 1e-6, delta=_meta_product(widths=(16, 16))),
+     r"delta expands to slices of widths \(16, 16\); x \(.*\) needs \(32,\)"),
+    (lambda: fused.rms_norm(_meta(4, 32), _meta(32), 1e-6, delta=_meta_product(T=5)),
+     r"delta.part must be float32 \[split_k, 1, T=4, R\]"),
+    (lambda: fused.rms_norm(_meta(4, 32), _meta(32), 1e-6, delta=_meta_product(row_slot=_meta(4, dtype=torch.int64))),
+     r"delta.row_slot must be int32"),
+    (lambda: fused.rms_norm(_meta(4, 32), _meta(32), 1e-6, delta=_meta_product(dtype=torch.bfloat16)),
+     r"delta.lora_b\[0\] must be a contiguous torch.float16"),
+    (lambda: fused.rms_norm(_meta(4, 32), _meta(32), 1e-6,
+                            delta=_meta_product(scalings=(_meta(3, dtype=torch.float16),))), r"scalings\[0\]"),
+    (lambda: fused.rms_norm(_meta(4, 32), _meta(32), 1e-6, delta=_meta_product(part=torch.empty(2, 1, 4, 8))),
+     "delta is on cpu but x is on meta"),
+    (lambda: fused.silu_and_mul(_meta(4, 32), delta=_meta_product(widths=(32,))),
+     r"delta expands to slices of widths \(32,\); gate_up .* needs \(16, 16\)"),
+    (lambda: fused.apply_rope(_meta(4, 2, 8), _meta(4, 1, 8), torch.empty(4, dtype=torch.int64, device="meta"),
+                              torch.empty(4, device="meta"), v=_meta(4, 1, 8), delta=_meta_product(widths=(16, 8))),
+     r"delta expands to slices of widths \(16, 8\); q .* needs \(16, 8, 8\)"),
+])
+def test_a_product_that_does_not_fit_is_refused_by_name(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
