@@ -38,7 +38,7 @@ def make_product(gen: torch.Generator, T: int, widths: tuple[int, ...], dtype: t
     lora_b, ranks, scalings = [], [], []
     for i, n in enumerate(widths):
         rk = torch.randint(0, R + 1, (num_slots,), generator=gen, dtype=torch.int32)
-        rk[0] = R
+        rk[0], rk[1] = R, R + 7   # a rank past the stacks' width counts as the width
         b = torch.randn(num_slots, n, R, generator=gen)
         for s in range(num_slots):
             b[s, :, int(rk[s]):] = float("nan")
@@ -86,16 +86,18 @@ def assert_close_ulps(out: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("residual, H, block", [(True, 200, None), (False, 200, None), (True, 96, 32)])
-def test_rms_norm_expands_the_product(backend, dtype, residual, H, block, monkeypatch):
-    gen = torch.Generator().manual_seed(stable_seed("rms-product", str(dtype), residual, H, block))
+@pytest.mark.parametrize("residual, H, block, R", [(True, 200, None, 16), (False, 200, None, 16), (True, 96, 32, 16),
+                                                  (True, 96, None, 40)])
+def test_rms_norm_expands_the_product(backend, dtype, residual, H, block, R, monkeypatch):
+    """R=40: two rank tiles; block=32: the row walked in several tiles."""
+    gen = torch.Generator().manual_seed(stable_seed("rms-product", str(dtype), residual, H, block, R))
     T = 9
     x = rows_with_scales(gen, T, H, dtype, large=False)
     r = rows_with_scales(gen, T, H, dtype, large=False) if residual else None
     w = (1 + 0.3 * torch.randn(H, generator=gen)).to(dtype)
-    p = make_product(gen, T, (H,), dtype, sizes=x.float().abs().mean(1))
+    p = make_product(gen, T, (H,), dtype, R=R, sizes=x.float().abs().mean(1))
     if block:
-        monkeypatch.setattr(fused_lora_kernels, "RMS_BLOCK", block)   # the row walked in several tiles
+        monkeypatch.setattr(fused_lora_kernels, "RMS_BLOCK", block)
     x_in = x.clone()
     out, s = fused.rms_norm(x, w, 1e-6, residual=r, delta=p, backend=backend)
     want, want_s = fused.rms_norm(plus_f64(x, p), w, 1e-6, residual=r, backend="reference")
@@ -112,10 +114,12 @@ def test_rms_norm_expands_the_product(backend, dtype, residual, H, block, monkey
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("I, split_k, R", [(300, 3, 16), (40, 1, 40)])
-def test_silu_and_mul_expands_the_product(backend, dtype, I, split_k, R):
-    """R=40: rank columns in two tiles of the consumer's loop."""
-    gen = torch.Generator().manual_seed(stable_seed("silu-product", str(dtype), I, split_k, R))
+@pytest.mark.parametrize("I, split_k, R, block", [(300, 3, 16, None), (40, 1, 40, None), (300, 2, 16, 64)])
+def test_silu_and_mul_expands_the_product(backend, dtype, I, split_k, R, block, monkeypatch):
+    """R=40: rank columns in two tiles of the consumer's loop; block=64: several column blocks per row."""
+    gen = torch.Generator().manual_seed(stable_seed("silu-product", str(dtype), I, split_k, R, block))
+    if block:
+        monkeypatch.setattr(fused_lora_kernels, "SILU_BLOCK", block)
     T = 7
     gate_up = (torch.randn(T, 2 * I, generator=gen) * 2).to(dtype)
     p = make_product(gen, T, (I, I), dtype, R=R, split_k=split_k, sizes=torch.full((T,), 2.0))
@@ -130,18 +134,19 @@ def test_silu_and_mul_expands_the_product(backend, dtype, I, split_k, R):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("Hq, Hkv, D, heads", [(4, 2, 64, None), (6, 2, 128, 4), (3, 1, 80, 2)])
-def test_rope_expands_the_product_into_q_k_and_v(backend, dtype, Hq, Hkv, D, heads, monkeypatch):
+@pytest.mark.parametrize("Hq, Hkv, D, heads, R", [(4, 2, 64, None, 16), (6, 2, 128, 4, 16), (3, 1, 80, 2, 16),
+                                                  (4, 2, 64, 1, 40)])
+def test_rope_expands_the_product_into_q_k_and_v(backend, dtype, Hq, Hkv, D, heads, R, monkeypatch):
     """q, k, v as views of one fused qkv output; `heads` per program below the head count: several
-    head blocks per token (and k/v blocks past their heads, with GQA)."""
-    gen = torch.Generator().manual_seed(stable_seed("rope-product", str(dtype), Hq, Hkv, D, heads))
+    head blocks per token (and k/v blocks past their heads, with GQA); R=40: two rank tiles."""
+    gen = torch.Generator().manual_seed(stable_seed("rope-product", str(dtype), Hq, Hkv, D, heads, R))
     T = 9
     q, k, qkv = qkv_views(gen, T, Hq, Hkv, D, dtype, "fused")
     v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
     positions = random_positions(gen, T)
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
     inv_freq = LlamaRotaryEmbedding(rope_config(Hq, Hkv, D)).inv_freq
-    p = make_product(gen, T, (Hq * D, Hkv * D, Hkv * D), dtype, sizes=qkv.float().abs().mean(1))
+    p = make_product(gen, T, (Hq * D, Hkv * D, Hkv * D), dtype, R=R, sizes=qkv.float().abs().mean(1))
     if heads:
         monkeypatch.setattr(fused_lora_kernels, "ROPE_HEADS", heads)
     want = plus_f64(qkv, p)
@@ -220,13 +225,24 @@ def _meta(*shape, dtype=torch.float16):
     (lambda: fused.rms_norm(_meta(4, 32), _meta(32), 1e-6, delta=_meta_product(T=5)),
      r"delta.part must be float32 \[split_k, 1, T=4, R\]"),
     (lambda: fused.rms_norm(_meta(4, 32), _meta(32), 1e-6, delta=_meta_product(row_slot=_meta(4, dtype=torch.int64))),
-     r"delta.row_slot must be int32"),
+     r"delta.row_slot must be a contiguous int32"),
     (lambda: fused.rms_norm(_meta(4, 32), _meta(32), 1e-6, delta=_meta_product(dtype=torch.bfloat16)),
      r"delta.lora_b\[0\] must be a contiguous torch.float16"),
     (lambda: fused.rms_norm(_meta(4, 32), _meta(32), 1e-6,
                             delta=_meta_product(scalings=(_meta(3, dtype=torch.float16),))), r"scalings\[0\]"),
     (lambda: fused.rms_norm(_meta(4, 32), _meta(32), 1e-6, delta=_meta_product(part=torch.empty(2, 1, 4, 8))),
      "delta is on cpu but x is on meta"),
+    (lambda: fused.rms_norm(_meta(4, 32), _meta(32), 1e-6,
+                            delta=_meta_product(row_slot=torch.empty(4, 2, dtype=torch.int32, device="meta")[:, 0])),
+     r"delta.row_slot must be a contiguous int32"),
+    (lambda: fused.rms_norm(_meta(4, 32), _meta(32), 1e-6,
+                            delta=_meta_product(ranks=(torch.empty(3, 2, dtype=torch.int32, device="meta")[:, 0],))),
+     r"delta.ranks\[0\] / scalings\[0\] must be contiguous"),
+    (lambda: fused.rms_norm(_meta(4, 32), _meta(32), 1e-6, delta=_meta_product(scalings=())),
+     r"delta has 1 B stacks, 1 rank and 0 scaling tensors"),
+    (lambda: fused.rms_norm(_meta(4, 32), _meta(32), 1e-6,
+                            delta=_meta_product(ranks=(torch.empty(3, dtype=torch.int32),))),
+     r"delta.ranks\[0\] is on cpu but x is on meta"),
     (lambda: fused.silu_and_mul(_meta(4, 32), delta=_meta_product(widths=(32,))),
      r"delta expands to slices of widths \(32,\); gate_up .* needs \(16, 16\)"),
     (lambda: fused.apply_rope(_meta(4, 2, 8), _meta(4, 1, 8), torch.empty(4, dtype=torch.int64, device="meta"),

@@ -87,8 +87,9 @@ def test_mixed_batch_matches_transformers_peft(setup):
                                                        ("off", None)])
 def test_triton_kernels_in_the_interpreter_match_too(setup, overlap_mode, fused_projs, monkeypatch):
     """The same through every Triton kernel (LoRA, attention, fused ops) run by Triton's CPU interpreter:
-    with each LoRA product left for the next op to add (ops/overlap.py's "full", the default for forwards
-    of up to MAX_ROWS rows), left unexpanded for the next op to expand ("fused"), and added after each GEMM."""
+    with each LoRA product left for the next op to add (ops/overlap.py's "full"), left unexpanded for the
+    next op to expand ("fused", the default for forwards of up to MAX_ROWS rows: q/k/v's product, the
+    others as "full"; or every projection's), and added after each GEMM."""
     from loraplex.ops import overlap
     if setup.config.head_dim & (setup.config.head_dim - 1):
         pytest.skip("the Triton attention kernels take power-of-two head sizes")

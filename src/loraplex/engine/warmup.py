@@ -69,14 +69,16 @@ def _compile_consumers(config: ModelConfig, pool: AdapterPool, dtype: torch.dtyp
     device, c = pool.device, config
     cfg = overlap.config_for(SMALL_BLOCK_M)
     R = pool.max_rank
-    most = (-(-overlap.MAX_ROWS // SMALL_BLOCK_M) + overlap.MAX_ROWS) * 3 * -(-R // sgmv._block_r(R))
+    # at most this many shrink programs (tiles × 3 slices × rank tiles of at least 16): an upper bound
+    most = (-(-overlap.MAX_ROWS // SMALL_BLOCK_M) + overlap.MAX_ROWS) * 3 * -(-R // 16)
     widths = (c.hidden_size, c.num_attention_heads * c.head_dim, c.intermediate_size)
     splits = sorted({sgmv.choose_split_k(n, k, device, cfg) for n in range(1, most + 1) for k in widths})
     hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     launches = 0
-    for split_k, rows in itertools.product(splits, (1, SMALL_BLOCK_M)):
+    # layers 0-3: the per-layer rank and scaling views take every alignment they can take (as above)
+    for layer, split_k, rows in itertools.product(range(min(4, c.num_hidden_layers)), splits, (1, SMALL_BLOCK_M)):
         def product(projs):
-            _, b, ranks, scalings = pool.stacks(0, projs)
+            _, b, ranks, scalings = pool.stacks(layer, projs)
             part = torch.zeros(split_k, len(b), rows, R, dtype=torch.float32, device=device)
             return LoraProduct(part, tuple(b), tuple(ranks), tuple(scalings),
                                torch.zeros(rows, dtype=torch.int32, device=device))
@@ -103,8 +105,9 @@ def _compile_consumers(config: ModelConfig, pool: AdapterPool, dtype: torch.dtyp
 
 def _variants() -> list[tuple[int, sgmv.KernelConfig, bool]]:
     """(tile height, settings, accumulate) of every way a step can launch the kernels: after the
-    GEMMs, and in "full" (ops/overlap.py) the products into fp32 buffers, which eager forwards of up
-    to overlap.MAX_ROWS rows launch too (16-row tiles; 64-row ones only for hand-built batches)."""
+    GEMMs, and in "full" and "fused" (ops/overlap.py) the products into fp32 buffers, which eager
+    forwards of up to overlap.MAX_ROWS rows launch too (16-row tiles; 64-row ones only for hand-built
+    batches)."""
     found = [(block_m, sgmv.config_for(block_m), True) for block_m in (SMALL_BLOCK_M, LARGE_BLOCK_M)]
     if overlap.mode() in ("full", "fused"):   # ("shrink" launches the plain order's variants)
         found += [(block_m, overlap.config_for(block_m), False) for block_m in (SMALL_BLOCK_M, LARGE_BLOCK_M)]

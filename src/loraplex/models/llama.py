@@ -68,7 +68,8 @@ class DecoderLayer(nn.Module):
         T, L = hidden.shape[0], self.layer
         lora = pool is not None and batch.has_adapters
 
-        def project(x: torch.Tensor, weight, bias, projs: tuple[str, ...]):
+        def project(x: torch.Tensor, weight, bias,
+                    projs: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | LoraProduct | None]:
             if not lora:
                 return F.linear(x, weight, bias), None
             a, b, ranks, scalings = pool.stacks(L, projs)   # fused projections: one multi-slice launch
@@ -105,7 +106,8 @@ class DecoderLayer(nn.Module):
         return out, residual, delta
 
 
-def _select_rows(delta: torch.Tensor | LoraProduct | None, rows: torch.Tensor):
+def _select_rows(delta: torch.Tensor | LoraProduct | None,
+                 rows: torch.Tensor) -> torch.Tensor | LoraProduct | None:
     if delta is None:
         return None
     return delta.select(rows) if isinstance(delta, LoraProduct) else delta.index_select(0, rows)

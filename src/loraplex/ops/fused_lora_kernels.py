@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .fused_kernels import COMPILED, _mul, _norm_output, _pow2, _round, _rstd, _inv
+from .fused_kernels import COMPILED, _inv, _mul, _norm_output, _pow2, _round, _rstd
 from .launch import Launcher
 
 
@@ -39,7 +39,7 @@ def _v(part_row, r0, rank, stride_p_split, SPLIT_K: tl.constexpr, BLOCK_R: tl.co
     r_mask = offs_r < rank
     v = tl.load(part_row + offs_r, mask=r_mask, other=0.0)
     for s in tl.static_range(1, SPLIT_K):
-        v += tl.load(part_row + s * stride_p_split + offs_r, mask=r_mask, other=0.0)
+        v += tl.load(part_row + tl.full((), s, tl.int64) * stride_p_split + offs_r, mask=r_mask, other=0.0)
     return v, offs_r, r_mask
 
 
@@ -169,8 +169,9 @@ def _silu_and_mul_lora_kernel(gu_ptr, out_ptr, part_ptr, row_slot_ptr, b0, b1, r
 def _heads(base, stride_h, num_heads, h0, part_row, b_ptr, rank_ptr, scale_ptr, slot, has, R, stride_p_split, HALF,
            c, s, offs_d, d_mask, ROTATE: tl.constexpr, ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr,
            BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, COMPILED: tl.constexpr):
-    """Heads h0..h0+BLOCK_H of one token: each half takes its product (rows with an adapter), then
-    q and k rotate (ROTATE); v is only stored back when it changed."""
+    """Heads h0..h0+BLOCK_H of one token (none past `num_heads`: k and v have fewer with GQA): each half
+    takes its product (rows with an adapter), then q and k rotate (ROTATE); v is only stored back when it
+    changed."""
     DT = base.dtype.element_ty
     offs_h = h0 + tl.arange(0, BLOCK_H)
     mask = (offs_h < num_heads)[:, None] & d_mask[None, :]
@@ -212,40 +213,42 @@ def _rope_lora_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_ptr, row_
     t = tl.program_id(0).to(tl.int64)
     which = tl.program_id(1)
     h0 = tl.program_id(2) * BLOCK_H
-    DT = q_ptr.dtype.element_ty
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HALF
-    pos = tl.load(pos_ptr + t * stride_pos).to(tl.float32)
-    freqs = pos * tl.load(inv_freq_ptr + offs_d, mask=d_mask, other=0.0)
-    if COMPILED:
-        c = libdevice.cos(freqs)
-        s = libdevice.sin(freqs)
-    else:
-        c = tl.cos(freqs)
-        s = tl.sin(freqs)
-    c = _round(c, DT, COMPILED)
-    s = _round(s, DT, COMPILED)
-    slot = tl.load(row_slot_ptr + t)
-    has = slot >= 0
-    slot = tl.maximum(slot, 0)
-    part_row = part_ptr + t * stride_pm
-    if which == 0:
-        _heads(q_ptr + t * stride_qt, stride_qh, HQ, h0, part_row, b0, rk0, sc0, slot, has, R, stride_p_split, HALF,
-               c, s, offs_d, d_mask, True, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D, COMPILED)
-    elif which == 1:
-        _heads(k_ptr + t * stride_kt, stride_kh, HKV, h0, part_row + stride_p_slice, b1, rk1, sc1, slot, has, R,
-               stride_p_split, HALF, c, s, offs_d, d_mask, True, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D,
-               COMPILED)
-    else:
-        _heads(v_ptr + t * stride_vt, stride_vh, HKV, h0, part_row + 2 * stride_p_slice, b2, rk2, sc2, slot, has, R,
-               stride_p_split, HALF, c, s, offs_d, d_mask, False, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D,
-               COMPILED)
+    if h0 < tl.where(which == 0, HQ, HKV):   # k and v have fewer head blocks with GQA
+        DT = q_ptr.dtype.element_ty
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < HALF
+        pos = tl.load(pos_ptr + t * stride_pos).to(tl.float32)
+        freqs = pos * tl.load(inv_freq_ptr + offs_d, mask=d_mask, other=0.0)
+        if COMPILED:
+            c = libdevice.cos(freqs)
+            s = libdevice.sin(freqs)
+        else:
+            c = tl.cos(freqs)
+            s = tl.sin(freqs)
+        c = _round(c, DT, COMPILED)
+        s = _round(s, DT, COMPILED)
+        slot = tl.load(row_slot_ptr + t)
+        has = slot >= 0
+        slot = tl.maximum(slot, 0)
+        part_row = part_ptr + t * stride_pm
+        if which == 0:
+            _heads(q_ptr + t * stride_qt, stride_qh, HQ, h0, part_row, b0, rk0, sc0, slot, has, R, stride_p_split,
+                   HALF, c, s, offs_d, d_mask, True, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D, COMPILED)
+        elif which == 1:
+            _heads(k_ptr + t * stride_kt, stride_kh, HKV, h0, part_row + stride_p_slice, b1, rk1, sc1, slot, has, R,
+                   stride_p_split, HALF, c, s, offs_d, d_mask, True, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D,
+                   COMPILED)
+        else:
+            _heads(v_ptr + t * stride_vt, stride_vh, HKV, h0, part_row + 2 * stride_p_slice, b2, rk2, sc2, slot, has,
+                   R, stride_p_split, HALF, c, s, offs_d, d_mask, False, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H,
+                   BLOCK_D, COMPILED)
 
 
 # ---------------------------------------------------------------------------------------------
 # Launchers. Arguments arrive validated (fused.py); T = 0 launches nothing.
 
-# Tile settings: benchmarks/sweep_fused_consumers.py on an H200 (results/fused_sweep.json).
+# Tile settings: benchmarks/sweep_fused_consumers.py on an H200 (results/fused_sweep.json, run on the first
+# version of these kernels; its SILU_BLOCK values did not take effect, so SILU_BLOCK is untuned).
 RMS_BLOCK = 2048    # columns per tile of the row walk (B tile: RMS_BLOCK × BLOCK_R)
 RMS_STAGES = 2      # the row walk's loads pipelined this deep
 SILU_BLOCK = 512
@@ -278,12 +281,12 @@ def rms_norm(x, weight, eps: float, residual, out, s_out, lora, block: int | Non
     _RMS((T,), args, consts, max(1, min(8, block // 128)), RMS_STAGES)
 
 
-def silu_and_mul(gate_up, out, lora, block: int = SILU_BLOCK) -> None:
+def silu_and_mul(gate_up, out, lora, block: int | None = None) -> None:
     """`fused_kernels.silu_and_mul` on gate/up plus the LoraProduct `lora` (two slices)."""
     T, I = out.shape
     if T == 0:
         return
-    block = min(_pow2(I), block)
+    block = min(_pow2(I), block or SILU_BLOCK)   # read at call time: benchmarks set SILU_BLOCK
     p, row_slot, b0, b1, _, rk0, rk1, _, sc0, sc1, _, R, sp, ss, sm = lora.kernel_args()
     args = (gate_up, out, p, row_slot, b0, b1, rk0, rk1, sc0, sc1, R, sp, ss, sm, I, gate_up.stride(0), out.stride(0))
     _SILU((T, -(-I // block)), args, dict(**_tiles(R), SPLIT_K=p.shape[0], BLOCK=block, COMPILED=COMPILED),

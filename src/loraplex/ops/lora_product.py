@@ -69,16 +69,25 @@ class LoraProduct:
                 or self.part.stride(3) != 1:
             raise ValueError(f"{name}.part must be float32 [split_k, {len(got)}, T={rows}, R] with R contiguous, "
                              f"got {_desc(self.part)}")
-        if self.row_slot.dtype != torch.int32 or tuple(self.row_slot.shape) != (rows,):
-            raise ValueError(f"{name}.row_slot must be int32 [T={rows}], got {_desc(self.row_slot)}")
+        if self.row_slot.dtype != torch.int32 or tuple(self.row_slot.shape) != (rows,) \
+                or (rows > 1 and self.row_slot.stride(0) != 1):
+            raise ValueError(f"{name}.row_slot must be a contiguous int32 [T={rows}], got {_desc(self.row_slot)}")
+        if not len(self.lora_b) == len(self.ranks) == len(self.scalings):
+            raise ValueError(f"{name} has {len(self.lora_b)} B stacks, {len(self.ranks)} rank and "
+                             f"{len(self.scalings)} scaling tensors: one of each per slice")
+        tensors = [("row_slot", self.row_slot)] + [(f"{k}[{i}]", t) for k in ("lora_b", "ranks", "scalings")
+                                                    for i, t in enumerate(getattr(self, k))]
+        for what, t in tensors:
+            if t.device != like.device:
+                raise ValueError(f"{name}.{what} is on {t.device} but {like_name} is on {like.device}")
         for i, (b, rk, sc) in enumerate(zip(self.lora_b, self.ranks, self.scalings)):
             if b.dim() != 3 or b.shape[2] != R or not b.is_contiguous() or b.dtype != like.dtype:
                 raise ValueError(f"{name}.lora_b[{i}] must be a contiguous {like.dtype} [slots, N, R={R}], "
                                  f"got {_desc(b)}")
             if rk.dtype != torch.int32 or sc.dtype != torch.float32 or rk.shape != (b.shape[0],) \
-                    or sc.shape != (b.shape[0],):
-                raise ValueError(f"{name}.ranks[{i}] / scalings[{i}] must be int32 / float32 [slots={b.shape[0]}], "
-                                 f"got {_desc(rk)} and {_desc(sc)}")
+                    or sc.shape != (b.shape[0],) or rk.stride(0) != 1 or sc.stride(0) != 1:
+                raise ValueError(f"{name}.ranks[{i}] / scalings[{i}] must be contiguous int32 / float32 "
+                                 f"[slots={b.shape[0]}], got {_desc(rk)} and {_desc(sc)}")
         if len(got) > MAX_SLICES:
             raise ValueError(f"{name} has {len(got)} slices; at most {MAX_SLICES}")
 

@@ -49,11 +49,12 @@ MAX_ROWS = 32           # the LoRA product beside the GEMM, added by the next op
 SHRINK_MAX_ROWS = 128   # the shrink beside the GEMM (captured forwards; "full", "fused" and "shrink")
 # The projections (named by their first part) whose product "fused" leaves unexpanded; the others take
 # "full"'s way (expand beside the GEMM into an fp32 buffer), which the same consumers add. Only q/k/v:
-# RoPE expands it at no cost (8.7 µs against 8.9 for the plain RoPE, 32 rows), while RMSNorm (one
-# program per row: 10.6 µs against 2.5) and SiLU-and-mul (19.8 against 2.7) take longer than the expand
-# they replace. Of all 16 choices (results/fused_projections.json) q/k/v alone was fastest at batch 32
-# with distinct adapters; side by side with "full" (results/lora_overlap_default.md, Llama-2-7B decode
-# forwards): 8,380 against 8,605 µs there (-2.6%), within 0.7% of it at batch 1 and 32 shared.
+# RoPE expands it at no cost (8.7 µs, 32 rows, against 8.9 for the RoPE that adds "full"'s buffer),
+# while RMSNorm (one program per row: 10.6 µs against 2.5) and SiLU-and-mul (19.8 against 2.7) take
+# longer than the expand they replace. Of all 16 choices (results/fused_projections.json) q/k/v alone
+# was fastest at batch 32 with distinct adapters; side by side with "full" (results/
+# lora_overlap_default.md, Llama-2-7B decode forwards): 8,380 against 8,605 µs there (-2.6%), 0.7% and
+# 0.3% slower at batch 1 and 32 shared (batches 2-16 not measured).
 FUSED_PROJECTIONS = frozenset({"q_proj"})
 # Kernel settings of the "full" path, per tile height, where they differ from sgmv.CONFIGS (tuned for
 # the kernels alone): benchmarks/sweep_overlap_configs.py found none better (results/overlap_sweep.json).
@@ -158,7 +159,6 @@ def linear_with_lora_delta(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     if stream is not None:
         main.wait_stream(stream)
     return y, delta
-
 
 
 def linear_with_lora_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
