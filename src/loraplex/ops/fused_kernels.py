@@ -181,6 +181,31 @@ def _silu_and_mul_kernel(gu_ptr, d_ptr, out_ptr, I, stride_gu, stride_d, stride_
 
 
 @triton.jit
+def _cos_sin(pos_ptr, inv_freq_ptr, offs_d, d_mask, DT: tl.constexpr, COMPILED: tl.constexpr):
+    """cos and sin of one token's angles `position · inv_freq` (fp32), each rounded to DT."""
+    pos = tl.load(pos_ptr).to(tl.float32)
+    freqs = pos * tl.load(inv_freq_ptr + offs_d, mask=d_mask, other=0.0)
+    if COMPILED:
+        c = libdevice.cos(freqs)
+        s = libdevice.sin(freqs)
+    else:
+        c = tl.cos(freqs)
+        s = tl.sin(freqs)
+    return _round(c, DT, COMPILED), _round(s, DT, COMPILED)
+
+
+@triton.jit
+def _rotate(x1, x2, c, s, DT: tl.constexpr, COMPILED: tl.constexpr):
+    """(x1·cos − x2·sin, x2·cos + x1·sin), each product and sum rounded to DT as transformers rounds.
+    transformers adds (-x2)·sin; negation is exact and rounding symmetric, so that is x1·cos − x2·sin."""
+    o1 = _round(_round(_mul(x1, c, COMPILED), DT, COMPILED) - _round(_mul(x2, s, COMPILED), DT, COMPILED),
+                DT, COMPILED)
+    o2 = _round(_round(_mul(x2, c, COMPILED), DT, COMPILED) + _round(_mul(x1, s, COMPILED), DT, COMPILED),
+                DT, COMPILED)
+    return o1, o2
+
+
+@triton.jit
 def _rotate_heads(base, d_base, num_heads, stride_h, HALF, c, s, offs_d, d_mask, HAS_DELTA: tl.constexpr,
                   BLOCK_H: tl.constexpr, COMPILED: tl.constexpr):
     """x1' = x1·cos − x2·sin, x2' = x2·cos + x1·sin for every head of one token, each op rounded;
@@ -195,11 +220,7 @@ def _rotate_heads(base, d_base, num_heads, stride_h, HALF, c, s, offs_d, d_mask,
                         COMPILED)
         x2 = _add_delta(tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32), d_base, dp1 + HALF, mask, DT,
                         HAS_DELTA, COMPILED)
-        # transformers adds (-x2)·sin; negation is exact and rounding symmetric, so that is x1·cos − x2·sin.
-        o1 = _round(_round(_mul(x1, c, COMPILED), DT, COMPILED) - _round(_mul(x2, s, COMPILED), DT, COMPILED),
-                    DT, COMPILED)
-        o2 = _round(_round(_mul(x2, c, COMPILED), DT, COMPILED) + _round(_mul(x1, s, COMPILED), DT, COMPILED),
-                    DT, COMPILED)
+        o1, o2 = _rotate(x1, x2, c, s, DT, COMPILED)
         tl.store(p1, o1.to(DT), mask=mask)
         tl.store(p1 + HALF, o2.to(DT), mask=mask)
 
@@ -229,16 +250,7 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, d_ptr, pos_ptr, inv_freq_ptr, HQ, HKV, HAL
     DT = q_ptr.dtype.element_ty
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HALF
-    pos = tl.load(pos_ptr + t * stride_pos).to(tl.float32)
-    freqs = pos * tl.load(inv_freq_ptr + offs_d, mask=d_mask, other=0.0)
-    if COMPILED:
-        c = libdevice.cos(freqs)
-        s = libdevice.sin(freqs)
-    else:
-        c = tl.cos(freqs)
-        s = tl.sin(freqs)
-    c = _round(c, DT, COMPILED)
-    s = _round(s, DT, COMPILED)
+    c, s = _cos_sin(pos_ptr + t * stride_pos, inv_freq_ptr, offs_d, d_mask, DT, COMPILED)
     d_row = d_ptr + t * stride_dt
     _rotate_heads(q_ptr + t * stride_qt, d_row, HQ, stride_qh, HALF, c, s, offs_d, d_mask, HAS_DELTA, BLOCK_H,
                   COMPILED)

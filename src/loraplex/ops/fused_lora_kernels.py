@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .fused_kernels import COMPILED, _inv, _mul, _norm_output, _pow2, _round, _rstd
+from .fused_kernels import COMPILED, _cos_sin, _inv, _norm_output, _pow2, _rotate, _round, _rstd
 from .launch import Launcher
 
 
@@ -191,11 +191,7 @@ def _heads(base, stride_h, num_heads, h0, part_row, b_ptr, rank_ptr, scale_ptr, 
         x1 = _round(x1 + d1, DT, COMPILED)
         x2 = _round(x2 + d2, DT, COMPILED)
     if ROTATE:
-        # As fused_kernels' _rotate_heads: x1·cos − x2·sin and x2·cos + x1·sin, each op rounded.
-        o1 = _round(_round(_mul(x1, c, COMPILED), DT, COMPILED) - _round(_mul(x2, s, COMPILED), DT, COMPILED),
-                    DT, COMPILED)
-        o2 = _round(_round(_mul(x2, c, COMPILED), DT, COMPILED) + _round(_mul(x1, s, COMPILED), DT, COMPILED),
-                    DT, COMPILED)
+        o1, o2 = _rotate(x1, x2, c, s, DT, COMPILED)
         tl.store(p1, o1.to(DT), mask=mask)
         tl.store(p1 + HALF, o2.to(DT), mask=mask)
     elif has:
@@ -217,16 +213,7 @@ def _rope_lora_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_ptr, row_
         DT = q_ptr.dtype.element_ty
         offs_d = tl.arange(0, BLOCK_D)
         d_mask = offs_d < HALF
-        pos = tl.load(pos_ptr + t * stride_pos).to(tl.float32)
-        freqs = pos * tl.load(inv_freq_ptr + offs_d, mask=d_mask, other=0.0)
-        if COMPILED:
-            c = libdevice.cos(freqs)
-            s = libdevice.sin(freqs)
-        else:
-            c = tl.cos(freqs)
-            s = tl.sin(freqs)
-        c = _round(c, DT, COMPILED)
-        s = _round(s, DT, COMPILED)
+        c, s = _cos_sin(pos_ptr + t * stride_pos, inv_freq_ptr, offs_d, d_mask, DT, COMPILED)
         slot = tl.load(row_slot_ptr + t)
         has = slot >= 0
         slot = tl.maximum(slot, 0)
