@@ -95,6 +95,7 @@ def test_bench_command_writes_a_report_from_every_system(tmp_path):
             mixed = r["steps"] - r["decode_steps"]
             split = (r["decode_steps"] * r["decode_step_ms"] + mixed * r["mixed_step_ms"]) / 1e3 + r["other_seconds"]
             assert r["steps"] > 0 and r["other_seconds"] >= 0 and split == pytest.approx(r["seconds"], abs=1e-3)  # (seconds: rounded to ms)
+            assert r["setup_seconds"] > 0 and r["warmup_seconds"] > 0   # before the clock: what a run needs on top
     md = (out / "smoke.md").read_text()
     assert "| distinct | 3 | hf-peft | 4 |" in md and "cpu" in md
     assert "Where loraplex's time went" in md and "| distinct | 3 | loraplex | " in md.split("time went")[1]

@@ -83,8 +83,9 @@ def run(args: argparse.Namespace) -> int:
         notes.append("loraplex rows: each workload's adapters were put on the GPU before timing, up to the "
                      "number of slots (`preloaded` in the JSON); otherwise they start on disk")
 
-    def add(result, workload, kv_tokens, step_bytes, backbone: bool, max_batch):
+    def add(result, workload, kv_tokens, step_bytes, backbone: bool, max_batch, startup: dict | None = None):
         row = result.summary()
+        row.update(startup or {})
         row["max_batch"] = max_batch if max_batch is not None else "unlimited"
         row.update(simulate_ceiling(workload, step_bytes, bandwidth, max_batch=result.max_batch,
                                     kv_tokens=kv_tokens, with_adapters=not backbone))
@@ -105,7 +106,14 @@ def run(args: argparse.Namespace) -> int:
                 getattr(torch, dtype)).bits // 8)
             first = next(iter(workloads.values()))
             prompts = first.prompt_ids(system.vocab_size)
+            warm_start = time.perf_counter()
             system.warm_up(first, prompts)
+            # Not in any rate: how long a run needs before its clock starts (engine start-up with kernel
+            # compiles and graph captures, adapter registration; then the warm-up run).
+            startup = dict(setup_seconds=round(system.setup_s, 2),
+                           warmup_seconds=round(time.perf_counter() - warm_start, 2))
+            print(json.dumps(dict(max_batch=max_batch if max_batch is not None else "unlimited", **startup)),
+                  flush=True)
             heads = sorted({args.requests, n_base})
             for pop in pops:
                 for n in heads:
@@ -113,10 +121,10 @@ def run(args: argparse.Namespace) -> int:
                     if "loraplex" in systems:
                         add(system.run(w, prompts, backbone=False, name="loraplex", progress=progress,
                                        preload=args.preload_adapters), w,
-                            system.kv_tokens, step_bytes, False, max_batch)
+                            system.kv_tokens, step_bytes, False, max_batch, startup)
                     if "loraplex-backbone" in systems and pop == pops[0]:
                         add(system.run(w, prompts, backbone=True, name="loraplex-backbone", progress=progress),
-                            w, system.kv_tokens, step_bytes, True, max_batch)
+                            w, system.kv_tokens, step_bytes, True, max_batch, startup)
             system.close()
             del system
             _free()
