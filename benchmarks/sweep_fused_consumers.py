@@ -7,6 +7,9 @@ in tiles of RMS_BLOCK columns in one program; SiLU-and-mul takes SILU_BLOCK colu
 program; RoPE takes ROPE_HEADS heads of q, k or v per program.
 `--what projections`: which projections leave their product to the next op (overlap.FUSED_PROJECTIONS);
 the others expand beside the GEMM into an fp32 buffer ("full"), which the same op adds.
+`--what rms`: RMSNorm's consumer with each row over several programs (RMS_SPLIT columns each, two
+launches: ops/fused_lora_rms_split.py) or one program per row (0), with o's and/or down's product left
+to it beside q/k/v's.
 
 Every setting is timed at batch 32 with distinct adapters (the Punica case); the best few and the
 default again at batch 32 with one shared adapter, at batch 1 and at 64 and 128 distinct. Median
@@ -37,7 +40,8 @@ from loraplex.ops import fused_lora_kernels as consumers  # noqa: E402
 from loraplex.ops import overlap  # noqa: E402
 
 CASES = ((32, "distinct"), (32, "shared"), (1, "distinct"), (64, "distinct"), (128, "distinct"))
-KNOBS = {"tiles": ("RMS_BLOCK", "SILU_BLOCK", "ROPE_HEADS"), "projections": ("FUSED_PROJECTIONS",)}
+KNOBS = {"tiles": ("RMS_BLOCK", "SILU_BLOCK", "ROPE_HEADS"), "projections": ("FUSED_PROJECTIONS",),
+         "rms": ("RMS_SPLIT", "FUSED_PROJECTIONS")}
 PROJECTIONS = ("q_proj", "o_proj", "gate_proj", "down_proj")
 
 
@@ -45,6 +49,10 @@ def grid(what: str) -> list[dict]:
     if what == "tiles":
         return [dict(zip(KNOBS[what], values))
                 for values in itertools.product((1024, 2048, 4096), (256, 512, 1024), (2, 4, 8))]
+    if what == "rms":
+        sets = ({"q_proj"}, {"q_proj", "o_proj"}, {"q_proj", "down_proj"}, {"q_proj", "o_proj", "down_proj"})
+        return [dict(RMS_SPLIT=split, FUSED_PROJECTIONS=frozenset(projs))
+                for split, projs in itertools.product((0, 256, 512, 1024), sets)]
     return [dict(FUSED_PROJECTIONS=frozenset(p for p, on in zip(PROJECTIONS, mask) if on))
             for mask in itertools.product((True, False), repeat=len(PROJECTIONS))]
 

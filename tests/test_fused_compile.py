@@ -123,6 +123,19 @@ def rms_norm_lora(dtype: str, arch: int) -> None:
         assert re.search(r"mul\.rn(\.ftz)?\.f32", ptx), f"{what}: sum·(1/H) must be a separate product before + eps"
 
 
+def rms_norm_lora_split(dtype: str, arch: int) -> None:
+    from loraplex.ops import fused_lora_rms_split as k
+    types = dict(x_ptr="*" + dtype, r_ptr="*" + dtype, s_ptr="*" + dtype, sumsq_ptr="*fp32", b_ptr="*" + dtype,
+                 rank_ptr="*i32", scale_ptr="*fp32", **LORA_POINTERS)
+    ptx = _compile(k._rms_lora_sums_kernel, types, dict(HAS_RESIDUAL=True, ONE_R_TILE=True, SPLIT_K=8, BLOCK_R=16,
+                                                        BLOCK=512, COMPILED=True), arch, 4)
+    _no_approx(ptx, f"rms_norm_lora_split sums {dtype}")
+    ptx = _compile(k._rms_scale_kernel, dict(s_ptr="*" + dtype, w_ptr="*" + dtype, out_ptr="*" + dtype,
+                                             sumsq_ptr="*fp32"), dict(BLOCK_C=8, BLOCK=512, COMPILED=True), arch, 4)
+    _no_approx(ptx, f"rms_norm_lora_split scale {dtype}")
+    assert re.search(r"mul\.rn(\.ftz)?\.f32", ptx), "sum·(1/H) must be a separate product before + eps"
+
+
 def silu_lora(dtype: str, arch: int) -> None:
     from loraplex.ops import fused_lora_kernels as k
     # (SPLIT_K, BLOCK_R, ONE_R_TILE, BLOCK)
@@ -157,7 +170,7 @@ def rope_lora(dtype: str, arch: int) -> None:
 
 
 KERNELS = {"rms_norm": rms_norm, "silu_and_mul": silu, "rope": rope, "rms_norm_lora": rms_norm_lora,
-           "silu_and_mul_lora": silu_lora, "rope_lora": rope_lora}
+           "rms_norm_lora_split": rms_norm_lora_split, "silu_and_mul_lora": silu_lora, "rope_lora": rope_lora}
 
 
 @pytest.mark.parametrize("kernel", list(KERNELS))

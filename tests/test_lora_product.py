@@ -86,11 +86,14 @@ def assert_close_ulps(out: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("residual, H, block, R", [(True, 200, None, 16), (False, 200, None, 16), (True, 96, 32, 16),
-                                                  (True, 96, None, 40)])
-def test_rms_norm_expands_the_product(backend, dtype, residual, H, block, R, monkeypatch):
-    """R=40: two rank tiles; block=32: the row walked in several tiles."""
-    gen = torch.Generator().manual_seed(stable_seed("rms-product", str(dtype), residual, H, block, R))
+@pytest.mark.parametrize("residual, H, block, R, split", [(True, 200, None, 16, 0), (False, 200, None, 16, 0),
+                                                         (True, 96, 32, 16, 0), (True, 96, None, 40, 0),
+                                                         (True, 200, None, 16, 64), (False, 96, None, 40, 32)])
+def test_rms_norm_expands_the_product(backend, dtype, residual, H, block, R, split, monkeypatch):
+    """R=40: two rank tiles; block=32: the row walked in several tiles; split: each row over programs of
+    `split` columns (fused_lora_rms_split.py)."""
+    gen = torch.Generator().manual_seed(stable_seed("rms-product", str(dtype), residual, H, block, R, split))
+    monkeypatch.setattr(fused_lora_kernels, "RMS_SPLIT", split)
     T = 9
     x = rows_with_scales(gen, T, H, dtype, large=False)
     r = rows_with_scales(gen, T, H, dtype, large=False) if residual else None
@@ -107,7 +110,7 @@ def test_rms_norm_expands_the_product(backend, dtype, residual, H, block, R, mon
     keep = p.row_slot < 0
     plain, plain_s = fused.rms_norm(x, w, 1e-6, residual=r, backend=backend)
     assert torch.equal(s[keep], plain_s[keep])   # rows without an adapter take nothing, not even +0
-    if block is None:   # the plain kernel sums the squares in one tile too: the same bits
+    if block is None and not split:   # the plain kernel sums the squares in one tile too: the same bits
         assert torch.equal(out[keep], plain[keep])
     assert not torch.equal(out[~keep], plain[~keep])   # the product counted
 

@@ -303,3 +303,27 @@ def test_cuda_graph_of_the_lora_product_consumers(dtype):
         eager = step(*eager_in)
         for got, want, name in zip((*outs, bufs[3]), (*eager, eager_in[3]), ("out", "s", "silu", "qkv")):
             assert torch.equal(got, want), f"trial {trial}: {name}"
+
+
+@pytest.mark.parametrize("dtype", LORA_DTYPES)
+@pytest.mark.parametrize("split", [256, 1024])
+def test_rms_norm_with_rows_over_several_programs(dtype, split, monkeypatch):
+    """fused_lora_kernels.RMS_SPLIT (fused_lora_rms_split.py: each row over programs of `split` columns,
+    two launches): s is the float64 `x + delta` as in the test above, rows without an adapter keep their
+    bits, out is the plain RMSNorm of s (RMS_TOL: another order of the sum of squares), and a second call
+    gives the same bits (the chunks' sums are added in a fixed order)."""
+    from loraplex.ops import fused_lora_kernels
+    monkeypatch.setattr(fused_lora_kernels, "RMS_SPLIT", split)
+    gen = _gen("lora-rms-split", str(dtype), split)
+    T, H = LORA_T, LORA_H
+    p = _lora_product(gen, (H,), dtype, exact=False)
+    x = torch.randn(T, H, generator=gen).to(CUDA, dtype)
+    w = (1 + 0.3 * torch.randn(H, generator=gen)).to(CUDA, dtype)
+    out, s = fused.rms_norm(x, w, 1e-5, delta=p)
+    again, again_s = fused.rms_norm(x, w, 1e-5, delta=p)
+    assert torch.equal(out, again) and torch.equal(s, again_s)
+    _assert_sum(s, x, p, f"rms_norm s over programs of {split} columns")
+    keep = p.row_slot < 0
+    assert keep.any() and torch.equal(s[keep], x[keep])
+    want, _ = fused.rms_norm(s.clone(), w, 1e-5)
+    assert_ulps(out, want, *RMS_TOL[dtype], what=f"rms_norm over programs of {split} columns")

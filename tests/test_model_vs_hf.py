@@ -82,20 +82,29 @@ def test_mixed_batch_matches_transformers_peft(setup):
     check_mixed_batch(setup, PLAN)
 
 
-@pytest.mark.parametrize("overlap_mode, fused_projs", [("full", None), ("fused", None),
-                                                       ("fused", ("q_proj", "o_proj", "gate_proj", "down_proj")),
-                                                       ("off", None)])
-def test_triton_kernels_in_the_interpreter_match_too(setup, overlap_mode, fused_projs, monkeypatch):
+ALL_FOUR = ("q_proj", "o_proj", "gate_proj", "down_proj")
+
+
+@pytest.mark.parametrize("overlap_mode, fused_projs, rms_split", [("full", None, 0), ("fused", None, 0),
+                                                                  ("fused", ALL_FOUR, 0), ("fused", ALL_FOUR, 16),
+                                                                  ("off", None, 0)])
+def test_triton_kernels_in_the_interpreter_match_too(setup, overlap_mode, fused_projs, rms_split, monkeypatch):
     """The same through every Triton kernel (LoRA, attention, fused ops) run by Triton's CPU interpreter:
     with each LoRA product left for the next op to add (ops/overlap.py's "full"), left unexpanded for the
     next op to expand ("fused", the default for forwards of up to MAX_ROWS rows: q/k/v's product, the
-    others as "full"; or every projection's), and added after each GEMM."""
+    others as "full"; or every projection's, RMSNorm's rows whole or over programs of `rms_split` columns),
+    and added after each GEMM."""
     from loraplex.ops import overlap
     if setup.config.head_dim & (setup.config.head_dim - 1):
         pytest.skip("the Triton attention kernels take power-of-two head sizes")
     monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", overlap_mode)
     if fused_projs:
         monkeypatch.setattr(overlap, "FUSED_PROJECTIONS", frozenset(fused_projs))
+    from loraplex.ops import fused_lora_kernels, fused_lora_rms_split
+    monkeypatch.setattr(fused_lora_kernels, "RMS_SPLIT", rms_split)
+    split_calls = []
+    real_split = fused_lora_rms_split.rms_norm
+    monkeypatch.setattr(fused_lora_rms_split, "rms_norm", lambda *a: split_calls.append(a[7]) or real_split(*a))
     calls = {"full": [], "fused": []}
     for mode, name in (("full", "linear_with_lora_delta"), ("fused", "linear_with_lora_product")):
         real = getattr(overlap, name)
@@ -111,6 +120,7 @@ def test_triton_kernels_in_the_interpreter_match_too(setup, overlap_mode, fused_
     assert len(calls["fused"]) == fused_count * per_step
     assert len(calls["full"]) == {"full": 4, "fused": 4 - fused_count, "off": 0}[overlap_mode] * per_step
     assert not any(calls["full"] + calls["fused"])   # the side stream only while a CUDA graph is captured
+    assert (len(split_calls) > 0) == bool(rms_split) and set(split_calls) <= {rms_split}
 
 
 def check_mixed_batch(setup, plan):

@@ -238,6 +238,7 @@ def _rope_lora_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_ptr, row_
 # version of these kernels; its SILU_BLOCK values did not take effect, so SILU_BLOCK is untuned).
 RMS_BLOCK = 2048    # columns per tile of the row walk (B tile: RMS_BLOCK × BLOCK_R)
 RMS_STAGES = 2      # the row walk's loads pipelined this deep
+RMS_SPLIT = 0       # > 0: each row over programs of this many columns, two launches (fused_lora_rms_split.py)
 SILU_BLOCK = 512
 ROPE_HEADS = 4      # heads per program
 _RMS = Launcher(_rms_norm_lora_kernel)
@@ -258,6 +259,10 @@ def rms_norm(x, weight, eps: float, residual, out, s_out, lora, block: int | Non
     """`fused_kernels.rms_norm` on x plus the LoraProduct `lora` (one slice), s always written."""
     T, H = x.shape
     if T == 0:
+        return
+    if RMS_SPLIT:
+        from . import fused_lora_rms_split   # imports this module's jit helpers
+        fused_lora_rms_split.rms_norm(x, weight, eps, residual, out, s_out, lora, RMS_SPLIT, _tiles(lora.part.shape[3]))
         return
     block = min(_pow2(H), block or RMS_BLOCK)
     p, row_slot, b, _, _, rk, _, _, sc, _, _, R, sp, _, sm = lora.kernel_args()

@@ -1,0 +1,87 @@
+"""RMSNorm of a projection plus its LoraProduct, each row spread over several programs (two launches).
+
+fused_lora_kernels.py's RMSNorm consumer runs one program per row, because the norm needs the whole row's
+sum of squares; at decode that is one program per sequence, each streaming its adapter's whole B block
+(4,096 × rank values for o and down) in a serial walk (10.6 µs on an H200 at 32 rows, against 2.5 µs for
+the plain RMSNorm). Here the row is cut into chunks of BLOCK columns:
+
+    1. program (row, chunk): s = round(x + delta) (+ residual, rounded), stored; sumsq[row, chunk] = Σ s²
+    2. program (row, chunk): rstd from Σ_chunk sumsq[row, :] (a fixed order: deterministic);
+       out = weight · normalize(s) over the chunk
+
+The same sums and roundings as the one-program kernel except the order of the sum of squares (chunk by
+chunk), so outputs agree with it to the rounding of rstd, and every run gives the same bits. Chosen by
+fused_lora_kernels.RMS_SPLIT (0: one program per row); not measured on a GPU yet, so off by default
+(benchmarks/sweep_fused_consumers.py --what rms times it).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .fused_kernels import COMPILED, _inv, _norm_output, _pow2, _round, _rstd
+from .fused_lora_kernels import _product, _slot_of, _v
+from .launch import Launcher
+
+
+@triton.jit
+def _rms_lora_sums_kernel(x_ptr, r_ptr, s_ptr, sumsq_ptr, part_ptr, row_slot_ptr, b_ptr, rank_ptr, scale_ptr, R,
+                          stride_p_split, stride_pm, H, stride_x, stride_r, stride_s, CHUNKS,
+                          HAS_RESIDUAL: tl.constexpr, ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, COMPILED: tl.constexpr):
+    """Program (row, chunk): the chunk of s, stored, and its sum of squares."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    DT = x_ptr.dtype.element_ty
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < H
+    v = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    has, slot, rank, scale = _slot_of(row_slot_ptr, row, rank_ptr, scale_ptr, R)
+    if has:
+        part_row = part_ptr + row * stride_pm
+        lv, offs_r, r_mask = _v(part_row, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
+        d = _product(part_row, b_ptr + slot.to(tl.int64) * H * R, rank, scale, offs, mask, R, stride_p_split, lv,
+                     offs_r, r_mask, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK)
+        v = _round(v + d, DT, COMPILED)
+    if HAS_RESIDUAL:
+        v = _round(tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32) + v, DT, COMPILED)
+    tl.store(s_ptr + row * stride_s + offs, v.to(DT), mask=mask)
+    tl.store(sumsq_ptr + row * CHUNKS + chunk, tl.sum(v * v, axis=0))
+
+
+@triton.jit
+def _rms_scale_kernel(s_ptr, w_ptr, out_ptr, sumsq_ptr, H, inv_h, eps, stride_s, stride_out, CHUNKS,
+                      BLOCK_C: tl.constexpr, BLOCK: tl.constexpr, COMPILED: tl.constexpr):
+    """Program (row, chunk): rstd of the row from its chunks' sums of squares, then the chunk normalised."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    offs_c = tl.arange(0, BLOCK_C)
+    sums = tl.load(sumsq_ptr + row * CHUNKS + offs_c, mask=offs_c < CHUNKS, other=0.0)
+    rstd = _rstd(tl.sum(sums, axis=0), inv_h, eps, COMPILED)
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < H
+    v = tl.load(s_ptr + row * stride_s + offs, mask=mask, other=0.0).to(tl.float32)
+    _norm_output(v, rstd, w_ptr, out_ptr + row * stride_out, offs, mask, COMPILED)
+
+
+_SUMS = Launcher(_rms_lora_sums_kernel)
+_SCALE = Launcher(_rms_scale_kernel)
+
+
+def rms_norm(x, weight, eps: float, residual, out, s_out, lora, block: int, tiles: dict) -> None:
+    """fused_lora_kernels.rms_norm's op with each row cut into chunks of `block` columns (see above);
+    `tiles`: the rank-tile constexprs (ONE_R_TILE, BLOCK_R)."""
+    T, H = x.shape
+    block = min(_pow2(H), block)
+    chunks = -(-H // block)
+    p, row_slot, b, _, _, rk, _, _, sc, _, _, R, sp, _, sm = lora.kernel_args()
+    r = residual if residual is not None else x
+    sumsq = torch.empty((T, chunks), dtype=torch.float32, device=x.device)
+    warps = max(1, min(4, block // 128))
+    _SUMS((T, chunks), (x, r, s_out, sumsq, p, row_slot, b, rk, sc, R, sp, sm, H, x.stride(0), r.stride(0),
+                        s_out.stride(0), chunks),
+          dict(HAS_RESIDUAL=residual is not None, **tiles, SPLIT_K=p.shape[0], BLOCK=block, COMPILED=COMPILED),
+          warps, 1)
+    _SCALE((T, chunks), (s_out, weight, out, sumsq, H, _inv(H), float(eps), s_out.stride(0), out.stride(0), chunks),
+           dict(BLOCK_C=_pow2(chunks), BLOCK=block, COMPILED=COMPILED), warps, 1)
