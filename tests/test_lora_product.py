@@ -52,18 +52,22 @@ def make_product(gen: torch.Generator, T: int, widths: tuple[int, ...], dtype: t
     return LoraProduct(part, tuple(lora_b), tuple(ranks), tuple(scalings), row_slot)
 
 
-def delta_f64(p: LoraProduct) -> torch.Tensor:
-    """The documented loop, float64: [T, Σwidths], rows without an adapter 0."""
+def delta_f64(p: LoraProduct, magnitude: bool = False) -> torch.Tensor:
+    """The documented loop, float64 on the host: [T, Σwidths], rows without an adapter 0. `magnitude`: the
+    same loop on absolute values (the scale of its fp32 rounding; tests/test_lora_product_gpu.py)."""
+    part = p.part.cpu().double()
     out = torch.zeros(p.rows, p.width, dtype=torch.float64)
-    R = p.part.shape[3]
+    R = part.shape[3]
     for m, s in enumerate(p.row_slot.tolist()):
         if s < 0:
             continue
         col = 0
         for i, (b, rk, sc) in enumerate(zip(p.lora_b, p.ranks, p.scalings)):
             r = min(int(rk[s]), R)
-            v = p.part[:, i, m, :r].double().sum(0)
-            out[m, col:col + b.shape[1]] = float(sc[s]) * (b[s, :, :r].double() @ v)
+            partials, b_s, scale = part[:, i, m, :r], b[s, :, :r].cpu().double(), float(sc[s])
+            if magnitude:
+                partials, b_s, scale = partials.abs(), b_s.abs(), abs(scale)
+            out[m, col:col + b.shape[1]] = scale * (b_s @ partials.sum(0))
             col += b.shape[1]
     return out
 

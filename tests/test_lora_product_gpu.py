@@ -12,6 +12,7 @@ from loraplex.ops import fused
 from loraplex.ops.lora_product import LoraProduct
 
 from test_fused_gpu import CUDA, RMS_TOL, SILU_TOL, _gen
+from test_lora_product import delta_f64
 from test_fused_ops import ROPE_REL, assert_ulps, random_positions, rope_config, rope_error_bound
 
 pytestmark = pytest.mark.gpu
@@ -66,23 +67,8 @@ def _lora_product(gen: torch.Generator, widths: tuple[int, ...], dtype: torch.dt
 
 
 def _delta_f64(p: LoraProduct, magnitude: bool = False) -> torch.Tensor:
-    """The product by the loop of lora_product.py's docstring, in float64 on the host: `[T, ΣN]`, rows
-    without an adapter 0. `magnitude`: the same loop on absolute values (the scale of its fp32 rounding)."""
-    part = p.part.cpu().double()
-    out = torch.zeros(p.rows, p.width, dtype=torch.float64)
-    R = part.shape[3]
-    for m, s in enumerate(p.row_slot.tolist()):
-        if s < 0:
-            continue
-        col = 0
-        for i, (b, rk, sc) in enumerate(zip(p.lora_b, p.ranks, p.scalings)):
-            r = min(int(rk[s]), R)
-            partials, b_s, scale = part[:, i, m, :r], b[s, :, :r].cpu().double(), float(sc[s])
-            if magnitude:
-                partials, b_s, scale = partials.abs(), b_s.abs(), abs(scale)
-            out[m, col:col + b.shape[1]] = scale * (b_s @ partials.sum(0))
-            col += b.shape[1]
-    return out.to(CUDA)
+    """tests/test_lora_product.py's float64 loop of lora_product.py's docstring, on CUDA."""
+    return delta_f64(p, magnitude).to(CUDA)
 
 
 def _plus(t: torch.Tensor, p: LoraProduct, delta: torch.Tensor, fp32: bool) -> torch.Tensor:
