@@ -151,6 +151,20 @@ def _rms_norm_kernel(x_ptr, d_ptr, r_ptr, w_ptr, out_ptr, s_ptr, H, inv_h, eps, 
 
 
 @triton.jit
+def _silu_mul(g, u, DT: tl.constexpr, COMPILED: tl.constexpr):
+    """round(round(silu(g)) * u), silu(g) = g / (1 + exp(-g)) in fp32, as transformers rounds."""
+    if COMPILED:
+        e = libdevice.exp(-g)
+    else:
+        e = tl.exp(-g)
+    # Left to contraction on purpose: the compiler fuses expf's final scaling with `1 +` into one FMA,
+    # as nvcc (which also contracts by default) can in PyTorch's silu kernel; tests/test_fused_gpu.py
+    # reports whether the bits agree.
+    a = _round(tl.math.div_rn(g, 1.0 + e), DT, COMPILED)
+    return _round(a * u, DT, COMPILED)
+
+
+@triton.jit
 def _silu_and_mul_kernel(gu_ptr, d_ptr, out_ptr, I, stride_gu, stride_d, stride_out, HAS_DELTA: tl.constexpr,
                          BLOCK: tl.constexpr, COMPILED: tl.constexpr):
     """Program (row, column block): out = round(round(silu(gate)) * up), silu(g) = g / (1 + exp(-g));
@@ -165,15 +179,7 @@ def _silu_and_mul_kernel(gu_ptr, d_ptr, out_ptr, I, stride_gu, stride_d, stride_
                    HAS_DELTA, COMPILED)
     u = _add_delta(tl.load(gu_row + I + offs, mask=mask, other=0.0).to(tl.float32), d_row + I, offs, mask, DT,
                    HAS_DELTA, COMPILED)
-    if COMPILED:
-        e = libdevice.exp(-g)
-    else:
-        e = tl.exp(-g)
-    # Left to contraction on purpose: the compiler fuses expf's final scaling with `1 +` into one FMA,
-    # as nvcc (which also contracts by default) can in PyTorch's silu kernel; tests/test_fused_gpu.py
-    # reports whether the bits agree.
-    a = _round(tl.math.div_rn(g, 1.0 + e), DT, COMPILED)
-    tl.store(out_ptr + row * stride_out + offs, _round(a * u, DT, COMPILED).to(DT), mask=mask)
+    tl.store(out_ptr + row * stride_out + offs, _silu_mul(g, u, DT, COMPILED).to(DT), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
-from .fused_kernels import COMPILED, _cos_sin, _inv, _norm_output, _pow2, _rotate, _round, _rstd
+from .fused_kernels import COMPILED, _cos_sin, _inv, _norm_output, _pow2, _rotate, _round, _rstd, _silu_mul
 from .launch import Launcher
 
 
@@ -153,12 +152,7 @@ def _silu_and_mul_lora_kernel(gu_ptr, out_ptr, part_ptr, row_slot_ptr, b0, b1, r
                       offs_r, rm_u, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK)
         g = _round(g + dg, DT, COMPILED)
         u = _round(u + du, DT, COMPILED)
-    if COMPILED:
-        e = libdevice.exp(-g)
-    else:
-        e = tl.exp(-g)
-    a = _round(tl.math.div_rn(g, 1.0 + e), DT, COMPILED)   # as fused_kernels' silu_and_mul
-    tl.store(out_ptr + row * stride_out + offs, _round(a * u, DT, COMPILED).to(DT), mask=mask)
+    tl.store(out_ptr + row * stride_out + offs, _silu_mul(g, u, DT, COMPILED).to(DT), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------
