@@ -1,4 +1,4 @@
-"""The engine on a CUDA GPU: Triton kernels, KV sized from memory, decode CUDA graphs."""
+"""The engine on a CUDA GPU: Triton kernels, KV sized from memory, CUDA graphs of decode and mixed steps."""
 from __future__ import annotations
 
 import gc
@@ -40,6 +40,7 @@ def test_graphs_and_eager_give_the_same_tokens_and_match_transformers(served):
             results[eager] = [o.token_ids for o in llm.generate(prompts, params, adapter=which)]
             stats = llm.engine.stats
             assert (stats["graph_steps"] > 0) != eager, stats
+            assert (stats["mixed_graph_steps"] > 0) != eager, stats   # prompts beside decodes, replayed
             assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
     assert results[False] == results[True]
     agree = sum(out == oracle.greedy(p, a, 16) for p, a, out in zip(prompts, which, results[False]))

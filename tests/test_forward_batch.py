@@ -91,7 +91,7 @@ def test_graph_batch_is_rewritten_in_place_with_padding():
     assert g.slot_mapping.tolist() == [3 * 8 + 1, 4 * 8, -1, -1]
     assert g.query_start.tolist() == [0, 1, 2, 2, 2] and g.seq_lens.tolist() == [18, 1, 0, 0]
     assert g.block_tables.shape == (4, TABLE_ALIGN) and g.block_tables[0, :3].tolist() == [1, 7, 3]
-    assert g.logits_rows.tolist() == [0, 1, 2, 3] and g.logits_seqs == (0, 1)
+    assert g.logits_rows.tolist() == [0, 1, 0, 0] and g.logits_seqs == (0, 1)
     assert g.has_adapters and g.max_query_len == 1 and g.max_seq_len == 40 and g.num_tokens == 4
     with pytest.raises(ValueError, match="a graph batch takes decode chunks of one token"):
         g.update_([SequenceChunk([7, 8], 0, [1])])
@@ -103,6 +103,32 @@ def test_graph_batch_is_rewritten_in_place_with_padding():
         g.update_([SequenceChunk([1], 0, [0], 3)])
     with pytest.raises(ValueError, match="update_ needs a batch made by ForwardBatch.for_graph"):
         build([SequenceChunk([1], 0, [1])]).update_([SequenceChunk([1], 0, [1])])
+
+
+def test_mixed_graph_batch_holds_prompt_chunks_beside_decodes():
+    """A graph batch with room for prompt tokens: rows, sequences and logits rows padded to fixed sizes,
+    the logits rows those of the chunks that need logits, in order."""
+    g = ForwardBatch.for_graph(4, 40, block_size=BS, num_blocks=32, vocab_size=100, num_adapter_slots=3,
+                               device="cpu", max_prompt_tokens=8)
+    assert g.num_tokens == 12 and g.max_query_len == 8 and g.input_ids.shape == (12,)
+    ptrs = [t.data_ptr() for t in (g.input_ids, g.logits_rows, g.lora.row_slot)]
+    chunks = [SequenceChunk([7], 17, [1, 7, 3], 2),                        # a decode
+              SequenceChunk([1, 2, 3, 4, 5], 0, [4], 1, needs_logits=False),  # a prompt's first chunk
+              SequenceChunk([6, 5, 4], 8, [5, 6], -1)]                       # a prompt's last chunk
+    g.update_(chunks)
+    assert [t.data_ptr() for t in (g.input_ids, g.logits_rows, g.lora.row_slot)] == ptrs
+    assert g.input_ids.tolist() == [7, 1, 2, 3, 4, 5, 6, 5, 4, 0, 0, 0]
+    assert g.positions.tolist() == [17, 0, 1, 2, 3, 4, 8, 9, 10, 0, 0, 0]
+    assert g.slot_mapping.tolist() == [3 * 8 + 1, 32, 33, 34, 35, 36, 48, 49, 50, -1, -1, -1]
+    assert g.query_start.tolist() == [0, 1, 6, 9, 9] and g.seq_lens.tolist() == [18, 5, 11, 0]
+    assert g.logits_rows.tolist() == [0, 8, 0, 0] and g.logits_seqs == (0, 2)
+    assert g.lora.row_slot.tolist() == [2, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1]
+    assert g.lora.num_rows == 12 and g.max_query_len == 8
+    with pytest.raises(ValueError, match="sequence 0: a graph batch for 8 prompt tokens got chunks of several "
+                                         "tokens with 9 together"):
+        g.update_([SequenceChunk([1] * 5, 0, [1]), SequenceChunk([1] * 4, 0, [2])])
+    g.update_([SequenceChunk([1] * 8, 0, [1])] + [SequenceChunk([1], 3, [i]) for i in (2, 3, 4)])  # full: 12 rows
+    assert g.query_start.tolist() == [0, 8, 9, 10, 11] and g.logits_rows.tolist() == [7, 8, 9, 10]
 
 
 def test_empty_batch_is_refused():

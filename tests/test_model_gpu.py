@@ -198,6 +198,52 @@ def test_decode_graph_replays_new_batches(setup, overlap_mode, monkeypatch):
             assert (out[:n] - eager).abs().max().item() <= 2e-2 * scale, n
 
 
+def test_mixed_graph_replays_new_batches(setup):
+    """A mixed-step graph (engine/cuda_graphs.py): captured once on a `for_graph` batch with room for 64
+    prompt tokens beside 16 sequences, replayed with other mixes of prompt chunks (with or without a
+    cached prefix) and decodes, adapters and none: each replay's logits equal an eager forward's up to bf16
+    rounding (the padded rows change cuBLAS's GEMM and the LoRA tiling)."""
+    rng = random.Random(4)
+    kv = KVCache(setup.config, 1400, BLOCK, dtype=torch.bfloat16, device="cuda")
+    kv.data.normal_()
+    graph_batch = ForwardBatch.for_graph(16, 1024, block_size=BLOCK, num_blocks=kv.num_blocks,
+                                         vocab_size=setup.config.vocab_size, num_adapter_slots=4, device="cuda",
+                                         max_prompt_tokens=64)
+
+    def mixed_chunks(decodes: int, prompts: list[int]) -> list[SequenceChunk]:
+        news = [1] * decodes + prompts
+        cached = [rng.randrange(1, 900) if n == 1 or rng.random() < 0.5 else 0 for n in news]
+        tables = _tables(rng, kv.num_blocks, [c + n for c, n in zip(cached, news)])
+        chunks = [SequenceChunk([rng.randrange(32000) for _ in range(n)], c, tab, rng.choice([-1, 0, 1, 2]),
+                                needs_logits=n == 1 or rng.random() < 0.7)
+                  for n, c, tab in zip(news, cached, tables)]
+        rng.shuffle(chunks)
+        return chunks
+
+    graph_batch.update_(mixed_chunks(15, [40]))
+    setup.ours(graph_batch, kv, setup.pool)  # warm-up: compiles every kernel outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = setup.ours(graph_batch, kv, setup.pool)
+    for decodes, prompts in ((15, [40]), (3, [20, 30, 2]), (0, [64]), (10, []), (12, [5, 9])):
+        chunks = mixed_chunks(decodes, prompts)
+        graph_batch.update_(chunks)
+        with torch.inference_mode():
+            out.fill_(float("nan"))
+        graph.replay()
+        batch = ForwardBatch.build(chunks, block_size=BLOCK, num_blocks=kv.num_blocks,
+                                   vocab_size=setup.config.vocab_size, device="cuda")
+        batch.max_seq_len = graph_batch.max_seq_len
+        eager = setup.ours(batch, kv, setup.pool)
+        torch.cuda.synchronize()
+        n = len(batch.logits_seqs)
+        assert graph_batch.logits_seqs == batch.logits_seqs and n > 0
+        assert torch.isfinite(out[:n]).all()
+        scale = eager.abs().max().item()
+        assert (out[:n] - eager).abs().max().item() <= 2e-2 * scale, (decodes, prompts)
+
+
 @pytest.mark.parametrize("overlap_mode", ["full", "fused"])
 def test_decode_graph_of_one_shared_adapter_replays_the_eager_bits(setup, overlap_mode, monkeypatch):
     """32 decode rows on one adapter: an eager batch would pick 64-row LoRA tiles by its own rule, but

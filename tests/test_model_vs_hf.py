@@ -49,10 +49,19 @@ class Setup:
         kv.data.fill_(float("nan"))
         return kv
 
-    def forward(self, kv: KVCache, chunks: list[SequenceChunk], pool=True) -> torch.Tensor:
-        batch = ForwardBatch.build(chunks, block_size=BLOCK, num_blocks=kv.num_blocks,
-                                   vocab_size=self.config.vocab_size)
-        return self.model(batch, kv, self.pool if pool else None)
+    def forward(self, kv: KVCache, chunks: list[SequenceChunk], pool=True, graph_room: tuple[int, int] | None = None
+                ) -> torch.Tensor:
+        """Logits of one forward; with `graph_room` = (sequences, prompt tokens), through a CUDA-graph
+        batch of that capacity (`for_graph` + `update_`, padded) instead of a built one."""
+        if graph_room is None:
+            batch = ForwardBatch.build(chunks, block_size=BLOCK, num_blocks=kv.num_blocks,
+                                       vocab_size=self.config.vocab_size)
+        else:
+            batch = ForwardBatch.for_graph(graph_room[0], 64, block_size=BLOCK, num_blocks=kv.num_blocks,
+                                           vocab_size=self.config.vocab_size, num_adapter_slots=self.pool.num_slots,
+                                           device="cpu", max_prompt_tokens=graph_room[1]).update_(chunks)
+        logits = self.model(batch, kv, self.pool if pool else None)
+        return logits if graph_room is None else logits[:len(batch.logits_seqs)]
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
@@ -112,7 +121,8 @@ def test_triton_kernels_in_the_interpreter_match_too(setup, overlap_mode, fused_
                             or _real(*a, **kw))
     setup.model.backend = "triton"
     try:
-        check_mixed_batch(setup, [("all-r8", 0, 11), ("attn-r4", 9, 1), (None, 3, 5), ("mlp-patterned", 17, 1)])
+        check_mixed_batch(setup, [("all-r8", 0, 11), ("attn-r4", 9, 1), (None, 3, 5), ("mlp-patterned", 17, 1)],
+                          graph_room=(8, 32) if overlap_mode == "off" else None)   # ("off": > MAX_ROWS rows)
     finally:
         setup.model.backend = None
     per_step = 2 * setup.config.num_hidden_layers   # two forwards (prefixes, then everything)
@@ -123,7 +133,13 @@ def test_triton_kernels_in_the_interpreter_match_too(setup, overlap_mode, fused_
     assert (len(split_calls) > 0) == bool(rms_split) and set(split_calls) <= {rms_split}
 
 
-def check_mixed_batch(setup, plan):
+def test_mixed_graph_batch_matches_transformers_peft(setup):
+    """A mixed step through a graph batch (ops/cuda_graphs.py's mixed graphs): padded rows and sequences
+    change nothing."""
+    check_mixed_batch(setup, PLAN, graph_room=(12, 72))
+
+
+def check_mixed_batch(setup, plan, graph_room: tuple[int, int] | None = None):
     rng = random.Random(7)
     V = setup.config.vocab_size
     tokens = [[rng.randrange(V) for _ in range(c + n)] for _, c, n in plan]
@@ -134,14 +150,14 @@ def check_mixed_batch(setup, plan):
     asked = [i for k, i in enumerate(with_prefix) if k % 2 == 0]
     first = [SequenceChunk(tokens[i][:plan[i][1]], 0, tables[i], setup.slots[plan[i][0]], needs_logits=i in asked)
              for i in with_prefix]
-    logits1 = setup.forward(kv, first)
+    logits1 = setup.forward(kv, first, graph_room=graph_room)
     assert logits1.shape == (len(asked), V)
     for row, i in enumerate(asked):
         expect = setup.oracle.logits(tokens[i][:plan[i][1]], plan[i][0])[-1]
         assert_logits_close(logits1[row], expect, REL, f"prefix of sequence {i}")
     # Step 2: everything together, each sequence continuing from its cached prefix.
     second = [SequenceChunk(t[c:], c, tab, setup.slots[a]) for (a, c, _), t, tab in zip(plan, tokens, tables)]
-    logits2 = setup.forward(kv, second)
+    logits2 = setup.forward(kv, second, graph_room=graph_room)
     assert logits2.shape == (len(plan), V)
     for i, (adapter, _, _) in enumerate(plan):
         assert_logits_close(logits2[i], setup.oracle.logits(tokens[i], adapter)[-1], REL,

@@ -76,6 +76,10 @@ class EngineConfig:
     cuda_graph_max_batch: int = field(default=256, metadata={
         "group": "execution", "help": "Largest decode batch, in sequences, replayed from a CUDA graph; larger "
                                       "ones run eagerly."})
+    cuda_graph_max_prompt_tokens: int = field(default=256, metadata={
+        "group": "execution", "help": "Most prompt tokens (chunks of several tokens) in a step replayed from a CUDA "
+                                      "graph beside its decodes; steps with more run eagerly; 0: only pure decode "
+                                      "steps replay graphs."})
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, Path)) or not str(self.model):
@@ -89,6 +93,7 @@ class EngineConfig:
         for name in positive:
             _check_int(name, getattr(self, name), 1)
         _check_int("max_cpu_adapters", self.max_cpu_adapters, 0)
+        _check_int("cuda_graph_max_prompt_tokens", self.cuda_graph_max_prompt_tokens, 0)
         _check_int("seed", self.seed, 0)
         for name in ("max_model_len", "num_kv_blocks", "dummy_layers"):
             if getattr(self, name) is not None:

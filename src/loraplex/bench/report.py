@@ -76,7 +76,9 @@ def markdown(result: dict) -> str:
     steps = [r for r in result["rows"] if r.get("decode_step_ms") is not None]
     if steps:   # where each loraplex run's time went (runs before 2026-12-01 did not record it)
         lines += ["", "Where loraplex's time went: decode steps (every sequence fed one token; overlapped, so "
-                  "each costs its GPU time), mixed steps (prompts in them: eager), and the rest (between steps, and "
+                  "each costs its GPU time), mixed steps (prompts in them; replayed from CUDA graphs up to "
+                  "cuda_graph_max_prompt_tokens prompt tokens since 2026-12-01's fourth session, eager before and "
+                  "beyond), and the rest (between steps, and "
                   "waits when nothing could run, e.g. for adapter loads):", "",
                   ("| lengths " if merged else "") + "| popularity | max batch | system | decode steps × ms | "
                   "mixed steps × ms | other (s) | mean batch |", ("|---" if merged else "") + "|---|---|---|---|---|---|---|"]

@@ -59,7 +59,8 @@ class Engine:
         self._requests: dict[str, Sequence] = {}
         self.last_step: StepInfo | None = None
         self._inflight: _Launched | None = None   # a step queued on the GPU, not yet postprocessed
-        self.stats = {"steps": 0, "graph_steps": 0, "overlapped_steps": 0, "tokens_prefilled": 0, "tokens_generated": 0}
+        self.stats = {"steps": 0, "graph_steps": 0, "mixed_graph_steps": 0, "overlapped_steps": 0,
+                      "tokens_prefilled": 0, "tokens_generated": 0}
         for name, path in (adapters or {}).items():
             self.add_adapter(name, path)
 
@@ -184,6 +185,7 @@ class Engine:
         chunks = current.chunks
         self.stats["steps"] += 1
         self.stats["graph_steps"] += int(current.graphed)
+        self.stats["mixed_graph_steps"] += int(current.graphed and not is_decode(chunks))
         self.stats["overlapped_steps"] += int(self._inflight is not None)
         self.last_step = StepInfo(len(chunks), sum(c.num_tokens for c in chunks),
                                   len({c.seq.adapter for c in chunks if c.seq.adapter is not None}),

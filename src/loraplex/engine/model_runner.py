@@ -1,6 +1,6 @@
 """The model runner: owns the model, the KV cache, the adapter cache and the sampler; turns a
-step's scheduled chunks into one flat batch, runs it (eagerly, or by replaying a decode CUDA
-graph) and samples the next token of every sequence that reached its end."""
+step's scheduled chunks into one flat batch, runs it (eagerly, or by replaying a CUDA graph of a
+decode or mixed step) and samples the next token of every sequence that reached its end."""
 from __future__ import annotations
 
 import contextlib
@@ -19,8 +19,8 @@ from ..models.kv_cache import KVCache
 from ..models.llama import LlamaForCausalLM
 from ..ops import overlap
 from ..sampling import PendingSample, Sampler, SamplingParams
-from .cuda_graphs import DecodeGraphs
-from .scheduler import ScheduledChunk, is_decode
+from .cuda_graphs import StepGraphs
+from .scheduler import ScheduledChunk
 from .warmup import compile_lora_kernels
 
 log = logging.getLogger("loraplex.engine")
@@ -47,14 +47,16 @@ class ModelRunner:
         if self.max_model_len > capacity:
             log.warning("max_model_len %d lowered to the KV cache's %d tokens", self.max_model_len, capacity)
             self.max_model_len = capacity
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
         host_priority.mode(), overlap.mode()   # a bad setting fails here, not in the first step
         if self.device.type == "cuda":
             compile_lora_kernels(c, self.adapters.pool, self.model.dtype)
         if self.device.type == "cuda" and not config.enforce_eager:
             torch.cuda.set_device(self.device)   # capture on our GPU
-            self.graphs = DecodeGraphs(self.model, self.kv, self.adapters.pool, max_seq_len=self.max_model_len,
-                                       max_batch=min(config.cuda_graph_max_batch, config.max_num_seqs))
+            self.graphs = StepGraphs(self.model, self.kv, self.adapters.pool, max_seq_len=self.max_model_len,
+                                     max_batch=min(config.cuda_graph_max_batch, config.max_num_seqs),
+                                     max_prompt_tokens=min(config.cuda_graph_max_prompt_tokens,
+                                                           config.max_num_batched_tokens))
             self.graphs.capture()
 
     # ---- setup ------------------------------------------------------------------------------------
@@ -129,14 +131,14 @@ class ModelRunner:
         for c in chunks:
             ids = [0] if inputs is not None else c.seq.token_ids[c.start:c.start + c.num_tokens]
             batch_chunks.append(SequenceChunk(ids, c.start, c.seq.block_table, c.seq.adapter_slot, c.needs_logits))
-        graphed = is_decode(chunks) and self.graphs is not None and self.graphs.can_run(batch_chunks)
+        graphed = self.graphs is not None and self.graphs.can_run(batch_chunks)
         # everything on our GPU's current stream, whichever device the calling thread has current
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             if graphed:
                 logits = self.graphs.run(batch_chunks, inputs)
             else:
                 # Host-bound (~1,500 launches from Python): adapter loads step aside meanwhile, where
-                # graphed decode steps leave them host time. Without graphs every step is eager, and
+                # graphed steps leave them host time. Without graphs every step is eager, and
                 # loads would only crawl at the checkpoints' bound, so they keep running.
                 when = host_priority.mode()
                 yield_loads = self.graphs is not None and (when == "always" or when == "adaptive" and not loads_urgent)

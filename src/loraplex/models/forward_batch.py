@@ -49,8 +49,9 @@ class ForwardBatch:
     num_blocks: int
     vocab_size: int
     _buffer: torch.Tensor | None = None  # a graph batch's fixed device buffer (see `for_graph`)
-    _capacity: int = 0                   # a graph batch's sequences (= rows: one token each)
+    _capacity: int = 0                   # a graph batch's sequences
     _num_adapter_slots: int | None = None  # a graph batch's adapter slot bound
+    _max_prompt_tokens: int = 0          # a graph batch's rows for chunks of several tokens (mixed steps)
 
     @classmethod
     def build(cls, chunks: Sequence[SequenceChunk], *, block_size: int, num_blocks: int, vocab_size: int,
@@ -77,58 +78,73 @@ class ForwardBatch:
                    has_adapters=max(slots) >= 0, block_size=block_size, num_blocks=num_blocks,
                    vocab_size=vocab_size)
 
-    # ---- CUDA graphs: a decode batch in fixed buffers, rewritten in place -----------------
+    # ---- CUDA graphs: a batch in fixed buffers, rewritten in place ---------------------------
 
     @classmethod
     def for_graph(cls, max_seqs: int, max_seq_len: int, *, block_size: int, num_blocks: int, vocab_size: int,
-                  num_adapter_slots: int, device: torch.device | str) -> "ForwardBatch":
-        """A decode batch (one new token per sequence) whose tensors, sizes and launch grids stay
-        fixed, so a forward captured on it replays correctly after `update_`.
+                  num_adapter_slots: int, device: torch.device | str, max_prompt_tokens: int = 0) -> "ForwardBatch":
+        """A batch whose tensors, sizes and launch grids stay fixed, so that a forward captured on
+        it replays correctly after `update_`.
 
-        It always has `max_seqs` rows and logits rows; sequences past the real ones have no query
-        rows and their rows write no KV (slot -1) and use no adapter. `max_seq_len` bounds every
-        context the batch will hold (it fixes the attention's split-KV plan). `has_adapters` is
-        True: whether LoRA runs is decided by passing a pool, not by the contents.
+        It holds up to `max_seqs` sequences: decodes (one row each) and, when `max_prompt_tokens` > 0,
+        prompt chunks of several rows with at most that many rows together (a mixed step). It always
+        has `max_seqs + max_prompt_tokens` rows and `max_seqs` logits rows; rows past the real ones
+        write no KV (slot -1), use no adapter and belong to no sequence, and sequences past the real
+        ones have no rows. `max_seq_len` bounds every context the batch will hold (it fixes the
+        attention's split-KV plan). `has_adapters` is True: whether LoRA runs is decided by passing a
+        pool, not by the contents.
         """
         _check_positive(max_seqs=max_seqs, max_seq_len=max_seq_len, block_size=block_size,
                         num_blocks=num_blocks, vocab_size=vocab_size, num_adapter_slots=num_adapter_slots)
+        if not _is_int(max_prompt_tokens) or max_prompt_tokens < 0:
+            raise ValueError(f"max_prompt_tokens must be an int >= 0, got {max_prompt_tokens!r}")
+        rows = max_seqs + max_prompt_tokens
         max_blocks = _table_width(-(-max_seq_len // block_size))
-        sizes = [max_seqs, max_seqs, max_seqs, max_seqs + 1, max_seqs, max_seqs * max_blocks, max_seqs]
+        sizes = [rows, rows, rows, max_seqs + 1, max_seqs, max_seqs * max_blocks, max_seqs]
         buffer = torch.zeros(sum(sizes), dtype=torch.int32, device=device)
         views = list(torch.split(buffer, sizes))
         views[5] = views[5].view(max_seqs, max_blocks)
-        lora = LoraBatch.with_capacity(max_seqs, max_seqs, device, num_slots=num_adapter_slots)
-        return cls(*views, lora=lora, num_tokens=max_seqs, max_query_len=1, max_seq_len=max_seq_len,
-                   logits_seqs=tuple(range(max_seqs)), has_adapters=True, block_size=block_size,
-                   num_blocks=num_blocks, vocab_size=vocab_size, _buffer=buffer, _capacity=max_seqs,
-                   _num_adapter_slots=num_adapter_slots)
+        lora = LoraBatch.with_capacity(rows, max_seqs, device, num_slots=num_adapter_slots)
+        return cls(*views, lora=lora, num_tokens=rows, max_query_len=max(1, max_prompt_tokens),
+                   max_seq_len=max_seq_len, logits_seqs=tuple(range(max_seqs)), has_adapters=True,
+                   block_size=block_size, num_blocks=num_blocks, vocab_size=vocab_size, _buffer=buffer,
+                   _capacity=max_seqs, _num_adapter_slots=num_adapter_slots, _max_prompt_tokens=max_prompt_tokens)
 
     def update_(self, chunks: Sequence[SequenceChunk]) -> "ForwardBatch":
-        """Rewrite a `for_graph` batch with up to `max_seqs` decode chunks (one host-to-device copy
-        for the batch, one for its LoraBatch). Logits row i belongs to chunk i; rows past
-        `len(chunks)` are padding. Do not call it while a replay reading the batch still runs."""
+        """Rewrite a `for_graph` batch with up to `max_seqs` chunks (one host-to-device copy for the
+        batch, one for its LoraBatch): one-token chunks, and chunks of several tokens with at most
+        `max_prompt_tokens` tokens together. Logits row i belongs to `logits_seqs[i]` (the chunks that
+        need logits, in order); later logits rows are padding. Do not call it while a replay reading
+        the batch still runs."""
         if self._buffer is None:
             raise ValueError("update_ needs a batch made by ForwardBatch.for_graph")
-        S, max_blocks = self._capacity, self.block_tables.shape[1]
+        S, P, max_blocks = self._capacity, self._max_prompt_tokens, self.block_tables.shape[1]
         if not 0 < len(chunks) <= S:
             raise ValueError(f"a graph batch for {S} sequences got {len(chunks)}")
         host = _layout(chunks, self.block_size, self.num_blocks, self.vocab_size, self._num_adapter_slots)
         lens, slots = host.pop("lens"), host.pop("slots")
-        if lens.max() != 1:
-            raise ValueError(f"sequence {int(np.argmax(lens))}: a graph batch takes decode chunks of one token, "
-                             f"got {int(lens.max())}")
+        prompt = int(lens[lens > 1].sum())
+        if prompt > P:
+            first = int(np.argmax(lens > 1))
+            if not P:
+                raise ValueError(f"sequence {first}: a graph batch takes decode chunks of one token, "
+                                 f"got {int(lens[first])}")
+            raise ValueError(f"sequence {first}: a graph batch for {P} prompt tokens got chunks of several tokens "
+                             f"with {prompt} together")
         if host["seq_lens"].max() > self.max_seq_len:
             raise ValueError(f"sequence {int(np.argmax(host['seq_lens']))}: context {int(host['seq_lens'].max())} "
                              f"exceeds the graph batch's max_seq_len={self.max_seq_len}")
-        n, pad = len(chunks), S - len(chunks)
+        n, T = len(chunks), int(lens.sum())
         tables = np.zeros((S, max_blocks), dtype=np.int64)
         tables[:n, :host["tables"].shape[1]] = host["tables"]
-        fill = lambda a, value: np.concatenate([a, np.full(pad, value, np.int64)])  # noqa: E731
-        parts = [fill(host["ids"], 0), fill(host["positions"], 0), fill(host["slot_mapping"], -1),
-                 fill(host["query_start"], n), fill(host["seq_lens"], 0), tables.ravel(), np.arange(S)]
+        fill = lambda a, size, value: np.concatenate([a, np.full(size - len(a), value, np.int64)])  # noqa: E731
+        rows = S + P
+        parts = [fill(host["ids"], rows, 0), fill(host["positions"], rows, 0), fill(host["slot_mapping"], rows, -1),
+                 fill(host["query_start"], S + 1, T), fill(host["seq_lens"], S, 0), tables.ravel(),
+                 fill(host["logits_rows"], S, 0)]
         self._buffer.copy_(torch.from_numpy(np.concatenate(parts).astype(np.int32)), non_blocking=True)
         self.lora.update_(lens.tolist(), slots)
-        self.logits_seqs = tuple(range(n))
+        self.logits_seqs = host["logits_seqs"]
         return self
 
 

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One device call (about 8 minutes on an H200): the GPU tests of mixed-step CUDA graphs (replay against
+# eager; the engine's graph and eager tokens against transformers), then the paper's workload at max
+# batch 32 for the backbone alone (SYSTEMS=loraplex-backbone) or loraplex (SYSTEMS=loraplex).
+#   OUT=/some/dir SYSTEMS=loraplex-backbone MAX_BATCH=32 TESTS=1 bash benchmarks/gpu_mixed_graphs.sh
+set -u
+OUT=${OUT:-benchmarks/results}
+MAX_BATCH=${MAX_BATCH:-32}
+SYSTEMS=${SYSTEMS:-loraplex-backbone}
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+pip install --no-deps --no-build-isolation -e . -q >/dev/null 2>&1
+if [ "${TESTS:-1}" = 1 ]; then
+  echo "== GPU tests at ${SECONDS}s"
+  timeout 200 python -m pytest -m gpu -q -p no:cacheprovider -x tests/test_model_gpu.py tests/test_engine_gpu.py \
+      -k "mixed_graph or decode_graph_replays or graphs_and_eager or seeded" 2>&1 | tee "$OUT/pytest_gpu_mixed_graphs.log" | tail -4
+fi
+echo "== Punica 1000, $SYSTEMS, max batch $MAX_BATCH, at ${SECONDS}s"
+timeout $((585 - SECONDS)) python3 -c 'import sys; from loraplex.cli import main; sys.exit(main())' bench --quiet --no-plots \
+    --lengths punica --popularity distinct --requests 1000 --max-batch "$MAX_BATCH" --systems "$SYSTEMS" \
+    --out-dir "$OUT" --name "punica_${MAX_BATCH}_${SYSTEMS}" 2>&1 | tail -14
+echo "== done at ${SECONDS}s"

@@ -1,0 +1,57 @@
+"""Which CUDA graphs the engine captures, and which one runs a step (engine/cuda_graphs.py's GraphShapes:
+host only, so tested on the CPU; the replays themselves are GPU tests)."""
+from __future__ import annotations
+
+import pytest
+
+from loraplex.engine.cuda_graphs import GraphShapes, graph_buckets, mixed_buckets
+from loraplex.models.forward_batch import SequenceChunk
+
+
+def decode(n: int, cached: int = 10) -> list[SequenceChunk]:
+    return [SequenceChunk([1], cached, [0]) for _ in range(n)]
+
+
+def prompt(n: int, cached: int = 0) -> SequenceChunk:
+    return SequenceChunk([1] * n, cached, [0])
+
+
+def test_buckets():
+    assert graph_buckets(32) == [1, 2, 4, 8, 16, 32]
+    assert graph_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert mixed_buckets(32, 256) == ([16, 32], [16, 32, 64, 128, 256])
+    assert mixed_buckets(256, 100) == ([16, 32, 64, 128, 256], [16, 32, 64, 100])
+    assert mixed_buckets(10, 16) == ([10], [16])
+    assert mixed_buckets(32, 0) == ([], [])
+
+
+def test_every_shape_is_listed_once_most_rows_first():
+    shapes = GraphShapes.make(32, 1024, 64)
+    listed = shapes.all()
+    assert len(listed) == len(set(listed)) == 6 + 2 * 3
+    rows = [s + p for s, p in listed]
+    assert rows == sorted(rows, reverse=True) and listed[0] == (32, 64)
+    assert GraphShapes.make(32, 1024, 0).all() == [(b, 0) for b in (32, 16, 8, 4, 2, 1)]
+
+
+@pytest.mark.parametrize("chunks, key", [
+    (decode(1), (1, 0)), (decode(3), (4, 0)), (decode(17), (32, 0)), (decode(33), None),
+    (decode(5) + [prompt(7)], (16, 16)),          # a prompt chunk beside decodes: a mixed graph
+    ([prompt(1)], (1, 0)),                        # a one-token prompt is a row like a decode
+    ([prompt(17)], (16, 32)),
+    (decode(20) + [prompt(30), prompt(30)], (32, 64)),
+    (decode(31) + [prompt(64)], (32, 64)),
+    (decode(31) + [prompt(65)], None),            # more prompt tokens than any graph holds: eager
+    (decode(32) + [prompt(2)], None),             # more sequences than any graph holds: eager
+    (decode(2, cached=1023) + [prompt(2)], (16, 16)),
+    (decode(2, cached=1024), None),               # a context past max_seq_len: eager
+    ([prompt(3, cached=1022)], None),
+])
+def test_the_smallest_graph_that_holds_the_step_runs_it(chunks, key):
+    assert GraphShapes.make(32, 1024, 64).key_for(chunks) == key
+
+
+def test_without_mixed_graphs_only_decodes_replay():
+    shapes = GraphShapes.make(32, 1024, 0)
+    assert shapes.key_for(decode(7)) == (8, 0)
+    assert shapes.key_for(decode(7) + [prompt(2)]) is None
