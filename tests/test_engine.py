@@ -326,14 +326,16 @@ def test_eager_forwards_run_with_adapter_loads_stepping_aside(served, graphs, se
     if setting is not None:
         monkeypatch.setenv("LORAPLEX_HOST_PRIORITY", setting)
 
-    class NoDecodeGraph:   # an engine with graphs whose steps all run eager (as mixed steps do)
-        def can_run(self, chunks):
-            return False
+    class NoGraph:   # an engine with graphs whose steps all run eager (as steps that fit no graph do)
+        class shapes:
+            @staticmethod
+            def key_for(chunks):
+                return None
 
     llm = make_llm(served)
     runner, seen = llm.engine.runner, []
     if graphs:
-        runner.graphs = NoDecodeGraph()
+        runner.graphs = NoGraph()
     run_eager = runner._run_eager
 
     def recording(*args, **kwargs):
@@ -353,6 +355,62 @@ def test_eager_forwards_run_with_adapter_loads_stepping_aside(served, graphs, se
     else:
         assert seen and set(busy) == {graphs and setting is None}
     assert not HOST_PRIORITY.is_busy
+
+
+def test_steps_run_by_the_graph_shapes_choose_and_are_counted(served):
+    """The runner asks the graphs' shapes which graph runs each step, passes that key to `run` and reports
+    it; the engine counts graphed and mixed graphed steps. A stand-in replays by running the step's
+    chunks through a padded graph batch on the CPU (ForwardBatch.for_graph + update_), so the tokens
+    must still equal transformers + PEFT's."""
+    from loraplex.engine.cuda_graphs import GraphShapes
+    from loraplex.models.forward_batch import ForwardBatch
+    _, _, oracle = served
+    llm = make_llm(served)
+    runner = llm.engine.runner
+    keys = []
+
+    class CpuGraphs:   # what StepGraphs does, without capturing
+        shapes = GraphShapes.make(16, runner.max_model_len, 64)
+
+        @staticmethod
+        def run(chunks, inputs=None, *, key):
+            keys.append(key)
+            c = runner.model.config
+            batch = ForwardBatch.for_graph(key[0], runner.max_model_len, block_size=runner.kv.block_size,
+                                           num_blocks=runner.kv.num_blocks, vocab_size=c.vocab_size,
+                                           num_adapter_slots=runner.adapters.pool.num_slots, device="cpu",
+                                           max_prompt_tokens=key[1]).update_(chunks)
+            if inputs is not None:
+                batch.input_ids[:len(chunks)].copy_(inputs[0].index_select(0, inputs[1]))
+            return runner.model(batch, runner.kv, runner.adapters.pool)[:len(batch.logits_seqs)]
+
+    runner.graphs = CpuGraphs()
+    engine = llm.engine
+    for name in ("all-r8", "qv-r4"):   # resident first, so when each request is admitted does not vary
+        engine.adapters.wait_resident(name, timeout=60)
+    # (arrival step, prompt, adapter): decodes run alone, then prompts join them (mixed graphs), one of
+    # more prompt tokens than any mixed graph holds (eager)
+    plan = [(0, [5, 6, 7], "all-r8"), (0, [9] * 12, None), (3, [3, 1, 4, 1, 5, 9, 2, 6], "qv-r4"),
+            (3, [2] * 30, "all-r8"), (6, [4] * 90, None)]
+    tokens: dict[str, list[int]] = {}
+    try:
+        step = 0
+        while step < 7 or engine.has_unfinished():
+            for i, (when, prompt, adapter) in enumerate(plan):
+                if when == step:
+                    engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=8, **GREEDY), adapter)
+            for out in engine.step():
+                tokens[out.request_id] = out.token_ids
+            step += 1
+        stats = dict(engine.stats)
+    finally:
+        runner.graphs = None
+        llm.close()
+    for i, (_, prompt, adapter) in enumerate(plan):
+        assert tokens[f"r{i}"] == oracle.greedy(prompt, adapter, 8), (prompt, adapter)
+    assert any(k[1] > 0 for k in keys) and any(k[1] == 0 for k in keys), keys
+    assert stats["graph_steps"] == len(keys) < stats["steps"]   # the 90-token prompt's steps ran eager
+    assert stats["mixed_graph_steps"] == sum(k[1] > 0 for k in keys)
 
 
 @pytest.mark.parametrize("name, value", [("LORAPLEX_HOST_PRIORITY", "adaptiv"), ("LORAPLEX_LORA_OVERLAP", "sideways")])

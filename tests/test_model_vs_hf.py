@@ -134,7 +134,7 @@ def test_triton_kernels_in_the_interpreter_match_too(setup, overlap_mode, fused_
 
 
 def test_mixed_graph_batch_matches_transformers_peft(setup):
-    """A mixed step through a graph batch (ops/cuda_graphs.py's mixed graphs): padded rows and sequences
+    """A mixed step through a graph batch (engine/cuda_graphs.py's mixed graphs): padded rows and sequences
     change nothing."""
     check_mixed_batch(setup, PLAN, graph_room=(12, 72))
 

@@ -5,6 +5,8 @@ deltas stay small next to the base model's activations but are not zero.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from ..models.config import PROJECTIONS, ModelConfig
@@ -31,19 +33,34 @@ def synthetic_spec(name: str, model: ModelConfig, rank: int, *, alpha: float | N
 
 _NOISE_SIZE = 1 << 22
 _noise: torch.Tensor | None = None
+_scaled: dict[tuple[torch.dtype, float], torch.Tensor] = {}
+_lock = threading.Lock()
 
 
-def _window(gen: torch.Generator, shape: tuple[int, int], scale: float) -> torch.Tensor:
-    """Standard-normal values of `shape`: a seeded window of one shared random array. Drawing 40M
-    fresh values per 7B-sized adapter would take most of a second; a window is a copy."""
+def _scaled_noise(dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """The shared standard-normal array times `scale`, in `dtype` (made once per pair: an adapter has
+    three scales, 1/sqrt of each input width and of its rank)."""
     global _noise
-    if _noise is None:
-        _noise = torch.randn(_NOISE_SIZE, generator=torch.Generator().manual_seed(0))
+    with _lock:
+        if _noise is None:
+            _noise = torch.randn(_NOISE_SIZE, generator=torch.Generator().manual_seed(0))
+        key = (dtype, scale)
+        if key not in _scaled:
+            _scaled[key] = (_noise * scale).to(dtype)
+        return _scaled[key]
+
+
+def _window(gen: torch.Generator, shape: tuple[int, int], scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Normal values of standard deviation `scale` and `shape` in `dtype`: a seeded window (a view) of one
+    shared pre-scaled array. Drawing 40M fresh values per 7B-sized adapter took most of a second, and
+    scaling and casting a window per module a fifth of one (the loads of a distinct-adapter benchmark
+    are bound by this); a view costs nothing and packing copies it once. The values are those of the
+    fp32 window scaled, then cast (one rounding either way)."""
     n = shape[0] * shape[1]
     if n > _NOISE_SIZE:  # larger than the shared array: draw it (rare: rank × width above 4M)
-        return torch.randn(shape, generator=gen) * scale
+        return (torch.randn(shape, generator=gen) * scale).to(dtype)
     start = int(torch.randint(0, _NOISE_SIZE - n + 1, (1,), generator=gen))
-    return _noise[start:start + n].view(shape) * scale
+    return _scaled_noise(dtype, scale)[start:start + n].view(shape)
 
 
 def read_synthetic(spec: AdapterSpec, dtype: torch.dtype, pin: bool) -> LoraAdapter:
@@ -54,6 +71,6 @@ def read_synthetic(spec: AdapterSpec, dtype: torch.dtype, pin: bool) -> LoraAdap
     for (layer, proj), module in sorted(spec.modules.items()):
         HOST_PRIORITY.checkpoint()
         in_f, out_f = model.projection_shape(proj)
-        tensors[(layer, proj)] = (_window(gen, (module.rank, in_f), in_f ** -0.5),
-                                  _window(gen, (out_f, module.rank), module.rank ** -0.5))
+        tensors[(layer, proj)] = (_window(gen, (module.rank, in_f), in_f ** -0.5, dtype),
+                                  _window(gen, (out_f, module.rank), module.rank ** -0.5, dtype))
     return pack_host_adapter(spec, tensors, dtype, pin)

@@ -28,7 +28,7 @@ log = logging.getLogger("loraplex.engine")
 class _Launched:
     chunks: list[ScheduledChunk]
     pending: PendingSample
-    graphed: bool
+    graph: tuple[int, int] | None   # the CUDA graph's (sequences, prompt tokens); None: eager
 
 
 @dataclass
@@ -184,18 +184,18 @@ class Engine:
         outputs += self._postprocess(current)
         chunks = current.chunks
         self.stats["steps"] += 1
-        self.stats["graph_steps"] += int(current.graphed)
-        self.stats["mixed_graph_steps"] += int(current.graphed and not is_decode(chunks))
+        self.stats["graph_steps"] += int(current.graph is not None)
+        self.stats["mixed_graph_steps"] += int(current.graph is not None and current.graph[1] > 0)
         self.stats["overlapped_steps"] += int(self._inflight is not None)
         self.last_step = StepInfo(len(chunks), sum(c.num_tokens for c in chunks),
                                   len({c.seq.adapter for c in chunks if c.seq.adapter is not None}),
-                                  is_decode(chunks), current.graphed,
+                                  is_decode(chunks), current.graph is not None,
                                   time.perf_counter() - start)
         return outputs
 
     def _launch(self, chunks: list[ScheduledChunk], inputs=None) -> "_Launched":
-        pending, graphed = self.runner.launch(chunks, inputs, loads_urgent=self.scheduler.waiting_on_adapters)
-        return _Launched(chunks, pending, graphed)
+        pending, graph = self.runner.launch(chunks, inputs, loads_urgent=self.scheduler.waiting_on_adapters)
+        return _Launched(chunks, pending, graph)
 
     def _continue(self, current: "_Launched") -> "_Launched | None":
         """Queue the next decode step of `current`'s sequences now, if that is what the scheduler

@@ -25,7 +25,7 @@ from .warmup import compile_lora_kernels
 
 log = logging.getLogger("loraplex.engine")
 
-GRAPH_MEMORY_RESERVE = 512 << 20   # CUDA graphs' private memory and the sampler's temporaries
+GRAPH_MEMORY_RESERVE = 512 << 20   # CUDA graphs' private memory pool and the sampler's temporaries
 
 
 class ModelRunner:
@@ -88,7 +88,10 @@ class ModelRunner:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         others = total - free - torch.cuda.memory_reserved(self.device)   # CUDA context, other processes
-        budget = total * cfg.gpu_memory_utilization - others - before - activations - GRAPH_MEMORY_RESERVE
+        # CUDA graphs: their private pool (the reserve) and the logits buffer they share (StepGraphs)
+        graph_logits = 0 if cfg.enforce_eager else min(cfg.cuda_graph_max_batch, cfg.max_num_seqs) * c.vocab_size * 4
+        budget = total * cfg.gpu_memory_utilization - others - before - activations - GRAPH_MEMORY_RESERVE - \
+            graph_logits
         blocks = int(budget // per_block)
         if blocks < 1:
             raise ValueError(f"no GPU memory left for the KV cache: {total / 2**30:.1f} GiB × "
@@ -121,21 +124,22 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------------------
     def launch(self, chunks: Seq[ScheduledChunk], inputs: tuple[torch.Tensor, torch.Tensor] | None = None, *,
-               loads_urgent: bool = False) -> tuple[PendingSample, bool]:
-        """Queue one step: the sample of the chunks that need logits (in their order), and whether
-        a CUDA graph runs it. `inputs` = (device token ids, index): the chunks are one-token decodes
-        whose token is `ids[index[i]]`, sampled by a step still in flight (their host value is not
-        known yet). `loads_urgent`: requests wait for adapter loads to be admitted (see
-        adapters/priority.py's adaptive mode)."""
+               loads_urgent: bool = False) -> tuple[PendingSample, tuple[int, int] | None]:
+        """Queue one step: the sample of the chunks that need logits (in their order), and the shape
+        (sequences, prompt tokens) of the CUDA graph that runs it, None when it runs eagerly.
+        `inputs` = (device token ids, index): the chunks are one-token decodes whose token is
+        `ids[index[i]]`, sampled by a step still in flight (their host value is not known yet).
+        `loads_urgent`: requests wait for adapter loads to be admitted (see adapters/priority.py's
+        adaptive mode)."""
         batch_chunks = []
         for c in chunks:
             ids = [0] if inputs is not None else c.seq.token_ids[c.start:c.start + c.num_tokens]
             batch_chunks.append(SequenceChunk(ids, c.start, c.seq.block_table, c.seq.adapter_slot, c.needs_logits))
-        graphed = self.graphs is not None and self.graphs.can_run(batch_chunks)
+        graph = self.graphs.shapes.key_for(batch_chunks) if self.graphs is not None else None
         # everything on our GPU's current stream, whichever device the calling thread has current
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
-            if graphed:
-                logits = self.graphs.run(batch_chunks, inputs)
+            if graph is not None:
+                logits = self.graphs.run(batch_chunks, inputs, key=graph)
             else:
                 # Host-bound (~1,500 launches from Python): adapter loads step aside meanwhile, where
                 # graphed steps leave them host time. Without graphs every step is eager, and
@@ -146,7 +150,7 @@ class ModelRunner:
                     logits = self._run_eager(batch_chunks, inputs)
             sampled = [c.seq for c in chunks if c.needs_logits]
             pending = self.sampler.launch(logits, [s.params for s in sampled], [s.generator for s in sampled])
-        return pending, graphed
+        return pending, graph
 
     def _run_eager(self, chunks: list[SequenceChunk], inputs=None) -> torch.Tensor:
         c = self.model.config
