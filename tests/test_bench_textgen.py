@@ -68,10 +68,12 @@ def test_bench_command_writes_a_report_from_every_system(tmp_path):
     out = tmp_path / "results"
     code = main(["bench", "--model", str(base), "--device", "cpu", "--requests", "6", "--baseline-requests", "4",
                  "--popularity", "distinct,identical", "--max-batch", "3,unlimited", "--lengths", "punica",
-                 "--max-len", "24", "--rank", "4", "--gpu-adapters", "9", "--preload-adapters", "--out-dir", str(out),
+                 "--max-len", "24", "--rank", "4", "--gpu-adapters", "9", "--loader-threads", "3", "--preload-adapters",
+                 "--out-dir", str(out),
                  "--name", "smoke", "--quiet"])
     assert code == 0
     result = json.loads((out / "smoke.json").read_text())
+    assert result["loader_threads"] == 3 and result["gpu_adapters"] == 9
     systems = {(r["system"], r["popularity"], str(r["max_batch"]), r["requests"]) for r in result["rows"]}
     for pop in ("distinct", "identical"):
         for n in (4, 6):
@@ -96,12 +98,25 @@ def test_bench_command_writes_a_report_from_every_system(tmp_path):
             split = (r["decode_steps"] * r["decode_step_ms"] + mixed * r["mixed_step_ms"]) / 1e3 + r["other_seconds"]
             assert r["steps"] > 0 and r["other_seconds"] >= 0 and split == pytest.approx(r["seconds"], abs=1e-3)  # (seconds: rounded to ms)
             assert r["setup_seconds"] > 0 and r["warmup_seconds"] > 0   # before the clock: what a run needs on top
+            assert r["graph_steps"] == r["mixed_graph_steps"] == 0   # the CPU runs every step eagerly
+            assert 0 <= r["steps_short_on_adapters"] <= r["steps"]
+            if r["system"] == "loraplex":   # every adapter was put on the GPU before the clock: no load counts
+                assert r["adapter_loads_gpu"] == r["adapter_loads_disk"] == 0, r
     md = (out / "smoke.md").read_text()
     assert "| distinct | 3 | hf-peft | 4 |" in md and "cpu" in md
     assert "Where loraplex's time went" in md and "| distinct | 3 | loraplex | " in md.split("time went")[1]
     for pop in ("distinct", "identical"):
         assert (out / f"smoke_{pop}.png").stat().st_size > 1000
     assert not (out / "smoke.partial.json").exists()
+
+
+def test_load_stats_of_a_run():
+    from loraplex.bench.run_loraplex import _load_stats
+    times = [("disk", 0.3), ("gpu", 0.01), ("disk", 0.1), ("disk", 0.2), ("gpu", 0.03)] + [("disk", 1.0)] * 7
+    assert _load_stats(times) == dict(adapter_loads_disk=10, adapter_load_disk_s_p50=1.0, adapter_load_disk_s_p90=1.0,
+                                      adapter_loads_gpu=2, adapter_load_gpu_s_p50=0.03, adapter_load_gpu_s_p90=0.03)
+    assert _load_stats([("disk", 0.5), ("disk", 0.1), ("disk", 0.3)])["adapter_load_disk_s_p50"] == 0.3
+    assert _load_stats([]) == dict(adapter_loads_disk=0, adapter_loads_gpu=0)
 
 
 def test_bench_command_refuses_bad_settings(tmp_path, capsys):
@@ -111,6 +126,8 @@ def test_bench_command_refuses_bad_settings(tmp_path, capsys):
         main(["bench", "--max-batch", "0", "--device", "cpu"])
     with pytest.raises(SystemExit, match="--gpu-adapters"):
         main(["bench", "--gpu-adapters", "0", "--device", "cpu"])
+    with pytest.raises(SystemExit, match="--loader-threads must be at least 1, got 0"):
+        main(["bench", "--loader-threads", "0", "--device", "cpu"])
     with pytest.raises(SystemExit, match="--baseline-requests"):
         main(["bench", "--requests", "5", "--baseline-requests", "9", "--device", "cpu"])
 

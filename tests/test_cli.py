@@ -107,7 +107,8 @@ def test_serve_passes_exactly_the_given_settings(fake_server, tmp_path):
                "--seed", "3", "--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--max-model-len", "512",
                "--max-batch-wait-ms", "2.5", "--block-size", "32", "--gpu-memory-utilization", "0.5",
                "--num-kv-blocks", "64", "--max-gpu-adapters", "4", "--max-lora-rank", "64", "--max-cpu-adapters", "0",
-               "--enforce-eager", "--cuda-graph-max-batch", "16",
+               "--enforce-eager", "--cuda-graph-max-batch", "16", "--cuda-graph-max-prompt-tokens", "0",
+               "--adapter-loader-threads", "5",
                "--host", "0.0.0.0", "--port", "9001", "--api-key", "k1", "--admin-api-key", "k2",
                "--adapter-root", str(roots[0]), "--adapter-root", str(roots[1]), "--served-model-name", "base",
                "--max-waiting-requests", "0", "--max-body-bytes", "2048", "--max-adapter-labels", "5",
@@ -119,7 +120,7 @@ def test_serve_passes_exactly_the_given_settings(fake_server, tmp_path):
         model="dummy:llama-2-7b", dummy_layers=2, device="cpu", dtype="float32", seed=3, max_num_seqs=8,
         max_num_batched_tokens=128, max_model_len=512, max_batch_wait_ms=2.5, block_size=32,
         gpu_memory_utilization=0.5, num_kv_blocks=64, max_gpu_adapters=4, max_lora_rank=64, max_cpu_adapters=0,
-        enforce_eager=True, cuda_graph_max_batch=16)
+        enforce_eager=True, cuda_graph_max_batch=16, cuda_graph_max_prompt_tokens=0, adapter_loader_threads=5)
     assert config.max_queue_skip_ms == 2000.0 and config.tokenizer is None and config.cpu_kv_cache_gib == 1.0
     assert settings == ServerSettings(
         host="0.0.0.0", port=9001, api_key="k1", admin_api_key="k2", adapter_roots=roots, served_model_name="base",

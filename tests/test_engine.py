@@ -228,6 +228,10 @@ def test_engine_config_errors_name_the_field():
         EngineConfig(model="dummy:llama-2-7b", block_size=0)
     with pytest.raises(ValueError, match="dtype"):
         EngineConfig(model="dummy:llama-2-7b", dtype="int8")
+    with pytest.raises(ValueError, match="cuda_graph_max_prompt_tokens must be an integer >= 0, got -1"):
+        EngineConfig(model="dummy:llama-2-7b", cuda_graph_max_prompt_tokens=-1)
+    with pytest.raises(ValueError, match="adapter_loader_threads must be an integer >= 1, got 0"):
+        EngineConfig(model="dummy:llama-2-7b", adapter_loader_threads=0)
 
 
 def test_removing_an_adapter_ends_only_its_queued_requests(served):

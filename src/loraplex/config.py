@@ -70,6 +70,9 @@ class EngineConfig:
     max_cpu_adapters: int = field(default=32, metadata={
         "group": "adapters", "help": "Adapters kept as pinned host copies for fast reloads into GPU slots "
                                      "(0: none)."})
+    adapter_loader_threads: int = field(default=2, metadata={
+        "group": "adapters", "help": "Threads that read adapters from disk into host copies (more: faster "
+                                     "loads of many distinct adapters, at the cost of host CPU)."})
 
     enforce_eager: bool = field(default=False, metadata={
         "group": "execution", "help": "Run every step eagerly, capturing no CUDA graphs."})
@@ -89,7 +92,7 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         positive = ["max_num_seqs", "max_num_batched_tokens", "block_size", "max_gpu_adapters", "max_lora_rank",
-                    "cuda_graph_max_batch"]
+                    "cuda_graph_max_batch", "adapter_loader_threads"]
         for name in positive:
             _check_int(name, getattr(self, name), 1)
         _check_int("max_cpu_adapters", self.max_cpu_adapters, 0)

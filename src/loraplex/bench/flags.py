@@ -34,6 +34,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--gpu-adapters", type=int, default=None,
                     help="loraplex: GPU adapter slots (default: twice the max batch, at least 8; unlimited: as "
                          "many as the batch)")
+    ap.add_argument("--loader-threads", type=int, default=None,
+                    help="loraplex: threads reading adapters into host copies (default: the engine's, "
+                         "EngineConfig.adapter_loader_threads)")
     ap.add_argument("--preload-adapters", action="store_true",
                     help="loraplex: put each workload's adapters on the GPU before timing (as many as there are "
                          "slots), as the hf-* systems have theirs; default: every adapter starts on disk")

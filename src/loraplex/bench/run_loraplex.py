@@ -92,8 +92,10 @@ class LoraplexSystem:
         first = [0.0] * len(ids)
         last = [0.0] * len(ids)
         got = [0] * len(ids)
-        steps = decode_steps = seq_sum = 0
+        steps = decode_steps = seq_sum = short_on_adapters = 0
         decode_s = mixed_s = 0.0   # wall time of the steps that ran, by kind (where a gap to the backbone lies)
+        engine.adapters.take_load_times()   # only this run's loads below
+        stats_before = dict(engine.stats)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -111,6 +113,9 @@ class LoraplexSystem:
                     steps += 1
                     decode_steps += info.decode
                     seq_sum += info.num_seqs
+                    # a batch below its limit while requests waited for their adapters: loads held it back
+                    short_on_adapters += info.num_seqs < self.config.max_num_seqs and \
+                        engine.scheduler.waiting_on_adapters
                     if info.decode:
                         decode_s += info.seconds
                     else:
@@ -133,6 +138,24 @@ class LoraplexSystem:
                                       mean_batch=seq_sum / steps if steps else 0.0, preloaded=preloaded,
                                       decode_step_ms=1e3 * decode_s / decode_steps if decode_steps else 0.0,
                                       mixed_step_ms=1e3 * mixed_s / (steps - decode_steps) if steps > decode_steps
-                                      else 0.0, other_seconds=seconds - decode_s - mixed_s))
+                                      else 0.0, other_seconds=seconds - decode_s - mixed_s,
+                                      graph_steps=engine.stats["graph_steps"] - stats_before["graph_steps"],
+                                      mixed_graph_steps=engine.stats["mixed_graph_steps"]
+                                      - stats_before["mixed_graph_steps"],
+                                      steps_short_on_adapters=short_on_adapters,
+                                      **_load_stats(engine.adapters.take_load_times())))
         check_complete(result, lens)
         return result
+
+
+def _load_stats(times: list[tuple[str, float]]) -> dict:
+    """Adapter loads of a run: how many reached each stage ("disk": read to a host copy; "gpu": slot
+    assigned to copy done) and their median and 90th-percentile seconds."""
+    out = {}
+    for stage in ("disk", "gpu"):
+        seconds = sorted(t for s, t in times if s == stage)
+        out[f"adapter_loads_{stage}"] = len(seconds)
+        if seconds:
+            out[f"adapter_load_{stage}_s_p50"] = round(seconds[len(seconds) // 2], 4)
+            out[f"adapter_load_{stage}_s_p90"] = round(seconds[min(len(seconds) - 1, int(0.9 * len(seconds)))], 4)
+    return out

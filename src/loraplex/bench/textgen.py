@@ -45,6 +45,8 @@ def _parse(args) -> tuple[list[str], list[str], list[int | None]]:
             raise SystemExit(f"error: --max-batch {b}: must be a positive integer or 'unlimited'")
     if args.gpu_adapters is not None and args.gpu_adapters < 1:
         raise SystemExit(f"error: --gpu-adapters must be at least 1, got {args.gpu_adapters}")
+    if args.loader_threads is not None and args.loader_threads < 1:
+        raise SystemExit(f"error: --loader-threads must be at least 1, got {args.loader_threads}")
     if args.requests < 1:
         raise SystemExit(f"error: --requests must be at least 1, got {args.requests}")
     if args.baseline_requests is not None and not 1 <= args.baseline_requests <= args.requests:
@@ -98,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
     if any(s.startswith("loraplex") for s in systems):
         for max_batch in sizes:
             slots = {} if args.gpu_adapters is None else dict(max_gpu_adapters=args.gpu_adapters)
+            if args.loader_threads is not None:
+                slots["adapter_loader_threads"] = args.loader_threads
             config = engine_config(args.model, max_batch=max_batch, rank=args.rank,
                                    max_len=max(w.max_len for w in workloads.values()), device=device, dtype=dtype,
                                    layers=args.layers, **slots)
@@ -164,7 +168,8 @@ def run(args: argparse.Namespace) -> int:
     result = dict(gpu=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                   date=datetime.date.today().isoformat(), torch=torch.__version__, model=args.model,
                   layers=args.layers, dtype=dtype, rank=args.rank, bandwidth_gbs=bandwidth,
-                  gpu_adapters=args.gpu_adapters, preload_adapters=args.preload_adapters,
+                  gpu_adapters=args.gpu_adapters, loader_threads=args.loader_threads,
+                  preload_adapters=args.preload_adapters,
                   lora_overlap=os.environ.get("LORAPLEX_LORA_OVERLAP"),
                   host_priority=os.environ.get("LORAPLEX_HOST_PRIORITY"),
                   workload=dict(requests=args.requests, lengths=args.lengths, max_len=args.max_len, seed=args.seed,

@@ -39,7 +39,8 @@ class ModelRunner:
         self.max_model_len = min(config.max_model_len or c.max_position_embeddings, c.max_position_embeddings)
         self.adapters = AdapterCache(c, max_gpu_adapters=config.max_gpu_adapters,
                                      max_lora_rank=config.max_lora_rank, max_cpu_adapters=config.max_cpu_adapters,
-                                     dtype=self.model.dtype, device=self.device)
+                                     dtype=self.model.dtype, device=self.device,
+                                     loader_threads=config.adapter_loader_threads)
         self.sampler = Sampler(self.device, seed=config.seed)
         self.kv = KVCache(c, self._num_kv_blocks(), config.block_size, dtype=self.model.dtype, device=self.device)
         log.info(self.kv.describe())
