@@ -3,8 +3,16 @@
 # eager; the engine's graph and eager tokens against transformers), then the paper's workload at max
 # batch 32 for the backbone alone (SYSTEMS=loraplex-backbone) or loraplex (SYSTEMS=loraplex).
 #   OUT=/some/dir SYSTEMS=loraplex-backbone MAX_BATCH=32 TESTS=1 bash benchmarks/gpu_mixed_graphs.sh
+# EXTRA: more `loraplex bench` flags (e.g. "--loader-threads 4"); TAG: a suffix for the result's name.
+# Triton's compile cache travels between calls (a fresh machine spent ~90 s of its ~110 s engine start-up
+# compiling): the call leaves it in $OUT/triton-cache.tgz; copy that to the repo root as .triton-cache.tgz
+# (git-ignored) and name it in the next call's `carry`.
 set -u
 OUT=${OUT:-benchmarks/results}
+CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+if [ -f .triton-cache.tgz ]; then
+  mkdir -p "$CACHE_DIR" && tar -xzf .triton-cache.tgz -C "$CACHE_DIR" && echo "== Triton cache: $(ls "$CACHE_DIR" | wc -l) entries"
+fi
 MAX_BATCH=${MAX_BATCH:-32}
 SYSTEMS=${SYSTEMS:-loraplex-backbone}
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -17,5 +25,6 @@ fi
 echo "== Punica 1000, $SYSTEMS, max batch $MAX_BATCH, at ${SECONDS}s"
 timeout $((585 - SECONDS)) python3 -c 'import sys; from loraplex.cli import main; sys.exit(main())' bench --quiet --no-plots \
     --lengths punica --popularity distinct --requests 1000 --max-batch "$MAX_BATCH" --systems "$SYSTEMS" \
-    --out-dir "$OUT" --name "punica_${MAX_BATCH}_${SYSTEMS}" 2>&1 | tail -14
+    --out-dir "$OUT" --name "punica_${MAX_BATCH}_${SYSTEMS}${TAG:-}" ${EXTRA:-} 2>&1 | tail -14
+tar -czf "$OUT/triton-cache.tgz" -C "$CACHE_DIR" . 2>/dev/null && du -h "$OUT/triton-cache.tgz"
 echo "== done at ${SECONDS}s"
