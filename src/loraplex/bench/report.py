@@ -81,7 +81,8 @@ def markdown(result: dict) -> str:
                   "beyond), and the rest (between steps, and "
                   "waits when nothing could run, e.g. for adapter loads):", "",
                   ("| lengths " if merged else "") + "| popularity | max batch | system | decode steps × ms | "
-                  "mixed steps × ms | other (s) | mean batch |", ("|---" if merged else "") + "|---|---|---|---|---|---|---|"]
+                  "mixed steps × ms | other (s) | mean batch |",
+                  ("|---" if merged else "") + "|---|---|---|---|---|---|---|"]
         for r in steps:
             mixed = r["steps"] - r["decode_steps"]
             lines.append((f"| {r.get('lengths', '')} " if merged else "") +

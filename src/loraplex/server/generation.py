@@ -122,7 +122,8 @@ class Run:
         state, prep = self.state, self.prep
         try:
             for i, params in enumerate(prep.params):
-                rid = await state.engine.submit(prep.prompt_ids, params, prep.adapter, request_id=f"{prep.request_id}-{i}")
+                rid = await state.engine.submit(prep.prompt_ids, params, prep.adapter,
+                                                request_id=f"{prep.request_id}-{i}")
                 self.ids.append(rid)
         except BaseException as e:
             for rid in self.ids:   # accepted choices: aborted, and their streams dropped

@@ -7,8 +7,9 @@ None:
 - Streaming: `completion_chunk(...)` ("text_completion"), `chat_chunk(...)`
   ("chat.completion.chunk"; pass `role="assistant"` in each choice's first chunk), and
   `usage_chunk(...)` (choices = [], for `stream_options.include_usage`).
-- Logprobs (`completion_logprobs(...)`, `chat_logprobs(...)`): completions `{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}],
-  "text_offset"}`; chat `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`.
+- Logprobs (`completion_logprobs(...)`, `chat_logprobs(...)`): completions `{"tokens", "token_logprobs",
+  "top_logprobs": [{token: logprob}], "text_offset"}`; chat `{"content": [{"token", "logprob", "bytes",
+  "top_logprobs": [...]}]}`.
   A token's text is `tokenizer.decode([id])` ("token_id:<id>" without a tokenizer); non-finite
   logprobs become -9999.0, since JSON has no -inf.
 - finish_reason: the engine's "stop" and "length" are OpenAI's; "abort" and "error" pass through

@@ -90,7 +90,8 @@ def run_server(config: EngineConfig, settings: ServerSettings, *, adapters: dict
             _say("stopped")
 
     app = create_app(state, lifespan=lifespan)
-    uv_config = uvicorn.Config(app, log_level=settings.log_level, timeout_graceful_shutdown=settings.graceful_shutdown_s,
+    uv_config = uvicorn.Config(app, log_level=settings.log_level,
+                               timeout_graceful_shutdown=settings.graceful_shutdown_s,
                                access_log=settings.log_level == "debug")
     server = _Server(uv_config, state)
     try:
