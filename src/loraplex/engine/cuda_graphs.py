@@ -132,16 +132,12 @@ class StepGraphs:
             self._logits[:seqs].copy_(self.model(batch, self.kv, pool))
         return _Graph(graph, batch)
 
-    def run(self, chunks: Sequence[SequenceChunk], inputs: tuple[torch.Tensor, torch.Tensor] | None = None, *,
-            key: tuple[int, int] | None = None) -> torch.Tensor:
+    def run(self, chunks: Sequence[SequenceChunk], inputs: tuple[torch.Tensor, torch.Tensor] | None, *,
+            key: tuple[int, int]) -> torch.Tensor:
         """Logits `[chunks that need logits, vocab]` of the step, by replay (a view of the shared
         buffer: read it before the next replay). With `inputs` = (device ids, index), the chunks are
         one-token decodes and chunk i's token is `ids[index[i]]` instead of its own. `key`: the graph,
-        as `shapes.key_for(chunks)` gave it (found here when not given)."""
-        key = key if key is not None else self.shapes.key_for(chunks)
-        if key is None:
-            raise ValueError(f"no CUDA graph runs a step of {len(chunks)} sequences with "
-                             f"{prompt_tokens(chunks)} prompt tokens")
+        as `shapes.key_for(chunks)` chose it (the batch's `update_` refuses chunks it cannot hold)."""
         if inputs is not None and key[1]:
             raise ValueError("device-side inputs are for decode steps only")
         lora = self.pool is not None and any(c.adapter_slot >= 0 for c in chunks)

@@ -35,6 +35,8 @@ class ModelRunner:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.model = self._load_model()
+        # the largest decode batch replayed from a graph (the graphs' shared logits buffer has its rows)
+        self.graph_batch = min(config.cuda_graph_max_batch, config.max_num_seqs)
         c = self.model.config
         self.max_model_len = min(config.max_model_len or c.max_position_embeddings, c.max_position_embeddings)
         self.adapters = AdapterCache(c, max_gpu_adapters=config.max_gpu_adapters,
@@ -55,7 +57,7 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager:
             torch.cuda.set_device(self.device)   # capture on our GPU
             self.graphs = StepGraphs(self.model, self.kv, self.adapters.pool, max_seq_len=self.max_model_len,
-                                     max_batch=min(config.cuda_graph_max_batch, config.max_num_seqs),
+                                     max_batch=self.graph_batch,
                                      max_prompt_tokens=min(config.cuda_graph_max_prompt_tokens,
                                                            config.max_num_batched_tokens))
             self.graphs.capture()
@@ -90,7 +92,7 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         others = total - free - torch.cuda.memory_reserved(self.device)   # CUDA context, other processes
         # CUDA graphs: their private pool (the reserve) and the logits buffer they share (StepGraphs)
-        graph_logits = 0 if cfg.enforce_eager else min(cfg.cuda_graph_max_batch, cfg.max_num_seqs) * c.vocab_size * 4
+        graph_logits = 0 if cfg.enforce_eager else self.graph_batch * c.vocab_size * 4
         budget = total * cfg.gpu_memory_utilization - others - before - activations - GRAPH_MEMORY_RESERVE - \
             graph_logits
         blocks = int(budget // per_block)

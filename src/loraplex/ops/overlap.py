@@ -30,8 +30,8 @@ up to SHRINK_MAX_ROWS rows), "off" (also "0").
 """
 from __future__ import annotations
 
-import contextlib
 import os
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -116,22 +116,35 @@ def _usable_side(device: torch.device) -> torch.cuda.Stream | None:
     return None if side == main else side   # PyTorch hands out pooled streams in turn: this capture may hold ours
 
 
+def _beside_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, side: bool,
+                 work: Callable[[], None]) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` with `work` (LoRA kernels that read only x) queued before it: on a side
+    stream that forks after x is ready and joins after the GEMM when `side` (capture only) and one is
+    usable, else on the current stream. Tensors `work` writes must be allocated by the caller on the
+    main stream, which frees them after the join."""
+    stream = _usable_side(x.device) if side else None
+    if stream is None:
+        work()
+        return F.linear(x, weight, bias)
+    main = torch.cuda.current_stream(x.device)
+    stream.wait_stream(main)    # x is ready
+    with torch.cuda.stream(stream):
+        work()
+    y = F.linear(x, weight, bias)
+    main.wait_stream(stream)
+    return y
+
+
 def linear_with_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      lora_a: list[torch.Tensor], lora_b: list[torch.Tensor], batch: LoraBatch,
                      ranks: list[torch.Tensor], scalings: list[torch.Tensor]) -> torch.Tensor:
     """"shrink": `F.linear(x, weight, bias)` plus `sgmv.add_lora` of the slices, the shrink beside the GEMM."""
     from . import sgmv   # Triton: imported where it runs, so that the CPU path needs none
-    side = _usable_side(x.device)
     cfg = sgmv.config_for(batch.block_m)   # the plain order's settings: the same bits
-    if side is None:
+    if _usable_side(x.device) is None:
         return sgmv.add_lora(F.linear(x, weight, bias), x, lora_a, lora_b, batch, ranks, scalings, 0, cfg)
-    main = torch.cuda.current_stream(x.device)
-    part = sgmv.new_partials(x, lora_a, batch, cfg)   # allocated on the main stream, which frees it
-    side.wait_stream(main)          # x is ready
-    with torch.cuda.stream(side):
-        sgmv.shrink_into(part, x, lora_a, ranks, batch, cfg)
-    y = F.linear(x, weight, bias)
-    main.wait_stream(side)
+    part = sgmv.new_partials(x, lora_a, batch, cfg)
+    y = _beside_gemm(x, weight, bias, True, lambda: sgmv.shrink_into(part, x, lora_a, ranks, batch, cfg))
     sgmv.expand_from(y, part, lora_b, ranks, scalings, batch, 0, cfg)
     return y
 
@@ -144,21 +157,15 @@ def linear_with_lora_delta(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     (zero for rows without an adapter), for the consumer to add. `side`: on a side stream (capture only)."""
     from . import sgmv
     cfg = config_for(batch.block_m)
-    # Both allocated on the main stream, which frees them after it has joined the side stream.
     part = sgmv.new_partials(x, lora_a, batch, cfg)
     delta = torch.empty((x.shape[0], sum(b.shape[1] for b in lora_b)), dtype=torch.float32, device=x.device)
-    stream = _usable_side(x.device) if side else None
-    main = torch.cuda.current_stream(x.device) if stream is not None else None
-    if stream is not None:
-        stream.wait_stream(main)    # x is ready
-    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+
+    def work() -> None:
         delta.zero_()   # rows without an adapter, and slices of rank 0, get no product
         sgmv.shrink_into(part, x, lora_a, ranks, batch, cfg)
         sgmv.expand_from(delta, part, lora_b, ranks, scalings, batch, 0, cfg, accumulate=False)
-    y = F.linear(x, weight, bias)
-    if stream is not None:
-        main.wait_stream(stream)
-    return y, delta
+
+    return _beside_gemm(x, weight, bias, side, work), delta
 
 
 def linear_with_lora_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -169,16 +176,6 @@ def linear_with_lora_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     consumer to expand (ops/lora_product.py). `side`: the shrink on a side stream (capture only)."""
     from . import sgmv
     cfg = config_for(batch.block_m)
-    part = sgmv.new_partials(x, lora_a, batch, cfg)   # allocated on the main stream, which frees it
-    stream = _usable_side(x.device) if side else None
-    if stream is None:
-        sgmv.shrink_into(part, x, lora_a, ranks, batch, cfg)
-        y = F.linear(x, weight, bias)
-    else:
-        main = torch.cuda.current_stream(x.device)
-        stream.wait_stream(main)    # x is ready
-        with torch.cuda.stream(stream):
-            sgmv.shrink_into(part, x, lora_a, ranks, batch, cfg)
-        y = F.linear(x, weight, bias)
-        main.wait_stream(stream)
+    part = sgmv.new_partials(x, lora_a, batch, cfg)
+    y = _beside_gemm(x, weight, bias, side, lambda: sgmv.shrink_into(part, x, lora_a, ranks, batch, cfg))
     return y, LoraProduct(part, tuple(lora_b), tuple(ranks), tuple(scalings), batch.row_slot)
