@@ -5,8 +5,8 @@
 #   OUT=/some/dir SYSTEMS=loraplex-backbone MAX_BATCH=32 TESTS=1 bash benchmarks/gpu_mixed_graphs.sh
 # EXTRA: more `loraplex bench` flags (e.g. "--loader-threads 4"); TAG: a suffix for the result's name.
 # Triton's compile cache travels between calls (a fresh machine spent ~90 s of its ~110 s engine start-up
-# compiling): the call leaves it in $OUT/triton-cache.tgz; copy that to the repo root as .triton-cache.tgz
-# (git-ignored) and name it in the next call's `carry`.
+# compiling): the call leaves it in 15 MB parts ($OUT/triton-cache.tgz.part-aa, -ab, ...: a file over 16 MiB
+# does not come back); `cat` them into the repo root's .triton-cache.tgz (git-ignored) and carry that.
 set -u
 OUT=${OUT:-benchmarks/results}
 CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
@@ -26,5 +26,5 @@ echo "== Punica 1000, $SYSTEMS, max batch $MAX_BATCH, at ${SECONDS}s"
 timeout $((585 - SECONDS)) python3 -c 'import sys; from loraplex.cli import main; sys.exit(main())' bench --quiet --no-plots \
     --lengths punica --popularity distinct --requests 1000 --max-batch "$MAX_BATCH" --systems "$SYSTEMS" \
     --out-dir "$OUT" --name "punica_${MAX_BATCH}_${SYSTEMS}${TAG:-}" ${EXTRA:-} 2>&1 | tail -14
-tar -czf "$OUT/triton-cache.tgz" -C "$CACHE_DIR" . 2>/dev/null && du -h "$OUT/triton-cache.tgz"
+tar -czf - -C "$CACHE_DIR" . 2>/dev/null | split -b 15m - "$OUT/triton-cache.tgz.part-" && ls -la "$OUT"/triton-cache.tgz.part-*
 echo "== done at ${SECONDS}s"

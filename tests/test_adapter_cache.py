@@ -397,3 +397,19 @@ def test_failed_names_are_skipped_by_want(folders, tmp_path):
     cache.want(["broken", "nope", "a1"], 1)   # the one slot goes to the first usable name
     until(lambda: cache.is_resident("a1"))
     cache.close()
+
+
+def test_the_scheduler_s_wishes_poll_finished_loads_so_their_gpu_time_is_taken_then(folders):
+    """A load nobody asks about is seen finished by the next `want` (every engine step), so its "gpu"
+    time (take_load_times) is taken then, not when a request first asks for the adapter."""
+    cache = make_cache(folders, ["a0"], slots=1, loader_threads=1)
+    cache.take_load_times()
+    cache.prefetch("a0")
+    deadline = time.monotonic() + 5
+    while cache._entries["a0"].ready_event is None and time.monotonic() < deadline:   # read and copy queued
+        time.sleep(0.005)
+    assert cache._entries["a0"].ready_event is not None, "the copy into a slot was never queued"
+    assert [s for s, _ in cache.take_load_times()] == ["disk"]   # nothing polled the copy yet
+    cache.want([], 0)
+    assert [s for s, _ in cache.take_load_times()] == ["gpu"]
+    cache.close()

@@ -99,7 +99,7 @@ def test_bench_command_writes_a_report_from_every_system(tmp_path):
             assert r["steps"] > 0 and r["other_seconds"] >= 0 and split == pytest.approx(r["seconds"], abs=1e-3)  # (seconds: rounded to ms)
             assert r["setup_seconds"] > 0 and r["warmup_seconds"] > 0   # before the clock: what a run needs on top
             assert r["graph_steps"] == r["mixed_graph_steps"] == 0   # the CPU runs every step eagerly
-            assert 0 <= r["steps_short_on_adapters"] <= r["steps"]
+            assert 0 <= r["steps_short_on_adapters"] <= r["steps"] and r["preemptions"] >= 0
             if r["system"] == "loraplex":   # every adapter was put on the GPU before the clock: no load counts
                 assert r["adapter_loads_gpu"] == r["adapter_loads_disk"] == 0, r
     md = (out / "smoke.md").read_text()
@@ -196,3 +196,26 @@ def test_report_merges_runs_and_compares_only_rows_of_the_same_workload(tmp_path
     paths[1].write_text(json.dumps(dict(b, model="dummy:other")))
     with pytest.raises(SystemExit, match="different model"):
         report_main([str(p) for p in paths] + ["--out-dir", str(tmp_path), "--name", "bad"])
+
+
+def test_each_popularity_s_chart_shows_the_backbone_of_the_same_run(tmp_path, monkeypatch):
+    """Backbone rows (no adapters) are the same for every popularity: each chart draws them beside its own."""
+    import matplotlib.axes
+
+    from loraplex.bench.report import plot
+    drawn = []
+
+    def bar(self, x, heights, **kw):
+        drawn.append(list(heights))
+        return original(self, x, heights, **kw)
+    original = matplotlib.axes.Axes.bar
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar", bar)
+
+    def row(system, popularity, tps, max_batch=32):
+        return dict(system=system, popularity=popularity, max_batch=max_batch, requests=8, tokens_per_s=tps)
+    rows = [row("loraplex", "distinct", 300.0), row("loraplex-backbone", "distinct", 400.0),
+            row("loraplex-backbone", "distinct", 700.0, max_batch=None), row("loraplex", "skewed", 350.0)]
+    paths = plot(dict(rows=rows, model="dummy:m", gpu="G", date="d"), tmp_path, "t")
+    assert [p.name for p in paths] == ["t_distinct.png", "t_skewed.png"]
+    # skewed: its loraplex row and the backbone of the same max batch and requests, not the unlimited one
+    assert drawn == [[300.0, 400.0, 700.0], [350.0, 400.0]]

@@ -797,3 +797,18 @@ def test_waiting_on_adapters_says_whether_a_request_that_fits_waits_for_its_load
     sched.add(make_seq("c", 3, arrival=2e-3, adapter="colder", max_tokens=8))
     postprocess(sched, sched.schedule())
     assert len(sched.running) == 2 and not sched.waiting_on_adapters
+
+
+def test_waiting_on_adapters_is_false_when_the_kv_memory_has_no_room_for_the_request():
+    # 8 blocks of 4 tokens, watermark 1: "a" holds 5 blocks (20 tokens), so "b" (12 tokens: 3 blocks)
+    # would not fit beside it; its cold adapter is then not what holds the batch back
+    ad = FakeAdapters(resident=["hot"])
+    sched = make_scheduler(num_blocks=8, adapters=ad, max_num_seqs=4, max_num_batched_tokens=64,
+                           max_queue_skip_ms=1e9)
+    sched.add(make_seq("a", 20, arrival=0.0, adapter="hot", max_tokens=8))
+    sched.add(make_seq("b", 12, arrival=1e-3, adapter="cold", max_tokens=8))
+    postprocess(sched, sched.schedule())
+    assert [s.request_id for s in sched.running] == ["a"] and not sched.waiting_on_adapters
+    sched.add(make_seq("c", 4, arrival=2e-3, adapter="colder", max_tokens=8))   # 1 block: fits
+    postprocess(sched, sched.schedule())
+    assert [s.request_id for s in sched.running] == ["a"] and sched.waiting_on_adapters

@@ -245,6 +245,9 @@ class AdapterCache(AdapterLoads):
         from host memory. Unknown and failed names are skipped (the scheduler fails their requests).
         """
         with self._lock:
+            # loads that finished become ready now, not when a request next asks: the scheduler calls this
+            # every step, so the "gpu" load times (take_load_times) are right to a step
+            self._poll_slots()
             usable = [n for n in dict.fromkeys(names) if self._usable(n)]
             wanted = dict.fromkeys(usable[:max(num_gpu, 0)])
             for name in self._wanted.keys() - wanted.keys():
@@ -302,7 +305,7 @@ class AdapterCache(AdapterLoads):
 
     def take_load_times(self) -> list[tuple[str, float]]:
         """(stage, seconds) of the loads finished since the last call: "disk" = read to a host copy,
-        "gpu" = slot assigned to copy complete (as seen by the next poll)."""
+        "gpu" = slot assigned to copy complete (as seen by the next poll: `want`, every engine step, polls)."""
         with self._lock:
             out = list(self._load_times)
             self._load_times.clear()

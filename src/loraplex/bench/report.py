@@ -98,15 +98,22 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, folder: Path, name: str) -> list[Path]:
-    """One bar chart of output tokens/s per system for each popularity (log scale: baselines are far apart)."""
+    """One bar chart of output tokens/s per system for each popularity (log scale where baselines are far apart)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     paths = []
     pops = list(dict.fromkeys(r["popularity"] for r in result["rows"]))
+    backbones = ("loraplex-backbone", "hf-backbone")   # the same for every popularity: beside each chart's rows
     for pop in pops:
         rows = [r for r in result["rows"] if r["popularity"] == pop]
+        run = lambda r: (r.get("lengths"), str(r["max_batch"]), r["requests"])  # noqa: E731
+        runs, drawn = {run(r) for r in rows}, {(r["system"], run(r)) for r in rows}
+        for r in result["rows"]:
+            if r["system"] in backbones and run(r) in runs and (r["system"], run(r)) not in drawn:
+                rows.append(r)
+                drawn.add((r["system"], run(r)))
         labels = [f"{r['system']}\nB={r['max_batch']}, n={r['requests']}"
                   + (f"\n{r['lengths']}" if "lengths" in r else "") for r in rows]
         values = [r["tokens_per_s"] for r in rows]
@@ -118,8 +125,12 @@ def plot(result: dict, folder: Path, name: str) -> list[Path]:
                 ax.hlines(r["ceiling_tokens_per_s"], i - 0.4, i + 0.4, colors="tab:red", linestyles="dashed")
         ax.bar_label(bars, fmt="%.0f", fontsize=8)
         ax.set_xticks(range(len(rows)), labels, fontsize=7)
-        ax.set_yscale("log")
-        ax.set_ylabel("output tokens/s (log)")
+        if max(values) > 20 * min(values):   # baselines far apart: log scale; else a linear one from 0
+            ax.set_yscale("log")
+            ax.set_ylabel("output tokens/s (log)")
+        else:
+            ax.set_ylim(0, 1.1 * max(values + [r.get("ceiling_tokens_per_s") or 0 for r in rows]))
+            ax.set_ylabel("output tokens/s")
         ax.set_title(f"{result['model']}, {pop} adapters — {result['gpu']}, {result['date']}\n"
                      f"dashed: bandwidth ceiling", fontsize=9)
         fig.tight_layout()

@@ -96,6 +96,7 @@ class LoraplexSystem:
         decode_s = mixed_s = 0.0   # wall time of the steps that ran, by kind (where a gap to the backbone lies)
         engine.adapters.take_load_times()   # only this run's loads below
         stats_before = dict(engine.stats)
+        preemptions_before = engine.scheduler.num_preemptions
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -113,7 +114,8 @@ class LoraplexSystem:
                     steps += 1
                     decode_steps += info.decode
                     seq_sum += info.num_seqs
-                    # a batch below its limit while requests waited for their adapters: loads held it back
+                    # a batch below its limit while a request it had KV memory for waited for its adapter:
+                    # loads held it back
                     short_on_adapters += info.num_seqs < self.config.max_num_seqs and \
                         engine.scheduler.waiting_on_adapters
                     if info.decode:
@@ -143,6 +145,7 @@ class LoraplexSystem:
                                       mixed_graph_steps=engine.stats["mixed_graph_steps"]
                                       - stats_before["mixed_graph_steps"],
                                       steps_short_on_adapters=short_on_adapters,
+                                      preemptions=engine.scheduler.num_preemptions - preemptions_before,
                                       **_load_stats(engine.adapters.take_load_times())))
         check_complete(result, lens)
         return result

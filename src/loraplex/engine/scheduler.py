@@ -68,7 +68,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []   # by arrival
         self.running: list[Sequence] = []   # hold blocks; by admission
         self.num_preemptions = 0
-        # the last schedule() left a request that would fit in the batch waiting for its adapter
+        # the last schedule() left a request that the batch had a seat and KV memory for waiting for its adapter
         self.waiting_on_adapters = False
         # free blocks kept back when admitting, so running decodes can grow without preempting at once
         self.watermark = max(1, blocks.num_blocks // 100)
@@ -145,13 +145,13 @@ class Scheduler:
                     out.failed.append(seq)
                     continue
                 if slot is None:   # loading: others go ahead, unless it has waited too long
-                    self.waiting_on_adapters = True
+                    # the load holds the batch back only if the KV memory has room for the request
+                    self.waiting_on_adapters = self.waiting_on_adapters or self._fits(seq)
                     if aged:
                         break
                     continue
             # The whole of its tokens must fit now, or admitting it would only preempt someone soon.
-            if self.blocks.blocks_for(seq.num_tokens) > self.blocks.num_free - self.watermark \
-                    and (self.running or self.blocks.blocks_for(seq.num_tokens) > self.blocks.num_free):
+            if not self._fits(seq):
                 if slot >= 0:
                     self.adapters.release(seq.adapter)
                 break  # first come, first served for memory too
@@ -165,6 +165,11 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(seq, n))
             budget -= n
         return budget
+
+    def _fits(self, seq: Sequence) -> bool:
+        """Do all of its tokens fit in the free KV blocks now (beside the watermark, if others run)?"""
+        need = self.blocks.blocks_for(seq.num_tokens)
+        return need <= self.blocks.num_free - self.watermark or (not self.running and need <= self.blocks.num_free)
 
     def may_admit(self, now: float, budget: int) -> bool:
         """The latency ↔ throughput setting: while sequences are decoding, new prompts may wait up
