@@ -409,7 +409,7 @@ def bench_h2d(model, pairs, rank, reps, warmup) -> dict:
     r = m.a.shape[0]
     out["verified"] = bool(torch.equal(pool.lora_a[layer][proj][0, :r].cpu(), m.a) and
                            torch.equal(pool.lora_b[layer][proj][0, :, :r].cpu(), m.b))
-    del pool, flat, src, host
+    pool = flat = src = host = None   # freed before empty_cache (write_once's closure reads pool and host)
     torch.cuda.empty_cache()
     return out
 

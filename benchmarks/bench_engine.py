@@ -68,7 +68,8 @@ def run(engine: Engine, work: list[list[int]], adapters: list[str | None]) -> di
     breakdown = {k: dict(steps=len(v), seconds=round(sum(s.seconds for s in v), 3),
                          tokens=sum(s.num_tokens for s in v)) for k, v in kinds.items()}
     full = [s.seconds for s in steps if s.decode and s.num_seqs == engine.config.max_num_seqs]
-    return dict(seconds=seconds, breakdown=breakdown, step_seconds=round(sum(s.seconds for s in steps), 3), output_tokens=out_tokens, tokens_per_s=out_tokens / seconds, steps=len(steps),
+    return dict(seconds=seconds, breakdown=breakdown, step_seconds=round(sum(s.seconds for s in steps), 3),
+                output_tokens=out_tokens, tokens_per_s=out_tokens / seconds, steps=len(steps),
                 decode_steps=sum(s.decode for s in steps), graph_steps=sum(s.graphed for s in steps),
                 overlapped_steps=engine.stats["overlapped_steps"],
                 full_decode_steps=len(full), full_decode_step_ms=1e3 * statistics.median(full) if full else None,
@@ -154,7 +155,8 @@ def markdown(res: dict) -> str:
         lines.append(f"| {r['batch']} | {r['mode']} | {r['variant']} | {r['tokens_per_s']:.0f} | {rel:.2f} | "
                      f"{step:.2f} | {r['floor_ms']:.2f} | {step / r['floor_ms']:.2f}× | {r['prefill_step_ms']:.1f} | "
                      f"{r['graph_steps']}/{r['steps']} |" if step else
-                     f"| {r['batch']} | {r['mode']} | {r['variant']} | {r['tokens_per_s']:.0f} | {rel:.2f} | – | – | – | "
+                     f"| {r['batch']} | {r['mode']} | {r['variant']} | {r['tokens_per_s']:.0f} | {rel:.2f} "
+                     "| – | – | – | "
                      f"{r['prefill_step_ms']:.1f} | {r['graph_steps']}/{r['steps']} |")
     lines += ["", "Floor: (weights + KV bytes of the batch's mean context + each used adapter once) / copy "
               "bandwidth. Step times are wall times of the engine's whole step (host work included)."]

@@ -27,7 +27,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import triton
-import triton.language as tl
 
 from loraplex import ops
 from loraplex.workloads import POPULARITIES, popularity_slots

@@ -13,7 +13,8 @@ Prefill: 8 sequences of 512 tokens from empty caches, backbone and distinct adap
 the FLOP floor: the forward's matrix FLOPs (dense layers over all tokens, causal attention,
 LoRA) divided by the bf16 GEMM throughput measured in the same run.
 
-    python benchmarks/bench_model.py --out benchmarks/results/model_forward.json --md benchmarks/results/model_forward.md
+    python benchmarks/bench_model.py --out benchmarks/results/model_forward.json \\
+        --md benchmarks/results/model_forward.md
 """
 from __future__ import annotations
 

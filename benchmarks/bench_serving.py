@@ -145,12 +145,14 @@ def launched(command: str, timeout_s: float, log_path: Path) -> Iterator[str]:
             code = proc.poll()
             if code is not None:
                 raise BenchError(f"the server exited with code {code} before GET /health answered 200; "
-                                 f"command: {shlex.join(argv)}\n--- its last output ({log_path}) ---\n{_tail(log_path)}")
+                                 f"command: {shlex.join(argv)}\n--- its last output ({log_path}) ---\n"
+                                 f"{_tail(log_path)}")
             if _healthy(base):
                 break
             if time.monotonic() > deadline:
                 raise BenchError(f"the server did not become healthy within {timeout_s:g} s (--launch-timeout-s); "
-                                 f"command: {shlex.join(argv)}\n--- its last output ({log_path}) ---\n{_tail(log_path)}")
+                                 f"command: {shlex.join(argv)}\n--- its last output ({log_path}) ---\n"
+                                 f"{_tail(log_path)}")
             time.sleep(0.25)
         print(f"server up at {base} (log: {log_path})", flush=True)
         yield base + "/v1"

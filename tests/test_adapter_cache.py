@@ -409,7 +409,9 @@ def test_the_scheduler_s_wishes_poll_finished_loads_so_their_gpu_time_is_taken_t
     while cache._entries["a0"].ready_event is None and time.monotonic() < deadline:   # read and copy queued
         time.sleep(0.005)
     assert cache._entries["a0"].ready_event is not None, "the copy into a slot was never queued"
-    assert [s for s, _ in cache.take_load_times()] == ["disk"]   # nothing polled the copy yet
+    # each stage once, in order; nothing polled the copy yet, so no "gpu" time
+    stages = cache.take_load_times()
+    assert [s for s, _ in stages] == ["disk", "slot_wait", "copy_issue"] and all(t >= 0 for _, t in stages)
     cache.want([], 0)
     assert [s for s, _ in cache.take_load_times()] == ["gpu"]
     cache.close()

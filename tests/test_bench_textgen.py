@@ -86,6 +86,9 @@ def test_bench_command_writes_a_report_from_every_system(tmp_path):
         assert r["output_tokens"] == expect.output_tokens and r["prompt_tokens"] == expect.prompt_tokens
         assert r["tokens_per_s"] > 0 and r["ceiling_tokens_per_s"] > 0
         assert r["ttft_ms_p50"] <= r["ttft_ms_p99"] and r["tpot_ms_p50"] <= r["tpot_ms_p99"]
+        # the KV memory the ceiling was computed with: the engine's, which holds every request; none for HF
+        assert (r["kv_tokens"] >= max(q.total_len for q in expect.requests)) if r["system"].startswith("loraplex") \
+            else r["kv_tokens"] is None
     assert any(q["versus"] == "hf-peft" and q["requests"] == 4 for q in result["ratios"])
     assert any("first 4 of the 6" in n for n in result["notes"])
     assert any("put on the GPU before timing" in n for n in result["notes"])
@@ -96,10 +99,15 @@ def test_bench_command_writes_a_report_from_every_system(tmp_path):
         if r["system"].startswith("loraplex"):   # the run's time, split by step kind, adds up
             mixed = r["steps"] - r["decode_steps"]
             split = (r["decode_steps"] * r["decode_step_ms"] + mixed * r["mixed_step_ms"]) / 1e3 + r["other_seconds"]
-            assert r["steps"] > 0 and r["other_seconds"] >= 0 and split == pytest.approx(r["seconds"], abs=1e-3)  # (seconds: rounded to ms)
+            # (seconds: rounded to ms)
+            assert r["steps"] > 0 and r["other_seconds"] >= 0 and split == pytest.approx(r["seconds"], abs=1e-3)
             assert r["setup_seconds"] > 0 and r["warmup_seconds"] > 0   # before the clock: what a run needs on top
             assert r["graph_steps"] == r["mixed_graph_steps"] == 0   # the CPU runs every step eagerly
             assert 0 <= r["steps_short_on_adapters"] <= r["steps"] and r["preemptions"] >= 0
+            assert 0 < r["schedule_mean_batch"] <= (3 if r["max_batch"] == 3 else 6) and r["schedule_preemptions"] >= 0
+            if r["system"] == "loraplex-backbone":   # no loads: the engine schedules as its scheduler alone does,
+                # give or take the steps in which its overlapped decodes admit nobody
+                assert abs(r["steps"] - r["schedule_steps"]) <= 0.25 * r["schedule_steps"], r
             if r["system"] == "loraplex":   # every adapter was put on the GPU before the clock: no load counts
                 assert r["adapter_loads_gpu"] == r["adapter_loads_disk"] == 0, r
     md = (out / "smoke.md").read_text()
@@ -112,11 +120,15 @@ def test_bench_command_writes_a_report_from_every_system(tmp_path):
 
 def test_load_stats_of_a_run():
     from loraplex.bench.run_loraplex import _load_stats
-    times = [("disk", 0.3), ("gpu", 0.01), ("disk", 0.1), ("disk", 0.2), ("gpu", 0.03)] + [("disk", 1.0)] * 7
+    times = [("disk", 0.3), ("gpu", 0.01), ("disk", 0.1), ("disk", 0.2), ("gpu", 0.03), ("slot_wait", 0.5)] \
+        + [("disk", 1.0)] * 7
     assert _load_stats(times) == dict(adapter_loads_disk=10, adapter_load_disk_s_p50=1.0, adapter_load_disk_s_p90=1.0,
+                                      adapter_loads_slot_wait=1, adapter_load_slot_wait_s_p50=0.5,
+                                      adapter_load_slot_wait_s_p90=0.5, adapter_loads_copy_issue=0,
                                       adapter_loads_gpu=2, adapter_load_gpu_s_p50=0.03, adapter_load_gpu_s_p90=0.03)
     assert _load_stats([("disk", 0.5), ("disk", 0.1), ("disk", 0.3)])["adapter_load_disk_s_p50"] == 0.3
-    assert _load_stats([]) == dict(adapter_loads_disk=0, adapter_loads_gpu=0)
+    assert _load_stats([]) == dict(adapter_loads_disk=0, adapter_loads_slot_wait=0, adapter_loads_copy_issue=0,
+                                   adapter_loads_gpu=0)
 
 
 def test_bench_command_refuses_bad_settings(tmp_path, capsys):
@@ -152,6 +164,9 @@ def test_distinct_adapters_are_each_loaded_once_by_the_real_cache(tmp_path):
         assert result.output_tokens == 12 * 3
         loads = {k: cache.counters[k] - before[k] for k in before}
         assert loads["gpu_loads"] == 12 and loads["disk_reads"] == 12, loads
+        # every load's stages were timed (the "gpu" one as the engine's steps polled it)
+        assert all(result.extra[f"adapter_loads_{stage}"] == 12 for stage in ("disk", "slot_wait", "copy_issue",
+                                                                                "gpu")), result.extra
         # preloading puts the first adapters (as many as the slots) on the GPU before the clock starts
         again = system.run(w.head(6), prompts, backbone=False, name="pre", progress=False, preload=True)
         assert again.extra["preloaded"] == 4 and again.output_tokens == 6 * 3

@@ -154,23 +154,22 @@ def test_demo_flags():
 
 def test_step_monitor_counts_steps_not_idle_ticks():
     monitor = StepMonitor()
-    seqs = [SimpleNamespace(adapter=a) for a in ("poet", None, "coder")]
-    engine = SimpleNamespace(last_step=StepInfo(3, 3, 2, True, False, 0.01), scheduler=SimpleNamespace(running=seqs),
-                             has_unfinished=lambda: True)
+    every = (None, "coder", "poet")
+    engine = SimpleNamespace(last_step=StepInfo(3, 3, every, True, False, 0.01), has_unfinished=lambda: True)
     monitor(engine)
     snap = monitor.snapshot()
-    assert (snap.steps, snap.batch_size, snap.adapters, snap.max_batch_size) == (1, 3, (None, "coder", "poet"), 3)
-    engine.scheduler.running = seqs[:1]             # the last step of two of them: they were running before it
-    engine.last_step = StepInfo(3, 3, 2, True, False, 0.01)
+    assert (snap.steps, snap.batch_size, snap.adapters, snap.max_batch_size) == (1, 3, every, 3)
+    assert engine.last_step.num_adapters == 2   # the base model is not an adapter
+    engine.last_step = StepInfo(2, 2, ("poet",), True, False, 0.01)
     monitor(engine)
-    assert monitor.snapshot().adapters == (None, "coder", "poet")
-    engine.scheduler.running, engine.has_unfinished = [], lambda: False
-    engine.last_step = StepInfo(1, 1, 1, True, False, 0.01)
+    assert monitor.snapshot().adapters == ("poet",)
+    engine.has_unfinished = lambda: False
+    engine.last_step = StepInfo(1, 1, ("coder",), True, False, 0.01)
     monitor(engine)
     for _ in range(3):                               # idle ticks: last_step is left as it was
         monitor(engine)
     snap = monitor.snapshot()
-    assert (snap.steps, snap.batch_size, snap.adapters, snap.widest) == (3, 0, (), (None, "coder", "poet"))
+    assert (snap.steps, snap.batch_size, snap.adapters, snap.widest) == (3, 0, (), every)
 
 
 def _run_cmd(argv: list[str], monkeypatch) -> list:

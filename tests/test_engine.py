@@ -397,6 +397,7 @@ def test_steps_run_by_the_graph_shapes_choose_and_are_counted(served):
     plan = [(0, [5, 6, 7], "all-r8"), (0, [9] * 12, None), (3, [3, 1, 4, 1, 5, 9, 2, 6], "qv-r4"),
             (3, [2] * 30, "all-r8"), (6, [4] * 90, None)]
     tokens: dict[str, list[int]] = {}
+    named = []   # each step's StepInfo.adapters
     try:
         step = 0
         while step < 7 or engine.has_unfinished():
@@ -405,6 +406,7 @@ def test_steps_run_by_the_graph_shapes_choose_and_are_counted(served):
                     engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=8, **GREEDY), adapter)
             for out in engine.step():
                 tokens[out.request_id] = out.token_ids
+            named.append(engine.last_step.adapters)
             step += 1
         stats = dict(engine.stats)
     finally:
@@ -415,6 +417,8 @@ def test_steps_run_by_the_graph_shapes_choose_and_are_counted(served):
     assert any(k[1] > 0 for k in keys) and any(k[1] == 0 for k in keys), keys
     assert stats["graph_steps"] == len(keys) < stats["steps"]   # the 90-token prompt's steps ran eager
     assert stats["mixed_graph_steps"] == sum(k[1] > 0 for k in keys)
+    # each step names its adapters, the base model (None) first
+    assert named[0] == (None, "all-r8") and (None, "all-r8", "qv-r4") in named and named[-1] == (None,), named
 
 
 @pytest.mark.parametrize("name, value", [("LORAPLEX_HOST_PRIORITY", "adaptiv"), ("LORAPLEX_LORA_OVERLAP", "sideways")])

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from loraplex.ops import LoraBatch
 from loraplex.ops.batch import LARGE_BLOCK_M, SMALL_BLOCK_M

@@ -61,7 +61,8 @@ def test_bad_chat_fields_and_bodies(server):
                     400)["param"] == "max_completion_tokens"
     assert "JSON" in error_of(post(server, "/v1/completions", b'{"model": "poet", "prompt": '), 400)["message"]
     assert "object" in error_of(post(server, "/v1/completions", [1, 2, 3]), 400)["message"]
-    assert error_of(post(server, "/v1/completions", b'{"model": "poet", "prompt": "\\ud800"}'), 400)["param"] == "prompt"
+    lone_surrogate = b'{"model": "poet", "prompt": "\\ud800"}'
+    assert error_of(post(server, "/v1/completions", lone_surrogate), 400)["param"] == "prompt"
     huge = "x" * 20_000
     body = error_of(post(server, "/v1/completions", {**GOOD, "temperature": huge}), 400)
     assert huge[:100] not in body["message"]

@@ -183,8 +183,12 @@ def test_adapter_load_histogram():
     m.adapter_loaded(0.3, "disk")
     m.adapter_loaded(0.01, "gpu")
     m.adapter_loaded(0.02, "gpu")
+    m.adapter_loaded(0.04, "slot_wait")
+    m.adapter_loaded(0.001, "copy_issue")
     s = scrape(m)
     assert value(s, "loraplex_adapter_load_seconds_count", stage="gpu") == 2
+    assert value(s, "loraplex_adapter_load_seconds_count", stage="slot_wait") == 1
+    assert value(s, "loraplex_adapter_load_seconds_sum", stage="copy_issue") == pytest.approx(0.001)
     assert value(s, "loraplex_adapter_load_seconds_sum", stage="gpu") == pytest.approx(0.03)
     assert value(s, "loraplex_adapter_load_seconds_bucket", stage="disk", le="0.25") == 0
     assert value(s, "loraplex_adapter_load_seconds_bucket", stage="disk", le="0.5") == 1

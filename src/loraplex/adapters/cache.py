@@ -304,8 +304,10 @@ class AdapterCache(AdapterLoads):
             return [e.name for e in self._slot_owner if e is not None and not e.removed and self._poll(e)]
 
     def take_load_times(self) -> list[tuple[str, float]]:
-        """(stage, seconds) of the loads finished since the last call: "disk" = read to a host copy,
-        "gpu" = slot assigned to copy complete (as seen by the next poll: `want`, every engine step, polls)."""
+        """(stage, seconds) of the load stages finished since the last call: "disk" = read to a host copy,
+        "slot_wait" = host copy ready to slot assigned, "copy_issue" = queueing the copies into the slot
+        (host time, on the copier thread), "gpu" = slot assigned to copy complete (as seen by the next
+        poll: `want`, every engine step, polls)."""
         with self._lock:
             out = list(self._load_times)
             self._load_times.clear()

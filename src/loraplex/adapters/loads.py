@@ -48,6 +48,7 @@ class _Entry:
     error: str | None = None
     removed: bool = False                 # unregistered while pinned: goes when the last pin does
     gpu_load_start: float = 0.0           # time.monotonic() when its slot was assigned
+    staged_at: float = 0.0                # time.monotonic() when its host copy started waiting for a slot
 
 
 class AdapterLoads:
@@ -85,7 +86,9 @@ class AdapterLoads:
             return True
         if entry.name in self._cpu_lru:
             self._cpu_lru.move_to_end(entry.name)
-        self._waiting.setdefault(entry.name, entry)
+        if entry.name not in self._waiting:
+            entry.staged_at = time.monotonic()
+            self._waiting[entry.name] = entry
         if serve:
             self._serve_waiting()
         return True
@@ -167,11 +170,15 @@ class AdapterLoads:
     def _assign(self, entry: _Entry, slot: int) -> None:
         entry.slot, entry.gpu_ready, entry.ready_event = slot, False, None
         entry.gpu_load_start = time.monotonic()
+        if entry.staged_at:
+            self._load_times.append(("slot_wait", entry.gpu_load_start - entry.staged_at))
+            entry.staged_at = 0.0
         self._slot_owner[slot] = entry
         entry.requested = False
 
     def _copy_to_slot(self, entry: _Entry, slot: int, host: LoraAdapter) -> None:
         """Queue the copy outside the lock (hundreds of small copies); the slot is reserved meanwhile."""
+        start = time.monotonic()
         try:
             if self._cuda:
                 with torch.cuda.stream(self._stream):
@@ -199,6 +206,7 @@ class AdapterLoads:
             return
         with self._lock:
             entry.ready_event = event
+            self._load_times.append(("copy_issue", time.monotonic() - start))
             self.counters["gpu_loads"] += 1
             if self._entries.get(entry.name) is not entry:  # unregistered meanwhile: free the slot
                 self._release_slot(slot)
@@ -239,6 +247,8 @@ class AdapterLoads:
                         old.staged = None  # a copy already queued for a GPU slot keeps its own reference
                     self.counters["cpu_evictions"] += 1
             if self._wants_gpu(entry):
+                if entry.name not in self._waiting:
+                    entry.staged_at = time.monotonic()
                 self._waiting[entry.name] = entry
                 self._serve_waiting()
             self._start_deferred()

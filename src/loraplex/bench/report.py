@@ -81,14 +81,18 @@ def markdown(result: dict) -> str:
                   "beyond), and the rest (between steps, and "
                   "waits when nothing could run, e.g. for adapter loads):", "",
                   ("| lengths " if merged else "") + "| popularity | max batch | system | decode steps × ms | "
-                  "mixed steps × ms | other (s) | mean batch |",
-                  ("|---" if merged else "") + "|---|---|---|---|---|---|---|"]
+                  "mixed steps × ms | other (s) | mean batch | scheduler alone |",
+                  ("|---" if merged else "") + "|---|---|---|---|---|---|---|---|"]
         for r in steps:
             mixed = r["steps"] - r["decode_steps"]
+            alone = f"{r['schedule_mean_batch']:.1f}" if r.get("schedule_mean_batch") is not None else "–"
             lines.append((f"| {r.get('lengths', '')} " if merged else "") +
                          f"| {r['popularity']} | {r['max_batch']} | {r['system']} | {r['decode_steps']} × "
                          f"{r['decode_step_ms']:.2f} | {mixed} × {r['mixed_step_ms']:.1f} | "
-                         f"{r['other_seconds']:.1f} | {r['mean_batch']:.1f} |")
+                         f"{r['other_seconds']:.1f} | {r['mean_batch']:.1f} | {alone} |")
+        lines += ["", "Scheduler alone: the mean batch the engine's scheduler allows the same requests with every "
+                  "adapter resident from the start and the run's KV memory (src/loraplex/bench/schedule.py); "
+                  "below it, adapter loads or host time held the batch back."]
     lines += ["", "Ceiling: per step, weights + KV of the batch's contexts + each adapter in the batch once, over "
               "the copy bandwidth, summed over a first-come-first-served schedule of the same requests "
               "(src/loraplex/bench/ceiling.py). Backbone rows (no adapters) are the same for every popularity."]

@@ -152,10 +152,11 @@ class LoraplexSystem:
 
 
 def _load_stats(times: list[tuple[str, float]]) -> dict:
-    """Adapter loads of a run: how many reached each stage ("disk": read to a host copy; "gpu": slot
+    """Adapter loads of a run: how many reached each stage (AdapterCache.take_load_times: "disk" read to a
+    host copy, "slot_wait" host copy to slot assigned, "copy_issue" queueing the copies, "gpu" slot
     assigned to copy done) and their median and 90th-percentile seconds."""
     out = {}
-    for stage in ("disk", "gpu"):
+    for stage in ("disk", "slot_wait", "copy_issue", "gpu"):
         seconds = sorted(t for s, t in times if s == stage)
         out[f"adapter_loads_{stage}"] = len(seconds)
         if seconds:

@@ -20,6 +20,7 @@ import time
 import torch
 
 from .ceiling import StepBytes, copy_bandwidth_gbs, simulate_ceiling
+from .schedule import simulate_schedule
 from .report import markdown, plot, ratios
 from .flags import HF_SYSTEMS, SYSTEMS, add_arguments  # noqa: F401  (add_arguments: the CLI's import)
 from .run_hf import add_adapters, load_hf_model, run_hf
@@ -85,10 +86,13 @@ def run(args: argparse.Namespace) -> int:
         notes.append("loraplex rows: each workload's adapters were put on the GPU before timing, up to the "
                      "number of slots (`preloaded` in the JSON); otherwise they start on disk")
 
-    def add(result, workload, kv_tokens, step_bytes, backbone: bool, max_batch, startup: dict | None = None):
+    def add(result, workload, kv_tokens, step_bytes, backbone: bool, max_batch, startup: dict | None = None,
+            schedule: dict | None = None):
         row = result.summary()
         row.update(startup or {})
+        row.update(schedule or {})   # the batch the scheduler alone allows (bench/schedule.py)
         row["max_batch"] = max_batch if max_batch is not None else "unlimited"
+        row["kv_tokens"] = kv_tokens if kv_tokens < 1 << 40 else None   # KV memory (None: transformers' grows)
         row.update(simulate_ceiling(workload, step_bytes, bandwidth, max_batch=result.max_batch,
                                     kv_tokens=kv_tokens, with_adapters=not backbone))
         rows.append(row)
@@ -122,13 +126,14 @@ def run(args: argparse.Namespace) -> int:
             for pop in pops:
                 for n in heads:
                     w = workloads[pop].head(n)
+                    schedule = simulate_schedule(w, config, system.engine.runner.kv.num_blocks)
                     if "loraplex" in systems:
                         add(system.run(w, prompts, backbone=False, name="loraplex", progress=progress,
                                        preload=args.preload_adapters), w,
-                            system.kv_tokens, step_bytes, False, max_batch, startup)
+                            system.kv_tokens, step_bytes, False, max_batch, startup, schedule)
                     if "loraplex-backbone" in systems and pop == pops[0]:
                         add(system.run(w, prompts, backbone=True, name="loraplex-backbone", progress=progress),
-                            w, system.kv_tokens, step_bytes, True, max_batch, startup)
+                            w, system.kv_tokens, step_bytes, True, max_batch, startup, schedule)
             system.close()
             del system
             _free()

@@ -66,29 +66,21 @@ def printable(text: str) -> str:
 
 class StepMonitor:
     """The engine's observer: call it on the engine's thread after each step; `snapshot()` from any thread.
-
-    A step's adapters are those of the sequences running before it or after it (`scheduler.running`; the
-    engine does not keep the step's list): that misses a request admitted and finished within one step
-    and counts a sequence preempted or left without budget in it, both rare."""
+    A step's adapters are the ones its StepInfo names."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._snap = StepSnapshot()
-        # engine thread only: adapters running after the previous step, and its StepInfo
-        self._before: set[str | None] = set()
-        self._seen = None
+        self._seen = None   # engine thread only: the last StepInfo counted
 
     def __call__(self, engine) -> None:
         step = engine.last_step
         if step is None or step is self._seen:   # a step that waited on an adapter load, or an idle tick
             if not engine.has_unfinished():      # (which leaves last_step as the last step left it)
-                self._before = set()
                 with self._lock:
                     self._snap = dataclasses.replace(self._snap, batch_size=0, adapters=())
             return
-        after = {seq.adapter for seq in engine.scheduler.running}   # safe: this is the engine's thread
-        names, self._before, self._seen = self._before | after, after, step
-        adapters = tuple(sorted(names, key=lambda a: (a is not None, a or "")))
+        self._seen, adapters = step, step.adapters
         with self._lock:
             s = self._snap
             self._snap = StepSnapshot(s.steps + 1, step.num_seqs, adapters, max(s.max_batch_size, step.num_seqs),

@@ -36,10 +36,15 @@ class StepInfo:
     """What the last step ran (for metrics and benchmarks)."""
     num_seqs: int
     num_tokens: int
-    num_adapters: int      # distinct adapters in the step
+    adapters: tuple[str | None, ...]   # the step's distinct adapters (None: sequences on the base model first)
     decode: bool           # every sequence fed one token
     graphed: bool          # replayed a CUDA graph
     seconds: float         # wall time of the whole step: schedule, run, sample, postprocess
+
+    @property
+    def num_adapters(self) -> int:
+        """Distinct adapters in the step (the base model not counted)."""
+        return sum(a is not None for a in self.adapters)
 
 
 class Engine:
@@ -187,8 +192,9 @@ class Engine:
         self.stats["graph_steps"] += int(current.graph is not None)
         self.stats["mixed_graph_steps"] += int(current.graph is not None and current.graph[1] > 0)
         self.stats["overlapped_steps"] += int(self._inflight is not None)
+        names = {c.seq.adapter for c in chunks}
         self.last_step = StepInfo(len(chunks), sum(c.num_tokens for c in chunks),
-                                  len({c.seq.adapter for c in chunks if c.seq.adapter is not None}),
+                                  tuple(sorted(names, key=lambda a: (a is not None, a or ""))),
                                   is_decode(chunks), current.graph is not None,
                                   time.perf_counter() - start)
         return outputs

@@ -24,7 +24,7 @@ OTHER_LABEL = "other"     # every adapter past the label cap
 
 OUTCOMES = ("stop", "length", "abort", "error")
 TIERS = ("gpu", "cpu", "disk", "loading", "failed")
-LOAD_STAGES = ("register", "disk", "gpu")
+LOAD_STAGES = ("register", "disk", "slot_wait", "copy_issue", "gpu")
 
 # Buckets sized for LLM serving: TTFT from a warm decode batch to a long prefill behind a queue, TPOT from a
 # fast GPU to a crowded batch, end-to-end up to ten-minute generations.
@@ -151,7 +151,8 @@ class ServerMetrics:
         self._tiers = Gauge("loraplex_adapters", "Registered adapters by where they are (gpu, cpu, disk, "
                             "loading, failed)", ["tier"], registry=r)
         self._load = Histogram("loraplex_adapter_load_seconds", "Adapter load latency by stage (register: "
-                               "validate and index; disk: read to CPU; gpu: copy into a slot)", ["stage"],
+                               "validate and index; disk: read to CPU; slot_wait: host copy waiting for a GPU "
+                               "slot; copy_issue: queueing its copies; gpu: copy into a slot)", ["stage"],
                                buckets=LOAD_BUCKETS, registry=r)
 
         # The gateway's defaults. It has read both KV names over time (gpu_ before vLLM v1, kv_ after), and
