@@ -19,8 +19,10 @@ export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 pip install --no-deps --no-build-isolation -e . -q >/dev/null 2>&1
 if [ "${TESTS:-1}" = 1 ]; then
   echo "== GPU tests at ${SECONDS}s"
-  timeout 200 python -m pytest -m gpu -q -p no:cacheprovider -x tests/test_model_gpu.py tests/test_engine_gpu.py \
-      -k "mixed_graph or decode_graph_replays or graphs_and_eager or seeded" 2>&1 | tee "$OUT/pytest_gpu_mixed_graphs.log" | tail -4
+  # PYTEST_ARGS: other GPU tests instead (e.g. "tests/test_adapters_gpu.py tests/test_engine_gpu.py")
+  timeout 200 python -m pytest -m gpu -q -p no:cacheprovider -x ${PYTEST_ARGS:-tests/test_model_gpu.py \
+      tests/test_engine_gpu.py -k "mixed_graph or decode_graph_replays or graphs_and_eager or seeded"} 2>&1 \
+      | tee "$OUT/pytest_gpu_mixed_graphs.log" | tail -4
 fi
 echo "== Punica 1000, $SYSTEMS, max batch $MAX_BATCH, at ${SECONDS}s"
 timeout $((585 - SECONDS)) python3 -c 'import sys; from loraplex.cli import main; sys.exit(main())' bench --quiet --no-plots \

@@ -96,17 +96,28 @@ class AdapterPool:
         """
         self._check_slot(slot)
         self.check_fits(adapter.spec.max_rank, adapter.name)
-        L = self.model.num_hidden_layers
-        ranks = torch.zeros(L, len(PROJECTIONS), dtype=torch.int32)
-        scalings = torch.zeros(L, len(PROJECTIONS), dtype=torch.float32)
+        L, R = self.model.num_hidden_layers, self.max_rank
+        ranks = [[0] * len(PROJECTIONS) for _ in range(L)]
+        scalings = [[0.0] * len(PROJECTIONS) for _ in range(L)]
+        by_layer: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for (layer, proj), module in adapter.modules.items():
-            HOST_PRIORITY.checkpoint()
             r, p = module.a.shape[0], _PROJ_INDEX[proj]
             if layer >= L:
                 raise AdapterError(f"adapter {adapter.name!r} has layer {layer}; the model has {L}")
-            self.lora_a[layer][proj][slot, :r].copy_(module.a, non_blocking=non_blocking)
-            self.lora_b[layer][proj][slot, :, :r].copy_(module.b, non_blocking=non_blocking)
-            ranks[layer, p], scalings[layer, p] = r, module.scaling
+            a, b = self.lora_a[layer][proj][slot], self.lora_b[layer][proj][slot]
+            dst, src = by_layer.setdefault(layer, ([], []))
+            dst += [a if r == R else a[:r], b if r == R else b[:, :r]]
+            src += [module.a, module.b]
+            ranks[layer][p], scalings[layer][p] = r, module.scaling
+        # One copy call per layer: a load runs beside the engine's thread, and each torch call takes the GIL
+        # (a copy call per tensor and the tables filled by indexing: 2.1 ms of host time per write of a
+        # Llama-2-7B-shaped adapter with tiny widths on a 2-core CPU; so: 0.95 ms). The checkpoint before
+        # each lets an eager forward go first.
+        for layer in sorted(by_layer):
+            HOST_PRIORITY.checkpoint()
+            torch._foreach_copy_(*by_layer[layer], non_blocking=non_blocking)
+        ranks = torch.tensor(ranks, dtype=torch.int32)
+        scalings = torch.tensor(scalings, dtype=torch.float32)
         # The rank table last: on one stream it lands after the weights it describes. (PyTorch keeps
         # a pinned source alive until its asynchronous copy is done, so these temporaries may go.)
         if non_blocking and self.device.type == "cuda":
