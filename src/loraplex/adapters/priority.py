@@ -6,9 +6,9 @@ torch calls per adapter (read, cast, pin, copy to a slot), so while they run, th
 for the GIL at nearly every launch. On the H200 this made mixed steps 4× slower while adapters
 streamed in (107 ms against 28 ms with every adapter resident; benchmarks/NOTES.md).
 
-So the engine marks such stretches `busy()`, and the loaders call `checkpoint()` between modules: while
-the engine is busy a checkpoint waits until it is done, but at most `max_wait_s` each time, so that
-loads still progress through long runs of eager steps. Decode steps replay CUDA graphs and leave
+So the engine marks such stretches `busy()`, and the loaders call `checkpoint()` between modules (the
+slot copy between layers, one copy call each): while the engine is busy a checkpoint waits until it is
+done, but at most `max_wait_s` each time, so that loads still progress through long runs of eager steps. Decode steps replay CUDA graphs and leave
 their host time to the loaders. LORAPLEX_HOST_PRIORITY=0 turns it off (on the H200 it cost 3% at
 unlimited batch, where loads hold the batch back, and gained 9% at batch 32: benchmarks/NOTES.md).
 LORAPLEX_HOST_PRIORITY=adaptive (not yet measured) pauses loads only in steps where no request
