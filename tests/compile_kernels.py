@@ -10,7 +10,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from loraplex.ops import sgmv
+from loraplex.ops import lora_in_gemm, sgmv
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -47,7 +47,18 @@ def expand(dtype: str, block_m: int) -> None:
         _compile(sgmv._sgmv_expand_kernel, types, consts, cfg.expand_warps, cfg.expand_stages)
 
 
+def in_gemm(dtype: str, block_m: int) -> None:
+    """ops/lora_in_gemm.py's expand: v read from the GEMM's own (16-bit) output."""
+    cfg = sgmv.config_for(block_m)
+    types = {"y_": "*" + dtype, "sorted_": "*i32", "work_": "*i32", "slot_": "*i32", "b": "*" + dtype,
+             "rk": "*i32", "sc": "*fp32"}
+    for num_slices, one_r in ((3, True), (1, False)):
+        consts = dict(NUM_SLICES=num_slices, BLOCK_M=block_m, BLOCK_N=cfg.expand_block_n,
+                      BLOCK_R=16 if one_r else 64, ONE_R_TILE=one_r, PRECISION="tf32")
+        _compile(lora_in_gemm._expand_in_gemm_kernel, types, consts, cfg.expand_warps, cfg.expand_stages)
+
+
 if __name__ == "__main__":
     kind, dtype, block_m = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    {"shrink": shrink, "expand": expand}[kind](dtype, block_m)
+    {"shrink": shrink, "expand": expand, "in_gemm": in_gemm}[kind](dtype, block_m)
     print("compiled", kind, dtype, block_m)

@@ -109,12 +109,13 @@ def _sgmv_shrink_kernel(
 @triton.jit
 def _load_v(part_ptr, rows, m_mask, r0, rank, stride_p_split, stride_pm,
             SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Σ over the K splits of the fp32 partials for these rows and rank columns r0..r0+BLOCK_R."""
+    """Σ over the K splits of the fp32 partials for these rows and rank columns r0..r0+BLOCK_R (in fp32 also
+    when the partials are a 16-bit GEMM's output: ops/lora_in_gemm.py)."""
     offs_r = r0 + tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
     v_mask = m_mask[:, None] & r_mask[None, :]
     v_ptrs = part_ptr + rows[:, None] * stride_pm + offs_r[None, :]
-    v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+    v = tl.load(v_ptrs, mask=v_mask, other=0.0).to(tl.float32)
     for s in tl.static_range(1, SPLIT_K):
         v += tl.load(v_ptrs + tl.full((), s, tl.int64) * stride_p_split, mask=v_mask, other=0.0)
     return v, offs_r, r_mask
