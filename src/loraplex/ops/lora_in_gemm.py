@@ -97,8 +97,8 @@ def _check(y_ext: torch.Tensor, n_base: int, lora_b, ranks, scalings, batch: Lor
     if R < 1 or extra < 0 or extra % (S * R):
         raise ValueError(f"y_ext ({_desc(y_ext)}) must hold {n_base} base columns and then C·{S}·R shrink columns "
                          f"(R = {R}, the B stacks' last dimension)")
+    slots = lora_b[0].shape[0]
     for i, (b, rk, sc) in enumerate(zip(lora_b, ranks, scalings)):
-        slots = lora_b[0].shape[0]
         if b.dim() != 3 or b.shape[0] != slots or b.shape[2] != R or not b.is_contiguous() \
                 or b.dtype != y_ext.dtype or b.device != y_ext.device:
             raise ValueError(f"lora_b[{i}] must be a contiguous {y_ext.dtype} [slots={slots}, N_i, R={R}] tensor "
@@ -108,7 +108,6 @@ def _check(y_ext: torch.Tensor, n_base: int, lora_b, ranks, scalings, batch: Lor
                 or (slots > 1 and (rk.stride(0) != 1 or sc.stride(0) != 1)):
             raise ValueError(f"ranks[{i}] / scalings[{i}] must be contiguous int32 / float32 [slots={slots}] on "
                              f"{y_ext.device}, got {_desc(rk)} and {_desc(sc)}")
-    slots = lora_b[0].shape[0]
     if slot_active.dtype != torch.int32 or slot_active.shape != (slots,) or slot_active.device != y_ext.device \
             or (slots > 1 and slot_active.stride(0) != 1):
         raise ValueError(f"slot_active must be a contiguous int32 [slots={slots}] tensor on {y_ext.device}, "
