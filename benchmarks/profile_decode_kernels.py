@@ -1,7 +1,9 @@
 """Per-kernel GPU time of eager Llama-2-7B decode forwards (batch 32, context 512, distinct adapters) in each
-LoRA mode (ops/overlap.py), from the PyTorch profiler: where a mode's time goes, kernel by kernel.
+LoRA mode (ops/overlap.py; "backbone": no adapters), from the PyTorch profiler: where a mode's time goes,
+kernel by kernel.
 
     python benchmarks/profile_decode_kernels.py --modes full,fused --out profile.txt
+    python benchmarks/profile_decode_kernels.py --modes backbone,fused --batch 160 --context 640
 """
 from __future__ import annotations
 
@@ -42,10 +44,12 @@ def main(argv=None) -> str:
                                device="cuda")
     text = []
     for mode in args.modes.split(","):
-        os.environ["LORAPLEX_LORA_OVERLAP"] = mode
+        # "backbone": the same forward without adapters, for what LoRA adds kernel by kernel
+        os.environ["LORAPLEX_LORA_OVERLAP"] = "off" if mode == "backbone" else mode
+        adapters = None if mode == "backbone" else pool
         for _ in range(3):
-            model(batch, kv, pool)
-        text.append(kernel_profile(lambda: model(batch, kv, pool), f"{mode}, batch {B} distinct, eager"))
+            model(batch, kv, adapters)
+        text.append(kernel_profile(lambda: model(batch, kv, adapters), f"{mode}, batch {B} distinct, eager"))
     out = "\n\n".join(text)
     print(out)
     if args.out:

@@ -37,13 +37,15 @@ def shrink(dtype: str, block_m: int) -> None:
 
 def expand(dtype: str, block_m: int) -> None:
     cfg = sgmv.config_for(block_m)
-    # ACCUMULATE=False: y is the fp32 buffer of LoRA products that ops/overlap.py leaves for the next op.
-    for one_r, accumulate in ((True, True), (False, True), (True, False)):
+    # ACCUMULATE=False: y is the fp32 buffer of LoRA products that ops/overlap.py leaves for the next op;
+    # ROWWISE: sgmv._expand_tile_rows (one rank tile only).
+    for one_r, accumulate, rowwise in ((True, True, False), (True, True, True), (False, True, False),
+                                       (True, False, True)):
         types = {"y_": "*" + (dtype if accumulate else "fp32"), "part_": "*fp32", "sorted_": "*i32", "work_": "*i32",
                  "b": "*" + dtype, "rk": "*i32", "sc": "*fp32"}
         consts = dict(NUM_SLICES=2, SPLIT_K=2, BLOCK_M=block_m, BLOCK_N=cfg.expand_block_n,
                       BLOCK_R=16 if one_r else 64, ONE_R_TILE=one_r, PRECISION="split" if dtype == "bf16" else "tf32x3",
-                      ACCUMULATE=accumulate)
+                      ACCUMULATE=accumulate, ROWWISE=rowwise)
         _compile(sgmv._sgmv_expand_kernel, types, consts, cfg.expand_warps, cfg.expand_stages)
 
 

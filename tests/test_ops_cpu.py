@@ -79,11 +79,13 @@ def test_multi_slice_unequal_widths_and_ranks(backend, Ns):
 @interpreted
 @pytest.mark.parametrize("split_k", [1, 2, 8])
 @pytest.mark.parametrize("block_m", [16, 64])
-def test_kernel_split_k_and_tile_height(split_k, block_m):
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_kernel_split_k_and_tile_height(split_k, block_m, rowwise):
     rng = np.random.default_rng(split_k * block_m)
     case = make_case(rng, seg_lens=[1, 70, 2, 15], popularity="skewed", K=640, Ns=(32, 16), R=16, ranks="mixed")
     y = case.y0.clone()
-    cfg = sgmv.KernelConfig(split_k=split_k, shrink_block_k=64, n_chunks=2, expand_block_n=16)
+    cfg = sgmv.KernelConfig(split_k=split_k, shrink_block_k=64, n_chunks=2, expand_block_n=16,
+                            expand_rowwise=rowwise)
     sgmv.add_lora(y, case.x, case.lora_a, case.lora_b, case.batch(block_m=block_m), case.ranks, case.scalings,
                   0, cfg)
     assert rel_err(y, case.oracle(), case.y0) <= 1e-5
@@ -91,12 +93,14 @@ def test_kernel_split_k_and_tile_height(split_k, block_m):
 
 @interpreted
 @pytest.mark.parametrize("n_chunks", [1, 2, 5])
-@pytest.mark.parametrize("R", [16, 128])
-def test_expand_n_chunks_and_rank_tiles(n_chunks, R):
-    """One or several rank tiles (R ≤ 64 or not), N cut into chunks of several BLOCK_N steps."""
+@pytest.mark.parametrize("R", [16, 48, 128])
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_expand_n_chunks_and_rank_tiles(n_chunks, R, rowwise):
+    """One or several rank tiles (R ≤ 64 or not: the row-wise expand only takes one, R=128 keeps the tile
+    product), N cut into chunks of several BLOCK_N steps, a rank tile wider than the rank (R=48)."""
     rng = np.random.default_rng(R + n_chunks)
     case = make_case(rng, seg_lens=[1, 1, 30, 2, 1], popularity="uniform", K=64, Ns=(80, 48), R=R, ranks="mixed")
-    cfg = sgmv.KernelConfig(expand_block_n=16, n_chunks=n_chunks)
+    cfg = sgmv.KernelConfig(expand_block_n=16, n_chunks=n_chunks, expand_rowwise=rowwise)
     for block_m in (16, 64):
         y = case.y0.clone()
         sgmv.add_lora(y, case.x, case.lora_a, case.lora_b, case.batch(block_m=block_m), case.ranks, case.scalings,
@@ -242,14 +246,15 @@ def test_y_in_xs_storage():
 
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_expand_can_store_the_product_instead_of_adding_it(dtype):
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_expand_can_store_the_product_instead_of_adding_it(dtype, rowwise):
     """accumulate=False: y is an fp32 buffer; rows with an adapter get scaling · v @ Bᵀ, every other
     element keeps what it held (here NaN)."""
     rng = np.random.default_rng(stable_seed("store", str(dtype)))
     case = make_case(rng, seg_lens=[1, 3, 1, 1, 20, 1, 2], popularity="uniform", K=96, Ns=(40, 24), R=16,
                      dtype=dtype, none_frac=0.3)
     batch = case.batch()
-    cfg = sgmv.KernelConfig(split_k=2, n_chunks=2, expand_block_n=16)
+    cfg = sgmv.KernelConfig(split_k=2, n_chunks=2, expand_block_n=16, expand_rowwise=rowwise)
     part = sgmv.new_partials(case.x, case.lora_a, batch, cfg)
     sgmv.shrink_into(part, case.x, case.lora_a, case.ranks, batch, cfg)
     delta = torch.full(case.y0.shape, float("nan"))

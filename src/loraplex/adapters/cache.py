@@ -36,6 +36,7 @@ from .peft_format import inspect_peft_adapter, read_peft_adapter
 from .pool import AdapterPool
 from .spec import AdapterError, AdapterSpec, LoraAdapter, check_adapter_name
 from .synthetic import read_synthetic, synthetic_spec
+from .threads import one_core_per_thread
 
 __all__ = ["AdapterCache", "AdapterState"]
 
@@ -69,10 +70,14 @@ class AdapterCache(AdapterLoads):
         self._waiting: OrderedDict[str, _Entry] = OrderedDict()
         # the scheduler's latest wishes (want): adapters of the next requests to admit, first first
         self._wanted: dict[str, None] = {}
-        self._executor = ThreadPoolExecutor(loader_threads, thread_name_prefix="loraplex-adapter-read")
-        self._copier = ThreadPoolExecutor(1, thread_name_prefix="loraplex-adapter-copy")
+        # each on one core (threads.py: an OpenMP team per loader thread made loads crawl beside the engine)
+        self._executor = ThreadPoolExecutor(loader_threads, thread_name_prefix="loraplex-adapter-read",
+                                            initializer=one_core_per_thread)
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="loraplex-adapter-copy",
+                                          initializer=one_core_per_thread)
         # read-ahead on its own thread, so reads for the GPU never queue behind it
-        self._ahead_executor = ThreadPoolExecutor(1, thread_name_prefix="loraplex-adapter-read-ahead")
+        self._ahead_executor = ThreadPoolExecutor(1, thread_name_prefix="loraplex-adapter-read-ahead",
+                                                  initializer=one_core_per_thread)
         self._reading: dict[str, _Entry] = {}                 # reads in flight
         self._deferred: OrderedDict[str, _Entry] = OrderedDict()  # prefetch()ed, read not yet started
         # Reads started for loads still waiting on a GPU slot hold host memory outside the CPU tier;

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -181,12 +182,67 @@ def _expand_tile(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, s
 
 
 @triton.jit
+def _expand_tile_rows(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, slot, start, end, n_chunk, N,
+                      col0, n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R,
+                      SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, ACCUMULATE: tl.constexpr):
+    """`_expand_tile` for tiles of a few rows (decode): row by row, a [BLOCK_N, rank] block of B times the
+    row's fp32 v, summed over the rank in fp32 on the CUDA cores. No tensor-core product, so no tile is
+    padded to 16 rows, no B tile is transposed through shared memory, and each program holds few
+    registers (more of them in flight per SM). Needs rank ≤ BLOCK_R."""
+    rank = tl.minimum(tl.load(rank_ptr + slot), R)  # a rank past R (the stacks' width) is R
+    n_begin = n_chunk * n_per_prog
+    if (rank > 0) & (n_begin < N):
+        n_end = tl.minimum(n_begin + n_per_prog, N)
+        scale = tl.load(scale_ptr + slot)
+        b_base = b_ptr + slot.to(tl.int64) * N * R
+        offs_r = tl.arange(0, BLOCK_R)
+        r_mask = offs_r < rank
+        for n0 in range(n_begin, n_end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < n_end
+            b = _load_b(b_base, offs_n, n_mask, offs_r, r_mask, R).to(tl.float32)
+            for m in range(start, end):
+                row = tl.load(sorted_rows_ptr + m).to(tl.int64)
+                v_ptrs = part_ptr + row * stride_pm + offs_r
+                v = tl.load(v_ptrs, mask=r_mask, other=0.0).to(tl.float32)
+                for s in tl.static_range(1, SPLIT_K):
+                    v += tl.load(v_ptrs + tl.full((), s, tl.int64) * stride_p_split, mask=r_mask, other=0.0)
+                acc = tl.sum(b * v[None, :], axis=1) * scale
+                y_ptrs = y_ptr + row * stride_ym + (col0 + offs_n) * stride_yn
+                if ACCUMULATE:
+                    acc += tl.load(y_ptrs, mask=n_mask, other=0.0).to(tl.float32)
+                tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+ROWWISE_MAX_ROWS = tl.constexpr(4)
+
+
+@triton.jit
+def _expand_slice(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, slot, start, end, n_chunk, N, col0,
+                  n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R,
+                  SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                  ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
+                  ROWWISE: tl.constexpr):
+    # Row by row only for tiles of a few rows (decode rows with their own adapters): its rows run one after
+    # another, so 16 rows sharing an adapter took 9.5 ms per 32-row forward against 6.9 with the tile product.
+    if ROWWISE & (end - start <= ROWWISE_MAX_ROWS):
+        _expand_tile_rows(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, slot, start, end, n_chunk, N,
+                          col0, n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R,
+                          SPLIT_K, BLOCK_N, BLOCK_R, ACCUMULATE)
+    else:
+        _expand_tile(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, slot, start, end, n_chunk, N,
+                     col0, n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R,
+                     SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION, ACCUMULATE)
+
+
+@triton.jit
 def _sgmv_expand_kernel(
         y_ptr, part_ptr, sorted_rows_ptr, work_slot_ptr, work_start_ptr, work_end_ptr,
         b0, b1, b2, b3, rk0, rk1, rk2, rk3, sc0, sc1, sc2, sc3, n0, n1, n2, n3, c0, c1, c2, c3,
         n_chunks, n_per_prog, R, stride_ym, stride_yn, stride_p_split, stride_p_slice, stride_pm,
         NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_R: tl.constexpr, ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr):
+        BLOCK_R: tl.constexpr, ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
+        ROWWISE: tl.constexpr):
     """y[rows, c_i + n] += sc_i[slot] * (Σ_split part[split, i, rows, :rank]) @ B_i[slot, n, :rank]ᵀ
     (ACCUMULATE), or y[rows, c_i + n] = that product (y an fp32 delta buffer)."""
     pid = tl.program_id(0)
@@ -200,24 +256,24 @@ def _sgmv_expand_kernel(
         end = tl.load(work_end_ptr + work)
         part = part_ptr + sl.to(tl.int64) * stride_p_slice
         if sl == 0:
-            _expand_tile(y_ptr, part, b0, rk0, sc0, sorted_rows_ptr, slot, start, end, n_chunk, n0, c0, n_per_prog,
-                         stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R,
-                         ONE_R_TILE, PRECISION, ACCUMULATE)
+            _expand_slice(y_ptr, part, b0, rk0, sc0, sorted_rows_ptr, slot, start, end, n_chunk, n0, c0, n_per_prog,
+                          stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R,
+                          ONE_R_TILE, PRECISION, ACCUMULATE, ROWWISE)
         if NUM_SLICES > 1:
             if sl == 1:
-                _expand_tile(y_ptr, part, b1, rk1, sc1, sorted_rows_ptr, slot, start, end, n_chunk, n1, c1,
-                             n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M,
-                             BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION, ACCUMULATE)
+                _expand_slice(y_ptr, part, b1, rk1, sc1, sorted_rows_ptr, slot, start, end, n_chunk, n1, c1,
+                              n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M,
+                              BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION, ACCUMULATE, ROWWISE)
         if NUM_SLICES > 2:
             if sl == 2:
-                _expand_tile(y_ptr, part, b2, rk2, sc2, sorted_rows_ptr, slot, start, end, n_chunk, n2, c2,
-                             n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M,
-                             BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION, ACCUMULATE)
+                _expand_slice(y_ptr, part, b2, rk2, sc2, sorted_rows_ptr, slot, start, end, n_chunk, n2, c2,
+                              n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M,
+                              BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION, ACCUMULATE, ROWWISE)
         if NUM_SLICES > 3:
             if sl == 3:
-                _expand_tile(y_ptr, part, b3, rk3, sc3, sorted_rows_ptr, slot, start, end, n_chunk, n3, c3,
-                             n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M,
-                             BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION, ACCUMULATE)
+                _expand_slice(y_ptr, part, b3, rk3, sc3, sorted_rows_ptr, slot, start, end, n_chunk, n3, c3,
+                              n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M,
+                              BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION, ACCUMULATE, ROWWISE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,6 +295,7 @@ class KernelConfig:
     split_k: int | None = None  # fixed K splits (a power of two up to MAX_SPLIT_K) instead of the rule above
     n_chunks: int | None = None  # fixed N chunks per slice instead of the rule above
     expand_precision: str | None = None  # None: "split" for bf16 weights, "tf32x3" for fp16 and fp32
+    expand_rowwise: bool = False  # `_expand_tile_rows` (where the rank fits one tile) instead of the tile product
 
 
 MAX_SPLIT_K = 8
@@ -249,8 +306,14 @@ _EXPAND = Launcher(_sgmv_expand_kernel)
 # each program's serial loop is short (benchmarks/sweep_decode_lora.py: the 128 add_lora calls of
 # a Llama-2-7B decode step in a CUDA graph, batches 1–256, distinct and shared adapters).
 # Prefill-like tiles (64 rows) stream x and y. Chosen by benchmarks/sweep_lora_configs.py on an H200.
+# LORAPLEX_EXPAND_ROWWISE=1: decode tiles of up to ROWWISE_MAX_ROWS rows expand row by row. Off by default
+# until measured in this form: on the H200 the row-wise expand for every decode tile took a 160-row
+# distinct-adapter forward from 22.9 to 21.6 ms but a 32-row shared-adapter one from 6.9 to 9.5 ms
+# (benchmarks/NOTES.md), and the ROWWISE_MAX_ROWS branch that keeps shared tiles on the tile product
+# has not run on a GPU yet.
+_DECODE_ROWWISE = os.environ.get("LORAPLEX_EXPAND_ROWWISE", "0").strip() not in ("", "0")
 CONFIGS = {16: KernelConfig(shrink_block_k=256, expand_block_n=256, shrink_programs_per_sm=16.0,
-                            expand_programs_per_sm=16.0),
+                            expand_programs_per_sm=16.0, expand_rowwise=_DECODE_ROWWISE),
            64: KernelConfig(shrink_block_k=128, expand_block_n=128, expand_programs_per_sm=2.0)}
 
 
@@ -348,7 +411,8 @@ def expand_from(y: torch.Tensor, part: torch.Tensor, lora_b: list[torch.Tensor],
             n_chunks, n_per_prog, R, y.stride(0), y.stride(1), part.stride(0), part.stride(1), part.stride(2))
     _EXPAND(grid, args, dict(NUM_SLICES=num_slices, SPLIT_K=part.shape[0], BLOCK_M=batch.block_m,
                              BLOCK_N=cfg.expand_block_n, BLOCK_R=block_r, ONE_R_TILE=R <= block_r,
-                             PRECISION=precision, ACCUMULATE=accumulate),
+                             PRECISION=precision, ACCUMULATE=accumulate,
+                             ROWWISE=cfg.expand_rowwise and R <= block_r),
             cfg.expand_warps, cfg.expand_stages)
 
 

@@ -1,0 +1,107 @@
+"""The decode expand, tile product against row by row (sgmv `_expand_tile_rows`), on Llama-2-7B's LoRA shapes (GPU).
+
+At batch 160 with distinct adapters, the profile of a decode forward (`results/decode_kernels_b160.txt`)
+has the expand reading B at ~1.4 TB/s and the shrink A at ~2.2: 7.8 ms of LoRA per forward where the
+adapters' bytes take ~3.1 ms at the copy bandwidth. This times shrink and expand apart, in CUDA graphs,
+on 4 rotating inputs and adapter blocks, for the four projection groups of a layer (q/k/v, o, gate/up,
+down), decode rows with one adapter each, and for each expand variant checks the result against the
+other (max relative difference) and reports GB/s of the bytes it must move (B, y read and written).
+
+    python benchmarks/probe_expand_rowwise.py --out results/probe_expand_rowwise.json
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_lora_ops import ROTATIONS, copy_bandwidth_gbs, graphed, time_us  # noqa: E402
+
+from loraplex import ops  # noqa: E402
+from loraplex.ops import sgmv  # noqa: E402
+
+GROUPS = {"qkv": (4096, (4096, 4096, 4096)), "o": (4096, (4096,)), "gate_up": (4096, (11008, 11008)),
+          "down": (11008, (4096,))}
+RANK = 16
+
+
+def variants() -> dict[str, sgmv.KernelConfig]:
+    base = dataclasses.replace(sgmv.config_for(16), expand_rowwise=False)
+    rows = dataclasses.replace(base, expand_rowwise=True)
+    out = {"tile": base, "rows": rows}
+    for block_n, per_sm, warps in ((128, 16.0, 4), (512, 16.0, 4), (256, 32.0, 4), (256, 8.0, 4), (256, 16.0, 8),
+                                   (512, 8.0, 8)):
+        out[f"rows_n{block_n}_p{int(per_sm)}_w{warps}"] = dataclasses.replace(
+            rows, expand_block_n=block_n, expand_programs_per_sm=per_sm, expand_warps=warps)
+    return out
+
+
+def run_group(name: str, M: int, gen: torch.Generator, copy_gbs: float) -> dict:
+    K, Ns = GROUPS[name]
+    slots = M * ROTATIONS
+    a = [(torch.randn(slots, RANK, K, generator=gen, device="cuda") * K ** -0.5).to(torch.bfloat16) for _ in Ns]
+    b = [(torch.randn(slots, n, RANK, generator=gen, device="cuda") * RANK ** -0.5).to(torch.bfloat16) for n in Ns]
+    ranks = [torch.full((slots,), RANK, dtype=torch.int32, device="cuda") for _ in Ns]
+    scal = [torch.rand(slots, generator=gen, device="cuda") + 0.5 for _ in Ns]
+    xs = [torch.randn(M, K, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(ROTATIONS)]
+    y0 = [torch.randn(M, sum(Ns), generator=gen, device="cuda").to(torch.bfloat16) for _ in range(ROTATIONS)]
+    ys = [y.clone() for y in y0]
+    batches = [ops.LoraBatch.from_lengths([1] * M, list(range(k * M, (k + 1) * M)), "cuda") for k in range(ROTATIONS)]
+    cfgs = variants()
+    parts = [sgmv.new_partials(xs[k], a, batches[k], cfgs["tile"]) for k in range(ROTATIONS)]
+    shrinks = [lambda k=k: sgmv.shrink_into(parts[k], xs[k], a, ranks, batches[k], cfgs["tile"])
+               for k in range(ROTATIONS)]
+    row = dict(group=name, M=M, K=K, N=list(Ns), split_k=parts[0].shape[0],
+               shrink_us=time_us([graphed(f) for f in shrinks]))
+    for f in shrinks:
+        f()
+    a_bytes = M * RANK * K * 2 * len(Ns)
+    row["shrink_gbs"] = a_bytes / row["shrink_us"] / 1e3
+    b_bytes = M * RANK * sum(Ns) * 2 + 2 * M * sum(Ns) * 2
+    results = {}
+    for vname, cfg in cfgs.items():
+        ys[0].copy_(y0[0])
+        sgmv.expand_from(ys[0], parts[0], b, ranks, scal, batches[0], 0, cfg)
+        results[vname] = (ys[0].double() - y0[0].double())
+        fns = [lambda k=k, cfg=cfg: sgmv.expand_from(ys[k], parts[k], b, ranks, scal, batches[k], 0, cfg)
+               for k in range(ROTATIONS)]
+        us = time_us([graphed(f) for f in fns])
+        row[f"expand_{vname}_us"] = us
+        row[f"expand_{vname}_gbs"] = b_bytes / us / 1e3
+    ref = results["tile"]
+    row["max_rel_diff_vs_tile"] = max(((r - ref).norm() / ref.norm()).item() for r in results.values())
+    row["floor_us"] = (a_bytes + b_bytes) / copy_gbs / 1e3
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path)
+    p.add_argument("--batches", default="32,160")
+    args = p.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    copy_gbs = copy_bandwidth_gbs()
+    rows = []
+    for M in (int(m) for m in args.batches.split(",")):
+        for name in GROUPS:
+            row = run_group(name, M, gen, copy_gbs)
+            rows.append(row)
+            best = min((k for k in row if k.startswith("expand_") and k.endswith("_us")), key=row.get)
+            print(f"M={M:4d} {name:8s} shrink {row['shrink_us']:7.1f} µs ({row['shrink_gbs']:6.0f} GB/s) | "
+                  f"expand tile {row['expand_tile_us']:7.1f} rows {row['expand_rows_us']:7.1f} "
+                  f"best {best[7:-3]} {row[best]:7.1f} | floor(A+B) {row['floor_us']:6.1f} | "
+                  f"diff {row['max_rel_diff_vs_tile']:.1e}", flush=True)
+    out = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,
+               copy_gbs=copy_gbs, rank=RANK, rows=rows)
+    if args.out:
+        args.out.write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
