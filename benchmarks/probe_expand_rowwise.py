@@ -1,11 +1,13 @@
-"""The decode expand, tile product against row by row (sgmv `_expand_tile_rows`), on Llama-2-7B's LoRA shapes (GPU).
+"""The decode shrink and expand, tile product against row by row (sgmv `_shrink_tile_rows`, `_expand_tile_rows`), on
+Llama-2-7B's LoRA shapes (GPU).
 
 At batch 160 with distinct adapters, the profile of a decode forward (`results/decode_kernels_b160.txt`)
 has the expand reading B at ~1.4 TB/s and the shrink A at ~2.2: 7.8 ms of LoRA per forward where the
 adapters' bytes take ~3.1 ms at the copy bandwidth. This times shrink and expand apart, in CUDA graphs,
 on 4 rotating inputs and adapter blocks, for the four projection groups of a layer (q/k/v, o, gate/up,
-down), decode rows with one adapter each, and for each expand variant checks the result against the
-other (max relative difference) and reports GB/s of the bytes it must move (B, y read and written).
+down), decode rows with one adapter each (`distinct`) or all sharing one (`shared`: 16-row tiles, which
+the row-wise kernels leave to the tile product), and for each variant checks the result against the
+tile product's (max relative difference) and reports GB/s of the bytes it must move.
 
     python benchmarks/probe_expand_rowwise.py --out results/probe_expand_rowwise.json
 """
@@ -32,9 +34,10 @@ RANK = 16
 
 
 def variants() -> dict[str, sgmv.KernelConfig]:
-    base = dataclasses.replace(sgmv.config_for(16), expand_rowwise=False)
-    rows = dataclasses.replace(base, expand_rowwise=True)
-    out = {"tile": base, "rows": rows}
+    base = dataclasses.replace(sgmv.config_for(16), shrink_rowwise=0, expand_rowwise=0)
+    rows = dataclasses.replace(base, shrink_rowwise=2, expand_rowwise=2)   # every tile: one path compiled
+    branched = dataclasses.replace(base, shrink_rowwise=1, expand_rowwise=1)   # tiles of ≤ 4 rows, both compiled
+    out = {"tile": base, "rows": rows, "rows_branched": branched}
     for block_n, per_sm, warps in ((128, 16.0, 4), (512, 16.0, 4), (256, 32.0, 4), (256, 8.0, 4), (256, 16.0, 8),
                                    (512, 8.0, 8)):
         out[f"rows_n{block_n}_p{int(per_sm)}_w{warps}"] = dataclasses.replace(
@@ -42,7 +45,7 @@ def variants() -> dict[str, sgmv.KernelConfig]:
     return out
 
 
-def run_group(name: str, M: int, gen: torch.Generator, copy_gbs: float) -> dict:
+def run_group(name: str, M: int, popularity: str, gen: torch.Generator, copy_gbs: float) -> dict:
     K, Ns = GROUPS[name]
     slots = M * ROTATIONS
     a = [(torch.randn(slots, RANK, K, generator=gen, device="cuda") * K ** -0.5).to(torch.bfloat16) for _ in Ns]
@@ -52,18 +55,26 @@ def run_group(name: str, M: int, gen: torch.Generator, copy_gbs: float) -> dict:
     xs = [torch.randn(M, K, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(ROTATIONS)]
     y0 = [torch.randn(M, sum(Ns), generator=gen, device="cuda").to(torch.bfloat16) for _ in range(ROTATIONS)]
     ys = [y.clone() for y in y0]
-    batches = [ops.LoraBatch.from_lengths([1] * M, list(range(k * M, (k + 1) * M)), "cuda") for k in range(ROTATIONS)]
+    slots = [list(range(k * M, (k + 1) * M)) if popularity == "distinct" else [k * M] * M for k in range(ROTATIONS)]
+    batches = [ops.LoraBatch.from_lengths([1] * M, slots[k], "cuda") for k in range(ROTATIONS)]
+    used = M if popularity == "distinct" else 1
     cfgs = variants()
     parts = [sgmv.new_partials(xs[k], a, batches[k], cfgs["tile"]) for k in range(ROTATIONS)]
-    shrinks = [lambda k=k: sgmv.shrink_into(parts[k], xs[k], a, ranks, batches[k], cfgs["tile"])
-               for k in range(ROTATIONS)]
-    row = dict(group=name, M=M, K=K, N=list(Ns), split_k=parts[0].shape[0],
-               shrink_us=time_us([graphed(f) for f in shrinks]))
-    for f in shrinks:
+    row = dict(group=name, M=M, popularity=popularity, K=K, N=list(Ns), split_k=parts[0].shape[0])
+    a_bytes = used * RANK * K * 2 * len(Ns) + M * K * 2
+    shrunk = {}
+    for vname in ("tile", "rows", "rows_branched"):
+        shrinks = [lambda k=k, cfg=cfgs[vname]: sgmv.shrink_into(parts[k], xs[k], a, ranks, batches[k], cfg)
+                   for k in range(ROTATIONS)]
+        shrinks[0]()
+        shrunk[vname] = parts[0].sum(0).double()
+        row[f"shrink_{vname}_us"] = time_us([graphed(f) for f in shrinks])
+        row[f"shrink_{vname}_gbs"] = a_bytes / row[f"shrink_{vname}_us"] / 1e3
+    row["shrink_rows_rel_diff"] = ((shrunk["rows"] - shrunk["tile"]).norm() / shrunk["tile"].norm()).item()
+    for f in [lambda k=k: sgmv.shrink_into(parts[k], xs[k], a, ranks, batches[k], cfgs["tile"])
+              for k in range(ROTATIONS)]:
         f()
-    a_bytes = M * RANK * K * 2 * len(Ns)
-    row["shrink_gbs"] = a_bytes / row["shrink_us"] / 1e3
-    b_bytes = M * RANK * sum(Ns) * 2 + 2 * M * sum(Ns) * 2
+    b_bytes = used * RANK * sum(Ns) * 2 + 2 * M * sum(Ns) * 2
     results = {}
     for vname, cfg in cfgs.items():
         ys[0].copy_(y0[0])
@@ -89,14 +100,17 @@ def main() -> None:
     copy_gbs = copy_bandwidth_gbs()
     rows = []
     for M in (int(m) for m in args.batches.split(",")):
-        for name in GROUPS:
-            row = run_group(name, M, gen, copy_gbs)
-            rows.append(row)
-            best = min((k for k in row if k.startswith("expand_") and k.endswith("_us")), key=row.get)
-            print(f"M={M:4d} {name:8s} shrink {row['shrink_us']:7.1f} µs ({row['shrink_gbs']:6.0f} GB/s) | "
-                  f"expand tile {row['expand_tile_us']:7.1f} rows {row['expand_rows_us']:7.1f} "
-                  f"best {best[7:-3]} {row[best]:7.1f} | floor(A+B) {row['floor_us']:6.1f} | "
-                  f"diff {row['max_rel_diff_vs_tile']:.1e}", flush=True)
+        for popularity in ("distinct", "shared"):
+            for name in GROUPS:
+                row = run_group(name, M, popularity, gen, copy_gbs)
+                rows.append(row)
+                best = min((k for k in row if k.startswith("expand_") and k.endswith("_us")), key=row.get)
+                print(f"M={M:4d} {popularity:8s} {name:8s} shrink tile {row['shrink_tile_us']:6.1f} rows "
+                      f"{row['shrink_rows_us']:6.1f} branched {row['shrink_rows_branched_us']:6.1f} µs | expand "
+                      f"tile {row['expand_tile_us']:6.1f} rows {row['expand_rows_us']:6.1f} branched "
+                      f"{row['expand_rows_branched_us']:6.1f} best {best[7:-3]} {row[best]:6.1f} | "
+                      f"floor {row['floor_us']:6.1f} | "
+                      f"diff {max(row['max_rel_diff_vs_tile'], row['shrink_rows_rel_diff']):.1e}", flush=True)
     out = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,
                copy_gbs=copy_gbs, rank=RANK, rows=rows)
     if args.out:

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from loraplex.adapters import AdapterCache
-from loraplex.adapters.threads import _openmp_runtime, one_core_per_thread
+from loraplex.adapters.threads import _openmp_runtimes, one_core_per_thread
 from loraplex.models.presets import preset_config
 
-needs_openmp = pytest.mark.skipif(_openmp_runtime() is None or torch.get_num_threads() < 2,
+needs_openmp = pytest.mark.skipif(not _openmp_runtimes() or torch.get_num_threads() < 2,
                                   reason="needs PyTorch's OpenMP runtime and at least 2 intra-op threads")
 
 
@@ -23,6 +23,9 @@ def _in_new_thread(fn):
 @needs_openmp
 def test_one_core_for_the_calling_thread_only():
     before = torch.get_num_threads()
+    # an explicit process-wide count makes a thread's first parallel op reset its team to that count:
+    # the setting must survive it
+    torch.set_num_threads(before)
 
     def loader():
         ok = one_core_per_thread()
@@ -45,3 +48,33 @@ def test_the_cache_loader_threads_run_on_one_core():
         assert torch.get_num_threads() > 1
     finally:
         cache.close()
+
+
+def test_the_runtimes_are_read_from_the_whole_path_field(monkeypatch, tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f01 r-xp 00000000 08:01 1 /opt/my venv/torch/lib/libgomp-a34b3233.so.1\n"
+                    "7f02-7f03 r-xp 00000000 08:01 2 /usr/lib/x86_64-linux-gnu/libgomp.so.1\n"
+                    "7f04-7f05 r-xp 00000000 08:01 3 /usr/lib/libiomp5.so\n"
+                    "7f06-7f07 r-xp 00000000 08:01 4 /usr/lib/libgompx_other.txt\n"
+                    "7f08-7f09 rw-p 00000000 00:00 0\n")
+    import loraplex.adapters.threads as threads
+    real = threads.Path
+    monkeypatch.setattr(threads, "Path", lambda p: maps if p == "/proc/self/maps" else real(p))
+    threads._openmp_runtimes.cache_clear()
+    try:
+        assert threads._openmp_runtimes() == ("/opt/my venv/torch/lib/libgomp-a34b3233.so.1",
+                                             "/usr/lib/x86_64-linux-gnu/libgomp.so.1", "/usr/lib/libiomp5.so")
+    finally:
+        threads._openmp_runtimes.cache_clear()
+
+
+@needs_openmp
+def test_a_failure_never_breaks_the_loader_pool(monkeypatch):
+    import loraplex.adapters.threads as threads
+
+    def broken():
+        raise UnicodeDecodeError("utf-8", b"", 0, 1, "test")
+    monkeypatch.setattr(threads, "_openmp_runtimes", broken)
+    monkeypatch.setattr(threads, "_working", None)
+
+    assert _in_new_thread(one_core_per_thread) is False   # a new thread's team is the default, > 1

@@ -79,13 +79,15 @@ def test_multi_slice_unequal_widths_and_ranks(backend, Ns):
 @interpreted
 @pytest.mark.parametrize("split_k", [1, 2, 8])
 @pytest.mark.parametrize("block_m", [16, 64])
-@pytest.mark.parametrize("rowwise", [False, True])
+@pytest.mark.parametrize("rowwise", [0, 1, 2])
 def test_kernel_split_k_and_tile_height(split_k, block_m, rowwise):
+    """Split K, 16- and 64-row tiles, tiles of 1–16 rows (the row-wise kernels take those of up to
+    sgmv.ROWWISE_MAX_ROWS rows when asked, the others keep the tile product)."""
     rng = np.random.default_rng(split_k * block_m)
     case = make_case(rng, seg_lens=[1, 70, 2, 15], popularity="skewed", K=640, Ns=(32, 16), R=16, ranks="mixed")
     y = case.y0.clone()
     cfg = sgmv.KernelConfig(split_k=split_k, shrink_block_k=64, n_chunks=2, expand_block_n=16,
-                            expand_rowwise=rowwise)
+                            shrink_rowwise=rowwise, expand_rowwise=rowwise)
     sgmv.add_lora(y, case.x, case.lora_a, case.lora_b, case.batch(block_m=block_m), case.ranks, case.scalings,
                   0, cfg)
     assert rel_err(y, case.oracle(), case.y0) <= 1e-5
@@ -94,18 +96,69 @@ def test_kernel_split_k_and_tile_height(split_k, block_m, rowwise):
 @interpreted
 @pytest.mark.parametrize("n_chunks", [1, 2, 5])
 @pytest.mark.parametrize("R", [16, 48, 128])
-@pytest.mark.parametrize("rowwise", [False, True])
+@pytest.mark.parametrize("rowwise", [0, 1, 2])
 def test_expand_n_chunks_and_rank_tiles(n_chunks, R, rowwise):
     """One or several rank tiles (R ≤ 64 or not: the row-wise expand only takes one, R=128 keeps the tile
     product), N cut into chunks of several BLOCK_N steps, a rank tile wider than the rank (R=48)."""
     rng = np.random.default_rng(R + n_chunks)
     case = make_case(rng, seg_lens=[1, 1, 30, 2, 1], popularity="uniform", K=64, Ns=(80, 48), R=R, ranks="mixed")
-    cfg = sgmv.KernelConfig(expand_block_n=16, n_chunks=n_chunks, expand_rowwise=rowwise)
+    cfg = sgmv.KernelConfig(expand_block_n=16, n_chunks=n_chunks, shrink_block_k=32, shrink_rowwise=rowwise,
+                            expand_rowwise=rowwise)
     for block_m in (16, 64):
         y = case.y0.clone()
         sgmv.add_lora(y, case.x, case.lora_a, case.lora_b, case.batch(block_m=block_m), case.ranks, case.scalings,
                       0, cfg)
         assert rel_err(y, case.oracle(), case.y0) <= 1e-5
+
+
+@interpreted
+@pytest.mark.parametrize("split_k", [1, 4])
+@pytest.mark.parametrize("mode", [1, 2])
+def test_rowwise_kernels_on_tiles_of_one_to_six_rows(split_k, mode):
+    """Distinct adapters on segments of 1–6 rows: in mode 1 the tiles of up to ROWWISE_MAX_ROWS rows go row by
+    row and the 5- and 6-row ones through the tile product, in mode 2 all row by row; the shrink's and the
+    expand's modes apart and together."""
+    assert sgmv.ROWWISE_MAX_ROWS == 4
+    rng = np.random.default_rng(stable_seed("rowwise", split_k, mode))
+    case = make_case(rng, seg_lens=[1, 2, 3, 4, 5, 6, 1, 1], popularity="distinct", K=200, Ns=(72, 40), R=16,
+                     ranks="mixed", dtype=torch.float16, y_offset=2, extra_cols=3)
+    assert all(s >= 0 for s in case.slot_ids)
+    expected = case.oracle()
+    base = dict(split_k=split_k, shrink_block_k=32, expand_block_n=32, n_chunks=2)
+    for shrink_mode, expand_mode in ((mode, 0), (0, mode), (mode, mode)):
+        cfg = sgmv.KernelConfig(**base, shrink_rowwise=shrink_mode, expand_rowwise=expand_mode)
+        y = case.y0.clone()
+        sgmv.add_lora(y, case.x, case.lora_a, case.lora_b, case.batch(block_m=16), case.ranks, case.scalings, 2, cfg)
+        untouched = case.untouched()
+        assert torch.equal(y[untouched], case.y0[untouched])
+        assert rel_err(y, expected, case.y0) <= TOL[torch.float16], (shrink_mode, expand_mode)
+
+
+@interpreted
+@pytest.mark.parametrize("mode", [1, 2])
+def test_rowwise_rank_above_stack_width_counts_as_the_width(mode):
+    rng = np.random.default_rng(stable_seed("rowwise-rank", mode))
+    # R=24: the rank tile is 32 wide, so a rank of 29 would reach into the next slot's rows if not clamped
+    case = make_case(rng, seg_lens=[1, 3, 1, 9], popularity="distinct", K=64, Ns=(32,), R=24)
+    expected = case.oracle()
+    case.ranks[0].fill_(24 + 5)
+    y = case.y0.clone()
+    cfg = sgmv.KernelConfig(split_k=2, shrink_block_k=16, expand_block_n=16, shrink_rowwise=mode, expand_rowwise=mode)
+    sgmv.add_lora(y, case.x, case.lora_a, case.lora_b, case.batch(block_m=16), case.ranks, case.scalings, 0, cfg)
+    assert rel_err(y, expected, case.y0) <= 1e-5
+
+
+@pytest.mark.parametrize("value, expected", [("0", 0), ("", 0), ("1", 1), (" 2 ", 2)])
+def test_rowwise_setting(value, expected, monkeypatch):
+    monkeypatch.setenv("LORAPLEX_LORA_ROWWISE", value)
+    assert sgmv._rowwise_setting() == expected
+
+
+@pytest.mark.parametrize("value", ["yes", "3", "expand"])
+def test_rowwise_setting_refuses_a_bad_value(value, monkeypatch):
+    monkeypatch.setenv("LORAPLEX_LORA_ROWWISE", value)
+    with pytest.raises(ValueError, match=f"LORAPLEX_LORA_ROWWISE='{value}'"):
+        sgmv._rowwise_setting()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -246,7 +299,7 @@ def test_y_in_xs_storage():
 
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rowwise", [False, True])
+@pytest.mark.parametrize("rowwise", [0, 1, 2])
 def test_expand_can_store_the_product_instead_of_adding_it(dtype, rowwise):
     """accumulate=False: y is an fp32 buffer; rows with an adapter get scaling · v @ Bᵀ, every other
     element keeps what it held (here NaN)."""
@@ -254,7 +307,8 @@ def test_expand_can_store_the_product_instead_of_adding_it(dtype, rowwise):
     case = make_case(rng, seg_lens=[1, 3, 1, 1, 20, 1, 2], popularity="uniform", K=96, Ns=(40, 24), R=16,
                      dtype=dtype, none_frac=0.3)
     batch = case.batch()
-    cfg = sgmv.KernelConfig(split_k=2, n_chunks=2, expand_block_n=16, expand_rowwise=rowwise)
+    cfg = sgmv.KernelConfig(split_k=2, n_chunks=2, expand_block_n=16, shrink_rowwise=rowwise,
+                            expand_rowwise=rowwise)
     part = sgmv.new_partials(case.x, case.lora_a, batch, cfg)
     sgmv.shrink_into(part, case.x, case.lora_a, case.ranks, batch, cfg)
     delta = torch.full(case.y0.shape, float("nan"))

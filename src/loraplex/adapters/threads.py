@@ -17,37 +17,55 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import re
 from pathlib import Path
 
 import torch
 
+log = logging.getLogger("loraplex.adapters")
+_RUNTIME = re.compile(r"/lib(?:gomp|omp|iomp5)[^/]*\.so")
+_working: str | None = None   # the runtime whose setting took, once one did
+_warned = False
+
 
 @functools.cache
-def _openmp_runtime() -> ctypes.CDLL | None:
-    """The OpenMP runtime this process loaded (GNU's libgomp or LLVM's libomp), or None."""
+def _openmp_runtimes() -> tuple[str, ...]:
+    """Paths of the OpenMP runtimes this process loaded (GNU's libgomp, LLVM's libomp, Intel's libiomp5),
+    PyTorch's own first; empty where /proc/self/maps is missing (not Linux)."""
     try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:   # not Linux
-        return None
-    for path in sorted(set(re.findall(r"(/\S*/lib(?:gomp|omp|iomp5)[^/\s]*\.so[^/\s]*)", maps))):
-        try:
-            lib = ctypes.CDLL(path)
-            lib.omp_set_num_threads.argtypes = [ctypes.c_int]
-            return lib
-        except (OSError, AttributeError):
-            continue
-    return None
+        lines = Path("/proc/self/maps").read_text(errors="replace").splitlines()
+    except OSError:
+        return ()
+    paths: list[str] = []
+    for line in lines:
+        fields = line.split(maxsplit=5)   # the sixth field is the path, spaces and all
+        if len(fields) == 6 and _RUNTIME.search(fields[5]) and fields[5].strip() not in paths:
+            paths.append(fields[5].strip())
+    return tuple(sorted(paths, key=lambda p: "torch" not in p))
 
 
 def one_core_per_thread() -> bool:
-    """Make the calling thread's CPU torch ops run on it alone (a thread pool's initializer).
-    Whether it could (an OpenMP runtime was found)."""
-    # ATen sizes a thread's team at its first parallel op, from the process-wide count: let that happen
-    # now, so it cannot undo the setting below later
-    torch.get_num_threads()
-    lib = _openmp_runtime()
-    if lib is None:
-        return False
-    lib.omp_set_num_threads(1)
-    return torch.get_num_threads() == 1
+    """Make the calling thread's CPU torch ops run on it alone (a thread pool's initializer). Whether it
+    could; never raises (a pool whose initializer raises takes no more work)."""
+    global _working, _warned
+    try:
+        # ATen sizes a thread's team at its first parallel op, from the process-wide count: let that happen
+        # now, so it cannot undo the setting below later
+        if torch.get_num_threads() == 1:
+            return True
+        # the runtime PyTorch uses is the one whose setting PyTorch then reports
+        for path in [_working] if _working else _openmp_runtimes():
+            lib = ctypes.CDLL(path)
+            lib.omp_set_num_threads.argtypes = [ctypes.c_int]
+            lib.omp_set_num_threads(1)
+            if torch.get_num_threads() == 1:
+                _working = path
+                return True
+        reason = f"no OpenMP runtime of {_openmp_runtimes() or 'none found'} set it"
+    except Exception as e:  # noqa: BLE001 (an adapter loader must start whatever this meets)
+        reason = f"{type(e).__name__}: {e}"
+    if not _warned:
+        _warned = True
+        log.warning("adapter loader threads keep PyTorch's %d CPU threads each: %s", torch.get_num_threads(), reason)
+    return False

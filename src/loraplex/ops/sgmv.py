@@ -16,6 +16,11 @@ Up to `MAX_SLICES` output slices (fused q/k/v, gate/up) share one launch per dir
 each slice's tensors come in as their own kernel arguments so the compiler keeps their
 alignment, and the program picks its slice with a branch.
 
+For tiles of a few rows (decode rows with their own adapters) both kernels have a row-wise path
+(`_shrink_tile_rows`, `_expand_tile_rows`: fp32 multiply-and-sum on the CUDA cores, no row padded to
+16 for the tensor cores), for every tile or for tiles of a few rows (chosen at run time), per config
+(`KernelConfig`; LORAPLEX_LORA_ROWWISE for the decode config; off by default until measured, see CONFIGS).
+
 A one-launch variant (each program shrinking over the whole K, then expanding its columns) was
 measured on an H200 and lost 1.1–3.3× to these two launches at every decode batch: without
 split-K each program's K loop is one long latency chain (benchmarks/NOTES.md).
@@ -34,6 +39,9 @@ import triton.language as tl
 from .launch import Launcher
 
 MAX_SLICES = 4
+# The row-wise kernels (`_shrink_tile_rows`, `_expand_tile_rows`) take tiles of at most this many rows; larger
+# ones keep the tile product, where the rows run side by side rather than one after another.
+ROWWISE_MAX_ROWS = tl.constexpr(4)
 
 
 @triton.jit
@@ -64,13 +72,60 @@ def _shrink_tile(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, start,
 
 
 @triton.jit
+def _shrink_tile_rows(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
+                      stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
+                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`_shrink_tile` for tiles of a few rows (decode), row by row: a [rank tile, BLOCK_K] block of A times
+    the row's x, summed over K in fp32 on the CUDA cores (no tile padded to 16 rows for the tensor cores).
+    A is read once per row; the tile's few rows find it in L2."""
+    rank = tl.minimum(tl.load(rank_ptr + slot), R)  # a rank past R (the stacks' width) is R
+    r_first = r_tile * BLOCK_R
+    if r_first < rank:
+        offs_r = r_first + tl.arange(0, BLOCK_R)
+        r_mask = offs_r < rank
+        offs_k = tl.arange(0, BLOCK_K)
+        a_rows = a_ptr + slot.to(tl.int64) * stride_a_slot + offs_r[:, None] * stride_a_r
+        for m in range(start, end):
+            row = tl.load(sorted_rows_ptr + m).to(tl.int64)
+            acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+            for k in range(k_begin, k_end, BLOCK_K):
+                k_mask = (k + offs_k) < k_end
+                xk = tl.load(x_ptr + row * stride_xm + (k + offs_k) * stride_xk, mask=k_mask, other=0.0)
+                at = tl.load(a_rows + (k + offs_k)[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+                acc += tl.sum(at.to(tl.float32) * xk.to(tl.float32)[None, :], axis=1)
+            tl.store(part_ptr + row * stride_pm + offs_r, acc, mask=r_mask)
+
+
+@triton.jit
+def _shrink_slice(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
+                  stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
+                  BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                  ROWWISE: tl.constexpr):
+    # the modes as in _expand_slice; static branches, so that modes 0 and 2 compile one path only
+    if ROWWISE == 2:
+        _shrink_tile_rows(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, start, end, r_tile, k_begin,
+                          k_end, R, stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm, BLOCK_R, BLOCK_K)
+    elif ROWWISE == 1:
+        if end - start <= ROWWISE_MAX_ROWS:
+            _shrink_tile_rows(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, start, end, r_tile, k_begin,
+                              k_end, R, stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm, BLOCK_R, BLOCK_K)
+        else:
+            _shrink_tile(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end,
+                         R, stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm, BLOCK_M, BLOCK_R, BLOCK_K,
+                         PRECISION)
+    else:
+        _shrink_tile(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
+                     stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm, BLOCK_M, BLOCK_R, BLOCK_K, PRECISION)
+
+
+@triton.jit
 def _sgmv_shrink_kernel(
         x_ptr, part_ptr, sorted_rows_ptr, work_slot_ptr, work_start_ptr, work_end_ptr,
         a0, a1, a2, a3, rk0, rk1, rk2, rk3,
         K, k_per_split, r_tiles, R,
         stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_p_split, stride_p_slice, stride_pm,
         NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-        PRECISION: tl.constexpr):
+        PRECISION: tl.constexpr, ROWWISE: tl.constexpr):
     """part[split, i, rows, :rank_i] = x[rows, split's K range] @ A_i[slot, :rank_i, same range]ᵀ."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -87,24 +142,24 @@ def _sgmv_shrink_kernel(
         k_end = tl.minimum(k_begin + k_per_split, K)
         part = part_ptr + split.to(tl.int64) * stride_p_split + sl.to(tl.int64) * stride_p_slice
         if sl == 0:
-            _shrink_tile(x_ptr, a0, rk0, part, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
-                         stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
-                         BLOCK_M, BLOCK_R, BLOCK_K, PRECISION)
+            _shrink_slice(x_ptr, a0, rk0, part, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
+                          stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
+                          BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, ROWWISE)
         if NUM_SLICES > 1:
             if sl == 1:
-                _shrink_tile(x_ptr, a1, rk1, part, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
-                             stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
-                             BLOCK_M, BLOCK_R, BLOCK_K, PRECISION)
+                _shrink_slice(x_ptr, a1, rk1, part, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
+                              stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
+                              BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, ROWWISE)
         if NUM_SLICES > 2:
             if sl == 2:
-                _shrink_tile(x_ptr, a2, rk2, part, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
-                             stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
-                             BLOCK_M, BLOCK_R, BLOCK_K, PRECISION)
+                _shrink_slice(x_ptr, a2, rk2, part, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
+                              stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
+                              BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, ROWWISE)
         if NUM_SLICES > 3:
             if sl == 3:
-                _shrink_tile(x_ptr, a3, rk3, part, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
-                             stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
-                             BLOCK_M, BLOCK_R, BLOCK_K, PRECISION)
+                _shrink_slice(x_ptr, a3, rk3, part, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
+                              stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
+                              BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, ROWWISE)
 
 
 @triton.jit
@@ -214,20 +269,26 @@ def _expand_tile_rows(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_p
                 tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
-ROWWISE_MAX_ROWS = tl.constexpr(4)
-
-
 @triton.jit
 def _expand_slice(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, slot, start, end, n_chunk, N, col0,
                   n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R,
                   SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                   ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
                   ROWWISE: tl.constexpr):
-    # Row by row only for tiles of a few rows (decode rows with their own adapters): its rows run one after
-    # another, so 16 rows sharing an adapter took 9.5 ms per 32-row forward against 6.9 with the tile product.
-    if ROWWISE & (end - start <= ROWWISE_MAX_ROWS):
-        _expand_tile_rows(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, slot, start, end, n_chunk, N,
-                          col0, n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R,
+    # ROWWISE 1: row by row only for tiles of a few rows (decode rows with their own adapters): a tile's rows
+    # run one after another, so 16 rows sharing an adapter took 9.5 ms per 32-row forward against 6.9 with
+    # the tile product. But one kernel gets the registers of its larger branch (239 against 72 for the
+    # row-wise expand alone, sm_90), so mode 2 (every tile row by row, one path compiled) is kept to measure
+    # what that costs. The row-wise path needs the rank in one tile. (Static branches but the tile size.)
+    rows = False
+    if ONE_R_TILE:
+        if ROWWISE == 2:
+            rows = True
+        elif ROWWISE == 1:
+            rows = end - start <= ROWWISE_MAX_ROWS
+    if rows:
+        _expand_tile_rows(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, slot, start, end, n_chunk,
+                          N, col0, n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R,
                           SPLIT_K, BLOCK_N, BLOCK_R, ACCUMULATE)
     else:
         _expand_tile(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, slot, start, end, n_chunk, N,
@@ -295,7 +356,11 @@ class KernelConfig:
     split_k: int | None = None  # fixed K splits (a power of two up to MAX_SPLIT_K) instead of the rule above
     n_chunks: int | None = None  # fixed N chunks per slice instead of the rule above
     expand_precision: str | None = None  # None: "split" for bf16 weights, "tf32x3" for fp16 and fp32
-    expand_rowwise: bool = False  # `_expand_tile_rows` (where the rank fits one tile) instead of the tile product
+    # Row-wise paths (`_shrink_tile_rows`, `_expand_tile_rows`): 0 never, 1 for tiles of up to ROWWISE_MAX_ROWS
+    # rows, 2 for every tile. The expand's needs the rank in one tile, the shrink's a rank tile of ≤ 32
+    # (wider ones spill registers); elsewhere the tile product runs.
+    shrink_rowwise: int = 0
+    expand_rowwise: int = 0
 
 
 MAX_SPLIT_K = 8
@@ -306,14 +371,23 @@ _EXPAND = Launcher(_sgmv_expand_kernel)
 # each program's serial loop is short (benchmarks/sweep_decode_lora.py: the 128 add_lora calls of
 # a Llama-2-7B decode step in a CUDA graph, batches 1–256, distinct and shared adapters).
 # Prefill-like tiles (64 rows) stream x and y. Chosen by benchmarks/sweep_lora_configs.py on an H200.
-# LORAPLEX_EXPAND_ROWWISE=1: decode tiles of up to ROWWISE_MAX_ROWS rows expand row by row. Off by default
-# until measured in this form: on the H200 the row-wise expand for every decode tile took a 160-row
-# distinct-adapter forward from 22.9 to 21.6 ms but a 32-row shared-adapter one from 6.9 to 9.5 ms
-# (benchmarks/NOTES.md), and the ROWWISE_MAX_ROWS branch that keeps shared tiles on the tile product
-# has not run on a GPU yet.
-_DECODE_ROWWISE = os.environ.get("LORAPLEX_EXPAND_ROWWISE", "0").strip() not in ("", "0")
+# LORAPLEX_LORA_ROWWISE: the decode config's row-wise mode for both kernels, "0" (the default), "1" or "2"
+# (KernelConfig). Off until measured: on the H200 the row-wise expand for every decode tile (mode 2, alone in
+# its kernel) took a 160-row distinct-adapter forward from 22.9 to 21.6 ms but a 32-row shared-adapter one
+# from 6.9 to 9.5 ms (benchmarks/NOTES.md); mode 1 and the row-wise shrink have not run on a GPU yet.
+def _rowwise_setting() -> int:
+    raw = os.environ.get("LORAPLEX_LORA_ROWWISE", "0")
+    value = raw.strip() or "0"
+    if value not in ("0", "1", "2"):
+        raise ValueError(f"LORAPLEX_LORA_ROWWISE={raw!r}: expected 0 (off), 1 (tiles of up to "
+                         f"{ROWWISE_MAX_ROWS.value} rows) or 2 (every tile)")
+    return int(value)
+
+
+_DECODE_ROWWISE = _rowwise_setting()
 CONFIGS = {16: KernelConfig(shrink_block_k=256, expand_block_n=256, shrink_programs_per_sm=16.0,
-                            expand_programs_per_sm=16.0, expand_rowwise=_DECODE_ROWWISE),
+                            expand_programs_per_sm=16.0, shrink_rowwise=_DECODE_ROWWISE,
+                            expand_rowwise=_DECODE_ROWWISE),
            64: KernelConfig(shrink_block_k=128, expand_block_n=128, expand_programs_per_sm=2.0)}
 
 
@@ -381,7 +455,8 @@ def shrink_into(part: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],
             x.stride(0), x.stride(1), lora_a[0].stride(0), lora_a[0].stride(1),
             part.stride(0), part.stride(1), part.stride(2))
     _SHRINK(grid, args, dict(NUM_SLICES=num_slices, BLOCK_M=batch.block_m, BLOCK_R=block_r,
-                             BLOCK_K=cfg.shrink_block_k, PRECISION=precision),
+                             BLOCK_K=cfg.shrink_block_k, PRECISION=precision,
+                             ROWWISE=cfg.shrink_rowwise if block_r <= 32 else 0),
             cfg.shrink_warps, cfg.shrink_stages)
 
 
@@ -412,7 +487,7 @@ def expand_from(y: torch.Tensor, part: torch.Tensor, lora_b: list[torch.Tensor],
     _EXPAND(grid, args, dict(NUM_SLICES=num_slices, SPLIT_K=part.shape[0], BLOCK_M=batch.block_m,
                              BLOCK_N=cfg.expand_block_n, BLOCK_R=block_r, ONE_R_TILE=R <= block_r,
                              PRECISION=precision, ACCUMULATE=accumulate,
-                             ROWWISE=cfg.expand_rowwise and R <= block_r),
+                             ROWWISE=cfg.expand_rowwise),
             cfg.expand_warps, cfg.expand_stages)
 
 

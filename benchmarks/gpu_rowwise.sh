@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One device call (~5 minutes on an H200): are the row-wise decode kernels (sgmv._shrink_tile_rows,
+# _expand_tile_rows; LORAPLEX_LORA_ROWWISE) worth turning on? Whole decode forwards at 32 and 160 rows
+# (backbone, distinct, shared) in modes 0 (off), 1 (tiles of ≤ 4 rows, one kernel with both paths) and
+# 2 (every tile); the kernels apart (probe_expand_rowwise.py); then the GPU kernel tests in mode 1.
+# (bench_model's 160 shared rows get 64-row tiles, which have no row-wise path: only 32 shows shared.)
+#   OUT=/some/dir bash benchmarks/gpu_rowwise.sh
+# Triton's compile cache comes back in 15 MB parts, as in gpu_mixed_graphs.sh.
+set -u
+OUT=${OUT:-benchmarks/results}
+CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+if [ -f .triton-cache.tgz ]; then
+  mkdir -p "$CACHE_DIR" && tar -xzf .triton-cache.tgz -C "$CACHE_DIR" && echo "== Triton cache: $(ls "$CACHE_DIR" | wc -l) entries"
+fi
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+for rw in 0 1 2; do
+  echo "== decode forwards, LORAPLEX_LORA_ROWWISE=$rw, at ${SECONDS}s"
+  LORAPLEX_LORA_ROWWISE=$rw timeout 90 python benchmarks/bench_model.py --batches 32,160 --prefill 1x16 \
+      --out "$OUT/model_forward_rowwise_$rw.json" 2>&1 | grep -E "^decode"
+done
+echo "== kernels apart at ${SECONDS}s"
+timeout 180 python benchmarks/probe_expand_rowwise.py --out "$OUT/probe_lora_rowwise.json" 2>&1 | grep -E "^M="
+left=$((560 - SECONDS))
+if [ "$left" -gt 20 ]; then
+  echo "== GPU kernel tests, mode 1, at ${SECONDS}s"
+  LORAPLEX_LORA_ROWWISE=1 timeout "$left" python -m pytest -m gpu -q -p no:cacheprovider tests/test_ops_gpu.py \
+      2>&1 | tee "$OUT/pytest_gpu_ops_rowwise.log" | tail -3
+fi
+tar -czf - -C "$CACHE_DIR" . 2>/dev/null | split -b 15m - "$OUT/triton-cache.tgz.part-" && ls -la "$OUT"/triton-cache.tgz.part-*
+echo "== done at ${SECONDS}s"
