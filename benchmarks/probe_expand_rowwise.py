@@ -37,7 +37,11 @@ def variants() -> dict[str, sgmv.KernelConfig]:
     base = dataclasses.replace(sgmv.config_for(16), shrink_rowwise=0, expand_rowwise=0)
     rows = dataclasses.replace(base, shrink_rowwise=2, expand_rowwise=2)   # every tile: one path compiled
     branched = dataclasses.replace(base, shrink_rowwise=1, expand_rowwise=1)   # tiles of ≤ 4 rows, both compiled
-    out = {"tile": base, "rows": rows, "rows_branched": branched}
+    out = {"tile": base, "rows": rows, "rows_branched": branched,
+           # the tile product with fewer registers per thread (sm_90 builds: 239 at 4 warps and BLOCK_N 256,
+           # 128 at 8 warps, 102 at BLOCK_N 128; the shrink 255 at BLOCK_K 256, 186 at 8 warps, 96 at 128)
+           "tile_w8": dataclasses.replace(base, shrink_warps=8, expand_warps=8),
+           "tile_128": dataclasses.replace(base, shrink_block_k=128, expand_block_n=128)}
     for block_n, per_sm, warps in ((128, 16.0, 4), (512, 16.0, 4), (256, 32.0, 4), (256, 8.0, 4), (256, 16.0, 8),
                                    (512, 8.0, 8)):
         out[f"rows_n{block_n}_p{int(per_sm)}_w{warps}"] = dataclasses.replace(
@@ -63,7 +67,7 @@ def run_group(name: str, M: int, popularity: str, gen: torch.Generator, copy_gbs
     row = dict(group=name, M=M, popularity=popularity, K=K, N=list(Ns), split_k=parts[0].shape[0])
     a_bytes = used * RANK * K * 2 * len(Ns) + M * K * 2
     shrunk = {}
-    for vname in ("tile", "rows", "rows_branched"):
+    for vname in ("tile", "rows", "rows_branched", "tile_w8", "tile_128"):
         shrinks = [lambda k=k, cfg=cfgs[vname]: sgmv.shrink_into(parts[k], xs[k], a, ranks, batches[k], cfg)
                    for k in range(ROTATIONS)]
         shrinks[0]()

@@ -47,6 +47,26 @@ def test_graphs_and_eager_give_the_same_tokens_and_match_transformers(served):
     assert agree == len(prompts), f"{agree}/{len(prompts)} requests equal transformers + PEFT generate"
 
 
+def test_row_wise_decode_graphs_give_the_same_tokens(served, monkeypatch):
+    """LORAPLEX_LORA_ROWWISE=auto: decode steps whose adapters make only small tiles replay graphs captured
+    with the row-wise LoRA kernels (ops/sgmv.py); tokens equal the eager run's and transformers + PEFT's."""
+    from loraplex.ops import sgmv
+    monkeypatch.setattr(sgmv, "ROWWISE_AUTO", True)
+    _, adapters, oracle = served
+    names = [None, *adapters]
+    prompts = random_prompts(12, VOCAB, (4, 50), seed=23)
+    which = [names[i % len(names)] for i in range(len(prompts))]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    with make_llm(served) as llm:
+        graphs = llm.engine.runner.graphs
+        assert graphs.rows_variant
+        out = [o.token_ids for o in llm.generate(prompts, params, adapter=which)]
+        assert graphs.rows_replays > 0
+    with make_llm(served, enforce_eager=True) as llm:
+        assert out == [o.token_ids for o in llm.generate(prompts, params, adapter=which)]
+    assert all(o == oracle.greedy(p, a, 16) for p, a, o in zip(prompts, which, out))
+
+
 def test_seeded_sampling_is_the_same_with_graphs_and_eager(served):
     prompts = random_prompts(6, VOCAB, (4, 30), seed=22)
     params = [SamplingParams(max_tokens=12, temperature=0.8, top_k=20, seed=100 + i, ignore_eos=True)

@@ -55,3 +55,23 @@ def test_without_mixed_graphs_only_decodes_replay():
     shapes = GraphShapes.make(32, 1024, 0)
     assert shapes.key_for(decode(7)) == (8, 0)
     assert shapes.key_for(decode(7) + [prompt(2)]) is None
+
+
+@pytest.mark.parametrize("auto", [False, True])
+def test_which_lora_variant_replays(auto):
+    """No adapter: the graph without LoRA; LORAPLEX_LORA_ROWWISE=auto: decode steps whose adapters make only
+    small tiles (sgmv.rows_fit) replay the "rows" graph, others and mixed steps the plain one."""
+    from loraplex.engine.cuda_graphs import StepGraphs
+    graphs = StepGraphs.__new__(StepGraphs)   # no CUDA here: only the host-side choice
+    graphs.pool, graphs.rows_variant = object(), auto
+
+    def with_slots(chunks, slots):
+        return [SequenceChunk(c.token_ids, c.num_cached, c.block_table, s) for c, s in zip(chunks, slots)]
+    rows = "rows" if auto else True
+    assert graphs.lora_variant(with_slots(decode(3), [-1, -1, -1]), (4, 0)) is False
+    assert graphs.lora_variant(with_slots(decode(6), [0, 1, 2, 3, 4, -1]), (8, 0)) == rows
+    assert graphs.lora_variant(with_slots(decode(5), [7] * 4 + [-1]), (8, 0)) == rows
+    assert graphs.lora_variant(with_slots(decode(5), [7] * 5), (8, 0)) is True      # a 5-row tile
+    assert graphs.lora_variant(with_slots(decode(2) + [prompt(20)], [0, 1, 2]), (16, 32)) is True   # mixed
+    graphs.pool = None
+    assert graphs.lora_variant(with_slots(decode(2), [0, 1]), (2, 0)) is False

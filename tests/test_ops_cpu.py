@@ -2,6 +2,8 @@
 interpreter) against the float64 loop of the documented semantics, on fresh random inputs."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -148,13 +150,36 @@ def test_rowwise_rank_above_stack_width_counts_as_the_width(mode):
     assert rel_err(y, expected, case.y0) <= 1e-5
 
 
-@pytest.mark.parametrize("value, expected", [("0", 0), ("", 0), ("1", 1), (" 2 ", 2)])
+def test_decode_rowwise_sets_the_decode_config_inside_only():
+    base16, base64 = sgmv.config_for(16), sgmv.config_for(64)
+    with sgmv.decode_rowwise(2):
+        cfg = sgmv.config_for(16)
+        assert (cfg.shrink_rowwise, cfg.expand_rowwise) == (2, 2)
+        assert dataclasses.replace(cfg, shrink_rowwise=0, expand_rowwise=0) == \
+            dataclasses.replace(base16, shrink_rowwise=0, expand_rowwise=0)   # nothing else changes
+        assert sgmv.config_for(64) == base64
+        with sgmv.decode_rowwise(0):
+            assert sgmv.config_for(16).expand_rowwise == 0
+        assert sgmv.config_for(16).expand_rowwise == 2
+    assert sgmv.config_for(16) == base16
+    with pytest.raises(ValueError, match="row-wise mode"):
+        with sgmv.decode_rowwise(3):
+            pass
+
+
+@pytest.mark.parametrize("slots, fit", [([], True), ([-1, -1], True), ([1, 2, 3], True), ([5] * 4 + [-1] * 9, True),
+                                        ([5] * 5, False), ([0, 1, 0, 1, 0, 1, 0, 1, 1], False)])
+def test_rows_fit(slots, fit):
+    assert sgmv.rows_fit(slots) is fit
+
+
+@pytest.mark.parametrize("value, expected", [("0", 0), ("", 0), ("1", 1), (" 2 ", 2), ("Auto", "auto")])
 def test_rowwise_setting(value, expected, monkeypatch):
     monkeypatch.setenv("LORAPLEX_LORA_ROWWISE", value)
     assert sgmv._rowwise_setting() == expected
 
 
-@pytest.mark.parametrize("value", ["yes", "3", "expand"])
+@pytest.mark.parametrize("value", ["yes", "3", "expand", "-1"])
 def test_rowwise_setting_refuses_a_bad_value(value, monkeypatch):
     monkeypatch.setenv("LORAPLEX_LORA_ROWWISE", value)
     with pytest.raises(ValueError, match=f"LORAPLEX_LORA_ROWWISE='{value}'"):

@@ -9,7 +9,10 @@ replaying a captured graph removes their host cost. Eager, a mixed step of 31 de
 Each graph reads a `ForwardBatch.for_graph` batch (fixed buffers, rewritten in place by
 `update_`, the `LoraBatch` included), so one capture serves every step that fits its bucket: rows
 and sequences past the real ones write no KV and use no adapter. Steps where no sequence has an
-adapter replay a graph captured without the LoRA launches. Every graph writes its logits into one
+adapter replay a graph captured without the LoRA launches; with LORAPLEX_LORA_ROWWISE=auto, decode steps
+whose adapters make only small tiles (`sgmv.rows_fit`: distinct adapters) replay a third, captured with
+the row-wise LoRA kernels (ops/sgmv.py; a kernel holding both paths keeps the larger one's registers, so
+the choice is made per step on the host). Every graph writes its logits into one
 shared buffer, so graphs cost no logits memory each (replays run one at a time, in stream order,
 and the sampler reads the logits before the next replay is queued).
 """
@@ -20,12 +23,15 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
+import contextlib
+
 import torch
 
 from ..adapters.pool import AdapterPool
 from ..models.forward_batch import ForwardBatch, SequenceChunk
 from ..models.kv_cache import KVCache
 from ..models.llama import LlamaForCausalLM
+from ..ops import sgmv
 
 log = logging.getLogger("loraplex.engine")
 
@@ -98,21 +104,28 @@ class StepGraphs:
                  max_seq_len: int, max_prompt_tokens: int = 0) -> None:
         self.model, self.kv, self.pool = model, kv, pool
         self.shapes = GraphShapes.make(max_batch, max_seq_len, max_prompt_tokens)
-        self._graphs: dict[tuple[int, int, bool], _Graph] = {}
+        # (sequences, prompt tokens, LoRA): LoRA False (no adapter in the step), True, or "rows" (row-wise
+        # kernels, decode shapes only, LORAPLEX_LORA_ROWWISE=auto)
+        self._graphs: dict[tuple[int, int, bool | str], _Graph] = {}
+        self.rows_variant = pool is not None and sgmv.ROWWISE_AUTO
+        self.rows_replays = 0   # steps that replayed a "rows" graph
         self._memory = torch.cuda.graph_pool_handle()
         self._logits = torch.empty((max_batch, model.config.vocab_size), dtype=torch.float32, device=kv.device)
 
     def capture(self) -> None:
         start = time.perf_counter()
         for seqs, prompt in self.shapes.all():
-            for lora in ((False, True) if self.pool is not None else (False,)):
+            variants = (False, True) if self.pool is not None else (False,)
+            if self.rows_variant and prompt == 0:
+                variants += ("rows",)
+            for lora in variants:
                 self._graphs[(seqs, prompt, lora)] = self._capture(seqs, prompt, lora)
         torch.cuda.synchronize()
         sh = self.shapes
         log.info("captured %d CUDA graphs (decode batches %s; mixed: sequences %s × prompt tokens %s) in %.1f s",
                  len(self._graphs), sh.buckets, sh.mixed_seqs, sh.mixed_prompts, time.perf_counter() - start)
 
-    def _capture(self, seqs: int, prompt: int, lora: bool) -> _Graph:
+    def _capture(self, seqs: int, prompt: int, lora: bool | str) -> _Graph:
         c = self.model.config
         batch = ForwardBatch.for_graph(seqs, self.shapes.max_seq_len, block_size=self.kv.block_size,
                                        num_blocks=self.kv.num_blocks, vocab_size=c.vocab_size,
@@ -124,12 +137,13 @@ class StepGraphs:
         device = self.kv.device
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):  # warm-up outside the graph: Triton compiles, allocator settles
-            self.model(batch, self.kv, pool)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._memory):
-            self._logits[:seqs].copy_(self.model(batch, self.kv, pool))
+        with sgmv.decode_rowwise(2) if lora == "rows" else contextlib.nullcontext():
+            with torch.cuda.stream(stream):  # warm-up outside the graph: Triton compiles, allocator settles
+                self.model(batch, self.kv, pool)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._memory):
+                self._logits[:seqs].copy_(self.model(batch, self.kv, pool))
         return _Graph(graph, batch)
 
     def run(self, chunks: Sequence[SequenceChunk], inputs: tuple[torch.Tensor, torch.Tensor] | None, *,
@@ -140,11 +154,21 @@ class StepGraphs:
         as `shapes.key_for(chunks)` chose it (the batch's `update_` refuses chunks it cannot hold)."""
         if inputs is not None and key[1]:
             raise ValueError("device-side inputs are for decode steps only")
-        lora = self.pool is not None and any(c.adapter_slot >= 0 for c in chunks)
-        g = self._graphs[(*key, lora)]
+        variant = self.lora_variant(chunks, key)
+        self.rows_replays += variant == "rows"
+        g = self._graphs[(*key, variant)]
         g.batch.update_(chunks)
         if inputs is not None:
             with torch.inference_mode():
                 g.batch.input_ids[:len(chunks)].copy_(inputs[0].index_select(0, inputs[1]))
         g.graph.replay()
         return self._logits[:len(g.batch.logits_seqs)]
+
+    def lora_variant(self, chunks: Sequence[SequenceChunk], key: tuple[int, int]) -> bool | str:
+        """Which graph of the shape `key` runs these chunks: False (no adapter), True, or "rows" (a decode
+        step whose adapters `sgmv.rows_fit`, when that variant was captured)."""
+        if self.pool is None or not any(c.adapter_slot >= 0 for c in chunks):
+            return False
+        if self.rows_variant and key[1] == 0 and sgmv.rows_fit(c.adapter_slot for c in chunks):
+            return "rows"
+        return True

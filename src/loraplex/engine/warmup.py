@@ -111,6 +111,11 @@ def _variants() -> list[tuple[int, sgmv.KernelConfig, bool]]:
     found = [(block_m, sgmv.config_for(block_m), True) for block_m in (SMALL_BLOCK_M, LARGE_BLOCK_M)]
     if overlap.mode() in ("full", "fused"):   # ("shrink" launches the plain order's variants)
         found += [(block_m, overlap.config_for(block_m), False) for block_m in (SMALL_BLOCK_M, LARGE_BLOCK_M)]
+    if sgmv.ROWWISE_AUTO:   # the decode graphs' row-wise variant (engine/cuda_graphs.py)
+        with sgmv.decode_rowwise(2):
+            found.append((SMALL_BLOCK_M, sgmv.config_for(SMALL_BLOCK_M), True))
+            if overlap.mode() in ("full", "fused"):
+                found.append((SMALL_BLOCK_M, overlap.config_for(SMALL_BLOCK_M), False))
     return found
 
 

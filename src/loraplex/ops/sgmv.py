@@ -27,9 +27,14 @@ split-K each program's K loop is one long latency chain (benchmarks/NOTES.md).
 """
 from __future__ import annotations
 
+import collections
+import contextlib
+import contextvars
+import dataclasses
 import functools
 import math
 import os
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -372,27 +377,60 @@ _EXPAND = Launcher(_sgmv_expand_kernel)
 # a Llama-2-7B decode step in a CUDA graph, batches 1–256, distinct and shared adapters).
 # Prefill-like tiles (64 rows) stream x and y. Chosen by benchmarks/sweep_lora_configs.py on an H200.
 # LORAPLEX_LORA_ROWWISE: the decode config's row-wise mode for both kernels, "0" (the default), "1" or "2"
-# (KernelConfig). Off until measured: on the H200 the row-wise expand for every decode tile (mode 2, alone in
-# its kernel) took a 160-row distinct-adapter forward from 22.9 to 21.6 ms but a 32-row shared-adapter one
-# from 6.9 to 9.5 ms (benchmarks/NOTES.md); mode 1 and the row-wise shrink have not run on a GPU yet.
-def _rowwise_setting() -> int:
+# (KernelConfig), or "auto": decode CUDA graphs captured twice, mode 0 and mode 2, and each step replays the
+# one its adapters fit (`rows_fit`; engine/cuda_graphs.py). Off until measured: on the H200 the row-wise
+# expand for every decode tile (mode 2, alone in its kernel) took a 160-row distinct-adapter forward from
+# 22.9 to 21.6 ms but a 32-row shared-adapter one from 6.9 to 9.5 ms (benchmarks/NOTES.md); mode 1, "auto"
+# and the row-wise shrink have not run on a GPU yet.
+def _rowwise_setting() -> int | str:
     raw = os.environ.get("LORAPLEX_LORA_ROWWISE", "0")
-    value = raw.strip() or "0"
-    if value not in ("0", "1", "2"):
+    value = raw.strip().lower() or "0"
+    if value not in ("0", "1", "2", "auto"):
         raise ValueError(f"LORAPLEX_LORA_ROWWISE={raw!r}: expected 0 (off), 1 (tiles of up to "
-                         f"{ROWWISE_MAX_ROWS.value} rows) or 2 (every tile)")
-    return int(value)
+                         f"{ROWWISE_MAX_ROWS.value} rows), 2 (every tile) or auto")
+    return value if value == "auto" else int(value)
 
 
-_DECODE_ROWWISE = _rowwise_setting()
+_SETTING = _rowwise_setting()
+ROWWISE_AUTO = _SETTING == "auto"
+_DECODE_ROWWISE = 0 if ROWWISE_AUTO else _SETTING
 CONFIGS = {16: KernelConfig(shrink_block_k=256, expand_block_n=256, shrink_programs_per_sm=16.0,
                             expand_programs_per_sm=16.0, shrink_rowwise=_DECODE_ROWWISE,
                             expand_rowwise=_DECODE_ROWWISE),
            64: KernelConfig(shrink_block_k=128, expand_block_n=128, expand_programs_per_sm=2.0)}
 
 
+# A row-wise mode for the decode config while a forward runs (`decode_rowwise`): "auto" graphs capture with it.
+_DECODE_MODE_NOW: contextvars.ContextVar[int | None] = contextvars.ContextVar("decode_rowwise", default=None)
+
+
 def config_for(block_m: int) -> KernelConfig:
-    return CONFIGS.get(block_m, CONFIGS[64])
+    mode = _DECODE_MODE_NOW.get() if block_m == 16 else None
+    return CONFIGS.get(block_m, CONFIGS[64]) if mode is None else _decode_config(mode)
+
+
+@functools.cache
+def _decode_config(mode: int) -> KernelConfig:
+    return dataclasses.replace(CONFIGS[16], shrink_rowwise=mode, expand_rowwise=mode)
+
+
+@contextlib.contextmanager
+def decode_rowwise(mode: int) -> Iterator[None]:
+    """The decode config's row-wise mode (0, 1 or 2) for the kernels launched (or captured) inside."""
+    if mode not in (0, 1, 2):
+        raise ValueError(f"row-wise mode must be 0, 1 or 2, got {mode!r}")
+    token = _DECODE_MODE_NOW.set(mode)
+    try:
+        yield
+    finally:
+        _DECODE_MODE_NOW.reset(token)
+
+
+def rows_fit(slots: Iterable[int]) -> bool:
+    """Do decode rows with these adapter slots (one row each; -1 none) make only tiles the row-wise path
+    takes, i.e. no slot with more than ROWWISE_MAX_ROWS rows?"""
+    counts = collections.Counter(s for s in slots if s >= 0)
+    return not counts or max(counts.values()) <= ROWWISE_MAX_ROWS.value
 
 
 @functools.lru_cache(maxsize=None)
