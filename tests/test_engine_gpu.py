@@ -50,8 +50,21 @@ def test_graphs_and_eager_give_the_same_tokens_and_match_transformers(served):
 def test_row_wise_decode_graphs_give_the_same_tokens(served, monkeypatch):
     """LORAPLEX_LORA_ROWWISE=auto: decode steps whose adapters make only small tiles replay graphs captured
     with the row-wise LoRA kernels (ops/sgmv.py); tokens equal the eager run's and transformers + PEFT's."""
+    import dataclasses
+
     from loraplex.ops import sgmv
     monkeypatch.setattr(sgmv, "ROWWISE_AUTO", True)
+    monkeypatch.setitem(sgmv.CONFIGS, 16, dataclasses.replace(sgmv.CONFIGS[16], shrink_rowwise=0, expand_rowwise=0))
+    captured = set()   # the row-wise modes of the LoRA kernels captured into graphs (not the warm-up's)
+
+    def recording(real, cfg_at):
+        def launch(*args, **kwargs):
+            if torch.cuda.is_current_stream_capturing():
+                captured.add(args[cfg_at].expand_rowwise)
+            return real(*args, **kwargs)
+        return launch
+    monkeypatch.setattr(sgmv, "shrink_into", recording(sgmv.shrink_into, 5))   # (part, x, a, ranks, batch, cfg)
+    monkeypatch.setattr(sgmv, "expand_from", recording(sgmv.expand_from, 7))   # (y, part, b, rk, sc, batch, off, cfg)
     _, adapters, oracle = served
     names = [None, *adapters]
     prompts = random_prompts(12, VOCAB, (4, 50), seed=23)
@@ -62,6 +75,7 @@ def test_row_wise_decode_graphs_give_the_same_tokens(served, monkeypatch):
         assert graphs.rows_variant
         out = [o.token_ids for o in llm.generate(prompts, params, adapter=which)]
         assert graphs.rows_replays > 0
+        assert captured == {0, 2}, captured   # both variants captured, each with its own kernels
     with make_llm(served, enforce_eager=True) as llm:
         assert out == [o.token_ids for o in llm.generate(prompts, params, adapter=which)]
     assert all(o == oracle.greedy(p, a, 16) for p, a, o in zip(prompts, which, out))

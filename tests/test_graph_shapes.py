@@ -75,3 +75,27 @@ def test_which_lora_variant_replays(auto):
     assert graphs.lora_variant(with_slots(decode(2) + [prompt(20)], [0, 1, 2]), (16, 32)) is True   # mixed
     graphs.pool = None
     assert graphs.lora_variant(with_slots(decode(2), [0, 1]), (2, 0)) is False
+
+
+@pytest.mark.parametrize("auto", [False, True])
+def test_eager_decode_steps_choose_as_their_graphs_would(auto, monkeypatch):
+    """With LORAPLEX_LORA_ROWWISE=auto an eager decode step whose adapters fit runs the row-wise kernels
+    (sgmv.decode_rowwise(2)); prompt chunks, a 5-row adapter or ranks above 32 keep the tile product."""
+    from types import SimpleNamespace
+
+    from loraplex.engine.model_runner import ModelRunner
+    from loraplex.ops import sgmv
+    monkeypatch.setattr(sgmv, "ROWWISE_AUTO", auto)
+
+    def mode(chunks, max_rank=16):
+        runner = SimpleNamespace(adapters=SimpleNamespace(pool=SimpleNamespace(max_rank=max_rank)))
+        with ModelRunner._rowwise(runner, chunks):
+            return sgmv.config_for(16).expand_rowwise
+
+    def with_slots(chunks, slots):
+        return [SequenceChunk(c.token_ids, c.num_cached, c.block_table, s) for c, s in zip(chunks, slots)]
+    base = sgmv.config_for(16).expand_rowwise
+    assert mode(with_slots(decode(4), [0, 1, 2, -1])) == (2 if auto else base)
+    assert mode(with_slots(decode(4), [0, 1, 2, -1]), max_rank=64) == base
+    assert mode(with_slots(decode(5), [3] * 5)) == base
+    assert mode(with_slots(decode(1) + [prompt(9)], [0, 1])) == base

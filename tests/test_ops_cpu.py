@@ -150,6 +150,56 @@ def test_rowwise_rank_above_stack_width_counts_as_the_width(mode):
     assert rel_err(y, expected, case.y0) <= 1e-5
 
 
+_PATH_CALLS: dict[str, int] = {}
+_REAL_TILES = {name: getattr(sgmv, name) for name in
+               ("_shrink_tile", "_shrink_tile_rows", "_expand_tile", "_expand_tile_rows")}
+
+
+# Counting stand-ins for the per-tile functions (Triton's interpreter runs a kernel as Python, looking its
+# callees up in the module): which path each tile took.
+def _count_shrink_tile(*args):
+    _PATH_CALLS["shrink_tile"] = _PATH_CALLS.get("shrink_tile", 0) + 1
+    return _REAL_TILES["_shrink_tile"](*args)
+
+
+def _count_shrink_rows(*args):
+    _PATH_CALLS["shrink_rows"] = _PATH_CALLS.get("shrink_rows", 0) + 1
+    return _REAL_TILES["_shrink_tile_rows"](*args)
+
+
+def _count_expand_tile(*args):
+    _PATH_CALLS["expand_tile"] = _PATH_CALLS.get("expand_tile", 0) + 1
+    return _REAL_TILES["_expand_tile"](*args)
+
+
+def _count_expand_rows(*args):
+    _PATH_CALLS["expand_rows"] = _PATH_CALLS.get("expand_rows", 0) + 1
+    return _REAL_TILES["_expand_tile_rows"](*args)
+
+
+@interpreted
+@pytest.mark.parametrize("mode, expected", [
+    (0, dict(shrink_tile=4, expand_tile=4)),
+    (1, dict(shrink_rows=3, shrink_tile=1, expand_rows=3, expand_tile=1)),
+    (2, dict(shrink_rows=4, expand_rows=4))])
+def test_each_mode_takes_the_path_it_says(mode, expected, monkeypatch):
+    """Tiles of 1, 2, 6 and 1 rows (distinct adapters, one split, one N chunk, one rank tile): mode 0 runs
+    the tile product on all, mode 1 the row-wise path on the three of ≤ ROWWISE_MAX_ROWS rows, mode 2 on all."""
+    for name, stand_in in (("_shrink_tile", _count_shrink_tile), ("_shrink_tile_rows", _count_shrink_rows),
+                           ("_expand_tile", _count_expand_tile), ("_expand_tile_rows", _count_expand_rows)):
+        monkeypatch.setattr(sgmv, name, stand_in)
+    _PATH_CALLS.clear()
+    rng = np.random.default_rng(stable_seed("paths", mode))
+    case = make_case(rng, seg_lens=[1, 2, 6, 1], popularity="distinct", K=32, Ns=(16,), R=16, ranks="full",
+                     dtype=torch.float16)
+    cfg = sgmv.KernelConfig(split_k=1, n_chunks=1, shrink_block_k=32, expand_block_n=16, shrink_rowwise=mode,
+                            expand_rowwise=mode)
+    y = case.y0.clone()
+    sgmv.add_lora(y, case.x, case.lora_a, case.lora_b, case.batch(block_m=16), case.ranks, case.scalings, 0, cfg)
+    assert _PATH_CALLS == expected
+    assert rel_err(y, case.oracle(), case.y0) <= TOL[torch.float16]
+
+
 def test_decode_rowwise_sets_the_decode_config_inside_only():
     base16, base64 = sgmv.config_for(16), sgmv.config_for(64)
     with sgmv.decode_rowwise(2):

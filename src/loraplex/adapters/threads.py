@@ -55,14 +55,20 @@ def one_core_per_thread() -> bool:
         if torch.get_num_threads() == 1:
             return True
         # the runtime PyTorch uses is the one whose setting PyTorch then reports
+        failures = []
         for path in [_working] if _working else _openmp_runtimes():
-            lib = ctypes.CDLL(path)
-            lib.omp_set_num_threads.argtypes = [ctypes.c_int]
-            lib.omp_set_num_threads(1)
+            try:
+                lib = ctypes.CDLL(path)
+                lib.omp_set_num_threads.argtypes = [ctypes.c_int]
+                lib.omp_set_num_threads(1)
+            except (OSError, AttributeError) as e:   # not loadable here, or not a runtime (libomptarget)
+                failures.append(f"{path}: {type(e).__name__}")
+                continue
             if torch.get_num_threads() == 1:
                 _working = path
                 return True
-        reason = f"no OpenMP runtime of {_openmp_runtimes() or 'none found'} set it"
+            failures.append(f"{path}: not PyTorch's")
+        reason = "; ".join(failures) or "no OpenMP runtime found"
     except Exception as e:  # noqa: BLE001 (an adapter loader must start whatever this meets)
         reason = f"{type(e).__name__}: {e}"
     if not _warned:

@@ -107,7 +107,8 @@ class StepGraphs:
         # (sequences, prompt tokens, LoRA): LoRA False (no adapter in the step), True, or "rows" (row-wise
         # kernels, decode shapes only, LORAPLEX_LORA_ROWWISE=auto)
         self._graphs: dict[tuple[int, int, bool | str], _Graph] = {}
-        self.rows_variant = pool is not None and sgmv.ROWWISE_AUTO
+        # (ranks above 32 keep the tile product in the shrink, above 64 in the expand: no variant to capture)
+        self.rows_variant = pool is not None and sgmv.ROWWISE_AUTO and pool.max_rank <= 32
         self.rows_replays = 0   # steps that replayed a "rows" graph
         self._memory = torch.cuda.graph_pool_handle()
         self._logits = torch.empty((max_batch, model.config.vocab_size), dtype=torch.float32, device=kv.device)

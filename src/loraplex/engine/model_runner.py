@@ -17,7 +17,7 @@ from ..models import dummy_model, load_model
 from ..models.forward_batch import ForwardBatch, SequenceChunk
 from ..models.kv_cache import KVCache
 from ..models.llama import LlamaForCausalLM
-from ..ops import overlap
+from ..ops import overlap, sgmv
 from ..sampling import PendingSample, Sampler, SamplingParams
 from .cuda_graphs import StepGraphs
 from .scheduler import ScheduledChunk
@@ -149,11 +149,19 @@ class ModelRunner:
                 # loads would only crawl at the checkpoints' bound, so they keep running.
                 when = host_priority.mode()
                 yield_loads = self.graphs is not None and (when == "always" or when == "adaptive" and not loads_urgent)
-                with HOST_PRIORITY.busy() if yield_loads else contextlib.nullcontext():
+                with HOST_PRIORITY.busy() if yield_loads else contextlib.nullcontext(), self._rowwise(batch_chunks):
                     logits = self._run_eager(batch_chunks, inputs)
             sampled = [c.seq for c in chunks if c.needs_logits]
             pending = self.sampler.launch(logits, [s.params for s in sampled], [s.generator for s in sampled])
         return pending, graph
+
+    def _rowwise(self, chunks: list[SequenceChunk]):
+        """LORAPLEX_LORA_ROWWISE=auto: an eager decode step runs the row-wise LoRA kernels where its graph
+        would (engine/cuda_graphs.py), so that graphs and eager steps compute alike."""
+        if (sgmv.ROWWISE_AUTO and self.adapters.pool.max_rank <= 32 and all(len(c.token_ids) == 1 for c in chunks)
+                and sgmv.rows_fit(c.adapter_slot for c in chunks)):
+            return sgmv.decode_rowwise(2)
+        return contextlib.nullcontext()
 
     def _run_eager(self, chunks: list[SequenceChunk], inputs=None) -> torch.Tensor:
         c = self.model.config

@@ -65,7 +65,8 @@ def config_for(block_m: int):
     """The sgmv.KernelConfig of the "full" path (eager forwards of up to MAX_ROWS rows use it too). The
     shrink-only path keeps sgmv's, so that it stays bit-identical to the plain order."""
     from . import sgmv
-    return CONFIGS.get(block_m) or sgmv.config_for(block_m)
+    cfg = CONFIGS.get(block_m)
+    return sgmv.config_for(block_m) if cfg is None else sgmv.with_decode_mode(cfg, block_m)
 
 
 def mode() -> str:

@@ -405,13 +405,19 @@ _DECODE_MODE_NOW: contextvars.ContextVar[int | None] = contextvars.ContextVar("d
 
 
 def config_for(block_m: int) -> KernelConfig:
+    return with_decode_mode(CONFIGS.get(block_m, CONFIGS[64]), block_m)
+
+
+def with_decode_mode(cfg: KernelConfig, block_m: int) -> KernelConfig:
+    """`cfg` (the settings for tiles of `block_m` rows) with the row-wise mode `decode_rowwise` set, if any
+    is and the tiles are the decode config's."""
     mode = _DECODE_MODE_NOW.get() if block_m == 16 else None
-    return CONFIGS.get(block_m, CONFIGS[64]) if mode is None else _decode_config(mode)
+    return cfg if mode is None else _with_mode(cfg, mode)
 
 
 @functools.cache
-def _decode_config(mode: int) -> KernelConfig:
-    return dataclasses.replace(CONFIGS[16], shrink_rowwise=mode, expand_rowwise=mode)
+def _with_mode(cfg: KernelConfig, mode: int) -> KernelConfig:
+    return dataclasses.replace(cfg, shrink_rowwise=mode, expand_rowwise=mode)
 
 
 @contextlib.contextmanager
