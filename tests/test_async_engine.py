@@ -150,7 +150,7 @@ CASES = [  # (prompt, adapter, max_tokens); prompts of 12-15 tokens cross a 16-t
 
 @pytest.mark.parametrize("num_kv_blocks", [32, 5], ids=["roomy", "preempting"])
 def test_concurrent_requests_with_different_adapters_match_running_alone(make_engine, reference, num_kv_blocks):
-    engine = make_engine(num_kv_blocks=num_kv_blocks)
+    engine = make_engine(num_kv_blocks=num_kv_blocks, admission_lookahead=0)   # admitted by their tokens now
     gate, holder = hold_worker(engine)   # every request is queued before the first step
 
     async def main():

@@ -69,11 +69,11 @@ def test_bench_command_writes_a_report_from_every_system(tmp_path):
     code = main(["bench", "--model", str(base), "--device", "cpu", "--requests", "6", "--baseline-requests", "4",
                  "--popularity", "distinct,identical", "--max-batch", "3,unlimited", "--lengths", "punica",
                  "--max-len", "24", "--rank", "4", "--gpu-adapters", "9", "--loader-threads", "3", "--preload-adapters",
-                 "--out-dir", str(out),
+                 "--admission-lookahead", "0", "--out-dir", str(out),
                  "--name", "smoke", "--quiet"])
     assert code == 0
     result = json.loads((out / "smoke.json").read_text())
-    assert result["loader_threads"] == 3 and result["gpu_adapters"] == 9
+    assert result["loader_threads"] == 3 and result["gpu_adapters"] == 9 and result["admission_lookahead"] == 0
     systems = {(r["system"], r["popularity"], str(r["max_batch"]), r["requests"]) for r in result["rows"]}
     for pop in ("distinct", "identical"):
         for n in (4, 6):
@@ -104,7 +104,9 @@ def test_bench_command_writes_a_report_from_every_system(tmp_path):
             assert r["setup_seconds"] > 0 and r["warmup_seconds"] > 0   # before the clock: what a run needs on top
             assert r["graph_steps"] == r["mixed_graph_steps"] == 0   # the CPU runs every step eagerly
             assert 0 <= r["steps_short_on_adapters"] <= r["steps"] and r["preemptions"] >= 0
+            assert r["recomputed_tokens"] >= 0 and (r["preemptions"] > 0 or r["recomputed_tokens"] == 0)
             assert 0 < r["schedule_mean_batch"] <= (3 if r["max_batch"] == 3 else 6) and r["schedule_preemptions"] >= 0
+            assert r["schedule_recomputed_tokens"] >= 0
             if r["system"] == "loraplex-backbone":   # no loads: the engine schedules as its scheduler alone does,
                 # give or take the steps in which its overlapped decodes admit nobody
                 assert abs(r["steps"] - r["schedule_steps"]) <= 0.25 * r["schedule_steps"], r
@@ -140,6 +142,8 @@ def test_bench_command_refuses_bad_settings(tmp_path, capsys):
         main(["bench", "--gpu-adapters", "0", "--device", "cpu"])
     with pytest.raises(SystemExit, match="--loader-threads must be at least 1, got 0"):
         main(["bench", "--loader-threads", "0", "--device", "cpu"])
+    with pytest.raises(SystemExit, match="--admission-lookahead must be at least 0, got -1"):
+        main(["bench", "--admission-lookahead", "-1", "--device", "cpu"])
     with pytest.raises(SystemExit, match="--baseline-requests"):
         main(["bench", "--requests", "5", "--baseline-requests", "9", "--device", "cpu"])
 

@@ -58,7 +58,8 @@ def test_same_output_alone_and_in_any_batch(served, setting):
     settings = {
         "batched": {},
         "chunked": dict(max_num_batched_tokens=16, max_num_seqs=4),     # prompts spread over many steps
-        "preempted": dict(num_kv_blocks=24, max_num_seqs=10),           # 192 tokens of KV for ~10 × 50
+        "preempted": dict(num_kv_blocks=24, max_num_seqs=10,            # 192 tokens of KV for ~10 × 50
+                          admission_lookahead=0),                       # admitted by their tokens now
         "one-adapter-slot": dict(max_gpu_adapters=1),                   # adapters take turns in one slot
     }[setting]
     with make_llm(served, **settings) as llm:

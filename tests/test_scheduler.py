@@ -115,6 +115,9 @@ class FakeAdapters:
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, adapters=None, **settings) -> Scheduler:
+    # admission by the tokens a request has now (the tests of preemption need it to happen); the
+    # admission lookahead has tests of its own
+    settings.setdefault("admission_lookahead", 0)
     config = EngineConfig(model="dummy:x", device="cpu", **settings)
     return Scheduler(config, BlockManager(num_blocks, block_size), adapters)
 
@@ -670,7 +673,7 @@ def _random_run(seed: int) -> Counter:
     ad = FakeAdapters(num_slots=rng.randint(1, 3), load_steps=rng.randint(0, 4))
     sched = make_scheduler(num_blocks, block_size, ad, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                            max_batch_wait_ms=rng.choice([0, 0, 3]), max_queue_skip_ms=rng.choice([0, 5, 1000]),
-                           max_gpu_adapters=3)
+                           max_gpu_adapters=3, admission_lookahead=rng.choice([0, 0, 2, 8]))
     capacity = num_blocks * block_size
     n_requests = rng.randint(5, 30)
     seqs: list[Sequence] = []
@@ -812,3 +815,71 @@ def test_waiting_on_adapters_is_false_when_the_kv_memory_has_no_room_for_the_req
     sched.add(make_seq("c", 4, arrival=2e-3, adapter="colder", max_tokens=8))   # 1 block: fits
     postprocess(sched, sched.schedule())
     assert [s.request_id for s in sched.running] == ["a"] and sched.waiting_on_adapters
+
+
+@pytest.mark.parametrize("lookahead, admitted", [(0, ["a", "b", "c"]), (8, ["a", "b"])])
+def test_admission_lookahead_keeps_room_for_the_running_sequences_to_grow(lookahead, admitted):
+    """12 blocks of 4 tokens (1 kept back): with a lookahead of 8 tokens, a (8 tokens) and b (16) each
+    reserve 2 blocks of growth, so c (8 tokens, 2 blocks and 2 of growth) does not fit beside them
+    (2 + 2 + 4 > 12 - 6 - 1); admitted by its tokens now, it does."""
+    sched = make_scheduler(num_blocks=12, block_size=4, admission_lookahead=64)
+    sched.lookahead = float(lookahead) + 0.5   # as preemptions had raised it (the step's decay takes the 0.5)
+    assert sched.watermark == 1
+    for rid, prompt in (("a", 8), ("b", 16), ("c", 8)):
+        sched.add(make_seq(rid, prompt, arrival=len(rid) + ord(rid), max_tokens=40))
+    out = sched.schedule(now=1000.0)
+    assert ids(sched.running) == admitted == chunk_ids(out)
+
+
+def test_the_lookahead_rises_with_each_preemption_and_decays_without():
+    sched = make_scheduler(num_blocks=64, block_size=4, admission_lookahead=300)
+    assert sched.lookahead == 0
+    sched._adapt_lookahead(2)
+    assert sched.lookahead == 2 * Scheduler.LOOKAHEAD_UP
+    sched._adapt_lookahead(1)
+    assert sched.lookahead == 300                      # at most admission_lookahead
+    for _ in range(10):
+        sched._adapt_lookahead(0)
+    assert sched.lookahead == 300 - 10 * Scheduler.LOOKAHEAD_DECAY
+    for _ in range(1000):
+        sched._adapt_lookahead(0)
+    assert sched.lookahead == 0
+    off = make_scheduler(admission_lookahead=0)
+    off._adapt_lookahead(5)
+    assert off.lookahead == 0
+
+
+def test_a_preemption_raises_the_lookahead_in_a_real_schedule():
+    """Two growing sequences in 6 blocks of 4 tokens: the newer is preempted, and the lookahead rises."""
+    sched = make_scheduler(num_blocks=6, block_size=4, admission_lookahead=256)
+    for i, rid in enumerate("ab"):
+        sched.add(make_seq(rid, 8, arrival=float(i), max_tokens=20))
+    for t in range(40):
+        out = step(sched, now=float(t))
+        if out.preempted:
+            assert ids(out.preempted) == ["b"] and sched.lookahead == Scheduler.LOOKAHEAD_UP
+            return
+    raise AssertionError("nothing was preempted")
+
+
+def test_growth_is_capped_by_max_tokens():
+    sched = make_scheduler(num_blocks=64, block_size=4, admission_lookahead=8)
+    sched.lookahead = 8.0
+    seq = make_seq("a", 8, arrival=0.0, max_tokens=40)
+    assert sched._growth(seq) == 2                     # 8 → 16 tokens: 2 → 4 blocks
+    seq = make_seq("b", 8, arrival=0.0, max_tokens=3)
+    assert sched._growth(seq) == 1                     # 8 → 11 tokens: 2 → 3 blocks
+    seq.token_ids += [5, 5, 5]                         # its 3 outputs are out: no more growth
+    assert sched._growth(seq) == 0
+    sched.lookahead = 0.0
+    assert sched._growth(make_seq("c", 8, 0.0, max_tokens=40)) == 0
+
+
+def test_the_first_request_is_admitted_whatever_the_lookahead():
+    """Nothing runs: a request whose tokens fit is admitted even if its growth would not (it cannot
+    preempt anyone)."""
+    sched = make_scheduler(num_blocks=3, block_size=4, admission_lookahead=64)
+    sched.lookahead = 64.0
+    sched.add(make_seq("a", 12, arrival=0.0, max_tokens=100))
+    sched.schedule(now=1.0)
+    assert ids(sched.running) == ["a"]

@@ -49,3 +49,20 @@ def test_kv_from_ceiling_inverts_the_ceiling_s_step_count(sim):
     target = steps(600)
     kv = sim.kv_from_ceiling(w, target, lo=128)
     assert steps(kv) <= target < steps(kv - 1)
+
+
+def test_the_admission_lookahead_trades_a_little_batch_for_fewer_recomputed_tokens():
+    """Where KV memory runs short, the adaptive lookahead (Scheduler._adapt_lookahead) preempts less and
+    recomputes fewer tokens; where nothing was preempted, the schedule is the same."""
+    w = make_workload(200, "distinct", max_len=512, seed=1)
+
+    def run(blocks, lookahead):
+        config = EngineConfig(model="dummy:x", device="cpu", max_num_seqs=128, block_size=16,
+                              admission_lookahead=lookahead)
+        return simulate_schedule(w, config, blocks)
+    tight_off, tight_on = run(400, 0), run(400, 256)
+    assert tight_off["schedule_preemptions"] > 2 * tight_on["schedule_preemptions"] > 0
+    assert tight_off["schedule_recomputed_tokens"] > 2 * tight_on["schedule_recomputed_tokens"]
+    assert tight_on["schedule_mean_batch"] < tight_off["schedule_mean_batch"]
+    roomy_off, roomy_on = run(1600, 0), run(1600, 256)
+    assert roomy_off["schedule_preemptions"] == 0 and roomy_on == roomy_off

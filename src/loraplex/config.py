@@ -49,6 +49,11 @@ class EngineConfig:
     max_batch_wait_ms: float = field(default=0.0, metadata={
         "group": "batching", "help": "Milliseconds new prompts may wait for a fuller batch (latency traded for "
                                      "throughput); 0 starts them at once."})
+    admission_lookahead: int = field(default=256, metadata={
+        "group": "batching", "help": "At most this many tokens of growth (up to each one's max_tokens) the running "
+                                     "sequences keep room for when a request is admitted: each preemption (which "
+                                     "recomputes a whole context) raises the lookahead by 128 tokens, each step "
+                                     "without one lowers it by 1; 0 admits whatever fits now."})
     max_queue_skip_ms: float = field(default=2000.0, metadata={
         "group": "batching", "help": "Milliseconds a waiting request may be overtaken while its adapter loads; "
                                      "after that nothing later is admitted before it."})
@@ -97,6 +102,7 @@ class EngineConfig:
             _check_int(name, getattr(self, name), 1)
         _check_int("max_cpu_adapters", self.max_cpu_adapters, 0)
         _check_int("cuda_graph_max_prompt_tokens", self.cuda_graph_max_prompt_tokens, 0)
+        _check_int("admission_lookahead", self.admission_lookahead, 0)
         _check_int("seed", self.seed, 0)
         for name in ("max_model_len", "num_kv_blocks", "dummy_layers"):
             if getattr(self, name) is not None:

@@ -97,6 +97,7 @@ class LoraplexSystem:
         engine.adapters.take_load_times()   # only this run's loads below
         stats_before = dict(engine.stats)
         preemptions_before = engine.scheduler.num_preemptions
+        recomputed_before = engine.scheduler.num_recomputed_tokens
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -146,6 +147,7 @@ class LoraplexSystem:
                                       - stats_before["mixed_graph_steps"],
                                       steps_short_on_adapters=short_on_adapters,
                                       preemptions=engine.scheduler.num_preemptions - preemptions_before,
+                                      recomputed_tokens=engine.scheduler.num_recomputed_tokens - recomputed_before,
                                       **_load_stats(engine.adapters.take_load_times())))
         check_complete(result, lens)
         return result

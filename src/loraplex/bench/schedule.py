@@ -56,4 +56,5 @@ def simulate_schedule(workload: Workload, config: EngineConfig, num_blocks: int)
                 if seq.num_output_tokens >= seq.params.max_tokens:
                     sched.finish(seq)
     return dict(schedule_steps=steps, schedule_mean_batch=seqs / max(steps, 1),
-                schedule_preemptions=sched.num_preemptions)
+                schedule_preemptions=sched.num_preemptions,
+                schedule_recomputed_tokens=sched.num_recomputed_tokens)

@@ -48,6 +48,8 @@ def _parse(args) -> tuple[list[str], list[str], list[int | None]]:
         raise SystemExit(f"error: --gpu-adapters must be at least 1, got {args.gpu_adapters}")
     if args.loader_threads is not None and args.loader_threads < 1:
         raise SystemExit(f"error: --loader-threads must be at least 1, got {args.loader_threads}")
+    if args.admission_lookahead is not None and args.admission_lookahead < 0:
+        raise SystemExit(f"error: --admission-lookahead must be at least 0, got {args.admission_lookahead}")
     if args.requests < 1:
         raise SystemExit(f"error: --requests must be at least 1, got {args.requests}")
     if args.baseline_requests is not None and not 1 <= args.baseline_requests <= args.requests:
@@ -106,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
             slots = {} if args.gpu_adapters is None else dict(max_gpu_adapters=args.gpu_adapters)
             if args.loader_threads is not None:
                 slots["adapter_loader_threads"] = args.loader_threads
+            if args.admission_lookahead is not None:
+                slots["admission_lookahead"] = args.admission_lookahead
             config = engine_config(args.model, max_batch=max_batch, rank=args.rank,
                                    max_len=max(w.max_len for w in workloads.values()), device=device, dtype=dtype,
                                    layers=args.layers, **slots)
@@ -174,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
                   date=datetime.date.today().isoformat(), torch=torch.__version__, model=args.model,
                   layers=args.layers, dtype=dtype, rank=args.rank, bandwidth_gbs=bandwidth,
                   gpu_adapters=args.gpu_adapters, loader_threads=args.loader_threads,
+                  admission_lookahead=args.admission_lookahead, lora_rowwise=os.environ.get("LORAPLEX_LORA_ROWWISE"),
                   preload_adapters=args.preload_adapters,
                   lora_overlap=os.environ.get("LORAPLEX_LORA_OVERLAP"),
                   host_priority=os.environ.get("LORAPLEX_HOST_PRIORITY"),

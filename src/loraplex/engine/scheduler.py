@@ -11,7 +11,9 @@ Each step packs, under a token budget and a cap on running sequences:
 
 When a running sequence needs a KV block and none is free, the newest running sequence (by
 arrival) gives its blocks back and waits to be recomputed; its tokens so far are kept, so its
-output is the same as if it had never been preempted.
+output is the same as if it had never been preempted. Recomputing costs a whole context, so each
+preemption makes admission more careful for a while: a request is admitted only if the running
+sequences keep room to grow `lookahead` tokens each beside it (`_adapt_lookahead`, `_growth`).
 """
 from __future__ import annotations
 
@@ -68,6 +70,10 @@ class Scheduler:
         self.waiting: list[Sequence] = []   # by arrival
         self.running: list[Sequence] = []   # hold blocks; by admission
         self.num_preemptions = 0
+        self.num_recomputed_tokens = 0   # KV-cached tokens that preemptions threw away (computed again later)
+        # tokens of growth the running sequences keep room for when a request is admitted (_growth): raised
+        # by each preemption, decaying while none happens, at most config.admission_lookahead
+        self.lookahead = 0.0
         # the last schedule() left a request that the batch had a seat and KV memory for waiting for its adapter
         self.waiting_on_adapters = False
         # free blocks kept back when admitting, so running decodes can grow without preempting at once
@@ -123,6 +129,8 @@ class Scheduler:
             scheduled.add(id(seq))
             budget -= n
 
+        self._adapt_lookahead(len(out.preempted))
+
         # 2. waiting requests, first come first served
         self.waiting_on_adapters = False
         if not out.preempted and self.may_admit(now, budget):
@@ -132,6 +140,7 @@ class Scheduler:
 
     def _admit(self, now: float, budget: int, out: SchedulerOutput) -> int:
         skip_after = self.config.max_queue_skip_ms / 1000
+        reserve = sum(self._growth(s) for s in self.running) if self.lookahead >= 1 else 0
         for seq in list(self.waiting):
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
@@ -146,12 +155,12 @@ class Scheduler:
                     continue
                 if slot is None:   # loading: others go ahead, unless it has waited too long
                     # the load holds the batch back only if the KV memory has room for the request
-                    self.waiting_on_adapters = self.waiting_on_adapters or self._fits(seq)
+                    self.waiting_on_adapters = self.waiting_on_adapters or self._fits(seq, reserve)
                     if aged:
                         break
                     continue
             # The whole of its tokens must fit now, or admitting it would only preempt someone soon.
-            if not self._fits(seq):
+            if not self._fits(seq, reserve):
                 if slot >= 0:
                     self.adapters.release(seq.adapter)
                 break  # first come, first served for memory too
@@ -164,12 +173,40 @@ class Scheduler:
             self.running.append(seq)
             out.chunks.append(ScheduledChunk(seq, n))
             budget -= n
+            reserve += self._growth(seq)
         return budget
 
-    def _fits(self, seq: Sequence) -> bool:
-        """Do all of its tokens fit in the free KV blocks now (beside the watermark, if others run)?"""
+    def _fits(self, seq: Sequence, reserve: int = 0) -> bool:
+        """Do all of its tokens fit in the free KV blocks now, beside the watermark and the `reserve` of the
+        running sequences' growth (if others run), with room for its own growth (`_growth`)?"""
         need = self.blocks.blocks_for(seq.num_tokens)
-        return need <= self.blocks.num_free - self.watermark or (not self.running and need <= self.blocks.num_free)
+        if not self.running:
+            return need <= self.blocks.num_free
+        return need + self._growth(seq) + reserve <= self.blocks.num_free - self.watermark
+
+    # The lookahead's rise per preemption and fall per step without one. Chosen on the scheduler alone
+    # (benchmarks/simulate_schedule.py; NOTES.md): the Punica workload at the unlimited batch's KV memory
+    # (185,437 tokens) and a small one at three KV sizes, scoring steps + recomputed tokens / 87 (the H200's
+    # Llama-2-7B per-step and per-prefill-token costs): 12% under admission by the tokens a request has now
+    # on the first, never worse on the others; where nothing is preempted it never rises.
+    LOOKAHEAD_UP = 128.0
+    LOOKAHEAD_DECAY = 1.0
+
+    def _adapt_lookahead(self, preemptions: int) -> None:
+        if preemptions:
+            raised = self.lookahead + self.LOOKAHEAD_UP * preemptions
+            self.lookahead = min(float(self.config.admission_lookahead), raised)
+        else:
+            self.lookahead = max(0.0, self.lookahead - self.LOOKAHEAD_DECAY)
+
+    def _growth(self, seq: Sequence) -> int:
+        """Blocks beyond those of its tokens now that `seq` needs to grow `admission_lookahead` more tokens
+        (no more than its max_tokens allows)."""
+        lookahead = int(self.lookahead)
+        if not lookahead:
+            return 0
+        grown = seq.num_tokens + min(lookahead, max(seq.params.max_tokens - seq.num_output_tokens, 0))
+        return self.blocks.blocks_for(grown) - self.blocks.blocks_for(seq.num_tokens)
 
     def may_admit(self, now: float, budget: int) -> bool:
         """The latency ↔ throughput setting: while sequences are decoding, new prompts may wait up
@@ -213,6 +250,7 @@ class Scheduler:
 
     # ---- internals ------------------------------------------------------------------------------
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.num_recomputed_tokens += seq.num_cached
         self.running.remove(seq)
         self._release(seq)
         seq.status = SequenceStatus.WAITING
