@@ -41,14 +41,16 @@ def main(argv=None) -> dict:
     group = ap.add_mutually_exclusive_group(required=True)
     group.add_argument("--kv-tokens", type=int)
     group.add_argument("--from-ceiling", type=int, metavar="STEPS", help="a run's ceiling_steps (unlimited batch)")
-    ap.add_argument("--admission-lookahead", type=int, default=0, help="EngineConfig.admission_lookahead")
+    ap.add_argument("--admission-lookahead", type=int, default=None,
+                    help="EngineConfig.admission_lookahead (default: the engine's)")
     args = ap.parse_args(argv)
     workload = make_workload(args.requests, args.popularity, max_len=args.max_len)
     kv = args.kv_tokens or kv_from_ceiling(workload, args.from_ceiling)
+    lookahead = {} if args.admission_lookahead is None else dict(admission_lookahead=args.admission_lookahead)
     config = engine_config("dummy:llama-2-7b", max_batch=args.max_batch, rank=16, max_len=args.max_len, device="cpu",
-                           dtype="bfloat16", admission_lookahead=args.admission_lookahead)
+                           dtype="bfloat16", **lookahead)
     result = dict(kv_tokens=kv, max_batch=args.max_batch or UNLIMITED_SEQS,
-                  admission_lookahead=args.admission_lookahead,
+                  admission_lookahead=config.admission_lookahead,
                   **simulate_schedule(workload, config, kv // config.block_size))
     print(", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items()))
     return result

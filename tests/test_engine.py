@@ -48,7 +48,7 @@ def _alone(served, prompts, which, max_tokens):
                 .token_ids for p, a in zip(prompts, which)]
 
 
-@pytest.mark.parametrize("setting", ["batched", "chunked", "preempted", "one-adapter-slot"])
+@pytest.mark.parametrize("setting", ["batched", "chunked", "preempted", "preempted-lookahead", "one-adapter-slot"])
 def test_same_output_alone_and_in_any_batch(served, setting):
     _, adapters, _ = served
     names = [None, *adapters]
@@ -60,6 +60,8 @@ def test_same_output_alone_and_in_any_batch(served, setting):
         "chunked": dict(max_num_batched_tokens=16, max_num_seqs=4),     # prompts spread over many steps
         "preempted": dict(num_kv_blocks=24, max_num_seqs=10,            # 192 tokens of KV for ~10 × 50
                           admission_lookahead=0),                       # admitted by their tokens now
+        "preempted-lookahead": dict(num_kv_blocks=24, max_num_seqs=10,  # admission more careful after each
+                                    admission_lookahead=256),           # preemption (Scheduler.note_step)
         "one-adapter-slot": dict(max_gpu_adapters=1),                   # adapters take turns in one slot
     }[setting]
     with make_llm(served, **settings) as llm:
@@ -68,7 +70,7 @@ def test_same_output_alone_and_in_any_batch(served, setting):
         assert engine.blocks.num_free == engine.blocks.num_blocks
         assert all(engine.adapters.pins(n) == 0 for n in adapters)
     assert [o.token_ids for o in outs] == alone
-    if setting == "preempted":
+    if setting.startswith("preempted"):
         assert sum(o.metrics.num_preemptions for o in outs) > 0
     if setting == "batched":  # decode steps were queued before the previous step's tokens were known
         assert engine.stats["overlapped_steps"] > 0

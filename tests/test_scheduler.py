@@ -820,32 +820,38 @@ def test_waiting_on_adapters_is_false_when_the_kv_memory_has_no_room_for_the_req
 @pytest.mark.parametrize("lookahead, admitted", [(0, ["a", "b", "c"]), (8, ["a", "b"])])
 def test_admission_lookahead_keeps_room_for_the_running_sequences_to_grow(lookahead, admitted):
     """12 blocks of 4 tokens (1 kept back): with a lookahead of 8 tokens, a (8 tokens) and b (16) each
-    reserve 2 blocks of growth, so c (8 tokens, 2 blocks and 2 of growth) does not fit beside them
-    (2 + 2 + 4 > 12 - 6 - 1); admitted by its tokens now, it does."""
+    reserve 2 blocks of growth, so c (8 tokens, 2 blocks) does not fit beside them (2 + 4 > 12 - 6 - 1);
+    admitted by its tokens now, it does. The engine's own check (`fits`, before it queues a decode
+    step without scheduling) says the same."""
     sched = make_scheduler(num_blocks=12, block_size=4, admission_lookahead=64)
-    sched.lookahead = float(lookahead) + 0.5   # as preemptions had raised it (the step's decay takes the 0.5)
     assert sched.watermark == 1
     for rid, prompt in (("a", 8), ("b", 16), ("c", 8)):
         sched.add(make_seq(rid, prompt, arrival=len(rid) + ord(rid), max_tokens=40))
+    sched.lookahead = lookahead + Scheduler.LOOKAHEAD_DECAY   # as preemptions had raised it (less the step's decay)
     out = sched.schedule(now=1000.0)
     assert ids(sched.running) == admitted == chunk_ids(out)
+    if lookahead:
+        c = sched.waiting[0]
+        assert sched.lookahead == lookahead and not sched.fits(c)
+        sched.lookahead = 0.0
+        assert sched.fits(c) and not sched.fits(c, extra_blocks=4)   # 2 > 6 - 4 - 1 beside a continuation
 
 
 def test_the_lookahead_rises_with_each_preemption_and_decays_without():
     sched = make_scheduler(num_blocks=64, block_size=4, admission_lookahead=300)
     assert sched.lookahead == 0
-    sched._adapt_lookahead(2)
+    sched.note_step(2)
     assert sched.lookahead == 2 * Scheduler.LOOKAHEAD_UP
-    sched._adapt_lookahead(1)
+    sched.note_step(1)
     assert sched.lookahead == 300                      # at most admission_lookahead
     for _ in range(10):
-        sched._adapt_lookahead(0)
+        sched.note_step(0)
     assert sched.lookahead == 300 - 10 * Scheduler.LOOKAHEAD_DECAY
     for _ in range(1000):
-        sched._adapt_lookahead(0)
+        sched.note_step(0)
     assert sched.lookahead == 0
     off = make_scheduler(admission_lookahead=0)
-    off._adapt_lookahead(5)
+    off.note_step(5)
     assert off.lookahead == 0
 
 
@@ -879,7 +885,15 @@ def test_the_first_request_is_admitted_whatever_the_lookahead():
     """Nothing runs: a request whose tokens fit is admitted even if its growth would not (it cannot
     preempt anyone)."""
     sched = make_scheduler(num_blocks=3, block_size=4, admission_lookahead=64)
-    sched.lookahead = 64.0
     sched.add(make_seq("a", 12, arrival=0.0, max_tokens=100))
+    sched.lookahead = 64.0
     sched.schedule(now=1.0)
     assert ids(sched.running) == ["a"]
+
+
+def test_an_idle_scheduler_forgets_its_lookahead():
+    sched = make_scheduler(num_blocks=64, block_size=4, admission_lookahead=256)
+    sched.note_step(1)
+    assert sched.lookahead == Scheduler.LOOKAHEAD_UP
+    sched.add(make_seq("a", 4, arrival=0.0))
+    assert sched.lookahead == 0

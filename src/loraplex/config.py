@@ -49,11 +49,12 @@ class EngineConfig:
     max_batch_wait_ms: float = field(default=0.0, metadata={
         "group": "batching", "help": "Milliseconds new prompts may wait for a fuller batch (latency traded for "
                                      "throughput); 0 starts them at once."})
-    admission_lookahead: int = field(default=256, metadata={
+    admission_lookahead: int = field(default=0, metadata={
         "group": "batching", "help": "At most this many tokens of growth (up to each one's max_tokens) the running "
                                      "sequences keep room for when a request is admitted: each preemption (which "
                                      "recomputes a whole context) raises the lookahead by 128 tokens, each step "
-                                     "without one lowers it by 1; 0 admits whatever fits now."})
+                                     "without one lowers it by 1; 0 (the default, until measured on a GPU) admits "
+                                     "whatever fits now."})
     max_queue_skip_ms: float = field(default=2000.0, metadata={
         "group": "batching", "help": "Milliseconds a waiting request may be overtaken while its adapter loads; "
                                      "after that nothing later is admitted before it."})

@@ -186,6 +186,7 @@ class Engine:
         self._inflight = self._continue(current)
         if continued:   # schedule() was not called: adapter loads still follow the queue
             self.scheduler.plan_adapter_loads()
+            self.scheduler.note_step(0)
         outputs += self._postprocess(current)
         chunks = current.chunks
         self.stats["steps"] += 1
@@ -235,7 +236,7 @@ class Engine:
     def _admissible_waiting(self, extra_blocks: int = 0) -> bool:
         """Would the scheduler admit a waiting request now? (Then it runs next, not a continuation.)
         Mirrors its rules: adapters not on the GPU are skipped until aged; the first request it
-        reaches must fit in the free KV blocks (after `extra_blocks` for the continuation)."""
+        reaches must fit in the free KV blocks (after `extra_blocks` for the continuation; `Scheduler.fits`)."""
         sched, now = self.scheduler, time.monotonic()
         if not sched.waiting or len(sched.running) >= self.config.max_num_seqs:
             return False
@@ -249,9 +250,7 @@ class Engine:
                     if now - seq.times.arrival >= self.config.max_queue_skip_ms / 1000:
                         return False  # aged: it blocks the queue until its adapter lands
                     continue
-            free = self.blocks.num_free - extra_blocks
-            return self.blocks.blocks_for(seq.num_tokens) <= free - sched.watermark or \
-                (not sched.running and self.blocks.blocks_for(seq.num_tokens) <= free)
+            return sched.fits(seq, extra_blocks)
         return False
 
     def _postprocess(self, launched: "_Launched") -> list[RequestOutput]:

@@ -13,7 +13,8 @@ When a running sequence needs a KV block and none is free, the newest running se
 arrival) gives its blocks back and waits to be recomputed; its tokens so far are kept, so its
 output is the same as if it had never been preempted. Recomputing costs a whole context, so each
 preemption makes admission more careful for a while: a request is admitted only if the running
-sequences keep room to grow `lookahead` tokens each beside it (`_adapt_lookahead`, `_growth`).
+sequences keep room to grow `lookahead` tokens each beside it (`note_step`, `growth_reserve`); off by
+default (`admission_lookahead` = 0): chosen on the scheduler alone, not yet measured on a GPU.
 """
 from __future__ import annotations
 
@@ -81,6 +82,8 @@ class Scheduler:
 
     # ---- queue ---------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        if not self.running and not self.waiting:
+            self.lookahead = 0.0   # an idle engine: the last burst's preemptions say nothing of this one
         self._enqueue(seq)
 
     def has_work(self) -> bool:
@@ -129,7 +132,7 @@ class Scheduler:
             scheduled.add(id(seq))
             budget -= n
 
-        self._adapt_lookahead(len(out.preempted))
+        self.note_step(len(out.preempted))
 
         # 2. waiting requests, first come first served
         self.waiting_on_adapters = False
@@ -140,7 +143,7 @@ class Scheduler:
 
     def _admit(self, now: float, budget: int, out: SchedulerOutput) -> int:
         skip_after = self.config.max_queue_skip_ms / 1000
-        reserve = sum(self._growth(s) for s in self.running) if self.lookahead >= 1 else 0
+        reserve = self.growth_reserve()
         for seq in list(self.waiting):
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
@@ -155,12 +158,12 @@ class Scheduler:
                     continue
                 if slot is None:   # loading: others go ahead, unless it has waited too long
                     # the load holds the batch back only if the KV memory has room for the request
-                    self.waiting_on_adapters = self.waiting_on_adapters or self._fits(seq, reserve)
+                    self.waiting_on_adapters = self.waiting_on_adapters or self.fits(seq, reserve=reserve)
                     if aged:
                         break
                     continue
             # The whole of its tokens must fit now, or admitting it would only preempt someone soon.
-            if not self._fits(seq, reserve):
+            if not self.fits(seq, reserve=reserve):
                 if slot >= 0:
                     self.adapters.release(seq.adapter)
                 break  # first come, first served for memory too
@@ -176,23 +179,29 @@ class Scheduler:
             reserve += self._growth(seq)
         return budget
 
-    def _fits(self, seq: Sequence, reserve: int = 0) -> bool:
-        """Do all of its tokens fit in the free KV blocks now, beside the watermark and the `reserve` of the
-        running sequences' growth (if others run), with room for its own growth (`_growth`)?"""
+    def fits(self, seq: Sequence, extra_blocks: int = 0, reserve: int | None = None) -> bool:
+        """Do all of its tokens fit in the free KV blocks (less `extra_blocks`) now, beside the watermark
+        and the `reserve` of the running sequences' growth (`growth_reserve()` unless given), if others run?
+        The engine asks it too, before it queues a decode step without scheduling (engine.py)."""
         need = self.blocks.blocks_for(seq.num_tokens)
+        free = self.blocks.num_free - extra_blocks
         if not self.running:
-            return need <= self.blocks.num_free
-        return need + self._growth(seq) + reserve <= self.blocks.num_free - self.watermark
+            return need <= free
+        reserve = self.growth_reserve() if reserve is None else reserve
+        return need + reserve <= free - self.watermark
 
-    # The lookahead's rise per preemption and fall per step without one. Chosen on the scheduler alone
-    # (benchmarks/simulate_schedule.py; NOTES.md): the Punica workload at the unlimited batch's KV memory
-    # (185,437 tokens) and a small one at three KV sizes, scoring steps + recomputed tokens / 87 (the H200's
-    # Llama-2-7B per-step and per-prefill-token costs): 12% under admission by the tokens a request has now
-    # on the first, never worse on the others; where nothing is preempted it never rises.
+    def growth_reserve(self) -> int:
+        """Blocks the running sequences need to grow `lookahead` tokens each (`_growth`)."""
+        return sum(self._growth(s) for s in self.running) if self.lookahead >= 1 else 0
+
+    # The lookahead's rise per preemption and fall per step without one: chosen on the scheduler alone
+    # (benchmarks/simulate_schedule.py; NOTES.md), not yet on a GPU.
     LOOKAHEAD_UP = 128.0
     LOOKAHEAD_DECAY = 1.0
 
-    def _adapt_lookahead(self, preemptions: int) -> None:
+    def note_step(self, preemptions: int) -> None:
+        """One engine step ran (`schedule` calls it; so does the engine for a step it queues without
+        scheduling) with this many preemptions: the lookahead rises or decays."""
         if preemptions:
             raised = self.lookahead + self.LOOKAHEAD_UP * preemptions
             self.lookahead = min(float(self.config.admission_lookahead), raised)
@@ -200,8 +209,8 @@ class Scheduler:
             self.lookahead = max(0.0, self.lookahead - self.LOOKAHEAD_DECAY)
 
     def _growth(self, seq: Sequence) -> int:
-        """Blocks beyond those of its tokens now that `seq` needs to grow `admission_lookahead` more tokens
-        (no more than its max_tokens allows)."""
+        """Blocks beyond those of its tokens now that `seq` needs to grow `lookahead` more tokens (no more
+        than its max_tokens allows; the model's length limit is not known here, so it may count a few more)."""
         lookahead = int(self.lookahead)
         if not lookahead:
             return 0
