@@ -9,10 +9,8 @@
 # does not come back); `cat` them into the repo root's .triton-cache.tgz (git-ignored) and carry that.
 set -u
 OUT=${OUT:-benchmarks/results}
-CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
-if [ -f .triton-cache.tgz ]; then
-  mkdir -p "$CACHE_DIR" && tar -xzf .triton-cache.tgz -C "$CACHE_DIR" && echo "== Triton cache: $(ls "$CACHE_DIR" | wc -l) entries"
-fi
+. "$(dirname "$0")/gpu_cache.sh"
+restore_triton_cache
 MAX_BATCH=${MAX_BATCH:-32}
 SYSTEMS=${SYSTEMS:-loraplex-backbone}
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -28,5 +26,5 @@ echo "== Punica 1000, $SYSTEMS, max batch $MAX_BATCH, at ${SECONDS}s"
 timeout $((585 - SECONDS)) python3 -c 'import sys; from loraplex.cli import main; sys.exit(main())' bench --quiet --no-plots \
     --lengths punica --popularity distinct --requests 1000 --max-batch "$MAX_BATCH" --systems "$SYSTEMS" \
     --out-dir "$OUT" --name "punica_${MAX_BATCH}_${SYSTEMS}${TAG:-}" ${EXTRA:-} 2>&1 | tail -14
-tar -czf - -C "$CACHE_DIR" . 2>/dev/null | split -b 15m - "$OUT/triton-cache.tgz.part-" && ls -la "$OUT"/triton-cache.tgz.part-*
+save_triton_cache
 echo "== done at ${SECONDS}s"

@@ -7,10 +7,8 @@
 # 16 MiB does not come back): `cat` them into the repo root's .triton-cache.tgz (git-ignored) and carry it.
 set -u
 OUT=${OUT:-benchmarks/results}
-CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
-if [ -f .triton-cache.tgz ]; then
-  mkdir -p "$CACHE_DIR" && tar -xzf .triton-cache.tgz -C "$CACHE_DIR" && echo "== Triton cache: $(ls "$CACHE_DIR" | wc -l) entries"
-fi
+. "$(dirname "$0")/gpu_cache.sh"
+restore_triton_cache
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 pip install --no-deps --no-build-isolation -e . -q >/dev/null 2>&1
 if [ "${PROBE:-1}" = 1 ]; then
@@ -24,5 +22,5 @@ if [ -n "${POPULARITIES:-}" ]; then
       --no-plots --lengths punica --popularity "$pops" --requests 1000 --max-batch 32 --systems loraplex \
       --out-dir "$OUT" --name "punica_32_loraplex_$(echo "$pops" | tr ',' '_')" 2>&1 | tail -14
 fi
-tar -czf - -C "$CACHE_DIR" . 2>/dev/null | split -b 15m - "$OUT/triton-cache.tgz.part-" && ls -la "$OUT"/triton-cache.tgz.part-*
+save_triton_cache
 echo "== done at ${SECONDS}s"

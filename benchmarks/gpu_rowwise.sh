@@ -9,10 +9,8 @@
 # Triton's compile cache comes back in 15 MB parts, as in gpu_mixed_graphs.sh.
 set -u
 OUT=${OUT:-benchmarks/results}
-CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
-if [ -f .triton-cache.tgz ]; then
-  mkdir -p "$CACHE_DIR" && tar -xzf .triton-cache.tgz -C "$CACHE_DIR" && echo "== Triton cache: $(ls "$CACHE_DIR" | wc -l) entries"
-fi
+. "$(dirname "$0")/gpu_cache.sh"
+restore_triton_cache
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 for rw in 0 1 2; do
   echo "== decode forwards, LORAPLEX_LORA_ROWWISE=$rw, at ${SECONDS}s"
@@ -30,5 +28,5 @@ if [ "$left" -gt 20 ]; then
   LORAPLEX_LORA_ROWWISE=1 timeout "$left" python -m pytest -m gpu -q -p no:cacheprovider tests/test_ops_gpu.py \
       2>&1 | tee "$OUT/pytest_gpu_ops_rowwise.log" | tail -3
 fi
-tar -czf - -C "$CACHE_DIR" . 2>/dev/null | split -b 15m - "$OUT/triton-cache.tgz.part-" && ls -la "$OUT"/triton-cache.tgz.part-*
+save_triton_cache
 echo "== done at ${SECONDS}s"
