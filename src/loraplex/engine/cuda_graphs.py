@@ -18,12 +18,11 @@ and the sampler reads the logits before the next replay is queued).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
 from typing import Sequence
-
-import contextlib
 
 import torch
 
