@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from . import sgmv
-from .sgmv import _expand_tile
+from .sgmv import _expand_tile, _program_work
 from .batch import LoraBatch
 from .checks import _desc
 from .launch import Launcher
@@ -44,11 +44,7 @@ def _expand_in_gemm_kernel(
         NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
         ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr):
     """y[rows, c_i + n] += sc_i[slot] * y[rows, N_BASE + (active·S + i)·R + :rank] @ B_i[slot, n, :rank]ᵀ."""
-    pid = tl.program_id(0)
-    work = pid // (NUM_SLICES * n_chunks)
-    inner = pid % (NUM_SLICES * n_chunks)
-    sl = inner // n_chunks
-    n_chunk = inner % n_chunks
+    work, sl, n_chunk = _program_work(NUM_SLICES, n_chunks)
     slot = tl.load(work_slot_ptr + work)
     if slot >= 0:
         start = tl.load(work_start_ptr + work)
@@ -57,18 +53,18 @@ def _expand_in_gemm_kernel(
         part = y_ptr + (N_BASE + (active * NUM_SLICES + sl) * R) * stride_yn
         if sl == 0:
             _expand_tile(y_ptr, part, b0, rk0, sc0, sorted_rows_ptr, slot, start, end, n_chunk, n0, c0,
-                              n_per_prog, stride_ym, stride_yn, 0, stride_ym, R, 1, BLOCK_M, BLOCK_N, BLOCK_R,
-                              ONE_R_TILE, PRECISION, True)
+                         n_per_prog, stride_ym, stride_yn, 0, stride_ym, R, 1, BLOCK_M, BLOCK_N, BLOCK_R,
+                         ONE_R_TILE, PRECISION, True)
         if NUM_SLICES > 1:
             if sl == 1:
                 _expand_tile(y_ptr, part, b1, rk1, sc1, sorted_rows_ptr, slot, start, end, n_chunk, n1, c1,
-                                  n_per_prog, stride_ym, stride_yn, 0, stride_ym, R, 1, BLOCK_M, BLOCK_N, BLOCK_R,
-                                  ONE_R_TILE, PRECISION, True)
+                             n_per_prog, stride_ym, stride_yn, 0, stride_ym, R, 1, BLOCK_M, BLOCK_N, BLOCK_R,
+                             ONE_R_TILE, PRECISION, True)
         if NUM_SLICES > 2:
             if sl == 2:
                 _expand_tile(y_ptr, part, b2, rk2, sc2, sorted_rows_ptr, slot, start, end, n_chunk, n2, c2,
-                                  n_per_prog, stride_ym, stride_yn, 0, stride_ym, R, 1, BLOCK_M, BLOCK_N, BLOCK_R,
-                                  ONE_R_TILE, PRECISION, True)
+                             n_per_prog, stride_ym, stride_yn, 0, stride_ym, R, 1, BLOCK_M, BLOCK_N, BLOCK_R,
+                             ONE_R_TILE, PRECISION, True)
 
 
 _EXPAND = Launcher(_expand_in_gemm_kernel)

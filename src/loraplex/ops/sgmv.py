@@ -50,6 +50,15 @@ ROWWISE_MAX_ROWS = tl.constexpr(4)
 
 
 @triton.jit
+def _program_work(NUM_SLICES: tl.constexpr, per_slice):
+    """(work item, slice, index within the slice) of this program along axis 0: slices and then the
+    `per_slice` programs of each (rank tiles, N chunks) vary fastest, so programs of one tile run side by side."""
+    pid = tl.program_id(0)
+    inner = pid % (NUM_SLICES * per_slice)
+    return pid // (NUM_SLICES * per_slice), inner // per_slice, inner % per_slice
+
+
+@triton.jit
 def _shrink_tile(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
                  stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
                  BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
@@ -132,13 +141,8 @@ def _sgmv_shrink_kernel(
         NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
         PRECISION: tl.constexpr, ROWWISE: tl.constexpr):
     """part[split, i, rows, :rank_i] = x[rows, split's K range] @ A_i[slot, :rank_i, same range]ᵀ."""
-    pid = tl.program_id(0)
     split = tl.program_id(1)
-    # Slices and rank tiles vary fastest, so programs that share x rows run side by side.
-    work = pid // (NUM_SLICES * r_tiles)
-    inner = pid % (NUM_SLICES * r_tiles)
-    sl = inner // r_tiles
-    r_tile = inner % r_tiles
+    work, sl, r_tile = _program_work(NUM_SLICES, r_tiles)   # programs that share x rows run side by side
     slot = tl.load(work_slot_ptr + work)
     if slot >= 0:
         start = tl.load(work_start_ptr + work)
@@ -311,11 +315,7 @@ def _sgmv_expand_kernel(
         ROWWISE: tl.constexpr):
     """y[rows, c_i + n] += sc_i[slot] * (Σ_split part[split, i, rows, :rank]) @ B_i[slot, n, :rank]ᵀ
     (ACCUMULATE), or y[rows, c_i + n] = that product (y an fp32 delta buffer)."""
-    pid = tl.program_id(0)
-    work = pid // (NUM_SLICES * n_chunks)
-    inner = pid % (NUM_SLICES * n_chunks)
-    sl = inner // n_chunks
-    n_chunk = inner % n_chunks
+    work, sl, n_chunk = _program_work(NUM_SLICES, n_chunks)
     slot = tl.load(work_slot_ptr + work)
     if slot >= 0:
         start = tl.load(work_start_ptr + work)
