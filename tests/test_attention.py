@@ -88,13 +88,15 @@ class AttnCase:
 
 def make_case(rng: np.random.Generator, seqs, *, Hq: int, Hkv: int, D: int, bs: int, dtype=torch.float32,
               window: int = 0, pad_rows: int = 2, fused: bool = True, spare_blocks: int = 3, scale: float | None = None,
-              device="cpu", first_block: int = 0) -> AttnCase:
+              device="cpu", first_block: int = 0, head_major: bool = False) -> AttnCase:
     """`seqs`: (cached tokens, query rows) per sequence; its context is their sum.
 
     Pages of all sequences are dealt from one shuffled list (interleaved across sequences); the
     first table entry past a sequence's last block names a NaN-filled spare block and the rest
     GARBAGE_BLOCK; `pad_rows` extra rows at the end of q belong to no sequence. `first_block`
     puts that many unused (NaN) blocks before the used ones, to reach large cache offsets.
+    `head_major`: caches laid out `[num_blocks, Hkv, bs, D]` in memory and viewed in the ops' order
+    (as `KVCache` keeps them).
     """
     gen = torch.Generator(device=device).manual_seed(int(rng.integers(2**31)))
     q_lens = [int(n) for _, n in seqs]
@@ -118,7 +120,10 @@ def make_case(rng: np.random.Generator, seqs, *, Hq: int, Hkv: int, D: int, bs: 
         return torch.randn(*shape, generator=gen, device=device).to(dtype)
 
     def cache() -> torch.Tensor:
-        c = torch.empty((first_block + num_blocks, bs, Hkv, D), dtype=dtype, device=device)
+        if head_major:
+            c = torch.empty((first_block + num_blocks, Hkv, bs, D), dtype=dtype, device=device).transpose(1, 2)
+        else:
+            c = torch.empty((first_block + num_blocks, bs, Hkv, D), dtype=dtype, device=device)
         c[:first_block] = float("nan")
         c[first_block:] = randn(num_blocks, bs, Hkv, D)
         return c
@@ -301,6 +306,17 @@ def test_peaked_softmax(backend, seqs):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("seqs", [MIXED, DECODE], ids=["mixed", "decode"])
+@pytest.mark.parametrize("layout", ["mha-d64-bs16", "gqa3-d32-bs16"])
+def test_head_major_caches(backend, seqs, layout):
+    """Caches `[num_blocks, Hkv, block_size, D]` in memory, viewed in the ops' order (KVCache's layout)."""
+    rng = np.random.default_rng(stable_seed("head-major", backend, layout, len(seqs)))
+    case = _case(rng, seqs, layout, torch.float32, head_major=True)
+    assert not case.k_cache.is_contiguous() and case.k_cache.stride(1) == case.k_cache.shape[3]
+    _check(case, _run(case, backend), torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_out_allocated_contiguous_inputs_and_strided_out(backend):
     rng = np.random.default_rng(12)
     case = _case(rng, MIXED, "gqa4-d16-bs32", torch.float32, fused=False, pad_rows=0)
@@ -353,10 +369,12 @@ def _slots_from_tables(case: AttnCase, bs: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("Hkv, D", [(3, 32), (20, 256), (2, 24)])
-def test_store_kv_writes_exactly_its_slots(backend, dtype, slot_dtype, Hkv, D):
+@pytest.mark.parametrize("head_major", [False, True])
+def test_store_kv_writes_exactly_its_slots(backend, dtype, slot_dtype, Hkv, D, head_major):
     """Rows land in their slots, -1 rows are skipped, every other cache entry is unchanged.
-    k and v are strided views of a fused qkv buffer; 20 heads of 256 take two head groups."""
-    rng = np.random.default_rng(stable_seed("store", backend, str(dtype), str(slot_dtype), Hkv, D))
+    k and v are strided views of a fused qkv buffer; 20 heads of 256 take two head groups.
+    `head_major`: the caches are `[nb, Hkv, bs, D]` in memory, viewed as `[nb, bs, Hkv, D]` (KVCache's)."""
+    rng = np.random.default_rng(stable_seed("store", backend, str(dtype), str(slot_dtype), Hkv, D, head_major))
     gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
     nb, bs, T, Hq = 7, 8, 13, 4
     qkv = torch.randn(T, (Hq + 2 * Hkv) * D, generator=gen).to(dtype)
@@ -364,8 +382,12 @@ def test_store_kv_writes_exactly_its_slots(backend, dtype, slot_dtype, Hkv, D):
     v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
     slots = rng.choice(nb * bs, size=T, replace=False)
     slots[[1, 5, 6]] = -1
-    k_cache = torch.randn(nb, bs, Hkv, D, generator=gen).to(dtype)
-    v_cache = torch.randn(nb, bs, Hkv, D, generator=gen).to(dtype)
+    if head_major:
+        k_cache = torch.randn(nb, Hkv, bs, D, generator=gen).to(dtype).transpose(1, 2)
+        v_cache = torch.randn(nb, Hkv, bs, D, generator=gen).to(dtype).transpose(1, 2)
+    else:
+        k_cache = torch.randn(nb, bs, Hkv, D, generator=gen).to(dtype)
+        v_cache = torch.randn(nb, bs, Hkv, D, generator=gen).to(dtype)
     want_k, want_v = k_cache.clone(), v_cache.clone()
     for t, slot in enumerate(slots.tolist()):
         if slot >= 0:
@@ -376,17 +398,19 @@ def test_store_kv_writes_exactly_its_slots(backend, dtype, slot_dtype, Hkv, D):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_store_then_attend(backend):
+@pytest.mark.parametrize("head_major", [False, True])
+def test_store_then_attend(backend, head_major):
     """The model's order: store this step's k and v (padding rows at slot -1), then attend over
-    the cache, new tokens included."""
+    the cache, new tokens included; in contiguous caches and in head-major ones (KVCache's)."""
     rng = np.random.default_rng(21)
-    case = _case(rng, MIXED, "gqa2-d32-bs8", torch.float32, pad_rows=3)
+    case = _case(rng, MIXED, "gqa2-d32-bs8", torch.float32, pad_rows=3, head_major=head_major)
+    assert case.k_cache.is_contiguous() != head_major
     slots = _slots_from_tables(case, 8)
     before = case.k_cache.clone()
     ops.store_kv(case.k, case.v, case.k_cache, case.v_cache, slots.to(torch.int32), backend=backend)
     written = torch.zeros(case.k_cache.shape[:2], dtype=torch.bool)
     written.view(-1)[slots[slots >= 0]] = True
-    flat = case.k_cache.view(-1, *case.k_cache.shape[2:])
+    flat = case.k_cache.reshape(-1, *case.k_cache.shape[2:])  # a copy when head-major
     assert torch.equal(flat[slots[slots >= 0]], case.k[slots >= 0])
     assert torch.equal(case.k_cache[~written].nan_to_num(7.0), before[~written].nan_to_num(7.0))
     _check(case, _run(case, backend), torch.float32)
@@ -458,7 +482,11 @@ ATTENTION_ERRORS = [
     (dict(q=_h(T_, HQ, D_).requires_grad_()), "q requires grad"),
     (dict(k_cache=_h(NB, BS, HKV, D_, dtype=torch.bfloat16), v_cache=_h(NB, BS, HKV, D_, dtype=torch.bfloat16)),
      "k_cache is torch.bfloat16 but q is torch.float16"),
-    (dict(k_cache=_h(NB, BS, D_, HKV).transpose(2, 3)), "k_cache must be contiguous"),
+    (dict(k_cache=_h(NB, BS, D_, HKV).transpose(2, 3)), r"k_cache \[num_blocks, block_size, Hkv, D\] must have D "
+     "innermost"),
+    (dict(k_cache=_h(NB, 1, HKV, D_).expand(NB, BS, HKV, D_)), "k_cache .* the other dimensions apart"),
+    (dict(v_cache=_h(NB, HKV, BS, D_).transpose(1, 2)), r"v_cache's strides \(2048, 64, 1024, 1\) differ from "
+     r"k_cache's \(2048, 128, 64, 1\)"),
     (dict(k_cache=_h(NB, BS * HKV * D_)), "k_cache must have 4 dimensions"),
     (dict(v_cache=_h(NB + 1, BS, HKV, D_)), "v_cache must match k_cache"),
     (dict(v_cache=_h(NB, BS, HKV, D_, dtype=torch.float32)), "v_cache must match k_cache"),

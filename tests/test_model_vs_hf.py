@@ -44,8 +44,8 @@ class Setup:
             self.pool.write(slot + 1, adapter)  # slot 0 stays unused: slots need not be dense
             self.slots[name] = slot + 1
 
-    def new_cache(self, num_blocks: int = 64) -> KVCache:
-        kv = KVCache(self.config, num_blocks, BLOCK, dtype=torch.float32)
+    def new_cache(self, num_blocks: int = 64, head_major: bool | None = None) -> KVCache:
+        kv = KVCache(self.config, num_blocks, BLOCK, dtype=torch.float32, head_major=head_major)
         kv.data.fill_(float("nan"))
         return kv
 
@@ -89,6 +89,21 @@ PLAN = [("all-r8", 0, 13), ("attn-r4", 5, 9), (None, 9, 1), ("mlp-patterned", 21
 
 def test_mixed_batch_matches_transformers_peft(setup):
     check_mixed_batch(setup, PLAN)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_head_major_kv_cache_matches_too(setup, backend):
+    """KVCache(head_major=True): each kv head's tokens of a block contiguous; the ops follow the strides."""
+    from loraplex import ops
+    if backend == "triton" and not ops.triton_interpreted():
+        pytest.skip("needs TRITON_INTERPRET=1 (no CUDA): tests/test_model_gpu.py runs the kernels for real")
+    if backend == "triton" and setup.config.head_dim & (setup.config.head_dim - 1):
+        pytest.skip("the Triton attention kernels take power-of-two head sizes")
+    setup.model.backend = backend
+    try:
+        check_mixed_batch(setup, PLAN, head_major=True)
+    finally:
+        setup.model.backend = None
 
 
 ALL_FOUR = ("q_proj", "o_proj", "gate_proj", "down_proj")
@@ -139,11 +154,11 @@ def test_mixed_graph_batch_matches_transformers_peft(setup):
     check_mixed_batch(setup, PLAN, graph_room=(12, 72))
 
 
-def check_mixed_batch(setup, plan, graph_room: tuple[int, int] | None = None):
+def check_mixed_batch(setup, plan, graph_room: tuple[int, int] | None = None, head_major: bool | None = None):
     rng = random.Random(7)
     V = setup.config.vocab_size
     tokens = [[rng.randrange(V) for _ in range(c + n)] for _, c, n in plan]
-    kv = setup.new_cache()
+    kv = setup.new_cache(head_major=head_major)
     tables = _blocks(rng, kv, [len(t) for t in tokens])
     # Step 1: the cached prefixes, as one batch of prompt chunks (only some want logits).
     with_prefix = [i for i, (_, c, _) in enumerate(plan) if c > 0]

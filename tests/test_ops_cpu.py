@@ -223,7 +223,7 @@ def test_rows_fit(slots, fit):
     assert sgmv.rows_fit(slots) is fit
 
 
-@pytest.mark.parametrize("value, expected", [("0", 0), ("", 0), ("1", 1), (" 2 ", 2), ("Auto", "auto")])
+@pytest.mark.parametrize("value, expected", [("0", 0), ("", 1), ("1", 1), (" 2 ", 2), ("Auto", "auto")])
 def test_rowwise_setting(value, expected, monkeypatch):
     monkeypatch.setenv("LORAPLEX_LORA_ROWWISE", value)
     assert sgmv._rowwise_setting() == expected

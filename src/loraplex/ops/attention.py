@@ -65,11 +65,14 @@ def _check_caches(k_cache, v_cache, device: torch.device | None) -> None:
         _check_tensor(c, name, 4, device)
         if c.dtype not in FLOAT_DTYPES:
             raise ValueError(f"{name} must be float16, bfloat16 or float32, got {_desc(c)}")
-        if not c.is_contiguous():
-            raise ValueError(f"{name} must be contiguous [num_blocks, block_size, Hkv, D], got {_desc(c)} "
-                             f"with strides {c.stride()}")
+        if (c.shape[3] > 1 and c.stride(3) != 1) or torch._debug_has_internal_overlap(c) == 1:
+            raise ValueError(f"{name} [num_blocks, block_size, Hkv, D] must have D innermost (stride 1) and the "
+                             f"other dimensions apart (contiguous, or head-major: KVCache's), got {_desc(c)} with "
+                             f"strides {c.stride()}")
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"v_cache must match k_cache: {_desc(v_cache)} vs {_desc(k_cache)}")
+    if v_cache.stride() != k_cache.stride():
+        raise ValueError(f"v_cache's strides {v_cache.stride()} differ from k_cache's {k_cache.stride()}")
     if v_cache.device != k_cache.device:
         raise ValueError(f"v_cache is on {v_cache.device} but k_cache is on {k_cache.device}")
 
@@ -94,7 +97,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """Write this step's keys and values into the paged cache, in place.
 
     `k`, `v` `[T, Hkv, D]` (any strides with the last one 1: slices of a fused qkv output are
-    fine), in the caches' dtype; `k_cache`, `v_cache` contiguous `[num_blocks, block_size, Hkv, D]`;
+    fine), in the caches' dtype; `k_cache`, `v_cache` `[num_blocks, block_size, Hkv, D]` with D innermost
+    and equal strides (contiguous, or head-major as `KVCache` keeps them);
     `slot_mapping` int32 or int64 `[T]`, slot = block * block_size + offset.
 
         for t in range(T):
@@ -149,9 +153,9 @@ def _store_kv_reference(k, v, k_cache, v_cache, slot_mapping) -> None:
             raise ValueError(f"slot_mapping holds slot {int(slots.max())} but the cache has {num_slots} slots")
         if torch.unique(slots).numel() != slots.numel():
             raise ValueError("slot_mapping writes one slot twice: slots of non-padding rows must be distinct")
-    # A contiguous cache viewed as [num_slots, Hkv, D]: slot s is row s.
-    k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, slots, k[keep])
-    v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slots, v[keep])
+    bs = k_cache.shape[1]  # through the caches' strides, so a head-major cache (KVCache's) works too
+    k_cache[slots // bs, slots % bs] = k[keep]
+    v_cache[slots // bs, slots % bs] = v[keep]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,7 +169,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Causal attention of every query row over its sequence's paged keys and values.
 
     `q` `[T, Hq, D]` (any strides with the last one 1, e.g. `qkv[:, :Hq*D].view(T, Hq, D)`);
-    `k_cache`, `v_cache` contiguous `[num_blocks, block_size, Hkv, D]` in q's dtype, Hq a
+    `k_cache`, `v_cache` `[num_blocks, block_size, Hkv, D]` (strides as for `store_kv`) in q's dtype, Hq a
     multiple of Hkv (G = Hq // Hkv query heads share a kv head); `block_tables` int32
     `[S, max_blocks]` (entries past a sequence's last block are never read); `seq_lens` int32
     `[S]`: context length of sequence s including this step's tokens, already in the cache;

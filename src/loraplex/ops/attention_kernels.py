@@ -35,6 +35,9 @@ decode-only batch (max_query_len == 1) only the second:
   (unnormalised acc, running max, running sum) and the reduce kernel (grid (S, Hq)) combines
   the splits a sequence's context reaches.
 
+The caches are addressed through their strides (block, token, head; D innermost), so both a contiguous
+`[num_blocks, block_size, Hkv, D]` cache and the head-major one `KVCache` keeps (`[num_blocks, Hkv,
+block_size, D]` in memory, viewed in that order) work; k and v share strides.
 Offsets into the caches are computed in int64 (num_blocks × block_size × Hkv × D may pass 2^31).
 Block table entries are loaded only for tokens below the sequence's length (masked loads).
 """
@@ -63,8 +66,8 @@ SCAN = 128  # sequences per vector load when a prefill program looks for its seq
 
 
 @triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_kv_heads,
-                     stride_kt, stride_kh, stride_vt, stride_vh,
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_kv_heads, page,
+                     stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch,
                      HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     """k_cache[slot] = k[t], v_cache[slot] = v[t] for heads of this program's group, unless slot < 0."""
     t = tl.program_id(0)
@@ -76,8 +79,8 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_kv_he
         t64 = t.to(tl.int64)
         k = tl.load(k_ptr + t64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
         v = tl.load(v_ptr + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-        # A contiguous cache is [num_slots, Hkv, D]: slot s starts at s * Hkv * D.
-        dst = slot * (num_kv_heads * HEAD_DIM) + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
+        # Slot s is token s % page of block s // page; the caches' strides say where that is.
+        dst = (slot // page) * stride_cb + (slot % page) * stride_ct + offs_h[:, None] * stride_ch + offs_d[None, :]
         tl.store(k_cache_ptr + dst, k, mask=mask)
         tl.store(v_cache_ptr + dst, v, mask=mask)
 
@@ -150,7 +153,7 @@ def _find_sequence(query_start_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr, SCAN_
 @triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
                     num_seqs, qk_scale, window,
-                    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_bt,
+                    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt,
                     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
                     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, SCAN_SEQS: tl.constexpr, WINDOW: tl.constexpr,
                     PRECISION: tl.constexpr):
@@ -180,8 +183,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
         q = tl.load(q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                     mask=m_mask[:, None], other=0.0)
         bt_row = block_tables_ptr + s.to(tl.int64) * stride_bt
-        k_head = k_cache_ptr + kvh * HEAD_DIM
-        v_head = v_cache_ptr + kvh * HEAD_DIM
+        k_head = k_cache_ptr + kvh * stride_kh
+        v_head = v_cache_ptr + kvh * stride_kh
         m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -212,7 +215,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ml_ptr,
                    block_tables_ptr, seq_lens_ptr, query_start_ptr,
                    qk_scale, window, chunk, num_q_heads, num_splits, ml_stride,
-                   stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_bt,
+                   stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt,
                    G: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                    PAGE: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
     """The one query row of sequence program_id(0), G heads of kv head program_id(1), over keys
@@ -235,8 +238,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ml
         q = tl.load(q_ptr + row * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                     mask=m_mask[:, None], other=0.0)
         bt_row = block_tables_ptr + s.to(tl.int64) * stride_bt
-        k_head = k_cache_ptr + kvh * HEAD_DIM
-        v_head = v_cache_ptr + kvh * HEAD_DIM
+        k_head = k_cache_ptr + kvh * stride_kh
+        v_head = v_cache_ptr + kvh * stride_kh
         m_i = tl.full([M], NEG_BIG, tl.float32)
         l_i = tl.zeros([M], tl.float32)
         acc = tl.zeros([M, HEAD_DIM], tl.float32)
@@ -374,7 +377,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     T, Hkv, D = k.shape
     consts = store_kv_constexprs(Hkv, D)
     grid = (T, _cdiv(Hkv, consts["BLOCK_H"]))
-    args = (k, v, k_cache, v_cache, slot_mapping, Hkv, k.stride(0), k.stride(1), v.stride(0), v.stride(1))
+    args = (k, v, k_cache, v_cache, slot_mapping, Hkv, k_cache.shape[1], k.stride(0), k.stride(1), v.stride(0),
+            v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     _STORE(grid, args, consts, STORE_WARPS, 1)
 
 
@@ -397,7 +401,7 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
     grid = (T // consts["BLOCK_Q"] + S, Hkv)
     args = (q, k_cache, v_cache, out, block_tables, seq_lens, query_start, S, scale * LOG2E, window,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
-            block_tables.stride(0))
+            k_cache.stride(2), block_tables.stride(0))
     _PREFILL(grid, args, consts, cfg.num_warps, cfg.num_stages)
 
 
@@ -438,7 +442,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
     cfg = cfg or decode_config(D, q.dtype)
     splits, chunk = plan_decode(S, Hkv, max_seq_len, window, q.device, cfg, num_splits)
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
-               block_tables.stride(0))
+               k_cache.stride(2), block_tables.stride(0))
     consts = decode_constexprs(G, D, page, splits > 1, q.dtype, cfg)
     if splits == 1:  # no partials: the program writes out itself (the partial pointers are unused)
         args = (q, k_cache, v_cache, out, out, out, block_tables, seq_lens, query_start, scale * LOG2E, window,

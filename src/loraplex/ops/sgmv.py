@@ -19,7 +19,7 @@ alignment, and the program picks its slice with a branch.
 For tiles of a few rows (decode rows with their own adapters) both kernels have a row-wise path
 (`_shrink_tile_rows`, `_expand_tile_rows`: fp32 multiply-and-sum on the CUDA cores, no row padded to
 16 for the tensor cores), for every tile or for tiles of a few rows (chosen at run time), per config
-(`KernelConfig`; LORAPLEX_LORA_ROWWISE for the decode config; off by default until measured, see CONFIGS).
+(`KernelConfig`; LORAPLEX_LORA_ROWWISE for the decode config, mode 1 by default, see CONFIGS).
 
 A one-launch variant (each program shrinking over the whole K, then expanding its columns) was
 measured on an H200 and lost 1.1–3.3× to these two launches at every decode batch: without
@@ -376,15 +376,15 @@ _EXPAND = Launcher(_sgmv_expand_kernel)
 # each program's serial loop is short (benchmarks/sweep_decode_lora.py: the 128 add_lora calls of
 # a Llama-2-7B decode step in a CUDA graph, batches 1–256, distinct and shared adapters).
 # Prefill-like tiles (64 rows) stream x and y. Chosen by benchmarks/sweep_lora_configs.py on an H200.
-# LORAPLEX_LORA_ROWWISE: the decode config's row-wise mode for both kernels, "0" (the default), "1" or "2"
+# LORAPLEX_LORA_ROWWISE: the decode config's row-wise mode for both kernels, "0", "1" (the default) or "2"
 # (KernelConfig), or "auto": decode CUDA graphs captured twice, mode 0 and mode 2, and each step replays the
-# one its adapters fit (`rows_fit`; engine/cuda_graphs.py). Off until measured: on the H200 the row-wise
-# expand for every decode tile (mode 2, alone in its kernel) took a 160-row distinct-adapter forward from
-# 22.9 to 21.6 ms but a 32-row shared-adapter one from 6.9 to 9.5 ms (benchmarks/NOTES.md); mode 1, "auto"
-# and the row-wise shrink have not run on a GPU yet.
+# one its adapters fit (`rows_fit`; engine/cuda_graphs.py). Mode 1 measured on the H200 (2026-12-01,
+# benchmarks/results/model_forward_rowwise_*.json): Llama-2-7B decode forwards in CUDA graphs, distinct
+# adapters 8.23 → 7.92 ms at 32 rows and 22.6 → 21.0 ms at 160, shared adapters unchanged (6.87 → 6.85 ms
+# at 32 rows); mode 2 took the 32-row shared forward to 12.2 ms, as every tile then runs rows one by one.
 def _rowwise_setting() -> int | str:
-    raw = os.environ.get("LORAPLEX_LORA_ROWWISE", "0")
-    value = raw.strip().lower() or "0"
+    raw = os.environ.get("LORAPLEX_LORA_ROWWISE", "1")
+    value = raw.strip().lower() or "1"
     if value not in ("0", "1", "2", "auto"):
         raise ValueError(f"LORAPLEX_LORA_ROWWISE={raw!r}: expected 0 (off), 1 (tiles of up to "
                          f"{ROWWISE_MAX_ROWS.value} rows), 2 (every tile) or auto")
