@@ -29,10 +29,12 @@ def _compile(kernel, pointer_types: dict, constexprs: dict, num_warps: int, num_
 def shrink(dtype: str, block_m: int) -> None:
     cfg = sgmv.config_for(block_m)
     types = {"x_": "*" + dtype, "part_": "*fp32", "sorted_": "*i32", "work_": "*i32", "a": "*" + dtype, "rk": "*i32"}
-    # ROWWISE: sgmv._shrink_tile_rows for tiles of a few rows (1) or every tile (2)
-    for num_slices, block_r, rowwise in ((1, 16, 0), (1, 16, 1), (3, 32, 2)):
+    # ROWWISE: sgmv._shrink_tile_rows for tiles of a few rows (1) or every tile (2); ROWS_PREFETCH: its loads a
+    # step ahead
+    for num_slices, block_r, rowwise, prefetch in ((1, 16, 0, False), (1, 16, 1, False), (3, 32, 2, False),
+                                                   (3, 16, 1, True)):
         consts = dict(NUM_SLICES=num_slices, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=cfg.shrink_block_k,
-                      PRECISION="tf32x3" if dtype == "fp32" else "tf32", ROWWISE=rowwise)
+                      PRECISION="tf32x3" if dtype == "fp32" else "tf32", ROWWISE=rowwise, ROWS_PREFETCH=prefetch)
         _compile(sgmv._sgmv_shrink_kernel, types, consts, cfg.shrink_warps, cfg.shrink_stages)
 
 
@@ -40,12 +42,16 @@ def expand(dtype: str, block_m: int) -> None:
     cfg = sgmv.config_for(block_m)
     # ACCUMULATE=False: y is the fp32 buffer of LoRA products that ops/overlap.py leaves for the next op;
     # ROWWISE: sgmv._expand_tile_rows for tiles of a few rows (1) or every tile (2); one rank tile only.
-    for one_r, accumulate, rowwise in ((True, True, 0), (True, True, 1), (False, True, 1), (True, False, 2)):
+    # ROWS_PREFETCH: its B loads a step ahead (and 512 columns a step, as a sweep may try).
+    variants = ((True, True, 0, False), (True, True, 1, False), (False, True, 1, False), (True, False, 2, False),
+                (True, True, 1, True), (True, False, 2, True))
+    for one_r, accumulate, rowwise, prefetch in variants:
         types = {"y_": "*" + (dtype if accumulate else "fp32"), "part_": "*fp32", "sorted_": "*i32", "work_": "*i32",
                  "b": "*" + dtype, "rk": "*i32", "sc": "*fp32"}
         consts = dict(NUM_SLICES=2, SPLIT_K=2, BLOCK_M=block_m, BLOCK_N=cfg.expand_block_n,
                       BLOCK_R=16 if one_r else 64, ONE_R_TILE=one_r, PRECISION="split" if dtype == "bf16" else "tf32x3",
-                      ACCUMULATE=accumulate, ROWWISE=rowwise)
+                      ACCUMULATE=accumulate, ROWWISE=rowwise,
+                      ROWS_BLOCK_N=512 if prefetch else cfg.expand_block_n, ROWS_PREFETCH=prefetch)
         _compile(sgmv._sgmv_expand_kernel, types, consts, cfg.expand_warps, cfg.expand_stages)
 
 

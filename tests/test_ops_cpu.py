@@ -113,20 +113,27 @@ def test_expand_n_chunks_and_rank_tiles(n_chunks, R, rowwise):
         assert rel_err(y, case.oracle(), case.y0) <= 1e-5
 
 
+# The row-wise paths' options: loads a step ahead, and the expand's own column step (wider than a program's
+# share of N here, so its masks matter)
+ROWS_OPTIONS = {"plain": {}, "prefetch": dict(rows_prefetch=True), "prefetch-n64": dict(rows_prefetch=True,
+                                                                                      rows_block_n=64)}
+
+
 @interpreted
 @pytest.mark.parametrize("split_k", [1, 4])
 @pytest.mark.parametrize("mode", [1, 2])
-def test_rowwise_kernels_on_tiles_of_one_to_six_rows(split_k, mode):
+@pytest.mark.parametrize("rows", ROWS_OPTIONS)
+def test_rowwise_kernels_on_tiles_of_one_to_six_rows(split_k, mode, rows):
     """Distinct adapters on segments of 1–6 rows: in mode 1 the tiles of up to ROWWISE_MAX_ROWS rows go row by
     row and the 5- and 6-row ones through the tile product, in mode 2 all row by row; the shrink's and the
     expand's modes apart and together."""
     assert sgmv.ROWWISE_MAX_ROWS == 4
-    rng = np.random.default_rng(stable_seed("rowwise", split_k, mode))
+    rng = np.random.default_rng(stable_seed("rowwise", split_k, mode, rows))
     case = make_case(rng, seg_lens=[1, 2, 3, 4, 5, 6, 1, 1], popularity="distinct", K=200, Ns=(72, 40), R=16,
                      ranks="mixed", dtype=torch.float16, y_offset=2, extra_cols=3)
     assert all(s >= 0 for s in case.slot_ids)
     expected = case.oracle()
-    base = dict(split_k=split_k, shrink_block_k=32, expand_block_n=32, n_chunks=2)
+    base = dict(split_k=split_k, shrink_block_k=32, expand_block_n=32, n_chunks=2, **ROWS_OPTIONS[rows])
     for shrink_mode, expand_mode in ((mode, 0), (0, mode), (mode, mode)):
         cfg = sgmv.KernelConfig(**base, shrink_rowwise=shrink_mode, expand_rowwise=expand_mode)
         y = case.y0.clone()
@@ -227,6 +234,21 @@ def test_rows_fit(slots, fit):
 def test_rowwise_setting(value, expected, monkeypatch):
     monkeypatch.setenv("LORAPLEX_LORA_ROWWISE", value)
     assert sgmv._rowwise_setting() == expected
+
+
+@pytest.mark.parametrize("value, expected", [("", {}), ("prefetch", dict(rows_prefetch=True)),
+                                             (" N512 , prefetch", dict(rows_prefetch=True, rows_block_n=512)),
+                                             ("n16,", dict(rows_block_n=16))])
+def test_rows_options(value, expected, monkeypatch):
+    monkeypatch.setenv("LORAPLEX_LORA_ROWS", value)
+    assert sgmv._rows_options() == expected
+
+
+@pytest.mark.parametrize("value", ["n500", "n2048", "fetch", "n", "prefetch,n-16"])
+def test_rows_options_refuse_a_bad_one(value, monkeypatch):
+    monkeypatch.setenv("LORAPLEX_LORA_ROWS", value)
+    with pytest.raises(ValueError, match="LORAPLEX_LORA_ROWS=.* is not an option"):
+        sgmv._rows_options()
 
 
 @pytest.mark.parametrize("value", ["yes", "3", "expand", "-1"])
@@ -374,8 +396,8 @@ def test_y_in_xs_storage():
 
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rowwise", [0, 1, 2])
-def test_expand_can_store_the_product_instead_of_adding_it(dtype, rowwise):
+@pytest.mark.parametrize("rowwise, rows", [(0, "plain"), (1, "plain"), (2, "plain"), (2, "prefetch")])
+def test_expand_can_store_the_product_instead_of_adding_it(dtype, rowwise, rows):
     """accumulate=False: y is an fp32 buffer; rows with an adapter get scaling · v @ Bᵀ, every other
     element keeps what it held (here NaN)."""
     rng = np.random.default_rng(stable_seed("store", str(dtype)))
@@ -383,7 +405,7 @@ def test_expand_can_store_the_product_instead_of_adding_it(dtype, rowwise):
                      dtype=dtype, none_frac=0.3)
     batch = case.batch()
     cfg = sgmv.KernelConfig(split_k=2, n_chunks=2, expand_block_n=16, shrink_rowwise=rowwise,
-                            expand_rowwise=rowwise)
+                            expand_rowwise=rowwise, **ROWS_OPTIONS[rows])
     part = sgmv.new_partials(case.x, case.lora_a, batch, cfg)
     sgmv.shrink_into(part, case.x, case.lora_a, case.ranks, batch, cfg)
     delta = torch.full(case.y0.shape, float("nan"))

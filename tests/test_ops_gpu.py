@@ -72,16 +72,17 @@ def test_forced_split_k(split_k):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("popularity", ["distinct", "uniform", "identical"])
 @pytest.mark.parametrize("Ns", [(4096,), (4096, 4096, 4096), (11008, 11008)])
-@pytest.mark.parametrize("mode", [1, 2])
-def test_rowwise_kernels_match_float64_loop(dtype, popularity, Ns, mode):
+@pytest.mark.parametrize("mode, rows", [(1, {}), (2, {}), (1, dict(rows_prefetch=True, rows_block_n=512))])
+def test_rowwise_kernels_match_float64_loop(dtype, popularity, Ns, mode, rows):
     """The row-wise shrink and expand on Llama-2-7B's decode shapes, with mixed ranks and rows without an
     adapter: mode 1 (tiles of up to sgmv.ROWWISE_MAX_ROWS rows; "distinct" is all such tiles, "uniform" and
-    "identical" larger ones that keep the tile product), mode 2 (every tile row by row)."""
-    rng = np.random.default_rng(stable_seed("rowwise", str(dtype), popularity, Ns, mode))
+    "identical" larger ones that keep the tile product), mode 2 (every tile row by row); `rows`: the row-wise
+    paths' loads a step ahead, 512 columns a step."""
+    rng = np.random.default_rng(stable_seed("rowwise", str(dtype), popularity, Ns, mode, sorted(rows)))
     case = make_case(rng, seg_lens=[1] * 160, popularity=popularity, K=11008 if len(Ns) == 1 else 4096, Ns=Ns,
                      R=16, ranks="mixed", dtype=dtype, device="cuda", none_frac=0.1, y_offset=2, extra_cols=3)
     cfg = sgmv.KernelConfig(shrink_rowwise=mode, expand_rowwise=mode, shrink_block_k=256, expand_block_n=256,
-                            shrink_programs_per_sm=16.0, expand_programs_per_sm=16.0)
+                            shrink_programs_per_sm=16.0, expand_programs_per_sm=16.0, **rows)
     y = case.y0.clone()
     sgmv.add_lora(y, case.x, case.lora_a, case.lora_b, case.batch(block_m=16), case.ranks, case.scalings, 2, cfg)
     untouched = case.untouched()

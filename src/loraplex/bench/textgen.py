@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
                   layers=args.layers, dtype=dtype, rank=args.rank, bandwidth_gbs=bandwidth,
                   gpu_adapters=args.gpu_adapters, loader_threads=args.loader_threads,
                   admission_lookahead=args.admission_lookahead, lora_rowwise=os.environ.get("LORAPLEX_LORA_ROWWISE"),
-                  preload_adapters=args.preload_adapters,
+                  lora_rows=os.environ.get("LORAPLEX_LORA_ROWS"), preload_adapters=args.preload_adapters,
                   lora_overlap=os.environ.get("LORAPLEX_LORA_OVERLAP"),
                   host_priority=os.environ.get("LORAPLEX_HOST_PRIORITY"),
                   workload=dict(requests=args.requests, lengths=args.lengths, max_len=args.max_len, seed=args.seed,

@@ -88,10 +88,12 @@ def _shrink_tile(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, start,
 @triton.jit
 def _shrink_tile_rows(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
                       stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
-                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):
     """`_shrink_tile` for tiles of a few rows (decode), row by row: a [rank tile, BLOCK_K] block of A times
     the row's x, summed over K in fp32 on the CUDA cores (no tile padded to 16 rows for the tensor cores).
-    A is read once per row; the tile's few rows find it in L2."""
+    A is read once per row; the tile's few rows find it in L2. PREFETCH: each step loads the next step's
+    x and A before it reduces its own (Triton pipelines only loads that feed a tl.dot; without it each step
+    waits for its loads in turn)."""
     rank = tl.minimum(tl.load(rank_ptr + slot), R)  # a rank past R (the stacks' width) is R
     r_first = r_tile * BLOCK_R
     if r_first < rank:
@@ -101,12 +103,25 @@ def _shrink_tile_rows(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, s
         a_rows = a_ptr + slot.to(tl.int64) * stride_a_slot + offs_r[:, None] * stride_a_r
         for m in range(start, end):
             row = tl.load(sorted_rows_ptr + m).to(tl.int64)
+            x_row = x_ptr + row * stride_xm
             acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+            if PREFETCH:
+                k_mask = (k_begin + offs_k) < k_end
+                xk = tl.load(x_row + (k_begin + offs_k) * stride_xk, mask=k_mask, other=0.0)
+                at = tl.load(a_rows + (k_begin + offs_k)[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
             for k in range(k_begin, k_end, BLOCK_K):
-                k_mask = (k + offs_k) < k_end
-                xk = tl.load(x_ptr + row * stride_xm + (k + offs_k) * stride_xk, mask=k_mask, other=0.0)
-                at = tl.load(a_rows + (k + offs_k)[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-                acc += tl.sum(at.to(tl.float32) * xk.to(tl.float32)[None, :], axis=1)
+                if PREFETCH:
+                    xk_now, at_now = xk, at
+                    k_next = k + BLOCK_K + offs_k
+                    k_mask = k_next < k_end
+                    xk = tl.load(x_row + k_next * stride_xk, mask=k_mask, other=0.0)
+                    at = tl.load(a_rows + k_next[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+                else:
+                    k_mask = (k + offs_k) < k_end
+                    xk_now = tl.load(x_row + (k + offs_k) * stride_xk, mask=k_mask, other=0.0)
+                    at_now = tl.load(a_rows + (k + offs_k)[None, :], mask=r_mask[:, None] & k_mask[None, :],
+                                     other=0.0)
+                acc += tl.sum(at_now.to(tl.float32) * xk_now.to(tl.float32)[None, :], axis=1)
             tl.store(part_ptr + row * stride_pm + offs_r, acc, mask=r_mask)
 
 
@@ -114,15 +129,17 @@ def _shrink_tile_rows(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, s
 def _shrink_slice(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
                   stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                  ROWWISE: tl.constexpr):
+                  ROWWISE: tl.constexpr, ROWS_PREFETCH: tl.constexpr):
     # the modes as in _expand_slice; static branches, so that modes 0 and 2 compile one path only
     if ROWWISE == 2:
         _shrink_tile_rows(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, start, end, r_tile, k_begin,
-                          k_end, R, stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm, BLOCK_R, BLOCK_K)
+                          k_end, R, stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm, BLOCK_R, BLOCK_K,
+                          ROWS_PREFETCH)
     elif ROWWISE == 1:
         if end - start <= ROWWISE_MAX_ROWS:
             _shrink_tile_rows(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, start, end, r_tile, k_begin,
-                              k_end, R, stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm, BLOCK_R, BLOCK_K)
+                              k_end, R, stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm, BLOCK_R, BLOCK_K,
+                              ROWS_PREFETCH)
         else:
             _shrink_tile(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end,
                          R, stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm, BLOCK_M, BLOCK_R, BLOCK_K,
@@ -139,7 +156,7 @@ def _sgmv_shrink_kernel(
         K, k_per_split, r_tiles, R,
         stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_p_split, stride_p_slice, stride_pm,
         NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-        PRECISION: tl.constexpr, ROWWISE: tl.constexpr):
+        PRECISION: tl.constexpr, ROWWISE: tl.constexpr, ROWS_PREFETCH: tl.constexpr):
     """part[split, i, rows, :rank_i] = x[rows, split's K range] @ A_i[slot, :rank_i, same range]ᵀ."""
     split = tl.program_id(1)
     work, sl, r_tile = _program_work(NUM_SLICES, r_tiles)   # programs that share x rows run side by side
@@ -153,22 +170,22 @@ def _sgmv_shrink_kernel(
         if sl == 0:
             _shrink_slice(x_ptr, a0, rk0, part, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
                           stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
-                          BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, ROWWISE)
+                          BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, ROWWISE, ROWS_PREFETCH)
         if NUM_SLICES > 1:
             if sl == 1:
                 _shrink_slice(x_ptr, a1, rk1, part, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
                               stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
-                              BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, ROWWISE)
+                              BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, ROWWISE, ROWS_PREFETCH)
         if NUM_SLICES > 2:
             if sl == 2:
                 _shrink_slice(x_ptr, a2, rk2, part, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
                               stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
-                              BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, ROWWISE)
+                              BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, ROWWISE, ROWS_PREFETCH)
         if NUM_SLICES > 3:
             if sl == 3:
                 _shrink_slice(x_ptr, a3, rk3, part, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
                               stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
-                              BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, ROWWISE)
+                              BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, ROWWISE, ROWS_PREFETCH)
 
 
 @triton.jit
@@ -248,11 +265,13 @@ def _expand_tile(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, s
 @triton.jit
 def _expand_tile_rows(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, slot, start, end, n_chunk, N,
                       col0, n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R,
-                      SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, ACCUMULATE: tl.constexpr):
+                      SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, ACCUMULATE: tl.constexpr,
+                      PREFETCH: tl.constexpr):
     """`_expand_tile` for tiles of a few rows (decode): row by row, a [BLOCK_N, rank] block of B times the
     row's fp32 v, summed over the rank in fp32 on the CUDA cores. No tensor-core product, so no tile is
     padded to 16 rows, no B tile is transposed through shared memory, and each program holds few
-    registers (more of them in flight per SM). Needs rank ≤ BLOCK_R."""
+    registers (more of them in flight per SM). Needs rank ≤ BLOCK_R. PREFETCH: each step loads the next
+    step's B block, and each row its y, before the reduce (Triton pipelines only loads that feed a tl.dot)."""
     rank = tl.minimum(tl.load(rank_ptr + slot), R)  # a rank past R (the stacks' width) is R
     n_begin = n_chunk * n_per_prog
     if (rank > 0) & (n_begin < N):
@@ -261,20 +280,32 @@ def _expand_tile_rows(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_p
         b_base = b_ptr + slot.to(tl.int64) * N * R
         offs_r = tl.arange(0, BLOCK_R)
         r_mask = offs_r < rank
+        if PREFETCH:
+            offs_first = n_begin + tl.arange(0, BLOCK_N)
+            b_next = _load_b(b_base, offs_first, offs_first < n_end, offs_r, r_mask, R)
         for n0 in range(n_begin, n_end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_mask = offs_n < n_end
-            b = _load_b(b_base, offs_n, n_mask, offs_r, r_mask, R).to(tl.float32)
+            if PREFETCH:
+                b = b_next.to(tl.float32)
+                b_next = _load_b(b_base, offs_n + BLOCK_N, offs_n + BLOCK_N < n_end, offs_r, r_mask, R)
+            else:
+                b = _load_b(b_base, offs_n, n_mask, offs_r, r_mask, R).to(tl.float32)
             for m in range(start, end):
                 row = tl.load(sorted_rows_ptr + m).to(tl.int64)
+                y_ptrs = y_ptr + row * stride_ym + (col0 + offs_n) * stride_yn
+                if PREFETCH and ACCUMULATE:
+                    y_old = tl.load(y_ptrs, mask=n_mask, other=0.0).to(tl.float32)
                 v_ptrs = part_ptr + row * stride_pm + offs_r
                 v = tl.load(v_ptrs, mask=r_mask, other=0.0).to(tl.float32)
                 for s in tl.static_range(1, SPLIT_K):
                     v += tl.load(v_ptrs + tl.full((), s, tl.int64) * stride_p_split, mask=r_mask, other=0.0)
                 acc = tl.sum(b * v[None, :], axis=1) * scale
-                y_ptrs = y_ptr + row * stride_ym + (col0 + offs_n) * stride_yn
                 if ACCUMULATE:
-                    acc += tl.load(y_ptrs, mask=n_mask, other=0.0).to(tl.float32)
+                    if PREFETCH:
+                        acc += y_old
+                    else:
+                        acc += tl.load(y_ptrs, mask=n_mask, other=0.0).to(tl.float32)
                 tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
@@ -283,7 +314,7 @@ def _expand_slice(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, 
                   n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R,
                   SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                   ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
-                  ROWWISE: tl.constexpr):
+                  ROWWISE: tl.constexpr, ROWS_BLOCK_N: tl.constexpr, ROWS_PREFETCH: tl.constexpr):
     # ROWWISE 1: row by row only for tiles of a few rows (decode rows with their own adapters): a tile's rows
     # run one after another, so 16 rows sharing an adapter took 9.5 ms per 32-row forward against 6.9 with
     # the tile product. But one kernel gets the registers of its larger branch (239 against 72 for the
@@ -298,7 +329,7 @@ def _expand_slice(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, 
     if rows:
         _expand_tile_rows(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, slot, start, end, n_chunk,
                           N, col0, n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R,
-                          SPLIT_K, BLOCK_N, BLOCK_R, ACCUMULATE)
+                          SPLIT_K, ROWS_BLOCK_N, BLOCK_R, ACCUMULATE, ROWS_PREFETCH)
     else:
         _expand_tile(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, slot, start, end, n_chunk, N,
                      col0, n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R,
@@ -312,7 +343,7 @@ def _sgmv_expand_kernel(
         n_chunks, n_per_prog, R, stride_ym, stride_yn, stride_p_split, stride_p_slice, stride_pm,
         NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_R: tl.constexpr, ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
-        ROWWISE: tl.constexpr):
+        ROWWISE: tl.constexpr, ROWS_BLOCK_N: tl.constexpr, ROWS_PREFETCH: tl.constexpr):
     """y[rows, c_i + n] += sc_i[slot] * (Σ_split part[split, i, rows, :rank]) @ B_i[slot, n, :rank]ᵀ
     (ACCUMULATE), or y[rows, c_i + n] = that product (y an fp32 delta buffer)."""
     work, sl, n_chunk = _program_work(NUM_SLICES, n_chunks)
@@ -324,22 +355,25 @@ def _sgmv_expand_kernel(
         if sl == 0:
             _expand_slice(y_ptr, part, b0, rk0, sc0, sorted_rows_ptr, slot, start, end, n_chunk, n0, c0, n_per_prog,
                           stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R,
-                          ONE_R_TILE, PRECISION, ACCUMULATE, ROWWISE)
+                          ONE_R_TILE, PRECISION, ACCUMULATE, ROWWISE, ROWS_BLOCK_N, ROWS_PREFETCH)
         if NUM_SLICES > 1:
             if sl == 1:
                 _expand_slice(y_ptr, part, b1, rk1, sc1, sorted_rows_ptr, slot, start, end, n_chunk, n1, c1,
                               n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M,
-                              BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION, ACCUMULATE, ROWWISE)
+                              BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION, ACCUMULATE, ROWWISE, ROWS_BLOCK_N,
+                              ROWS_PREFETCH)
         if NUM_SLICES > 2:
             if sl == 2:
                 _expand_slice(y_ptr, part, b2, rk2, sc2, sorted_rows_ptr, slot, start, end, n_chunk, n2, c2,
                               n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M,
-                              BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION, ACCUMULATE, ROWWISE)
+                              BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION, ACCUMULATE, ROWWISE, ROWS_BLOCK_N,
+                              ROWS_PREFETCH)
         if NUM_SLICES > 3:
             if sl == 3:
                 _expand_slice(y_ptr, part, b3, rk3, sc3, sorted_rows_ptr, slot, start, end, n_chunk, n3, c3,
                               n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M,
-                              BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION, ACCUMULATE, ROWWISE)
+                              BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION, ACCUMULATE, ROWWISE, ROWS_BLOCK_N,
+                              ROWS_PREFETCH)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,6 +400,8 @@ class KernelConfig:
     # (wider ones spill registers); elsewhere the tile product runs.
     shrink_rowwise: int = 0
     expand_rowwise: int = 0
+    rows_block_n: int | None = None  # the row-wise expand's columns per step (None: expand_block_n)
+    rows_prefetch: bool = False  # the row-wise paths load each step's weights a step ahead (_expand_tile_rows)
 
 
 MAX_SPLIT_K = 8
@@ -391,12 +427,29 @@ def _rowwise_setting() -> int | str:
     return value if value == "auto" else int(value)
 
 
+# LORAPLEX_LORA_ROWS: options of the decode config's row-wise paths, comma-separated: "prefetch" (loads a step
+# ahead, KernelConfig.rows_prefetch) and "n<columns>" (the expand's columns a step, rows_block_n, a power of
+# two from 16 to 1024). Off until measured (benchmarks/probe_expand_rowwise.py).
+def _rows_options() -> dict:
+    raw = os.environ.get("LORAPLEX_LORA_ROWS", "")
+    options = {}
+    for item in (part.strip().lower() for part in raw.split(",")):
+        if item == "prefetch":
+            options["rows_prefetch"] = True
+        elif item[:1] == "n" and item[1:].isdigit() and int(item[1:]) in (16, 32, 64, 128, 256, 512, 1024):
+            options["rows_block_n"] = int(item[1:])
+        elif item:
+            raise ValueError(f"LORAPLEX_LORA_ROWS={raw!r}: {item!r} is not an option; expected prefetch and/or "
+                             f"n<columns> (a power of two from 16 to 1024), comma-separated")
+    return options
+
+
 _SETTING = _rowwise_setting()
 ROWWISE_AUTO = _SETTING == "auto"
 _DECODE_ROWWISE = 0 if ROWWISE_AUTO else _SETTING
 CONFIGS = {16: KernelConfig(shrink_block_k=256, expand_block_n=256, shrink_programs_per_sm=16.0,
                             expand_programs_per_sm=16.0, shrink_rowwise=_DECODE_ROWWISE,
-                            expand_rowwise=_DECODE_ROWWISE),
+                            expand_rowwise=_DECODE_ROWWISE, **_rows_options()),
            64: KernelConfig(shrink_block_k=128, expand_block_n=128, expand_programs_per_sm=2.0)}
 
 
@@ -500,7 +553,7 @@ def shrink_into(part: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],
             part.stride(0), part.stride(1), part.stride(2))
     _SHRINK(grid, args, dict(NUM_SLICES=num_slices, BLOCK_M=batch.block_m, BLOCK_R=block_r,
                              BLOCK_K=cfg.shrink_block_k, PRECISION=precision,
-                             ROWWISE=cfg.shrink_rowwise if block_r <= 32 else 0),
+                             ROWWISE=cfg.shrink_rowwise if block_r <= 32 else 0, ROWS_PREFETCH=cfg.rows_prefetch),
             cfg.shrink_warps, cfg.shrink_stages)
 
 
@@ -531,7 +584,8 @@ def expand_from(y: torch.Tensor, part: torch.Tensor, lora_b: list[torch.Tensor],
     _EXPAND(grid, args, dict(NUM_SLICES=num_slices, SPLIT_K=part.shape[0], BLOCK_M=batch.block_m,
                              BLOCK_N=cfg.expand_block_n, BLOCK_R=block_r, ONE_R_TILE=R <= block_r,
                              PRECISION=precision, ACCUMULATE=accumulate,
-                             ROWWISE=cfg.expand_rowwise),
+                             ROWWISE=cfg.expand_rowwise, ROWS_BLOCK_N=cfg.rows_block_n or cfg.expand_block_n,
+                             ROWS_PREFETCH=cfg.rows_prefetch),
             cfg.expand_warps, cfg.expand_stages)
 
 
