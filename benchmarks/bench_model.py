@@ -9,6 +9,9 @@ forward must read — weights (the embedding only for the batch's rows), the key
 of the context, each used adapter once — divided by the copy bandwidth measured in the same
 run.
 
+`--in-gemm` adds the distinct and shared variants with LoRA's shrink inside each projection's GEMM
+(adapters/active_area.py attached to the model, capacity the largest batch; ops/lora_in_gemm.py's expand).
+
 Prefill: 8 sequences of 512 tokens from empty caches, backbone and distinct adapters, beside
 the FLOP floor: the forward's matrix FLOPs (dense layers over all tokens, causal attention,
 LoRA) divided by the bf16 GEMM throughput measured in the same run.
@@ -30,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_lora_ops import copy_bandwidth_gbs, time_us  # noqa: E402
 
 from loraplex.adapters import AdapterPool  # noqa: E402
+from loraplex.adapters.active_area import ActiveArea  # noqa: E402
 from loraplex.models import PROJECTIONS, ForwardBatch, KVCache, SequenceChunk, dummy_model  # noqa: E402
 
 RANK = 16
@@ -119,6 +123,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--prefill", default="8x512")
     ap.add_argument("--profile", type=Path, help="write per-kernel GPU time of decode forwards (torch.profiler) here")
+    ap.add_argument("--in-gemm", action="store_true", help="also time the LoRA shrink inside the GEMMs (ActiveArea)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--md", type=Path)
     args = ap.parse_args(argv)
@@ -136,6 +141,9 @@ def main(argv=None) -> dict:
     kv.data.normal_(0, 1, generator=gen)
     pool = AdapterPool(c, num_slots=max(max(batches), n_pre), max_rank=RANK, dtype=torch.bfloat16, device="cuda")
     fill_pool(pool, gen)
+    # before any capture: the area moves each projection's weight into a larger tensor (same values)
+    area = ActiveArea(model, pool, capacity=max(batches)) if args.in_gemm else None
+    model.active_area = area
     copy_gbs, tflops = copy_bandwidth_gbs(), gemm_tflops()
     print(f"{torch.cuda.get_device_name()}: copy {copy_gbs:.0f} GB/s, bf16 GEMM {tflops:.0f} TFLOP/s; "
           f"{c.name_or_path} × {c.num_hidden_layers} layers; {kv.describe()}; {pool.describe()}", flush=True)
@@ -148,11 +156,19 @@ def main(argv=None) -> dict:
     for B in batches:
         tabs = tables(B, ctx_blocks, 0, cpu_gen)
         tokens = torch.randint(0, c.vocab_size, (B,), generator=cpu_gen).tolist()
-        for variant in ("backbone", "distinct", "shared"):
-            slots = {"backbone": [-1] * B, "distinct": list(range(B)), "shared": [0] * B}[variant]
+        variants = ("backbone", "distinct", "shared") + (("distinct-in-gemm", "shared-in-gemm") if area else ())
+        for variant in variants:
+            slots = {"backbone": [-1] * B, "distinct": list(range(B)), "shared": [0] * B}[variant.split("-")[0]]
             batch = build([SequenceChunk([t], args.context - 1, tab, s) for t, tab, s in zip(tokens, tabs, slots)])
             use_pool = None if variant == "backbone" else pool
-            fn = lambda: model(batch, kv, use_pool)  # noqa: E731
+            if variant.endswith("in-gemm"):
+                count = area.update(slots)
+
+                def fn():
+                    with model.lora_in_gemm(count):
+                        return model(batch, kv, use_pool)
+            else:
+                fn = lambda: model(batch, kv, use_pool)  # noqa: E731
             eager_logits = fn().clone()
             replay, graph_logits = capture(fn)
             with torch.inference_mode():  # the forward's outputs are inference tensors
@@ -162,7 +178,7 @@ def main(argv=None) -> dict:
             graph_error = (graph_logits - eager_logits).abs().max().item()
             us_graph = time_us([replay])
             us_eager = time_us([fn], reps=5)
-            adapters = {"backbone": 0, "distinct": B, "shared": 1}[variant]
+            adapters = {"backbone": 0, "distinct": B, "shared": 1}[variant.split("-")[0]]
             nbytes = weight_bytes(model, B) + kv_bytes(model, B * args.context) + adapters * adapter_bytes(model)
             floor_us = nbytes / copy_gbs / 1e3
             row = dict(kind="decode", batch=B, context=args.context, variant=variant, graph_us=us_graph,
@@ -173,8 +189,8 @@ def main(argv=None) -> dict:
             print(f"decode B={B:4d} {variant:9s} graph {us_graph:8.0f} µs  eager {us_eager:8.0f} µs  "
                   f"floor {floor_us:7.0f} µs  ({100 * row['of_floor']:.0f}% of floor)", flush=True)
             del replay, graph_logits
-            if args.profile and variant == "distinct" and B in (1, max(batches)):
-                profiles.append(kernel_profile(fn, f"decode B={B} distinct adapters, context {args.context}"))
+            if args.profile and variant in ("distinct", "distinct-in-gemm") and B in (1, max(batches)):
+                profiles.append(kernel_profile(fn, f"decode B={B} {variant} adapters, context {args.context}"))
         torch.cuda.empty_cache()
 
     tabs = tables(n_pre, -(-len_pre // BLOCK), decode_blocks, cpu_gen)

@@ -138,6 +138,47 @@ def test_mixed_bf16_batch_matches_transformers_peft(setup):
         assert ours_err <= 2 * hf_err + 2e-3, (i, adapter, ours_err, hf_err)
 
 
+def test_lora_inside_the_gemms_matches_transformers_peft(setup):
+    """The same mixed batch with an ActiveArea attached (adapters/active_area.py): the shrink inside each
+    projection's GEMM and ops/lora_in_gemm.py's expand (Triton), eager and replayed from a CUDA graph."""
+    from loraplex.adapters.active_area import ActiveArea
+    rng = random.Random(5)
+    plan = [("all-r16", 0, 40), ("attn-r8", 200, 1), (None, 300, 1), ("mlp-r4", 100, 1), ("all-r16", 50, 1),
+            ("mlp-r4", 0, 17)]
+    tokens = [[rng.randrange(setup.config.vocab_size) for _ in range(c + n)] for _, c, n in plan]
+    used = sorted({setup.slots[a] for a, _, _ in plan if a is not None})
+    area = ActiveArea(setup.ours, setup.pool, capacity=len(used))
+    area.update(used)
+    setup.ours.active_area = area
+    try:
+        kv = KVCache(setup.config, 128, BLOCK, dtype=torch.bfloat16, device="cuda")
+        kv.data.fill_(float("nan"))
+        tables = _tables(rng, kv.num_blocks, [len(t) for t in tokens])
+        _run(setup, kv, [SequenceChunk(t[:c], 0, tab, setup.slots[a], needs_logits=False)
+                         for (a, c, _), t, tab in zip(plan, tokens, tables) if c > 0])
+        chunks = [SequenceChunk(t[c:], c, tab, setup.slots[a]) for (a, c, _), t, tab in zip(plan, tokens, tables)]
+        batch = ForwardBatch.build(chunks, block_size=BLOCK, num_blocks=kv.num_blocks,
+                                   vocab_size=setup.config.vocab_size, device="cuda")
+        with setup.ours.lora_in_gemm():
+            assert setup.ours._lora_path(batch, setup.pool) == "in-gemm"
+            ours = setup.ours(batch, kv, setup.pool).clone()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                replayed = setup.ours(batch, kv, setup.pool)
+        graph.replay()
+        assert torch.equal(replayed, ours)
+    finally:
+        setup.ours.active_area = None
+    seqs = [(a, t) for (a, _, _), t in zip(plan, tokens)]
+    truth = setup.reference_logits(seqs, torch.float32)
+    theirs = setup.reference_logits(seqs, torch.bfloat16)
+    for i, (adapter, _, _) in enumerate(plan):
+        scale = truth[i].abs().max().item()
+        ours_err = (ours[i] - truth[i]).abs().max().item() / scale
+        hf_err = (theirs[i] - truth[i]).abs().max().item() / scale
+        assert ours_err <= 2 * hf_err + 2e-3, (i, adapter, ours_err, hf_err)
+
+
 @pytest.mark.parametrize("overlap_mode", ["full", "fused", "shrink", "off"])
 def test_decode_graph_replays_new_batches(setup, overlap_mode, monkeypatch):
     """Capture one decode forward on a `for_graph` batch, rewrite the batch with other sequences,

@@ -91,6 +91,50 @@ def test_mixed_batch_matches_transformers_peft(setup):
     check_mixed_batch(setup, PLAN)
 
 
+@pytest.mark.parametrize("backend, graph_room", [("reference", None), ("reference", (8, 96)), ("triton", None)])
+def test_lora_inside_the_gemms_matches_too(setup, backend, graph_room, monkeypatch):
+    """An ActiveArea attached to the model (adapters/active_area.py), forwards inside `model.lora_in_gemm()`:
+    each projection's GEMM also computes the active adapters' shrinks, and ops/lora_in_gemm.py's expand adds
+    each row's product. Outside it the usual path runs; inside it a batch whose adapters the area does not
+    hold is refused, naming the slots."""
+    from loraplex import ops
+    from loraplex.adapters.active_area import ActiveArea
+    from loraplex.models import llama
+    if backend == "triton" and not ops.triton_interpreted():
+        pytest.skip("needs TRITON_INTERPRET=1 (no CUDA): tests/test_model_gpu.py runs it for real")
+    if backend == "triton" and setup.config.head_dim & (setup.config.head_dim - 1):
+        pytest.skip("the Triton attention kernels take power-of-two head sizes")
+    calls = []
+    real = llama.expand_in_gemm
+    monkeypatch.setattr(llama, "expand_in_gemm", lambda *a, **kw: calls.append(kw["backend"]) or real(*a, **kw))
+    used = sorted({setup.slots[name] for name, _, _ in PLAN if name is not None})
+    area = ActiveArea(setup.model, setup.pool, capacity=len(used) + 1)
+    setup.model.backend = backend
+    setup.model.active_area = area
+    try:
+        check_mixed_batch(setup, PLAN, graph_room=graph_room)   # outside lora_in_gemm: the usual path
+        assert not calls
+        area.update(used[:-1])
+        with setup.model.lora_in_gemm(), pytest.raises(ValueError, match=r"does not hold the batch's adapters"):
+            check_mixed_batch(setup, PLAN, graph_room=graph_room)
+        assert area.update(reversed(used)) == len(used)
+        with setup.model.lora_in_gemm(len(used) + 1):   # a wider GEMM than the active adapters need: the same
+            check_mixed_batch(setup, PLAN, graph_room=graph_room)
+        assert calls and set(calls) == {backend}
+        assert len(calls) == 2 * 4 * setup.config.num_hidden_layers   # two forwards, four projection groups
+        with setup.model.lora_in_gemm(len(used) - 1), pytest.raises(ValueError, match="at indices below"):
+            check_mixed_batch(setup, PLAN, graph_room=graph_room)
+        with pytest.raises(ValueError, match=r"count must be an int in \[0, 4\]"):
+            with setup.model.lora_in_gemm(5):
+                pass
+    finally:
+        setup.model.backend = None
+        setup.model.active_area = None
+    with pytest.raises(ValueError, match="needs an active_area"):
+        with setup.model.lora_in_gemm():
+            pass
+
+
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_head_major_kv_cache_matches_too(setup, backend):
     """KVCache(head_major=True): each kv head's tokens of a block contiguous; the ops follow the strides."""

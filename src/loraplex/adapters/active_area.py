@@ -15,7 +15,8 @@ the current stream, before whatever reads the area next. Host-side state; call i
 Build it once the model is placed and before any CUDA graph is captured: a later `model.to(...)` of device or
 dtype gives the model new weights and leaves the area behind, and graphs keep the addresses they captured.
 Build and update it under the same `torch.inference_mode` setting (tensors made in inference mode cannot be
-written outside it). Not yet wired into the engine (benchmarks/NOTES.md says what is left).
+written outside it). The model's forwards use it once attached (`LlamaForCausalLM.active_area`), inside
+`model.lora_in_gemm(count)`; the engine keeps one when `EngineConfig.lora_in_gemm` is set.
 """
 from __future__ import annotations
 
@@ -82,6 +83,11 @@ class ActiveArea:
     def count(self) -> int:
         """Active adapters now (indices 0 … count-1)."""
         return len(self._order)
+
+    def holds(self, slots: Iterable[int], below: int | None = None) -> bool:
+        """Whether every one of these pool slots is active now (at an index below `below`, if given)."""
+        limit = self.capacity if below is None else below
+        return all(0 <= s < self.pool.num_slots and 0 <= self._host[s] < limit for s in slots)
 
     def weight(self, layer: int, group: str, count: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(W_ext, bias_ext) of the first `count` active adapters (default: all active now): a prefix view."""

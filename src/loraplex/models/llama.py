@@ -17,10 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..adapters.active_area import ActiveArea
 from ..adapters.pool import AdapterPool
 from ..ops import add_lora, api, overlap, resolve_backend
 from ..ops.attention import paged_attention, store_kv
 from ..ops.fused import apply_rope, rms_norm, silu_and_mul
+from ..ops.lora_in_gemm import expand_in_gemm
 from ..ops.lora_product import LoraProduct
 from .config import ModelConfig
 from .forward_batch import ForwardBatch
@@ -28,6 +30,7 @@ from .kv_cache import KVCache
 
 QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
+GROUP_OF = {QKV: "qkv", ("o_proj",): "o", GATE_UP: "gate_up", ("down_proj",): "down"}  # ActiveArea's groups
 
 
 def _weight(out_features: int, in_features: int) -> nn.Parameter:
@@ -59,12 +62,12 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, delta: torch.Tensor | LoraProduct | None,
                 batch: ForwardBatch, kv: KVCache, pool: AdapterPool | None, inv_freq: torch.Tensor,
-                backend: str | None, lora_path: str = "checked"
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | LoraProduct | None]:
+                backend: str | None, lora_path: str = "checked", area: ActiveArea | None = None,
+                area_count: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | LoraProduct | None]:
         """One layer: `(hidden, residual, delta)` in and out; `delta` is the LoRA product that the
         "delta" paths (an fp32 tensor) and "product" paths (a LoraProduct) leave for the next op to
-        add to `hidden` (None otherwise). `lora_path` as
-        LlamaForCausalLM.forward picks it."""
+        add to `hidden` (None otherwise). `lora_path` as LlamaForCausalLM.forward picks it; "in-gemm"
+        reads the A rows of `area`'s first `area_count` active adapters."""
         T, L = hidden.shape[0], self.layer
         lora = pool is not None and batch.has_adapters
 
@@ -73,6 +76,14 @@ class DecoderLayer(nn.Module):
             if not lora:
                 return F.linear(x, weight, bias), None
             a, b, ranks, scalings = pool.stacks(L, projs)   # fused projections: one multi-slice launch
+            if lora_path == "in-gemm":
+                # one GEMM gives the base output and every active adapter's shrink; each row's expand reads
+                # its own adapter's columns and adds into the base ones (ops/lora_in_gemm.py)
+                w_ext, b_ext = area.weight(L, GROUP_OF[projs], area_count)
+                y_ext = F.linear(x, w_ext, b_ext)
+                expand_in_gemm(y_ext, weight.shape[0], b, ranks, scalings, batch.lora, area.slot_active,
+                               backend=resolve_backend(backend, x.device))
+                return y_ext[:, :weight.shape[0]], None
             if lora_path in ("product", "product-side") and projs[0] in overlap.FUSED_PROJECTIONS:
                 return overlap.linear_with_lora_product(x, weight, bias, a, b, batch.lora, ranks, scalings,
                                                         side=lora_path == "product-side")
@@ -127,6 +138,29 @@ class LlamaForCausalLM(nn.Module):
             nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
         self.register_buffer("inv_freq", config.rope.inv_freq(config.head_dim), persistent=False)
         self.backend: str | None = None  # ops backend: None picks Triton on CUDA, the reference on the CPU
+        # The A rows of the active adapters below each projection's weight (adapters/active_area.py), set by
+        # whoever builds it (before any graph capture); forwards run inside `lora_in_gemm(count)` use it.
+        self.active_area: ActiveArea | None = None
+        self._in_gemm_count: int | None = None
+
+    @contextlib.contextmanager
+    def lora_in_gemm(self, count: int | None = None):
+        """Forwards inside take the "in-gemm" LoRA path: each projection's GEMM also computes the shrink of
+        `active_area`'s first `count` active adapters (default: those active now), and each row's expand
+        reads its adapter's columns (ops/lora_in_gemm.py). The caller keeps the area holding the batch's
+        adapters (`ActiveArea.update`) at indices below `count`: eager forwards check that; a CUDA graph
+        captured inside replays with `count` fixed, so replay it only after an update to at most `count`."""
+        area = self.active_area
+        if area is None:
+            raise ValueError("lora_in_gemm needs an active_area attached to the model")
+        count = area.count if count is None else count
+        if not isinstance(count, int) or not 0 <= count <= area.capacity:
+            raise ValueError(f"count must be an int in [0, {area.capacity}] (the area's capacity), got {count!r}")
+        previous, self._in_gemm_count = self._in_gemm_count, count
+        try:
+            yield
+        finally:
+            self._in_gemm_count = previous
 
     def _apply(self, fn, recurse: bool = True):
         # Module moves and casts (to, half, to_empty) would cast or blank the rotary frequencies;
@@ -155,10 +189,10 @@ class LlamaForCausalLM(nn.Module):
         hidden = F.embedding(batch.input_ids, self.embed_tokens)
         residual = delta = None
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
-            path = self._lora_path(batch.input_ids.shape[0], pool)
+            path = self._lora_path(batch, pool)
             for layer in self.layers:
                 hidden, residual, delta = layer(hidden, residual, delta, batch, kv_cache, pool, self.inv_freq,
-                                                self.backend, path)
+                                                self.backend, path, self.active_area, self._in_gemm_count or 0)
         # Only the rows that get logits go through the final norm and the lm_head.
         rows = batch.logits_rows
         hidden, _ = rms_norm(hidden.index_select(0, rows), self.norm, self.config.rms_norm_eps,
@@ -166,8 +200,9 @@ class LlamaForCausalLM(nn.Module):
                              delta=_select_rows(delta, rows), backend=self.backend)
         return F.linear(hidden, self.lm_head).float()
 
-    def _lora_path(self, rows: int, pool: AdapterPool | None) -> str:
-        """How the projections add LoRA: "checked" (`ops.add_lora`: the reference backend on the CPU),
+    def _lora_path(self, batch: ForwardBatch, pool: AdapterPool | None) -> str:
+        """How the projections add LoRA: "in-gemm" (inside `lora_in_gemm`: the shrink inside each
+        projection's GEMM, any backend), "checked" (`ops.add_lora`: the reference backend on the CPU),
         or on the Triton path, where every argument is the model's own (shapes by construction, the
         batch and pool checked in `_check`) and the 128 calls of a step skip their checks (they cost
         more host time than the kernels take in eager steps): "direct" (`sgmv.add_lora` after each
@@ -178,9 +213,20 @@ class LlamaForCausalLM(nn.Module):
         `overlap.FUSED_PROJECTIONS`; the others as "delta") or "shrink-side" (only the
         shrink beside, in captured forwards of up to `overlap.SHRINK_MAX_ROWS` rows).
         See ops/overlap.py; eager steps keep one stream, where forks and joins cost host time."""
+        if pool is not None and self._in_gemm_count is not None:
+            area = self.active_area
+            if area.pool is not pool:
+                raise ValueError("lora_in_gemm: the model's active_area was built for another adapter pool")
+            capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            if not capturing and not area.holds(batch.lora.group_slots, below=self._in_gemm_count):
+                raise ValueError(f"lora_in_gemm({self._in_gemm_count}): the active area does not hold the batch's "
+                                 f"adapters (slots {list(batch.lora.group_slots)}) at indices below "
+                                 f"{self._in_gemm_count}: ActiveArea.update them first")
+            return "in-gemm"
         if pool is None or resolve_backend(self.backend, self.device) != "triton":
             return "checked"
-        return overlap.lora_path(rows, self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+        return overlap.lora_path(batch.input_ids.shape[0],
+                                 self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
     @property
     def lm_head(self) -> torch.Tensor:
