@@ -69,11 +69,12 @@ def test_bench_command_writes_a_report_from_every_system(tmp_path):
     code = main(["bench", "--model", str(base), "--device", "cpu", "--requests", "6", "--baseline-requests", "4",
                  "--popularity", "distinct,identical", "--max-batch", "3,unlimited", "--lengths", "punica",
                  "--max-len", "24", "--rank", "4", "--gpu-adapters", "9", "--loader-threads", "3", "--preload-adapters",
-                 "--admission-lookahead", "0", "--out-dir", str(out),
+                 "--admission-lookahead", "0", "--lora-in-gemm", "2", "--out-dir", str(out),
                  "--name", "smoke", "--quiet"])
     assert code == 0
     result = json.loads((out / "smoke.json").read_text())
     assert result["loader_threads"] == 3 and result["gpu_adapters"] == 9 and result["admission_lookahead"] == 0
+    assert result["lora_in_gemm"] == 2
     systems = {(r["system"], r["popularity"], str(r["max_batch"]), r["requests"]) for r in result["rows"]}
     for pop in ("distinct", "identical"):
         for n in (4, 6):
@@ -144,6 +145,8 @@ def test_bench_command_refuses_bad_settings(tmp_path, capsys):
         main(["bench", "--loader-threads", "0", "--device", "cpu"])
     with pytest.raises(SystemExit, match="--admission-lookahead must be at least 0, got -1"):
         main(["bench", "--admission-lookahead", "-1", "--device", "cpu"])
+    with pytest.raises(SystemExit, match="--lora-in-gemm must be at least 0, got -2"):
+        main(["bench", "--lora-in-gemm", "-2", "--device", "cpu"])
     with pytest.raises(SystemExit, match="--baseline-requests"):
         main(["bench", "--requests", "5", "--baseline-requests", "9", "--device", "cpu"])
 

@@ -42,6 +42,38 @@ def test_greedy_equals_transformers_peft_generate(served):
         assert any(oracle.greedy(p, name, 12) != oracle.greedy(p, None, 12) for p in prompts)
 
 
+@pytest.mark.parametrize("capacity", [2, 4])
+def test_lora_inside_the_gemms_gives_transformers_peft_tokens(served, capacity, monkeypatch):
+    """EngineConfig.lora_in_gemm: decode steps with at most that many distinct adapters keep them in the active
+    area and compute their shrink inside the GEMMs (the model's in-gemm path); more adapters, and prompt
+    steps, take the usual path. Tokens equal transformers + PEFT's either way."""
+    from loraplex.models import llama
+    base, adapters, oracle = served
+    steps = []
+    real = llama.LlamaForCausalLM.forward
+
+    def forward(model, batch, kv, pool=None):
+        steps.append((model._in_gemm_count, len(batch.lora.group_slots), batch.max_query_len))
+        return real(model, batch, kv, pool)
+    monkeypatch.setattr(llama.LlamaForCausalLM, "forward", forward)
+    names = [None, *adapters]
+    assert len(adapters) == 3
+    prompts = random_prompts(9, VOCAB, (3, 40), seed=11)
+    with make_llm(served, lora_in_gemm=capacity) as llm:
+        assert llm.engine.runner.area.capacity == capacity
+        # two distinct adapters at most (every decode step fits the area), then all three together
+        for which in ([names[i % 3] for i in range(len(prompts))], [names[i % 4] for i in range(len(prompts))]):
+            outs = llm.generate(prompts, SamplingParams(max_tokens=10, **GREEDY), adapter=which)
+            for prompt, adapter, out in zip(prompts, which, outs):
+                assert out.token_ids == oracle.greedy(prompt, adapter, 10), (adapter, len(prompt))
+    in_gemm = [s for s in steps if s[0] is not None]
+    assert in_gemm, "no step took the in-gemm path"
+    assert all(count == used <= capacity and q == 1 for count, used, q in in_gemm)
+    # decode steps with adapters that did not take it: more distinct adapters than the area holds
+    assert all(used > capacity for count, used, q in steps if count is None and q == 1 and used)
+    assert any(q > 1 for _, _, q in steps)   # prompt steps ran (on the usual path)
+
+
 def _alone(served, prompts, which, max_tokens):
     with make_llm(served) as llm:
         return [llm.generate([p], SamplingParams(max_tokens=max_tokens, **GREEDY), adapter=a, use_tqdm=False)[0]
@@ -235,6 +267,10 @@ def test_engine_config_errors_name_the_field():
         EngineConfig(model="dummy:llama-2-7b", cuda_graph_max_prompt_tokens=-1)
     with pytest.raises(ValueError, match="adapter_loader_threads must be an integer >= 1, got 0"):
         EngineConfig(model="dummy:llama-2-7b", adapter_loader_threads=0)
+    with pytest.raises(ValueError, match=r"lora_in_gemm \(9\) must be at most max_gpu_adapters \(8\)"):
+        EngineConfig(model="dummy:llama-2-7b", lora_in_gemm=9)
+    with pytest.raises(ValueError, match="lora_in_gemm must be an integer >= 0, got -1"):
+        EngineConfig(model="dummy:llama-2-7b", lora_in_gemm=-1)
 
 
 def test_removing_an_adapter_ends_only_its_queued_requests(served):
@@ -281,6 +317,35 @@ def test_stop_token_text_is_not_in_the_output(tmp_path):
     first = full.token_ids.index(stop)
     assert cut.token_ids == full.token_ids[:first + 1] and cut.stop_reason == stop
     assert cut.text == llm.tokenizer.decode(full.token_ids[:first], skip_special_tokens=True)
+
+
+def test_in_gemm_warmup_launches_each_count_and_changes_nothing(monkeypatch):
+    """EngineConfig.lora_in_gemm: the in-gemm expand once per count of active adapters (1 … capacity) and
+    projection group of the first four layers, on slots of rank 0; the pool's ranks come back as they were."""
+    from loraplex.adapters import AdapterPool
+    from loraplex.engine import warmup
+    from loraplex.models import ModelConfig
+    from model_fixtures import hf_config
+    config = ModelConfig.from_dict(hf_config("llama-gqa-llama3rope").to_dict())
+    pool = AdapterPool(config, num_slots=4, max_rank=4, dtype=torch.float32, device="cpu")
+    pool.ranks.random_(1, 5)
+    before = pool.ranks.clone()
+    calls = []
+    real = warmup.expand_in_gemm
+
+    def expand(y_ext, n_base, b, ranks, scalings, batch, slot_active):
+        calls.append((y_ext.shape[0], y_ext.shape[1] - n_base, len(b), batch.num_work,
+                      sum(int(r.abs().sum()) for r in ranks)))
+        y_ext.fill_(1.5)
+        out = real(y_ext, n_base, b, ranks, scalings, batch, slot_active, backend="reference")
+        assert torch.equal(y_ext, torch.full_like(y_ext, 1.5))   # rank 0: nothing added
+        return out
+    monkeypatch.setattr(warmup, "expand_in_gemm", expand)
+    assert warmup.compile_in_gemm(config, pool, torch.float32, 3) == 3 * min(4, config.num_hidden_layers) * 4
+    assert torch.equal(pool.ranks, before)
+    assert {num_work for *_, num_work, _ in calls} == {1, 2, 3} and all(rank == 0 for *_, rank in calls)
+    # each count's GEMM width: the base columns and `count` adapters' shrink columns (slices × max rank 4)
+    assert all(extra == rows * slices * 4 and num_work == rows for rows, extra, slices, num_work, _ in calls)
 
 
 @pytest.mark.parametrize("overlap_mode, fused_projs", [("full", None), ("fused", None), ("fused", "all"),

@@ -81,6 +81,25 @@ def test_row_wise_decode_graphs_give_the_same_tokens(served, monkeypatch):
     assert all(o == oracle.greedy(p, a, 16) for p, a, o in zip(prompts, which, out))
 
 
+def test_lora_inside_the_gemms_gives_the_same_tokens(served):
+    """EngineConfig.lora_in_gemm: decode steps with few enough distinct adapters replay graphs whose GEMMs also
+    compute the active adapters' shrinks (engine/cuda_graphs.py "gemm" variants); tokens equal the eager
+    engine's (the same path, eager) and transformers + PEFT's."""
+    _, adapters, oracle = served
+    names = [None, *adapters]
+    prompts = random_prompts(12, VOCAB, (4, 50), seed=29)
+    which = [names[i % len(names)] for i in range(len(prompts))]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for eager in (False, True):
+        with make_llm(served, lora_in_gemm=len(adapters), enforce_eager=eager) as llm:
+            outs[eager] = [o.token_ids for o in llm.generate(prompts, params, adapter=which)]
+            if not eager:
+                assert llm.engine.runner.graphs.gemm_replays > 0
+    assert outs[False] == outs[True]
+    assert all(o == oracle.greedy(p, a, 16) for p, a, o in zip(prompts, which, outs[False]))
+
+
 def test_seeded_sampling_is_the_same_with_graphs_and_eager(served):
     prompts = random_prompts(6, VOCAB, (4, 30), seed=22)
     params = [SamplingParams(max_tokens=12, temperature=0.8, top_k=20, seed=100 + i, ignore_eos=True)

@@ -154,16 +154,20 @@ def rope_lora(dtype: str, arch: int) -> None:
     from loraplex.ops import fused_lora_kernels as k
     # (positions, SPLIT_K, BLOCK_R, ONE_R_TILE, BLOCK_H, BLOCK_D): D=128 heads ROPE_HEADS at a time; D=64
     # one head per program, two rank tiles.
-    for pos, split_k, block_r, one_r, block_h, block_d in (("i64", 8, 16, True, k.ROPE_HEADS, 64),
-                                                            ("i32", 2, 32, False, 1, 32)):
+    # IN_GEMM: part is a GEMM's 16-bit shrink columns, offset by the row's active index (lora_product.py)
+    for pos, split_k, block_r, one_r, block_h, block_d, in_gemm in (("i64", 8, 16, True, k.ROPE_HEADS, 64, False),
+                                                                     ("i32", 2, 32, False, 1, 32, False),
+                                                                     ("i64", 1, 16, True, k.ROPE_HEADS, 64, True)):
         types = dict(q_ptr="*" + dtype, k_ptr="*" + dtype, v_ptr="*" + dtype, pos_ptr="*" + pos,
                      inv_freq_ptr="*fp32", b0="*" + dtype, b1="*" + dtype, b2="*" + dtype, rk0="*i32", rk1="*i32",
-                     rk2="*i32", sc0="*fp32", sc1="*fp32", sc2="*fp32", **LORA_POINTERS)
+                     rk2="*i32", sc0="*fp32", sc1="*fp32", sc2="*fp32", slot_active_ptr="*i32", **LORA_POINTERS)
+        if in_gemm:
+            types["part_ptr"] = "*" + dtype
         ptx = _compile(k._rope_lora_kernel, types,
                        dict(ONE_R_TILE=one_r, SPLIT_K=split_k, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_D=block_d,
-                            COMPILED=True), arch, max(1, min(4, block_h * block_d // 128)))
+                            COMPILED=True, IN_GEMM=in_gemm), arch, max(1, min(4, block_h * block_d // 128)))
         what = (f"rope_lora {dtype} positions {pos} SPLIT_K={split_k} BLOCK_R={block_r} BLOCK_H={block_h} "
-                f"BLOCK_D={block_d}")
+                f"BLOCK_D={block_d} IN_GEMM={in_gemm}")
         _no_approx(ptx, what)
         # As rope: every product that feeds the rotation's sums is rounded on its own.
         assert len(re.findall(r"mul\.rn(?:\.ftz)?\.f32", ptx)) >= 4, f"{what}: products must be mul.rn"

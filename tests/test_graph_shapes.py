@@ -99,3 +99,32 @@ def test_eager_decode_steps_choose_as_their_graphs_would(auto, monkeypatch):
     assert mode(with_slots(decode(4), [0, 1, 2, -1]), max_rank=64) == base
     assert mode(with_slots(decode(5), [3] * 5)) == base
     assert mode(with_slots(decode(1) + [prompt(9)], [0, 1])) == base
+
+
+def test_gemm_counts_and_the_in_gemm_variant():
+    """EngineConfig.lora_in_gemm: decode graphs per count of active adapters (1, 2, 4, ... and the most a
+    shape can meet); a decode step whose adapters the runner put in the area replays the smallest count that
+    holds them; mixed steps, and steps without adapters, do not."""
+    from types import SimpleNamespace
+
+    from loraplex.engine.cuda_graphs import StepGraphs, gemm_counts
+    assert gemm_counts(1, 32) == [1]
+    assert gemm_counts(8, 32) == [1, 2, 4, 8]
+    assert gemm_counts(48, 32) == [1, 2, 4, 8, 16, 32]
+    assert gemm_counts(48, 24) == [1, 2, 4, 8, 16, 24]
+    assert gemm_counts(6, 4) == [1, 2, 4]
+    assert gemm_counts(4, 0) == []
+    graphs = StepGraphs.__new__(StepGraphs)   # no CUDA here: only the host-side choice
+    graphs.pool, graphs.rows_variant, graphs.area = object(), False, SimpleNamespace(capacity=24)
+
+    def with_slots(chunks, slots):
+        return [SequenceChunk(c.token_ids, c.num_cached, c.block_table, s) for c, s in zip(chunks, slots)]
+    step = with_slots(decode(6), [0, 1, 2, 0, -1, 5])
+    assert graphs.lora_variant(step, (8, 0), in_gemm=4) == ("gemm", 4)
+    assert graphs.lora_variant(step, (8, 0), in_gemm=3) == ("gemm", 4)
+    assert graphs.lora_variant(step, (8, 0)) is True                       # the runner did not update the area
+    assert graphs.lora_variant(with_slots(decode(20), list(range(20))), (32, 0), in_gemm=20) == ("gemm", 24)
+    assert graphs.lora_variant(with_slots(decode(2) + [prompt(9)], [0, 1, 2]), (16, 16), in_gemm=3) is True
+    assert graphs.lora_variant(with_slots(decode(3), [-1] * 3), (4, 0), in_gemm=None) is False
+    graphs.area = None
+    assert graphs.lora_variant(step, (8, 0), in_gemm=4) is True

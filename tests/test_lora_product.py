@@ -267,3 +267,68 @@ def _meta(*shape, dtype=torch.float16):
 def test_a_product_that_does_not_fit_is_refused_by_name(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def in_gemm_product(p: LoraProduct, gen: torch.Generator, active_count: int = 4) -> tuple[LoraProduct, LoraProduct]:
+    """`p` as an in-gemm product (the shrink in a GEMM's 16-bit output columns, adapter-major, each slot at a
+    random active index; every other active adapter's columns NaN), and the ordinary product of the same
+    rounded shrink values, which it must equal."""
+    S, T, R = p.part.shape[1:]
+    dtype = p.lora_b[0].dtype
+    num_slots = p.lora_b[0].shape[0]
+    slot_active = torch.randperm(max(num_slots, active_count), generator=gen)[:num_slots].to(torch.int32)
+    slot_active = slot_active % active_count if num_slots > active_count else slot_active
+    v = p.part.sum(0).to(dtype)                                   # [S, T, R], NaN where nothing may be read
+    n_base = 3   # base columns before the shrink's, as in a GEMM's output
+    y_ext = torch.full((T, n_base + active_count * S * R), float("nan"), dtype=dtype)
+    for m, s in enumerate(p.row_slot.tolist()):
+        if s >= 0:
+            start = n_base + int(slot_active[s]) * S * R
+            y_ext[m, start:start + S * R] = v[:, m].reshape(-1)
+    part = torch.as_strided(y_ext, (1, S, T, R), (0, R, y_ext.stride(0), 1), n_base)
+    in_gemm = LoraProduct(part, p.lora_b, p.ranks, p.scalings, p.row_slot, slot_active, active_count)
+    return in_gemm, LoraProduct(v.float()[None], p.lora_b, p.ranks, p.scalings, p.row_slot)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rope_expands_an_in_gemm_product(backend, dtype):
+    """An in-gemm product (lora_product.py: the row's adapter's shrink columns at its active index) gives
+    what the ordinary product of the same values gives."""
+    gen = torch.Generator().manual_seed(stable_seed("rope-in-gemm", str(dtype)))
+    T, Hq, Hkv, D = 7, 4, 2, 64
+    q, k, qkv = qkv_views(gen, T, Hq, Hkv, D, dtype, "fused")
+    positions = random_positions(gen, T)
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    inv_freq = LlamaRotaryEmbedding(rope_config(Hq, Hkv, D)).inv_freq
+    p = make_product(gen, T, (Hq * D, Hkv * D, Hkv * D), dtype, split_k=1, sizes=qkv.float().abs().mean(1))
+    in_gemm, plain = in_gemm_product(p, gen)
+    assert torch.equal(in_gemm.dense().nan_to_num(7.0), plain.dense().nan_to_num(7.0))
+    want = plus_f64(qkv, plain)
+    q_want, k_want, _ = views_of(want, T, Hq, Hkv, D, "fused")
+    fused.apply_rope(q_want, k_want, positions, inv_freq, backend="reference")
+    fused.apply_rope(q, k, positions, inv_freq, v=qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D), delta=in_gemm,
+                     backend=backend)
+    assert_close_ulps(qkv, want, "q|k|v")
+
+
+def test_select_keeps_an_in_gemm_products_rows():
+    gen = torch.Generator().manual_seed(4)
+    p, _ = in_gemm_product(make_product(gen, 6, (10, 4, 4), torch.float16, split_k=1), gen, active_count=5)
+    rows = torch.tensor([5, 0, 2])
+    picked = p.select(rows)
+    assert picked.slot_active is p.slot_active and picked.active_count == 5
+    assert torch.equal(picked.dense().nan_to_num(7.0), p.dense()[rows].nan_to_num(7.0))
+
+
+def test_only_rope_takes_an_in_gemm_product():
+    gen = torch.Generator().manual_seed(5)
+    p, _ = in_gemm_product(make_product(gen, 4, (32,), torch.float16, split_k=1), gen)
+    with pytest.raises(ValueError, match="delta is an in-gemm product .* only RoPE's kernel takes those"):
+        fused.rms_norm(torch.zeros(4, 32, dtype=torch.float16), torch.ones(32, dtype=torch.float16), 1e-6, delta=p)
+    p, _ = in_gemm_product(make_product(gen, 4, (16, 8, 8), torch.float16, split_k=1), gen)
+    bad = LoraProduct(p.part.float(), p.lora_b, p.ranks, p.scalings, p.row_slot, p.slot_active, 4)
+    q = torch.zeros(4, 2, 8, dtype=torch.float16)
+    kv = torch.zeros(4, 1, 8, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"delta.part \(in-gemm\) must be a torch.float16"):
+        fused.apply_rope(q, kv, torch.zeros(4, dtype=torch.int64), torch.ones(4), v=kv, delta=bad)

@@ -94,9 +94,9 @@ def test_mixed_batch_matches_transformers_peft(setup):
 @pytest.mark.parametrize("backend, graph_room", [("reference", None), ("reference", (8, 96)), ("triton", None)])
 def test_lora_inside_the_gemms_matches_too(setup, backend, graph_room, monkeypatch):
     """An ActiveArea attached to the model (adapters/active_area.py), forwards inside `model.lora_in_gemm()`:
-    each projection's GEMM also computes the active adapters' shrinks, and ops/lora_in_gemm.py's expand adds
-    each row's product. Outside it the usual path runs; inside it a batch whose adapters the area does not
-    hold is refused, naming the slots."""
+    each projection's GEMM also computes the active adapters' shrinks; RoPE expands q/k/v's product from those
+    columns (an in-gemm LoraProduct) and ops/lora_in_gemm.py's expand adds the others'. Outside it the usual
+    path runs; inside it a batch whose adapters the area does not hold is refused, naming the slots."""
     from loraplex import ops
     from loraplex.adapters.active_area import ActiveArea
     from loraplex.models import llama
@@ -104,9 +104,11 @@ def test_lora_inside_the_gemms_matches_too(setup, backend, graph_room, monkeypat
         pytest.skip("needs TRITON_INTERPRET=1 (no CUDA): tests/test_model_gpu.py runs it for real")
     if backend == "triton" and setup.config.head_dim & (setup.config.head_dim - 1):
         pytest.skip("the Triton attention kernels take power-of-two head sizes")
-    calls = []
+    calls, ropes = [], []
     real = llama.expand_in_gemm
     monkeypatch.setattr(llama, "expand_in_gemm", lambda *a, **kw: calls.append(kw["backend"]) or real(*a, **kw))
+    real_rope = llama.apply_rope
+    monkeypatch.setattr(llama, "apply_rope", lambda *a, **kw: ropes.append(kw["delta"]) or real_rope(*a, **kw))
     used = sorted({setup.slots[name] for name, _, _ in PLAN if name is not None})
     area = ActiveArea(setup.model, setup.pool, capacity=len(used) + 1)
     setup.model.backend = backend
@@ -121,7 +123,9 @@ def test_lora_inside_the_gemms_matches_too(setup, backend, graph_room, monkeypat
         with setup.model.lora_in_gemm(len(used) + 1):   # a wider GEMM than the active adapters need: the same
             check_mixed_batch(setup, PLAN, graph_room=graph_room)
         assert calls and set(calls) == {backend}
-        assert len(calls) == 2 * 4 * setup.config.num_hidden_layers   # two forwards, four projection groups
+        assert len(calls) == 2 * 3 * setup.config.num_hidden_layers   # two forwards, o, gate/up and down
+        in_gemm = [d for d in ropes if d is not None and d.slot_active is not None]
+        assert len(in_gemm) == 2 * setup.config.num_hidden_layers and all(d.active_count == 4 for d in in_gemm)
         with setup.model.lora_in_gemm(len(used) - 1), pytest.raises(ValueError, match="at indices below"):
             check_mixed_batch(setup, PLAN, graph_room=graph_room)
         with pytest.raises(ValueError, match=r"count must be an int in \[0, 4\]"):

@@ -79,6 +79,11 @@ class EngineConfig:
     adapter_loader_threads: int = field(default=2, metadata={
         "group": "adapters", "help": "Threads that read adapters from disk into host copies (more: faster "
                                      "loads of many distinct adapters, at the cost of host CPU)."})
+    lora_in_gemm: int = field(default=0, metadata={
+        "group": "adapters", "help": "Decode steps with at most this many distinct adapters compute their LoRA "
+                                     "shrink inside the projections' GEMMs, from a copy of those adapters' A "
+                                     "weights kept below the base weights (this many adapters' worth of GPU "
+                                     "memory); 0 (the default, until measured on a GPU) keeps the SGMV kernels."})
 
     enforce_eager: bool = field(default=False, metadata={
         "group": "execution", "help": "Run every step eagerly, capturing no CUDA graphs."})
@@ -104,6 +109,10 @@ class EngineConfig:
         _check_int("max_cpu_adapters", self.max_cpu_adapters, 0)
         _check_int("cuda_graph_max_prompt_tokens", self.cuda_graph_max_prompt_tokens, 0)
         _check_int("admission_lookahead", self.admission_lookahead, 0)
+        _check_int("lora_in_gemm", self.lora_in_gemm, 0)
+        if self.lora_in_gemm > self.max_gpu_adapters:
+            raise ValueError(f"EngineConfig.lora_in_gemm ({self.lora_in_gemm}) must be at most max_gpu_adapters "
+                             f"({self.max_gpu_adapters}): a step never holds more distinct adapters than that")
         _check_int("seed", self.seed, 0)
         for name in ("max_model_len", "num_kv_blocks", "dummy_layers"):
             if getattr(self, name) is not None:

@@ -50,6 +50,8 @@ def _parse(args) -> tuple[list[str], list[str], list[int | None]]:
         raise SystemExit(f"error: --loader-threads must be at least 1, got {args.loader_threads}")
     if args.admission_lookahead is not None and args.admission_lookahead < 0:
         raise SystemExit(f"error: --admission-lookahead must be at least 0, got {args.admission_lookahead}")
+    if args.lora_in_gemm is not None and args.lora_in_gemm < 0:
+        raise SystemExit(f"error: --lora-in-gemm must be at least 0, got {args.lora_in_gemm}")
     if args.requests < 1:
         raise SystemExit(f"error: --requests must be at least 1, got {args.requests}")
     if args.baseline_requests is not None and not 1 <= args.baseline_requests <= args.requests:
@@ -110,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
                 slots["adapter_loader_threads"] = args.loader_threads
             if args.admission_lookahead is not None:
                 slots["admission_lookahead"] = args.admission_lookahead
+            if args.lora_in_gemm is not None:
+                slots["lora_in_gemm"] = args.lora_in_gemm
             config = engine_config(args.model, max_batch=max_batch, rank=args.rank,
                                    max_len=max(w.max_len for w in workloads.values()), device=device, dtype=dtype,
                                    layers=args.layers, **slots)
@@ -179,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
                   layers=args.layers, dtype=dtype, rank=args.rank, bandwidth_gbs=bandwidth,
                   gpu_adapters=args.gpu_adapters, loader_threads=args.loader_threads,
                   admission_lookahead=args.admission_lookahead, lora_rowwise=os.environ.get("LORAPLEX_LORA_ROWWISE"),
-                  lora_rows=os.environ.get("LORAPLEX_LORA_ROWS"), preload_adapters=args.preload_adapters,
+                  lora_rows=os.environ.get("LORAPLEX_LORA_ROWS"), lora_in_gemm=args.lora_in_gemm,
+                  preload_adapters=args.preload_adapters,
                   lora_overlap=os.environ.get("LORAPLEX_LORA_OVERLAP"),
                   host_priority=os.environ.get("LORAPLEX_HOST_PRIORITY"),
                   workload=dict(requests=args.requests, lengths=args.lengths, max_len=args.max_len, seed=args.seed,

@@ -12,7 +12,10 @@ and sequences past the real ones write no KV and use no adapter. Steps where no 
 adapter replay a graph captured without the LoRA launches; with LORAPLEX_LORA_ROWWISE=auto, decode steps
 whose adapters make only small tiles (`sgmv.rows_fit`: distinct adapters) replay a third, captured with
 the row-wise LoRA kernels (ops/sgmv.py; a kernel holding both paths keeps the larger one's registers, so
-the choice is made per step on the host). Every graph writes its logits into one
+the choice is made per step on the host). With an active area (`EngineConfig.lora_in_gemm`), decode shapes
+also get graphs that compute LoRA's shrink inside the GEMMs (the model's "in-gemm" path) for each count of
+active adapters in `gemm_counts` (the GEMMs' widths depend on it); a decode step whose distinct adapters
+fit replays the smallest that holds them, after `ActiveArea.update`. Every graph writes its logits into one
 shared buffer, so graphs cost no logits memory each (replays run one at a time, in stream order,
 and the sampler reads the logits before the next replay is queued).
 """
@@ -53,6 +56,13 @@ def mixed_buckets(max_batch: int, max_prompt_tokens: int) -> tuple[list[int], li
     seqs = sorted({b for b in (16, 32, 64, 128, 256, 512, 1024) if b < max_batch} | {max_batch})
     prompts = sorted({p for p in PROMPT_BUCKETS if p < max_prompt_tokens} | {max_prompt_tokens})
     return seqs, prompts
+
+
+def gemm_counts(seqs: int, capacity: int) -> list[int]:
+    """Active-adapter counts a decode graph of `seqs` sequences is captured for on the in-gemm path: 1, 2, 4,
+    ... and the most it can meet, min(seqs, capacity)."""
+    most = min(seqs, capacity)
+    return sorted({1 << i for i in range(most.bit_length()) if 1 << i <= most} | {most}) if most > 0 else []
 
 
 def prompt_tokens(chunks: Sequence[SequenceChunk]) -> int:
@@ -103,12 +113,15 @@ class StepGraphs:
                  max_seq_len: int, max_prompt_tokens: int = 0) -> None:
         self.model, self.kv, self.pool = model, kv, pool
         self.shapes = GraphShapes.make(max_batch, max_seq_len, max_prompt_tokens)
-        # (sequences, prompt tokens, LoRA): LoRA False (no adapter in the step), True, or "rows" (row-wise
-        # kernels, decode shapes only, LORAPLEX_LORA_ROWWISE=auto)
-        self._graphs: dict[tuple[int, int, bool | str], _Graph] = {}
+        # (sequences, prompt tokens, LoRA): LoRA False (no adapter in the step), True, "rows" (row-wise
+        # kernels, decode shapes only, LORAPLEX_LORA_ROWWISE=auto) or ("gemm", count) (decode shapes, the
+        # shrink inside the GEMMs of the first `count` active adapters: model.active_area)
+        self._graphs: dict[tuple[int, int, bool | str | tuple[str, int]], _Graph] = {}
+        self.area = model.active_area if pool is not None else None
         # (ranks above 32 keep the tile product in the shrink, above 64 in the expand: no variant to capture)
         self.rows_variant = pool is not None and sgmv.ROWWISE_AUTO and pool.max_rank <= 32
         self.rows_replays = 0   # steps that replayed a "rows" graph
+        self.gemm_replays = 0   # steps that replayed a ("gemm", count) graph
         self._memory = torch.cuda.graph_pool_handle()
         self._logits = torch.empty((max_batch, model.config.vocab_size), dtype=torch.float32, device=kv.device)
 
@@ -118,6 +131,8 @@ class StepGraphs:
             variants = (False, True) if self.pool is not None else (False,)
             if self.rows_variant and prompt == 0:
                 variants += ("rows",)
+            if self.area is not None and prompt == 0:
+                variants += tuple(("gemm", n) for n in gemm_counts(seqs, self.area.capacity))
             for lora in variants:
                 self._graphs[(seqs, prompt, lora)] = self._capture(seqs, prompt, lora)
         torch.cuda.synchronize()
@@ -125,7 +140,7 @@ class StepGraphs:
         log.info("captured %d CUDA graphs (decode batches %s; mixed: sequences %s × prompt tokens %s) in %.1f s",
                  len(self._graphs), sh.buckets, sh.mixed_seqs, sh.mixed_prompts, time.perf_counter() - start)
 
-    def _capture(self, seqs: int, prompt: int, lora: bool | str) -> _Graph:
+    def _capture(self, seqs: int, prompt: int, lora: bool | str | tuple[str, int]) -> _Graph:
         c = self.model.config
         batch = ForwardBatch.for_graph(seqs, self.shapes.max_seq_len, block_size=self.kv.block_size,
                                        num_blocks=self.kv.num_blocks, vocab_size=c.vocab_size,
@@ -137,7 +152,13 @@ class StepGraphs:
         device = self.kv.device
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
-        with sgmv.decode_rowwise(2) if lora == "rows" else contextlib.nullcontext():
+        if lora == "rows":
+            mode = sgmv.decode_rowwise(2)
+        elif isinstance(lora, tuple):
+            mode = self.model.lora_in_gemm(lora[1])
+        else:
+            mode = contextlib.nullcontext()
+        with mode:
             with torch.cuda.stream(stream):  # warm-up outside the graph: Triton compiles, allocator settles
                 self.model(batch, self.kv, pool)
             torch.cuda.current_stream(device).wait_stream(stream)
@@ -147,15 +168,17 @@ class StepGraphs:
         return _Graph(graph, batch)
 
     def run(self, chunks: Sequence[SequenceChunk], inputs: tuple[torch.Tensor, torch.Tensor] | None, *,
-            key: tuple[int, int]) -> torch.Tensor:
+            key: tuple[int, int], in_gemm: int | None = None) -> torch.Tensor:
         """Logits `[chunks that need logits, vocab]` of the step, by replay (a view of the shared
         buffer: read it before the next replay). With `inputs` = (device ids, index), the chunks are
         one-token decodes and chunk i's token is `ids[index[i]]` instead of its own. `key`: the graph,
-        as `shapes.key_for(chunks)` chose it (the batch's `update_` refuses chunks it cannot hold)."""
+        as `shapes.key_for(chunks)` chose it (the batch's `update_` refuses chunks it cannot hold).
+        `in_gemm`: the active area was updated to this step's adapters, this many (ModelRunner)."""
         if inputs is not None and key[1]:
             raise ValueError("device-side inputs are for decode steps only")
-        variant = self.lora_variant(chunks, key)
+        variant = self.lora_variant(chunks, key, in_gemm)
         self.rows_replays += variant == "rows"
+        self.gemm_replays += isinstance(variant, tuple)
         g = self._graphs[(*key, variant)]
         g.batch.update_(chunks)
         if inputs is not None:
@@ -164,11 +187,17 @@ class StepGraphs:
         g.graph.replay()
         return self._logits[:len(g.batch.logits_seqs)]
 
-    def lora_variant(self, chunks: Sequence[SequenceChunk], key: tuple[int, int]) -> bool | str:
-        """Which graph of the shape `key` runs these chunks: False (no adapter), True, or "rows" (a decode
-        step whose adapters `sgmv.rows_fit`, when that variant was captured)."""
+    def lora_variant(self, chunks: Sequence[SequenceChunk], key: tuple[int, int],
+                     in_gemm: int | None = None) -> bool | str | tuple[str, int]:
+        """Which graph of the shape `key` runs these chunks: False (no adapter), ("gemm", n) (a decode step
+        whose `in_gemm` active adapters fit, the smallest n of `gemm_counts` that holds them), "rows" (a
+        decode step whose adapters `sgmv.rows_fit`, when that variant was captured) or True."""
         if self.pool is None or not any(c.adapter_slot >= 0 for c in chunks):
             return False
+        if in_gemm is not None and self.area is not None and key[1] == 0:
+            n = next((n for n in gemm_counts(key[0], self.area.capacity) if n >= in_gemm), None)
+            if n is not None:
+                return ("gemm", n)
         if self.rows_variant and key[1] == 0 and sgmv.rows_fit(c.adapter_slot for c in chunks):
             return "rows"
         return True

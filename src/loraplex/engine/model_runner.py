@@ -11,6 +11,7 @@ import torch
 
 from ..adapters import AdapterCache
 from ..adapters import priority as host_priority
+from ..adapters.active_area import ActiveArea
 from ..adapters.priority import HOST_PRIORITY
 from ..config import EngineConfig
 from ..models import dummy_model, load_model
@@ -21,7 +22,7 @@ from ..ops import overlap, sgmv
 from ..sampling import PendingSample, Sampler, SamplingParams
 from .cuda_graphs import StepGraphs
 from .scheduler import ScheduledChunk
-from .warmup import compile_lora_kernels
+from .warmup import compile_in_gemm, compile_lora_kernels
 
 log = logging.getLogger("loraplex.engine")
 
@@ -44,6 +45,13 @@ class ModelRunner:
                                      dtype=self.model.dtype, device=self.device,
                                      loader_threads=config.adapter_loader_threads)
         self.sampler = Sampler(self.device, seed=config.seed)
+        # before the KV cache is sized (its memory counts) and graphs are captured (they keep its addresses)
+        self.area: ActiveArea | None = None
+        if config.lora_in_gemm:
+            self.area = ActiveArea(self.model, self.adapters.pool, config.lora_in_gemm)
+            self.model.active_area = self.area
+            log.info("LoRA shrink inside the GEMMs for decode steps of up to %d distinct adapters: %.2f GiB",
+                     config.lora_in_gemm, self.area.nbytes / 2**30)
         self.kv = KVCache(c, self._num_kv_blocks(), config.block_size, dtype=self.model.dtype, device=self.device)
         log.info(self.kv.describe())
         capacity = self.kv.num_blocks * self.kv.block_size
@@ -54,6 +62,8 @@ class ModelRunner:
         host_priority.mode(), overlap.mode()   # a bad setting fails here, not in the first step
         if self.device.type == "cuda":
             compile_lora_kernels(c, self.adapters.pool, self.model.dtype)
+            if self.area is not None:
+                compile_in_gemm(c, self.adapters.pool, self.model.dtype, self.area.capacity)
         if self.device.type == "cuda" and not config.enforce_eager:
             torch.cuda.set_device(self.device)   # capture on our GPU
             self.graphs = StepGraphs(self.model, self.kv, self.adapters.pool, max_seq_len=self.max_model_len,
@@ -141,19 +151,33 @@ class ModelRunner:
         graph = self.graphs.shapes.key_for(batch_chunks) if self.graphs is not None else None
         # everything on our GPU's current stream, whichever device the calling thread has current
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            in_gemm = self._update_area(batch_chunks)
             if graph is not None:
-                logits = self.graphs.run(batch_chunks, inputs, key=graph)
+                logits = self.graphs.run(batch_chunks, inputs, key=graph, in_gemm=in_gemm)
             else:
                 # Host-bound (~1,500 launches from Python): adapter loads step aside meanwhile, where
                 # graphed steps leave them host time. Without graphs every step is eager, and
                 # loads would only crawl at the checkpoints' bound, so they keep running.
                 when = host_priority.mode()
                 yield_loads = self.graphs is not None and (when == "always" or when == "adaptive" and not loads_urgent)
-                with HOST_PRIORITY.busy() if yield_loads else contextlib.nullcontext(), self._rowwise(batch_chunks):
+                in_gemm_mode = self.model.lora_in_gemm(in_gemm) if in_gemm is not None else contextlib.nullcontext()
+                with HOST_PRIORITY.busy() if yield_loads else contextlib.nullcontext(), self._rowwise(batch_chunks), \
+                        in_gemm_mode:
                     logits = self._run_eager(batch_chunks, inputs)
             sampled = [c.seq for c in chunks if c.needs_logits]
             pending = self.sampler.launch(logits, [s.params for s in sampled], [s.generator for s in sampled])
         return pending, graph
+
+    def _update_area(self, chunks: list[SequenceChunk]) -> int | None:
+        """EngineConfig.lora_in_gemm: for a decode step with adapters, at most that many distinct ones, make
+        them the active area's (copying the A rows of those that enter, on this stream, after the steps
+        queued before) and return their count: the step takes the in-gemm path. None otherwise."""
+        if self.area is None or any(len(c.token_ids) != 1 for c in chunks):
+            return None
+        slots = {c.adapter_slot for c in chunks if c.adapter_slot >= 0}
+        if not slots or len(slots) > self.area.capacity:
+            return None
+        return self.area.update(sorted(slots))
 
     def _rowwise(self, chunks: list[SequenceChunk]):
         """LORAPLEX_LORA_ROWWISE=auto: an eager decode step runs the row-wise LoRA kernels where its graph
@@ -181,6 +205,7 @@ class ModelRunner:
         self.adapters.close()
         self.graphs = None
         self.kv = None
+        self.area = None
         self.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

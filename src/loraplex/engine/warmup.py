@@ -20,6 +20,7 @@ from ..adapters.pool import AdapterPool
 from ..models.config import ModelConfig
 from ..ops import LoraBatch, fused, overlap, sgmv
 from ..ops.batch import LARGE_BLOCK_M, SMALL_BLOCK_M
+from ..ops.lora_in_gemm import expand_in_gemm
 from ..ops.lora_product import LoraProduct
 
 log = logging.getLogger("loraplex.engine")
@@ -59,6 +60,31 @@ def compile_lora_kernels(config: ModelConfig, pool: AdapterPool, dtype: torch.dt
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     log.info("compiled the LoRA kernels' variants (%d calls) in %.1f s", launches, time.perf_counter() - start)
+    return launches
+
+
+def compile_in_gemm(config: ModelConfig, pool: AdapterPool, dtype: torch.dtype, capacity: int) -> int:
+    """EngineConfig.lora_in_gemm: the in-gemm expand (ops/lora_in_gemm.py) of decode steps, for 1 to
+    `capacity` distinct adapters (the work items and the GEMM's width, which set the kernel's chunking and
+    its row stride, follow them), on slots of rank 0 (nothing read); returns the number of launches."""
+    device, start, launches = pool.device, time.perf_counter(), 0
+    saved = pool.ranks.clone()
+    pool.ranks.zero_()
+    slot_active = torch.arange(pool.num_slots, dtype=torch.int32, device=device).clamp_(max=capacity - 1)
+    try:
+        for count in range(1, capacity + 1):
+            batch = LoraBatch.from_lengths([1] * count, list(range(count)), device, block_m=SMALL_BLOCK_M)
+            for layer, (projs, _) in itertools.product(range(min(4, config.num_hidden_layers)), CALLS):
+                _, b, ranks, scalings = pool.stacks(layer, projs)
+                n_base = sum(t.shape[1] for t in b)
+                y_ext = torch.zeros(count, n_base + count * len(b) * pool.max_rank, dtype=dtype, device=device)
+                expand_in_gemm(y_ext, n_base, b, ranks, scalings, batch, slot_active)
+                launches += 1
+    finally:
+        pool.ranks.copy_(saved)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    log.info("compiled the in-gemm expand's variants (%d calls) in %.1f s", launches, time.perf_counter() - start)
     return launches
 
 

@@ -31,6 +31,10 @@ from .kv_cache import KVCache
 QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
 GROUP_OF = {QKV: "qkv", ("o_proj",): "o", GATE_UP: "gate_up", ("down_proj",): "down"}  # ActiveArea's groups
+# The "in-gemm" path leaves q/k/v's product for RoPE to expand as it loads q/k/v (one launch less per layer:
+# the projections alone took ~0.38 ms less per Llama-2-7B forward at 32 rows than with the expand kernel,
+# benchmarks/results/probe_lora_in_gemm.md); o, gate/up and down expand in place after their GEMM.
+IN_GEMM_QKV_TO_ROPE = True
 
 
 def _weight(out_features: int, in_features: int) -> nn.Parameter:
@@ -81,9 +85,16 @@ class DecoderLayer(nn.Module):
                 # its own adapter's columns and adds into the base ones (ops/lora_in_gemm.py)
                 w_ext, b_ext = area.weight(L, GROUP_OF[projs], area_count)
                 y_ext = F.linear(x, w_ext, b_ext)
-                expand_in_gemm(y_ext, weight.shape[0], b, ranks, scalings, batch.lora, area.slot_active,
+                n = weight.shape[0]
+                if projs == QKV and IN_GEMM_QKV_TO_ROPE:
+                    S, R = len(projs), b[0].shape[2]   # the shrink columns, seen as a LoraProduct's part
+                    part = torch.as_strided(y_ext, (1, S, T, R), (0, R, y_ext.stride(0), 1),
+                                            y_ext.storage_offset() + n)
+                    return y_ext[:, :n], LoraProduct(part, tuple(b), tuple(ranks), tuple(scalings),
+                                                     batch.lora.row_slot, area.slot_active, area_count)
+                expand_in_gemm(y_ext, n, b, ranks, scalings, batch.lora, area.slot_active,
                                backend=resolve_backend(backend, x.device))
-                return y_ext[:, :weight.shape[0]], None
+                return y_ext[:, :n], None
             if lora_path in ("product", "product-side") and projs[0] in overlap.FUSED_PROJECTIONS:
                 return overlap.linear_with_lora_product(x, weight, bias, a, b, batch.lora, ranks, scalings,
                                                         side=lora_path == "product-side")

@@ -67,11 +67,12 @@ def _writable(t: torch.Tensor, name: str) -> None:
                          f"it is written")
 
 
-def _delta(delta, name: str, rows: int, widths: tuple[int, ...], like: torch.Tensor, like_name: str) -> None:
+def _delta(delta, name: str, rows: int, widths: tuple[int, ...], like: torch.Tensor, like_name: str,
+           in_gemm: bool = False) -> None:
     """A LoRA delta (ops/overlap.py makes them): a contiguous float32 `[rows, Σwidths]` on `like`'s
-    device, or a LoraProduct whose slices are `widths` wide."""
+    device, or a LoraProduct whose slices are `widths` wide (an in-gemm one only where `in_gemm`)."""
     if isinstance(delta, LoraProduct):
-        delta.check(rows, widths, like, like_name, name)
+        delta.check(rows, widths, like, like_name, name, in_gemm)
         return
     width = sum(widths)
     _tensor(delta, name, 2, f"float32 [T={rows}, {width}]")
@@ -279,7 +280,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_fr
         if v.dtype != q.dtype or tuple(v.shape) != tuple(k.shape):
             raise ValueError(f"v must be {q.dtype} [T={T}, Hkv={k.shape[1]}, D={D}] as k, got {_desc(v)}")
         _writable(v, "v")
-        _delta(delta, "delta", T, (q.shape[1] * D, k.shape[1] * D, k.shape[1] * D), q, "q")
+        _delta(delta, "delta", T, (q.shape[1] * D, k.shape[1] * D, k.shape[1] * D), q, "q", in_gemm=True)
     elif v is not None:
         raise ValueError("v is only taken with a delta")
     if resolve_backend(backend, q.device) == "reference":

@@ -36,7 +36,7 @@ def _v(part_row, r0, rank, stride_p_split, SPLIT_K: tl.constexpr, BLOCK_R: tl.co
     """Σ over the K splits of the shrink's fp32 partials, rank columns r0..r0+BLOCK_R."""
     offs_r = r0 + tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
-    v = tl.load(part_row + offs_r, mask=r_mask, other=0.0)
+    v = tl.load(part_row + offs_r, mask=r_mask, other=0.0).to(tl.float32)   # (16-bit when in-gemm)
     for s in tl.static_range(1, SPLIT_K):
         v += tl.load(part_row + tl.full((), s, tl.int64) * stride_p_split + offs_r, mask=r_mask, other=0.0)
     return v, offs_r, r_mask
@@ -196,10 +196,12 @@ def _heads(base, stride_h, num_heads, h0, part_row, b_ptr, rank_ptr, scale_ptr, 
 @triton.jit
 def _rope_lora_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_ptr, row_slot_ptr, b0, b1, b2, rk0, rk1, rk2,
                       sc0, sc1, sc2, R, stride_p_split, stride_p_slice, stride_pm, HQ, HKV, HALF, stride_qt,
-                      stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_pos, ONE_R_TILE: tl.constexpr,
-                      SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                      COMPILED: tl.constexpr):
-    """Program (token, q|k|v, head block): q/k/v heads take their slice's product; q and k rotate."""
+                      stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_pos, slot_active_ptr,
+                      active_stride, ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, COMPILED: tl.constexpr, IN_GEMM: tl.constexpr):
+    """Program (token, q|k|v, head block): q/k/v heads take their slice's product; q and k rotate.
+    IN_GEMM: the product's part is a GEMM's shrink columns, the row's adapter's `active_stride` × its
+    active index along (lora_product.py)."""
     t = tl.program_id(0).to(tl.int64)
     which = tl.program_id(1)
     h0 = tl.program_id(2) * BLOCK_H
@@ -212,6 +214,8 @@ def _rope_lora_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_ptr, row_
         has = slot >= 0
         slot = tl.maximum(slot, 0)
         part_row = part_ptr + t * stride_pm
+        if IN_GEMM:
+            part_row += tl.maximum(tl.load(slot_active_ptr + slot), 0).to(tl.int64) * active_stride
         if which == 0:
             _heads(q_ptr + t * stride_qt, stride_qh, HQ, h0, part_row, b0, rk0, sc0, slot, has, R, stride_p_split,
                    HALF, c, s, offs_d, d_mask, True, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D, COMPILED)
@@ -288,9 +292,11 @@ def apply_rope(q, k, v, positions, inv_freq, lora, heads: int | None = None) -> 
     block_h = min(_pow2(max(Hq, Hkv)), heads or ROPE_HEADS)
     block_d = _pow2(half)
     p, row_slot, b0, b1, b2, rk0, rk1, rk2, sc0, sc1, sc2, R, sp, ss, sm = lora.kernel_args()
+    in_gemm = lora.slot_active is not None
     args = (q, k, v, positions, inv_freq, p, row_slot, b0, b1, b2, rk0, rk1, rk2, sc0, sc1, sc2, R, sp, ss, sm,
             Hq, Hkv, half, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            positions.stride(0))
+            positions.stride(0), lora.slot_active if in_gemm else row_slot, lora.active_stride if in_gemm else 0)
     grid = (T, 3, -(-max(Hq, Hkv) // block_h))
-    _ROPE(grid, args, dict(**_tiles(R), SPLIT_K=p.shape[0], BLOCK_H=block_h, BLOCK_D=block_d, COMPILED=COMPILED),
+    _ROPE(grid, args, dict(**_tiles(R), SPLIT_K=p.shape[0], BLOCK_H=block_h, BLOCK_D=block_d, COMPILED=COMPILED,
+                           IN_GEMM=in_gemm),
           max(1, min(4, block_h * block_d // 128)), 1)
