@@ -47,6 +47,7 @@ def test_lora_inside_the_gemms_gives_transformers_peft_tokens(served, capacity, 
     """EngineConfig.lora_in_gemm: decode steps with at most that many distinct adapters keep them in the active
     area and compute their shrink inside the GEMMs (the model's in-gemm path); more adapters, and prompt
     steps, take the usual path. Tokens equal transformers + PEFT's either way."""
+    from loraplex.engine.cuda_graphs import gemm_count_for
     from loraplex.models import llama
     base, adapters, oracle = served
     steps = []
@@ -68,7 +69,8 @@ def test_lora_inside_the_gemms_gives_transformers_peft_tokens(served, capacity, 
                 assert out.token_ids == oracle.greedy(prompt, adapter, 10), (adapter, len(prompt))
     in_gemm = [s for s in steps if s[0] is not None]
     assert in_gemm, "no step took the in-gemm path"
-    assert all(count == used <= capacity and q == 1 for count, used, q in in_gemm)
+    # at the width a graph would use: the smallest of 1, 2, 4, … capacity that holds the step's adapters
+    assert all(count == gemm_count_for(used, capacity, capacity) and q == 1 for count, used, q in in_gemm)
     # decode steps with adapters that did not take it: more distinct adapters than the area holds
     assert all(used > capacity for count, used, q in steps if count is None and q == 1 and used)
     assert any(q > 1 for _, _, q in steps)   # prompt steps ran (on the usual path)
@@ -320,32 +322,40 @@ def test_stop_token_text_is_not_in_the_output(tmp_path):
 
 
 def test_in_gemm_warmup_launches_each_count_and_changes_nothing(monkeypatch):
-    """EngineConfig.lora_in_gemm: the in-gemm expand once per count of active adapters (1 … capacity) and
-    projection group of the first four layers, on slots of rank 0; the pool's ranks come back as they were."""
+    """EngineConfig.lora_in_gemm: per count of active adapters (1 … capacity) and layer of the first four, the
+    in-gemm expand of o, gate/up and down and RoPE's in-gemm product for q/k/v (and once more on 64-row
+    tiles), on slots of rank 0; outputs stay as they were, and so do the pool's ranks."""
     from loraplex.adapters import AdapterPool
     from loraplex.engine import warmup
     from loraplex.models import ModelConfig
+    from loraplex.ops import fused
     from model_fixtures import hf_config
     config = ModelConfig.from_dict(hf_config("llama-gqa-llama3rope").to_dict())
     pool = AdapterPool(config, num_slots=4, max_rank=4, dtype=torch.float32, device="cpu")
     pool.ranks.random_(1, 5)
     before = pool.ranks.clone()
-    calls = []
+    expands, ropes = [], []
     real = warmup.expand_in_gemm
 
     def expand(y_ext, n_base, b, ranks, scalings, batch, slot_active):
-        calls.append((y_ext.shape[0], y_ext.shape[1] - n_base, len(b), batch.num_work,
-                      sum(int(r.abs().sum()) for r in ranks)))
+        expands.append((y_ext.shape[0], y_ext.shape[1] - n_base, len(b), batch.num_work, batch.block_m,
+                        sum(int(r.abs().sum()) for r in ranks)))
         y_ext.fill_(1.5)
         out = real(y_ext, n_base, b, ranks, scalings, batch, slot_active, backend="reference")
         assert torch.equal(y_ext, torch.full_like(y_ext, 1.5))   # rank 0: nothing added
         return out
     monkeypatch.setattr(warmup, "expand_in_gemm", expand)
-    assert warmup.compile_in_gemm(config, pool, torch.float32, 3) == 3 * min(4, config.num_hidden_layers) * 4
+    real_rope = fused.apply_rope
+    monkeypatch.setattr(fused, "apply_rope", lambda *a, **kw: ropes.append(kw["delta"]) or real_rope(*a, **kw))
+    layers = min(4, config.num_hidden_layers)
+    assert warmup.compile_in_gemm(config, pool, torch.float32, 3) == (3 + 1) * layers * 4
     assert torch.equal(pool.ranks, before)
-    assert {num_work for *_, num_work, _ in calls} == {1, 2, 3} and all(rank == 0 for *_, rank in calls)
+    assert len(expands) == (3 + 1) * layers * 3 and len(ropes) == (3 + 1) * layers
+    assert {e[3] for e in expands if e[4] == 16} == {1, 2, 3} and all(e[5] == 0 for e in expands)
+    assert {e[4] for e in expands} == {16, 64}
     # each count's GEMM width: the base columns and `count` adapters' shrink columns (slices × max rank 4)
-    assert all(extra == rows * slices * 4 and num_work == rows for rows, extra, slices, num_work, _ in calls)
+    assert all(extra == rows * slices * 4 for rows, extra, slices, _, block_m, _ in expands if block_m == 16)
+    assert {p.active_count for p in ropes} == {1, 2, 3} and all(p.slot_active is not None for p in ropes)
 
 
 @pytest.mark.parametrize("overlap_mode, fused_projs", [("full", None), ("fused", None), ("fused", "all"),
@@ -445,7 +455,7 @@ def test_steps_run_by_the_graph_shapes_choose_and_are_counted(served):
         shapes = GraphShapes.make(16, runner.max_model_len, 64)
 
         @staticmethod
-        def run(chunks, inputs=None, *, key):
+        def run(chunks, inputs=None, *, key, in_gemm=None):
             keys.append(key)
             c = runner.model.config
             batch = ForwardBatch.for_graph(key[0], runner.max_model_len, block_size=runner.kv.block_size,

@@ -107,13 +107,15 @@ def test_gemm_counts_and_the_in_gemm_variant():
     holds them; mixed steps, and steps without adapters, do not."""
     from types import SimpleNamespace
 
-    from loraplex.engine.cuda_graphs import StepGraphs, gemm_counts
+    from loraplex.engine.cuda_graphs import StepGraphs, gemm_count_for, gemm_counts
     assert gemm_counts(1, 32) == [1]
     assert gemm_counts(8, 32) == [1, 2, 4, 8]
     assert gemm_counts(48, 32) == [1, 2, 4, 8, 16, 32]
     assert gemm_counts(48, 24) == [1, 2, 4, 8, 16, 24]
     assert gemm_counts(6, 4) == [1, 2, 4]
     assert gemm_counts(4, 0) == []
+    assert [gemm_count_for(n, 48, 24) for n in (1, 3, 9, 17, 24, 25)] == [1, 4, 16, 24, 24, None]
+    assert gemm_count_for(5, 8, 32) == 8 and gemm_count_for(9, 8, 32) is None
     graphs = StepGraphs.__new__(StepGraphs)   # no CUDA here: only the host-side choice
     graphs.pool, graphs.rows_variant, graphs.area = object(), False, SimpleNamespace(capacity=24)
 

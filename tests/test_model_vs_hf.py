@@ -128,7 +128,7 @@ def test_lora_inside_the_gemms_matches_too(setup, backend, graph_room, monkeypat
         assert len(in_gemm) == 2 * setup.config.num_hidden_layers and all(d.active_count == 4 for d in in_gemm)
         with setup.model.lora_in_gemm(len(used) - 1), pytest.raises(ValueError, match="at indices below"):
             check_mixed_batch(setup, PLAN, graph_room=graph_room)
-        with pytest.raises(ValueError, match=r"count must be an int in \[0, 4\]"):
+        with pytest.raises(ValueError, match=r"count must be an int in \[1, 4\]"):
             with setup.model.lora_in_gemm(5):
                 pass
     finally:

@@ -65,6 +65,12 @@ def gemm_counts(seqs: int, capacity: int) -> list[int]:
     return sorted({1 << i for i in range(most.bit_length()) if 1 << i <= most} | {most}) if most > 0 else []
 
 
+def gemm_count_for(count: int, seqs: int, capacity: int) -> int | None:
+    """The smallest of `gemm_counts(seqs, capacity)` that holds `count` active adapters (None if none does):
+    the GEMM width a graph, or an eager step of at most `capacity` sequences' worth, runs `count` at."""
+    return next((n for n in gemm_counts(seqs, capacity) if n >= count), None)
+
+
 def prompt_tokens(chunks: Sequence[SequenceChunk]) -> int:
     """Rows of the chunks of several tokens (prompt chunks): what a mixed graph's prompt bucket bounds."""
     return sum(len(c.token_ids) for c in chunks if len(c.token_ids) > 1)
@@ -195,7 +201,7 @@ class StepGraphs:
         if self.pool is None or not any(c.adapter_slot >= 0 for c in chunks):
             return False
         if in_gemm is not None and self.area is not None and key[1] == 0:
-            n = next((n for n in gemm_counts(key[0], self.area.capacity) if n >= in_gemm), None)
+            n = gemm_count_for(in_gemm, key[0], self.area.capacity)
             if n is not None:
                 return ("gemm", n)
         if self.rows_variant and key[1] == 0 and sgmv.rows_fit(c.adapter_slot for c in chunks):

@@ -20,7 +20,7 @@ from ..models.kv_cache import KVCache
 from ..models.llama import LlamaForCausalLM
 from ..ops import overlap, sgmv
 from ..sampling import PendingSample, Sampler, SamplingParams
-from .cuda_graphs import StepGraphs
+from .cuda_graphs import StepGraphs, gemm_count_for
 from .scheduler import ScheduledChunk
 from .warmup import compile_in_gemm, compile_lora_kernels
 
@@ -110,8 +110,8 @@ class ModelRunner:
             raise ValueError(f"no GPU memory left for the KV cache: {total / 2**30:.1f} GiB × "
                              f"gpu_memory_utilization {cfg.gpu_memory_utilization} leaves {budget / 2**30:.2f} GiB "
                              f"after weights, adapter pool ({self.adapters.pool.nbytes / 2**30:.2f} GiB) and "
-                             f"activations ({activations / 2**30:.2f} GiB); lower max_gpu_adapters or "
-                             f"max_num_batched_tokens, or raise gpu_memory_utilization")
+                             f"activations ({activations / 2**30:.2f} GiB); lower max_gpu_adapters, lora_in_gemm "
+                             f"or max_num_batched_tokens, or raise gpu_memory_utilization")
         return blocks
 
     def _profile_step(self) -> None:
@@ -160,7 +160,9 @@ class ModelRunner:
                 # loads would only crawl at the checkpoints' bound, so they keep running.
                 when = host_priority.mode()
                 yield_loads = self.graphs is not None and (when == "always" or when == "adaptive" and not loads_urgent)
-                in_gemm_mode = self.model.lora_in_gemm(in_gemm) if in_gemm is not None else contextlib.nullcontext()
+                # at the GEMM width a graph would use, so that eager steps and replays compute alike
+                in_gemm_mode = contextlib.nullcontext() if in_gemm is None else \
+                    self.model.lora_in_gemm(gemm_count_for(in_gemm, self.area.capacity, self.area.capacity))
                 with HOST_PRIORITY.busy() if yield_loads else contextlib.nullcontext(), self._rowwise(batch_chunks), \
                         in_gemm_mode:
                     logits = self._run_eager(batch_chunks, inputs)

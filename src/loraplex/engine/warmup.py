@@ -64,27 +64,46 @@ def compile_lora_kernels(config: ModelConfig, pool: AdapterPool, dtype: torch.dt
 
 
 def compile_in_gemm(config: ModelConfig, pool: AdapterPool, dtype: torch.dtype, capacity: int) -> int:
-    """EngineConfig.lora_in_gemm: the in-gemm expand (ops/lora_in_gemm.py) of decode steps, for 1 to
-    `capacity` distinct adapters (the work items and the GEMM's width, which set the kernel's chunking and
-    its row stride, follow them), on slots of rank 0 (nothing read); returns the number of launches."""
+    """EngineConfig.lora_in_gemm: what decode steps on the in-gemm path launch beyond the GEMMs, for 1 to
+    `capacity` active adapters (the work items and the GEMM's width, which set the kernels' chunking and row
+    stride, follow them): the in-gemm expand of o, gate/up and down (16-row tiles, and 64-row ones where
+    many rows share an adapter) and RoPE expanding q/k/v's product from the GEMM's columns (models/llama.py),
+    on slots of rank 0 (nothing read); returns the number of launches."""
+    from ..models.llama import IN_GEMM_QKV_TO_ROPE, QKV
     device, start, launches = pool.device, time.perf_counter(), 0
+    c, R = config, pool.max_rank
+    hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     saved = pool.ranks.clone()
     pool.ranks.zero_()
     slot_active = torch.arange(pool.num_slots, dtype=torch.int32, device=device).clamp_(max=capacity - 1)
     try:
         for count in range(1, capacity + 1):
-            batch = LoraBatch.from_lengths([1] * count, list(range(count)), device, block_m=SMALL_BLOCK_M)
-            for layer, (projs, _) in itertools.product(range(min(4, config.num_hidden_layers)), CALLS):
+            batches = [LoraBatch.from_lengths([1] * count, list(range(count)), device, block_m=SMALL_BLOCK_M)]
+            if count == 1:   # many rows of one adapter: large tiles
+                batches.append(LoraBatch.from_lengths([1] * (SMALL_BLOCK_M + 1), [0] * (SMALL_BLOCK_M + 1), device,
+                                                      block_m=LARGE_BLOCK_M))
+            for batch, layer, (projs, _) in itertools.product(batches, range(min(4, c.num_hidden_layers)), CALLS):
                 _, b, ranks, scalings = pool.stacks(layer, projs)
                 n_base = sum(t.shape[1] for t in b)
-                y_ext = torch.zeros(count, n_base + count * len(b) * pool.max_rank, dtype=dtype, device=device)
-                expand_in_gemm(y_ext, n_base, b, ranks, scalings, batch, slot_active)
+                rows = batch.num_rows
+                y_ext = torch.zeros(rows, n_base + count * len(b) * R, dtype=dtype, device=device)
+                if projs == QKV and IN_GEMM_QKV_TO_ROPE:
+                    part = torch.as_strided(y_ext, (1, len(b), rows, R), (0, R, y_ext.stride(0), 1), n_base)
+                    product = LoraProduct(part, tuple(b), tuple(ranks), tuple(scalings),
+                                          torch.zeros(rows, dtype=torch.int32, device=device), slot_active, count)
+                    q = y_ext[:, :hq * d].view(rows, hq, d)
+                    k = y_ext[:, hq * d:(hq + hkv) * d].view(rows, hkv, d)
+                    v = y_ext[:, (hq + hkv) * d:n_base].view(rows, hkv, d)
+                    fused.apply_rope(q, k, torch.zeros(rows, dtype=torch.int32, device=device),
+                                     torch.ones(d // 2, dtype=torch.float32, device=device), v=v, delta=product)
+                else:
+                    expand_in_gemm(y_ext, n_base, b, ranks, scalings, batch, slot_active)
                 launches += 1
     finally:
         pool.ranks.copy_(saved)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    log.info("compiled the in-gemm expand's variants (%d calls) in %.1f s", launches, time.perf_counter() - start)
+    log.info("compiled the in-gemm path's variants (%d calls) in %.1f s", launches, time.perf_counter() - start)
     return launches
 
 

@@ -157,16 +157,16 @@ class LlamaForCausalLM(nn.Module):
     @contextlib.contextmanager
     def lora_in_gemm(self, count: int | None = None):
         """Forwards inside take the "in-gemm" LoRA path: each projection's GEMM also computes the shrink of
-        `active_area`'s first `count` active adapters (default: those active now), and each row's expand
-        reads its adapter's columns (ops/lora_in_gemm.py). The caller keeps the area holding the batch's
+        `active_area`'s first `count` active adapters (default: those active now, at least 1), and each row's
+        expand reads its adapter's columns (ops/lora_in_gemm.py). The caller keeps the area holding the batch's
         adapters (`ActiveArea.update`) at indices below `count`: eager forwards check that; a CUDA graph
         captured inside replays with `count` fixed, so replay it only after an update to at most `count`."""
         area = self.active_area
         if area is None:
             raise ValueError("lora_in_gemm needs an active_area attached to the model")
-        count = area.count if count is None else count
-        if not isinstance(count, int) or not 0 <= count <= area.capacity:
-            raise ValueError(f"count must be an int in [0, {area.capacity}] (the area's capacity), got {count!r}")
+        count = max(area.count, 1) if count is None else count
+        if not isinstance(count, int) or not 1 <= count <= area.capacity:
+            raise ValueError(f"count must be an int in [1, {area.capacity}] (the area's capacity), got {count!r}")
         previous, self._in_gemm_count = self._in_gemm_count, count
         try:
             yield
