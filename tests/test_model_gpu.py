@@ -114,6 +114,18 @@ def _run(setup, kv, chunks):
     return setup.ours(batch, kv, setup.pool)
 
 
+def _assert_as_close_as_transformers(setup, plan, tokens, ours) -> None:
+    """Each sequence's bf16 logits within twice transformers + PEFT's own bf16 error (against fp32)."""
+    seqs = [(a, t) for (a, _, _), t in zip(plan, tokens)]
+    truth = setup.reference_logits(seqs, torch.float32)
+    theirs = setup.reference_logits(seqs, torch.bfloat16)
+    for i, (adapter, _, _) in enumerate(plan):
+        scale = truth[i].abs().max().item()
+        ours_err = (ours[i] - truth[i]).abs().max().item() / scale
+        hf_err = (theirs[i] - truth[i]).abs().max().item() / scale
+        assert ours_err <= 2 * hf_err + 2e-3, (i, adapter, ours_err, hf_err)
+
+
 def test_mixed_bf16_batch_matches_transformers_peft(setup):
     rng = random.Random(0)
     # (adapter, cached prefix, new tokens): long and short prefills, chunks over prefixes, decodes
@@ -128,14 +140,7 @@ def test_mixed_bf16_batch_matches_transformers_peft(setup):
     _run(setup, kv, prefixes)
     ours = _run(setup, kv, [SequenceChunk(t[c:], c, tab, setup.slots[a])
                             for (a, c, _), t, tab in zip(plan, tokens, tables)])
-    seqs = [(a, t) for (a, _, _), t in zip(plan, tokens)]
-    truth = setup.reference_logits(seqs, torch.float32)
-    theirs = setup.reference_logits(seqs, torch.bfloat16)
-    for i, (adapter, _, _) in enumerate(plan):
-        scale = truth[i].abs().max().item()
-        ours_err = (ours[i] - truth[i]).abs().max().item() / scale
-        hf_err = (theirs[i] - truth[i]).abs().max().item() / scale
-        assert ours_err <= 2 * hf_err + 2e-3, (i, adapter, ours_err, hf_err)
+    _assert_as_close_as_transformers(setup, plan, tokens, ours)
 
 
 def test_lora_inside_the_gemms_matches_transformers_peft(setup):
@@ -169,14 +174,7 @@ def test_lora_inside_the_gemms_matches_transformers_peft(setup):
         assert torch.equal(replayed, ours)
     finally:
         setup.ours.active_area = None
-    seqs = [(a, t) for (a, _, _), t in zip(plan, tokens)]
-    truth = setup.reference_logits(seqs, torch.float32)
-    theirs = setup.reference_logits(seqs, torch.bfloat16)
-    for i, (adapter, _, _) in enumerate(plan):
-        scale = truth[i].abs().max().item()
-        ours_err = (ours[i] - truth[i]).abs().max().item() / scale
-        hf_err = (theirs[i] - truth[i]).abs().max().item() / scale
-        assert ours_err <= 2 * hf_err + 2e-3, (i, adapter, ours_err, hf_err)
+    _assert_as_close_as_transformers(setup, plan, tokens, ours)
 
 
 @pytest.mark.parametrize("overlap_mode", ["full", "fused", "shrink", "off"])
