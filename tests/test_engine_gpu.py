@@ -28,23 +28,31 @@ def make_llm(served, **settings) -> LLM:
     return LLM(str(base), adapters={k: str(v) for k, v in adapters.items()}, **{**defaults, **settings})
 
 
-def test_graphs_and_eager_give_the_same_tokens_and_match_transformers(served):
+def _graphs_and_eager_agree(served, seed: int, check, **settings) -> None:
+    """12 greedy requests (the base model and every adapter), run with CUDA graphs and eagerly: the same
+    tokens both ways, and transformers + PEFT's. `check(llm, eager)` runs before each engine closes."""
     _, adapters, oracle = served
     names = [None, *adapters]
-    prompts = random_prompts(12, VOCAB, (4, 50), seed=21)
+    prompts = random_prompts(12, VOCAB, (4, 50), seed=seed)
     which = [names[i % len(names)] for i in range(len(prompts))]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     results = {}
     for eager in (False, True):
-        with make_llm(served, enforce_eager=eager) as llm:
+        with make_llm(served, enforce_eager=eager, **settings) as llm:
             results[eager] = [o.token_ids for o in llm.generate(prompts, params, adapter=which)]
-            stats = llm.engine.stats
-            assert (stats["graph_steps"] > 0) != eager, stats
-            assert (stats["mixed_graph_steps"] > 0) != eager, stats   # prompts beside decodes, replayed
-            assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
+            check(llm, eager)
     assert results[False] == results[True]
     agree = sum(out == oracle.greedy(p, a, 16) for p, a, out in zip(prompts, which, results[False]))
     assert agree == len(prompts), f"{agree}/{len(prompts)} requests equal transformers + PEFT generate"
+
+
+def test_graphs_and_eager_give_the_same_tokens_and_match_transformers(served):
+    def check(llm, eager):
+        stats = llm.engine.stats
+        assert (stats["graph_steps"] > 0) != eager, stats
+        assert (stats["mixed_graph_steps"] > 0) != eager, stats   # prompts beside decodes, replayed
+        assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
+    _graphs_and_eager_agree(served, 21, check)
 
 
 def test_row_wise_decode_graphs_give_the_same_tokens(served, monkeypatch):
@@ -85,19 +93,9 @@ def test_lora_inside_the_gemms_gives_the_same_tokens(served):
     """EngineConfig.lora_in_gemm: decode steps with few enough distinct adapters replay graphs whose GEMMs also
     compute the active adapters' shrinks (engine/cuda_graphs.py "gemm" variants); tokens equal the eager
     engine's (the same path, eager) and transformers + PEFT's."""
-    _, adapters, oracle = served
-    names = [None, *adapters]
-    prompts = random_prompts(12, VOCAB, (4, 50), seed=29)
-    which = [names[i % len(names)] for i in range(len(prompts))]
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    outs = {}
-    for eager in (False, True):
-        with make_llm(served, lora_in_gemm=len(adapters), enforce_eager=eager) as llm:
-            outs[eager] = [o.token_ids for o in llm.generate(prompts, params, adapter=which)]
-            if not eager:
-                assert llm.engine.runner.graphs.gemm_replays > 0
-    assert outs[False] == outs[True]
-    assert all(o == oracle.greedy(p, a, 16) for p, a, o in zip(prompts, which, outs[False]))
+    def check(llm, eager):
+        assert eager or llm.engine.runner.graphs.gemm_replays > 0
+    _graphs_and_eager_agree(served, 29, check, lora_in_gemm=len(served[1]))
 
 
 def test_seeded_sampling_is_the_same_with_graphs_and_eager(served):

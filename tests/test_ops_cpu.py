@@ -164,24 +164,17 @@ _REAL_TILES = {name: getattr(sgmv, name) for name in
 
 # Counting stand-ins for the per-tile functions (Triton's interpreter runs a kernel as Python, looking its
 # callees up in the module): which path each tile took.
-def _count_shrink_tile(*args):
-    _PATH_CALLS["shrink_tile"] = _PATH_CALLS.get("shrink_tile", 0) + 1
-    return _REAL_TILES["_shrink_tile"](*args)
+def _counting(name: str, key: str):
+    def count(*args):
+        _PATH_CALLS[key] = _PATH_CALLS.get(key, 0) + 1
+        return _REAL_TILES[name](*args)
+    return count
 
 
-def _count_shrink_rows(*args):
-    _PATH_CALLS["shrink_rows"] = _PATH_CALLS.get("shrink_rows", 0) + 1
-    return _REAL_TILES["_shrink_tile_rows"](*args)
-
-
-def _count_expand_tile(*args):
-    _PATH_CALLS["expand_tile"] = _PATH_CALLS.get("expand_tile", 0) + 1
-    return _REAL_TILES["_expand_tile"](*args)
-
-
-def _count_expand_rows(*args):
-    _PATH_CALLS["expand_rows"] = _PATH_CALLS.get("expand_rows", 0) + 1
-    return _REAL_TILES["_expand_tile_rows"](*args)
+_count_shrink_tile = _counting("_shrink_tile", "shrink_tile")
+_count_shrink_rows = _counting("_shrink_tile_rows", "shrink_rows")
+_count_expand_tile = _counting("_expand_tile", "expand_tile")
+_count_expand_rows = _counting("_expand_tile_rows", "expand_rows")
 
 
 @interpreted
