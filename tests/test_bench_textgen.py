@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -75,6 +76,7 @@ def test_bench_command_writes_a_report_from_every_system(tmp_path):
     result = json.loads((out / "smoke.json").read_text())
     assert result["loader_threads"] == 3 and result["gpu_adapters"] == 9 and result["admission_lookahead"] == 0
     assert result["lora_in_gemm"] == 2
+    assert result["lora_rows"] == os.environ.get("LORAPLEX_LORA_ROWS", "n512")   # what the kernels ran with
     systems = {(r["system"], r["popularity"], str(r["max_batch"]), r["requests"]) for r in result["rows"]}
     for pop in ("distinct", "identical"):
         for n in (4, 6):
@@ -104,6 +106,7 @@ def test_bench_command_writes_a_report_from_every_system(tmp_path):
             assert r["steps"] > 0 and r["other_seconds"] >= 0 and split == pytest.approx(r["seconds"], abs=1e-3)
             assert r["setup_seconds"] > 0 and r["warmup_seconds"] > 0   # before the clock: what a run needs on top
             assert r["graph_steps"] == r["mixed_graph_steps"] == 0   # the CPU runs every step eagerly
+            assert "decode_gpu_ms" not in r and "mixed_gpu_ms" not in r   # GPU spans are CUDA's
             assert 0 <= r["steps_short_on_adapters"] <= r["steps"] and r["preemptions"] >= 0
             assert r["recomputed_tokens"] >= 0 and (r["preemptions"] > 0 or r["recomputed_tokens"] == 0)
             assert 0 < r["schedule_mean_batch"] <= (3 if r["max_batch"] == 3 else 6) and r["schedule_preemptions"] >= 0

@@ -485,6 +485,7 @@ def test_steps_run_by_the_graph_shapes_choose_and_are_counted(served):
             for out in engine.step():
                 tokens[out.request_id] = out.token_ids
             named.append(engine.last_step.adapters)
+            assert engine.last_step.gpu_seconds is None   # no GpuSpan on the CPU
             step += 1
         stats = dict(engine.stats)
     finally:

@@ -52,6 +52,8 @@ def test_graphs_and_eager_give_the_same_tokens_and_match_transformers(served):
         assert (stats["graph_steps"] > 0) != eager, stats
         assert (stats["mixed_graph_steps"] > 0) != eager, stats   # prompts beside decodes, replayed
         assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
+        gpu = llm.engine.last_step.gpu_seconds   # the last step's GpuSpan: its inputs, forward and sample
+        assert gpu is not None and 0 < gpu < 10, llm.engine.last_step
     _graphs_and_eager_agree(served, 21, check)
 
 

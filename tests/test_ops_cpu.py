@@ -237,6 +237,11 @@ def test_rows_options(value, expected, monkeypatch):
     assert sgmv._rows_options() == expected
 
 
+def test_rows_options_default_to_512_columns(monkeypatch):
+    monkeypatch.delenv("LORAPLEX_LORA_ROWS", raising=False)
+    assert sgmv._rows_options() == dict(rows_block_n=512)
+
+
 @pytest.mark.parametrize("value", ["n500", "n2048", "fetch", "n", "prefetch,n-16"])
 def test_rows_options_refuse_a_bad_one(value, monkeypatch):
     monkeypatch.setenv("LORAPLEX_LORA_ROWS", value)

@@ -49,12 +49,12 @@ class EngineConfig:
     max_batch_wait_ms: float = field(default=0.0, metadata={
         "group": "batching", "help": "Milliseconds new prompts may wait for a fuller batch (latency traded for "
                                      "throughput); 0 starts them at once."})
-    admission_lookahead: int = field(default=0, metadata={
+    admission_lookahead: int = field(default=256, metadata={
         "group": "batching", "help": "At most this many tokens of growth (up to each one's max_tokens) the running "
                                      "sequences keep room for when a request is admitted: each preemption (which "
                                      "recomputes a whole context) raises the lookahead by 128 tokens, each step "
-                                     "without one lowers it by 1; 0 (the default, until measured on a GPU) admits "
-                                     "whatever fits now."})
+                                     "without one lowers it by 1; 0 admits whatever fits now. The default, 256, "
+                                     "halved the preemptions of the paper's unlimited-batch run on an H200."})
     max_queue_skip_ms: float = field(default=2000.0, metadata={
         "group": "batching", "help": "Milliseconds a waiting request may be overtaken while its adapter loads; "
                                      "after that nothing later is admitted before it."})
@@ -83,7 +83,9 @@ class EngineConfig:
         "group": "adapters", "help": "Decode steps with at most this many distinct adapters compute their LoRA "
                                      "shrink inside the projections' GEMMs, from a copy of those adapters' A "
                                      "weights kept below the base weights (this many adapters' worth of GPU "
-                                     "memory); 0 (the default, until measured on a GPU) keeps the SGMV kernels."})
+                                     "memory); 0 (the default) keeps the SGMV kernels: on an H200 this took a "
+                                     "batch-32 decode step 0.13 ms less but mixed steps 3.7 ms more, no "
+                                     "gain overall."})
 
     enforce_eager: bool = field(default=False, metadata={
         "group": "execution", "help": "Run every step eagerly, capturing no CUDA graphs."})

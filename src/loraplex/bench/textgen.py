@@ -19,6 +19,8 @@ import time
 
 import torch
 
+from ..config import EngineConfig
+from ..ops import sgmv
 from .ceiling import StepBytes, copy_bandwidth_gbs, simulate_ceiling
 from .schedule import simulate_schedule
 from .report import markdown, plot, ratios
@@ -182,8 +184,9 @@ def run(args: argparse.Namespace) -> int:
                   date=datetime.date.today().isoformat(), torch=torch.__version__, model=args.model,
                   layers=args.layers, dtype=dtype, rank=args.rank, bandwidth_gbs=bandwidth,
                   gpu_adapters=args.gpu_adapters, loader_threads=args.loader_threads,
-                  admission_lookahead=args.admission_lookahead, lora_rowwise=os.environ.get("LORAPLEX_LORA_ROWWISE"),
-                  lora_rows=os.environ.get("LORAPLEX_LORA_ROWS"), lora_in_gemm=args.lora_in_gemm,
+                  admission_lookahead=EngineConfig.admission_lookahead if args.admission_lookahead is None
+                  else args.admission_lookahead, lora_rowwise=os.environ.get("LORAPLEX_LORA_ROWWISE"),
+                  lora_rows=os.environ.get("LORAPLEX_LORA_ROWS", sgmv.ROWS_DEFAULT), lora_in_gemm=args.lora_in_gemm,
                   preload_adapters=args.preload_adapters,
                   lora_overlap=os.environ.get("LORAPLEX_LORA_OVERLAP"),
                   host_priority=os.environ.get("LORAPLEX_HOST_PRIORITY"),

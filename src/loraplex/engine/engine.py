@@ -16,7 +16,7 @@ from ..adapters import AdapterError
 from ..config import EngineConfig
 from ..sampling import PendingSample, SamplingParams
 from .block_manager import BlockManager
-from .model_runner import ModelRunner
+from .model_runner import GpuSpan, ModelRunner
 from .outputs import RequestOutput, make_output
 from .scheduler import ScheduledChunk, Scheduler, is_decode
 from .sequence import FinishReason, Sequence, SequenceStatus
@@ -29,6 +29,7 @@ class _Launched:
     chunks: list[ScheduledChunk]
     pending: PendingSample
     graph: tuple[int, int] | None   # the CUDA graph's (sequences, prompt tokens); None: eager
+    span: GpuSpan | None            # its GPU time (CUDA only)
 
 
 @dataclass
@@ -40,6 +41,7 @@ class StepInfo:
     decode: bool           # every sequence fed one token
     graphed: bool          # replayed a CUDA graph
     seconds: float         # wall time of the whole step: schedule, run, sample, postprocess
+    gpu_seconds: float | None = None   # its GpuSpan: inputs, forward and sample on the GPU (None on the CPU)
 
     @property
     def num_adapters(self) -> int:
@@ -194,15 +196,16 @@ class Engine:
         self.stats["mixed_graph_steps"] += int(current.graph is not None and current.graph[1] > 0)
         self.stats["overlapped_steps"] += int(self._inflight is not None)
         names = {c.seq.adapter for c in chunks}
+        gpu_seconds = current.span.seconds() if current.span is not None else None
         self.last_step = StepInfo(len(chunks), sum(c.num_tokens for c in chunks),
                                   tuple(sorted(names, key=lambda a: (a is not None, a or ""))),
                                   is_decode(chunks), current.graph is not None,
-                                  time.perf_counter() - start)
+                                  time.perf_counter() - start, gpu_seconds)
         return outputs
 
     def _launch(self, chunks: list[ScheduledChunk], inputs=None) -> "_Launched":
-        pending, graph = self.runner.launch(chunks, inputs, loads_urgent=self.scheduler.waiting_on_adapters)
-        return _Launched(chunks, pending, graph)
+        pending, graph, span = self.runner.launch(chunks, inputs, loads_urgent=self.scheduler.waiting_on_adapters)
+        return _Launched(chunks, pending, graph, span)
 
     def _continue(self, current: "_Launched") -> "_Launched | None":
         """Queue the next decode step of `current`'s sequences now, if that is what the scheduler

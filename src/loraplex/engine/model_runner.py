@@ -29,6 +29,24 @@ log = logging.getLogger("loraplex.engine")
 GRAPH_MEMORY_RESERVE = 512 << 20   # CUDA graphs' private memory pool and the sampler's temporaries
 
 
+class GpuSpan:
+    """CUDA events around one step's work on the stream: its input copies, forward (or graph replay) and
+    sample. The start fires when the GPU reaches the step, so an overlapped step (queued while the one
+    before still ran) spans its own GPU time; a step queued onto an idle GPU also spans the gaps where the
+    GPU waited for the host to queue more (an eager step's launches from Python)."""
+
+    def __init__(self) -> None:
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.end = torch.cuda.Event(enable_timing=True)
+        self.start.record()
+
+    def seconds(self) -> float:
+        """Waits for the step's end (the sample's host copy, which the caller waits for anyway, comes
+        just before it)."""
+        self.end.synchronize()
+        return self.start.elapsed_time(self.end) / 1e3
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -137,9 +155,10 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------------------
     def launch(self, chunks: Seq[ScheduledChunk], inputs: tuple[torch.Tensor, torch.Tensor] | None = None, *,
-               loads_urgent: bool = False) -> tuple[PendingSample, tuple[int, int] | None]:
-        """Queue one step: the sample of the chunks that need logits (in their order), and the shape
-        (sequences, prompt tokens) of the CUDA graph that runs it, None when it runs eagerly.
+               loads_urgent: bool = False) -> tuple[PendingSample, tuple[int, int] | None, "GpuSpan | None"]:
+        """Queue one step: the sample of the chunks that need logits (in their order), the shape
+        (sequences, prompt tokens) of the CUDA graph that runs it (None when it runs eagerly), and its
+        GpuSpan on CUDA (None on the CPU).
         `inputs` = (device token ids, index): the chunks are one-token decodes whose token is
         `ids[index[i]]`, sampled by a step still in flight (their host value is not known yet).
         `loads_urgent`: requests wait for adapter loads to be admitted (see adapters/priority.py's
@@ -151,6 +170,7 @@ class ModelRunner:
         graph = self.graphs.shapes.key_for(batch_chunks) if self.graphs is not None else None
         # everything on our GPU's current stream, whichever device the calling thread has current
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            span = GpuSpan() if self.device.type == "cuda" else None
             in_gemm = self._update_area(batch_chunks)
             if graph is not None:
                 logits = self.graphs.run(batch_chunks, inputs, key=graph, in_gemm=in_gemm)
@@ -168,7 +188,9 @@ class ModelRunner:
                     logits = self._run_eager(batch_chunks, inputs)
             sampled = [c.seq for c in chunks if c.needs_logits]
             pending = self.sampler.launch(logits, [s.params for s in sampled], [s.generator for s in sampled])
-        return pending, graph
+            if span is not None:
+                span.end.record()
+        return pending, graph, span
 
     def _update_area(self, chunks: list[SequenceChunk]) -> int | None:
         """EngineConfig.lora_in_gemm: for a decode step with adapters, at most that many distinct ones, make

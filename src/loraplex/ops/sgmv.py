@@ -429,9 +429,15 @@ def _rowwise_setting() -> int | str:
 
 # LORAPLEX_LORA_ROWS: options of the decode config's row-wise paths, comma-separated: "prefetch" (loads a step
 # ahead, KernelConfig.rows_prefetch) and "n<columns>" (the expand's columns a step, rows_block_n, a power of
-# two from 16 to 1024). Off until measured (benchmarks/probe_expand_rowwise.py).
+# two from 16 to 1024); a value replaces the default, "" leaves both off (256 columns, expand_block_n).
+# Default "n512", measured on the H200 (2026-12-01, benchmarks/results/model_forward_rows_*.json, Llama-2-7B
+# decode forwards in CUDA graphs): distinct adapters 7.96 → 7.89 ms at 32 rows and 21.34 → 20.92 ms at 160,
+# shared unchanged; "prefetch" was slower (21.79 ms at 160) and is off.
+ROWS_DEFAULT = "n512"
+
+
 def _rows_options() -> dict:
-    raw = os.environ.get("LORAPLEX_LORA_ROWS", "")
+    raw = os.environ.get("LORAPLEX_LORA_ROWS", ROWS_DEFAULT)
     options = {}
     for item in (part.strip().lower() for part in raw.split(",")):
         if item == "prefetch":
