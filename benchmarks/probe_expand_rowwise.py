@@ -34,7 +34,8 @@ RANK = 16
 
 
 def variants() -> dict[str, sgmv.KernelConfig]:
-    base = dataclasses.replace(sgmv.config_for(16), shrink_rowwise=0, expand_rowwise=0)
+    # 256 columns a row-wise step unless a variant says otherwise (the default's 512 is the "_n512" ones)
+    base = dataclasses.replace(sgmv.config_for(16), shrink_rowwise=0, expand_rowwise=0, rows_block_n=256)
     rows = dataclasses.replace(base, shrink_rowwise=2, expand_rowwise=2)   # every tile: one path compiled
     branched = dataclasses.replace(base, shrink_rowwise=1, expand_rowwise=1)   # tiles of ≤ 4 rows, both compiled
     out = {"tile": base, "rows": rows, "rows_branched": branched,
@@ -45,7 +46,7 @@ def variants() -> dict[str, sgmv.KernelConfig]:
     # (2026-12-01, eighth session: 512 columns a program step was 5–10% faster than 256; the others no better)
     for block_n, per_sm, warps in ((512, 16.0, 4), (256, 8.0, 4)):
         out[f"rows_n{block_n}_p{int(per_sm)}_w{warps}"] = dataclasses.replace(
-            rows, expand_block_n=block_n, expand_programs_per_sm=per_sm, expand_warps=warps)
+            rows, expand_block_n=block_n, expand_programs_per_sm=per_sm, expand_warps=warps, rows_block_n=block_n)
     # mode 1 (the default) with the row-wise loads a step ahead, and/or 512 columns a row-wise step
     out["branched_pf"] = dataclasses.replace(branched, rows_prefetch=True)
     out["branched_n512"] = dataclasses.replace(branched, rows_block_n=512)

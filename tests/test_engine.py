@@ -2,6 +2,8 @@
 output for a request whatever else runs with it (other adapters, chunked prefill, preemption)."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -256,6 +258,62 @@ def test_a_failing_adapter_ends_only_its_requests(served, tmp_path):
     assert outs[2].token_ids == oracle.greedy(prompts[2], None, 6)
 
 
+@pytest.mark.parametrize("beside", [True, False])
+def test_prompts_arriving_mid_run_join_the_step_queued_beside_the_one_in_flight(served, beside, tmp_path):
+    """overlap_admissions: a request that arrives while decodes run is admitted into the step queued before
+    the step in flight is back (its prompt after the decodes, which take their tokens from that step's
+    sample on the device); off, such steps are scheduled after it. Both give transformers + PEFT's tokens,
+    and a request whose adapter fails to load when admitted that way ends alone, with an error."""
+    import shutil
+    _, adapters, oracle = served
+    broken = tmp_path / "broken"
+    shutil.copytree(adapters["all-r8"], broken)
+    names = [None, *adapters]
+    prompts = random_prompts(6, VOCAB, (3, 30), seed=31)
+    arrivals = {2 * i + 1: i for i in range(len(prompts))}   # step -> request: one every other step
+    with make_llm(served, overlap_admissions=beside) as llm:
+        engine = llm.engine
+        engine.add_adapter("broken", broken)
+        (broken / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+        for name in adapters:   # resident first, so that each arrival is admitted at the next step
+            engine.adapters.wait_resident(name, timeout=60)
+        engine.add_request("first", [7, 8, 9], SamplingParams(max_tokens=30, **GREEDY), "qv-r4")
+        failed_beside = []
+        admit_beside = engine.scheduler.admit_beside
+
+        def recording(*args, **kwargs):
+            out = admit_beside(*args, **kwargs)
+            failed_beside.extend(seq.request_id for seq in out.failed)
+            return out
+        engine.scheduler.admit_beside = recording
+        outs, step, admitted_beside = {}, 0, 0
+        while step <= 2 * len(prompts) + 2 or engine.has_unfinished():
+            assert step < 200, "requests never finished"
+            if step in arrivals:
+                i = arrivals[step]
+                engine.add_request(f"r{i}", prompts[i], SamplingParams(max_tokens=8, **GREEDY), names[i % 4])
+            if step == 6:   # its load starts in this step and fails (in a loader thread) before the next
+                engine.add_request("bad", [4, 5], SamplingParams(max_tokens=4, **GREEDY), "broken")
+            if step == 7:
+                deadline = time.monotonic() + 30
+                while engine.adapters.error("broken") is None and time.monotonic() < deadline:
+                    time.sleep(0.001)
+            before = engine.stats["overlapped_admissions"]
+            for out in engine.step():
+                outs[out.request_id] = out
+            admitted_beside += engine.stats["overlapped_admissions"] - before
+            step += 1
+        assert engine.blocks.num_free == engine.blocks.num_blocks
+        assert all(engine.adapters.pins(n) == 0 for n in adapters)
+    assert outs["first"].token_ids == oracle.greedy([7, 8, 9], "qv-r4", 30)
+    for i, prompt in enumerate(prompts):
+        assert outs[f"r{i}"].token_ids == oracle.greedy(prompt, names[i % 4], 8), (i, names[i % 4])
+    assert outs["bad"].finish_reason == "error" and "broken" in outs["bad"].error
+    assert failed_beside == (["bad"] if beside else []), failed_beside   # ("first" decodes all along)
+    # each arrival found decodes in flight: with the setting on, it joined a queued step
+    assert admitted_beside == (len(prompts) if beside else 0)
+
+
 def test_engine_config_errors_name_the_field():
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         EngineConfig(model="dummy:llama-2-7b", max_num_seqs=64, max_num_batched_tokens=32)
@@ -447,9 +505,9 @@ def test_steps_run_by_the_graph_shapes_choose_and_are_counted(served):
     from loraplex.engine.cuda_graphs import GraphShapes
     from loraplex.models.forward_batch import ForwardBatch
     _, _, oracle = served
-    llm = make_llm(served)
+    llm = make_llm(served, overlap_admissions=True)
     runner = llm.engine.runner
-    keys = []
+    keys, fed_from_device = [], []   # each replay's key, and how many of its rows took the sample in flight
 
     class CpuGraphs:   # what StepGraphs does, without capturing
         shapes = GraphShapes.make(16, runner.max_model_len, 64)
@@ -457,13 +515,14 @@ def test_steps_run_by_the_graph_shapes_choose_and_are_counted(served):
         @staticmethod
         def run(chunks, inputs=None, *, key, in_gemm=None):
             keys.append(key)
+            fed_from_device.append(0 if inputs is None else len(inputs[1]))
             c = runner.model.config
             batch = ForwardBatch.for_graph(key[0], runner.max_model_len, block_size=runner.kv.block_size,
                                            num_blocks=runner.kv.num_blocks, vocab_size=c.vocab_size,
                                            num_adapter_slots=runner.adapters.pool.num_slots, device="cpu",
                                            max_prompt_tokens=key[1]).update_(chunks)
             if inputs is not None:
-                batch.input_ids[:len(chunks)].copy_(inputs[0].index_select(0, inputs[1]))
+                batch.input_ids[:len(inputs[1])].copy_(inputs[0].index_select(0, inputs[1]))
             return runner.model(batch, runner.kv, runner.adapters.pool)[:len(batch.logits_seqs)]
 
     runner.graphs = CpuGraphs()
@@ -479,6 +538,7 @@ def test_steps_run_by_the_graph_shapes_choose_and_are_counted(served):
     try:
         step = 0
         while step < 7 or engine.has_unfinished():
+            assert step < 200, "requests never finished"
             for i, (when, prompt, adapter) in enumerate(plan):
                 if when == step:
                     engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=8, **GREEDY), adapter)
@@ -494,6 +554,8 @@ def test_steps_run_by_the_graph_shapes_choose_and_are_counted(served):
     for i, (_, prompt, adapter) in enumerate(plan):
         assert tokens[f"r{i}"] == oracle.greedy(prompt, adapter, 8), (prompt, adapter)
     assert any(k[1] > 0 for k in keys) and any(k[1] == 0 for k in keys), keys
+    # prompts admitted beside decodes fed from the step in flight (overlap_admissions): a mixed graph
+    assert any(k[1] > 0 and fed for k, fed in zip(keys, fed_from_device)), list(zip(keys, fed_from_device))
     assert stats["graph_steps"] == len(keys) < stats["steps"]   # the 90-token prompt's steps ran eager
     assert stats["mixed_graph_steps"] == sum(k[1] > 0 for k in keys)
     # each step names its adapters, the base model (None) first

@@ -57,6 +57,35 @@ def test_graphs_and_eager_give_the_same_tokens_and_match_transformers(served):
     _graphs_and_eager_agree(served, 21, check)
 
 
+def test_prompts_admitted_beside_a_step_in_flight_replay_mixed_graphs(served):
+    """overlap_admissions: a request arriving while decodes run joins the step queued ahead, whose mixed graph
+    takes the decodes' tokens from the sample of the step in flight (its first rows) and the prompt's from
+    the host; every request's tokens equal transformers + PEFT's."""
+    _, adapters, oracle = served
+    names = [None, *adapters]
+    prompts = random_prompts(6, VOCAB, (3, 30), seed=41)
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    with make_llm(served, overlap_admissions=True) as llm:
+        engine = llm.engine
+        for name in adapters:   # resident first, so that each arrival is admitted at the next step
+            engine.adapters.wait_resident(name, timeout=60)
+        engine.add_request("first", [7, 8, 9], SamplingParams(max_tokens=30, **greedy), "qv-r4")
+        outs, step = {}, 0
+        while step <= 2 * len(prompts) or engine.has_unfinished():
+            assert step < 300, "requests never finished"
+            if step % 2 and step // 2 < len(prompts):
+                i = step // 2
+                engine.add_request(f"r{i}", prompts[i], SamplingParams(max_tokens=8, **greedy), names[i % 4])
+            for out in engine.step():
+                outs[out.request_id] = out.token_ids
+            step += 1
+        stats = dict(engine.stats)
+    assert stats["overlapped_admissions"] == len(prompts) and stats["mixed_graph_steps"] >= len(prompts), stats
+    assert outs["first"] == oracle.greedy([7, 8, 9], "qv-r4", 30)
+    for i, prompt in enumerate(prompts):
+        assert outs[f"r{i}"] == oracle.greedy(prompt, names[i % 4], 8), (i, names[i % 4])
+
+
 def test_row_wise_decode_graphs_give_the_same_tokens(served, monkeypatch):
     """LORAPLEX_LORA_ROWWISE=auto: decode steps whose adapters make only small tiles replay graphs captured
     with the row-wise LoRA kernels (ops/sgmv.py); tokens equal the eager run's and transformers + PEFT's."""

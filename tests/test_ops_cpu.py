@@ -237,9 +237,14 @@ def test_rows_options(value, expected, monkeypatch):
     assert sgmv._rows_options() == expected
 
 
-def test_rows_options_default_to_512_columns(monkeypatch):
+def test_row_wise_expand_steps_512_columns_at_rank_16_unless_set(monkeypatch):
     monkeypatch.delenv("LORAPLEX_LORA_ROWS", raising=False)
-    assert sgmv._rows_options() == dict(rows_block_n=512)
+    assert sgmv._rows_options() == {}
+    decode = dataclasses.replace(sgmv.CONFIGS[16], expand_rowwise=1, rows_block_n=None)
+    assert [sgmv.rows_block_n_for(decode, sgmv._block_r(r)) for r in (4, 16, 32, 64)] == [512, 512, 256, 256]
+    assert sgmv.rows_block_n_for(dataclasses.replace(decode, rows_block_n=128), 16) == 128   # as set
+    tiles_only = dataclasses.replace(decode, expand_rowwise=0)   # the value goes unused: no variant of its own
+    assert sgmv.rows_block_n_for(tiles_only, 16) == tiles_only.expand_block_n
 
 
 @pytest.mark.parametrize("value", ["n500", "n2048", "fetch", "n", "prefetch,n-16"])

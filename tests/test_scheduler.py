@@ -266,6 +266,27 @@ def test_a_new_request_is_admitted_in_the_same_step_as_running_decodes():
         [("a", 1, True), ("b", 15, False)]
 
 
+def test_admitting_beside_queued_decodes_takes_their_budget_and_the_seats_of_those_leaving():
+    """Scheduler.admit_beside (the engine's step queued while another runs): the decodes' tokens come out of
+    the budget, sequences ending with the step in flight give their seats (not yet their blocks), and the
+    admitted prompts are chunked like schedule()'s."""
+    sched = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=3, max_num_batched_tokens=16)
+    running = [make_seq(f"d{i}", 4, arrival=float(i), max_tokens=10) for i in range(3)]
+    for s in running:
+        sched.add(s)
+    step(sched, now=5.0)
+    assert ids(sched.running) == ["d0", "d1", "d2"]
+    waiting = [make_seq("w0", 20, arrival=6.0), make_seq("w1", 5, arrival=7.0)]
+    for s in waiting:
+        sched.add(s)
+    assert sched.admit_beside(num_decodes=3, now=8.0).chunks == []   # every seat taken
+    out = sched.admit_beside(num_decodes=2, leaving=1, now=8.0)   # d2 ends with the step in flight
+    assert [(c.seq.request_id, c.num_tokens, c.needs_logits) for c in out.chunks] == [("w0", 14, False)]
+    assert ids(sched.running) == ["d0", "d1", "d2", "w0"] and ids(sched.waiting) == ["w1"]
+    assert sched.blocks.num_free == 64 - 3 - 4   # d0..d2 hold their 4 prompt tokens' block each, w0 its 14
+    assert sched.admit_beside(num_decodes=16, leaving=3, now=8.0).chunks == []   # no budget left
+
+
 # ---- block accounting ----------------------------------------------------------------------------------
 def test_block_manager_grows_exactly_and_refuses_double_free():
     bm = BlockManager(5, 4)

@@ -55,6 +55,11 @@ class EngineConfig:
                                      "recomputes a whole context) raises the lookahead by 128 tokens, each step "
                                      "without one lowers it by 1; 0 admits whatever fits now. The default, 256, "
                                      "halved the preemptions of the paper's unlimited-batch run on an H200."})
+    overlap_admissions: bool = field(default=False, metadata={
+        "group": "batching", "help": "Queue a step that admits new prompts while the step before it still runs, "
+                                     "as decode steps are (their tokens come from that step's sample on the "
+                                     "GPU); off (the default, until measured on a GPU): such steps are "
+                                     "scheduled once the step before has finished, while the GPU waits."})
     max_queue_skip_ms: float = field(default=2000.0, metadata={
         "group": "batching", "help": "Milliseconds a waiting request may be overtaken while its adapter loads; "
                                      "after that nothing later is admitted before it."})
@@ -126,8 +131,9 @@ class EngineConfig:
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
             raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {u!r}")
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"EngineConfig.enforce_eager must be a bool, got {self.enforce_eager!r}")
+        for name in ("enforce_eager", "overlap_admissions"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             # every running sequence must be able to decode in one step
             raise ValueError(f"EngineConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be at "

@@ -96,7 +96,7 @@ class LoraplexSystem:
         got = [0] * len(ids)
         steps = decode_steps = seq_sum = short_on_adapters = 0
         decode_s = mixed_s = 0.0   # wall time of the steps that ran, by kind (where a gap to the backbone lies)
-        decode_gpu_s = mixed_gpu_s = 0.0   # their GPU spans (CUDA): wall minus GPU is host time the GPU waited for
+        spans: dict[bool, list] = {True: [], False: []}   # decode?: the steps' GPU spans (CUDA), read after the run
         engine.adapters.take_load_times()   # only this run's loads below
         stats_before = dict(engine.stats)
         preemptions_before = engine.scheduler.num_preemptions
@@ -124,10 +124,10 @@ class LoraplexSystem:
                         engine.scheduler.waiting_on_adapters
                     if info.decode:
                         decode_s += info.seconds
-                        decode_gpu_s += info.gpu_seconds or 0.0
                     else:
                         mixed_s += info.seconds
-                        mixed_gpu_s += info.gpu_seconds or 0.0
+                    if info.span is not None:
+                        spans[info.decode].append(info.span)
                 for out in outs:
                     i = index[out.request_id]
                     if out.finish_reason in ("abort", "error"):
@@ -147,11 +147,12 @@ class LoraplexSystem:
                                       decode_step_ms=1e3 * decode_s / decode_steps if decode_steps else 0.0,
                                       mixed_step_ms=1e3 * mixed_s / (steps - decode_steps) if steps > decode_steps
                                       else 0.0, other_seconds=seconds - decode_s - mixed_s,
-                                      **_gpu_ms(engine.runner.device, decode_gpu_s, mixed_gpu_s, decode_steps,
-                                                steps - decode_steps),
+                                      **_gpu_ms(engine.runner.device, spans),
                                       graph_steps=engine.stats["graph_steps"] - stats_before["graph_steps"],
                                       mixed_graph_steps=engine.stats["mixed_graph_steps"]
                                       - stats_before["mixed_graph_steps"],
+                                      overlapped_admissions=engine.stats["overlapped_admissions"]
+                                      - stats_before["overlapped_admissions"],
                                       steps_short_on_adapters=short_on_adapters,
                                       preemptions=engine.scheduler.num_preemptions - preemptions_before,
                                       recomputed_tokens=engine.scheduler.num_recomputed_tokens - recomputed_before,
@@ -160,13 +161,13 @@ class LoraplexSystem:
         return result
 
 
-def _gpu_ms(device: torch.device, decode_s: float, mixed_s: float, decode_steps: int, mixed_steps: int) -> dict:
-    """On CUDA, the mean GPU span (engine StepInfo.gpu_seconds) of decode and of mixed steps, in ms: beside
-    their wall times, how much of a step the GPU worked and how much it waited for the host."""
+def _gpu_ms(device: torch.device, spans: dict[bool, list]) -> dict:
+    """On CUDA, the mean GPU span (engine StepInfo.span) of decode and of mixed steps, in ms: beside their
+    wall times, how much of a step the GPU worked and how much it waited for the host."""
     if device.type != "cuda":
         return {}
-    return dict(decode_gpu_ms=1e3 * decode_s / decode_steps if decode_steps else 0.0,
-                mixed_gpu_ms=1e3 * mixed_s / mixed_steps if mixed_steps else 0.0)
+    mean = lambda s: 1e3 * sum(span.seconds() for span in s) / len(s) if s else 0.0  # noqa: E731
+    return dict(decode_gpu_ms=mean(spans[True]), mixed_gpu_ms=mean(spans[False]))
 
 
 def _load_stats(times: list[tuple[str, float]]) -> dict:

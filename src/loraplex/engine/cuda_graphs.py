@@ -176,20 +176,21 @@ class StepGraphs:
     def run(self, chunks: Sequence[SequenceChunk], inputs: tuple[torch.Tensor, torch.Tensor] | None, *,
             key: tuple[int, int], in_gemm: int | None = None) -> torch.Tensor:
         """Logits `[chunks that need logits, vocab]` of the step, by replay (a view of the shared
-        buffer: read it before the next replay). With `inputs` = (device ids, index), the chunks are
-        one-token decodes and chunk i's token is `ids[index[i]]` instead of its own. `key`: the graph,
-        as `shapes.key_for(chunks)` chose it (the batch's `update_` refuses chunks it cannot hold).
-        `in_gemm`: the active area was updated to this step's adapters, this many (ModelRunner)."""
-        if inputs is not None and key[1]:
-            raise ValueError("device-side inputs are for decode steps only")
+        buffer: read it before the next replay). With `inputs` = (device ids, index), the first
+        len(index) chunks are one-token decodes and chunk i's token is `ids[index[i]]` instead of its
+        own (prompt chunks may follow them). `key`: the graph, as `shapes.key_for(chunks)` chose it
+        (the batch's `update_` refuses chunks it cannot hold). `in_gemm`: the active area was updated
+        to this step's adapters, this many (ModelRunner)."""
+        if inputs is not None and any(len(c.token_ids) != 1 for c in chunks[:len(inputs[1])]):
+            raise ValueError("device-side inputs feed one-token decode chunks, which come first")
         variant = self.lora_variant(chunks, key, in_gemm)
         self.rows_replays += variant == "rows"
         self.gemm_replays += isinstance(variant, tuple)
         g = self._graphs[(*key, variant)]
         g.batch.update_(chunks)
-        if inputs is not None:
+        if inputs is not None:   # rows 0 .. len(index) - 1: the decodes fed from the step in flight
             with torch.inference_mode():
-                g.batch.input_ids[:len(chunks)].copy_(inputs[0].index_select(0, inputs[1]))
+                g.batch.input_ids[:len(inputs[1])].copy_(inputs[0].index_select(0, inputs[1]))
         g.graph.replay()
         return self._logits[:len(g.batch.logits_seqs)]
 

@@ -41,7 +41,13 @@ class StepInfo:
     decode: bool           # every sequence fed one token
     graphed: bool          # replayed a CUDA graph
     seconds: float         # wall time of the whole step: schedule, run, sample, postprocess
-    gpu_seconds: float | None = None   # its GpuSpan: inputs, forward and sample on the GPU (None on the CPU)
+    span: GpuSpan | None = None   # its inputs, forward and sample on the GPU (CUDA only)
+
+    @property
+    def gpu_seconds(self) -> float | None:
+        """The step's GPU span in seconds (None on the CPU); waits for the step's end on the GPU if it has
+        not come yet (read it later, e.g. after a run, not to stall the host)."""
+        return None if self.span is None else self.span.seconds()
 
     @property
     def num_adapters(self) -> int:
@@ -67,7 +73,9 @@ class Engine:
         self.last_step: StepInfo | None = None
         self._inflight: _Launched | None = None   # a step queued on the GPU, not yet postprocessed
         self.stats = {"steps": 0, "graph_steps": 0, "mixed_graph_steps": 0, "overlapped_steps": 0,
+                      "overlapped_admissions": 0,   # steps queued ahead that admitted prompts
                       "tokens_prefilled": 0, "tokens_generated": 0}
+        self._failed_beside: list[Sequence] = []   # requests a queued step's admission failed (adapter errors)
         for name, path in (adapters or {}).items():
             self.add_adapter(name, path)
 
@@ -167,10 +175,11 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one step and postprocess it; an output for every request that progressed.
 
-        Steps overlap: when the step just launched is all decodes (or last prompt chunks) and
-        nothing new is waiting to be admitted, the next decode step is queued on the GPU before
-        this one's tokens reach the host, its inputs taken from this step's sample on the device.
-        The host then postprocesses while the GPU runs, so a decode step costs its GPU time.
+        Steps overlap: when the step just launched is all decodes (or last prompt chunks), the next
+        step is queued on the GPU before this one's tokens reach the host, its decodes' inputs taken
+        from this step's sample on the device, beside the prompts of requests admitted now
+        (`overlap_admissions`). The host then postprocesses while the GPU runs, so a step costs its
+        GPU time.
         """
         start = time.perf_counter()
         self.last_step = None   # stays None when nothing ran (callers may then wait a little)
@@ -185,10 +194,17 @@ class Engine:
             if not plan.chunks:
                 return outputs
             current = self._launch(plan.chunks)
+        admissions = self.stats["overlapped_admissions"]
         self._inflight = self._continue(current)
-        if continued:   # schedule() was not called: adapter loads still follow the queue
+        if continued or self.stats["overlapped_admissions"] != admissions:
+            # schedule() was not called, or the queued step admitted requests since: loads follow the queue
             self.scheduler.plan_adapter_loads()
+        if continued:
             self.scheduler.note_step(0)
+        for seq in self._failed_beside:   # their adapter failed to load when the queued step admitted
+            self._finish(seq, FinishReason.ERROR)
+            outputs.append(make_output(seq))
+        self._failed_beside = []
         outputs += self._postprocess(current)
         chunks = current.chunks
         self.stats["steps"] += 1
@@ -196,11 +212,10 @@ class Engine:
         self.stats["mixed_graph_steps"] += int(current.graph is not None and current.graph[1] > 0)
         self.stats["overlapped_steps"] += int(self._inflight is not None)
         names = {c.seq.adapter for c in chunks}
-        gpu_seconds = current.span.seconds() if current.span is not None else None
         self.last_step = StepInfo(len(chunks), sum(c.num_tokens for c in chunks),
                                   tuple(sorted(names, key=lambda a: (a is not None, a or ""))),
                                   is_decode(chunks), current.graph is not None,
-                                  time.perf_counter() - start, gpu_seconds)
+                                  time.perf_counter() - start, current.span)
         return outputs
 
     def _launch(self, chunks: list[ScheduledChunk], inputs=None) -> "_Launched":
@@ -208,31 +223,42 @@ class Engine:
         return _Launched(chunks, pending, graph, span)
 
     def _continue(self, current: "_Launched") -> "_Launched | None":
-        """Queue the next decode step of `current`'s sequences now, if that is what the scheduler
-        would run next: every chunk ends its sequence, nothing waiting could be admitted, and the
-        KV blocks for one more token each are free (no preemption happens here)."""
+        """Queue the next step of `current`'s sequences now, if the scheduler would run their decodes
+        next: every chunk ends its sequence, every running sequence is in it, and the KV blocks for one
+        more token each are free (no preemption happens here). Waiting requests the scheduler admits
+        now join it (`Scheduler.admit_beside`), unless `overlap_admissions` is off: then a step that
+        could admit one is left to `schedule`."""
         if not all(c.needs_logits for c in current.chunks):
             return None
         in_step = {id(c.seq) for c in current.chunks}
         if any(id(s) not in in_step for s in self.scheduler.running):
             return None  # a running prompt got no budget this step: the scheduler must see it next
-        rows, chunks = [], []
+        rows, chunks, leaving = [], [], 0
         for row, c in enumerate(current.chunks):
             seq = c.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             # sequences that end by length with this token are left out (their row would be wasted)
             if seq.num_output_tokens + 1 >= seq.params.max_tokens or seq.num_tokens + 1 >= self.max_model_len:
+                leaving += 1
                 continue
             rows.append(row)
             chunks.append(ScheduledChunk(seq, 1, start=seq.num_tokens, needs_logits=True))
         if not chunks:
             return None
         need = sum(self.blocks.missing(c.seq, c.start + 1) for c in chunks)
-        if need > self.blocks.num_free or self._admissible_waiting(need):
+        if need > self.blocks.num_free:
+            return None
+        beside = self.config.overlap_admissions
+        if not beside and self._admissible_waiting(need):
             return None
         for c in chunks:
             self.blocks.grow(c.seq, c.start + 1)
+        if beside:
+            admitted = self.scheduler.admit_beside(len(chunks), leaving)
+            self._failed_beside += admitted.failed
+            self.stats["overlapped_admissions"] += bool(admitted.chunks)
+            chunks += admitted.chunks   # after the decodes: the sampled tokens feed the first len(rows) rows
         index = torch.tensor(rows, dtype=torch.long).to(self.runner.device, non_blocking=True)
         return self._launch(chunks, (current.pending.tokens, index))
 

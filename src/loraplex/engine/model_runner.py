@@ -41,8 +41,7 @@ class GpuSpan:
         self.start.record()
 
     def seconds(self) -> float:
-        """Waits for the step's end (the sample's host copy, which the caller waits for anyway, comes
-        just before it)."""
+        """Waits for the step's end on the GPU if it has not come yet."""
         self.end.synchronize()
         return self.start.elapsed_time(self.end) / 1e3
 
@@ -159,13 +158,17 @@ class ModelRunner:
         """Queue one step: the sample of the chunks that need logits (in their order), the shape
         (sequences, prompt tokens) of the CUDA graph that runs it (None when it runs eagerly), and its
         GpuSpan on CUDA (None on the CPU).
-        `inputs` = (device token ids, index): the chunks are one-token decodes whose token is
-        `ids[index[i]]`, sampled by a step still in flight (their host value is not known yet).
+        `inputs` = (device token ids, index): the first len(index) chunks are one-token decodes whose token
+        is `ids[index[i]]`, sampled by a step still in flight (their host value is not known yet); any
+        after them feed their own tokens (prompts admitted beside).
         `loads_urgent`: requests wait for adapter loads to be admitted (see adapters/priority.py's
         adaptive mode)."""
+        from_device = 0 if inputs is None else len(inputs[1])
+        if any(c.num_tokens != 1 for c in chunks[:from_device]):
+            raise ValueError("chunks fed from a step in flight must be one-token decodes, and come first")
         batch_chunks = []
-        for c in chunks:
-            ids = [0] if inputs is not None else c.seq.token_ids[c.start:c.start + c.num_tokens]
+        for i, c in enumerate(chunks):
+            ids = [0] if i < from_device else c.seq.token_ids[c.start:c.start + c.num_tokens]
             batch_chunks.append(SequenceChunk(ids, c.start, c.seq.block_table, c.seq.adapter_slot, c.needs_logits))
         graph = self.graphs.shapes.key_for(batch_chunks) if self.graphs is not None else None
         # everything on our GPU's current stream, whichever device the calling thread has current
@@ -216,9 +219,9 @@ class ModelRunner:
         batch = ForwardBatch.build(chunks, block_size=self.kv.block_size, num_blocks=self.kv.num_blocks,
                                    vocab_size=c.vocab_size, device=self.device,
                                    num_adapter_slots=self.adapters.pool.num_slots)
-        if inputs is not None:
+        if inputs is not None:   # the first len(index) chunks are one-token decodes: rows 0 .. len(index) - 1
             with torch.inference_mode():
-                batch.input_ids[:len(chunks)].copy_(inputs[0].index_select(0, inputs[1]))
+                batch.input_ids[:len(inputs[1])].copy_(inputs[0].index_select(0, inputs[1]))
         return self.model(batch, self.kv, self.adapters.pool if batch.has_adapters else None)
 
     def new_generator(self, seed: int) -> torch.Generator:

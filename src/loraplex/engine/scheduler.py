@@ -142,11 +142,25 @@ class Scheduler:
         self.plan_adapter_loads()
         return out
 
-    def _admit(self, now: float, budget: int, out: SchedulerOutput) -> int:
+    def admit_beside(self, num_decodes: int, leaving: int = 0, now: float | None = None) -> SchedulerOutput:
+        """Admit waiting requests into a step the engine queues while the one before still runs: beside
+        `num_decodes` one-token decodes of running sequences, whose KV blocks the engine has grown already,
+        while `leaving` running sequences end with the step in flight (their seats count as free; their
+        blocks not yet). `schedule`'s second part, under the token budget those decodes leave; its chunks
+        are the admitted prompts' first chunks, its `failed` the requests whose adapter failed to load."""
+        now = time.monotonic() if now is None else now
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens - num_decodes
+        self.waiting_on_adapters = False
+        if budget > 0 and self.may_admit(now, budget):
+            self._admit(now, budget, out, seats_freed=leaving)
+        return out
+
+    def _admit(self, now: float, budget: int, out: SchedulerOutput, seats_freed: int = 0) -> int:
         skip_after = self.config.max_queue_skip_ms / 1000
         reserve = self.growth_reserve()
         for seq in list(self.waiting):
-            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+            if budget == 0 or len(self.running) - seats_freed >= self.config.max_num_seqs:
                 break
             aged = now - seq.times.arrival >= skip_after
             slot = -1

@@ -400,7 +400,7 @@ class KernelConfig:
     # (wider ones spill registers); elsewhere the tile product runs.
     shrink_rowwise: int = 0
     expand_rowwise: int = 0
-    rows_block_n: int | None = None  # the row-wise expand's columns per step (None: expand_block_n)
+    rows_block_n: int | None = None  # the row-wise expand's columns per step (None: `rows_block_n_for`)
     rows_prefetch: bool = False  # the row-wise paths load each step's weights a step ahead (_expand_tile_rows)
 
 
@@ -429,15 +429,9 @@ def _rowwise_setting() -> int | str:
 
 # LORAPLEX_LORA_ROWS: options of the decode config's row-wise paths, comma-separated: "prefetch" (loads a step
 # ahead, KernelConfig.rows_prefetch) and "n<columns>" (the expand's columns a step, rows_block_n, a power of
-# two from 16 to 1024); a value replaces the default, "" leaves both off (256 columns, expand_block_n).
-# Default "n512", measured on the H200 (2026-12-01, benchmarks/results/model_forward_rows_*.json, Llama-2-7B
-# decode forwards in CUDA graphs): distinct adapters 7.96 → 7.89 ms at 32 rows and 21.34 → 20.92 ms at 160,
-# shared unchanged; "prefetch" was slower (21.79 ms at 160) and is off.
-ROWS_DEFAULT = "n512"
-
-
+# two from 16 to 1024, for every rank). Unset: no prefetch, and `rows_block_n_for`'s columns.
 def _rows_options() -> dict:
-    raw = os.environ.get("LORAPLEX_LORA_ROWS", ROWS_DEFAULT)
+    raw = os.environ.get("LORAPLEX_LORA_ROWS", "")
     options = {}
     for item in (part.strip().lower() for part in raw.split(",")):
         if item == "prefetch":
@@ -518,6 +512,22 @@ def _block_r(R: int) -> int:
     return min(max(16, 1 << (max(R, 1) - 1).bit_length()), 64)
 
 
+# 512 columns a step for ranks up to 16, measured on the H200 (2026-12-01, benchmarks/results/
+# model_forward_rows_*.json, Llama-2-7B decode forwards in CUDA graphs, rank 16): distinct adapters 7.96 →
+# 7.89 ms at 32 rows and 21.34 → 20.92 ms at 160 against 256 columns, shared unchanged ("prefetch" was
+# slower: 21.79 ms at 160). Wider ranks keep expand_block_n: a 512-column tile of rank 32 or 64 would hold
+# 2-4× the weights a step in registers (not measured).
+ROWS_WIDE_BLOCK_N = 512
+
+
+def rows_block_n_for(cfg: KernelConfig, block_r: int) -> int:
+    """The row-wise expand's columns a step: `cfg.rows_block_n` if set, else ROWS_WIDE_BLOCK_N for rank
+    tiles of 16 and `cfg.expand_block_n` for wider ones."""
+    if cfg.rows_block_n is not None:
+        return cfg.rows_block_n
+    return ROWS_WIDE_BLOCK_N if block_r <= 16 and cfg.expand_rowwise else cfg.expand_block_n
+
+
 def choose_split_k(num_programs: int, K: int, device: torch.device, cfg: KernelConfig,
                    partial_bytes: int = 0) -> int:
     """The power of two (≤ MAX_SPLIT_K, ≥ 1 K-tile per split, partials ≤ MAX_PARTIAL_BYTES) that brings
@@ -590,7 +600,7 @@ def expand_from(y: torch.Tensor, part: torch.Tensor, lora_b: list[torch.Tensor],
     _EXPAND(grid, args, dict(NUM_SLICES=num_slices, SPLIT_K=part.shape[0], BLOCK_M=batch.block_m,
                              BLOCK_N=cfg.expand_block_n, BLOCK_R=block_r, ONE_R_TILE=R <= block_r,
                              PRECISION=precision, ACCUMULATE=accumulate,
-                             ROWWISE=cfg.expand_rowwise, ROWS_BLOCK_N=cfg.rows_block_n or cfg.expand_block_n,
+                             ROWWISE=cfg.expand_rowwise, ROWS_BLOCK_N=rows_block_n_for(cfg, block_r),
                              ROWS_PREFETCH=cfg.rows_prefetch),
             cfg.expand_warps, cfg.expand_stages)
 
