@@ -68,6 +68,33 @@ def test_bad_sequences_are_named(chunk, message):
         build([SequenceChunk([1], 0, [1]), chunk], slots=4)
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_plain_chunks_checked_in_bulk_lay_out_as_checked_one_by_one(seed, monkeypatch):
+    """_layout's bulk check (lists of ints, as the engine makes them) gives the arrays the chunk-by-chunk
+    check gives, and leaves other forms (numpy ids and tables, numpy ints) to it."""
+    import numpy as np
+    from loraplex.models import forward_batch as fb
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(200).tolist()
+    chunks, start = [], 0
+    for i in range(int(rng.integers(1, 40))):
+        cached, new = int(rng.integers(0, 40)), int(rng.integers(1, 20)) if i % 3 == 0 else 1
+        blocks = -(-(cached + new) // 8) + int(rng.integers(0, 3))   # tables may run past the context
+        ids, table = rng.integers(0, 100, new).tolist(), order[start:start + blocks]
+        start += blocks
+        if i % 5 == 4:   # other forms: numpy arrays and ints, a tuple
+            ids, table, cached = np.array(ids), tuple(np.array(table, dtype=np.int32)), np.int64(cached)
+        chunks.append(SequenceChunk(ids, cached, table, int(rng.integers(-1, 4)), bool(i % 7)))
+    bulk = fb._layout(chunks, 8, 200, 100, 4)
+    one_by_one = fb._layout(chunks, 8, 200, 100, 4, fast=False)
+    assert bulk.keys() == one_by_one.keys()
+    for key, value in bulk.items():
+        assert np.array_equal(value, one_by_one[key]) if isinstance(value, np.ndarray) else value == one_by_one[key]
+    plain = [c for i, c in enumerate(chunks) if i % 5 != 4]
+    monkeypatch.setattr(fb, "_check_chunk", None)   # plain chunks never reach it
+    fb._layout(plain, 8, 200, 100, 4)
+
+
 def test_two_tokens_in_one_kv_slot_are_refused():
     with pytest.raises(ValueError, match=r"sequences 0 and 1 write the same KV slot 42 \(block 5\)"):
         build([SequenceChunk([1], 2, [5]), SequenceChunk([1, 2], 1, [5])])

