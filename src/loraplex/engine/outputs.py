@@ -53,8 +53,9 @@ class RequestOutput:
 def make_output(seq: Sequence) -> RequestOutput:
     """The request's state now; marks what it reports as sent."""
     finished = seq.is_finished
-    new_ids = seq.output_token_ids[seq.sent_tokens:]
-    seq.sent_tokens = seq.num_output_tokens
+    token_ids = seq.output_token_ids   # one copy of the output so far (each step's output holds its own)
+    new_ids = token_ids[seq.sent_tokens:]
+    seq.sent_tokens = len(token_ids)
     if seq.text is not None:
         new_text, text = seq.text.take_new(final=finished), seq.text.text
     else:
@@ -62,7 +63,7 @@ def make_output(seq: Sequence) -> RequestOutput:
     t = seq.times
     return RequestOutput(
         request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids, adapter=seq.adapter,
-        text=text, token_ids=seq.output_token_ids, new_text=new_text, new_token_ids=new_ids, finished=finished,
+        text=text, token_ids=token_ids, new_text=new_text, new_token_ids=new_ids, finished=finished,
         finish_reason=seq.finish_reason.value if seq.finish_reason else None, stop_reason=seq.stop_reason,
         error=seq.error, logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
         metrics=RequestMetrics(t.arrival, t.first_scheduled, t.first_token, t.finished, seq.num_preemptions))
