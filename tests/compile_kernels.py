@@ -4,6 +4,8 @@
 """
 from __future__ import annotations
 
+import dataclasses
+
 import sys
 
 import triton
@@ -42,7 +44,8 @@ def expand(dtype: str, block_m: int) -> None:
     cfg = sgmv.config_for(block_m)
     # ACCUMULATE=False: y is the fp32 buffer of LoRA products that ops/overlap.py leaves for the next op;
     # ROWWISE: sgmv._expand_tile_rows for tiles of a few rows (1) or every tile (2); one rank tile only.
-    # ROWS_PREFETCH: its B loads a step ahead (and 512 columns a step, as a sweep may try).
+    # ROWS_PREFETCH: its B loads a step ahead (and 512 columns a step, as a sweep may try); without it, the
+    # row-wise steps' default columns (sgmv.rows_block_n_for: 512 for the rank tile of 16).
     variants = ((True, True, 0, False), (True, True, 1, False), (False, True, 1, False), (True, False, 2, False),
                 (True, True, 1, True), (True, False, 2, True))
     for one_r, accumulate, rowwise, prefetch in variants:
@@ -51,7 +54,9 @@ def expand(dtype: str, block_m: int) -> None:
         consts = dict(NUM_SLICES=2, SPLIT_K=2, BLOCK_M=block_m, BLOCK_N=cfg.expand_block_n,
                       BLOCK_R=16 if one_r else 64, ONE_R_TILE=one_r, PRECISION="split" if dtype == "bf16" else "tf32x3",
                       ACCUMULATE=accumulate, ROWWISE=rowwise,
-                      ROWS_BLOCK_N=512 if prefetch else cfg.expand_block_n, ROWS_PREFETCH=prefetch)
+                      ROWS_BLOCK_N=512 if prefetch else sgmv.rows_block_n_for(
+                          dataclasses.replace(cfg, expand_rowwise=rowwise), 16 if one_r else 64),
+                      ROWS_PREFETCH=prefetch)
         _compile(sgmv._sgmv_expand_kernel, types, consts, cfg.expand_warps, cfg.expand_stages)
 
 

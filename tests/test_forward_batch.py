@@ -95,6 +95,31 @@ def test_plain_chunks_checked_in_bulk_lay_out_as_checked_one_by_one(seed, monkey
     fb._layout(plain, 8, 200, 100, 4)
 
 
+@pytest.mark.parametrize("chunks", [
+    [SequenceChunk([True], 0, [1]), SequenceChunk([5], 0, [2])],        # a chunk of bools beside ints
+    [SequenceChunk([3], 0, [True]), SequenceChunk([5], 0, [2])],
+    [SequenceChunk([3], 0, [1, 2.5])], [SequenceChunk([3], 0, [1, None])],   # junk past the covered blocks
+    [SequenceChunk([2**63], 0, [1])], [SequenceChunk([3], 0, [2**64])],   # past int64
+    [SequenceChunk([1], 2**63 - 2, [3])],                                 # a context past int64's blocks
+    [SequenceChunk([1], 0, [1], needs_logits=1)], [SequenceChunk([-0], 0, [1])],
+], ids=lambda chunks: repr(chunks)[:60])
+def test_the_bulk_check_refuses_or_accepts_what_the_per_chunk_check_does(chunks):
+    import numpy as np
+    from loraplex.models import forward_batch as fb
+
+    def outcome(fast):
+        try:
+            return fb._layout(chunks, 4, 64, 100, 4, fast=fast)
+        except ValueError as e:
+            return str(e)
+    bulk, one_by_one = outcome(True), outcome(False)
+    if isinstance(one_by_one, str):
+        assert bulk == one_by_one
+    else:
+        assert all(np.array_equal(v, one_by_one[k]) if isinstance(v, np.ndarray) else v == one_by_one[k]
+                   for k, v in bulk.items())
+
+
 def test_two_tokens_in_one_kv_slot_are_refused():
     with pytest.raises(ValueError, match=r"sequences 0 and 1 write the same KV slot 42 \(block 5\)"):
         build([SequenceChunk([1], 2, [5]), SequenceChunk([1, 2], 1, [5])])

@@ -212,33 +212,36 @@ def _layout(chunks: Sequence[SequenceChunk], block_size: int, num_blocks: int, v
 
 def _check_plain(chunks: Sequence[SequenceChunk], block_size: int, num_blocks: int, vocab_size: int,
                  num_adapter_slots: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
-    """`_check_chunk`'s checks in bulk, for chunks whose fields are plain (ints, bools, sequences of ints):
-    (tokens per chunk, every token id, the blocks each context covers in order, their count per chunk), all
-    int64; None if any chunk is not plain or not valid (`_check_chunk` then says which and why)."""
-    try:
-        for c in chunks:
-            if type(c) is not SequenceChunk or type(c.num_cached) is not int or c.num_cached < 0 \
-                    or type(c.needs_logits) is not bool or type(c.adapter_slot) is not int or c.adapter_slot < -1 \
-                    or (num_adapter_slots is not None and c.adapter_slot >= num_adapter_slots) \
-                    or not isinstance(c.token_ids, (list, tuple)) or not c.token_ids \
-                    or not isinstance(c.block_table, (list, tuple)):
-                return None
-        n = len(chunks)
-        lens = np.fromiter((len(c.token_ids) for c in chunks), np.int64, n)
-        ids = np.array(list(itertools.chain.from_iterable(c.token_ids for c in chunks)))
-        if ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= vocab_size:
+    """`_check_chunk`'s checks in bulk, for chunks whose fields are plain (Python ints and bools, lists or
+    tuples of Python ints): (tokens per chunk, every token id, the blocks each context covers in order,
+    their count per chunk), all int64; None if any chunk is not plain or not valid (`_check_chunk` then
+    says which and why, or accepts another form, e.g. numpy arrays)."""
+    plain = {int}
+    for c in chunks:
+        if type(c) is not SequenceChunk or type(c.num_cached) is not int or not 0 <= c.num_cached < 2**40 \
+                or type(c.needs_logits) is not bool or type(c.adapter_slot) is not int or c.adapter_slot < -1 \
+                or (num_adapter_slots is not None and c.adapter_slot >= num_adapter_slots) \
+                or type(c.token_ids) not in (list, tuple) or not c.token_ids \
+                or type(c.block_table) not in (list, tuple):
             return None
-        cached = np.fromiter((c.num_cached for c in chunks), np.int64, n)
-        covered = (cached + lens + block_size - 1) // block_size
-        counts = covered.tolist()
-        if any(len(c.block_table) < k for c, k in zip(chunks, counts)):
-            return None
-        used = np.array(list(itertools.chain.from_iterable(c.block_table[:k] for c, k in zip(chunks, counts))))
-        if used.ndim != 1 or used.dtype.kind not in "iu" or used.min() < 0 or used.max() >= num_blocks:
-            return None
-    except (TypeError, ValueError, OverflowError):
+    # every element a Python int (bools, floats, numpy scalars, nested lists: the per-chunk check decides),
+    # the whole of each table as `_check_chunk` sees it, not only the blocks the context covers
+    if not set(map(type, itertools.chain.from_iterable(c.token_ids for c in chunks))) <= plain or \
+            not set(map(type, itertools.chain.from_iterable(c.block_table for c in chunks))) <= plain:
         return None
-    return lens, ids.astype(np.int64), used.astype(np.int64), covered
+    counts = [-(-(c.num_cached + len(c.token_ids)) // block_size) for c in chunks]
+    if any(len(c.block_table) < k for c, k in zip(chunks, counts)):
+        return None
+    try:
+        ids = np.array(list(itertools.chain.from_iterable(c.token_ids for c in chunks)), dtype=np.int64)
+        used = np.array(list(itertools.chain.from_iterable(c.block_table[:k] for c, k in zip(chunks, counts))),
+                        dtype=np.int64)
+    except OverflowError:   # an id or block past int64: out of range anyway
+        return None
+    if ids.min() < 0 or ids.max() >= vocab_size or used.min() < 0 or used.max() >= num_blocks:
+        return None
+    lens = np.fromiter((len(c.token_ids) for c in chunks), np.int64, len(chunks))
+    return lens, ids, used, np.array(counts, dtype=np.int64)
 
 
 def _check_chunk(i: int, c: SequenceChunk, block_size: int, num_blocks: int, vocab_size: int,
