@@ -107,6 +107,9 @@ def test_bench_command_writes_a_report_from_every_system(tmp_path):
             assert r["setup_seconds"] > 0 and r["warmup_seconds"] > 0   # before the clock: what a run needs on top
             assert r["graph_steps"] == r["mixed_graph_steps"] == 0   # the CPU runs every step eagerly
             assert "decode_gpu_ms" not in r and "mixed_gpu_ms" not in r   # GPU spans are CUDA's
+            for kind in ("decode", "mixed"):   # each kind's spread of step times, around its mean
+                spread = [r[f"{kind}_step_ms_{q}"] for q in ("p50", "p99", "max")]
+                assert 0 < spread[0] <= spread[1] <= spread[2] and r[f"{kind}_step_ms"] <= spread[2], (kind, r)
             assert 0 <= r["steps_short_on_adapters"] <= r["steps"] and r["preemptions"] >= 0
             assert r["recomputed_tokens"] >= 0 and (r["preemptions"] > 0 or r["recomputed_tokens"] == 0)
             assert 0 < r["schedule_mean_batch"] <= (3 if r["max_batch"] == 3 else 6) and r["schedule_preemptions"] >= 0

@@ -97,6 +97,7 @@ class LoraplexSystem:
         steps = decode_steps = seq_sum = short_on_adapters = 0
         decode_s = mixed_s = 0.0   # wall time of the steps that ran, by kind (where a gap to the backbone lies)
         spans: dict[bool, list] = {True: [], False: []}   # decode?: the steps' GPU spans (CUDA), read after the run
+        walls: dict[bool, list[float]] = {True: [], False: []}   # decode?: each step's wall time (its spread)
         engine.adapters.take_load_times()   # only this run's loads below
         stats_before = dict(engine.stats)
         preemptions_before = engine.scheduler.num_preemptions
@@ -126,6 +127,7 @@ class LoraplexSystem:
                         decode_s += info.seconds
                     else:
                         mixed_s += info.seconds
+                    walls[info.decode].append(info.seconds)
                     if info.span is not None:
                         spans[info.decode].append(info.span)
                 for out in outs:
@@ -147,7 +149,7 @@ class LoraplexSystem:
                                       decode_step_ms=1e3 * decode_s / decode_steps if decode_steps else 0.0,
                                       mixed_step_ms=1e3 * mixed_s / (steps - decode_steps) if steps > decode_steps
                                       else 0.0, other_seconds=seconds - decode_s - mixed_s,
-                                      **_gpu_ms(engine.runner.device, spans),
+                                      **_gpu_ms(engine.runner.device, spans), **_spread_ms(walls),
                                       graph_steps=engine.stats["graph_steps"] - stats_before["graph_steps"],
                                       mixed_graph_steps=engine.stats["mixed_graph_steps"]
                                       - stats_before["mixed_graph_steps"],
@@ -168,6 +170,19 @@ def _gpu_ms(device: torch.device, spans: dict[bool, list]) -> dict:
         return {}
     mean = lambda s: 1e3 * sum(span.seconds() for span in s) / len(s) if s else 0.0  # noqa: E731
     return dict(decode_gpu_ms=mean(spans[True]), mixed_gpu_ms=mean(spans[False]))
+
+
+def _spread_ms(walls: dict[bool, list[float]]) -> dict:
+    """The median, 99th percentile and longest wall time of decode and of mixed steps, in ms: a mean hides
+    whether every step is slow or a few are very slow (a mid-run compile, a stall on the host)."""
+    out = {}
+    for decode, kind in ((True, "decode"), (False, "mixed")):
+        times = sorted(walls[decode])
+        if times:
+            for name, q in (("p50", 0.5), ("p99", 0.99)):
+                out[f"{kind}_step_ms_{name}"] = 1e3 * times[min(len(times) - 1, int(q * len(times)))]
+            out[f"{kind}_step_ms_max"] = 1e3 * times[-1]
+    return out
 
 
 def _load_stats(times: list[tuple[str, float]]) -> dict:
