@@ -226,14 +226,15 @@ def _check_plain(chunks: Sequence[SequenceChunk], block_size: int, num_blocks: i
             return None
     # every element a Python int (bools, floats, numpy scalars, nested lists: the per-chunk check decides),
     # the whole of each table as `_check_chunk` sees it, not only the blocks the context covers
-    if not set(map(type, itertools.chain.from_iterable(c.token_ids for c in chunks))) <= plain or \
+    flat_ids = list(itertools.chain.from_iterable(c.token_ids for c in chunks))
+    if not set(map(type, flat_ids)) <= plain or \
             not set(map(type, itertools.chain.from_iterable(c.block_table for c in chunks))) <= plain:
         return None
     counts = [-(-(c.num_cached + len(c.token_ids)) // block_size) for c in chunks]
     if any(len(c.block_table) < k for c, k in zip(chunks, counts)):
         return None
     try:
-        ids = np.array(list(itertools.chain.from_iterable(c.token_ids for c in chunks)), dtype=np.int64)
+        ids = np.array(flat_ids, dtype=np.int64)
         used = np.array(list(itertools.chain.from_iterable(c.block_table[:k] for c, k in zip(chunks, counts))),
                         dtype=np.int64)
     except OverflowError:   # an id or block past int64: out of range anyway
