@@ -70,12 +70,12 @@ def test_bench_command_writes_a_report_from_every_system(tmp_path):
     code = main(["bench", "--model", str(base), "--device", "cpu", "--requests", "6", "--baseline-requests", "4",
                  "--popularity", "distinct,identical", "--max-batch", "3,unlimited", "--lengths", "punica",
                  "--max-len", "24", "--rank", "4", "--gpu-adapters", "9", "--loader-threads", "3", "--preload-adapters",
-                 "--admission-lookahead", "0", "--lora-in-gemm", "2", "--out-dir", str(out),
-                 "--name", "smoke", "--quiet"])
+                 "--admission-lookahead", "0", "--lora-in-gemm", "2", "--no-overlap-admissions", "--out-dir",
+                 str(out), "--name", "smoke", "--quiet"])
     assert code == 0
     result = json.loads((out / "smoke.json").read_text())
     assert result["loader_threads"] == 3 and result["gpu_adapters"] == 9 and result["admission_lookahead"] == 0
-    assert result["lora_in_gemm"] == 2
+    assert result["lora_in_gemm"] == 2 and result["overlap_admissions"] is False
     assert result["lora_rows"] == (os.environ.get("LORAPLEX_LORA_ROWS") or "n512 at rank <= 16")   # as the kernels ran
     systems = {(r["system"], r["popularity"], str(r["max_batch"]), r["requests"]) for r in result["rows"]}
     for pop in ("distinct", "identical"):

@@ -72,7 +72,8 @@ def test_serve_help_has_a_flag_for_every_setting_in_its_group(capsys):
     for cls in SETTINGS:
         for f in dataclasses.fields(cls):
             section = sections[f.metadata["group"]]
-            assert f"  {_flag(f)} " in section or f"  {_flag(f)}\n" in section, f"{cls.__name__}.{f.name}"
+            shown = (f"  {_flag(f)} ", f"  {_flag(f)}\n", f"  {_flag(f)}, --no-{_flag(f)[2:]}")  # a bool on by default
+            assert any(s in section for s in shown), f"{cls.__name__}.{f.name}"
             assert _flat(f.metadata["help"]).rstrip(".") in _flat(section)
     assert "default: 256." in _flat(sections["batching"])           # max_num_seqs, from the dataclass
     assert "default: 127.0.0.1." in _flat(sections["server"])
@@ -108,7 +109,7 @@ def test_serve_passes_exactly_the_given_settings(fake_server, tmp_path):
                "--max-batch-wait-ms", "2.5", "--block-size", "32", "--gpu-memory-utilization", "0.5",
                "--num-kv-blocks", "64", "--max-gpu-adapters", "4", "--max-lora-rank", "64", "--max-cpu-adapters", "0",
                "--enforce-eager", "--cuda-graph-max-batch", "16", "--cuda-graph-max-prompt-tokens", "0",
-               "--adapter-loader-threads", "5",
+               "--adapter-loader-threads", "5", "--no-overlap-admissions",
                "--host", "0.0.0.0", "--port", "9001", "--api-key", "k1", "--admin-api-key", "k2",
                "--adapter-root", str(roots[0]), "--adapter-root", str(roots[1]), "--served-model-name", "base",
                "--max-waiting-requests", "0", "--max-body-bytes", "2048", "--max-adapter-labels", "5",
@@ -120,7 +121,8 @@ def test_serve_passes_exactly_the_given_settings(fake_server, tmp_path):
         model="dummy:llama-2-7b", dummy_layers=2, device="cpu", dtype="float32", seed=3, max_num_seqs=8,
         max_num_batched_tokens=128, max_model_len=512, max_batch_wait_ms=2.5, block_size=32,
         gpu_memory_utilization=0.5, num_kv_blocks=64, max_gpu_adapters=4, max_lora_rank=64, max_cpu_adapters=0,
-        enforce_eager=True, cuda_graph_max_batch=16, cuda_graph_max_prompt_tokens=0, adapter_loader_threads=5)
+        enforce_eager=True, cuda_graph_max_batch=16, cuda_graph_max_prompt_tokens=0, adapter_loader_threads=5,
+        overlap_admissions=False)
     assert config.max_queue_skip_ms == 2000.0 and config.tokenizer is None and config.cpu_kv_cache_gib == 1.0
     assert settings == ServerSettings(
         host="0.0.0.0", port=9001, api_key="k1", admin_api_key="k2", adapter_roots=roots, served_model_name="base",

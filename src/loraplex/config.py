@@ -55,11 +55,12 @@ class EngineConfig:
                                      "recomputes a whole context) raises the lookahead by 128 tokens, each step "
                                      "without one lowers it by 1; 0 admits whatever fits now. The default, 256, "
                                      "halved the preemptions of the paper's unlimited-batch run on an H200."})
-    overlap_admissions: bool = field(default=False, metadata={
+    overlap_admissions: bool = field(default=True, metadata={
         "group": "batching", "help": "Queue a step that admits new prompts while the step before it still runs, "
                                      "as decode steps are (their tokens come from that step's sample on the "
-                                     "GPU); off (the default, until measured on a GPU): such steps are "
-                                     "scheduled once the step before has finished, while the GPU waits."})
+                                     "GPU). On by default: it took the paper's unlimited-batch run on an H200 "
+                                     "from 5,094 to 5,278 tokens/s. Off: such steps are scheduled once the "
+                                     "step before has finished, while the GPU waits."})
     max_queue_skip_ms: float = field(default=2000.0, metadata={
         "group": "batching", "help": "Milliseconds a waiting request may be overtaken while its adapter loads; "
                                      "after that nothing later is admitted before it."})

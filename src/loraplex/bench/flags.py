@@ -43,9 +43,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--lora-in-gemm", type=int, default=None,
                     help="loraplex: EngineConfig.lora_in_gemm, the most distinct adapters of a decode step whose "
                          "shrink runs inside the GEMMs (default: the engine's, 0: off)")
-    ap.add_argument("--overlap-admissions", action="store_true",
+    ap.add_argument("--overlap-admissions", action=argparse.BooleanOptionalAction, default=None,
                     help="loraplex: EngineConfig.overlap_admissions (steps that admit prompts are queued while "
-                         "the step before still runs, as decode steps are)")
+                         "the step before still runs, as decode steps are; default: the engine's, on)")
     ap.add_argument("--preload-adapters", action="store_true",
                     help="loraplex: put each workload's adapters on the GPU before timing (as many as there are "
                          "slots), as the hf-* systems have theirs; default: every adapter starts on disk")

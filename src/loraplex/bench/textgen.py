@@ -116,8 +116,8 @@ def run(args: argparse.Namespace) -> int:
                 slots["admission_lookahead"] = args.admission_lookahead
             if args.lora_in_gemm is not None:
                 slots["lora_in_gemm"] = args.lora_in_gemm
-            if args.overlap_admissions:
-                slots["overlap_admissions"] = True
+            if args.overlap_admissions is not None:
+                slots["overlap_admissions"] = args.overlap_admissions
             config = engine_config(args.model, max_batch=max_batch, rank=args.rank,
                                    max_len=max(w.max_len for w in workloads.values()), device=device, dtype=dtype,
                                    layers=args.layers, **slots)
@@ -191,7 +191,8 @@ def run(args: argparse.Namespace) -> int:
                   # unset: 512 columns a row-wise expand step at rank 16 (sgmv.rows_block_n_for)
                   lora_rows=os.environ.get("LORAPLEX_LORA_ROWS") or f"n{sgmv.ROWS_WIDE_BLOCK_N} at rank <= 16",
                   lora_in_gemm=EngineConfig.lora_in_gemm if args.lora_in_gemm is None else args.lora_in_gemm,
-                  preload_adapters=args.preload_adapters, overlap_admissions=args.overlap_admissions,
+                  preload_adapters=args.preload_adapters, overlap_admissions=EngineConfig.overlap_admissions
+                  if args.overlap_admissions is None else args.overlap_admissions,
                   lora_overlap=os.environ.get("LORAPLEX_LORA_OVERLAP"),
                   host_priority=os.environ.get("LORAPLEX_HOST_PRIORITY"),
                   workload=dict(requests=args.requests, lengths=args.lengths, max_len=args.max_len, seed=args.seed,
