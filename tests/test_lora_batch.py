@@ -43,6 +43,23 @@ def test_block_m_follows_the_largest_slot_group():
     assert LoraBatch.from_lengths([100], [0], block_m=32).num_work == 4
 
 
+@pytest.mark.parametrize("decodes, prompts, block_m", [
+    # the mixed steps timed on an H200 (results/lora_tiles_mixed.json), each with the faster tile height
+    (162, [64], SMALL_BLOCK_M), (162, [512], SMALL_BLOCK_M), (32, [512], SMALL_BLOCK_M),
+    (32, [2048], SMALL_BLOCK_M), (64, [128] * 4, SMALL_BLOCK_M),
+    (4, [2048], LARGE_BLOCK_M), (0, [2048], LARGE_BLOCK_M), (0, [256] * 8, LARGE_BLOCK_M)])
+def test_mixed_steps_take_large_tiles_only_where_prompt_rows_outweigh_the_decodes(decodes, prompts, block_m):
+    lens, slots = [1] * decodes + prompts, list(range(decodes + len(prompts)))
+    rng = np.random.default_rng(decodes + len(prompts))
+    order = rng.permutation(len(lens))   # the rule counts rows per slot, in any order
+    batch = LoraBatch.from_lengths([lens[i] for i in order], [slots[i] for i in order])
+    assert batch.block_m == block_m
+    # decode rows of the base model count for nothing; shared ones join their slot's rows
+    assert LoraBatch.from_lengths([1] * 100 + [600], [-1] * 100 + [0]).block_m == LARGE_BLOCK_M
+    assert LoraBatch.from_lengths([1] * 40 + [600], [1] * 40 + [0]).block_m == LARGE_BLOCK_M
+    assert LoraBatch.from_lengths([1] * 10 + [600], list(range(1, 11)) + [0]).block_m == SMALL_BLOCK_M
+
+
 def test_one_adapter_many_segments_is_one_group():
     batch = LoraBatch.from_lengths([1] * 10, [7] * 10)
     assert batch.group_slots == (7,) and batch.num_work == 1
