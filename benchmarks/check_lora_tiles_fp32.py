@@ -12,6 +12,7 @@ import datetime
 import json
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -57,17 +58,15 @@ def main(argv=None) -> dict:
               for i, t in enumerate(torch.randint(0, c.vocab_size, (d,), generator=cpu_gen))]
     chunks.append(SequenceChunk(torch.randint(0, c.vocab_size, (args.prompt,), generator=cpu_gen).tolist(), 0,
                                 prompt_tab, d))
-    picked_by = LoraBatch.pick_block_m
     logits = {}
     for name, dt, tiles in (("fp32", torch.float32, 16), ("bf16 16", torch.bfloat16, 16),
                             ("bf16 64", torch.bfloat16, 64)):
         # the prompt's KV is written by the forward; the decode rows' contexts come from the bf16 cache
         if dt is torch.float32:
             kvs[dt].data.copy_(kvs[torch.bfloat16].data)
-        LoraBatch.pick_block_m = staticmethod(lambda lens, slots, m=tiles: m)
-        batch = ForwardBatch.build(chunks, block_size=BLOCK, num_blocks=num_blocks, vocab_size=c.vocab_size,
-                                   device="cuda", num_adapter_slots=d + 1)
-        LoraBatch.pick_block_m = picked_by
+        with mock.patch.object(LoraBatch, "pick_block_m", staticmethod(lambda lens, slots, m=tiles: m)):
+            batch = ForwardBatch.build(chunks, block_size=BLOCK, num_blocks=num_blocks, vocab_size=c.vocab_size,
+                                       device="cuda", num_adapter_slots=d + 1)
         with torch.no_grad():
             logits[name] = models[dt](batch, kvs[dt], pools[dt]).float()
         torch.cuda.synchronize()

@@ -4,7 +4,8 @@
 # and of the steps' GPU spans, then what an unlimited-batch mixed step costs on the GPU as the engine's graphs
 # hold it: 162 decodes (the unlimited run's mean batch) beside a 64-token prompt, replayed as built and
 # padded to graph batches of 176, 192 and 256 sequences (time_mixed_step.py --graph-seqs). Then the paper's
-# workload in a second call: SYSTEMS=loraplex TESTS=0 MAX_BATCH=unlimited EXTRA=--overlap-admissions
+# workload in a second call (overlap_admissions is on by default since 2026-12-01's tenth session;
+# EXTRA=--no-overlap-admissions for the run without it): SYSTEMS=loraplex TESTS=0 MAX_BATCH=unlimited
 #   bash benchmarks/gpu_mixed_graphs.sh
 #   OUT=/some/dir bash benchmarks/gpu_admissions_check.sh
 set -u

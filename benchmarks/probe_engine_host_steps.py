@@ -64,7 +64,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--max-batch", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=1200, help="outputs drawn from [50, this]")
-    ap.add_argument("--overlap-admissions", action="store_true")
+    ap.add_argument("--overlap-admissions", action=argparse.BooleanOptionalAction,
+                    default=EngineConfig.overlap_admissions, help="EngineConfig.overlap_admissions (default: on)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:

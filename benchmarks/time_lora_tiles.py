@@ -1,8 +1,10 @@
 """Which LoRA tile height an eager mixed step should use: a Llama-2-7B forward of decode rows (distinct
 adapters, context 600) beside long prompts (their own adapters), with the batch's LoRA tiles 16 rows high
 (the decode config: row-wise kernels for tiles of up to 4 rows, many programs) or 64 (the prefill config),
-and says which `LoraBatch.pick_block_m` picks today. Times are CUDA-graph replays of the built batch (GPU time,
-no host time); the backbone alone (no adapters) is the floor. The logits of both tile heights are compared.
+and which `LoraBatch.pick_block_m` picks (`picked`; the committed results ran under the rule before this
+probe's, which took 64-row tiles as soon as one adapter had more than 16 rows: `picked_before`). Times are
+CUDA-graph replays of the built batch (GPU time, no host time); the backbone alone (no adapters) is the
+floor. The logits of both tile heights are compared.
 
 A graph-replayed 162-decode step beside a 64-token prompt took 43.0 ms with 64-row tiles and 25.4 ms as the
 engine's graphs hold it with 16-row tiles (results/mixed_step_unlimited.json): each decode row padded to a
@@ -18,6 +20,7 @@ import functools
 import json
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -55,7 +58,6 @@ def main(argv=None) -> dict:
     fill_pool(pool, gen)
     decode_tabs = tables(max_decodes, decode_blocks, 0, cpu_gen)
     prompt_tabs = tables(max_prompts, prompt_blocks, max_decodes * decode_blocks, cpu_gen)
-    picked_by = LoraBatch.pick_block_m
     rows = []
     for decodes, prompts in CASES:
         chunks = [SequenceChunk([int(t)], args.context - 1, decode_tabs[i], i)
@@ -65,11 +67,9 @@ def main(argv=None) -> dict:
             chunks.append(SequenceChunk(ids, 0, prompt_tabs[j], decodes + j))
         times, logits = {}, {}
         for tiles in ("backbone", 16, 64):
-            if tiles in (16, 64):
-                LoraBatch.pick_block_m = staticmethod(lambda lens, slots, m=tiles: m)
-            batch = ForwardBatch.build(chunks, block_size=BLOCK, num_blocks=kv.num_blocks, vocab_size=c.vocab_size,
-                                       device="cuda", num_adapter_slots=pool.num_slots)
-            LoraBatch.pick_block_m = picked_by
+            with mock.patch.object(LoraBatch, "pick_block_m", staticmethod(lambda lens, slots, m=tiles: m)):
+                batch = ForwardBatch.build(chunks, block_size=BLOCK, num_blocks=kv.num_blocks,
+                                           vocab_size=c.vocab_size, device="cuda", num_adapter_slots=pool.num_slots)
             use_pool = None if tiles == "backbone" else pool
             replay, out = capture(functools.partial(model, batch, kv, use_pool))
             times[str(tiles)] = time_us([replay])
@@ -82,10 +82,10 @@ def main(argv=None) -> dict:
             torch.cuda.empty_cache()
         diff = (logits[16] - logits[64]).abs().max().item()
         scale = logits[64].abs().max().item()
-        auto = picked_by(*_lens_slots(chunks))
+        auto = LoraBatch.pick_block_m(*_lens_slots(chunks))
         rows.append(dict(decodes=decodes, prompts=prompts, context=args.context, graph_us=times,
-                         picked_today=auto, logits_max_diff=diff, logits_max=scale))
-        print(f"     picked today: {auto}; 16 vs 64 tiles: logits differ by at most {diff:.3g} (largest {scale:.3g})",
+                         picked=auto, logits_max_diff=diff, logits_max=scale))
+        print(f"     picked: {auto}; 16 vs 64 tiles: logits differ by at most {diff:.3g} (largest {scale:.3g})",
               flush=True)
     result = dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                   torch=torch.__version__, rank=RANK, rows=rows)

@@ -221,6 +221,16 @@ def test_report_merges_runs_and_compares_only_rows_of_the_same_workload(tmp_path
     assert "Where loraplex's time went" not in table   # these rows did not record it
     assert "run on 2026-11-30: punica ≤64 loraplex (max batch 2), punica ≤64 loraplex-backbone (max batch 2)" in table
     assert "run on 2026-12-01: fixed 8+4 loraplex (max batch 2), fixed 8+4 hf-peft (max batch 2)" in table
+    # settings the runs disagree on leave the top level for the rows of each run; --note adds a line
+    paths[1].write_text(json.dumps(dict(b, torch="t2", loader_threads=3)))
+    assert report_main([str(p) for p in paths] + ["--out-dir", str(tmp_path), "--name", "settings",
+                                                 "--note", "said by hand"]) == 0
+    merged = json.loads((tmp_path / "settings.json").read_text())
+    assert "torch" not in merged and "loader_threads" not in merged and merged["rank"] == 16
+    by_system = {(r["lengths"], r["system"]): r for r in merged["rows"]}
+    assert by_system["fixed 8+4", "hf-peft"]["run_settings"] == dict(torch="t2", loader_threads=3)
+    assert by_system["punica ≤64", "loraplex"]["run_settings"] == dict(torch="t")
+    assert "- said by hand" in (tmp_path / "settings.md").read_text()
     paths[1].write_text(json.dumps(dict(b, model="dummy:other")))
     with pytest.raises(SystemExit, match="different model"):
         report_main([str(p) for p in paths] + ["--out-dir", str(tmp_path), "--name", "bad"])

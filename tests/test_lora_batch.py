@@ -35,7 +35,7 @@ def test_tiles_cover_each_slots_rows_once(seed):
     assert batch.group_slots == tuple(sorted(k for k, v in want.items() if v))
 
 
-def test_block_m_follows_the_largest_slot_group():
+def test_block_m_small_for_decodes_large_for_prefill():
     assert LoraBatch.from_lengths([1] * 300, list(range(300))).block_m == SMALL_BLOCK_M  # distinct decode
     assert LoraBatch.from_lengths([1] * 64, [3] * 64).block_m == LARGE_BLOCK_M  # identical decode
     assert LoraBatch.from_lengths([500, 2], [0, 1]).block_m == LARGE_BLOCK_M  # prefill
@@ -54,6 +54,9 @@ def test_mixed_steps_take_large_tiles_only_where_prompt_rows_outweigh_the_decode
     order = rng.permutation(len(lens))   # the rule counts rows per slot, in any order
     batch = LoraBatch.from_lengths([lens[i] for i in order], [slots[i] for i in order])
     assert batch.block_m == block_m
+
+
+def test_block_m_counts_rows_per_adapter_slot():
     # decode rows of the base model count for nothing; shared ones join their slot's rows
     assert LoraBatch.from_lengths([1] * 100 + [600], [-1] * 100 + [0]).block_m == LARGE_BLOCK_M
     assert LoraBatch.from_lengths([1] * 40 + [600], [1] * 40 + [0]).block_m == LARGE_BLOCK_M

@@ -126,7 +126,13 @@ def _assert_as_close_as_transformers(setup, plan, tokens, ours) -> None:
         assert ours_err <= 2 * hf_err + 2e-3, (i, adapter, ours_err, hf_err)
 
 
-def test_mixed_bf16_batch_matches_transformers_peft(setup):
+@pytest.mark.parametrize("tiles", ["picked", 16])
+def test_mixed_bf16_batch_matches_transformers_peft(setup, tiles, monkeypatch):
+    """`tiles` 16: the batch's LoRA in 16-row tiles whatever `LoraBatch.pick_block_m` says (it picks them
+    for eager mixed steps whose decode rows outweigh their prompts': long prompt segments in small tiles)."""
+    if tiles != "picked":
+        from loraplex.ops.batch import LoraBatch
+        monkeypatch.setattr(LoraBatch, "pick_block_m", staticmethod(lambda lens, slots: tiles))
     rng = random.Random(0)
     # (adapter, cached prefix, new tokens): long and short prefills, chunks over prefixes, decodes
     plan = [("all-r16", 0, 300), ("attn-r8", 200, 57), (None, 700, 1), ("mlp-r4", 1000, 1), ("all-r16", 0, 5),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 
@@ -156,22 +157,32 @@ def describe_workload(w: dict) -> str:
     return f"{lengths_label(w)}: {w['requests']} requests, seed {w['seed']}"
 
 
-def merge(results: list[dict]) -> dict:
-    """One report from several runs of the same model: each row keeps its run's lengths and copy
-    bandwidth, and ratios only compare rows of the same workload, popularity, batch and requests."""
+# keys of a run's result that merge() combines itself; every other top-level key is a setting of the run
+_PER_RUN = ("rows", "ratios", "notes", "workload", "date", "bandwidth_gbs")
+
+
+def merge(results: list[dict], extra_notes: Iterable[str] = ()) -> dict:
+    """One report from several runs of the same model: each row keeps its run's lengths, copy bandwidth
+    and the settings that differ between runs, and ratios only compare rows of the same workload,
+    popularity, batch and requests. `extra_notes` go below the runs' own notes."""
     if not results:
         raise ValueError("nothing to merge")
-    first = results[0]
     for key in ("gpu", "model", "dtype", "rank"):
         differ = {str(r.get(key)) for r in results}
         if len(differ) > 1:
             raise ValueError(f"cannot merge runs with different {key}: {sorted(differ)}")
+    # a run's settings (loader threads, engine options, library versions…) stay on top only where every
+    # run agrees; the others go into each row as `run_settings`, so no row claims settings it ran without
+    settings = [{k: v for k, v in r.items() if k not in _PER_RUN} for r in results]
+    common = {k: v for k, v in settings[0].items() if all(k in s and s[k] == v for s in settings[1:])}
     rows, notes, runs = [], [], []
-    for r in results:
+    for r, own in zip(results, settings):
         label = lengths_label(r["workload"])
         runs.append(describe_workload(r["workload"]))
+        differing = {k: v for k, v in own.items() if k not in common}
         for row in r["rows"]:
-            rows.append(dict(row, lengths=label, run_date=r["date"]))
+            rows.append(dict(row, lengths=label, run_date=r["date"], **({"run_settings": differing} if differing
+                                                                         else {})))
         notes += [f"{label}: {n}" for n in r.get("notes", []) if f"{label}: {n}" not in notes]
     dates = sorted({r["date"] for r in results})
     if len(dates) > 1:   # say which rows are older: code and machine may differ between runs
@@ -180,7 +191,7 @@ def merge(results: list[dict]) -> dict:
                      for row in rows if row["run_date"] == date]
             notes.append(f"run on {date}: {', '.join(which)}")
     bandwidths = sorted(r["bandwidth_gbs"] for r in results if r.get("bandwidth_gbs"))
-    return dict(first, date=max(dates), rows=rows, ratios=ratios(rows), notes=notes,
+    return dict(common, date=max(dates), rows=rows, ratios=ratios(rows), notes=notes + list(extra_notes),
                 workload=dict(runs=list(dict.fromkeys(runs))),
                 bandwidth_gbs=bandwidths[len(bandwidths) // 2] if bandwidths else None)
 
@@ -191,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", type=Path, required=True)
     ap.add_argument("--name", required=True)
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--note", action="append", default=[], help="a line for the report's notes (repeatable)")
     args = ap.parse_args(argv)
     results = []
     for path in args.results:
@@ -199,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, json.JSONDecodeError) as e:
             raise SystemExit(f"error: {path}: {e}")
     try:
-        result = merge(results)
+        result = merge(results, args.note)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     args.out_dir.mkdir(parents=True, exist_ok=True)

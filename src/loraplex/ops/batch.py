@@ -169,8 +169,8 @@ class LoraBatch:
         its own adapter) would take a whole LARGE_BLOCK_M-row tile, and the prefill config's few long-running
         programs. On an H200 (results/lora_tiles_mixed.json, Llama-2-7B mixed steps in CUDA graphs) large
         tiles took 162 decodes beside a 64-token prompt from 26.0 to 42.8 ms and 32 beside 512 from 19.6 to
-        22.1, while a 2048-token prompt alone ran 3.4% faster in them (55.5 against 53.6 ms) and beside 4
-        decodes 2.2%; this rule picked the faster of the two in all eight cases measured."""
+        22.1, while they took 3.4% less time for a 2048-token prompt alone (53.6 against 55.5 ms) and 2.2%
+        less beside 4 decodes (53.6 against 54.8); this rule picks the faster in all eight cases measured."""
         used = slot_ids >= 0
         if not used.any():
             return SMALL_BLOCK_M
