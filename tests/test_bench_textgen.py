@@ -119,12 +119,42 @@ def test_bench_command_writes_a_report_from_every_system(tmp_path):
                 assert abs(r["steps"] - r["schedule_steps"]) <= 0.25 * r["schedule_steps"], r
             if r["system"] == "loraplex":   # every adapter was put on the GPU before the clock: no load counts
                 assert r["adapter_loads_gpu"] == r["adapter_loads_disk"] == 0, r
+            # the run's own steps read at least each output token's context, and at least one adapter a step
+            expect = w.head(r["requests"])
+            assert r["step_context_tokens"] >= sum(q.prompt_len * q.output_len for q in expect.requests)
+            assert (r["step_adapter_reads"] >= r["steps"]) == (r["system"] == "loraplex"), r
+            assert r["run_ceiling_tokens_per_s"] > 0
+    assert any(q["versus"] == "ceiling over its own steps" for q in result["ratios"])
     md = (out / "smoke.md").read_text()
     assert "| distinct | 3 | hf-peft | 4 |" in md and "cpu" in md
     assert "Where loraplex's time went" in md and "| distinct | 3 | loraplex | " in md.split("time went")[1]
     for pop in ("distinct", "identical"):
         assert (out / f"smoke_{pop}.png").stat().st_size > 1000
     assert not (out / "smoke.partial.json").exists()
+
+
+def test_the_ceiling_over_a_run_s_own_steps_equals_the_reference_schedule_s_where_they_are_the_same(tmp_path):
+    """At max batch 1 the engine runs the reference schedule's steps exactly (one request at a time, its prompt
+    in its first step): the ceiling summed over the run's own steps must be the reference ceiling."""
+    base, _ = make_text_model(tmp_path / "m")
+    out = tmp_path / "results"
+    assert main(["bench", "--model", str(base), "--device", "cpu", "--requests", "3", "--systems", "loraplex",
+                 "--popularity", "distinct", "--max-batch", "1", "--lengths", "punica", "--max-len", "24",
+                 "--rank", "4", "--out-dir", str(out), "--name", "one", "--quiet", "--no-plots"]) == 0
+    [row] = json.loads((out / "one.json").read_text())["rows"]
+    assert row["steps"] == row["ceiling_steps"] == row["output_tokens"]
+    assert row["step_adapter_reads"] == row["steps"]
+    assert row["run_ceiling_tokens_per_s"] == pytest.approx(row["ceiling_tokens_per_s"], rel=1e-12)
+
+
+def test_run_ceiling_sums_each_part():
+    from loraplex.bench.ceiling import StepBytes, run_ceiling_tokens_per_s
+    sb = StepBytes(weights=1000, kv_per_token=10, adapter=100)
+    # 4 steps (4000 B), 50 context tokens (500 B), 5 adapter reads (500 B): 5000 B at 1 GB/s = 5 µs for 20 tokens
+    got = run_ceiling_tokens_per_s(sb, 1.0, 20, steps=4, context_tokens=50, adapter_reads=5)
+    assert got == pytest.approx(20 / 5e-6)
+    with pytest.raises(ValueError, match="bandwidth_gbs must be positive"):
+        run_ceiling_tokens_per_s(sb, 0.0, 20, steps=4, context_tokens=50, adapter_reads=5)
 
 
 def test_load_stats_of_a_run():

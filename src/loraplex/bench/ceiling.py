@@ -71,6 +71,20 @@ def simulate_ceiling(workload: Workload, step_bytes: StepBytes, bandwidth_gbs: f
                 ceiling_mean_batch=batch_sum / steps, bandwidth_gbs=bandwidth_gbs)
 
 
+def run_ceiling_tokens_per_s(step_bytes: StepBytes, bandwidth_gbs: float, output_tokens: int, *, steps: int,
+                             context_tokens: int, adapter_reads: int) -> float:
+    """The same bound over a run's own steps instead of the reference schedule: `steps` weight reads,
+    `context_tokens` KV tokens (summed over steps) and `adapter_reads` adapters (each step's distinct ones,
+    summed). A run whose batches are fuller than the reference schedule's reads the weights fewer times,
+    so its own ceiling is higher (where the engine admits more than `simulate_ceiling`'s never-preempting
+    schedule: unlimited batches)."""
+    if bandwidth_gbs <= 0:
+        raise ValueError(f"bandwidth_gbs must be positive, got {bandwidth_gbs}")
+    total = (steps * step_bytes.weights + context_tokens * step_bytes.kv_per_token
+             + adapter_reads * step_bytes.adapter)
+    return output_tokens / (total / (bandwidth_gbs * 1e9)) if total else 0.0
+
+
 def copy_bandwidth_gbs(device: torch.device | str = "cuda", size: int = 1 << 30, reps: int = 20) -> float:
     """Device-to-device copy bandwidth (read + write bytes per second), median of `reps` CUDA-event timings."""
     a = torch.empty(size, dtype=torch.uint8, device=device)

@@ -94,7 +94,7 @@ class LoraplexSystem:
         first = [0.0] * len(ids)
         last = [0.0] * len(ids)
         got = [0] * len(ids)
-        steps = decode_steps = seq_sum = short_on_adapters = 0
+        steps = decode_steps = seq_sum = short_on_adapters = context_sum = adapter_reads = 0
         decode_s = mixed_s = 0.0   # wall time of the steps that ran, by kind (where a gap to the backbone lies)
         spans: dict[bool, list] = {True: [], False: []}   # decode?: the steps' GPU spans (CUDA), read after the run
         walls: dict[bool, list[float]] = {True: [], False: []}   # decode?: each step's wall time (its spread)
@@ -119,6 +119,8 @@ class LoraplexSystem:
                     steps += 1
                     decode_steps += info.decode
                     seq_sum += info.num_seqs
+                    context_sum += info.context_tokens   # for the ceiling over this run's own steps
+                    adapter_reads += info.num_adapters
                     # a batch below its limit while a request it had KV memory for waited for its adapter:
                     # loads held it back
                     short_on_adapters += info.num_seqs < self.config.max_num_seqs and \
@@ -156,6 +158,7 @@ class LoraplexSystem:
                                       overlapped_admissions=engine.stats["overlapped_admissions"]
                                       - stats_before["overlapped_admissions"],
                                       steps_short_on_adapters=short_on_adapters,
+                                      step_context_tokens=context_sum, step_adapter_reads=adapter_reads,
                                       preemptions=engine.scheduler.num_preemptions - preemptions_before,
                                       recomputed_tokens=engine.scheduler.num_recomputed_tokens - recomputed_before,
                                       **_load_stats(engine.adapters.take_load_times())))

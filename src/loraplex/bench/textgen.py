@@ -21,7 +21,7 @@ import torch
 
 from ..config import EngineConfig
 from ..ops import sgmv
-from .ceiling import StepBytes, copy_bandwidth_gbs, simulate_ceiling
+from .ceiling import StepBytes, copy_bandwidth_gbs, run_ceiling_tokens_per_s, simulate_ceiling
 from .schedule import simulate_schedule
 from .report import markdown, plot, ratios
 from .flags import HF_SYSTEMS, SYSTEMS, add_arguments  # noqa: F401  (add_arguments: the CLI's import)
@@ -101,6 +101,10 @@ def run(args: argparse.Namespace) -> int:
         row["kv_tokens"] = kv_tokens if kv_tokens < 1 << 40 else None   # KV memory (None: transformers' grows)
         row.update(simulate_ceiling(workload, step_bytes, bandwidth, max_batch=result.max_batch,
                                     kv_tokens=kv_tokens, with_adapters=not backbone))
+        if row.get("step_context_tokens"):   # loraplex rows: the same bound over the run's own steps
+            row["run_ceiling_tokens_per_s"] = run_ceiling_tokens_per_s(
+                step_bytes, bandwidth, row["output_tokens"], steps=row["steps"],
+                context_tokens=row["step_context_tokens"], adapter_reads=row["step_adapter_reads"])
         rows.append(row)
         print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
         if args.out_dir is not None:   # what is done survives a run cut short

@@ -42,6 +42,7 @@ class StepInfo:
     graphed: bool          # replayed a CUDA graph
     seconds: float         # wall time of the whole step: schedule, run, sample, postprocess
     span: GpuSpan | None = None   # its inputs, forward and sample on the GPU (CUDA only)
+    context_tokens: int = 0       # KV tokens its attention covers: each sequence's context through its chunk
 
     @property
     def gpu_seconds(self) -> float | None:
@@ -215,7 +216,8 @@ class Engine:
         self.last_step = StepInfo(len(chunks), sum(c.num_tokens for c in chunks),
                                   tuple(sorted(names, key=lambda a: (a is not None, a or ""))),
                                   is_decode(chunks), current.graph is not None,
-                                  time.perf_counter() - start, current.span)
+                                  time.perf_counter() - start, current.span,
+                                  sum(c.start + c.num_tokens for c in chunks))
         return outputs
 
     def _launch(self, chunks: list[ScheduledChunk], inputs=None) -> "_Launched":
