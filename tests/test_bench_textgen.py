@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from server_fixtures import make_text_model
@@ -70,12 +71,12 @@ def test_bench_command_writes_a_report_from_every_system(tmp_path):
     code = main(["bench", "--model", str(base), "--device", "cpu", "--requests", "6", "--baseline-requests", "4",
                  "--popularity", "distinct,identical", "--max-batch", "3,unlimited", "--lengths", "punica",
                  "--max-len", "24", "--rank", "4", "--gpu-adapters", "9", "--loader-threads", "3", "--preload-adapters",
-                 "--admission-lookahead", "0", "--lora-in-gemm", "2", "--no-overlap-admissions", "--out-dir",
-                 str(out), "--name", "smoke", "--quiet"])
+                 "--admission-lookahead", "0", "--lora-in-gemm", "2", "--no-overlap-admissions", "--cpu-adapters", "1",
+                 "--out-dir", str(out), "--name", "smoke", "--quiet"])
     assert code == 0
     result = json.loads((out / "smoke.json").read_text())
     assert result["loader_threads"] == 3 and result["gpu_adapters"] == 9 and result["admission_lookahead"] == 0
-    assert result["lora_in_gemm"] == 2 and result["overlap_admissions"] is False
+    assert result["lora_in_gemm"] == 2 and result["overlap_admissions"] is False and result["cpu_adapters"] == 1
     assert result["lora_rows"] == (os.environ.get("LORAPLEX_LORA_ROWS") or "n512 at rank <= 16")   # as the kernels ran
     systems = {(r["system"], r["popularity"], str(r["max_batch"]), r["requests"]) for r in result["rows"]}
     for pop in ("distinct", "identical"):
@@ -157,6 +158,20 @@ def test_run_ceiling_sums_each_part():
         run_ceiling_tokens_per_s(sb, 0.0, 20, steps=4, context_tokens=50, adapter_reads=5)
 
 
+def test_gpu_spans_give_means_and_spreads_of_each_step_kind():
+    from types import SimpleNamespace
+
+    from loraplex.bench.run_loraplex import _gpu_ms
+    span = lambda s: SimpleNamespace(seconds=lambda: s)  # noqa: E731
+    decode = [span(0.010)] * 98 + [span(0.020), span(0.500)]
+    got = _gpu_ms(torch.device("cuda"), {True: decode, False: [span(0.030)]})
+    assert got["decode_gpu_ms"] == pytest.approx((98 * 10 + 20 + 500) / 100)
+    spread = (got["decode_gpu_ms_p50"], got["decode_gpu_ms_p99"], got["decode_gpu_ms_max"])
+    assert spread == pytest.approx((10, 500, 500))
+    assert got["mixed_gpu_ms"] == got["mixed_gpu_ms_max"] == pytest.approx(30)
+    assert _gpu_ms(torch.device("cpu"), {True: decode, False: []}) == {}
+
+
 def test_load_stats_of_a_run():
     from loraplex.bench.run_loraplex import _load_stats
     times = [("disk", 0.3), ("gpu", 0.01), ("disk", 0.1), ("disk", 0.2), ("gpu", 0.03), ("slot_wait", 0.5)] \
@@ -179,6 +194,8 @@ def test_bench_command_refuses_bad_settings(tmp_path, capsys):
         main(["bench", "--gpu-adapters", "0", "--device", "cpu"])
     with pytest.raises(SystemExit, match="--loader-threads must be at least 1, got 0"):
         main(["bench", "--loader-threads", "0", "--device", "cpu"])
+    with pytest.raises(SystemExit, match="--cpu-adapters must be at least 0, got -1"):
+        main(["bench", "--cpu-adapters", "-1", "--device", "cpu"])
     with pytest.raises(SystemExit, match="--admission-lookahead must be at least 0, got -1"):
         main(["bench", "--admission-lookahead", "-1", "--device", "cpu"])
     with pytest.raises(SystemExit, match="--lora-in-gemm must be at least 0, got -2"):

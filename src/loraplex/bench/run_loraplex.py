@@ -171,8 +171,12 @@ def _gpu_ms(device: torch.device, spans: dict[bool, list]) -> dict:
     wall times, how much of a step the GPU worked and how much it waited for the host."""
     if device.type != "cuda":
         return {}
-    mean = lambda s: 1e3 * sum(span.seconds() for span in s) / len(s) if s else 0.0  # noqa: E731
-    return dict(decode_gpu_ms=mean(spans[True]), mixed_gpu_ms=mean(spans[False]))
+    seconds = {decode: [span.seconds() for span in s] for decode, s in spans.items()}
+    mean = lambda s: 1e3 * sum(s) / len(s) if s else 0.0  # noqa: E731
+    out = dict(decode_gpu_ms=mean(seconds[True]), mixed_gpu_ms=mean(seconds[False]))
+    # the spans' own spread: a long step's GPU span says whether the GPU took long or the host held it
+    out.update({k.replace("_step_ms_", "_gpu_ms_"): v for k, v in _spread_ms(seconds).items()})
+    return out
 
 
 def _spread_ms(walls: dict[bool, list[float]]) -> dict:

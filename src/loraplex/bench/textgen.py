@@ -50,6 +50,8 @@ def _parse(args) -> tuple[list[str], list[str], list[int | None]]:
         raise SystemExit(f"error: --gpu-adapters must be at least 1, got {args.gpu_adapters}")
     if args.loader_threads is not None and args.loader_threads < 1:
         raise SystemExit(f"error: --loader-threads must be at least 1, got {args.loader_threads}")
+    if args.cpu_adapters is not None and args.cpu_adapters < 0:
+        raise SystemExit(f"error: --cpu-adapters must be at least 0, got {args.cpu_adapters}")
     if args.admission_lookahead is not None and args.admission_lookahead < 0:
         raise SystemExit(f"error: --admission-lookahead must be at least 0, got {args.admission_lookahead}")
     if args.lora_in_gemm is not None and args.lora_in_gemm < 0:
@@ -116,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
             slots = {} if args.gpu_adapters is None else dict(max_gpu_adapters=args.gpu_adapters)
             if args.loader_threads is not None:
                 slots["adapter_loader_threads"] = args.loader_threads
+            if args.cpu_adapters is not None:
+                slots["max_cpu_adapters"] = args.cpu_adapters
             if args.admission_lookahead is not None:
                 slots["admission_lookahead"] = args.admission_lookahead
             if args.lora_in_gemm is not None:
@@ -189,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
     result = dict(gpu=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                   date=datetime.date.today().isoformat(), torch=torch.__version__, model=args.model,
                   layers=args.layers, dtype=dtype, rank=args.rank, bandwidth_gbs=bandwidth,
-                  gpu_adapters=args.gpu_adapters, loader_threads=args.loader_threads,
+                  gpu_adapters=args.gpu_adapters, loader_threads=args.loader_threads, cpu_adapters=args.cpu_adapters,
                   admission_lookahead=EngineConfig.admission_lookahead if args.admission_lookahead is None
                   else args.admission_lookahead, lora_rowwise=os.environ.get("LORAPLEX_LORA_ROWWISE", "1"),
                   # unset: 512 columns a row-wise expand step at rank 16 (sgmv.rows_block_n_for)
