@@ -562,6 +562,25 @@ def test_steps_run_by_the_graph_shapes_choose_and_are_counted(served):
     assert named[0] == (None, "all-r8") and (None, "all-r8", "qv-r4") in named and named[-1] == (None,), named
 
 
+@pytest.mark.parametrize("freeze", [True, False])
+def test_the_engine_freezes_its_heap_out_of_full_collections_until_closed(served, freeze):
+    """freeze_gc_heap: once started, the objects alive (the model, the adapters' specs…) are frozen, so that
+    Python's full garbage collections skip them (engine/gc_heap.py); freeze_heap() again takes in what was
+    registered since; close() gives them back. Off, the collector's frozen set is left alone."""
+    import gc
+    gc.unfreeze()
+    with make_llm(served, freeze_gc_heap=freeze) as llm:
+        engine = llm.engine
+        frozen = gc.get_freeze_count()
+        assert (frozen > 1000) == freeze, frozen   # the model's modules and tensors at least
+        engine.adapters.register_synthetic("late", 4, seed=1)   # a spec entry per layer and projection
+        engine.freeze_heap()
+        assert (gc.get_freeze_count() > frozen) == freeze
+        outs = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, **GREEDY), adapter="late")
+        assert len(outs[0].token_ids) == 4   # serving is unaffected
+    assert gc.get_freeze_count() == 0
+
+
 @pytest.mark.parametrize("name, value", [("LORAPLEX_HOST_PRIORITY", "adaptiv"), ("LORAPLEX_LORA_OVERLAP", "sideways")])
 def test_a_bad_engine_setting_fails_at_start_up(name, value, tmp_path, monkeypatch):
     """Settings read in every step are checked when the engine starts, with the variable named."""

@@ -20,6 +20,7 @@ def served(tmp_path_factory):
 
 
 def make_llm(served, **settings) -> LLM:
+    gc.unfreeze()  # (an engine left open keeps its frozen heap: engine/gc_heap.py)
     gc.collect()  # engines of earlier tests give their memory back before this one measures it
     torch.cuda.empty_cache()
     base, adapters, _ = served

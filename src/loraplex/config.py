@@ -98,6 +98,11 @@ class EngineConfig:
     cuda_graph_max_batch: int = field(default=256, metadata={
         "group": "execution", "help": "Largest decode batch, in sequences, replayed from a CUDA graph; larger "
                                       "ones run eagerly."})
+    freeze_gc_heap: bool = field(default=True, metadata={
+        "group": "execution", "help": "Once started, freeze the objects alive (gc.freeze) so that Python's full "
+                                      "garbage collections skip them: without it they walked the model's and "
+                                      "the adapters' objects for up to 216 ms at a time, stalling every "
+                                      "request (engine/gc_heap.py)."})
     cuda_graph_max_prompt_tokens: int = field(default=256, metadata={
         "group": "execution", "help": "Most prompt tokens (chunks of several tokens) in a step replayed from a CUDA "
                                       "graph beside its decodes; steps with more run eagerly; 0: only pure decode "
@@ -132,7 +137,7 @@ class EngineConfig:
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
             raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {u!r}")
-        for name in ("enforce_eager", "overlap_admissions"):
+        for name in ("enforce_eager", "overlap_admissions", "freeze_gc_heap"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -16,6 +16,7 @@ from ..adapters import AdapterError
 from ..config import EngineConfig
 from ..sampling import PendingSample, SamplingParams
 from .block_manager import BlockManager
+from .gc_heap import freeze_heap, unfreeze_heap
 from .model_runner import GpuSpan, ModelRunner
 from .outputs import RequestOutput, make_output
 from .scheduler import ScheduledChunk, Scheduler, is_decode
@@ -79,6 +80,16 @@ class Engine:
         self._failed_beside: list[Sequence] = []   # requests a queued step's admission failed (adapter errors)
         for name, path in (adapters or {}).items():
             self.add_adapter(name, path)
+        self._frozen = False
+        if config.freeze_gc_heap:
+            self.freeze_heap()
+
+    def freeze_heap(self) -> None:
+        """Put the objects alive now out of the garbage collector's full passes (engine/gc_heap.py): done
+        at start, and worth calling again after registering many adapters. A no-op with freeze_gc_heap off."""
+        if self.config.freeze_gc_heap:
+            freeze_heap()
+            self._frozen = True
 
     def _load_tokenizer(self):
         from .detokenizer import load_tokenizer
@@ -343,3 +354,6 @@ class Engine:
         """Stop the adapter threads and give the GPU memory back."""
         self._inflight = None
         self.runner.close()
+        if self._frozen:   # this engine's objects may be freed now, cycles included
+            unfreeze_heap()
+            self._frozen = False
