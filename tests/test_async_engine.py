@@ -155,7 +155,9 @@ def test_concurrent_requests_with_different_adapters_match_running_alone(make_en
 
     async def main():
         tasks = [asyncio.create_task(collect(engine.generate(p, greedy(n), adapter=a))) for p, a, n in CASES]
-        await asyncio.sleep(0.05)
+        deadline = time.monotonic() + 10   # every submission queued (on a busy machine this takes a while)
+        while engine._commands.qsize() < len(CASES) and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
         gate.set()
         return await asyncio.gather(*tasks)
 

@@ -98,15 +98,15 @@ class EngineConfig:
     cuda_graph_max_batch: int = field(default=256, metadata={
         "group": "execution", "help": "Largest decode batch, in sequences, replayed from a CUDA graph; larger "
                                       "ones run eagerly."})
-    freeze_gc_heap: bool = field(default=True, metadata={
-        "group": "execution", "help": "Once started, freeze the objects alive (gc.freeze) so that Python's full "
-                                      "garbage collections skip them: without it they walked the model's and "
-                                      "the adapters' objects for up to 216 ms at a time, stalling every "
-                                      "request (engine/gc_heap.py)."})
     cuda_graph_max_prompt_tokens: int = field(default=256, metadata={
         "group": "execution", "help": "Most prompt tokens (chunks of several tokens) in a step replayed from a CUDA "
                                       "graph beside its decodes; steps with more run eagerly; 0: only pure decode "
                                       "steps replay graphs."})
+    freeze_gc_heap: bool = field(default=True, metadata={
+        "group": "execution", "help": "Once started, freeze the objects alive (gc.freeze) so that Python's full "
+                                      "garbage collections skip them: without it they walked the model's and "
+                                      "the adapters' objects for over 200 ms at a time, stalling every "
+                                      "request (engine/gc_heap.py)."})
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, Path)) or not str(self.model):

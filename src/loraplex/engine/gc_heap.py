@@ -2,12 +2,12 @@
 
 A full (generation 2) collection walks every container object alive, and stops every thread while it
 does. A serving process holds hundreds of thousands of them that live as long as it does: torch's and
-transformers' modules, the model's parameters and graphs, and each registered adapter's spec (an entry
-per layer and projection: 224 for a Llama-2-7B adapter on all seven projections, so 1,000 adapters bring
-~450,000 objects). With the engine's host work stubbed out, 1,000 queued requests on 1,000 adapters saw
-four full collections of up to 216 ms each in 13 s (benchmarks/probe_engine_host_steps.py), and the
-steps they fell into took as long: on the GPU, a stall of the whole batch. What the engine allocates per
-step is freed by reference counting; the collector finds nothing to reclaim in that heap.
+transformers' modules and the model (~400,000 objects with a tiny model, on this machine), and each
+registered adapter's spec (an entry per layer and projection: ~228 objects for a Llama-2-7B adapter on all
+seven projections, ~230,000 for 1,000 adapters). With the engine's host work stubbed out, 1,000 queued
+requests on 1,000 adapters saw four full collections of 208–218 ms each in 13 s on a 2-core machine
+(benchmarks/probe_engine_host_steps.py), and the steps they fell into took as long: on the GPU, a stall of
+the whole batch. What the engine allocates per step is freed by reference counting.
 
 So the engine collects once and then freezes what is alive (`gc.freeze`: moved to a permanent
 generation that collections skip) when it has started, and again when asked after registering many
