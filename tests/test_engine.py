@@ -566,19 +566,26 @@ def test_steps_run_by_the_graph_shapes_choose_and_are_counted(served):
 def test_the_engine_freezes_its_heap_out_of_full_collections_until_closed(served, freeze):
     """freeze_gc_heap: once started, the objects alive (the model, the adapters' specs…) are frozen, so that
     Python's full garbage collections skip them (engine/gc_heap.py); freeze_heap() again takes in what was
-    registered since; close() gives them back. Off, the collector's frozen set is left alone."""
+    registered since; the heap is unfrozen when the last engine that froze it closes. Off, nothing is."""
     import gc
+
+    def collectable(obj) -> bool:   # in a generation the collector walks (frozen objects are in none)
+        return any(o is obj for g in (0, 1, 2) for o in gc.get_objects(g))
+
     gc.unfreeze()
-    with make_llm(served, freeze_gc_heap=freeze) as llm:
+    with make_llm(served, freeze_gc_heap=freeze) as llm, make_llm(served, freeze_gc_heap=freeze) as other:
         engine = llm.engine
-        frozen = gc.get_freeze_count()
-        assert (frozen > 1000) == freeze, frozen   # the model's modules and tensors at least
-        engine.adapters.register_synthetic("late", 4, seed=1)   # a spec entry per layer and projection
+        assert (gc.get_freeze_count() > 1000) == freeze   # the model's modules and tensors at least
+        engine.adapters.register_synthetic("late", 4, seed=1)   # a ModuleSpec per layer and projection
+        module = next(iter(engine.adapters.spec("late").modules.values()))
+        assert collectable(module)
         engine.freeze_heap()
-        assert (gc.get_freeze_count() > frozen) == freeze
+        assert collectable(module) != freeze
         outs = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, **GREEDY), adapter="late")
         assert len(outs[0].token_ids) == 4   # serving is unaffected
-    assert gc.get_freeze_count() == 0
+        other.close()   # another engine still holds the freeze
+        assert collectable(module) != freeze
+    assert gc.get_freeze_count() == 0 and collectable(module)
 
 
 @pytest.mark.parametrize("name, value", [("LORAPLEX_HOST_PRIORITY", "adaptiv"), ("LORAPLEX_LORA_OVERLAP", "sideways")])

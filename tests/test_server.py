@@ -227,3 +227,26 @@ def test_packed_adapters_are_served_like_folders(model, tmp_path):
         assert greedy(c, "p-poet", "Hello world", 12) == greedy(c, "poet", "Hello world", 12)
     finally:
         srv.close()
+
+
+def test_serve_freezes_the_heap_with_its_adapters_registered(tmp_path):
+    """`loraplex serve` registers its adapters after the engine has started, then freezes the heap again,
+    so that their specs too are out of Python's full garbage collections (engine/gc_heap.py)."""
+    import gc
+
+    from server_fixtures import SERVER_ENGINE, make_text_model
+
+    from loraplex.config import EngineConfig
+    from loraplex.server.serve import build_state
+    from loraplex.server.settings import ServerSettings
+
+    base, _ = make_text_model(tmp_path)
+    gc.unfreeze()
+    state = build_state(EngineConfig(str(base), max_lora_rank=8, **SERVER_ENGINE),
+                        ServerSettings(synthetic_adapters=2), {}, [])
+    try:
+        module = next(iter(state.core.adapters.spec("syn-1").modules.values()))
+        assert not any(o is module for g in (0, 1, 2) for o in gc.get_objects(g)), "the spec was not frozen"
+    finally:
+        state.engine.shutdown()
+    assert gc.get_freeze_count() == 0   # closed: the heap is the collector's again

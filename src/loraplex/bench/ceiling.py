@@ -75,9 +75,10 @@ def run_ceiling_tokens_per_s(step_bytes: StepBytes, bandwidth_gbs: float, output
                              context_tokens: int, adapter_reads: int) -> float:
     """The same bound over a run's own steps instead of the reference schedule: `steps` weight reads,
     `context_tokens` KV tokens (summed over steps) and `adapter_reads` adapters (each step's distinct ones,
-    summed). A run whose batches are fuller than the reference schedule's reads the weights fewer times,
-    so its own ceiling is higher (where the engine admits more than `simulate_ceiling`'s never-preempting
-    schedule: unlimited batches)."""
+    summed). A run whose batches are fuller than the reference schedule's reads the weights fewer times, so
+    its own ceiling is higher (where the engine admits more than `simulate_ceiling`'s never-preempting
+    schedule: unlimited batches); one whose batches are emptier (held back by adapter loads) gets a lower
+    one. It bounds the run's schedule, not the workload."""
     if bandwidth_gbs <= 0:
         raise ValueError(f"bandwidth_gbs must be positive, got {bandwidth_gbs}")
     total = (steps * step_bytes.weights + context_tokens * step_bytes.kv_per_token

@@ -40,7 +40,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--cpu-adapters", type=int, default=None,
                     help="loraplex: EngineConfig.max_cpu_adapters, the pinned host copies kept for reloads "
                          "(default: twice the max batch, at least 8; 0: none, each host copy's pinned memory "
-                         "goes back to PyTorch's cache once its GPU load is done)")
+                         "goes back to PyTorch's cache once its GPU load is done). It also bounds how far the "
+                         "scheduler reads adapters ahead beyond the free GPU slots")
     ap.add_argument("--admission-lookahead", type=int, default=None,
                     help="loraplex: EngineConfig.admission_lookahead (default: the engine's; 0 admits whatever "
                          "fits now)")

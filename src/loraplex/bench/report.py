@@ -100,10 +100,10 @@ def markdown(result: dict) -> str:
     lines += ["", "Ceiling: per step, weights + KV of the batch's contexts + each adapter in the batch once, over "
               "the copy bandwidth, summed over a first-come-first-served schedule of the same requests "
               "(src/loraplex/bench/ceiling.py). Backbone rows (no adapters) are the same for every popularity. "
-              "That schedule never preempts, so it admits a request only once its whole length fits: where the "
-              "engine runs fuller batches (unlimited), it reads the weights fewer times than the schedule, and "
-              "the same sum over the run's own steps (\"ceiling over its own steps\", where recorded) is the "
-              "higher bound."]
+              "That schedule never preempts, so it admits a request only once its whole length fits. The same "
+              "sum over the run's own steps (\"ceiling over its own steps\", where recorded) is higher where the "
+              "engine ran fuller batches (it read the weights fewer times) and lower where its batches were "
+              "emptier (held back by adapter loads, say): it bounds the run's schedule, not the workload."]
     if result.get("notes"):
         lines += [""] + [f"- {n}" for n in result["notes"]]
     return "\n".join(lines) + "\n"

@@ -16,7 +16,7 @@ from ..adapters import AdapterError
 from ..config import EngineConfig
 from ..sampling import PendingSample, SamplingParams
 from .block_manager import BlockManager
-from .gc_heap import freeze_heap, unfreeze_heap
+from .gc_heap import freeze_heap, release_heap
 from .model_runner import GpuSpan, ModelRunner
 from .outputs import RequestOutput, make_output
 from .scheduler import ScheduledChunk, Scheduler, is_decode
@@ -88,7 +88,7 @@ class Engine:
         """Put the objects alive now out of the garbage collector's full passes (engine/gc_heap.py): done
         at start, and worth calling again after registering many adapters. A no-op with freeze_gc_heap off."""
         if self.config.freeze_gc_heap:
-            freeze_heap()
+            freeze_heap(first=not self._frozen)
             self._frozen = True
 
     def _load_tokenizer(self):
@@ -354,6 +354,6 @@ class Engine:
         """Stop the adapter threads and give the GPU memory back."""
         self._inflight = None
         self.runner.close()
-        if self._frozen:   # this engine's objects may be freed now, cycles included
-            unfreeze_heap()
+        if self._frozen:   # the last engine to close unfreezes: cycles among its objects may be collected
+            release_heap()
             self._frozen = False

@@ -3,29 +3,41 @@
 A full (generation 2) collection walks every container object alive, and stops every thread while it
 does. A serving process holds hundreds of thousands of them that live as long as it does: torch's and
 transformers' modules and the model (~400,000 objects with a tiny model, on this machine), and each
-registered adapter's spec (an entry per layer and projection: ~228 objects for a Llama-2-7B adapter on all
-seven projections, ~230,000 for 1,000 adapters). With the engine's host work stubbed out, 1,000 queued
-requests on 1,000 adapters saw four full collections of 208–218 ms each in 13 s on a 2-core machine
-(benchmarks/probe_engine_host_steps.py), and the steps they fell into took as long: on the GPU, a stall of
-the whole batch. What the engine allocates per step is freed by reference counting.
+registered adapter's spec (a ModuleSpec per layer and projection, 224 for a Llama-2-7B adapter on all
+seven projections: ~228 tracked objects with the spec's own, ~230,000 for 1,000 adapters). With the
+engine's host work stubbed out, 1,000 queued requests on 1,000 adapters saw four full collections of up
+to 208 and 218 ms in two runs of 8–9 s on a 2-core machine (benchmarks/probe_engine_host_steps.py), and
+the steps they fell into took as long: on the GPU, a stall of the whole batch. What the engine allocates
+per step is freed by reference counting.
 
 So the engine collects once and then freezes what is alive (`gc.freeze`: moved to a permanent
 generation that collections skip) when it has started, and again when asked after registering many
-adapters (`Engine.freeze_heap`). Objects frozen are still freed by reference counting; only cycles among
-them that become garbage later stay (a bounded leak). vLLM, SGLang and TensorRT-LLM do the same after
-start-up. `EngineConfig.freeze_gc_heap=False` turns it off; `Engine.close` unfreezes.
+adapters (`Engine.freeze_heap`; the bench and `loraplex serve` do, after registering theirs). Frozen
+objects are still freed by reference counting (an `LLM` dropped without `close()` still gives its engine
+and KV cache back: checked); only cycles among them that become garbage later stay, until the last
+engine that froze is closed and the heap is unfrozen. vLLM, SGLang and TensorRT-LLM freeze their heaps
+after start-up too. `EngineConfig.freeze_gc_heap=False` turns it off.
 """
 from __future__ import annotations
 
 import gc
 import logging
+import threading
 import time
 
 log = logging.getLogger("loraplex.engine")
 
 
-def freeze_heap() -> int:
-    """Collect, then freeze every object alive now; the number frozen in all (`gc.get_freeze_count`)."""
+_holders = 0   # engines that froze the heap and are not closed yet
+_lock = threading.Lock()
+
+
+def freeze_heap(first: bool) -> int:
+    """Collect, then freeze every object alive now; the number frozen in all (`gc.get_freeze_count`).
+    `first`: the caller starts holding the freeze (see `release_heap`)."""
+    global _holders
+    with _lock:
+        _holders += first
     start = time.perf_counter()
     gc.collect()
     gc.freeze()
@@ -35,6 +47,11 @@ def freeze_heap() -> int:
     return frozen
 
 
-def unfreeze_heap() -> None:
-    """Give the frozen objects back to the collector (they join the oldest generation)."""
-    gc.unfreeze()
+def release_heap() -> None:
+    """An engine that froze is done: once no engine holds the freeze any more, the frozen objects go back
+    to the collector (they join the oldest generation), so that cycles among them can be collected."""
+    global _holders
+    with _lock:
+        _holders = max(_holders - 1, 0)
+        if _holders == 0:
+            gc.unfreeze()

@@ -47,6 +47,7 @@ def build_state(config: EngineConfig, settings: ServerSettings, adapters: dict[s
         if model_name in sources:
             raise ValueError(f"an adapter is named {model_name!r}, like the base model; rename one "
                              f"(--served-model-name sets the base model's name)")
+        engine.freeze_heap()   # the adapters' specs too (engine/gc_heap.py)
     except BaseException:
         engine.close()
         raise
