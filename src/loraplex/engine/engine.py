@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence as Seq
 
@@ -31,6 +31,8 @@ class _Launched:
     pending: PendingSample
     graph: tuple[int, int] | None   # the CUDA graph's (sequences, prompt tokens); None: eager
     span: GpuSpan | None            # its GPU time (CUDA only)
+    admitted: bool = False          # queued ahead with prompts admitted beside its decodes
+    failed: list[Sequence] = field(default_factory=list)   # requests that admission failed (adapter errors)
 
 
 @dataclass
@@ -77,7 +79,6 @@ class Engine:
         self.stats = {"steps": 0, "graph_steps": 0, "mixed_graph_steps": 0, "overlapped_steps": 0,
                       "overlapped_admissions": 0,   # steps queued ahead that admitted prompts
                       "tokens_prefilled": 0, "tokens_generated": 0}
-        self._failed_beside: list[Sequence] = []   # requests a queued step's admission failed (adapter errors)
         for name, path in (adapters or {}).items():
             self.add_adapter(name, path)
         self._frozen = False
@@ -206,17 +207,15 @@ class Engine:
             if not plan.chunks:
                 return outputs
             current = self._launch(plan.chunks)
-        admissions = self.stats["overlapped_admissions"]
-        self._inflight = self._continue(current)
-        if continued or self.stats["overlapped_admissions"] != admissions:
+        queued = self._inflight = self._continue(current)
+        if continued or (queued is not None and queued.admitted):
             # schedule() was not called, or the queued step admitted requests since: loads follow the queue
             self.scheduler.plan_adapter_loads()
         if continued:
             self.scheduler.note_step(0)
-        for seq in self._failed_beside:   # their adapter failed to load when the queued step admitted
+        for seq in queued.failed if queued is not None else ():   # their adapter failed when admitted
             self._finish(seq, FinishReason.ERROR)
             outputs.append(make_output(seq))
-        self._failed_beside = []
         outputs += self._postprocess(current)
         chunks = current.chunks
         self.stats["steps"] += 1
@@ -267,13 +266,15 @@ class Engine:
             return None
         for c in chunks:
             self.blocks.grow(c.seq, c.start + 1)
-        if beside:
-            admitted = self.scheduler.admit_beside(len(chunks), leaving)
-            self._failed_beside += admitted.failed
+        admitted = self.scheduler.admit_beside(len(chunks), leaving) if beside else None
+        if admitted is not None:
             self.stats["overlapped_admissions"] += bool(admitted.chunks)
             chunks += admitted.chunks   # after the decodes: the sampled tokens feed the first len(rows) rows
         index = torch.tensor(rows, dtype=torch.long).to(self.runner.device, non_blocking=True)
-        return self._launch(chunks, (current.pending.tokens, index))
+        launched = self._launch(chunks, (current.pending.tokens, index))
+        if admitted is not None:
+            launched.admitted, launched.failed = bool(admitted.chunks), admitted.failed
+        return launched
 
     def _admissible_waiting(self, extra_blocks: int = 0) -> bool:
         """Would the scheduler admit a waiting request now? (Then it runs next, not a continuation.)

@@ -37,7 +37,7 @@ def freeze_heap(first: bool) -> int:
     `first`: the caller starts holding the freeze (see `release_heap`)."""
     global _holders
     with _lock:
-        _holders += first
+        _holders += int(first)
     start = time.perf_counter()
     gc.collect()
     gc.freeze()
