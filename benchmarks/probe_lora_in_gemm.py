@@ -111,7 +111,7 @@ def run_design(design: str, layers: list[Layer], xs: dict, batch: LoraBatch, ran
                 y, delta = overlap.linear_with_lora_delta(x, d["w"], None, d["a"], d["b"], batch, rk, sc,
                                                           side=_capturing())
                 if li == 0 and not _capturing():
-                    y = (y.float() + delta).to(y.dtype)   # the consumer's add, for the check only
+                    y = (y.float() + delta.dense()).to(y.dtype)   # the consumer's add, for the check only
             elif design in ("naug", "naug-rope") or (design == "kaug" and S > 1):
                 y_ext = F.linear(x, d["w_ext"])
                 if not (design != "naug" and name == "qkv"):

@@ -442,9 +442,19 @@ def test_lora_kernel_warmup_launches_every_variant_and_changes_nothing(overlap_m
         op = getattr(fused, name)
         monkeypatch.setattr(fused, name, lambda *a, _op=op, _name=name, **kw: products.append(
             (_name, kw["delta"].part.shape[0])) or _op(*a, **kw))
+    from loraplex.engine import warmup
+    from loraplex.models import llama
+    monkeypatch.setattr(llama, "DOWN_SHRINK_IN_SILU", True)   # off by default; its variants are warmed when on
+    silu_shrinks = []   # down's shrink in SiLU-and-mul and its expands (models/llama.py), per fp32-product variant
+    real_silu = warmup._compile_silu_shrink
+    monkeypatch.setattr(warmup, "_compile_silu_shrink",
+                        lambda *a: silu_shrinks.append(real_silu(*a)) or silu_shrinks[-1])
     launches = compile_lora_kernels(config, pool, torch.float32)
     beside = overlap_mode in ("full", "fused")   # both launch the fp32-product expand
-    assert launches == len(stores) + len(products) and len(stores) >= 2 * 2 * 4 * 4 * (2 if beside else 1)
+    assert launches == len(stores) + len(products) + sum(silu_shrinks)
+    assert len(stores) >= 2 * 2 * 4 * 4 * (2 if beside else 1)
+    # once per layer (0-3) and fp32-product variant (16- and 64-row tiles), unless down is a fused projection
+    assert len(silu_shrinks) == (2 * min(4, config.num_hidden_layers) if beside and fused_projs != "all" else 0)
     assert sum(stores) == (len(stores) // 2 if beside else 0)
     if overlap_mode == "fused":
         # each op once per layer (0-3), split count and row count (1 and 16)

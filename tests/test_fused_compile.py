@@ -57,13 +57,14 @@ def _no_approx(ptx: str, what: str) -> None:
 def rms_norm(dtype: str, arch: int) -> None:
     from loraplex.ops import fused_kernels as fk
     # (residual, LoRA delta, weight dtype, BLOCK, ONE_PASS): one pass at Llama widths and a small tile,
-    # the tiled loop; with and without a delta (ops/overlap.py).
+    # the tiled loop; with and without a delta (ops/overlap.py: a LoraDelta, taken only by rows with a slot).
     variants = ((True, False, dtype, 8192, True), (False, False, dtype, 128, True), (True, True, dtype, 8192, True),
                 (False, True, dtype, 128, True), (True, False, "fp32", 4096, False), (True, True, "fp32", 4096, False))
     for has_res, has_delta, w_dtype, block, one_pass in variants:
         types = dict(x_ptr="*" + dtype, d_ptr="*fp32" if has_delta else "*" + dtype, r_ptr="*" + dtype,
-                     w_ptr="*" + w_dtype, out_ptr="*" + dtype, s_ptr="*" + dtype)
-        ptx = _compile(fk._rms_norm_kernel, types, dict(HAS_DELTA=has_delta, HAS_RESIDUAL=has_res,
+                     w_ptr="*" + w_dtype, out_ptr="*" + dtype, s_ptr="*" + dtype,
+                     rows_ptr="*i32" if has_delta else "*" + dtype)
+        ptx = _compile(fk._rms_norm_kernel, types, dict(HAS_DELTA=has_delta, HAS_ROWS=has_delta, HAS_RESIDUAL=has_res,
                                                         WRITE_S=has_res or has_delta, BLOCK=block,
                                                         ONE_PASS=one_pass, COMPILED=True),
                        arch, max(1, min(16, block // 512)))
@@ -75,9 +76,11 @@ def rms_norm(dtype: str, arch: int) -> None:
 def silu(dtype: str, arch: int) -> None:
     from loraplex.ops import fused_kernels as fk
     for block, has_delta in ((128, False), (1024, False), (1024, True)):
-        ptx = _compile(fk._silu_and_mul_kernel, dict(gu_ptr="*" + dtype, d_ptr="*fp32" if has_delta else "*" + dtype,
-                                                     out_ptr="*" + dtype),
-                       dict(HAS_DELTA=has_delta, BLOCK=block, COMPILED=True), arch, max(1, min(4, block // 256)))
+        types = dict(gu_ptr="*" + dtype, d_ptr="*fp32" if has_delta else "*" + dtype, out_ptr="*" + dtype,
+                     rows_ptr="*i32" if has_delta else "*" + dtype)
+        ptx = _compile(fk._silu_and_mul_kernel, types,
+                       dict(HAS_DELTA=has_delta, HAS_ROWS=has_delta, BLOCK=block, COMPILED=True), arch,
+                       max(1, min(4, block // 256)))
         _no_approx(ptx, f"silu {dtype}")
         assert "div.rn.f32" in ptx, f"silu {dtype}: the division must be IEEE"
 
@@ -87,8 +90,9 @@ def rope(dtype: str, arch: int) -> None:
     for pos, block_h, block_d, has_delta in (("i64", 16, 64, False), ("i32", 1, 32, False), ("i64", 16, 64, True)):
         ptx = _compile(fk._rope_kernel, dict(q_ptr="*" + dtype, k_ptr="*" + dtype, v_ptr="*" + dtype,
                                              d_ptr="*fp32" if has_delta else "*" + dtype, pos_ptr="*" + pos,
-                                             inv_freq_ptr="*fp32"),
-                       dict(HAS_DELTA=has_delta, BLOCK_H=block_h, BLOCK_D=block_d, COMPILED=True), arch,
+                                             inv_freq_ptr="*fp32", rows_ptr="*i32" if has_delta else "*" + pos),
+                       dict(HAS_DELTA=has_delta, HAS_ROWS=has_delta, BLOCK_H=block_h, BLOCK_D=block_d, COMPILED=True),
+                       arch,
                        max(1, min(4, block_h * block_d // 256)))
         what = f"rope {dtype} positions {pos} BLOCK_H={block_h} BLOCK_D={block_d} delta={has_delta}"
         _no_approx(ptx, what)
@@ -173,8 +177,20 @@ def rope_lora(dtype: str, arch: int) -> None:
         assert len(re.findall(r"mul\.rn(?:\.ftz)?\.f32", ptx)) >= 4, f"{what}: products must be mul.rn"
 
 
+def silu_shrink(dtype: str, arch: int) -> None:
+    """SiLU-and-mul computing down's shrink (ops/silu_shrink_kernels.py), as models/llama.py launches it."""
+    from loraplex.ops import silu_shrink_kernels as k
+    types = dict(gu_ptr="*" + dtype, d_ptr="*fp32", rows_ptr="*i32", out_ptr="*" + dtype, slot_ptr="*i32",
+                 a_ptr="*" + dtype, rank_ptr="*i32", part_ptr="*fp32")
+    ptx = _compile(k._silu_and_mul_shrink_kernel, types,
+                   dict(HAS_DELTA=True, HAS_ROWS=True, BLOCK=k.BLOCK, BLOCK_R=k.BLOCK_R, COMPILED=True), arch, k.WARPS)
+    _no_approx(ptx, f"silu_shrink {dtype}")
+    assert "div.rn.f32" in ptx, f"silu_shrink {dtype}: the division must be IEEE"
+
+
 KERNELS = {"rms_norm": rms_norm, "silu_and_mul": silu, "rope": rope, "rms_norm_lora": rms_norm_lora,
-           "rms_norm_lora_split": rms_norm_lora_split, "silu_and_mul_lora": silu_lora, "rope_lora": rope_lora}
+           "rms_norm_lora_split": rms_norm_lora_split, "silu_and_mul_lora": silu_lora, "rope_lora": rope_lora,
+           "silu_shrink": silu_shrink}
 
 
 @pytest.mark.parametrize("kernel", list(KERNELS))

@@ -15,6 +15,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from loraplex import ops
 from loraplex.ops import fused, fused_kernels
+from loraplex.ops.lora_delta import LoraDelta
 
 from lora_cases import stable_seed
 from test_fused_ops import (ROPE_REL, assert_ulps, hf_rms_norm, hf_rope, hf_silu_and_mul, qkv_views, random_positions,
@@ -258,18 +259,29 @@ def test_auto_backend_is_triton_on_cuda(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_lora_deltas_are_added_before_each_op(dtype):
+@pytest.mark.parametrize("rows", [False, True])
+def test_lora_deltas_are_added_before_each_op(dtype, rows):
     """The compiled kernels with an fp32 LoRA delta (ops/overlap.py) give, bit for bit, what they give
-    on `(t.float() + delta)` rounded to the dtype, at Llama-2-7B widths; the inputs are not written."""
-    gen = _gen("delta-gpu", str(dtype))
+    on `(t.float() + delta)` rounded to the dtype, at Llama-2-7B widths; the inputs are not written.
+    `rows`: the delta is a LoraDelta (ops/lora_delta.py) with rows without an adapter, whose values
+    (NaN here, as an unwritten buffer may hold) are never read: those rows' t stays as it is."""
+    gen = _gen("delta-gpu", str(dtype), rows)
     T, H, I, Hq, Hkv, D = 32, 4096, 11008, 32, 8, 128
+    row_slot = torch.randint(0, 8, (T,), generator=gen, dtype=torch.int32)
+    row_slot[::3] = -1
+    row_slot = row_slot.to(CUDA)
 
     def pair(*shape):
         t = torch.randn(*shape, generator=gen).to(dtype)
-        return t.to(CUDA), (t.float().abs().mean() * torch.randn(*shape, generator=gen)).to(CUDA)
+        d = (t.float().abs().mean() * torch.randn(*shape, generator=gen)).to(CUDA)
+        if not rows:
+            return t.to(CUDA), d
+        return t.to(CUDA), LoraDelta(torch.where((row_slot < 0)[:, None], float("nan"), d), row_slot)
 
     def plus(t, d):
-        return (t.float() + d).to(t.dtype)
+        if not rows:
+            return (t.float() + d).to(t.dtype)
+        return torch.where((row_slot < 0)[:, None], t, (t.float() + d.values).to(t.dtype))
 
     x, d = pair(T, H)
     r, w = torch.randn(T, H, generator=gen).to(dtype).to(CUDA), torch.rand(H, generator=gen).to(dtype).to(CUDA)

@@ -18,6 +18,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 
 from loraplex import ops
 from loraplex.ops import fused, fused_kernels
+from loraplex.ops.lora_delta import LoraDelta
 
 from lora_cases import stable_seed
 
@@ -556,6 +557,58 @@ def test_rope_with_a_delta_rotates_the_sum_and_adds_v(backend, dtype, Hq, Hkv, D
     want = _plus(qkv, d)
     q_want, k_want, _ = views_of(want, T, Hq, Hkv, D, "fused")
     monkeypatch.setattr(fused_kernels, "ROPE_TILE", tile)
+    fused.apply_rope(q_want, k_want, positions, inv_freq, backend=backend)
+    fused.apply_rope(q, k, positions, inv_freq, v=v, delta=d, backend=backend)
+    assert torch.equal(qkv, want)
+
+
+def _lora_delta(gen, t: torch.Tensor) -> tuple[LoraDelta, torch.Tensor]:
+    """A LoraDelta over t's rows, some without an adapter (row_slot -1: their values are NaN, as an
+    unwritten buffer may hold), and t with the delta added where a row has one (the documented result)."""
+    T = t.shape[0]
+    row_slot = torch.randint(0, 5, (T,), generator=gen, dtype=torch.int32)
+    row_slot[torch.randperm(T, generator=gen)[:max(1, T // 3)]] = -1
+    values = _delta_like(gen, t.reshape(T, -1)).contiguous()
+    want = torch.where((row_slot >= 0).view(-1, *[1] * (t.dim() - 1)), _plus(t, values.view(t.shape)), t)
+    values[row_slot < 0] = float("nan")
+    return LoraDelta(values, row_slot), want
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("residual, max_block", [(True, 8192), (False, 64)])
+def test_lora_delta_reaches_only_rows_with_an_adapter(backend, dtype, residual, max_block, monkeypatch):
+    """A LoraDelta (ops/lora_delta.py, the "full" path's product, not zero-filled): each consumer runs on
+    round(t + delta) in rows with an adapter and on t, bit for bit, in the others, whose delta values
+    (here NaN) are never read."""
+    gen = torch.Generator().manual_seed(stable_seed("lora-delta", str(dtype), residual, max_block))
+    monkeypatch.setattr(fused_kernels, "RMS_MAX_BLOCK", max_block)
+    x = rows_with_scales(gen, 9, 200, dtype, large=False)
+    x[0, :4] = -0.0   # a row without an adapter keeps even the sign of its zeros (x + 0.0 would not)
+    r = rows_with_scales(gen, 9, 200, dtype, large=False) if residual else None
+    w = (1 + 0.3 * torch.randn(200, generator=gen)).to(dtype)
+    d, x_want = _lora_delta(gen, x)
+    d.row_slot[0] = -1
+    x_want[0] = x[0]
+    out, s = fused.rms_norm(x, w, 1e-6, residual=r, delta=d, backend=backend)
+    want, want_s = fused.rms_norm(x_want, w, 1e-6, residual=r, backend=backend)
+    assert torch.equal(out, want) and torch.equal(s, want_s)
+    if not residual:
+        assert torch.equal(s[0, :4].view(torch.int16 if dtype != torch.float32 else torch.int32),
+                           x[0, :4].view(torch.int16 if dtype != torch.float32 else torch.int32))
+
+    _, _, gate_up = _gate_up(gen, 7, 300, dtype)
+    d, gu_want = _lora_delta(gen, gate_up)
+    out = fused.silu_and_mul(gate_up, delta=d, backend=backend)
+    assert torch.equal(out, fused.silu_and_mul(gu_want, backend=backend))
+
+    Hq, Hkv, D, T = 4, 2, 64, 7
+    q, k, qkv = qkv_views(gen, T, Hq, Hkv, D, dtype, "fused")
+    v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
+    positions = random_positions(gen, T)
+    inv_freq = LlamaRotaryEmbedding(rope_config(Hq, Hkv, D)).inv_freq
+    d, want = _lora_delta(gen, qkv)
+    q_want, k_want, _ = views_of(want, T, Hq, Hkv, D, "fused")
     fused.apply_rope(q_want, k_want, positions, inv_freq, backend=backend)
     fused.apply_rope(q, k, positions, inv_freq, v=v, delta=d, backend=backend)
     assert torch.equal(qkv, want)

@@ -157,16 +157,20 @@ def test_head_major_kv_cache_matches_too(setup, backend):
 ALL_FOUR = ("q_proj", "o_proj", "gate_proj", "down_proj")
 
 
-@pytest.mark.parametrize("overlap_mode, fused_projs, rms_split", [("full", None, 0), ("fused", None, 0),
-                                                                  ("fused", ALL_FOUR, 0), ("fused", ALL_FOUR, 16),
-                                                                  ("off", None, 0)])
-def test_triton_kernels_in_the_interpreter_match_too(setup, overlap_mode, fused_projs, rms_split, monkeypatch):
+@pytest.mark.parametrize("overlap_mode, fused_projs, rms_split, down_in_silu", [
+    ("full", None, 0, False), ("fused", None, 0, False), ("full", None, 0, True), ("fused", None, 0, True),
+    ("fused", ALL_FOUR, 0, True), ("fused", ALL_FOUR, 16, False), ("off", None, 0, True)])
+def test_triton_kernels_in_the_interpreter_match_too(setup, overlap_mode, fused_projs, rms_split, down_in_silu,
+                                                     monkeypatch):
     """The same through every Triton kernel (LoRA, attention, fused ops) run by Triton's CPU interpreter:
     with each LoRA product left for the next op to add (ops/overlap.py's "full"), left unexpanded for the
     next op to expand ("fused", the default for forwards of up to MAX_ROWS rows: q/k/v's product, the
     others as "full"; or every projection's, RMSNorm's rows whole or over programs of `rms_split` columns),
-    and added after each GEMM."""
+    and added after each GEMM. `down_in_silu`: models/llama.DOWN_SHRINK_IN_SILU (down's shrink inside
+    SiLU-and-mul where the products are left to the next op and down is not a fused projection)."""
+    from loraplex.models import llama
     from loraplex.ops import overlap
+    monkeypatch.setattr(llama, "DOWN_SHRINK_IN_SILU", down_in_silu)
     if setup.config.head_dim & (setup.config.head_dim - 1):
         pytest.skip("the Triton attention kernels take power-of-two head sizes")
     monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", overlap_mode)
@@ -177,8 +181,9 @@ def test_triton_kernels_in_the_interpreter_match_too(setup, overlap_mode, fused_
     split_calls = []
     real_split = fused_lora_rms_split.rms_norm
     monkeypatch.setattr(fused_lora_rms_split, "rms_norm", lambda *a: split_calls.append(a[7]) or real_split(*a))
-    calls = {"full": [], "fused": []}
-    for mode, name in (("full", "linear_with_lora_delta"), ("fused", "linear_with_lora_product")):
+    calls = {"full": [], "fused": [], "expand": []}
+    for mode, name in (("full", "linear_with_lora_delta"), ("fused", "linear_with_lora_product"),
+                       ("expand", "linear_with_lora_expand")):
         real = getattr(overlap, name)
         monkeypatch.setattr(overlap, name, lambda *a, _real=real, _log=calls[mode], **kw: _log.append(kw["side"])
                             or _real(*a, **kw))
@@ -191,8 +196,12 @@ def test_triton_kernels_in_the_interpreter_match_too(setup, overlap_mode, fused_
     per_step = 2 * setup.config.num_hidden_layers   # two forwards (prefixes, then everything)
     fused_count = len(fused_projs or overlap.FUSED_PROJECTIONS) if overlap_mode == "fused" else 0
     assert len(calls["fused"]) == fused_count * per_step
-    assert len(calls["full"]) == {"full": 4, "fused": 4 - fused_count, "off": 0}[overlap_mode] * per_step
-    assert not any(calls["full"] + calls["fused"])   # the side stream only while a CUDA graph is captured
+    # down's shrink in SiLU-and-mul (ops/silu_shrink.py) unless down is a "fused" projection: its expand alone
+    fused_down = overlap_mode == "fused" and "down_proj" in (fused_projs or ())
+    expand = 1 if down_in_silu and overlap_mode != "off" and not fused_down else 0
+    assert len(calls["expand"]) == expand * per_step
+    assert len(calls["full"]) == ({"full": 4, "fused": 4 - fused_count, "off": 0}[overlap_mode] - expand) * per_step
+    assert not any(calls["full"] + calls["fused"] + calls["expand"])   # the side stream only while capturing
     assert (len(split_calls) > 0) == bool(rms_split) and set(split_calls) <= {rms_split}
 
 

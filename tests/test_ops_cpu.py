@@ -10,6 +10,7 @@ import torch
 
 from loraplex import ops
 from loraplex.ops import sgmv
+from loraplex.ops.lora_delta import LoraDelta
 from loraplex.workloads import POPULARITIES
 
 from lora_cases import make_case, rel_err, stable_seed
@@ -401,11 +402,12 @@ def test_y_in_xs_storage():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rowwise, rows", [(0, "plain"), (1, "plain"), (2, "plain"), (2, "prefetch")])
 def test_expand_can_store_the_product_instead_of_adding_it(dtype, rowwise, rows):
-    """accumulate=False: y is an fp32 buffer; rows with an adapter get scaling · v @ Bᵀ, every other
-    element keeps what it held (here NaN)."""
+    """accumulate=False: y is an fp32 buffer; rows with an adapter get scaling · v @ Bᵀ (zeros in slices of
+    rank 0: the buffer is not zero-filled, ops/lora_delta.py), every other element keeps what it held (NaN)."""
     rng = np.random.default_rng(stable_seed("store", str(dtype)))
     case = make_case(rng, seg_lens=[1, 3, 1, 1, 20, 1, 2], popularity="uniform", K=96, Ns=(40, 24), R=16,
-                     dtype=dtype, none_frac=0.3)
+                     dtype=dtype, none_frac=0.3, ranks="mixed")
+    case.ranks[0][case.slot_ids[1]] = 0   # a slot used by rows has a slice of rank 0 (lowering a rank reads less)
     batch = case.batch()
     cfg = sgmv.KernelConfig(split_k=2, n_chunks=2, expand_block_n=16, shrink_rowwise=rowwise,
                             expand_rowwise=rowwise, **ROWS_OPTIONS[rows])
@@ -417,6 +419,8 @@ def test_expand_can_store_the_product_instead_of_adding_it(dtype, rowwise, rows)
     assert untouched.any() and not untouched.all()
     assert torch.isnan(delta[untouched]).all()
     expected = case.oracle() - case.y0.double()
+    zero = (expected == 0) & ~untouched   # rank-0 slices of rows with an adapter: stored zeros
+    assert zero.any() and torch.equal(delta[zero], torch.zeros(int(zero.sum())))
     err = (delta.double() - expected)[~untouched].norm() / expected[~untouched].norm()
     assert err <= TOL[dtype], f"rel err {err:.2e}"
 
@@ -426,22 +430,29 @@ def test_expand_can_store_the_product_instead_of_adding_it(dtype, rowwise, rows)
 @pytest.mark.parametrize("regime", ["decode", "prefill"])
 def test_linear_with_lora_delta_leaves_the_product_for_the_next_op(dtype, regime):
     """ops/overlap.py's "full" path on one stream: y is the plain GEMM; y + delta is add_lora's sum;
-    rows without an adapter, and slices of rank 0, get a delta of exactly 0."""
+    the delta (a LoraDelta) is exactly 0 in slices of rank 0 and not written in rows without an adapter,
+    which its row_slot marks -1 (its dense view: 0)."""
     from loraplex.ops import overlap
     rng = np.random.default_rng(stable_seed("delta", str(dtype), regime))
     case = make_case(rng, seg_lens=_lens(regime, rng, 9), popularity="skewed", K=64, Ns=(48, 16, 16), R=16,
                      ranks="mixed", dtype=dtype, none_frac=0.3)
+    case.ranks[1][max(case.slot_ids)] = 0   # a slot used by rows has a slice of rank 0 (lowering reads less)
     gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
     weight = (torch.randn(80, 64, generator=gen) / 8).to(dtype)
     bias = torch.randn(80, generator=gen).to(dtype)
     y, delta = overlap.linear_with_lora_delta(case.x, weight, bias, case.lora_a, case.lora_b, case.batch(),
                                               case.ranks, case.scalings, side=False)
     base = torch.nn.functional.linear(case.x, weight, bias)
-    assert torch.equal(y, base) and delta.dtype == torch.float32 and delta.shape == base.shape
+    assert isinstance(delta, LoraDelta) and delta.rows == base.shape[0]
+    assert torch.equal(y, base) and delta.values.dtype == torch.float32 and delta.values.shape == base.shape
+    row_slot = torch.tensor([s for n, s in zip(case.seg_lens, case.slot_ids) for _ in range(n)], dtype=torch.int32)
+    assert torch.equal(delta.row_slot, row_slot) and (row_slot < 0).any()
     want = add_lora_f64(base, case.x, case.lora_a, case.lora_b, case.ranks, case.scalings, case.seg_lens,
                         case.slot_ids) - base.double()
-    zero = want == 0
-    assert torch.equal(delta[zero], torch.zeros(int(zero.sum()))) and zero.any() and not zero.all()
+    written = (row_slot >= 0)[:, None].expand_as(want)
+    zero = (want == 0) & written
+    assert torch.equal(delta.values[zero], torch.zeros(int(zero.sum()))) and zero.any()
+    delta = delta.dense()
     err = (delta.double() - want).norm() / want.norm()
     assert err <= TOL[dtype], f"rel err {err:.2e}"
 

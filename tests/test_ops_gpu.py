@@ -167,18 +167,24 @@ def test_fast_launch_matches_tritons_own_launch():
 @pytest.mark.parametrize("side", [False, True])
 def test_lora_delta_beside_the_gemm(dtype, side):
     """ops/overlap.py's "full" path, at 7B widths (q/k/v slices), on one stream and on the side stream:
-    y is the plain GEMM, y + delta matches the float64 loop, rows without an adapter get exactly 0."""
+    y is the plain GEMM, y + delta matches the float64 loop; the delta (a LoraDelta, not zero-filled)
+    leaves rows without an adapter unwritten (poisoned here) and marks them -1."""
     from loraplex.ops import overlap
     rng = np.random.default_rng(stable_seed("delta-gpu", str(dtype), side))
     case = make_case(rng, seg_lens=[1] * 32, popularity="distinct", K=4096, Ns=(4096, 1024, 1024), R=16,
                      dtype=dtype, device="cuda", none_frac=0.2)
     gen = torch.Generator(device="cuda").manual_seed(3)
     weight = (torch.randn(6144, 4096, generator=gen, device="cuda") / 64).to(dtype)
-    y, delta = overlap.linear_with_lora_delta(case.x, weight, None, case.lora_a, case.lora_b, case.batch(),
-                                              case.ranks, case.scalings, side=side)
+    poison = torch.full((32, 6144), float("nan"), device="cuda")   # the caching allocator hands it back
+    del poison
+    y, lora_delta = overlap.linear_with_lora_delta(case.x, weight, None, case.lora_a, case.lora_b, case.batch(),
+                                                   case.ranks, case.scalings, side=side)
     torch.cuda.synchronize()
     base = torch.nn.functional.linear(case.x, weight)
     assert torch.equal(y, base)
+    without = torch.tensor(case.slot_ids, device="cuda") < 0
+    assert without.any() and torch.equal(lora_delta.row_slot < 0, without)
+    delta = lora_delta.dense()
     want = add_lora_f64(base, case.x, case.lora_a, case.lora_b, case.ranks, case.scalings, case.seg_lens,
                         case.slot_ids) - base.double()
     zero = want == 0

@@ -20,8 +20,10 @@ from ..adapters.pool import AdapterPool
 from ..models.config import ModelConfig
 from ..ops import LoraBatch, fused, overlap, sgmv
 from ..ops.batch import LARGE_BLOCK_M, SMALL_BLOCK_M
+from ..ops.lora_delta import LoraDelta
 from ..ops.lora_in_gemm import expand_in_gemm
 from ..ops.lora_product import LoraProduct
+from ..ops.silu_shrink import silu_and_mul_shrink
 
 log = logging.getLogger("loraplex.engine")
 
@@ -53,6 +55,8 @@ def compile_lora_kernels(config: ModelConfig, pool: AdapterPool, dtype: torch.dt
                     cfg = dataclasses.replace(base, split_k=split_k, n_chunks=n_chunks)
                     sgmv.add_lora(y, x, a, b, batch, ranks, scalings, 0, cfg, accumulate=accumulate)
                     launches += 1
+                if not accumulate and projs == ("down_proj",) and _down_shrink_in_silu():
+                    launches += _compile_silu_shrink(x, y, a, b, ranks, scalings, batch, base, n_tiles)
         if overlap.mode() == "fused":
             launches += _compile_consumers(config, pool, dtype)
     finally:
@@ -146,6 +150,28 @@ def _compile_consumers(config: ModelConfig, pool: AdapterPool, dtype: torch.dtyp
                              delta=product(("q_proj", "k_proj", "v_proj")))
             launches += 1
     return launches
+
+
+def _down_shrink_in_silu() -> bool:
+    """Does the model compute down's shrink in SiLU-and-mul (models/llama.py) in forwards that leave the
+    products to the next op ("full" and "fused" modes)?"""
+    from ..models import llama
+    fused_down = overlap.mode() == "fused" and "down_proj" in overlap.FUSED_PROJECTIONS
+    return llama.DOWN_SHRINK_IN_SILU and overlap.mode() in ("full", "fused") and not fused_down
+
+
+def _compile_silu_shrink(x, y, a, b, ranks, scalings, batch, base: sgmv.KernelConfig, n_tiles: int) -> int:
+    """models/llama.py's down projection in the "delta" and "product" paths: SiLU-and-mul computing the
+    shrink (ops/silu_shrink.py) after gate/up's LoraDelta, then the expand of its partials (their own K split)."""
+    rows, I = x.shape
+    row_slot = torch.zeros(rows, dtype=torch.int32, device=x.device)   # slot 0: rank 0 here
+    gate_up = torch.zeros(rows, 2 * I, dtype=x.dtype, device=x.device)
+    delta = LoraDelta(torch.zeros(rows, 2 * I, dtype=torch.float32, device=x.device), row_slot)
+    _, part = silu_and_mul_shrink(gate_up, a[0], ranks[0], row_slot, delta=delta)
+    for n_chunks in _chunk_classes(n_tiles):
+        cfg = dataclasses.replace(base, n_chunks=n_chunks)
+        sgmv.expand_from(y, part, b, ranks, scalings, batch, 0, cfg, accumulate=False)
+    return 1 + len(_chunk_classes(n_tiles))
 
 
 def _variants() -> list[tuple[int, sgmv.KernelConfig, bool]]:

@@ -22,8 +22,10 @@ from ..adapters.pool import AdapterPool
 from ..ops import add_lora, api, overlap, resolve_backend
 from ..ops.attention import paged_attention, store_kv
 from ..ops.fused import apply_rope, rms_norm, silu_and_mul
+from ..ops.lora_delta import LoraDelta
 from ..ops.lora_in_gemm import expand_in_gemm
 from ..ops.lora_product import LoraProduct
+from ..ops.silu_shrink import silu_and_mul_shrink
 from .config import ModelConfig
 from .forward_batch import ForwardBatch
 from .kv_cache import KVCache
@@ -35,6 +37,14 @@ GROUP_OF = {QKV: "qkv", ("o_proj",): "o", GATE_UP: "gate_up", ("down_proj",): "d
 # the projections alone took ~0.38 ms less per Llama-2-7B forward at 32 rows than with the expand kernel,
 # benchmarks/results/probe_lora_in_gemm.md); o, gate/up and down expand in place after their GEMM.
 IN_GEMM_QKV_TO_ROPE = True
+# Where the projections leave their products to the next op (the "delta"/"product" paths, forwards of up to
+# overlap.MAX_ROWS rows), down's shrink can run inside the SiLU-and-mul before it (ops/silu_shrink.py; not
+# where down is a "fused" projection): only its expand then goes beside the down GEMM. Off: measured slower
+# on an H200 (2026-12-01, Llama-2-7B decode forwards at batch 32 in CUDA graphs, results/decode_graph_trace_
+# silu2.json): 246.1 µs a layer against 243.4 with the shrink beside the GEMM, as the SiLU that reads A took
+# 7.2 µs (2.7 without) and the down block as long as before.
+DOWN_SHRINK_IN_SILU = False
+LEFT_FOR_NEXT_OP = ("delta", "delta-side", "product", "product-side")
 
 
 def _weight(out_features: int, in_features: int) -> nn.Parameter:
@@ -64,19 +74,19 @@ class DecoderLayer(nn.Module):
         self.down_proj = _weight(c.hidden_size, c.intermediate_size)
         self.down_bias = _bias(c.hidden_size, c.mlp_bias)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, delta: torch.Tensor | LoraProduct | None,
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, delta: LoraDelta | LoraProduct | None,
                 batch: ForwardBatch, kv: KVCache, pool: AdapterPool | None, inv_freq: torch.Tensor,
                 backend: str | None, lora_path: str = "checked", area: ActiveArea | None = None,
-                area_count: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | LoraProduct | None]:
+                area_count: int = 0) -> tuple[torch.Tensor, torch.Tensor, LoraDelta | LoraProduct | None]:
         """One layer: `(hidden, residual, delta)` in and out; `delta` is the LoRA product that the
-        "delta" paths (an fp32 tensor) and "product" paths (a LoraProduct) leave for the next op to
+        "delta" paths (a LoraDelta) and "product" paths (a LoraProduct) leave for the next op to
         add to `hidden` (None otherwise). `lora_path` as LlamaForCausalLM.forward picks it; "in-gemm"
         reads the A rows of `area`'s first `area_count` active adapters."""
         T, L = hidden.shape[0], self.layer
         lora = pool is not None and batch.has_adapters
 
         def project(x: torch.Tensor, weight, bias,
-                    projs: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | LoraProduct | None]:
+                    projs: tuple[str, ...]) -> tuple[torch.Tensor, LoraDelta | LoraProduct | None]:
             if not lora:
                 return F.linear(x, weight, bias), None
             a, b, ranks, scalings = pool.stacks(L, projs)   # fused projections: one multi-slice launch
@@ -123,16 +133,21 @@ class DecoderLayer(nn.Module):
         x, residual = rms_norm(out, self.post_attention_layernorm, self.eps, residual=residual, delta=delta,
                                backend=backend)
         gate_up, delta = project(x, self.gate_up_proj, self.gate_up_bias, GATE_UP)
+        if lora and DOWN_SHRINK_IN_SILU and lora_path in LEFT_FOR_NEXT_OP and not isinstance(delta, LoraProduct) \
+                and not (lora_path.startswith("product") and "down_proj" in overlap.FUSED_PROJECTIONS):
+            a, b, ranks, scalings = pool.stacks(L, ("down_proj",))
+            act, part = silu_and_mul_shrink(gate_up, a[0], ranks[0], batch.lora.row_slot, delta=delta,
+                                            backend=backend)
+            out, delta = overlap.linear_with_lora_expand(act, self.down_proj, self.down_bias, part, b, batch.lora,
+                                                         ranks, scalings, side=lora_path.endswith("-side"))
+            return out, residual, delta
         out, delta = project(silu_and_mul(gate_up, delta=delta, backend=backend), self.down_proj, self.down_bias,
                              ("down_proj",))
         return out, residual, delta
 
 
-def _select_rows(delta: torch.Tensor | LoraProduct | None,
-                 rows: torch.Tensor) -> torch.Tensor | LoraProduct | None:
-    if delta is None:
-        return None
-    return delta.select(rows) if isinstance(delta, LoraProduct) else delta.index_select(0, rows)
+def _select_rows(delta: LoraDelta | LoraProduct | None, rows: torch.Tensor) -> LoraDelta | LoraProduct | None:
+    return None if delta is None else delta.select(rows)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from .api import _bump_version, _on, resolve_backend
 from .checks import FLOAT_DTYPES, _desc
+from .lora_delta import LoraDelta
 from .lora_product import LoraProduct
 
 try:  # as in api.py: without Triton the reference path runs
@@ -70,9 +71,13 @@ def _writable(t: torch.Tensor, name: str) -> None:
 def _delta(delta, name: str, rows: int, widths: tuple[int, ...], like: torch.Tensor, like_name: str,
            in_gemm: bool = False) -> None:
     """A LoRA delta (ops/overlap.py makes them): a contiguous float32 `[rows, Σwidths]` on `like`'s
-    device, or a LoraProduct whose slices are `widths` wide (an in-gemm one only where `in_gemm`)."""
+    device, a LoraDelta of one, or a LoraProduct whose slices are `widths` wide (an in-gemm one only where
+    `in_gemm`)."""
     if isinstance(delta, LoraProduct):
         delta.check(rows, widths, like, like_name, name, in_gemm)
+        return
+    if isinstance(delta, LoraDelta):
+        delta.check(rows, sum(widths), like, like_name, name)
         return
     width = sum(widths)
     _tensor(delta, name, 2, f"float32 [T={rows}, {width}]")
@@ -82,11 +87,18 @@ def _delta(delta, name: str, rows: int, widths: tuple[int, ...], like: torch.Ten
                          f"got {_desc(delta)} with strides {delta.stride()}")
 
 
-def _dense(delta: torch.Tensor | LoraProduct) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(fp32 delta, rows that keep their bits or None) of a delta tensor or LoraProduct."""
-    if isinstance(delta, LoraProduct):
+def _dense(delta: torch.Tensor | LoraDelta | LoraProduct) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(fp32 delta, rows that keep their bits or None) of a delta tensor, LoraDelta or LoraProduct."""
+    if isinstance(delta, (LoraProduct, LoraDelta)):
         return delta.dense(), delta.row_slot < 0
     return delta, None
+
+
+def _kernel_delta(delta: torch.Tensor | LoraDelta | None) -> dict:
+    """fused_kernels' delta arguments: the fp32 buffer, and the rows that take it (a LoraDelta's)."""
+    if isinstance(delta, LoraDelta):
+        return dict(delta=delta.values, delta_rows=delta.row_slot)
+    return dict(delta=delta)
 
 
 def _plus_delta(t: torch.Tensor, delta, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -94,7 +106,7 @@ def _plus_delta(t: torch.Tensor, delta, keep: torch.Tensor | None = None) -> tor
     # `keep` (a LoraProduct's rows without an adapter) stay as they are.
     if delta is None:
         return t
-    if isinstance(delta, LoraProduct):
+    if isinstance(delta, (LoraProduct, LoraDelta)):
         delta, keep = _dense(delta)
     summed = (t.to(torch.float32) + delta.reshape(t.shape)).to(t.dtype)
     return summed if keep is None else torch.where(keep.view(-1, *[1] * (t.dim() - 1)), t, summed)
@@ -105,7 +117,7 @@ def _plus_delta(t: torch.Tensor, delta, keep: torch.Tensor | None = None) -> tor
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: torch.Tensor | None = None,
-             delta: torch.Tensor | LoraProduct | None = None,
+             delta: torch.Tensor | LoraDelta | LoraProduct | None = None,
              backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of x, or of `residual + x`; returns `(normed, s)`.
 
@@ -114,7 +126,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: tor
     (x's dtype), `s = residual + x` rounded to x's dtype, as transformers' `residual + hidden_states`.
     With `delta` (contiguous float32 `[T, H]`, a LoRA delta that ops/overlap.py left for this op),
     x is first replaced by `(x.float() + delta)` rounded to x's dtype, the sum the LoRA expand
-    would have written into x; s is then a new tensor even without a residual. `delta` may also be a
+    would have written into x; s is then a new tensor even without a residual. A LoraDelta (ops/
+    lora_delta.py) is such a delta whose rows without an adapter take nothing. `delta` may also be a
     one-slice LoraProduct (ops/lora_product.py): the kernel expands each row's product as it loads
     the row (rows without an adapter take nothing).
 
@@ -159,7 +172,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: tor
         if isinstance(delta, LoraProduct):
             fused_lora_kernels.rms_norm(x, weight, eps, residual, out, s, delta)
         else:
-            fused_kernels.rms_norm(x, weight, eps, residual, out, s if fresh_s else None, delta=delta)
+            fused_kernels.rms_norm(x, weight, eps, residual, out, s if fresh_s else None, **_kernel_delta(delta))
     return out, s
 
 
@@ -176,13 +189,15 @@ def _rms_norm_reference(x, weight, eps, residual, delta=None):
 
 
 def silu_and_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None,
-                 delta: torch.Tensor | LoraProduct | None = None, backend: str | None = None) -> torch.Tensor:
+                 delta: torch.Tensor | LoraDelta | LoraProduct | None = None,
+                 backend: str | None = None) -> torch.Tensor:
     """`silu(gate) * up` from a fused gate/up GEMM output; returns `[T, I]` (`out` when given).
 
     `gate_up [T, 2·I]` (last dimension contiguous): gate is columns `:I`, up columns `I:`.
     `out [T, I]`, gate_up's dtype, last dimension contiguous (it may be `gate_up[:, :I]`).
     `delta` (contiguous float32 `[T, 2·I]`, a LoRA delta left by ops/overlap.py): gate and up are
-    first `(gate_up.float() + delta)` rounded to the dtype (gate_up is only written where `out` lies in it).
+    first `(gate_up.float() + delta)` rounded to the dtype (gate_up is only written where `out` lies in it);
+    a LoraDelta's rows without an adapter take nothing.
     `delta` may also be a two-slice (gate, up) LoraProduct, expanded by the kernel as it loads.
 
         a = silu(gate) rounded to the dtype      # silu(g) = g / (1 + exp(-g)), in fp32
@@ -217,7 +232,7 @@ def silu_and_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None,
         if isinstance(delta, LoraProduct):
             fused_lora_kernels.silu_and_mul(gate_up, out, delta)
         else:
-            fused_kernels.silu_and_mul(gate_up, out, delta=delta)
+            fused_kernels.silu_and_mul(gate_up, out, **_kernel_delta(delta))
     _bump_version(out)
     return out
 
@@ -227,7 +242,7 @@ def silu_and_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None,
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *,
-               v: torch.Tensor | None = None, delta: torch.Tensor | LoraProduct | None = None,
+               v: torch.Tensor | None = None, delta: torch.Tensor | LoraDelta | LoraProduct | None = None,
                backend: str | None = None) -> None:
     """Rotary embedding of q and k in place (transformers' rotate_half convention).
 
@@ -249,7 +264,8 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_fr
     With `delta` (contiguous float32 `[T, (Hq + 2·Hkv)·D]`, a fused q/k/v LoRA delta left by
     ops/overlap.py, laid out q | k | v per token) and `v [T, Hkv, D]` (q's dtype): q, k and v
     first become `(t.float() + their delta)` rounded to the dtype, in place; then q and k rotate.
-    v must not overlap q or k. `delta` may also be a three-slice (q, k, v) LoraProduct: one program per
+    v must not overlap q or k; a LoraDelta's rows without an adapter take nothing. `delta` may also be a
+    three-slice (q, k, v) LoraProduct: one program per
     (token, q|k|v, block of heads) expands its heads' products as it loads them.
     """
     _float_rows(q, "q", "[T, Hq, D]", 3)
@@ -295,7 +311,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_fr
         if isinstance(delta, LoraProduct):
             fused_lora_kernels.apply_rope(q, k, v, positions, inv_freq, delta)
         else:
-            fused_kernels.apply_rope(q, k, positions, inv_freq, v=v, delta=delta)
+            fused_kernels.apply_rope(q, k, positions, inv_freq, v=v, **_kernel_delta(delta))
     _bump_version(q)
     _bump_version(k)
     if v is not None:

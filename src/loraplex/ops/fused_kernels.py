@@ -68,20 +68,35 @@ def _mul(a, b, COMPILED: tl.constexpr):
 
 
 @triton.jit
-def _add_delta(v, d_row, offs, mask, DT, HAS_DELTA: tl.constexpr, COMPILED: tl.constexpr):
-    """v + an fp32 LoRA delta, rounded to DT, as the expand's in-place add rounds (ops/overlap.py)."""
+def _takes_delta(rows_ptr, row, HAS_ROWS: tl.constexpr):
+    """Does this row take its delta? With HAS_ROWS (a LoraDelta, ops/lora_delta.py) only a row with an
+    adapter (`row_slot[row]` ≥ 0): the expand wrote no other; else every row."""
+    if HAS_ROWS:
+        take = tl.load(rows_ptr + row) >= 0
+    else:
+        take = row >= 0   # a program's row index: always
+    return take
+
+
+@triton.jit
+def _add_delta(v, d_row, offs, mask, take, DT, HAS_DELTA: tl.constexpr, COMPILED: tl.constexpr):
+    """v + an fp32 LoRA delta, rounded to DT, as the expand's in-place add rounds (ops/overlap.py); v as it
+    is where the row does not `take` its delta. The delta is loaded either way (whatever an unwritten row
+    holds is discarded): a load masked by `take` would wait for the row's slot (~1 µs more per RMSNorm at
+    decode on an H200)."""
     if HAS_DELTA:
-        v = _round(v + tl.load(d_row + offs, mask=mask, other=0.0), DT, COMPILED)
+        d = tl.load(d_row + offs, mask=mask, other=0.0)
+        v = tl.where(take, _round(v + d, DT, COMPILED), v)
     return v
 
 
 @triton.jit
-def _norm_input(x_row, d_row, r_row, s_row, offs, mask, HAS_DELTA: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+def _norm_input(x_row, d_row, r_row, s_row, offs, mask, take, HAS_DELTA: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                 STORE_S: tl.constexpr, COMPILED: tl.constexpr):
     """The row segment to normalise, fp32: s = x (+ delta) (+ residual), each sum rounded to x's
     dtype (stored to s if STORE_S)."""
     DT = x_row.dtype.element_ty
-    v = _add_delta(tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32), d_row, offs, mask, DT,
+    v = _add_delta(tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32), d_row, offs, mask, take, DT,
                    HAS_DELTA, COMPILED)
     if HAS_RESIDUAL:
         r = tl.load(r_row + offs, mask=mask, other=0.0).to(tl.float32)
@@ -112,11 +127,13 @@ def _rstd(sum_sq, inv_h, eps, COMPILED: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, d_ptr, r_ptr, w_ptr, out_ptr, s_ptr, H, inv_h, eps, stride_x, stride_d, stride_r,
-                     stride_out, stride_s, HAS_DELTA: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                     WRITE_S: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, COMPILED: tl.constexpr):
+def _rms_norm_kernel(x_ptr, d_ptr, rows_ptr, r_ptr, w_ptr, out_ptr, s_ptr, H, inv_h, eps, stride_x, stride_d,
+                     stride_r, stride_out, stride_s, HAS_DELTA: tl.constexpr, HAS_ROWS: tl.constexpr,
+                     HAS_RESIDUAL: tl.constexpr, WRITE_S: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
+                     COMPILED: tl.constexpr):
     """One program per row: out[row] = weight * normalize(s[row]), s = x (+ delta) (+ residual)."""
     row = tl.program_id(0).to(tl.int64)
+    take = _takes_delta(rows_ptr, row, HAS_ROWS)
     x_row = x_ptr + row * stride_x
     d_row = d_ptr + row * stride_d
     r_row = r_ptr + row * stride_r
@@ -126,7 +143,7 @@ def _rms_norm_kernel(x_ptr, d_ptr, r_ptr, w_ptr, out_ptr, s_ptr, H, inv_h, eps, 
     if ONE_PASS:
         # The row fits one tile: read it once, keep it in registers.
         mask = offs < H
-        v = _norm_input(x_row, d_row, r_row, s_row, offs, mask, HAS_DELTA, HAS_RESIDUAL, WRITE_S, COMPILED)
+        v = _norm_input(x_row, d_row, r_row, s_row, offs, mask, take, HAS_DELTA, HAS_RESIDUAL, WRITE_S, COMPILED)
         rstd = _rstd(tl.sum(v * v, axis=0), inv_h, eps, COMPILED)
         _norm_output(v, rstd, w_ptr, out_row, offs, mask, COMPILED)
     else:
@@ -135,13 +152,13 @@ def _rms_norm_kernel(x_ptr, d_ptr, r_ptr, w_ptr, out_ptr, s_ptr, H, inv_h, eps, 
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for c in range(0, H, BLOCK):
             mask = c + offs < H
-            v = _norm_input(x_row, d_row, r_row, s_row, c + offs, mask, HAS_DELTA, HAS_RESIDUAL, WRITE_S,
+            v = _norm_input(x_row, d_row, r_row, s_row, c + offs, mask, take, HAS_DELTA, HAS_RESIDUAL, WRITE_S,
                             COMPILED)
             acc += v * v
         rstd = _rstd(tl.sum(acc, axis=0), inv_h, eps, COMPILED)
         for c in range(0, H, BLOCK):
             mask = c + offs < H
-            v = _norm_input(x_row, d_row, r_row, s_row, c + offs, mask, HAS_DELTA, HAS_RESIDUAL, False,
+            v = _norm_input(x_row, d_row, r_row, s_row, c + offs, mask, take, HAS_DELTA, HAS_RESIDUAL, False,
                             COMPILED)
             _norm_output(v, rstd, w_ptr, out_row, c + offs, mask, COMPILED)
 
@@ -165,20 +182,21 @@ def _silu_mul(g, u, DT: tl.constexpr, COMPILED: tl.constexpr):
 
 
 @triton.jit
-def _silu_and_mul_kernel(gu_ptr, d_ptr, out_ptr, I, stride_gu, stride_d, stride_out, HAS_DELTA: tl.constexpr,
-                         BLOCK: tl.constexpr, COMPILED: tl.constexpr):
+def _silu_and_mul_kernel(gu_ptr, d_ptr, rows_ptr, out_ptr, I, stride_gu, stride_d, stride_out,
+                         HAS_DELTA: tl.constexpr, HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr, COMPILED: tl.constexpr):
     """Program (row, column block): out = round(round(silu(gate)) * up), silu(g) = g / (1 + exp(-g));
     gate and up first take their LoRA delta when HAS_DELTA (each sum rounded)."""
     row = tl.program_id(0).to(tl.int64)
+    take = _takes_delta(rows_ptr, row, HAS_ROWS)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
     DT = out_ptr.dtype.element_ty
     gu_row = gu_ptr + row * stride_gu
     d_row = d_ptr + row * stride_d
-    g = _add_delta(tl.load(gu_row + offs, mask=mask, other=0.0).to(tl.float32), d_row, offs, mask, DT,
+    g = _add_delta(tl.load(gu_row + offs, mask=mask, other=0.0).to(tl.float32), d_row, offs, mask, take, DT,
                    HAS_DELTA, COMPILED)
-    u = _add_delta(tl.load(gu_row + I + offs, mask=mask, other=0.0).to(tl.float32), d_row + I, offs, mask, DT,
-                   HAS_DELTA, COMPILED)
+    u = _add_delta(tl.load(gu_row + I + offs, mask=mask, other=0.0).to(tl.float32), d_row + I, offs, mask, take,
+                   DT, HAS_DELTA, COMPILED)
     tl.store(out_ptr + row * stride_out + offs, _silu_mul(g, u, DT, COMPILED).to(DT), mask=mask)
 
 
@@ -212,7 +230,7 @@ def _rotate(x1, x2, c, s, DT: tl.constexpr, COMPILED: tl.constexpr):
 
 
 @triton.jit
-def _rotate_heads(base, d_base, num_heads, stride_h, HALF, c, s, offs_d, d_mask, HAS_DELTA: tl.constexpr,
+def _rotate_heads(base, d_base, num_heads, stride_h, HALF, c, s, offs_d, d_mask, take, HAS_DELTA: tl.constexpr,
                   BLOCK_H: tl.constexpr, COMPILED: tl.constexpr):
     """x1' = x1·cos − x2·sin, x2' = x2·cos + x1·sin for every head of one token, each op rounded;
     with HAS_DELTA each head first takes its LoRA delta (`d_base`: heads of 2·HALF fp32, contiguous)."""
@@ -222,17 +240,17 @@ def _rotate_heads(base, d_base, num_heads, stride_h, HALF, c, s, offs_d, d_mask,
         mask = (offs_h < num_heads)[:, None] & d_mask[None, :]
         p1 = base + offs_h[:, None] * stride_h + offs_d[None, :]
         dp1 = offs_h[:, None] * (2 * HALF) + offs_d[None, :]
-        x1 = _add_delta(tl.load(p1, mask=mask, other=0.0).to(tl.float32), d_base, dp1, mask, DT, HAS_DELTA,
-                        COMPILED)
-        x2 = _add_delta(tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32), d_base, dp1 + HALF, mask, DT,
+        x1 = _add_delta(tl.load(p1, mask=mask, other=0.0).to(tl.float32), d_base, dp1, mask, take, DT,
                         HAS_DELTA, COMPILED)
+        x2 = _add_delta(tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32), d_base, dp1 + HALF, mask, take,
+                        DT, HAS_DELTA, COMPILED)
         o1, o2 = _rotate(x1, x2, c, s, DT, COMPILED)
         tl.store(p1, o1.to(DT), mask=mask)
         tl.store(p1 + HALF, o2.to(DT), mask=mask)
 
 
 @triton.jit
-def _add_heads(base, d_base, num_heads, stride_h, HALF, offs_d, d_mask, BLOCK_H: tl.constexpr,
+def _add_heads(base, d_base, num_heads, stride_h, HALF, offs_d, d_mask, take, BLOCK_H: tl.constexpr,
                COMPILED: tl.constexpr):
     """x = round(x + delta) for every head of one token (v's LoRA delta), in place."""
     DT = base.dtype.element_ty
@@ -242,14 +260,15 @@ def _add_heads(base, d_base, num_heads, stride_h, HALF, offs_d, d_mask, BLOCK_H:
         for half in tl.static_range(2):
             p = base + offs_h[:, None] * stride_h + (half * HALF + offs_d)[None, :]
             dp = offs_h[:, None] * (2 * HALF) + (half * HALF + offs_d)[None, :]
-            x = _add_delta(tl.load(p, mask=mask, other=0.0).to(tl.float32), d_base, dp, mask, DT, True, COMPILED)
+            x = _add_delta(tl.load(p, mask=mask, other=0.0).to(tl.float32), d_base, dp, mask, take, DT, True,
+                           COMPILED)
             tl.store(p, x.to(DT), mask=mask)
 
 
 @triton.jit
-def _rope_kernel(q_ptr, k_ptr, v_ptr, d_ptr, pos_ptr, inv_freq_ptr, HQ, HKV, HALF, stride_qt, stride_qh, stride_kt,
-                 stride_kh, stride_vt, stride_vh, stride_dt, stride_pos, HAS_DELTA: tl.constexpr,
-                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, COMPILED: tl.constexpr):
+def _rope_kernel(q_ptr, k_ptr, v_ptr, d_ptr, rows_ptr, pos_ptr, inv_freq_ptr, HQ, HKV, HALF, stride_qt, stride_qh,
+                 stride_kt, stride_kh, stride_vt, stride_vh, stride_dt, stride_pos, HAS_DELTA: tl.constexpr,
+                 HAS_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, COMPILED: tl.constexpr):
     """One program per token: cos/sin of position · inv_freq (fp32, rounded to q's dtype), then all heads
     of q and k. HAS_DELTA: q, k and v first take their LoRA delta (`d`: [q | k | v] fp32 per token)."""
     t = tl.program_id(0).to(tl.int64)
@@ -258,12 +277,13 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, d_ptr, pos_ptr, inv_freq_ptr, HQ, HKV, HAL
     d_mask = offs_d < HALF
     c, s = _cos_sin(pos_ptr + t * stride_pos, inv_freq_ptr, offs_d, d_mask, DT, COMPILED)
     d_row = d_ptr + t * stride_dt
-    _rotate_heads(q_ptr + t * stride_qt, d_row, HQ, stride_qh, HALF, c, s, offs_d, d_mask, HAS_DELTA, BLOCK_H,
+    take = _takes_delta(rows_ptr, t, HAS_ROWS)
+    _rotate_heads(q_ptr + t * stride_qt, d_row, HQ, stride_qh, HALF, c, s, offs_d, d_mask, take, HAS_DELTA, BLOCK_H,
                   COMPILED)
-    _rotate_heads(k_ptr + t * stride_kt, d_row + HQ * 2 * HALF, HKV, stride_kh, HALF, c, s, offs_d, d_mask,
+    _rotate_heads(k_ptr + t * stride_kt, d_row + HQ * 2 * HALF, HKV, stride_kh, HALF, c, s, offs_d, d_mask, take,
                   HAS_DELTA, BLOCK_H, COMPILED)
     if HAS_DELTA:
-        _add_heads(v_ptr + t * stride_vt, d_row + (HQ + HKV) * 2 * HALF, HKV, stride_vh, HALF, offs_d, d_mask,
+        _add_heads(v_ptr + t * stride_vt, d_row + (HQ + HKV) * 2 * HALF, HKV, stride_vh, HALF, offs_d, d_mask, take,
                    BLOCK_H, COMPILED)
 
 
@@ -293,8 +313,9 @@ def _inv(n: int) -> float:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
              out: torch.Tensor, s_out: torch.Tensor | None, max_block: int | None = None,
-             delta: torch.Tensor | None = None) -> None:
-    """out = weight * normalize(s); s = x (+ delta) (+ residual) written to s_out when either is given."""
+             delta: torch.Tensor | None = None, delta_rows: torch.Tensor | None = None) -> None:
+    """out = weight * normalize(s); s = x (+ delta) (+ residual) written to s_out when either is given.
+    `delta_rows` (a LoraDelta's row_slot): only rows with a slot ≥ 0 take the delta."""
     T, H = x.shape
     if T == 0:
         return
@@ -305,29 +326,34 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     r = residual if has_res else x          # unused pointers stand in for absent tensors
     s = s_out if s_out is not None else out
     d = delta if has_delta else x
-    args = (x, d, r, weight, out, s, H, _inv(H), float(eps), x.stride(0), d.stride(0), r.stride(0), out.stride(0),
-            s.stride(0))
-    _RMS((T,), args, dict(HAS_DELTA=has_delta, HAS_RESIDUAL=has_res, WRITE_S=s_out is not None, BLOCK=block,
-                          ONE_PASS=one_pass, COMPILED=COMPILED),
+    rows = delta_rows if delta_rows is not None else x
+    args = (x, d, rows, r, weight, out, s, H, _inv(H), float(eps), x.stride(0), d.stride(0), r.stride(0),
+            out.stride(0), s.stride(0))
+    _RMS((T,), args, dict(HAS_DELTA=has_delta, HAS_ROWS=has_delta and delta_rows is not None, HAS_RESIDUAL=has_res,
+                          WRITE_S=s_out is not None, BLOCK=block, ONE_PASS=one_pass, COMPILED=COMPILED),
          max(1, min(16, block // 512)), 1)
 
 
 def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor, block: int = SILU_BLOCK,
-                 delta: torch.Tensor | None = None) -> None:
-    """out = silu(gate_up[:, :I]) * gate_up[:, I:] (each half plus its delta first), rounded as transformers rounds."""
+                 delta: torch.Tensor | None = None, delta_rows: torch.Tensor | None = None) -> None:
+    """out = silu(gate_up[:, :I]) * gate_up[:, I:] (each half plus its delta first, in the rows `delta_rows`
+    gives a slot ≥ 0 if it is given), rounded as transformers rounds."""
     T, I = out.shape
     if T == 0:
         return
     block = min(_pow2(I), block)
     d = delta if delta is not None else gate_up
-    _SILU((T, -(-I // block)), (gate_up, d, out, I, gate_up.stride(0), d.stride(0), out.stride(0)),
-          dict(HAS_DELTA=delta is not None, BLOCK=block, COMPILED=COMPILED), max(1, min(4, block // 256)), 1)
+    rows = delta_rows if delta_rows is not None else gate_up
+    _SILU((T, -(-I // block)), (gate_up, d, rows, out, I, gate_up.stride(0), d.stride(0), out.stride(0)),
+          dict(HAS_DELTA=delta is not None, HAS_ROWS=delta is not None and delta_rows is not None, BLOCK=block,
+               COMPILED=COMPILED), max(1, min(4, block // 256)), 1)
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-               tile: int | None = None, v: torch.Tensor | None = None, delta: torch.Tensor | None = None) -> None:
+               tile: int | None = None, v: torch.Tensor | None = None, delta: torch.Tensor | None = None,
+               delta_rows: torch.Tensor | None = None) -> None:
     """Rotate q and k in place (one launch, one program per token); with `delta` ([q | k | v] fp32
-    per token), q, k and v first take it."""
+    per token), q, k and v first take it (only tokens `delta_rows` gives a slot ≥ 0, if it is given)."""
     T, Hq, D = q.shape
     if T == 0:
         return
@@ -337,7 +363,9 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_fr
     block_h = min(_pow2(max(Hq, k.shape[1])), max(1, tile // block_d))
     has_delta = delta is not None
     v, d = (v, delta) if has_delta else (k, q)   # unused pointers without a delta
-    args = (q, k, v, d, positions, inv_freq, Hq, k.shape[1], half, q.stride(0), q.stride(1), k.stride(0),
+    rows = delta_rows if has_delta and delta_rows is not None else positions
+    args = (q, k, v, d, rows, positions, inv_freq, Hq, k.shape[1], half, q.stride(0), q.stride(1), k.stride(0),
             k.stride(1), v.stride(0), v.stride(1), d.stride(0), positions.stride(0))
-    _ROPE((T,), args, dict(HAS_DELTA=has_delta, BLOCK_H=block_h, BLOCK_D=block_d, COMPILED=COMPILED),
+    _ROPE((T,), args, dict(HAS_DELTA=has_delta, HAS_ROWS=has_delta and delta_rows is not None, BLOCK_H=block_h,
+                           BLOCK_D=block_d, COMPILED=COMPILED),
           max(1, min(4, block_h * block_d // 256)), 1)

@@ -6,8 +6,13 @@ if the expand writes its product into a buffer of its own, so both run on a side
 from and joined back to the current one, and the op that consumes the projection adds that
 buffer as it loads its input (RMSNorm, SiLU-and-mul, RoPE: ops/fused.py's `delta` arguments):
 
-    main:  y = x @ Wᵀ (+ bias) ─────────────────────────────────┐
-    side:  delta = 0; part = shrink(x, A[slot]); delta = scaling · part @ B[slot]ᵀ ─┴─> consumer(y + delta)
+    main:  y = x @ Wᵀ (+ bias) ───────────────────────────────────┐
+    side:  part = shrink(x, A[slot]); delta = scaling · part @ B[slot]ᵀ ─┴─> consumer(y + delta)
+
+The delta (`LoraDelta`, ops/lora_delta.py) is written only in rows with an adapter (zeros for slices of
+rank 0) and the consumer adds it only there: no zero fill. A fill launched first on the side stream let
+the GEMM take the SMs before the shrink, and cost ~90 µs of a 7.9 ms Llama-2-7B decode forward at batch 32
+(H200, 2026-12-01, benchmarks/results/decode_graph_trace.json).
 
 `y + delta` is the sum the in-place expand computes (fp32, rounded once to y's dtype; the expand
 may fuse its product into that sum, so the two can differ in the last bit). Used for the forwards
@@ -19,11 +24,15 @@ expand after it, into y (bit-identical to the plain order).
 
 "fused" (the default) goes one step further for the projections in FUSED_PROJECTIONS: only the shrink
 runs beside the GEMM, and the consumer expands each row's product itself as it loads the row
-(`LoraProduct`, ops/lora_product.py): one LoRA launch instead of three (zero fill, shrink, expand).
+(`LoraProduct`, ops/lora_product.py): one LoRA launch instead of two (shrink, expand).
 
     side:  part = shrink(x, A[slot]) ──> consumer(y + scaling · part @ B[slot]ᵀ, row by row)
 
 The other projections take "full"'s way in the same forward.
+
+Down's shrink runs inside the SiLU-and-mul before it (ops/silu_shrink.py: `linear_with_lora_expand` is then
+the expand alone beside the GEMM) in both ways: launched beside the down GEMM, the shrink took every SM
+before the GEMM could start.
 
 LORAPLEX_LORA_OVERLAP: "fused" (default; also "1"), "full", "shrink" (only the shrink beside the GEMM,
 up to SHRINK_MAX_ROWS rows), "off" (also "0").
@@ -37,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from .batch import LoraBatch
+from .lora_delta import LoraDelta
 from .lora_product import LoraProduct
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
@@ -56,6 +66,9 @@ SHRINK_MAX_ROWS = 128   # the shrink beside the GEMM (captured forwards; "full",
 # lora_overlap_default.md, Llama-2-7B decode forwards): 8,380 against 8,605 µs there (-2.6%), 0.7% and
 # 0.3% slower at batch 1 and 32 shared (batches 2-16 not measured).
 FUSED_PROJECTIONS = frozenset({"q_proj"})
+# `linear_with_lora_expand` (the expand alone beside the GEMM, down's shrink done by SiLU-and-mul) captures the
+# GEMM first: launched first, the expand took every SM for ~5 µs before the GEMM could start (H200, batch 32).
+EXPAND_GEMM_FIRST = True
 # Kernel settings of the "full" path, per tile height, where they differ from sgmv.CONFIGS (tuned for
 # the kernels alone): benchmarks/sweep_overlap_configs.py found none better (results/overlap_sweep.json).
 CONFIGS: dict = {}
@@ -118,20 +131,29 @@ def _usable_side(device: torch.device) -> torch.cuda.Stream | None:
 
 
 def _beside_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, side: bool,
-                 work: Callable[[], None]) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` with `work` (LoRA kernels that read only x) queued before it: on a side
-    stream that forks after x is ready and joins after the GEMM when `side` (capture only) and one is
-    usable, else on the current stream. Tensors `work` writes must be allocated by the caller on the
-    main stream, which frees them after the join."""
+                 work: Callable[[], None], gemm_first: bool = False) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` with `work` (LoRA kernels that read only x, or inputs ready with x) queued
+    before it: on a side stream that forks after x is ready and joins after the GEMM when `side` (capture
+    only) and one is usable, else on the current stream. `gemm_first`: the GEMM is captured before the side
+    stream's work (both still wait only for x), so at replay its CTAs take their SMs first and the work runs
+    on the SMs it leaves (a kernel that starts first takes every SM). Tensors `work` writes must be allocated
+    by the caller on the main stream, which frees them after the join."""
     stream = _usable_side(x.device) if side else None
     if stream is None:
         work()
         return F.linear(x, weight, bias)
     main = torch.cuda.current_stream(x.device)
-    stream.wait_stream(main)    # x is ready
+    if gemm_first:
+        ready = torch.cuda.Event()
+        ready.record(main)
+        y = F.linear(x, weight, bias)
+        stream.wait_event(ready)   # x is ready
+    else:
+        stream.wait_stream(main)    # x is ready
     with torch.cuda.stream(stream):
         work()
-    y = F.linear(x, weight, bias)
+    if not gemm_first:
+        y = F.linear(x, weight, bias)
     main.wait_stream(stream)
     return y
 
@@ -153,20 +175,20 @@ def linear_with_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 def linear_with_lora_delta(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                            lora_a: list[torch.Tensor], lora_b: list[torch.Tensor], batch: LoraBatch,
                            ranks: list[torch.Tensor], scalings: list[torch.Tensor], *,
-                           side: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """"full": `(F.linear(x, weight, bias), delta)`, delta the fp32 `[T, ΣN]` LoRA product of the slices
-    (zero for rows without an adapter), for the consumer to add. `side`: on a side stream (capture only)."""
+                           side: bool) -> tuple[torch.Tensor, LoraDelta]:
+    """"full": `(F.linear(x, weight, bias), delta)`, delta the fp32 `[T, ΣN]` LoRA product of the slices in
+    the rows with an adapter (a LoraDelta: the other rows are not written), for the consumer to add.
+    `side`: on a side stream (capture only)."""
     from . import sgmv
     cfg = config_for(batch.block_m)
     part = sgmv.new_partials(x, lora_a, batch, cfg)
-    delta = torch.empty((x.shape[0], sum(b.shape[1] for b in lora_b)), dtype=torch.float32, device=x.device)
+    values = torch.empty((x.shape[0], sum(b.shape[1] for b in lora_b)), dtype=torch.float32, device=x.device)
 
     def work() -> None:
-        delta.zero_()   # rows without an adapter, and slices of rank 0, get no product
         sgmv.shrink_into(part, x, lora_a, ranks, batch, cfg)
-        sgmv.expand_from(delta, part, lora_b, ranks, scalings, batch, 0, cfg, accumulate=False)
+        sgmv.expand_from(values, part, lora_b, ranks, scalings, batch, 0, cfg, accumulate=False)
 
-    return _beside_gemm(x, weight, bias, side, work), delta
+    return _beside_gemm(x, weight, bias, side, work), LoraDelta(values, batch.row_slot)
 
 
 def linear_with_lora_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -180,3 +202,19 @@ def linear_with_lora_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     part = sgmv.new_partials(x, lora_a, batch, cfg)
     y = _beside_gemm(x, weight, bias, side, lambda: sgmv.shrink_into(part, x, lora_a, ranks, batch, cfg))
     return y, LoraProduct(part, tuple(lora_b), tuple(ranks), tuple(scalings), batch.row_slot)
+
+
+def linear_with_lora_expand(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, part: torch.Tensor,
+                            lora_b: list[torch.Tensor], batch: LoraBatch, ranks: list[torch.Tensor],
+                            scalings: list[torch.Tensor], *, side: bool) -> tuple[torch.Tensor, LoraDelta]:
+    """"full" for a projection whose shrink the op before it computed (`part`, the fp32 split-K partials
+    `[splits, slices, T, R]`: ops/silu_shrink.py): `(F.linear(x, weight, bias), delta)`, only the expand beside
+    the GEMM. `side`: on a side stream (capture only)."""
+    from . import sgmv
+    cfg = config_for(batch.block_m)
+    values = torch.empty((x.shape[0], sum(b.shape[1] for b in lora_b)), dtype=torch.float32, device=x.device)
+
+    def work() -> None:
+        sgmv.expand_from(values, part, lora_b, ranks, scalings, batch, 0, cfg, accumulate=False)
+
+    return _beside_gemm(x, weight, bias, side, work, gemm_first=EXPAND_GEMM_FIRST), LoraDelta(values, batch.row_slot)

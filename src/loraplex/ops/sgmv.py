@@ -224,13 +224,24 @@ def _dot_v_b(v, b, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _expands(rank, ACCUMULATE: tl.constexpr):
+    """Does a tile of this slice's rank write y? Adding, only with a rank; storing (an fp32 delta buffer that
+    is not zero-filled, ops/overlap.py), always: a slice of rank 0 stores zeros (its loads are all masked)."""
+    if ACCUMULATE:
+        writes = rank > 0
+    else:
+        writes = rank >= 0
+    return writes
+
+
+@triton.jit
 def _expand_tile(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, slot, start, end, n_chunk, N, col0,
                  n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R,
                  SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                  ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr):
     rank = tl.minimum(tl.load(rank_ptr + slot), R)  # a rank past R (the stacks' width) is R
     n_begin = n_chunk * n_per_prog
-    if (rank > 0) & (n_begin < N):
+    if _expands(rank, ACCUMULATE) & (n_begin < N):
         offs_m = start + tl.arange(0, BLOCK_M)
         m_mask = offs_m < end
         rows = tl.load(sorted_rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
@@ -274,7 +285,7 @@ def _expand_tile_rows(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_p
     step's B block, and each row its y, before the reduce (Triton pipelines only loads that feed a tl.dot)."""
     rank = tl.minimum(tl.load(rank_ptr + slot), R)  # a rank past R (the stacks' width) is R
     n_begin = n_chunk * n_per_prog
-    if (rank > 0) & (n_begin < N):
+    if _expands(rank, ACCUMULATE) & (n_begin < N):
         n_end = tl.minimum(n_begin + n_per_prog, N)
         scale = tl.load(scale_ptr + slot)
         b_base = b_ptr + slot.to(tl.int64) * N * R
@@ -345,7 +356,7 @@ def _sgmv_expand_kernel(
         BLOCK_R: tl.constexpr, ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
         ROWWISE: tl.constexpr, ROWS_BLOCK_N: tl.constexpr, ROWS_PREFETCH: tl.constexpr):
     """y[rows, c_i + n] += sc_i[slot] * (Σ_split part[split, i, rows, :rank]) @ B_i[slot, n, :rank]ᵀ
-    (ACCUMULATE), or y[rows, c_i + n] = that product (y an fp32 delta buffer)."""
+    (ACCUMULATE), or y[rows, c_i + n] = that product (y an fp32 delta buffer; 0 where rank is 0)."""
     work, sl, n_chunk = _program_work(NUM_SLICES, n_chunks)
     slot = tl.load(work_slot_ptr + work)
     if slot >= 0:
@@ -577,8 +588,8 @@ def expand_from(y: torch.Tensor, part: torch.Tensor, lora_b: list[torch.Tensor],
                 scalings: list[torch.Tensor], batch, y_offset: int, cfg: KernelConfig, *,
                 accumulate: bool = True) -> None:
     """Launch expand adding `scalings[slot] * Σ_split part @ B[slot]ᵀ` into y's slices; with
-    `accumulate=False`, y is fp32 and that product is stored instead (rows without an adapter, and
-    slices of rank 0, are left as they were)."""
+    `accumulate=False`, y is fp32 and that product is stored instead (zeros for slices of rank 0; rows
+    without an adapter are left as they were)."""
     num_slices = len(lora_b)
     R = lora_b[0].shape[2]
     ns = [b.shape[1] for b in lora_b]

@@ -1,0 +1,309 @@
+"""Where a graph-replayed decode forward's LoRA time goes: Llama-2-7B, batch 32 distinct rank-16 adapters,
+context 512, captured in a CUDA graph as the engine runs decode.
+
+Two views, one run:
+- **Variants**, each captured and timed alone (median µs of replays, CUDA events): the backbone, today's
+  path, and ablations that take one piece away (some give wrong logits; they are for timing only: with 32
+  distinct rank-16 adapters on every projection no row lacks an adapter, so "nofill" is exact there).
+- **Timeline** of today's path and the backbone (PyTorch profiler over graph replays): each kernel's time,
+  and the time in which it ran alone (exclusive: on the critical path, nothing beside it), beside others, or
+  nothing ran (dependency and launch gaps), by kind of kernel.
+
+    python benchmarks/trace_decode_graph.py --out benchmarks/results/decode_graph_trace.json
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import json
+import os
+import sys
+from collections import defaultdict
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_lora_ops import time_us  # noqa: E402
+from bench_model import BLOCK, RANK, capture, fill_pool, tables  # noqa: E402
+
+from loraplex.adapters import AdapterPool  # noqa: E402
+from loraplex.models import ForwardBatch, KVCache, SequenceChunk, dummy_model  # noqa: E402
+from loraplex.ops import overlap, sgmv  # noqa: E402
+
+
+def kind_of(name: str) -> str:
+    if "nvjet" in name or "gemm" in name.lower() or "splitKreduce" in name or "cutlass" in name:
+        return "gemm"
+    for key, kind in (("_decode_kernel", "attention"), ("_sgmv_shrink", "shrink"), ("_sgmv_expand", "expand"),
+                      ("Fill", "fill"), ("_rope", "rope"), ("_rms_norm", "rms_norm"), ("_silu", "silu"),
+                      ("_store_kv", "store_kv")):
+        if key in name:
+            return kind
+    return "other"
+
+
+def timeline(events: list[dict], reps: int) -> dict:
+    """Per kind: busy µs, µs alone (nothing else running), and µs beside each other kind; idle µs."""
+    points = sorted({t for e in events for t in (e["ts"], e["ts"] + e["dur"])})
+    span = points[-1] - points[0] if points else 0.0
+    alone, beside, busy = defaultdict(float), defaultdict(float), defaultdict(float)
+    idle = 0.0
+    by_start = sorted(events, key=lambda e: e["ts"])
+    active: list[dict] = []
+    i = 0
+    for left, right in zip(points, points[1:]):
+        while i < len(by_start) and by_start[i]["ts"] <= left:
+            active.append(by_start[i])
+            i += 1
+        active = [e for e in active if e["ts"] + e["dur"] > left]
+        width = right - left
+        kinds = sorted({kind_of(e["name"]) for e in active})
+        if not active:
+            idle += width
+        elif len(active) == 1:
+            alone[kinds[0]] += width
+        else:
+            beside["+".join(kinds)] += width
+    for e in events:
+        busy[kind_of(e["name"])] += e["dur"]
+    per = lambda d: {k: round(v / reps, 1) for k, v in sorted(d.items(), key=lambda kv: -kv[1])}  # noqa: E731
+    return dict(span_us=round(span / reps, 1), idle_us=round(idle / reps, 1), busy_us=per(busy),
+                alone_us=per(alone), beside_us=per(beside), kernels_per_forward=len(events) / reps)
+
+
+def trace(replay, reps: int, path: Path | None) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+    replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            replay()
+        torch.cuda.synchronize()
+    if path is not None:
+        prof.export_chrome_trace(str(path))
+    events = [dict(name=e.name, ts=e.time_range.start, dur=e.time_range.end - e.time_range.start)
+              for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0]
+    events = [e for e in events if "Memcpy" not in e["name"] and "Memset" not in e["name"]]
+    if not events:
+        return dict(error="the profiler recorded no kernels inside the graph replays")
+    return timeline(events, reps)
+
+
+@contextlib.contextmanager
+def variant(name: str):
+    """The patches of one variant (see VARIANTS)."""
+    patches = []
+    if name.startswith("nofill"):
+        real = overlap.linear_with_lora_delta
+
+        def no_fill(*args, **kwargs):
+            with mock.patch.object(torch.Tensor, "zero_", lambda self: self):
+                return real(*args, **kwargs)
+        patches.append(mock.patch.object(overlap, "linear_with_lora_delta", no_fill))
+    elif name in ("noshrink", "nolora"):
+        patches.append(mock.patch.object(sgmv, "shrink_into", lambda *a, **k: None))
+    if name in ("noexpand", "nolora"):
+        patches.append(mock.patch.object(sgmv, "expand_from", lambda *a, **k: None))
+    if name in ("nofill_gemm_first", "nofill_qkv_gemm_first"):
+        patches.append(mock.patch.object(overlap, "_beside_gemm", gemm_first(name == "nofill_qkv_gemm_first")))
+    if name == "nofill_od_shrink":
+        delta = overlap.linear_with_lora_delta
+
+        def od_shrink(x, weight, bias, lora_a, lora_b, batch, ranks, scalings, *, side):
+            if len(lora_b) == 1:   # o_proj and down_proj: expand after the GEMM, into y
+                return overlap.linear_with_lora(x, weight, bias, lora_a, lora_b, batch, ranks, scalings), None
+            return delta(x, weight, bias, lora_a, lora_b, batch, ranks, scalings, side=side)
+        patches.append(mock.patch.object(overlap, "linear_with_lora_delta", od_shrink))
+    if name == "expand_work_first":
+        patches.append(mock.patch.object(overlap, "EXPAND_GEMM_FIRST", False))
+    if name == "down_sgmv":
+        from loraplex.models import llama
+        patches.append(mock.patch.object(llama, "DOWN_SHRINK_IN_SILU", False))
+    if name == "nofill_carve16":
+        patches.append(carveout(16))
+    if name == "one_stream":
+        patches.append(mock.patch.object(overlap, "_usable_side", lambda device: None))
+    env = {"full": "full", "shrink": "shrink", "off": "off"}.get(name)
+    old = os.environ.get("LORAPLEX_LORA_OVERLAP")
+    if env:
+        os.environ["LORAPLEX_LORA_OVERLAP"] = env
+    with contextlib.ExitStack() as stack:
+        for p in patches:
+            stack.enter_context(p)
+        try:
+            yield
+        finally:
+            if old is None:
+                os.environ.pop("LORAPLEX_LORA_OVERLAP", None)
+            else:
+                os.environ["LORAPLEX_LORA_OVERLAP"] = old
+
+
+# Kernel settings tried on the "nofill" variant (`--sweep`): changes to sgmv.CONFIGS[16], the decode config
+# (its shrink beside the GEMM mostly runs first and alone, its expand on the SMs the GEMM leaves).
+SWEEP = {
+    "base": {},
+    "k512": dict(shrink_block_k=512),
+    "k256_split16": dict(split_k=16),
+    "k512_s4": dict(shrink_block_k=512, shrink_programs_per_sm=4.0),
+    "k256_w2": dict(shrink_warps=2),
+    "k512_w8": dict(shrink_block_k=512, shrink_warps=8),
+    "e32": dict(expand_programs_per_sm=32.0),
+    "e8": dict(expand_programs_per_sm=8.0),
+    "n256": dict(rows_block_n=256),
+    "n1024": dict(rows_block_n=1024),
+    "ew2": dict(expand_warps=2),
+    "prefetch": dict(rows_prefetch=True),
+}
+
+
+@contextlib.contextmanager
+def kernel_settings(changes: dict):
+    """sgmv.CONFIGS[16] with `changes` (split_k past sgmv.MAX_SPLIT_K raises that bound too)."""
+    cfg = dataclasses.replace(sgmv.CONFIGS[16], **changes)
+    with mock.patch.dict(sgmv.CONFIGS, {16: cfg}), \
+            mock.patch.object(sgmv, "MAX_SPLIT_K", max(sgmv.MAX_SPLIT_K, changes.get("split_k") or 0)):
+        yield
+
+
+def gemm_first(only_product: bool):
+    """overlap._beside_gemm with the GEMM captured before the side stream's work (both after x): at replay
+    the GEMM's CTAs may take their SMs first and the LoRA kernels the rest. `only_product`: only where the
+    work is a shrink alone (the "product" path of q/k/v)."""
+    real = overlap._beside_gemm
+
+    def beside(x, weight, bias, side, work):
+        stream = overlap._usable_side(x.device) if side else None
+        if stream is None or (only_product and weight.shape[0] != 3 * weight.shape[1]):
+            return real(x, weight, bias, side, work)
+        main = torch.cuda.current_stream(x.device)
+        ready = torch.cuda.Event()
+        ready.record(main)
+        y = torch.nn.functional.linear(x, weight, bias)
+        stream.wait_event(ready)
+        with torch.cuda.stream(stream):
+            work()
+        main.wait_stream(stream)
+        return y
+    return beside
+
+
+@contextlib.contextmanager
+def carveout(sms: int):
+    """cuBLAS GEMMs leave `sms` SMs free while graphs are captured (PyTorch's experimental setting)."""
+    setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
+    if setter is None:
+        raise RuntimeError("this torch has no _set_sm_carveout_experimental")
+    setter(sms)
+    try:
+        yield
+    finally:
+        try:
+            setter(None)
+        except TypeError:
+            setter(0)
+
+
+VARIANTS = {
+    "backbone": "no adapters",
+    "fused": "today's path (LORAPLEX_LORA_OVERLAP=fused)",
+    "nofill": "fused without the zero fills of the fp32 delta buffers (since 2026-12-01's 11th session: fused)",
+    "expand_work_first": "fused with down's expand captured before its GEMM (overlap.EXPAND_GEMM_FIRST off)",
+    "down_sgmv": "fused with down's shrink as its own kernel beside the GEMM (models/llama.DOWN_SHRINK_IN_SILU off)",
+    "nofill_gemm_first": "nofill, each GEMM captured before its side-stream LoRA kernels",
+    "nofill_qkv_gemm_first": "nofill, q/k/v's GEMM captured before its shrink",
+    "nofill_od_shrink": "nofill, o and down: the shrink beside the GEMM, the expand after it into y",
+    "nofill_carve16": "nofill, cuBLAS leaving 16 SMs free (torch._C._set_sm_carveout_experimental)",
+    "noshrink": "fused without shrink kernels (timing only)",
+    "noexpand": "fused without expand kernels (timing only; RoPE still expands q/k/v)",
+    "nolora": "fused without shrink and expand kernels: the consumers' cost and the fills (timing only)",
+    "one_stream": "fused with the LoRA kernels on the main stream (no side stream)",
+    "full": "LORAPLEX_LORA_OVERLAP=full",
+    "shrink": "LORAPLEX_LORA_OVERLAP=shrink",
+    "off": "LORAPLEX_LORA_OVERLAP=off (plain order)",
+}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--trace-variants", default="backbone,fused,nofill")
+    ap.add_argument("--sweep", default="", help=f"comma-separated settings to time on nofill: {', '.join(SWEEP)}")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--trace-dir", type=Path, help="where to write the chrome traces")
+    args = ap.parse_args(argv)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    cpu_gen = torch.Generator().manual_seed(0)
+    model = dummy_model("llama-2-7b", dtype="bfloat16", device="cuda")
+    c, B = model.config, args.batch
+    ctx_blocks = -(-args.context // BLOCK)
+    kv = KVCache(c, B * ctx_blocks, BLOCK, dtype=torch.bfloat16, device="cuda")
+    kv.data.normal_(0, 1, generator=gen)
+    pool = AdapterPool(c, num_slots=B, max_rank=RANK, dtype=torch.bfloat16, device="cuda")
+    fill_pool(pool, gen)
+    tokens = torch.randint(0, c.vocab_size, (B,), generator=cpu_gen).tolist()
+    chunks = [SequenceChunk([t], args.context - 1, tab, s)
+              for t, tab, s in zip(tokens, tables(B, ctx_blocks, 0, cpu_gen), range(B))]
+    batch = ForwardBatch.build(chunks, block_size=BLOCK, num_blocks=kv.num_blocks, vocab_size=c.vocab_size,
+                               device="cuda")
+    result = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,
+                  batch=B, context=args.context, rank=RANK, variants={}, timelines={}, sweep={})
+    reference = None
+
+    def one_variant(name: str, adapters) -> None:
+        nonlocal reference
+        with variant(name):
+            replay, logits = capture(lambda: model(batch, kv, adapters))
+            with torch.inference_mode():
+                logits.fill_(float("nan"))   # poisoned: the replay must write every logit
+            replay()
+            torch.cuda.synchronize()
+            out = logits.clone()
+            if name == "fused":
+                reference = out
+            us = time_us([replay], target_ms=30, reps=9)
+            row = dict(what=VARIANTS[name], graph_us=round(us, 1), finite=bool(torch.isfinite(out).all()))
+            if reference is not None and name != "backbone":
+                row["max_abs_vs_fused"] = (out - reference).abs().max().item()
+            result["variants"][name] = row
+            print(f"{name:11s} {us:8.0f} µs  {row}", flush=True)
+            if name in args.trace_variants.split(","):
+                path = args.trace_dir / f"decode_graph_{name}.json" if args.trace_dir else None
+                result["timelines"][name] = trace(replay, 3, path)
+                print(json.dumps(result["timelines"][name], indent=1), flush=True)
+            del replay, logits
+            torch.cuda.empty_cache()
+
+    for name in args.variants.split(","):
+        adapters = None if name == "backbone" else pool
+        try:
+            one_variant(name, adapters)
+        except Exception as e:  # noqa: BLE001 - one variant's failure (e.g. a missing torch hook) is reported
+            result["variants"][name] = dict(what=VARIANTS[name], error=repr(e))
+            print(f"{name:11s} failed: {e!r}", flush=True)
+    for name in filter(None, args.sweep.split(",")):
+        with variant("nofill"), kernel_settings(SWEEP[name]):
+            replay, logits = capture(lambda: model(batch, kv, pool))
+            replay()
+            torch.cuda.synchronize()
+            err = (logits - reference).abs().max().item() if reference is not None else None
+            us = time_us([replay], target_ms=30, reps=9)
+            result["sweep"][name] = dict(changes=SWEEP[name], graph_us=round(us, 1), max_abs_vs_fused=err)
+            print(f"sweep {name:14s} {us:8.0f} µs  max|Δ| vs fused {err}", flush=True)
+            del replay, logits
+            torch.cuda.empty_cache()
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=1) + "\n")
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
