@@ -1,6 +1,6 @@
 """Probe: what would a decode step's LoRA cost if it rode inside the projections' GEMMs? (one H200 run)
 
-Today each projection's LoRA is its own small kernels (shrink, expand, a zero fill), each a few µs of
+Today each projection's LoRA is its own small kernels (shrink, expand; then a zero fill too), each a few µs of
 dependent loads for a few MB (benchmarks/NOTES.md): at batch 32 with distinct adapters they add ~1.85 ms
 to a 6.5 ms Llama-2-7B decode forward, against 0.6 ms of adapter bytes. If the batch's C adapters were
 kept side by side ("active" copies, C = the batch bound), their weights could join the GEMM itself:
@@ -17,7 +17,7 @@ layers in one CUDA graph, one stream (no attention, norms or other ops: only wha
 
     plain     the four GEMMs (the backbone)
     sgmv      GEMM, then sgmv.add_lora in place (shrink + expand kernels after it)
-    full      ops/overlap.py's "full" path beside the GEMM (zero fill, shrink, expand on a side stream;
+    full      ops/overlap.py's "full" path beside the GEMM (shrink and expand on a side stream;
               the consumer's add of the product is not counted)
     naug      N-augmented GEMM, then sgmv's expand reading each row's shrink from the GEMM's output
     naug-rope as naug, without q/k/v's expand (which RoPE would do as it loads q/k/v, as today)

@@ -118,6 +118,9 @@ def variant(name: str):
                 return overlap.linear_with_lora(x, weight, bias, lora_a, lora_b, batch, ranks, scalings), None
             return delta(x, weight, bias, lora_a, lora_b, batch, ranks, scalings, side=side)
         patches.append(mock.patch.object(overlap, "linear_with_lora_delta", od_shrink))
+    if name in ("down_in_silu", "expand_work_first"):
+        from loraplex.models import llama
+        patches.append(mock.patch.object(llama, "DOWN_SHRINK_IN_SILU", True))
     if name == "expand_work_first":
         patches.append(mock.patch.object(overlap, "EXPAND_GEMM_FIRST", False))
     if name == "down_sgmv":
@@ -176,10 +179,10 @@ def gemm_first(only_product: bool):
     work is a shrink alone (the "product" path of q/k/v)."""
     real = overlap._beside_gemm
 
-    def beside(x, weight, bias, side, work):
+    def beside(x, weight, bias, side, work, gemm_first=False):
         stream = overlap._usable_side(x.device) if side else None
         if stream is None or (only_product and weight.shape[0] != 3 * weight.shape[1]):
-            return real(x, weight, bias, side, work)
+            return real(x, weight, bias, side, work, gemm_first)
         main = torch.cuda.current_stream(x.device)
         ready = torch.cuda.Event()
         ready.record(main)
@@ -211,9 +214,10 @@ def carveout(sms: int):
 VARIANTS = {
     "backbone": "no adapters",
     "fused": "today's path (LORAPLEX_LORA_OVERLAP=fused)",
-    "nofill": "fused without the zero fills of the fp32 delta buffers (since 2026-12-01's 11th session: fused)",
-    "expand_work_first": "fused with down's expand captured before its GEMM (overlap.EXPAND_GEMM_FIRST off)",
-    "down_sgmv": "fused with down's shrink as its own kernel beside the GEMM (models/llama.DOWN_SHRINK_IN_SILU off)",
+    "nofill": "fused without zero fills of the fp32 deltas (no patch since the eleventh session: fused)",
+    "down_in_silu": "fused with down's shrink inside SiLU-and-mul (models/llama.DOWN_SHRINK_IN_SILU on)",
+    "expand_work_first": "down_in_silu with down's expand captured before its GEMM (overlap.EXPAND_GEMM_FIRST off)",
+    "down_sgmv": "fused with models/llama.DOWN_SHRINK_IN_SILU off (today's default: fused)",
     "nofill_gemm_first": "nofill, each GEMM captured before its side-stream LoRA kernels",
     "nofill_qkv_gemm_first": "nofill, q/k/v's GEMM captured before its shrink",
     "nofill_od_shrink": "nofill, o and down: the shrink beside the GEMM, the expand after it into y",

@@ -400,14 +400,17 @@ def test_y_in_xs_storage():
 
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rowwise, rows", [(0, "plain"), (1, "plain"), (2, "plain"), (2, "prefetch")])
-def test_expand_can_store_the_product_instead_of_adding_it(dtype, rowwise, rows):
+@pytest.mark.parametrize("rowwise, rows, R", [(0, "plain", 16), (1, "plain", 16), (2, "plain", 16), (2, "prefetch", 16),
+                                              (0, "plain", 80)])   # 80: two rank tiles (the loop over them)
+def test_expand_can_store_the_product_instead_of_adding_it(dtype, rowwise, rows, R):
     """accumulate=False: y is an fp32 buffer; rows with an adapter get scaling · v @ Bᵀ (zeros in slices of
     rank 0: the buffer is not zero-filled, ops/lora_delta.py), every other element keeps what it held (NaN)."""
-    rng = np.random.default_rng(stable_seed("store", str(dtype)))
-    case = make_case(rng, seg_lens=[1, 3, 1, 1, 20, 1, 2], popularity="uniform", K=96, Ns=(40, 24), R=16,
+    rng = np.random.default_rng(stable_seed("store", str(dtype), R))
+    case = make_case(rng, seg_lens=[1, 3, 1, 1, 20, 1, 2], popularity="uniform", K=96, Ns=(40, 24), R=R,
                      dtype=dtype, none_frac=0.3, ranks="mixed")
-    case.ranks[0][case.slot_ids[1]] = 0   # a slot used by rows has a slice of rank 0 (lowering a rank reads less)
+    case.slot_ids[3] = -1     # a row without an adapter
+    used = next(s for s in case.slot_ids if s >= 0)
+    case.ranks[0][used] = 0   # a slot used by rows has a slice of rank 0 (lowering a rank reads less)
     batch = case.batch()
     cfg = sgmv.KernelConfig(split_k=2, n_chunks=2, expand_block_n=16, shrink_rowwise=rowwise,
                             expand_rowwise=rowwise, **ROWS_OPTIONS[rows])

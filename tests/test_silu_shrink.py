@@ -40,7 +40,7 @@ def _case(gen, T: int, I: int, R: int, dtype: torch.dtype, delta_kind: str):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("I, R, delta_kind", [(200, 16, "lora_delta"), (1100, 32, None), (72, 8, "tensor")])
+@pytest.mark.parametrize("I, R, delta_kind", [(600, 16, "lora_delta"), (1100, 32, None), (300, 8, "tensor")])
 def test_out_is_silu_and_mul_and_part_sums_to_the_shrink(backend, dtype, I, R, delta_kind, monkeypatch):
     """out: fused.silu_and_mul's bits. Σ_split part: out @ A[slot]ᵀ for rows with an adapter and ranks
     below the slot's (float64 loop; fp32 sums). Nothing else of part is read here (it is not written)."""
@@ -54,7 +54,7 @@ def test_out_is_silu_and_mul_and_part_sums_to_the_shrink(backend, dtype, I, R, d
     assert torch.equal(gate_up, gate_up_in)
     assert part.dtype == torch.float32 and part.shape[1:] == (1, T, R)
     if backend == "triton":
-        assert part.shape[0] == -(-I // 256)
+        assert part.shape[0] == -(-I // 256) > 1
     v = part.sum(0)[0]
     checked = 0
     for m, s in enumerate(row_slot.tolist()):

@@ -33,8 +33,8 @@ CALLS = ((("q_proj", "k_proj", "v_proj"), "hidden"), (("o_proj",), "attention"),
 
 
 def compile_lora_kernels(config: ModelConfig, pool: AdapterPool, dtype: torch.dtype) -> int:
-    """Launch each variant once on a tile whose adapter slot has rank 0 (nothing is computed or
-    written); returns the number of launches."""
+    """Launch each variant once on a tile whose adapter slot has rank 0 (nothing is computed; the
+    fp32-product variants store zeros into their scratch buffers); returns the number of launches."""
     device = pool.device
     widths = {"hidden": config.hidden_size, "attention": config.num_attention_heads * config.head_dim,
               "intermediate": config.intermediate_size}
@@ -156,8 +156,9 @@ def _down_shrink_in_silu() -> bool:
     """Does the model compute down's shrink in SiLU-and-mul (models/llama.py) in forwards that leave the
     products to the next op ("full" and "fused" modes)?"""
     from ..models import llama
-    fused_down = overlap.mode() == "fused" and "down_proj" in overlap.FUSED_PROJECTIONS
-    return llama.DOWN_SHRINK_IN_SILU and overlap.mode() in ("full", "fused") and not fused_down
+    # as models/llama.py: not where down's or gate/up's product is a LoraProduct ("fused" projections)
+    fused_mlp = overlap.mode() == "fused" and bool({"down_proj", "gate_proj"} & overlap.FUSED_PROJECTIONS)
+    return llama.DOWN_SHRINK_IN_SILU and overlap.mode() in ("full", "fused") and not fused_mlp
 
 
 def _compile_silu_shrink(x, y, a, b, ranks, scalings, batch, base: sgmv.KernelConfig, n_tiles: int) -> int:

@@ -3,7 +3,7 @@
 The "fused" path of ops/overlap.py runs only the SGMV shrink beside a decode GEMM; the op that reads
 the projection's output next (RMSNorm for o and down, SiLU-and-mul for gate/up, RoPE for q/k/v: the
 `delta` arguments of ops/fused.py) computes each row's expand itself as it loads that row. A
-separate expand kernel, a zeroed product buffer and a dependent launch per projection go away, and
+separate expand kernel, its fp32 product buffer and a dependent launch per projection go away, and
 the expand's reads of B spread over the consumer's programs.
 
 For row m with slot s = row_slot[m] ≥ 0 and slice i (q/k/v or gate/up: slices side by side, in order)

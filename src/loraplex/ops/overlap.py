@@ -30,9 +30,9 @@ runs beside the GEMM, and the consumer expands each row's product itself as it l
 
 The other projections take "full"'s way in the same forward.
 
-Down's shrink runs inside the SiLU-and-mul before it (ops/silu_shrink.py: `linear_with_lora_expand` is then
-the expand alone beside the GEMM) in both ways: launched beside the down GEMM, the shrink took every SM
-before the GEMM could start.
+Down's shrink can run inside the SiLU-and-mul before it instead, in both ways (models/llama.py's
+DOWN_SHRINK_IN_SILU, off by default: measured slower; ops/silu_shrink.py): `linear_with_lora_expand` is then
+the expand alone beside the GEMM.
 
 LORAPLEX_LORA_OVERLAP: "fused" (default; also "1"), "full", "shrink" (only the shrink beside the GEMM,
 up to SHRINK_MAX_ROWS rows), "off" (also "0").
