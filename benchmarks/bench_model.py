@@ -103,6 +103,26 @@ def tables(num_seqs: int, blocks_each: int, offset: int, gen: torch.Generator) -
     return [order[i * blocks_each:(i + 1) * blocks_each] for i in range(num_seqs)]
 
 
+def decode_setup(batch: int, context: int):
+    """(model, KV cache, adapter pool, ForwardBatch): a random Llama-2-7B (bf16, CUDA), `batch` sequences at
+    `context` tokens each decoding one, each its own pool slot of a rank-RANK adapter on every projection,
+    pages scattered. Seeded: the same inputs every run."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    cpu_gen = torch.Generator().manual_seed(0)
+    model = dummy_model("llama-2-7b", dtype="bfloat16", device="cuda")
+    c = model.config
+    ctx_blocks = -(-context // BLOCK)
+    kv = KVCache(c, batch * ctx_blocks, BLOCK, dtype=torch.bfloat16, device="cuda")
+    kv.data.normal_(0, 1, generator=gen)
+    pool = AdapterPool(c, num_slots=batch, max_rank=RANK, dtype=torch.bfloat16, device="cuda")
+    fill_pool(pool, gen)
+    tokens = torch.randint(0, c.vocab_size, (batch,), generator=cpu_gen).tolist()
+    chunks = [SequenceChunk([t], context - 1, tab, s)
+              for t, tab, s in zip(tokens, tables(batch, ctx_blocks, 0, cpu_gen), range(batch))]
+    fb = ForwardBatch.build(chunks, block_size=BLOCK, num_blocks=kv.num_blocks, vocab_size=c.vocab_size, device="cuda")
+    return model, kv, pool, fb
+
+
 def matmul_flops(model, tokens: int, logits_rows: int, seq_len: int, num_seqs: int, lora: bool) -> float:
     c = model.config
     dense = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n

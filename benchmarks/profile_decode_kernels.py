@@ -12,13 +12,8 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_model import BLOCK, RANK, fill_pool, kernel_profile, tables  # noqa: E402
-
-from loraplex.adapters import AdapterPool  # noqa: E402
-from loraplex.models import ForwardBatch, KVCache, SequenceChunk, dummy_model  # noqa: E402
+from bench_model import decode_setup, kernel_profile  # noqa: E402
 
 
 def main(argv=None) -> str:
@@ -28,20 +23,8 @@ def main(argv=None) -> str:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    cpu_gen = torch.Generator().manual_seed(0)
-    model = dummy_model("llama-2-7b", dtype="bfloat16", device="cuda")
-    c, B = model.config, args.batch
-    ctx_blocks = -(-args.context // BLOCK)
-    kv = KVCache(c, B * ctx_blocks, BLOCK, dtype=torch.bfloat16, device="cuda")
-    kv.data.normal_(0, 1, generator=gen)
-    pool = AdapterPool(c, num_slots=B, max_rank=RANK, dtype=torch.bfloat16, device="cuda")
-    fill_pool(pool, gen)
-    tokens = torch.randint(0, c.vocab_size, (B,), generator=cpu_gen).tolist()
-    chunks = [SequenceChunk([t], args.context - 1, tab, s)
-              for t, tab, s in zip(tokens, tables(B, ctx_blocks, 0, cpu_gen), range(B))]
-    batch = ForwardBatch.build(chunks, block_size=BLOCK, num_blocks=kv.num_blocks, vocab_size=c.vocab_size,
-                               device="cuda")
+    B = args.batch
+    model, kv, pool, batch = decode_setup(B, args.context)
     text = []
     for mode in args.modes.split(","):
         # "backbone": the same forward without adapters, for what LoRA adds kernel by kernel

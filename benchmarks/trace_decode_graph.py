@@ -28,10 +28,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_lora_ops import time_us  # noqa: E402
-from bench_model import BLOCK, RANK, capture, fill_pool, tables  # noqa: E402
+from bench_model import RANK, capture, decode_setup  # noqa: E402
 
-from loraplex.adapters import AdapterPool  # noqa: E402
-from loraplex.models import ForwardBatch, KVCache, SequenceChunk, dummy_model  # noqa: E402
 from loraplex.ops import overlap, sgmv  # noqa: E402
 
 
@@ -242,20 +240,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--trace-dir", type=Path, help="where to write the chrome traces")
     args = ap.parse_args(argv)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    cpu_gen = torch.Generator().manual_seed(0)
-    model = dummy_model("llama-2-7b", dtype="bfloat16", device="cuda")
-    c, B = model.config, args.batch
-    ctx_blocks = -(-args.context // BLOCK)
-    kv = KVCache(c, B * ctx_blocks, BLOCK, dtype=torch.bfloat16, device="cuda")
-    kv.data.normal_(0, 1, generator=gen)
-    pool = AdapterPool(c, num_slots=B, max_rank=RANK, dtype=torch.bfloat16, device="cuda")
-    fill_pool(pool, gen)
-    tokens = torch.randint(0, c.vocab_size, (B,), generator=cpu_gen).tolist()
-    chunks = [SequenceChunk([t], args.context - 1, tab, s)
-              for t, tab, s in zip(tokens, tables(B, ctx_blocks, 0, cpu_gen), range(B))]
-    batch = ForwardBatch.build(chunks, block_size=BLOCK, num_blocks=kv.num_blocks, vocab_size=c.vocab_size,
-                               device="cuda")
+    B = args.batch
+    model, kv, pool, batch = decode_setup(B, args.context)
     result = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,
                   batch=B, context=args.context, rank=RANK, variants={}, timelines={}, sweep={})
     reference = None

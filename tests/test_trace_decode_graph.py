@@ -1,0 +1,40 @@
+"""benchmarks/trace_decode_graph.py's timeline on the CPU: from kernel records (name, start, duration), each kind's
+busy time, its time alone (nothing else running), the overlaps by kinds, and the idle gaps, per forward."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.fixture()
+def probe(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location("trace_decode_graph", BENCHMARKS / "trace_decode_graph.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_kinds_of_kernels(probe):
+    assert probe.kind_of("nvjet_sm90_tst_192x32_64x7_4x1_v_bz_TNT") == "gemm"
+    assert probe.kind_of("void cublasLt::splitKreduce_kernel<32, 16, int, float>") == "gemm"
+    assert probe.kind_of("_sgmv_shrink_kernel") == "shrink" and probe.kind_of("_sgmv_expand_kernel") == "expand"
+    assert probe.kind_of("_rope_lora_kernel") == "rope" and probe.kind_of("_decode_kernel") == "attention"
+    assert probe.kind_of("void at::native::vectorized_elementwise_kernel<4, FillFunctor>") == "fill"
+    assert probe.kind_of("something_else") == "other"
+
+
+def test_timeline_splits_time_into_alone_beside_and_idle(probe):
+    # two forwards of: a GEMM [0, 10) with a shrink beside it [2, 5), then RoPE [12, 14) after a 2 µs gap
+    one = [dict(name="nvjet_gemm", ts=0.0, dur=10.0), dict(name="_sgmv_shrink_kernel", ts=2.0, dur=3.0),
+           dict(name="_rope_kernel", ts=12.0, dur=2.0)]
+    events = one + [dict(e, ts=e["ts"] + 20.0) for e in one]   # the second forward starts at 20: 6 µs idle between
+    got = probe.timeline(events, reps=2)
+    assert got["span_us"] == 17.0                                 # 34 µs over two forwards
+    assert got["idle_us"] == 5.0                                  # gaps 10-12, 14-20 and 30-32: 10 µs
+    assert got["busy_us"] == {"gemm": 10.0, "shrink": 3.0, "rope": 2.0}
+    assert got["alone_us"] == {"gemm": 7.0, "rope": 2.0}
+    assert got["beside_us"] == {"gemm+shrink": 3.0}
+    assert got["kernels_per_forward"] == 3.0
