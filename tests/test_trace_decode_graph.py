@@ -38,3 +38,17 @@ def test_timeline_splits_time_into_alone_beside_and_idle(probe):
     assert got["alone_us"] == {"gemm": 7.0, "rope": 2.0}
     assert got["beside_us"] == {"gemm+shrink": 3.0}
     assert got["kernels_per_forward"] == 3.0
+
+
+def test_product_variants_patch_and_restore_the_settings(probe):
+    """The variants that leave more products to their consumers set overlap.FUSED_PROJECTIONS and
+    fused_lora_kernels.RMS_SPLIT only inside, and every variant has its description."""
+    from loraplex.ops import fused_lora_kernels, overlap
+    before = (overlap.FUSED_PROJECTIONS, fused_lora_kernels.RMS_SPLIT)
+    with probe.variant("od_split1024"):
+        assert overlap.FUSED_PROJECTIONS == {"q_proj", "o_proj", "down_proj"} and fused_lora_kernels.RMS_SPLIT == 1024
+    with probe.variant("all_split512"):
+        assert "gate_proj" in overlap.FUSED_PROJECTIONS and fused_lora_kernels.RMS_SPLIT == 512
+    assert (overlap.FUSED_PROJECTIONS, fused_lora_kernels.RMS_SPLIT) == before
+    assert set(probe.PRODUCT_VARIANTS) <= set(probe.VARIANTS)
+    assert probe.VARIANTS["od_rows"].endswith("one program per row") and "q/o/down" in probe.VARIANTS["od_rows"]
