@@ -126,9 +126,11 @@ def variant(name: str):
         patches.append(mock.patch.object(llama, "DOWN_SHRINK_IN_SILU", False))
     if name in PRODUCT_VARIANTS:   # more projections' products expanded by their consumers (ops/lora_product.py)
         from loraplex.ops import fused_lora_kernels
-        projs, rms_split = PRODUCT_VARIANTS[name]
+        from loraplex.models import llama
+        projs, rms_split, boundaries = PRODUCT_VARIANTS[name]
         patches.append(mock.patch.object(overlap, "FUSED_PROJECTIONS", frozenset(projs)))
         patches.append(mock.patch.object(fused_lora_kernels, "RMS_SPLIT", rms_split))
+        patches.append(mock.patch.object(llama, "FUSED_BOUNDARIES", boundaries))
     if name == "nofill_carve16":
         patches.append(carveout(16))
     if name == "one_stream":
@@ -214,13 +216,17 @@ def carveout(sms: int):
             setter(0)
 
 
-# (projections whose product the next op expands, fused_lora_kernels.RMS_SPLIT): o's and down's products
-# expanded by the RMSNorm after them, each row over programs of RMS_SPLIT columns (two launches,
-# fused_lora_rms_split.py; 0: one program per row), the step before that RMSNorm's second launch also
-# computing the next projection's shrink (benchmarks/NOTES.md, eleventh session).
+# (projections whose product the next op expands, fused_lora_kernels.RMS_SPLIT, models/llama.FUSED_BOUNDARIES):
+# o's and down's products expanded by the RMSNorm after them, each row over programs of RMS_SPLIT columns (two
+# launches, fused_lora_rms_split.py; 0: one program per row); with boundaries, that RMSNorm's second launch also
+# computes the next projection's shrink (ops/rms_shrink.py; benchmarks/NOTES.md, eleventh session).
 QKV_O_DOWN = ("q_proj", "o_proj", "down_proj")
-PRODUCT_VARIANTS = {"od_rows": (QKV_O_DOWN, 0), "od_split512": (QKV_O_DOWN, 512), "od_split1024": (QKV_O_DOWN, 1024),
-                    "od_split2048": (QKV_O_DOWN, 2048), "all_split512": (QKV_O_DOWN + ("gate_proj",), 512)}
+ALL_FOUR = QKV_O_DOWN + ("gate_proj",)
+PRODUCT_VARIANTS = {"od_rows": (QKV_O_DOWN, 0, False), "od_split512": (QKV_O_DOWN, 512, False),
+                    "od_split1024": (QKV_O_DOWN, 1024, False), "od_split2048": (QKV_O_DOWN, 2048, False),
+                    "all_split512": (ALL_FOUR, 512, False), "boundary_od512": (QKV_O_DOWN, 512, True),
+                    "boundary_od1024": (QKV_O_DOWN, 1024, True), "boundary_od2048": (QKV_O_DOWN, 2048, True),
+                    "boundary_all1024": (ALL_FOUR, 1024, True)}
 
 VARIANTS = {
     "backbone": "no adapters",
@@ -235,7 +241,8 @@ VARIANTS = {
     "nofill_carve16": "nofill, cuBLAS leaving 16 SMs free (torch._C._set_sm_carveout_experimental)",
     **{name: f"fused, products of {'/'.join(p.split('_')[0] for p in projs)} expanded by their consumers, RMSNorm "
                 f"{'one program per row' if split == 0 else f'over {split}-column programs'}"
-       for name, (projs, split) in PRODUCT_VARIANTS.items()},
+                f"{', computing the next shrink (fused boundaries)' if boundaries else ''}"
+       for name, (projs, split, boundaries) in PRODUCT_VARIANTS.items()},
     "noshrink": "fused without shrink kernels (timing only)",
     "noexpand": "fused without expand kernels (timing only; RoPE still expands q/k/v)",
     "nolora": "fused without shrink and expand kernels: the consumers' cost and the fills (timing only)",

@@ -188,9 +188,24 @@ def silu_shrink(dtype: str, arch: int) -> None:
     assert "div.rn.f32" in ptx, f"silu_shrink {dtype}: the division must be IEEE"
 
 
+def rms_shrink(dtype: str, arch: int) -> None:
+    """The split RMSNorm's scaling step computing the next projection's shrink (ops/rms_shrink_kernels.py)."""
+    from loraplex.ops import rms_shrink_kernels as k
+    types = dict(s_ptr="*" + dtype, w_ptr="*" + dtype, out_ptr="*" + dtype, sumsq_ptr="*fp32", slot_ptr="*i32",
+                 a0="*" + dtype, a1="*" + dtype, a2="*" + dtype, rk0="*i32", rk1="*i32", rk2="*i32",
+                 part_ptr="*fp32")
+    for slices, block in ((3, 1024), (2, 512)):
+        ptx = _compile(k._rms_scale_shrink_kernel, types,
+                       dict(NUM_SLICES=slices, BLOCK_C=8, BLOCK=block, BLOCK_R=k.BLOCK_R, COMPILED=True), arch,
+                       max(1, min(4, block // 128)))
+        what = f"rms_shrink {dtype} slices={slices} BLOCK={block}"
+        _no_approx(ptx, what)
+        assert re.search(r"mul\.rn(\.ftz)?\.f32", ptx), f"{what}: sum·(1/H) must be a separate product before + eps"
+
+
 KERNELS = {"rms_norm": rms_norm, "silu_and_mul": silu, "rope": rope, "rms_norm_lora": rms_norm_lora,
            "rms_norm_lora_split": rms_norm_lora_split, "silu_and_mul_lora": silu_lora, "rope_lora": rope_lora,
-           "silu_shrink": silu_shrink}
+           "silu_shrink": silu_shrink, "rms_shrink": rms_shrink}
 
 
 @pytest.mark.parametrize("kernel", list(KERNELS))

@@ -155,22 +155,31 @@ def test_head_major_kv_cache_matches_too(setup, backend):
 
 
 ALL_FOUR = ("q_proj", "o_proj", "gate_proj", "down_proj")
+QKV_O_DOWN = ("q_proj", "o_proj", "down_proj")
 
 
-@pytest.mark.parametrize("overlap_mode, fused_projs, rms_split, down_in_silu", [
-    ("full", None, 0, False), ("fused", None, 0, False), ("full", None, 0, True), ("fused", None, 0, True),
-    ("fused", ALL_FOUR, 0, True), ("fused", ALL_FOUR, 16, False), ("off", None, 0, True)])
+@pytest.mark.parametrize("overlap_mode, fused_projs, rms_split, down_in_silu, boundaries", [
+    ("full", None, 0, False, False), ("fused", None, 0, False, False), ("full", None, 0, True, False),
+    ("fused", None, 0, True, False), ("fused", ALL_FOUR, 0, True, False), ("fused", ALL_FOUR, 16, False, False),
+    ("off", None, 0, True, False), ("fused", QKV_O_DOWN, 16, False, True), ("fused", ALL_FOUR, 32, False, True)])
 def test_triton_kernels_in_the_interpreter_match_too(setup, overlap_mode, fused_projs, rms_split, down_in_silu,
-                                                     monkeypatch):
+                                                     boundaries, monkeypatch):
     """The same through every Triton kernel (LoRA, attention, fused ops) run by Triton's CPU interpreter:
     with each LoRA product left for the next op to add (ops/overlap.py's "full"), left unexpanded for the
     next op to expand ("fused", the default for forwards of up to MAX_ROWS rows: q/k/v's product, the
     others as "full"; or every projection's, RMSNorm's rows whole or over programs of `rms_split` columns),
     and added after each GEMM. `down_in_silu`: models/llama.DOWN_SHRINK_IN_SILU (down's shrink inside
-    SiLU-and-mul where the products are left to the next op and down is not a fused projection)."""
+    SiLU-and-mul where the products are left to the next op and down is not a fused projection).
+    `boundaries`: models/llama.FUSED_BOUNDARIES (the split RMSNorm after o and down also computing the next
+    projection's shrink, ops/rms_shrink.py)."""
     from loraplex.models import llama
-    from loraplex.ops import overlap
+    from loraplex.ops import overlap, rms_shrink
     monkeypatch.setattr(llama, "DOWN_SHRINK_IN_SILU", down_in_silu)
+    monkeypatch.setattr(llama, "FUSED_BOUNDARIES", boundaries)
+    boundary_calls = []
+    real_boundary = rms_shrink.rms_norm_shrink
+    monkeypatch.setattr(llama, "rms_norm_shrink", lambda *a, **kw: boundary_calls.append(kw["block"])
+                        or real_boundary(*a, **kw))
     if setup.config.head_dim & (setup.config.head_dim - 1):
         pytest.skip("the Triton attention kernels take power-of-two head sizes")
     monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", overlap_mode)
@@ -193,14 +202,26 @@ def test_triton_kernels_in_the_interpreter_match_too(setup, overlap_mode, fused_
                           graph_room=(8, 32) if overlap_mode == "off" else None)   # ("off": > MAX_ROWS rows)
     finally:
         setup.model.backend = None
-    per_step = 2 * setup.config.num_hidden_layers   # two forwards (prefixes, then everything)
+    layers = setup.config.num_hidden_layers
+    per_step = 2 * layers   # two forwards (prefixes, then everything)
     fused_count = len(fused_projs or overlap.FUSED_PROJECTIONS) if overlap_mode == "fused" else 0
-    assert len(calls["fused"]) == fused_count * per_step
     # down's shrink in SiLU-and-mul (ops/silu_shrink.py) unless down is a "fused" projection: its expand alone
     fused_down = overlap_mode == "fused" and "down_proj" in (fused_projs or ())
     expand = 1 if down_in_silu and overlap_mode != "off" and not fused_down else 0
-    assert len(calls["expand"]) == expand * per_step
-    assert len(calls["full"]) == ({"full": 4, "fused": 4 - fused_count, "off": 0}[overlap_mode] - expand) * per_step
+    if boundaries:
+        # the norms after o and after down compute the next shrink (not layer 0's input norm: no product before
+        # it), so q/k/v's product path runs in layer 0 only and gate/up's never; gate/up outside the fused
+        # projections takes its expand alone beside the GEMM
+        assert boundary_calls == [rms_split] * 2 * (2 * layers - 1)
+        gate_fused = "gate_proj" in fused_projs
+        assert len(calls["fused"]) == 2 * (1 + 2 * layers)   # q/k/v in layer 0, o and down everywhere
+        assert len(calls["expand"]) == (0 if gate_fused else per_step) and not calls["full"]
+    else:
+        assert not boundary_calls
+        assert len(calls["fused"]) == fused_count * per_step
+        assert len(calls["expand"]) == expand * per_step
+        assert len(calls["full"]) == ({"full": 4, "fused": 4 - fused_count, "off": 0}[overlap_mode] - expand) * \
+            per_step
     assert not any(calls["full"] + calls["fused"] + calls["expand"])   # the side stream only while capturing
     assert (len(split_calls) > 0) == bool(rms_split) and set(split_calls) <= {rms_split}
 

@@ -47,8 +47,12 @@ def test_product_variants_patch_and_restore_the_settings(probe):
     before = (overlap.FUSED_PROJECTIONS, fused_lora_kernels.RMS_SPLIT)
     with probe.variant("od_split1024"):
         assert overlap.FUSED_PROJECTIONS == {"q_proj", "o_proj", "down_proj"} and fused_lora_kernels.RMS_SPLIT == 1024
+    from loraplex.models import llama
     with probe.variant("all_split512"):
         assert "gate_proj" in overlap.FUSED_PROJECTIONS and fused_lora_kernels.RMS_SPLIT == 512
-    assert (overlap.FUSED_PROJECTIONS, fused_lora_kernels.RMS_SPLIT) == before
+        assert not llama.FUSED_BOUNDARIES
+    with probe.variant("boundary_od1024"):
+        assert llama.FUSED_BOUNDARIES and fused_lora_kernels.RMS_SPLIT == 1024
+    assert (overlap.FUSED_PROJECTIONS, fused_lora_kernels.RMS_SPLIT) == before and not llama.FUSED_BOUNDARIES
     assert set(probe.PRODUCT_VARIANTS) <= set(probe.VARIANTS)
     assert probe.VARIANTS["od_rows"].endswith("one program per row") and "q/o/down" in probe.VARIANTS["od_rows"]

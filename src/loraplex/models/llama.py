@@ -25,6 +25,7 @@ from ..ops.fused import apply_rope, rms_norm, silu_and_mul
 from ..ops.lora_delta import LoraDelta
 from ..ops.lora_in_gemm import expand_in_gemm
 from ..ops.lora_product import LoraProduct
+from ..ops.rms_shrink import rms_norm_shrink
 from ..ops.silu_shrink import silu_and_mul_shrink
 from .config import ModelConfig
 from .forward_batch import ForwardBatch
@@ -45,6 +46,12 @@ IN_GEMM_QKV_TO_ROPE = True
 # 7.2 µs (2.7 without) and the down block as long as before.
 DOWN_SHRINK_IN_SILU = False
 LEFT_FOR_NEXT_OP = ("delta", "delta-side", "product", "product-side")
+# Fused layer boundaries: where an RMSNorm expands the product of the projection before it (o or down in
+# overlap.FUSED_PROJECTIONS) over programs of fused_lora_kernels.RMS_SPLIT columns, it also computes the next
+# projection's shrink (ops/rms_shrink.py), whose GEMM then starts with no shrink launch before it (q/k/v's
+# product left to RoPE, or an expand beside the GEMM). Off: not yet measured on a GPU (benchmarks/NOTES.md,
+# eleventh session; the trace probe's `boundary_*` variants).
+FUSED_BOUNDARIES = False
 
 
 def _weight(out_features: int, in_features: int) -> nn.Parameter:
@@ -118,9 +125,25 @@ class DecoderLayer(nn.Module):
                 return api.sgmv.add_lora(y, x, a, b, batch.lora, ranks, scalings, 0), None
             return add_lora(y, x, a, b, batch.lora, ranks, scalings, backend=backend), None
 
-        x, residual = rms_norm(hidden, self.input_layernorm, self.eps, residual=residual, delta=delta,
-                               backend=backend)
-        qkv, delta = project(x, self.qkv_proj, self.qkv_bias, QKV)
+        def norm_then_project(h, residual, delta, norm_weight, weight, bias, projs: tuple[str, ...]):
+            """(residual, projection output, its product) after the RMSNorm of `h` (+ residual, + delta)."""
+            split = _rms_split() if lora and FUSED_BOUNDARIES and lora_path in LEFT_FOR_NEXT_OP else 0
+            if split and isinstance(delta, LoraProduct) and delta.slot_active is None:
+                a, b, ranks, scalings = pool.stacks(L, projs)
+                x, residual, part = rms_norm_shrink(h, norm_weight, self.eps, residual=residual, delta=delta,
+                                                    lora_a=a, ranks=ranks, row_slot=batch.lora.row_slot,
+                                                    block=split, backend=backend)
+                if lora_path.startswith("product") and projs[0] in overlap.FUSED_PROJECTIONS:
+                    return residual, F.linear(x, weight, bias), LoraProduct(part, tuple(b), tuple(ranks),
+                                                                            tuple(scalings), batch.lora.row_slot)
+                y, d = overlap.linear_with_lora_expand(x, weight, bias, part, b, batch.lora, ranks, scalings,
+                                                       side=lora_path.endswith("-side"))
+                return residual, y, d
+            x, residual = rms_norm(h, norm_weight, self.eps, residual=residual, delta=delta, backend=backend)
+            return (residual, *project(x, weight, bias, projs))
+
+        residual, qkv, delta = norm_then_project(hidden, residual, delta, self.input_layernorm, self.qkv_proj,
+                                                 self.qkv_bias, QKV)
         q = qkv[:, :self.q_width].view(T, self.num_heads, self.head_dim)
         k = qkv[:, self.q_width:self.q_width + self.kv_width].view(T, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_width + self.kv_width:].view(T, self.num_kv_heads, self.head_dim)
@@ -130,9 +153,8 @@ class DecoderLayer(nn.Module):
                                max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len,
                                scale=self.scale, sliding_window=self.sliding_window, backend=backend)
         out, delta = project(attn.view(T, self.q_width), self.o_proj, self.o_bias, ("o_proj",))
-        x, residual = rms_norm(out, self.post_attention_layernorm, self.eps, residual=residual, delta=delta,
-                               backend=backend)
-        gate_up, delta = project(x, self.gate_up_proj, self.gate_up_bias, GATE_UP)
+        residual, gate_up, delta = norm_then_project(out, residual, delta, self.post_attention_layernorm,
+                                                     self.gate_up_proj, self.gate_up_bias, GATE_UP)
         if lora and DOWN_SHRINK_IN_SILU and lora_path in LEFT_FOR_NEXT_OP and not isinstance(delta, LoraProduct) \
                 and not (lora_path.startswith("product") and "down_proj" in overlap.FUSED_PROJECTIONS):
             a, b, ranks, scalings = pool.stacks(L, ("down_proj",))
@@ -144,6 +166,12 @@ class DecoderLayer(nn.Module):
         out, delta = project(silu_and_mul(gate_up, delta=delta, backend=backend), self.down_proj, self.down_bias,
                              ("down_proj",))
         return out, residual, delta
+
+
+def _rms_split() -> int:
+    """fused_lora_kernels.RMS_SPLIT (imported here: the "product" paths run on Triton only)."""
+    from ..ops import fused_lora_kernels
+    return fused_lora_kernels.RMS_SPLIT
 
 
 def _select_rows(delta: LoraDelta | LoraProduct | None, rows: torch.Tensor) -> LoraDelta | LoraProduct | None:

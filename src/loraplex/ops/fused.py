@@ -142,6 +142,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: tor
     a row move with it (≤ 8 ulps), 16-bit ones only where n sits next to a rounding boundary
     (rare elements, ≤ 2 ulps after the product with weight).
     """
+    check_rms_args(x, weight, eps, residual, delta)
+    T, H = x.shape
+    if resolve_backend(backend, x.device) == "reference":
+        return _rms_norm_reference(x, weight, eps, residual, delta)
+    out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    fresh_s = residual is not None or delta is not None
+    s = torch.empty((T, H), dtype=x.dtype, device=x.device) if fresh_s else x
+    with _on(x.device):
+        if isinstance(delta, LoraProduct):
+            fused_lora_kernels.rms_norm(x, weight, eps, residual, out, s, delta)
+        else:
+            fused_kernels.rms_norm(x, weight, eps, residual, out, s if fresh_s else None, **_kernel_delta(delta))
+    return out, s
+
+
+def check_rms_args(x, weight, eps, residual, delta) -> None:
+    """`rms_norm`'s argument checks (ops/rms_shrink.py runs them too)."""
     _float_rows(x, "x", "[T, H]", 2)
     T, H = x.shape
     if H == 0:
@@ -163,17 +180,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: tor
             raise ValueError(f"residual must match x ({_desc(x)}), got {_desc(residual)}")
     if delta is not None:
         _delta(delta, "delta", T, (H,), x, "x")
-    if resolve_backend(backend, x.device) == "reference":
-        return _rms_norm_reference(x, weight, eps, residual, delta)
-    out = torch.empty((T, H), dtype=x.dtype, device=x.device)
-    fresh_s = residual is not None or delta is not None
-    s = torch.empty((T, H), dtype=x.dtype, device=x.device) if fresh_s else x
-    with _on(x.device):
-        if isinstance(delta, LoraProduct):
-            fused_lora_kernels.rms_norm(x, weight, eps, residual, out, s, delta)
-        else:
-            fused_kernels.rms_norm(x, weight, eps, residual, out, s if fresh_s else None, **_kernel_delta(delta))
-    return out, s
 
 
 def _rms_norm_reference(x, weight, eps, residual, delta=None):

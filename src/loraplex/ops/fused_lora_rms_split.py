@@ -69,19 +69,31 @@ _SUMS = Launcher(_rms_lora_sums_kernel)
 _SCALE = Launcher(_rms_scale_kernel)
 
 
+def chunking(H: int, block: int) -> tuple[int, int]:
+    """(columns per program, chunks per row) for rows of H columns cut `block` wide."""
+    block = min(_pow2(H), block)
+    return block, -(-H // block)
+
+
+def sums(x, residual, s_out, lora, block: int, tiles: dict) -> torch.Tensor:
+    """Launch 1 (see above): s written, and the fp32 `[T, chunks]` sums of squares returned."""
+    T, H = x.shape
+    block, chunks = chunking(H, block)
+    p, row_slot, b, _, _, rk, _, _, sc, _, _, R, sp, _, sm = lora.kernel_args()
+    r = residual if residual is not None else x
+    sumsq = torch.empty((T, chunks), dtype=torch.float32, device=x.device)
+    _SUMS((T, chunks), (x, r, s_out, sumsq, p, row_slot, b, rk, sc, R, sp, sm, H, x.stride(0), r.stride(0),
+                        s_out.stride(0), chunks),
+          dict(HAS_RESIDUAL=residual is not None, **tiles, SPLIT_K=p.shape[0], BLOCK=block, COMPILED=COMPILED),
+          max(1, min(4, block // 128)), 1)
+    return sumsq
+
+
 def rms_norm(x, weight, eps: float, residual, out, s_out, lora, block: int, tiles: dict) -> None:
     """fused_lora_kernels.rms_norm's op with each row cut into chunks of `block` columns (see above);
     `tiles`: the rank-tile constexprs (ONE_R_TILE, BLOCK_R)."""
     T, H = x.shape
-    block = min(_pow2(H), block)
-    chunks = -(-H // block)
-    p, row_slot, b, _, _, rk, _, _, sc, _, _, R, sp, _, sm = lora.kernel_args()
-    r = residual if residual is not None else x
-    sumsq = torch.empty((T, chunks), dtype=torch.float32, device=x.device)
-    warps = max(1, min(4, block // 128))
-    _SUMS((T, chunks), (x, r, s_out, sumsq, p, row_slot, b, rk, sc, R, sp, sm, H, x.stride(0), r.stride(0),
-                        s_out.stride(0), chunks),
-          dict(HAS_RESIDUAL=residual is not None, **tiles, SPLIT_K=p.shape[0], BLOCK=block, COMPILED=COMPILED),
-          warps, 1)
+    sumsq = sums(x, residual, s_out, lora, block, tiles)
+    block, chunks = chunking(H, block)
     _SCALE((T, chunks), (s_out, weight, out, sumsq, H, _inv(H), float(eps), s_out.stride(0), out.stride(0), chunks),
-           dict(BLOCK_C=_pow2(chunks), BLOCK=block, COMPILED=COMPILED), warps, 1)
+           dict(BLOCK_C=_pow2(chunks), BLOCK=block, COMPILED=COMPILED), max(1, min(4, block // 128)), 1)

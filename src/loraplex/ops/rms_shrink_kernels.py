@@ -1,0 +1,85 @@
+"""Triton kernel of `rms_shrink.rms_norm_shrink`'s second launch: the split RMSNorm's scaling step
+(fused_lora_rms_split.py, launch 2) that also computes the next projection's LoRA shrink over its chunk.
+
+Program (row m, chunk j of BLOCK columns), after launch 1 wrote s and the chunks' sums of squares:
+
+    out[m, chunk] = weight · normalize(s[m, chunk])            (fused_lora_rms_split's launch 2, same bits)
+    part[j, i, m, r] = Σ_{c in chunk j} out[m, c] · A_i[s, r, c]   for each slice i and r < min(ranks_i[s], R),
+                                                                  s = row_slot[m] ≥ 0
+
+(fp32 products of out's rounded values, summed in fp32; nothing written for rows with s = -1 or r past a
+rank). The shrink's A columns are spread over the norm's grid: the next projection's GEMM starts with no
+shrink launch before it.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .fused_kernels import COMPILED, _inv, _pow2, _round, _rstd
+from .launch import Launcher
+
+MAX_SLICES = 3   # q/k/v
+
+
+@triton.jit
+def _slice_partial(o, a_rows, rank, offs, mask, p_row, stride_a_r, R, BLOCK_R: tl.constexpr):
+    """part_row[r] = Σ_c o[c] · A[r, c] for r < rank (rank tiles of BLOCK_R)."""
+    for r0 in range(0, rank, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        r_mask = offs_r < rank
+        a = tl.load(a_rows + offs_r[:, None] * stride_a_r + offs[None, :], mask=r_mask[:, None] & mask[None, :],
+                    other=0.0)
+        tl.store(p_row + offs_r, tl.sum(a.to(tl.float32) * o[None, :], axis=1), mask=r_mask)
+
+
+@triton.jit
+def _rms_scale_shrink_kernel(s_ptr, w_ptr, out_ptr, sumsq_ptr, slot_ptr, a0, a1, a2, rk0, rk1, rk2, part_ptr,
+                             H, inv_h, eps, stride_s, stride_out, CHUNKS, R, stride_a_slot, stride_a_r,
+                             stride_p_split, stride_p_slice, stride_pm, NUM_SLICES: tl.constexpr,
+                             BLOCK_C: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr,
+                             COMPILED: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    offs_c = tl.arange(0, BLOCK_C)
+    sums = tl.load(sumsq_ptr + row * CHUNKS + offs_c, mask=offs_c < CHUNKS, other=0.0)
+    rstd = _rstd(tl.sum(sums, axis=0), inv_h, eps, COMPILED)
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < H
+    DT = out_ptr.dtype.element_ty
+    v = tl.load(s_ptr + row * stride_s + offs, mask=mask, other=0.0).to(tl.float32)
+    n = _round(v * rstd, DT, COMPILED)                 # fused_kernels._norm_output's roundings, kept in registers
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    o = _round(w * n, DT, COMPILED)
+    tl.store(out_ptr + row * stride_out + offs, o.to(DT), mask=mask)
+    slot = tl.load(slot_ptr + row)
+    if slot >= 0:
+        of = tl.where(mask, o.to(DT).to(tl.float32), 0.0)
+        base = slot.to(tl.int64) * stride_a_slot
+        p_row = part_ptr + chunk.to(tl.int64) * stride_p_split + row * stride_pm
+        _slice_partial(of, a0 + base, tl.minimum(tl.load(rk0 + slot), R), offs, mask, p_row, stride_a_r, R, BLOCK_R)
+        if NUM_SLICES > 1:
+            _slice_partial(of, a1 + base, tl.minimum(tl.load(rk1 + slot), R), offs, mask, p_row + stride_p_slice,
+                           stride_a_r, R, BLOCK_R)
+        if NUM_SLICES > 2:
+            _slice_partial(of, a2 + base, tl.minimum(tl.load(rk2 + slot), R), offs, mask,
+                           p_row + 2 * stride_p_slice, stride_a_r, R, BLOCK_R)
+
+
+_LAUNCH = Launcher(_rms_scale_shrink_kernel)
+BLOCK_R = 16
+
+
+def scale_shrink(s, weight, out, sumsq, eps: float, block: int, row_slot, lora_a: list, ranks: list, part) -> None:
+    """Launch it: `block` the columns per program launch 1 used (`fused_lora_rms_split.chunking`), `part`
+    fp32 `[chunks, slices, T, R]`."""
+    T, H = s.shape
+    chunks = sumsq.shape[1]
+    pad = MAX_SLICES - len(lora_a)
+    a = list(lora_a) + [lora_a[0]] * pad
+    rk = list(ranks) + [ranks[0]] * pad
+    args = (s, weight, out, sumsq, row_slot, *a, *rk, part, H, _inv(H), float(eps), s.stride(0), out.stride(0), chunks,
+            lora_a[0].shape[1], lora_a[0].stride(0), lora_a[0].stride(1), part.stride(0), part.stride(1),
+            part.stride(2))
+    _LAUNCH((T, chunks), args, dict(NUM_SLICES=len(lora_a), BLOCK_C=_pow2(chunks), BLOCK=block, BLOCK_R=BLOCK_R,
+                                    COMPILED=COMPILED), max(1, min(4, block // 128)), 1)
