@@ -197,7 +197,7 @@ def rms_shrink(dtype: str, arch: int) -> None:
     for slices, block in ((3, 1024), (2, 512)):
         ptx = _compile(k._rms_scale_shrink_kernel, types,
                        dict(NUM_SLICES=slices, BLOCK_C=8, BLOCK=block, BLOCK_R=k.BLOCK_R, COMPILED=True), arch,
-                       max(1, min(4, block // 128)))
+                       k.warps(block))
         what = f"rms_shrink {dtype} slices={slices} BLOCK={block}"
         _no_approx(ptx, what)
         assert re.search(r"mul\.rn(\.ftz)?\.f32", ptx), f"{what}: sum·(1/H) must be a separate product before + eps"

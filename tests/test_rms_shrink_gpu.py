@@ -15,10 +15,11 @@ CUDA = "cuda"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("block", [512, 1024])
-def test_rms_shrink_at_7b_widths(dtype, block, monkeypatch):
+@pytest.mark.parametrize("H, block, R", [(4096, 512, 16), (4096, 1024, 16), (5120, 1024, 64), (4096, 2048, 16)])
+def test_rms_shrink_at_7b_widths(dtype, H, block, R, monkeypatch):
+    """R=64: four rank tiles, a rank past R, NaN past each rank; H=5120 at 1,024 columns: a partial chunk."""
     gen = torch.Generator().manual_seed(5)
-    T, H, R, slots = 32, 4096, 16, 8
+    T, slots = 32, 8
     x = torch.randn(T, H, generator=gen).to(dtype)
     r = torch.randn(T, H, generator=gen).to(dtype)
     w = (1 + 0.3 * torch.randn(H, generator=gen)).to(dtype)
@@ -26,7 +27,11 @@ def test_rms_shrink_at_7b_widths(dtype, block, monkeypatch):
     lora_a, ranks = [], []
     for _ in range(3):
         rk = torch.randint(1, R + 1, (slots,), generator=gen, dtype=torch.int32)
-        lora_a.append((torch.randn(slots, R, H, generator=gen) * H ** -0.5).to(dtype).to(CUDA))
+        rk[1] = R + 5   # counts as R
+        a = (torch.randn(slots, R, H, generator=gen) * H ** -0.5).to(dtype)
+        for s in range(slots):   # nothing past a slot's rank may be read
+            a[s, min(int(rk[s]), R):] = float("nan")
+        lora_a.append(a.to(CUDA))
         ranks.append(rk.to(CUDA))
     cuda = lambda t: t.to(CUDA)  # noqa: E731
     p = type(product)(cuda(product.part), tuple(map(cuda, product.lora_b)), tuple(map(cuda, product.ranks)),
@@ -43,7 +48,7 @@ def test_rms_shrink_at_7b_widths(dtype, block, monkeypatch):
         if slot < 0:
             continue
         for i in range(3):
-            k = int(ranks[i][slot])
+            k = min(int(ranks[i][slot]), R)
             want_v = lora_a[i][slot, :k].double().cpu() @ out64[m]
             assert ((v[i, m, :k] - want_v).norm() / want_v.norm()).item() <= 1e-5
             checked += 1

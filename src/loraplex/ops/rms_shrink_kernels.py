@@ -23,7 +23,7 @@ MAX_SLICES = 3   # q/k/v
 
 
 @triton.jit
-def _slice_partial(o, a_rows, rank, offs, mask, p_row, stride_a_r, R, BLOCK_R: tl.constexpr):
+def _slice_partial(o, a_rows, rank, offs, mask, p_row, stride_a_r, BLOCK_R: tl.constexpr):
     """part_row[r] = Σ_c o[c] · A[r, c] for r < rank (rank tiles of BLOCK_R)."""
     for r0 in range(0, rank, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
@@ -57,13 +57,13 @@ def _rms_scale_shrink_kernel(s_ptr, w_ptr, out_ptr, sumsq_ptr, slot_ptr, a0, a1,
         of = tl.where(mask, o.to(DT).to(tl.float32), 0.0)
         base = slot.to(tl.int64) * stride_a_slot
         p_row = part_ptr + chunk.to(tl.int64) * stride_p_split + row * stride_pm
-        _slice_partial(of, a0 + base, tl.minimum(tl.load(rk0 + slot), R), offs, mask, p_row, stride_a_r, R, BLOCK_R)
+        _slice_partial(of, a0 + base, tl.minimum(tl.load(rk0 + slot), R), offs, mask, p_row, stride_a_r, BLOCK_R)
         if NUM_SLICES > 1:
             _slice_partial(of, a1 + base, tl.minimum(tl.load(rk1 + slot), R), offs, mask, p_row + stride_p_slice,
-                           stride_a_r, R, BLOCK_R)
+                           stride_a_r, BLOCK_R)
         if NUM_SLICES > 2:
             _slice_partial(of, a2 + base, tl.minimum(tl.load(rk2 + slot), R), offs, mask,
-                           p_row + 2 * stride_p_slice, stride_a_r, R, BLOCK_R)
+                           p_row + 2 * stride_p_slice, stride_a_r, BLOCK_R)
 
 
 _LAUNCH = Launcher(_rms_scale_shrink_kernel)
@@ -81,5 +81,11 @@ def scale_shrink(s, weight, out, sumsq, eps: float, block: int, row_slot, lora_a
     args = (s, weight, out, sumsq, row_slot, *a, *rk, part, H, _inv(H), float(eps), s.stride(0), out.stride(0), chunks,
             lora_a[0].shape[1], lora_a[0].stride(0), lora_a[0].stride(1), part.stride(0), part.stride(1),
             part.stride(2))
+    # more warps than the plain scaling step: each program also holds a BLOCK_R × BLOCK tile of A (≤ 64 values a
+    # thread; at 4 warps a 2,048-column chunk would spill). The norm's bits do not depend on the warp count.
     _LAUNCH((T, chunks), args, dict(NUM_SLICES=len(lora_a), BLOCK_C=_pow2(chunks), BLOCK=block, BLOCK_R=BLOCK_R,
-                                    COMPILED=COMPILED), max(1, min(4, block // 128)), 1)
+                                    COMPILED=COMPILED), warps(block), 1)
+
+
+def warps(block: int) -> int:
+    return min(16, max(4, block // 64))
