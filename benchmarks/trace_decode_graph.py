@@ -116,7 +116,7 @@ def variant(name: str):
                 return overlap.linear_with_lora(x, weight, bias, lora_a, lora_b, batch, ranks, scalings), None
             return delta(x, weight, bias, lora_a, lora_b, batch, ranks, scalings, side=side)
         patches.append(mock.patch.object(overlap, "linear_with_lora_delta", od_shrink))
-    if name in ("down_in_silu", "expand_work_first"):
+    if name in ("down_in_silu", "expand_work_first") or name in SILU_TOO:
         from loraplex.models import llama
         patches.append(mock.patch.object(llama, "DOWN_SHRINK_IN_SILU", True))
     if name == "expand_work_first":
@@ -227,6 +227,10 @@ PRODUCT_VARIANTS = {"od_rows": (QKV_O_DOWN, 0, False), "od_split512": (QKV_O_DOW
                     "all_split512": (ALL_FOUR, 512, False), "boundary_od512": (QKV_O_DOWN, 512, True),
                     "boundary_od1024": (QKV_O_DOWN, 1024, True), "boundary_od2048": (QKV_O_DOWN, 2048, True),
                     "boundary_all1024": (ALL_FOUR, 1024, True)}
+# with down's shrink in SiLU-and-mul too (models/llama.DOWN_SHRINK_IN_SILU): then o's shrink and gate/up's expand
+# are a layer's only LoRA launches
+SILU_TOO = {"boundary_od1024_silu"}
+PRODUCT_VARIANTS["boundary_od1024_silu"] = (QKV_O_DOWN, 1024, True)
 
 VARIANTS = {
     "backbone": "no adapters",
@@ -242,6 +246,7 @@ VARIANTS = {
     **{name: f"fused, products of {'/'.join(p.split('_')[0] for p in projs)} expanded by their consumers, RMSNorm "
                 f"{'one program per row' if split == 0 else f'over {split}-column programs'}"
                 f"{', computing the next shrink (fused boundaries)' if boundaries else ''}"
+                f"{', the shrink of down in SiLU-and-mul' if name in SILU_TOO else ''}"
        for name, (projs, split, boundaries) in PRODUCT_VARIANTS.items()},
     "noshrink": "fused without shrink kernels (timing only)",
     "noexpand": "fused without expand kernels (timing only; RoPE still expands q/k/v)",

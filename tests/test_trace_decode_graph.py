@@ -52,7 +52,9 @@ def test_product_variants_patch_and_restore_the_settings(probe):
         assert "gate_proj" in overlap.FUSED_PROJECTIONS and fused_lora_kernels.RMS_SPLIT == 512
         assert not llama.FUSED_BOUNDARIES
     with probe.variant("boundary_od1024"):
-        assert llama.FUSED_BOUNDARIES and fused_lora_kernels.RMS_SPLIT == 1024
+        assert llama.FUSED_BOUNDARIES and fused_lora_kernels.RMS_SPLIT == 1024 and not llama.DOWN_SHRINK_IN_SILU
+    with probe.variant("boundary_od1024_silu"):
+        assert llama.FUSED_BOUNDARIES and llama.DOWN_SHRINK_IN_SILU
     assert (overlap.FUSED_PROJECTIONS, fused_lora_kernels.RMS_SPLIT) == before and not llama.FUSED_BOUNDARIES
     assert set(probe.PRODUCT_VARIANTS) <= set(probe.VARIANTS)
     assert probe.VARIANTS["od_rows"].endswith("one program per row") and "q/o/down" in probe.VARIANTS["od_rows"]

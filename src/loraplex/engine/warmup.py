@@ -156,9 +156,10 @@ def _down_shrink_in_silu() -> bool:
     """Does the model compute down's shrink in SiLU-and-mul (models/llama.py) in forwards that leave the
     products to the next op ("full" and "fused" modes)?"""
     from ..models import llama
-    # as models/llama.py: not where down's or gate/up's product is a LoraProduct ("fused" projections)
-    fused_mlp = overlap.mode() == "fused" and bool({"down_proj", "gate_proj"} & overlap.FUSED_PROJECTIONS)
-    return llama.DOWN_SHRINK_IN_SILU and overlap.mode() in ("full", "fused") and not fused_mlp
+    # as models/llama.py: not where gate/up's product is a LoraProduct (a "fused" projection); where down's is,
+    # the expand variants compiled here go unused
+    fused_gate = overlap.mode() == "fused" and "gate_proj" in overlap.FUSED_PROJECTIONS
+    return llama.DOWN_SHRINK_IN_SILU and overlap.mode() in ("full", "fused") and not fused_gate
 
 
 def _compile_silu_shrink(x, y, a, b, ranks, scalings, batch, base: sgmv.KernelConfig, n_tiles: int) -> int:

@@ -39,8 +39,9 @@ GROUP_OF = {QKV: "qkv", ("o_proj",): "o", GATE_UP: "gate_up", ("down_proj",): "d
 # benchmarks/results/probe_lora_in_gemm.md); o, gate/up and down expand in place after their GEMM.
 IN_GEMM_QKV_TO_ROPE = True
 # Where the projections leave their products to the next op (the "delta"/"product" paths, forwards of up to
-# overlap.MAX_ROWS rows), down's shrink can run inside the SiLU-and-mul before it (ops/silu_shrink.py; not
-# where down is a "fused" projection): only its expand then goes beside the down GEMM. Off: measured slower
+# overlap.MAX_ROWS rows), down's shrink can run inside the SiLU-and-mul before it (ops/silu_shrink.py; not where
+# gate/up's product is a LoraProduct): only its expand then goes beside the down GEMM, or none where down is a
+# "fused" projection (its product left to the next RMSNorm, with FUSED_BOUNDARIES too). Off: measured slower
 # on an H200 (2026-12-01, Llama-2-7B decode forwards at batch 32 in CUDA graphs, results/decode_graph_trace_
 # silu2.json): 246.1 µs a layer against 243.4 with the shrink beside the GEMM, as the SiLU that reads A took
 # 7.2 µs (2.7 without) and the down block as long as before.
@@ -155,11 +156,13 @@ class DecoderLayer(nn.Module):
         out, delta = project(attn.view(T, self.q_width), self.o_proj, self.o_bias, ("o_proj",))
         residual, gate_up, delta = norm_then_project(out, residual, delta, self.post_attention_layernorm,
                                                      self.gate_up_proj, self.gate_up_bias, GATE_UP)
-        if lora and DOWN_SHRINK_IN_SILU and lora_path in LEFT_FOR_NEXT_OP and not isinstance(delta, LoraProduct) \
-                and not (lora_path.startswith("product") and "down_proj" in overlap.FUSED_PROJECTIONS):
+        if lora and DOWN_SHRINK_IN_SILU and lora_path in LEFT_FOR_NEXT_OP and not isinstance(delta, LoraProduct):
             a, b, ranks, scalings = pool.stacks(L, ("down_proj",))
             act, part = silu_and_mul_shrink(gate_up, a[0], ranks[0], batch.lora.row_slot, delta=delta,
                                             backend=backend)
+            if lora_path.startswith("product") and "down_proj" in overlap.FUSED_PROJECTIONS:
+                return F.linear(act, self.down_proj, self.down_bias), residual, LoraProduct(
+                    part, tuple(b), tuple(ranks), tuple(scalings), batch.lora.row_slot)
             out, delta = overlap.linear_with_lora_expand(act, self.down_proj, self.down_bias, part, b, batch.lora,
                                                          ranks, scalings, side=lora_path.endswith("-side"))
             return out, residual, delta
