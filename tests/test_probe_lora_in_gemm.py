@@ -1,20 +1,13 @@
 """benchmarks/probe_lora_in_gemm.py on the CPU (Triton's interpreter, fp32): every design's layouts give
 `x @ Wᵀ + s · (x @ Aᵀ) @ Bᵀ` per row, as its float64 loop says; the GPU run only times them."""
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+from benchmark_modules import load_benchmark
 
 
 @pytest.fixture()
 def probe(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location("probe_lora_in_gemm", BENCHMARKS / "probe_lora_in_gemm.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark(monkeypatch, "probe_lora_in_gemm")
 
 
 def test_every_design_matches_the_float64_loop(probe):

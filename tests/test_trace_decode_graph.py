@@ -1,20 +1,13 @@
 """benchmarks/trace_decode_graph.py's timeline on the CPU: from kernel records (name, start, duration), each kind's
 busy time, its time alone (nothing else running), the overlaps by kinds, and the idle gaps, per forward."""
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+from benchmark_modules import load_benchmark
 
 
 @pytest.fixture()
 def probe(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location("trace_decode_graph", BENCHMARKS / "trace_decode_graph.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark(monkeypatch, "trace_decode_graph")
 
 
 def test_kinds_of_kernels(probe):

@@ -51,9 +51,10 @@ def _rms_lora_sums_kernel(x_ptr, r_ptr, s_ptr, sumsq_ptr, part_ptr, row_slot_ptr
 
 
 @triton.jit
-def _rms_scale_kernel(s_ptr, w_ptr, out_ptr, sumsq_ptr, H, inv_h, eps, stride_s, stride_out, CHUNKS,
-                      BLOCK_C: tl.constexpr, BLOCK: tl.constexpr, COMPILED: tl.constexpr):
-    """Program (row, chunk): rstd of the row from its chunks' sums of squares, then the chunk normalised."""
+def _scale_step(s_ptr, sumsq_ptr, H, inv_h, eps, stride_s, CHUNKS, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr,
+                COMPILED: tl.constexpr):
+    """(row, rstd, the chunk's s values in fp32, columns, mask) of program (row, chunk) of launch 2: rstd from
+    the row's chunks' sums of squares, in a fixed order (rms_shrink_kernels.py's launch 2 starts the same)."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     offs_c = tl.arange(0, BLOCK_C)
@@ -62,6 +63,15 @@ def _rms_scale_kernel(s_ptr, w_ptr, out_ptr, sumsq_ptr, H, inv_h, eps, stride_s,
     offs = chunk * BLOCK + tl.arange(0, BLOCK)
     mask = offs < H
     v = tl.load(s_ptr + row * stride_s + offs, mask=mask, other=0.0).to(tl.float32)
+    return row, rstd, v, offs, mask
+
+
+@triton.jit
+def _rms_scale_kernel(s_ptr, w_ptr, out_ptr, sumsq_ptr, H, inv_h, eps, stride_s, stride_out, CHUNKS,
+                      BLOCK_C: tl.constexpr, BLOCK: tl.constexpr, COMPILED: tl.constexpr):
+    """Program (row, chunk): rstd of the row from its chunks' sums of squares, then the chunk normalised."""
+    row, rstd, v, offs, mask = _scale_step(s_ptr, sumsq_ptr, H, inv_h, eps, stride_s, CHUNKS, BLOCK_C, BLOCK,
+                                           COMPILED)
     _norm_output(v, rstd, w_ptr, out_ptr + row * stride_out, offs, mask, COMPILED)
 
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .fused_kernels import COMPILED, _inv, _pow2, _round, _rstd
+from .fused_kernels import COMPILED, _inv, _pow2, _round
+from .fused_lora_rms_split import _scale_step
 from .launch import Launcher
 
 MAX_SLICES = 3   # q/k/v
@@ -39,15 +40,10 @@ def _rms_scale_shrink_kernel(s_ptr, w_ptr, out_ptr, sumsq_ptr, slot_ptr, a0, a1,
                              stride_p_split, stride_p_slice, stride_pm, NUM_SLICES: tl.constexpr,
                              BLOCK_C: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr,
                              COMPILED: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+    row, rstd, v, offs, mask = _scale_step(s_ptr, sumsq_ptr, H, inv_h, eps, stride_s, CHUNKS, BLOCK_C, BLOCK,
+                                           COMPILED)
     chunk = tl.program_id(1)
-    offs_c = tl.arange(0, BLOCK_C)
-    sums = tl.load(sumsq_ptr + row * CHUNKS + offs_c, mask=offs_c < CHUNKS, other=0.0)
-    rstd = _rstd(tl.sum(sums, axis=0), inv_h, eps, COMPILED)
-    offs = chunk * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < H
     DT = out_ptr.dtype.element_ty
-    v = tl.load(s_ptr + row * stride_s + offs, mask=mask, other=0.0).to(tl.float32)
     n = _round(v * rstd, DT, COMPILED)                 # fused_kernels._norm_output's roundings, kept in registers
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     o = _round(w * n, DT, COMPILED)
