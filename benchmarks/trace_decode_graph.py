@@ -4,7 +4,7 @@ context 512, captured in a CUDA graph as the engine runs decode.
 Two views, one run:
 - **Variants**, each captured and timed alone (median µs of replays, CUDA events): the backbone, today's
   path, and ablations that take one piece away (some give wrong logits; they are for timing only: with 32
-  distinct rank-16 adapters on every projection no row lacks an adapter, so "nofill" is exact there).
+  distinct rank-16 adapters on every projection no row lacks an adapter).
 - **Timeline** of today's path and the backbone (PyTorch profiler over graph replays): each kernel's time,
   and the time in which it ran alone (exclusive: on the critical path, nothing beside it), beside others, or
   nothing ran (dependency and launch gaps), by kind of kernel.
@@ -95,14 +95,9 @@ def trace(replay, reps: int, path: Path | None) -> dict:
 def variant(name: str):
     """The patches of one variant (see VARIANTS)."""
     patches = []
-    if name.startswith("nofill"):
-        real = overlap.linear_with_lora_delta
-
-        def no_fill(*args, **kwargs):
-            with mock.patch.object(torch.Tensor, "zero_", lambda self: self):
-                return real(*args, **kwargs)
-        patches.append(mock.patch.object(overlap, "linear_with_lora_delta", no_fill))
-    elif name in ("noshrink", "nolora"):
+    # "nofill*": measured before the eleventh session, when it patched out the deltas' zero fills; today's path
+    # has none, so "nofill" is "fused" and its suffixed variants change only what their suffix says
+    if name in ("noshrink", "nolora"):
         patches.append(mock.patch.object(sgmv, "shrink_into", lambda *a, **k: None))
     if name in ("noexpand", "nolora"):
         patches.append(mock.patch.object(sgmv, "expand_from", lambda *a, **k: None))
