@@ -3,7 +3,8 @@
 # eager; the engine's graph and eager tokens against transformers), then the paper's workload at max
 # batch 32 for the backbone alone (SYSTEMS=loraplex-backbone) or loraplex (SYSTEMS=loraplex).
 #   OUT=/some/dir SYSTEMS=loraplex-backbone MAX_BATCH=32 TESTS=1 bash benchmarks/gpu_mixed_graphs.sh
-# EXTRA: more `loraplex bench` flags (e.g. "--loader-threads 4"); TAG: a suffix for the result's name.
+# EXTRA: more `loraplex bench` flags (e.g. "--loader-threads 4"); TAG: a suffix for the result's name;
+# DEADLINE: the second of this script at which the benchmark is stopped (default 585).
 # Triton's compile cache travels between calls (a fresh machine spent ~90 s of its ~110 s engine start-up
 # compiling): the call leaves it in 15 MB parts ($OUT/triton-cache.tgz.part-aa, -ab, ...: a file over 16 MiB
 # does not come back); `cat` them into the repo root's .triton-cache.tgz (git-ignored) and carry that.
@@ -23,7 +24,7 @@ if [ "${TESTS:-1}" = 1 ]; then
       | tee "$OUT/pytest_gpu_mixed_graphs.log" | tail -4
 fi
 echo "== Punica 1000, $SYSTEMS, max batch $MAX_BATCH, at ${SECONDS}s"
-timeout $((585 - SECONDS)) python3 -c 'import sys; from loraplex.cli import main; sys.exit(main())' bench --quiet --no-plots \
+timeout $((${DEADLINE:-585} - SECONDS)) python3 -c 'import sys; from loraplex.cli import main; sys.exit(main())' bench --quiet --no-plots \
     --lengths punica --popularity distinct --requests 1000 --max-batch "$MAX_BATCH" --systems "$SYSTEMS" \
     --out-dir "$OUT" --name "punica_${MAX_BATCH}_${SYSTEMS}${TAG:-}" ${EXTRA:-} 2>&1 | tail -14
 save_triton_cache

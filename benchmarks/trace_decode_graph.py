@@ -300,6 +300,8 @@ def main(argv=None) -> dict:
         except Exception as e:  # noqa: BLE001 - one variant's failure (e.g. a missing torch hook) is reported
             result["variants"][name] = dict(what=VARIANTS[name], error=repr(e))
             print(f"{name:11s} failed: {e!r}", flush=True)
+        if args.out:   # after every variant: a run cut short keeps what it measured
+            args.out.write_text(json.dumps(result, indent=1) + "\n")
     for name in filter(None, args.sweep.split(",")):
         with variant("nofill"), kernel_settings(SWEEP[name]):
             replay, logits = capture(lambda: model(batch, kv, pool))

@@ -42,7 +42,10 @@ def _compile(kernel, pointer_types: dict, constexprs: dict, arch: int, num_warps
             signature[name] = pointer_types[name]
         else:
             signature[name] = "fp32" if name in ("inv_h", "eps") else "i32"
-    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+    # Pointers as a real launch specializes them (torch's allocations are 16-byte aligned): Triton 3.6 failed
+    # on a kernel only with these (rms_shrink_kernels._slice_partial, before its broadcast left the loop).
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names) if name in pointer_types}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", arch, 32),
                               options=dict(num_warps=num_warps, num_stages=num_stages))
     return compiled.asm["ptx"]

@@ -26,12 +26,13 @@ MAX_SLICES = 3   # q/k/v
 @triton.jit
 def _slice_partial(o, a_rows, rank, offs, mask, p_row, stride_a_r, BLOCK_R: tl.constexpr):
     """part_row[r] = Σ_c o[c] · A[r, c] for r < rank (rank tiles of BLOCK_R)."""
+    o2 = o[None, :]   # outside the loop: Triton 3.6's layout pass failed on the broadcast inside it (aligned A)
     for r0 in range(0, rank, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         r_mask = offs_r < rank
         a = tl.load(a_rows + offs_r[:, None] * stride_a_r + offs[None, :], mask=r_mask[:, None] & mask[None, :],
                     other=0.0)
-        tl.store(p_row + offs_r, tl.sum(a.to(tl.float32) * o[None, :], axis=1), mask=r_mask)
+        tl.store(p_row + offs_r, tl.sum(a.to(tl.float32) * o2, axis=1), mask=r_mask)
 
 
 @triton.jit
