@@ -126,6 +126,11 @@ def variant(name: str):
         patches.append(mock.patch.object(overlap, "FUSED_PROJECTIONS", frozenset(projs)))
         patches.append(mock.patch.object(fused_lora_kernels, "RMS_SPLIT", rms_split))
         patches.append(mock.patch.object(llama, "FUSED_BOUNDARIES", boundaries))
+    if name in ("o_in_attention", "o_in_attention_silu"):
+        from loraplex.models import llama
+        patches.append(mock.patch.object(llama, "O_SHRINK_IN_ATTENTION", True))
+        if name == "o_in_attention_silu":
+            patches.append(mock.patch.object(llama, "DOWN_SHRINK_IN_SILU", True))
     if name == "nofill_carve16":
         patches.append(carveout(16))
     if name == "one_stream":
@@ -243,6 +248,8 @@ VARIANTS = {
                 f"{', computing the next shrink (fused boundaries)' if boundaries else ''}"
                 f"{', the shrink of down in SiLU-and-mul' if name in SILU_TOO else ''}"
        for name, (projs, split, boundaries) in PRODUCT_VARIANTS.items()},
+    "o_in_attention": "fused with o's shrink in the attention kernel (models/llama.O_SHRINK_IN_ATTENTION on)",
+    "o_in_attention_silu": "o_in_attention with down's shrink inside SiLU-and-mul too",
     "noshrink": "fused without shrink kernels (timing only)",
     "noexpand": "fused without expand kernels (timing only; RoPE still expands q/k/v)",
     "nolora": "fused without shrink and expand kernels: the consumers' cost and the fills (timing only)",

@@ -211,6 +211,37 @@ def test_triton_kernels_in_the_interpreter_match_too(setup, overlap_mode, fused_
     assert (len(split_calls) > 0) == bool(rms_split) and set(split_calls) <= {rms_split}
 
 
+@pytest.mark.parametrize("overlap_mode", ["full", "fused"])
+def test_o_shrink_in_the_attention_kernel_matches_too(setup, overlap_mode, monkeypatch):
+    """models/llama.O_SHRINK_IN_ATTENTION through the interpreter: the second forward is a decode step (every
+    sequence one row), whose attention kernel computes o's shrink (ops/attention_shrink.py) and o's GEMM has
+    only the expand beside it; the first (prompt chunks) takes the plain path."""
+    from loraplex.models import llama
+    from loraplex.ops import attention_shrink, overlap
+    if setup.config.head_dim & (setup.config.head_dim - 1):
+        pytest.skip("the Triton attention kernels take power-of-two head sizes")
+    monkeypatch.setattr(llama, "O_SHRINK_IN_ATTENTION", True)
+    monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", overlap_mode)
+    parts, expands = [], []
+    def attention(*a, **kw):
+        got = attention_shrink.decode_attention_shrink(*a, **kw)
+        parts.append(got[1])
+        return got
+
+    monkeypatch.setattr(llama, "decode_attention_shrink", attention)
+    real_expand = overlap.linear_with_lora_expand
+    monkeypatch.setattr(overlap, "linear_with_lora_expand", lambda *a, **kw: expands.append(a[3])
+                        or real_expand(*a, **kw))
+    setup.model.backend = "triton"
+    try:
+        check_mixed_batch(setup, [("all-r8", 9, 1), ("attn-r4", 9, 1), (None, 3, 1), ("mlp-patterned", 17, 1)])
+    finally:
+        setup.model.backend = None
+    layers, kv_heads = setup.config.num_hidden_layers, setup.config.num_key_value_heads
+    assert len(parts) == layers and all(p is not None and p.shape[0] == kv_heads for p in parts)
+    assert len(expands) == layers and all(e.shape[0] == kv_heads for e in expands)
+
+
 def _expected_lora_calls(mode: str, fused_projs, down_in_silu: bool, boundaries: bool,
                          layers: int) -> tuple[dict[str, int], int]:
     """Per forward, models/llama.py's calls of overlap's "full" (linear_with_lora_delta), "fused"

@@ -48,6 +48,11 @@ def test_product_variants_patch_and_restore_the_settings(probe):
         assert llama.FUSED_BOUNDARIES and fused_lora_kernels.RMS_SPLIT == 1024 and not llama.DOWN_SHRINK_IN_SILU
     with probe.variant("boundary_od1024_silu"):
         assert llama.FUSED_BOUNDARIES and llama.DOWN_SHRINK_IN_SILU
+    with probe.variant("o_in_attention"):
+        assert llama.O_SHRINK_IN_ATTENTION and not llama.DOWN_SHRINK_IN_SILU
+    with probe.variant("o_in_attention_silu"):
+        assert llama.O_SHRINK_IN_ATTENTION and llama.DOWN_SHRINK_IN_SILU
     assert (overlap.FUSED_PROJECTIONS, fused_lora_kernels.RMS_SPLIT) == before and not llama.FUSED_BOUNDARIES
+    assert not llama.O_SHRINK_IN_ATTENTION and not llama.DOWN_SHRINK_IN_SILU
     assert set(probe.PRODUCT_VARIANTS) <= set(probe.VARIANTS)
     assert probe.VARIANTS["od_rows"].endswith("one program per row") and "q/o/down" in probe.VARIANTS["od_rows"]

@@ -21,6 +21,7 @@ from ..adapters.active_area import ActiveArea
 from ..adapters.pool import AdapterPool
 from ..ops import add_lora, api, overlap, resolve_backend
 from ..ops.attention import paged_attention, store_kv
+from ..ops.attention_shrink import decode_attention_shrink
 from ..ops.fused import apply_rope, rms_norm, silu_and_mul
 from ..ops.lora_delta import LoraDelta
 from ..ops.lora_in_gemm import expand_in_gemm
@@ -53,6 +54,11 @@ LEFT_FOR_NEXT_OP = ("delta", "delta-side", "product", "product-side")
 # product left to RoPE, or an expand beside the GEMM). Off: not yet measured on a GPU (benchmarks/NOTES.md,
 # eleventh session; the trace probe's `boundary_*` variants).
 FUSED_BOUNDARIES = False
+# At decode (every sequence one row) on those paths, the attention kernel also computes o's shrink over its heads'
+# columns (ops/attention_shrink.py), so the o GEMM starts with no shrink launch before it and only the expand
+# beside it (not where o is a "fused" projection, nor where the attention splits the context). Off: not yet
+# measured on a GPU (the trace probe's `o_in_attention` variant).
+O_SHRINK_IN_ATTENTION = False
 
 
 def _weight(out_features: int, in_features: int) -> nn.Parameter:
@@ -150,10 +156,23 @@ class DecoderLayer(nn.Module):
         v = qkv[:, self.q_width + self.kv_width:].view(T, self.num_kv_heads, self.head_dim)
         apply_rope(q, k, batch.positions, inv_freq, v=None if delta is None else v, delta=delta, backend=backend)
         store_kv(k, v, kv.k[L], kv.v[L], batch.slot_mapping, backend=backend)
-        attn = paged_attention(q, kv.k[L], kv.v[L], batch.block_tables, batch.seq_lens, batch.query_start,
-                               max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len,
-                               scale=self.scale, sliding_window=self.sliding_window, backend=backend)
-        out, delta = project(attn.view(T, self.q_width), self.o_proj, self.o_bias, ("o_proj",))
+        attn_args = (q, kv.k[L], kv.v[L], batch.block_tables, batch.seq_lens, batch.query_start)
+        part = None
+        if lora and O_SHRINK_IN_ATTENTION and lora_path in LEFT_FOR_NEXT_OP and batch.max_query_len == 1 and not (
+                lora_path.startswith("product") and "o_proj" in overlap.FUSED_PROJECTIONS):
+            a, b, ranks, scalings = pool.stacks(L, ("o_proj",))
+            attn, part = decode_attention_shrink(*attn_args, max_seq_len=batch.max_seq_len, scale=self.scale,
+                                                 sliding_window=self.sliding_window, lora_a=a[0], ranks=ranks[0],
+                                                 row_slot=batch.lora.row_slot, backend=backend)
+        else:
+            attn = paged_attention(*attn_args, max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len,
+                                   scale=self.scale, sliding_window=self.sliding_window, backend=backend)
+        if part is not None:   # only the expand is left
+            out, delta = overlap.linear_with_lora_expand(attn.view(T, self.q_width), self.o_proj, self.o_bias, part,
+                                                         b, batch.lora, ranks, scalings,
+                                                         side=lora_path.endswith("-side"))
+        else:
+            out, delta = project(attn.view(T, self.q_width), self.o_proj, self.o_bias, ("o_proj",))
         residual, gate_up, delta = norm_then_project(out, residual, delta, self.post_attention_layernorm,
                                                      self.gate_up_proj, self.gate_up_bias, GATE_UP)
         if lora and DOWN_SHRINK_IN_SILU and lora_path in LEFT_FOR_NEXT_OP and not isinstance(delta, LoraProduct):

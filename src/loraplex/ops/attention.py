@@ -197,6 +197,32 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     the reference reads the metadata, so it also checks the values (query_start ordered within q,
     lengths within the bounds, block ids within the cache) and raises ValueError. Not differentiable.
     """
+    out = check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start, max_query_len=max_query_len,
+                               max_seq_len=max_seq_len, scale=scale, sliding_window=sliding_window, out=out)
+    (T, _, D), S, device = q.shape, block_tables.shape[0], q.device
+    if T == 0 or S == 0 or max_query_len == 0:
+        return out
+    if resolve_backend(backend, device) == "triton":
+        _check_head_dim_for_triton(D)
+        with _on(device):
+            # Sequences of several rows take the prefill kernel, one-row sequences (decode tokens,
+            # also inside a mixed batch) the split-KV decode kernel; each skips the other's.
+            if max_query_len > 1:
+                attention_kernels.prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start, out,
+                                          scale=float(scale), window=sliding_window)
+            attention_kernels.decode(q, k_cache, v_cache, block_tables, seq_lens, query_start, out,
+                                     max_seq_len=max_seq_len, scale=float(scale), window=sliding_window)
+        _bump_version(out)
+        return out
+    _attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start, out, max_query_len,
+                         max_seq_len, float(scale), sliding_window)
+    return out
+
+
+def check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                         seq_lens: torch.Tensor, query_start: torch.Tensor, *, max_query_len: int, max_seq_len: int,
+                         scale: float, sliding_window: int, out: torch.Tensor | None) -> torch.Tensor:
+    """`paged_attention`'s argument checks (ValueError naming the argument); returns `out`, allocated if None."""
     _check_tensor(q, "q", 3, None)
     _check_rows(q, "q")
     device = q.device
@@ -233,22 +259,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             raise ValueError(f"out's last dimension must have stride 1, got strides {out.stride()}")
         if torch._debug_has_internal_overlap(out) == 1:
             raise ValueError(f"out has elements that share memory ({_desc(out)}, strides {out.stride()})")
-    if T == 0 or S == 0 or max_query_len == 0:
-        return out
-    if resolve_backend(backend, device) == "triton":
-        _check_head_dim_for_triton(D)
-        with _on(device):
-            # Sequences of several rows take the prefill kernel, one-row sequences (decode tokens,
-            # also inside a mixed batch) the split-KV decode kernel; each skips the other's.
-            if max_query_len > 1:
-                attention_kernels.prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start, out,
-                                          scale=float(scale), window=sliding_window)
-            attention_kernels.decode(q, k_cache, v_cache, block_tables, seq_lens, query_start, out,
-                                     max_seq_len=max_seq_len, scale=float(scale), window=sliding_window)
-        _bump_version(out)
-        return out
-    _attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start, out, max_query_len,
-                         max_seq_len, float(scale), sliding_window)
     return out
 
 
