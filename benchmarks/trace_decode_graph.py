@@ -131,6 +131,9 @@ def variant(name: str):
         patches.append(mock.patch.object(llama, "O_SHRINK_IN_ATTENTION", True))
         if name == "o_in_attention_silu":
             patches.append(mock.patch.object(llama, "DOWN_SHRINK_IN_SILU", True))
+    if name in ROPE_HEADS_VARIANTS:   # heads per RoPE program (fused_lora_kernels.ROPE_HEADS, 4): more programs
+        from loraplex.ops import fused_lora_kernels
+        patches.append(mock.patch.object(fused_lora_kernels, "ROPE_HEADS", ROPE_HEADS_VARIANTS[name]))
     if name == "nofill_carve16":
         patches.append(carveout(16))
     if name == "one_stream":
@@ -232,6 +235,8 @@ PRODUCT_VARIANTS = {"od_rows": (QKV_O_DOWN, 0, False), "od_split512": (QKV_O_DOW
 SILU_TOO = {"boundary_od1024_silu"}
 PRODUCT_VARIANTS["boundary_od1024_silu"] = (QKV_O_DOWN, 1024, True)
 
+ROPE_HEADS_VARIANTS = {"rope_heads2": 2, "rope_heads1": 1, "rope_heads8": 8}
+
 VARIANTS = {
     "backbone": "no adapters",
     "fused": "today's path (LORAPLEX_LORA_OVERLAP=fused)",
@@ -250,6 +255,7 @@ VARIANTS = {
        for name, (projs, split, boundaries) in PRODUCT_VARIANTS.items()},
     "o_in_attention": "fused with o's shrink in the attention kernel (models/llama.O_SHRINK_IN_ATTENTION on)",
     "o_in_attention_silu": "o_in_attention with down's shrink inside SiLU-and-mul too",
+    **{name: f"fused with {h} head(s) per RoPE program (4 today)" for name, h in ROPE_HEADS_VARIANTS.items()},
     "noshrink": "fused without shrink kernels (timing only)",
     "noexpand": "fused without expand kernels (timing only; RoPE still expands q/k/v)",
     "nolora": "fused without shrink and expand kernels: the consumers' cost and the fills (timing only)",

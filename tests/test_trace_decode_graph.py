@@ -54,5 +54,8 @@ def test_product_variants_patch_and_restore_the_settings(probe):
         assert llama.O_SHRINK_IN_ATTENTION and llama.DOWN_SHRINK_IN_SILU
     assert (overlap.FUSED_PROJECTIONS, fused_lora_kernels.RMS_SPLIT) == before and not llama.FUSED_BOUNDARIES
     assert not llama.O_SHRINK_IN_ATTENTION and not llama.DOWN_SHRINK_IN_SILU
+    with probe.variant("rope_heads2"):
+        assert fused_lora_kernels.ROPE_HEADS == 2
+    assert fused_lora_kernels.ROPE_HEADS == 4 and set(probe.ROPE_HEADS_VARIANTS) <= set(probe.VARIANTS)
     assert set(probe.PRODUCT_VARIANTS) <= set(probe.VARIANTS)
     assert probe.VARIANTS["od_rows"].endswith("one program per row") and "q/o/down" in probe.VARIANTS["od_rows"]
