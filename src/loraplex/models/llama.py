@@ -51,8 +51,9 @@ LEFT_FOR_NEXT_OP = ("delta", "delta-side", "product", "product-side")
 # Fused layer boundaries: where an RMSNorm expands the product of the projection before it (o or down in
 # overlap.FUSED_PROJECTIONS) over programs of fused_lora_kernels.RMS_SPLIT columns, it also computes the next
 # projection's shrink (ops/rms_shrink.py), whose GEMM then starts with no shrink launch before it (q/k/v's
-# product left to RoPE, or an expand beside the GEMM). Off: not yet measured on a GPU (benchmarks/NOTES.md,
-# eleventh session; the trace probe's `boundary_*` variants).
+# product left to RoPE, or an expand beside the GEMM). Off: slower on an H200 (2026-12-01, Llama-2-7B decode
+# forwards at batch 32 in CUDA graphs, results/decode_graph_trace_od.json): 7,888-8,439 µs against 7,844 for
+# today's path, as the norm computing the shrink took about as long as the norm and the shrink it replaced.
 FUSED_BOUNDARIES = False
 # At decode (every sequence one row) on those paths, the attention kernel also computes o's shrink over its heads'
 # columns (ops/attention_shrink.py), so the o GEMM starts with no shrink launch before it and only the expand
