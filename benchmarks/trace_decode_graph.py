@@ -126,9 +126,11 @@ def variant(name: str):
         patches.append(mock.patch.object(overlap, "FUSED_PROJECTIONS", frozenset(projs)))
         patches.append(mock.patch.object(fused_lora_kernels, "RMS_SPLIT", rms_split))
         patches.append(mock.patch.object(llama, "FUSED_BOUNDARIES", boundaries))
-    if name in ("o_in_attention", "o_in_attention_silu"):
+    if name in ("o_in_attention", "o_in_attention_late", "o_in_attention_silu"):
         from loraplex.models import llama
+        from loraplex.ops import attention_kernels
         patches.append(mock.patch.object(llama, "O_SHRINK_IN_ATTENTION", True))
+        patches.append(mock.patch.object(attention_kernels, "LORA_PREFETCH_A", name != "o_in_attention_late"))
         if name == "o_in_attention_silu":
             patches.append(mock.patch.object(llama, "DOWN_SHRINK_IN_SILU", True))
     if name in ROPE_HEADS_VARIANTS:   # heads per RoPE program (fused_lora_kernels.ROPE_HEADS, 4): more programs
@@ -253,7 +255,9 @@ VARIANTS = {
                 f"{', computing the next shrink (fused boundaries)' if boundaries else ''}"
                 f"{', the shrink of down in SiLU-and-mul' if name in SILU_TOO else ''}"
        for name, (projs, split, boundaries) in PRODUCT_VARIANTS.items()},
-    "o_in_attention": "fused with o's shrink in the attention kernel (models/llama.O_SHRINK_IN_ATTENTION on)",
+    "o_in_attention": "fused with o's shrink in the attention kernel (models/llama.O_SHRINK_IN_ATTENTION on; "
+                      "MHA: A's tile loaded before the key walk)",
+    "o_in_attention_late": "o_in_attention with A's tile loaded after the key walk (LORA_PREFETCH_A off)",
     "o_in_attention_silu": "o_in_attention with down's shrink inside SiLU-and-mul too",
     **{name: f"fused with {h} head(s) per RoPE program (4 today)" for name, h in ROPE_HEADS_VARIANTS.items()},
     "noshrink": "fused without shrink kernels (timing only)",

@@ -45,7 +45,12 @@ def _adapters(gen: torch.Generator, T: int, width: int, R: int, dtype, slots: in
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("layout", ["mha-d64-bs16", "gqa4-d16-bs32", "gqa3-d32-bs16", "mqa16-d16-bs8"])
 @pytest.mark.parametrize("R", [16, 32])
-def test_matches_the_attention_and_the_documented_sum(backend, dtype, layout, R):
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_matches_the_attention_and_the_documented_sum(backend, dtype, layout, R, prefetch, monkeypatch):
+    """`prefetch`: attention_kernels.LORA_PREFETCH_A (G = 1: A's tile loaded before the key walk, or after it)."""
+    if not prefetch and (backend == "reference" or layout != "mha-d64-bs16"):
+        pytest.skip("the setting only changes the Triton kernel with one head per program")
+    monkeypatch.setattr(ak, "LORA_PREFETCH_A", prefetch)
     rng = np.random.default_rng(stable_seed("o-shrink", layout, R, dtype))
     case = _case(rng, DECODE, layout, dtype, window=0)
     gen = torch.Generator().manual_seed(int(rng.integers(2**31)))

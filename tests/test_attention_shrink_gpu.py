@@ -17,11 +17,14 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("Hq, Hkv, R, longest", [(32, 32, 16, 900), (32, 8, 16, 250), (32, 8, 64, 250),
-                                                 (32, 8, 16, 900)])
-def test_o_shrink_in_decode_attention_at_llama_widths(dtype, Hq, Hkv, R, longest):
-    """Llama-2-7B's heads, Llama-3-8B's; at batch 32 the latter's contexts past 512 tokens split (no epilogue)."""
-    rng = np.random.default_rng(stable_seed("o-shrink-gpu", Hq, Hkv, R, longest, str(dtype)))
+@pytest.mark.parametrize("Hq, Hkv, R, longest, prefetch", [(32, 32, 16, 900, True), (32, 32, 16, 900, False),
+                                                           (32, 32, 64, 900, True), (32, 8, 16, 250, True),
+                                                           (32, 8, 64, 250, True), (32, 8, 16, 900, True)])
+def test_o_shrink_in_decode_attention_at_llama_widths(dtype, Hq, Hkv, R, longest, prefetch, monkeypatch):
+    """Llama-2-7B's heads (A's tile loaded before the key walk, or after it), Llama-3-8B's; at batch 32 the latter's
+    contexts past 512 tokens split (no epilogue)."""
+    monkeypatch.setattr(ak, "LORA_PREFETCH_A", prefetch)
+    rng = np.random.default_rng(stable_seed("o-shrink-gpu", Hq, Hkv, R, longest, prefetch, str(dtype)))
     seqs = [(int(c), 1) for c in rng.integers(longest // 4, longest, 32)]
     case = make_case(rng, seqs, Hq=Hq, Hkv=Hkv, D=128, bs=16, dtype=dtype, device="cuda", pad_rows=0)
     T = case.q.shape[0]

@@ -52,6 +52,10 @@ def test_product_variants_patch_and_restore_the_settings(probe):
         assert llama.O_SHRINK_IN_ATTENTION and not llama.DOWN_SHRINK_IN_SILU
     with probe.variant("o_in_attention_silu"):
         assert llama.O_SHRINK_IN_ATTENTION and llama.DOWN_SHRINK_IN_SILU
+    from loraplex.ops import attention_kernels
+    with probe.variant("o_in_attention_late"):
+        assert llama.O_SHRINK_IN_ATTENTION and not attention_kernels.LORA_PREFETCH_A
+    assert attention_kernels.LORA_PREFETCH_A
     assert (overlap.FUSED_PROJECTIONS, fused_lora_kernels.RMS_SPLIT) == before and not llama.FUSED_BOUNDARIES
     assert not llama.O_SHRINK_IN_ATTENTION and not llama.DOWN_SHRINK_IN_SILU
     with probe.variant("rope_heads2"):

@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_shrink_kernels import o_shrink_epilogue
+from .attention_shrink_kernels import o_shrink_epilogue, o_shrink_finish, o_shrink_prefetch
 from .launch import Launcher
 
 LOG2E = 1.4426950408889634
@@ -221,7 +221,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ml
                    stride_lp_split, stride_lp_m,
                    G: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                    PAGE: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, LORA_SHRINK: tl.constexpr,
-                   BLOCK_R: tl.constexpr):
+                   LORA_PREFETCH: tl.constexpr, BLOCK_R: tl.constexpr):
     """The one query row of sequence program_id(0), G heads of kv head program_id(1), over keys
     [lo + split * chunk, lo + (split + 1) * chunk) ∩ [lo, seq_len) of split program_id(2). LORA_SHRINK (one
     split only): also the o projection's shrink over those heads' columns (attention_shrink_kernels.py)."""
@@ -245,6 +245,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ml
         bt_row = block_tables_ptr + s.to(tl.int64) * stride_bt
         k_head = k_cache_ptr + kvh * stride_kh
         v_head = v_cache_ptr + kvh * stride_kh
+        if LORA_PREFETCH:
+            lora_a = o_shrink_prefetch(offs_d, row, kvh, lora_a_ptr, lora_rank_ptr, lora_slot_ptr, lora_r,
+                                       stride_la_slot, stride_la_r, HEAD_DIM, BLOCK_R)
         m_i = tl.full([M], NEG_BIG, tl.float32)
         l_i = tl.zeros([M], tl.float32)
         acc = tl.zeros([M, HEAD_DIM], tl.float32)
@@ -260,7 +263,11 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ml
             o = acc * (1.0 / l_i)[:, None]
             tl.store(out_ptr + row * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                      o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
-            if LORA_SHRINK:
+            if LORA_PREFETCH:
+                o_shrink_finish(o.to(out_ptr.dtype.element_ty).to(tl.float32), lora_a, offs_m, row, kvh,
+                                lora_rank_ptr, lora_slot_ptr, lora_part_ptr, lora_r, stride_lp_split, stride_lp_m,
+                                BLOCK_R)
+            elif LORA_SHRINK:
                 o_shrink_epilogue(o.to(out_ptr.dtype.element_ty).to(tl.float32), offs_m, offs_d, row, kvh,
                                   lora_a_ptr, lora_rank_ptr, lora_slot_ptr, lora_part_ptr, lora_r, stride_la_slot,
                                   stride_la_r, stride_lp_split, stride_lp_m, G, HEAD_DIM, BLOCK_R)
@@ -434,12 +441,19 @@ def plan_decode(num_seqs: int, num_kv_heads: int, max_seq_len: int, window: int,
     return (splits, chunk) if splits > 1 else (1, UNSPLIT_CHUNK)
 
 
+# With the o shrink's epilogue and one head per program (G = 1), load the head's A tile before the key walk (its
+# latency then hides behind the walk) rather than after it. Not yet measured either way.
+LORA_PREFETCH_A = True
+
+
 def decode_constexprs(G: int, D: int, page: int, split: bool, dtype: torch.dtype, cfg: DecodeConfig,
-                      lora_r: int = 0) -> dict:
+                      lora_r: int = 0, prefetch: bool | None = None) -> dict:
     """The decode kernel's compile-time parameters (also used by the ahead-of-time compile test); `lora_r` > 0:
-    with the o shrink's epilogue for adapters of up to that rank."""
+    with the o shrink's epilogue for adapters of up to that rank (`prefetch`: LORA_PREFETCH_A if None)."""
+    prefetch = LORA_PREFETCH_A if prefetch is None else prefetch
     return dict(G=G, M=max(16, _pow2(G)), BLOCK_N=cfg.block_n, HEAD_DIM=D, PAGE=page, SPLIT=split,
-                PRECISION=_precision(dtype), LORA_SHRINK=lora_r > 0, BLOCK_R=max(16, _pow2(lora_r)))
+                PRECISION=_precision(dtype), LORA_SHRINK=lora_r > 0, LORA_PREFETCH=lora_r > 0 and G == 1 and prefetch,
+                BLOCK_R=max(16, _pow2(lora_r)))
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

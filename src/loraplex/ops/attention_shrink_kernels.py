@@ -32,3 +32,29 @@ def o_shrink_epilogue(o, offs_m, offs_d, row, kvh, a_ptr, rank_ptr, slot_ptr, pa
                         other=0.0)
             acc += tl.sum(a.to(tl.float32) * o_g[None, :], axis=1)
         tl.store(part_ptr + kvh * stride_p_split + row * stride_pm + offs_r, acc, mask=r_mask)
+
+
+@triton.jit
+def o_shrink_prefetch(offs_d, row, kvh, a_ptr, rank_ptr, slot_ptr, R, stride_a_slot, stride_a_r,
+                      HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One head per program (G = 1): its A tile [BLOCK_R, HEAD_DIM], loaded before the attention so that the
+    load's latency hides behind the key walk (zeros past the rank and for rows without an adapter)."""
+    slot = tl.load(slot_ptr + row)
+    safe = tl.maximum(slot, 0)
+    rank = tl.where(slot >= 0, tl.minimum(tl.load(rank_ptr + safe), R), 0)
+    offs_r = tl.arange(0, BLOCK_R)
+    return tl.load(a_ptr + safe.to(tl.int64) * stride_a_slot + kvh * HEAD_DIM + offs_r[:, None] * stride_a_r
+                   + offs_d[None, :], mask=(offs_r < rank)[:, None], other=0.0)
+
+
+@triton.jit
+def o_shrink_finish(o, a, offs_m, row, kvh, rank_ptr, slot_ptr, part_ptr, R, stride_p_split, stride_pm,
+                    BLOCK_R: tl.constexpr):
+    """`o_shrink_epilogue` for G = 1 with the A tile `o_shrink_prefetch` loaded."""
+    slot = tl.load(slot_ptr + row)
+    if slot >= 0:
+        rank = tl.minimum(tl.load(rank_ptr + slot), R)
+        offs_r = tl.arange(0, BLOCK_R)
+        o_0 = tl.sum(tl.where(offs_m[:, None] == 0, o, 0.0), axis=0)
+        acc = tl.sum(a.to(tl.float32) * o_0[None, :], axis=1)
+        tl.store(part_ptr + kvh * stride_p_split + row * stride_pm + offs_r, acc, mask=offs_r < rank)
