@@ -33,7 +33,7 @@ def shrink_f64(out: torch.Tensor, lora_a: torch.Tensor, ranks: torch.Tensor, row
 
 def _adapters(gen: torch.Generator, T: int, width: int, R: int, dtype, slots: int = 4):
     lora_a = (torch.randn(slots, R, width, generator=gen) * 0.3).to(dtype)
-    ranks = torch.tensor([R, 0, R // 2, 3][:slots], dtype=torch.int32)   # a full rank, none, half, an odd one
+    ranks = torch.tensor([R + 5, 0, R // 2, 3][:slots], dtype=torch.int32)   # past R (counts as R), none, half, odd
     for s in range(slots):   # nothing past a slot's rank may be read
         lora_a[s, min(int(ranks[s]), R):] = float("nan")
     row_slot = torch.randint(-1, slots, (T,), generator=gen, dtype=torch.int32)
@@ -117,3 +117,34 @@ def test_bad_arguments_are_named(what, change, message):
         decode_attention_shrink(*case.args(), max_seq_len=-1, scale=case.scale,
                                 lora_a=_adapters(torch.Generator().manual_seed(2), T, Hq * D, 16, torch.float32)[0],
                                 ranks=torch.zeros(4, dtype=torch.int32), row_slot=torch.zeros(T, dtype=torch.int32))
+
+
+@interpreted
+@pytest.mark.parametrize("layout", ["mha-d64-bs16", "gqa3-d32-bs16"])
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_the_kernel_writes_only_the_defined_partials(layout, prefetch, monkeypatch):
+    """The launcher into a NaN-filled part: each kv head's partial of every row with an adapter, below its rank,
+    is written (and equals that head's share of the sum); nothing else changes."""
+    monkeypatch.setattr(ak, "LORA_PREFETCH_A", prefetch)
+    rng = np.random.default_rng(stable_seed("o-shrink-only", layout, prefetch))
+    case = _case(rng, DECODE, layout, torch.float32)
+    T, Hq, D = case.q.shape
+    Hkv, R = case.k_cache.shape[2], 16
+    lora_a, ranks, row_slot = _adapters(torch.Generator().manual_seed(3), T, Hq * D, R, torch.float32)
+    part = torch.full((Hkv, 1, T, R), float("nan"))
+    out = torch.full(case.q.shape, float("nan"))
+    assert ak.decode(*case.args(), out, max_seq_len=case.max_seq_len, scale=case.scale, window=0,
+                     lora=(lora_a, ranks, row_slot, part))
+    rows = case.owned_rows()
+    written = ~torch.isnan(part[:, 0])                                            # [Hkv, T, R]
+    rank = torch.where(row_slot >= 0, ranks[row_slot.clamp(min=0).long()].clamp(max=R), 0)
+    defined = rows[:, None] & (torch.arange(R)[None, :] < rank[:, None])         # [T, R]
+    assert torch.equal(written, defined[None].expand_as(written))
+    G = Hq // Hkv
+    for h in range(Hkv):   # each kv head's share: its G heads' columns
+        cols = slice(h * G * D, (h + 1) * G * D)
+        for m in torch.nonzero(defined.any(1)).flatten().tolist():
+            r = int(rank[m])
+            want = lora_a[int(row_slot[m]), :r, cols].double() @ out[m].reshape(-1)[cols].double()
+            assert torch.allclose(part[h, 0, m, :r].double(), want, rtol=1e-5, atol=1e-6), (h, m)
+

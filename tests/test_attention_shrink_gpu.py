@@ -37,6 +37,7 @@ def test_o_shrink_in_decode_attention_at_llama_widths(dtype, Hq, Hkv, R, longest
         lora_a[s, min(int(ranks[s]), R):] = float("nan")
     row_slot = torch.randperm(slots, generator=gen)[:T].to(torch.int32)
     row_slot[::5] = -1
+    row_slot[1] = 3   # the rank past R
     lora_a, ranks, row_slot = lora_a.cuda(), ranks.cuda(), row_slot.cuda()
     out, part = decode_attention_shrink(*case.args(), max_seq_len=case.max_seq_len, scale=case.scale, lora_a=lora_a,
                                         ranks=ranks, row_slot=row_slot)

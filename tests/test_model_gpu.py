@@ -183,15 +183,28 @@ def test_lora_inside_the_gemms_matches_transformers_peft(setup):
     _assert_as_close_as_transformers(setup, plan, tokens, ours)
 
 
-@pytest.mark.parametrize("overlap_mode", ["full", "fused", "shrink", "off"])
+@pytest.mark.parametrize("overlap_mode", ["full", "fused", "shrink", "off", "fused+o_in_attention"])
 def test_decode_graph_replays_new_batches(setup, overlap_mode, monkeypatch):
     """Capture one decode forward on a `for_graph` batch, rewrite the batch with other sequences,
     lengths and adapters (and fewer of them), replay: each replay equals an eager forward. The capture
     runs the LoRA kernels on a side stream beside each GEMM ("full": both, their product added by the
     next op, in eager forwards too; "fused": the shrink, its product expanded by the next op as it loads
     its input (a LoraProduct), in eager forwards too; "shrink": the shrink) or after it ("off");
-    ops/overlap.py."""
-    from loraplex.ops import overlap
+    ops/overlap.py. "+o_in_attention": models/llama.O_SHRINK_IN_ATTENTION at 32 rows (fewer rows of 32 heads,
+    or GQA's 8 kv heads, split the context: then the plain path)."""
+    from loraplex.models import llama
+    from loraplex.ops import attention_shrink, overlap
+    rows = 8
+    parts = []
+    if overlap_mode == "fused+o_in_attention":
+        overlap_mode, rows = "fused", 32
+        monkeypatch.setattr(llama, "O_SHRINK_IN_ATTENTION", True)
+
+        def attention(*a, **kw):
+            got = attention_shrink.decode_attention_shrink(*a, **kw)
+            parts.append(got[1])
+            return got
+        monkeypatch.setattr(llama, "decode_attention_shrink", attention)
     monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", overlap_mode)
     monkeypatch.setattr(overlap, "_SIDE_STREAMS", {})
     product_sides = []   # `side` of each linear_with_lora_product call: the "fused" path, and only it
@@ -201,7 +214,7 @@ def test_decode_graph_replays_new_batches(setup, overlap_mode, monkeypatch):
     rng = random.Random(1)
     kv = KVCache(setup.config, 640, BLOCK, dtype=torch.bfloat16, device="cuda")
     kv.data.normal_()
-    graph_batch = ForwardBatch.for_graph(8, 1024, block_size=BLOCK, num_blocks=kv.num_blocks,
+    graph_batch = ForwardBatch.for_graph(rows, 1024, block_size=BLOCK, num_blocks=kv.num_blocks,
                                          vocab_size=setup.config.vocab_size, num_adapter_slots=4, device="cuda")
 
     def decode_chunks(n: int) -> list[SequenceChunk]:
@@ -210,7 +223,7 @@ def test_decode_graph_replays_new_batches(setup, overlap_mode, monkeypatch):
         return [SequenceChunk([rng.randrange(32000)], L - 1, tab, rng.choice([-1, 0, 1, 2]))
                 for L, tab in zip(lengths, tables)]
 
-    graph_batch.update_(decode_chunks(8))
+    graph_batch.update_(decode_chunks(rows))
     setup.ours(graph_batch, kv, setup.pool)  # warm-up: compiles every kernel outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -225,7 +238,9 @@ def test_decode_graph_replays_new_batches(setup, overlap_mode, monkeypatch):
         assert captured_sides == [True] * per_forward
     else:
         assert not product_sides
-    for n in (8, 3, 8, 1):
+    if parts:   # Llama-2-7B's 32 kv heads × 32 rows fill an H200 without splits: the epilogue ran in the capture
+        assert all((p is not None) == (setup.config.num_key_value_heads == 32) for p in parts)
+    for n in (rows, 3, rows, 1):
         chunks = decode_chunks(n)
         graph_batch.update_(chunks)
         with torch.inference_mode():  # the forward's outputs are inference tensors
@@ -238,7 +253,7 @@ def test_decode_graph_replays_new_batches(setup, overlap_mode, monkeypatch):
         torch.cuda.synchronize()
         if n == graph_batch.num_tokens:
             assert torch.equal(out, eager), n
-        else:  # 8 rows against n: cuBLAS may pick another GEMM for the other M, so allow bf16 rounding
+        else:  # all rows against n: cuBLAS may pick another GEMM for the other M, so allow bf16 rounding
             scale = eager.abs().max().item()
             assert (out[:n] - eager).abs().max().item() <= 2e-2 * scale, n
 

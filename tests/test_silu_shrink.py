@@ -71,7 +71,7 @@ def test_out_is_silu_and_mul_and_part_sums_to_the_shrink(backend, dtype, I, R, d
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(lora_a=torch.zeros(3, 4, 8)), r"lora_a must be a torch.float16 \[slots, R, I=16\]"),
-    (dict(lora_a=torch.zeros(3, 16, 4, dtype=torch.float16).transpose(1, 2)), "with I contiguous"),
+    (dict(lora_a=torch.zeros(3, 16, 4, dtype=torch.float16).transpose(1, 2)), "with its last dimension contiguous"),
     (dict(ranks=torch.zeros(3, dtype=torch.int64)), r"ranks must be a contiguous int32 \[3\]"),
     (dict(row_slot=torch.zeros(5, dtype=torch.int32)), r"row_slot must be a contiguous int32 \[4\]"),
     (dict(delta=torch.zeros(4, 32)), r"delta must be a contiguous float32 \[T=4, 32\]"),

@@ -57,8 +57,10 @@ LEFT_FOR_NEXT_OP = ("delta", "delta-side", "product", "product-side")
 FUSED_BOUNDARIES = False
 # At decode (every sequence one row) on those paths, the attention kernel also computes o's shrink over its heads'
 # columns (ops/attention_shrink.py), so the o GEMM starts with no shrink launch before it and only the expand
-# beside it (not where o is a "fused" projection, nor where the attention splits the context). Off: not yet
-# measured on a GPU (the trace probe's `o_in_attention` variant).
+# beside it (not where o is a "fused" projection, nor where the attention splits the context: decode graphs are
+# captured for the longest context, so on an H200 it splits under 264 sequences × kv heads, e.g. at every batch
+# ≤ 32 of Llama-3-8B's 8 kv heads and ≤ 8 of Llama-2-7B's 32). Off: not yet measured on a GPU (the trace probe's
+# `o_in_attention` variants).
 O_SHRINK_IN_ATTENTION = False
 
 

@@ -22,7 +22,7 @@ import torch
 
 from .api import _bump_version, _on, resolve_backend
 from .attention import _check_head_dim_for_triton, check_attention_args, paged_attention
-from .checks import _desc
+from .checks import check_shrink_inputs
 
 MAX_RANK = 64   # the epilogue holds a [R, D] tile of A per head
 
@@ -39,17 +39,8 @@ def decode_attention_shrink(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                                max_seq_len=max_seq_len, scale=scale, sliding_window=sliding_window, out=None)
     T, Hq, D = q.shape
     dev = q.device
-    if not isinstance(lora_a, torch.Tensor) or lora_a.dim() != 3 or lora_a.shape[2] != Hq * D or \
-            lora_a.dtype != q.dtype or lora_a.stride(2) != 1 or lora_a.device != dev:
-        got = _desc(lora_a) if isinstance(lora_a, torch.Tensor) else type(lora_a).__name__
-        raise ValueError(f"lora_a must be a {q.dtype} [slots, R, Hq*D={Hq * D}] on {dev} with its last dimension "
-                         f"contiguous, got {got}")
-    slots, R = lora_a.shape[0], lora_a.shape[1]
-    for name, t, n in (("ranks", ranks, slots), ("row_slot", row_slot, T)):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != (n,) or t.device != dev \
-                or (n > 1 and t.stride(0) != 1):
-            raise ValueError(f"{name} must be a contiguous int32 [{n}] on {dev}, got "
-                             f"{_desc(t) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    check_shrink_inputs(lora_a, ranks, row_slot, T, Hq * D, "Hq*D", q.dtype, dev)
+    R = lora_a.shape[1]
     kwargs = dict(max_query_len=1, max_seq_len=max_seq_len, scale=scale, sliding_window=sliding_window, out=out)
     S = block_tables.shape[0]
     if R == 0 or R > MAX_RANK or T == 0 or S == 0:
@@ -58,15 +49,20 @@ def decode_attention_shrink(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if resolve_backend(backend, dev) == "reference":
         paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start, backend="reference", **kwargs)
         return out, _reference_part(out, lora_a, ranks, row_slot, k_cache.shape[2])
-    from . import attention_kernels
+    from . import attention_kernels as ak
     _check_head_dim_for_triton(D)
-    part = torch.empty((k_cache.shape[2], 1, T, R), dtype=torch.float32, device=dev)
+    Hkv = k_cache.shape[2]
+    if ak.plan_decode(S, Hkv, max_seq_len, sliding_window, dev, ak.decode_config(D, q.dtype))[0] > 1:
+        return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start, backend=backend,
+                               **kwargs), None
+    part = torch.empty((Hkv, 1, T, R), dtype=torch.float32, device=dev)
     with _on(dev):
-        done = attention_kernels.decode(q, k_cache, v_cache, block_tables, seq_lens, query_start, out,
-                                        max_seq_len=max_seq_len, scale=float(scale), window=sliding_window,
-                                        lora=(lora_a, ranks, row_slot, part))
+        done = ak.decode(q, k_cache, v_cache, block_tables, seq_lens, query_start, out, max_seq_len=max_seq_len,
+                         scale=float(scale), window=sliding_window, lora=(lora_a, ranks, row_slot, part))
+    if not done:
+        raise RuntimeError("the decode kernel split the context after plan_decode said it would not")
     _bump_version(out)
-    return out, part if done else None
+    return out, part
 
 
 def _reference_part(out: torch.Tensor, lora_a: torch.Tensor, ranks: torch.Tensor, row_slot: torch.Tensor,

@@ -31,7 +31,7 @@ def o_shrink_epilogue(o, offs_m, offs_d, row, kvh, a_ptr, rank_ptr, slot_ptr, pa
             a = tl.load(a_head + offs_r[:, None] * stride_a_r + g * HEAD_DIM + offs_d[None, :], mask=r_mask[:, None],
                         other=0.0)
             acc += tl.sum(a.to(tl.float32) * o_g[None, :], axis=1)
-        tl.store(part_ptr + kvh * stride_p_split + row * stride_pm + offs_r, acc, mask=r_mask)
+        tl.store(part_ptr + kvh.to(tl.int64) * stride_p_split + row * stride_pm + offs_r, acc, mask=r_mask)
 
 
 @triton.jit
@@ -41,7 +41,7 @@ def o_shrink_prefetch(offs_d, row, kvh, a_ptr, rank_ptr, slot_ptr, R, stride_a_s
     load's latency hides behind the key walk (zeros past the rank and for rows without an adapter)."""
     slot = tl.load(slot_ptr + row)
     safe = tl.maximum(slot, 0)
-    rank = tl.where(slot >= 0, tl.minimum(tl.load(rank_ptr + safe), R), 0)
+    rank = tl.minimum(tl.load(rank_ptr + safe, mask=slot >= 0, other=0), R)   # 0 for rows without an adapter
     offs_r = tl.arange(0, BLOCK_R)
     return tl.load(a_ptr + safe.to(tl.int64) * stride_a_slot + kvh * HEAD_DIM + offs_r[:, None] * stride_a_r
                    + offs_d[None, :], mask=(offs_r < rank)[:, None], other=0.0)
@@ -57,4 +57,4 @@ def o_shrink_finish(o, a, offs_m, row, kvh, rank_ptr, slot_ptr, part_ptr, R, str
         offs_r = tl.arange(0, BLOCK_R)
         o_0 = tl.sum(tl.where(offs_m[:, None] == 0, o, 0.0), axis=0)
         acc = tl.sum(a.to(tl.float32) * o_0[None, :], axis=1)
-        tl.store(part_ptr + kvh * stride_p_split + row * stride_pm + offs_r, acc, mask=offs_r < rank)
+        tl.store(part_ptr + kvh.to(tl.int64) * stride_p_split + row * stride_pm + offs_r, acc, mask=offs_r < rank)

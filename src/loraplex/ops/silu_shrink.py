@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from .api import _bump_version, _on, resolve_backend
-from .checks import _desc
+from .checks import _desc, check_shrink_inputs
 from .fused import _delta, _float_rows, _kernel_delta, silu_and_mul
 from .lora_delta import LoraDelta
 
@@ -36,16 +36,8 @@ def silu_and_mul_shrink(gate_up: torch.Tensor, lora_a: torch.Tensor, ranks: torc
         raise ValueError(f"gate_up must be [T, 2*I] with I ≥ 1 (gate then up), got {_desc(gate_up)}")
     I = width // 2
     dev = gate_up.device
-    if not isinstance(lora_a, torch.Tensor) or lora_a.dim() != 3 or lora_a.shape[2] != I or \
-            lora_a.dtype != gate_up.dtype or lora_a.stride(2) != 1 or lora_a.device != dev:
-        raise ValueError(f"lora_a must be a {gate_up.dtype} [slots, R, I={I}] on {dev} with I contiguous, got "
-                         f"{_desc(lora_a) if isinstance(lora_a, torch.Tensor) else type(lora_a).__name__}")
-    slots, R = lora_a.shape[0], lora_a.shape[1]
-    for name, t, n in (("ranks", ranks, slots), ("row_slot", row_slot, T)):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != (n,) or t.device != dev \
-                or (n > 1 and t.stride(0) != 1):
-            raise ValueError(f"{name} must be a contiguous int32 [{n}] on {dev}, got "
-                             f"{_desc(t) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    check_shrink_inputs(lora_a, ranks, row_slot, T, I, "I", gate_up.dtype, dev)
+    R = lora_a.shape[1]
     if delta is not None:
         if not isinstance(delta, (torch.Tensor, LoraDelta)):
             raise ValueError(f"delta must be an fp32 tensor or a LoraDelta, got {type(delta).__name__}")
