@@ -8,6 +8,9 @@ Two views, one run:
 - **Timeline** of today's path and the backbone (PyTorch profiler over graph replays): each kernel's time,
   and the time in which it ran alone (exclusive: on the critical path, nothing beside it), beside others, or
   nothing ran (dependency and launch gaps), by kind of kernel.
+- **Paired** (`--paired ROUNDS`): every variant's graph timed again, round robin in rotating order, and each
+  variant's time over today's path's in the same round (`paired_summary`): later variants time slower as the
+  GPU warms, so times taken minutes apart mislead by more than the differences sought.
 
     python benchmarks/trace_decode_graph.py --out benchmarks/results/decode_graph_trace.json
 """
@@ -19,6 +22,7 @@ import dataclasses
 import datetime
 import json
 import os
+import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -270,6 +274,25 @@ VARIANTS = {
 }
 
 
+def round_order(names: list[str], r: int) -> list[str]:
+    """The variants' order in round r of the paired timing: rotated by one each round, so that no variant is
+    always timed first or last (later ones time slower as the GPU warms up)."""
+    k = r % len(names) if names else 0
+    return names[k:] + names[:k]
+
+
+def paired_summary(times: dict[str, list[float]], base: str = "fused") -> dict:
+    """Per variant, the median µs over the rounds and the median over rounds of its time / `base`'s time in the
+    same round (a variant and the base timed minutes apart drift; within a round they are seconds apart)."""
+    out = {}
+    for name, ts in times.items():
+        row = dict(median_us=round(statistics.median(ts), 1), rounds=len(ts))
+        if base in times and name != base:
+            row[f"vs_{base}"] = round(statistics.median(t / b for t, b in zip(ts, times[base])), 4)
+        out[name] = row
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=32)
@@ -279,12 +302,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--sweep", default="", help=f"comma-separated settings to time on nofill: {', '.join(SWEEP)}")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--trace-dir", type=Path, help="where to write the chrome traces")
+    ap.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
+                    help="then time every variant's graph again, round robin over ROUNDS rounds (paired_summary)")
     args = ap.parse_args(argv)
     B = args.batch
     model, kv, pool, batch = decode_setup(B, args.context)
     result = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,
                   batch=B, context=args.context, rank=RANK, variants={}, timelines={}, sweep={})
     reference = None
+    kept: dict[str, object] = {}   # --paired: each variant's replay, kept for the rounds
 
     def one_variant(name: str, adapters) -> None:
         nonlocal reference
@@ -307,6 +333,8 @@ def main(argv=None) -> dict:
                 path = args.trace_dir / f"decode_graph_{name}.json" if args.trace_dir else None
                 result["timelines"][name] = trace(replay, 3, path)
                 print(json.dumps(result["timelines"][name], indent=1), flush=True)
+            if args.paired and name not in kept:
+                kept[name] = replay
             del replay, logits
             torch.cuda.empty_cache()
 
@@ -318,6 +346,18 @@ def main(argv=None) -> dict:
             result["variants"][name] = dict(what=VARIANTS[name], error=repr(e))
             print(f"{name:11s} failed: {e!r}", flush=True)
         if args.out:   # after every variant: a run cut short keeps what it measured
+            args.out.write_text(json.dumps(result, indent=1) + "\n")
+    if kept:
+        names, times = list(kept), defaultdict(list)
+        for r in range(args.paired):
+            for name in round_order(names, r):
+                times[name].append(time_us([kept[name]], target_ms=20, reps=3))
+        result["paired"] = paired_summary(dict(times))
+        for name, row in result["paired"].items():
+            print(f"paired {name:20s} {row}", flush=True)
+        kept.clear()
+        torch.cuda.empty_cache()
+        if args.out:
             args.out.write_text(json.dumps(result, indent=1) + "\n")
     for name in filter(None, args.sweep.split(",")):
         with variant("nofill"), kernel_settings(SWEEP[name]):

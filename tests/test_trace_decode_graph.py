@@ -63,3 +63,18 @@ def test_product_variants_patch_and_restore_the_settings(probe):
     assert fused_lora_kernels.ROPE_HEADS == 4 and set(probe.ROPE_HEADS_VARIANTS) <= set(probe.VARIANTS)
     assert set(probe.PRODUCT_VARIANTS) <= set(probe.VARIANTS)
     assert probe.VARIANTS["od_rows"].endswith("one program per row") and "q/o/down" in probe.VARIANTS["od_rows"]
+
+
+def test_paired_rounds_rotate_and_compare_within_a_round(probe):
+    names = ["backbone", "fused", "o_in_attention"]
+    orders = [probe.round_order(names, r) for r in range(3)]
+    assert orders == [names, ["fused", "o_in_attention", "backbone"], ["o_in_attention", "backbone", "fused"]]
+    assert [o[0] for o in orders] == names            # each variant first once, and last once
+    # a drift of +10% a round: the ratio within each round stays 0.9 where the medians alone say 0.99
+    times = {"fused": [100.0, 110.0, 121.0], "o_in_attention": [90.0, 99.0, 108.9], "backbone": [80.0, 80.0, 80.0]}
+    got = probe.paired_summary(times)
+    assert got["o_in_attention"] == dict(median_us=99.0, rounds=3, vs_fused=0.9)
+    assert got["fused"] == dict(median_us=110.0, rounds=3)
+    assert got["backbone"]["vs_fused"] == round(80 / 110, 4)
+    assert probe.paired_summary({"a": [1.0]}) == {"a": dict(median_us=1.0, rounds=1)}   # no base: times only
+
