@@ -48,12 +48,13 @@ def gemm_tflops() -> float:
     return 2 * n ** 3 / us / 1e6
 
 
-def capture(fn):
-    """Capture fn in a CUDA graph after a warm-up call: (replay, the output tensor it rewrites)."""
+def capture(fn, stream: torch.cuda.Stream | None = None):
+    """Capture fn in a CUDA graph after a warm-up call: (replay, the output tensor it rewrites). `stream`: the
+    capture stream (its priority is the kernels' at replay), else PyTorch's."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):
         out = fn()
     return graph.replay, out
 

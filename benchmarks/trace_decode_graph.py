@@ -97,7 +97,14 @@ def trace(replay, reps: int, path: Path | None) -> dict:
 
 @contextlib.contextmanager
 def variant(name: str):
-    """The patches of one variant (see VARIANTS)."""
+    """The patches of one variant (see VARIANTS), or of several joined by "+" (e.g. "graph_default+od_split1024"),
+    applied in order."""
+    if "+" in name:
+        with contextlib.ExitStack() as stack:
+            for part in name.split("+"):
+                stack.enter_context(variant(part))
+            yield
+        return
     patches = []
     # "nofill*": measured before the eleventh session, when it patched out the deltas' zero fills; today's path
     # has none, so "nofill" is "fused" and its suffixed variants change only what their suffix says
@@ -140,6 +147,8 @@ def variant(name: str):
     if name in ROPE_HEADS_VARIANTS:   # heads per RoPE program (fused_lora_kernels.ROPE_HEADS, 4): more programs
         from loraplex.ops import fused_lora_kernels
         patches.append(mock.patch.object(fused_lora_kernels, "ROPE_HEADS", ROPE_HEADS_VARIANTS[name]))
+    if name in PRIORITY_VARIANTS:   # the side stream's priority (the capture stream's: capture_priority)
+        patches.append(mock.patch.object(overlap, "SIDE_STREAM_PRIORITY", PRIORITY_VARIANTS[name][0]))
     if name == "nofill_carve16":
         patches.append(carveout(16))
     if name == "one_stream":
@@ -242,6 +251,19 @@ SILU_TOO = {"boundary_od1024_silu"}
 PRODUCT_VARIANTS["boundary_od1024_silu"] = (QKV_O_DOWN, 1024, True)
 
 ROPE_HEADS_VARIANTS = {"rope_heads2": 2, "rope_heads1": 1, "rope_heads8": 8}
+# (side stream's priority, capture stream's priority), PyTorch's numbering (lower is higher, 0 the lowest;
+# out-of-range values map to the nearest): a graph's kernels keep their stream's priority. Every other variant
+# captures as the engine does (overlap.capture_priority(): -5 by default since the thirteenth session, whose
+# probe named that variant "main_high").
+PRIORITY_VARIANTS = {"graph_default": (0, 0), "side_high": (-5, 0), "both_high": (-5, -5)}
+
+
+def capture_priority(name: str) -> int:
+    """The priority of the stream variant `name` (parts joined by "+": the last that sets one) is captured on."""
+    priority = overlap.capture_priority()
+    for part in name.split("+"):
+        priority = PRIORITY_VARIANTS.get(part, (0, priority))[1]
+    return priority
 
 VARIANTS = {
     "backbone": "no adapters",
@@ -264,6 +286,11 @@ VARIANTS = {
     "o_in_attention_late": "o_in_attention with A's tile loaded after the key walk (LORA_PREFETCH_A off)",
     "o_in_attention_silu": "o_in_attention with down's shrink inside SiLU-and-mul too",
     **{name: f"fused with {h} head(s) per RoPE program (4 today)" for name, h in ROPE_HEADS_VARIANTS.items()},
+    "graph_default": "fused captured on a stream of PyTorch's default priority, the side stream's (before the "
+                     "thirteenth session: LORAPLEX_GRAPH_PRIORITY=default)",
+    "side_high": "graph_default with the side stream (LoRA kernels) at the highest priority "
+                 "(overlap.SIDE_STREAM_PRIORITY)",
+    "both_high": "fused with both streams at the highest priority (equal, as graph_default's)",
     "noshrink": "fused without shrink kernels (timing only)",
     "noexpand": "fused without expand kernels (timing only; RoPE still expands q/k/v)",
     "nolora": "fused without shrink and expand kernels: the consumers' cost and the fills (timing only)",
@@ -272,6 +299,15 @@ VARIANTS = {
     "shrink": "LORAPLEX_LORA_OVERLAP=shrink",
     "off": "LORAPLEX_LORA_OVERLAP=off (plain order)",
 }
+
+
+def describe(name: str) -> str:
+    """VARIANTS' description of `name`, or of each of its parts joined by "+"."""
+    parts = name.split("+")
+    unknown = [p for p in parts if p not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown variant(s) {unknown} in {name!r}; known: {', '.join(VARIANTS)}")
+    return " + ".join(VARIANTS[p] for p in parts)
 
 
 def round_order(names: list[str], r: int) -> list[str]:
@@ -305,6 +341,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
                     help="then time every variant's graph again, round robin over ROUNDS rounds (paired_summary)")
     args = ap.parse_args(argv)
+    for name in args.variants.split(","):
+        describe(name)   # a misspelt variant fails before the model is built
     B = args.batch
     model, kv, pool, batch = decode_setup(B, args.context)
     result = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,
@@ -314,8 +352,10 @@ def main(argv=None) -> dict:
 
     def one_variant(name: str, adapters) -> None:
         nonlocal reference
+        priority = capture_priority(name)
+        stream = torch.cuda.Stream(priority=priority) if priority else None
         with variant(name):
-            replay, logits = capture(lambda: model(batch, kv, adapters))
+            replay, logits = capture(lambda: model(batch, kv, adapters), stream=stream)
             with torch.inference_mode():
                 logits.fill_(float("nan"))   # poisoned: the replay must write every logit
             replay()
@@ -324,7 +364,7 @@ def main(argv=None) -> dict:
             if name == "fused":
                 reference = out
             us = time_us([replay], target_ms=30, reps=9)
-            row = dict(what=VARIANTS[name], graph_us=round(us, 1), finite=bool(torch.isfinite(out).all()))
+            row = dict(what=describe(name), graph_us=round(us, 1), finite=bool(torch.isfinite(out).all()))
             if reference is not None and name != "backbone":
                 row["max_abs_vs_fused"] = (out - reference).abs().max().item()
             result["variants"][name] = row
@@ -343,7 +383,7 @@ def main(argv=None) -> dict:
         try:
             one_variant(name, adapters)
         except Exception as e:  # noqa: BLE001 - one variant's failure (e.g. a missing torch hook) is reported
-            result["variants"][name] = dict(what=VARIANTS[name], error=repr(e))
+            result["variants"][name] = dict(what=describe(name), error=repr(e))
             print(f"{name:11s} failed: {e!r}", flush=True)
         if args.out:   # after every variant: a run cut short keeps what it measured
             args.out.write_text(json.dumps(result, indent=1) + "\n")

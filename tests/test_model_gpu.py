@@ -212,7 +212,8 @@ def test_decode_graph_replays_new_batches(setup, overlap_mode, monkeypatch):
     monkeypatch.setattr(overlap, "linear_with_lora_product",
                         lambda *a, **kw: product_sides.append(kw["side"]) or real(*a, **kw))
     rng = random.Random(1)
-    kv = KVCache(setup.config, 640, BLOCK, dtype=torch.bfloat16, device="cuda")
+    # room for `rows` contexts of up to 1024 tokens (each call of decode_chunks draws its blocks afresh)
+    kv = KVCache(setup.config, max(640, rows * 1024 // BLOCK), BLOCK, dtype=torch.bfloat16, device="cuda")
     kv.data.normal_()
     graph_batch = ForwardBatch.for_graph(rows, 1024, block_size=BLOCK, num_blocks=kv.num_blocks,
                                          vocab_size=setup.config.vocab_size, num_adapter_slots=4, device="cuda")

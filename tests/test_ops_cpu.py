@@ -504,3 +504,19 @@ def test_lora_overlap_setting_refuses_a_bad_value(monkeypatch):
     monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", "sideways")
     with pytest.raises(ValueError, match="LORAPLEX_LORA_OVERLAP='sideways': expected fused"):
         overlap.mode()
+
+
+@pytest.mark.parametrize("value, priority", [(None, -5), ("high", -5), (" HIGH ", -5), ("default", 0), ("0", 0),
+                                             ("", -5)])
+def test_graph_priority_setting(value, priority, monkeypatch):
+    """LORAPLEX_GRAPH_PRIORITY (ops/overlap.py): graphs are captured on a highest-priority stream by default
+    (PyTorch maps -5 to the device's highest), the side stream keeps the lowest; a bad value names itself."""
+    from loraplex.ops import overlap
+    if value is None:
+        monkeypatch.delenv("LORAPLEX_GRAPH_PRIORITY", raising=False)
+    else:
+        monkeypatch.setenv("LORAPLEX_GRAPH_PRIORITY", value)
+    assert overlap.capture_priority() == priority and overlap.SIDE_STREAM_PRIORITY == 0
+    monkeypatch.setenv("LORAPLEX_GRAPH_PRIORITY", "urgent")
+    with pytest.raises(ValueError, match="LORAPLEX_GRAPH_PRIORITY='urgent': expected high or default"):
+        overlap.capture_priority()

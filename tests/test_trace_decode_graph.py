@@ -78,3 +78,26 @@ def test_paired_rounds_rotate_and_compare_within_a_round(probe):
     assert got["backbone"]["vs_fused"] == round(80 / 110, 4)
     assert probe.paired_summary({"a": [1.0]}) == {"a": dict(median_us=1.0, rounds=1)}   # no base: times only
 
+
+
+def test_variants_compose_with_plus_and_priorities_follow_the_engine(probe, monkeypatch):
+    """"a+b" applies both variants' patches (restored after); the capture stream's priority is the engine's
+    (overlap.capture_priority) unless a priority variant sets it; unknown names are refused by name."""
+    from loraplex.models import llama
+    from loraplex.ops import fused_lora_kernels, overlap
+    with probe.variant("graph_default+rope_heads2+o_in_attention"):
+        assert fused_lora_kernels.ROPE_HEADS == 2 and llama.O_SHRINK_IN_ATTENTION
+        assert overlap.SIDE_STREAM_PRIORITY == 0
+    with probe.variant("side_high+od_split1024"):
+        assert overlap.SIDE_STREAM_PRIORITY == -5 and fused_lora_kernels.RMS_SPLIT == 1024
+    assert fused_lora_kernels.ROPE_HEADS == 4 and not llama.O_SHRINK_IN_ATTENTION
+    assert overlap.SIDE_STREAM_PRIORITY == 0 and fused_lora_kernels.RMS_SPLIT != 1024
+    monkeypatch.delenv("LORAPLEX_GRAPH_PRIORITY", raising=False)
+    assert probe.capture_priority("fused") == overlap.capture_priority() == -5
+    assert probe.capture_priority("graph_default") == probe.capture_priority("side_high+rope_heads2") == 0
+    assert probe.capture_priority("graph_default+both_high") == -5
+    monkeypatch.setenv("LORAPLEX_GRAPH_PRIORITY", "default")
+    assert probe.capture_priority("fused") == 0 and probe.capture_priority("both_high") == -5
+    assert probe.describe("graph_default+rope_heads2").count(" + ") == 1
+    with pytest.raises(ValueError, match="rope_heads3"):
+        probe.describe("fused+rope_heads3")

@@ -203,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
                   if args.overlap_admissions is None else args.overlap_admissions,
                   lora_overlap=os.environ.get("LORAPLEX_LORA_OVERLAP"),
                   host_priority=os.environ.get("LORAPLEX_HOST_PRIORITY"),
+                  graph_priority=os.environ.get("LORAPLEX_GRAPH_PRIORITY"),
                   workload=dict(requests=args.requests, lengths=args.lengths, max_len=args.max_len, seed=args.seed,
                                 prompt_len=args.prompt_len, output_len=args.output_len,
                                 popularity=pops, baseline_requests=n_base),

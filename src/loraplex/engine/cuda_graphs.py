@@ -33,7 +33,7 @@ from ..adapters.pool import AdapterPool
 from ..models.forward_batch import ForwardBatch, SequenceChunk
 from ..models.kv_cache import KVCache
 from ..models.llama import LlamaForCausalLM
-from ..ops import sgmv
+from ..ops import overlap, sgmv
 
 log = logging.getLogger("loraplex.engine")
 
@@ -169,7 +169,9 @@ class StepGraphs:
                 self.model(batch, self.kv, pool)
             torch.cuda.current_stream(device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._memory):
+            priority = overlap.capture_priority()   # the captured kernels keep it at replay
+            capture_stream = torch.cuda.Stream(device, priority=priority) if priority else None
+            with torch.cuda.graph(graph, pool=self._memory, stream=capture_stream):
                 self._logits[:seqs].copy_(self.model(batch, self.kv, pool))
         return _Graph(graph, batch)
 

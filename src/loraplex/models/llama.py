@@ -59,8 +59,11 @@ FUSED_BOUNDARIES = False
 # columns (ops/attention_shrink.py), so the o GEMM starts with no shrink launch before it and only the expand
 # beside it (not where o is a "fused" projection, nor where the attention splits the context: decode graphs are
 # captured for the longest context, so on an H200 it splits under 264 sequences × kv heads, e.g. at every batch
-# ≤ 32 of Llama-3-8B's 8 kv heads and ≤ 8 of Llama-2-7B's 32). Off: not yet measured on a GPU (the trace probe's
-# `o_in_attention` variants).
+# ≤ 32 of Llama-3-8B's 8 kv heads and ≤ 8 of Llama-2-7B's 32). Off: slower on an H200 (2026-12-02, Llama-2-7B
+# decode forwards at batch 32 in CUDA graphs, results/decode_graph_trace_oattn.json): 1.028× today's path's time
+# (1.040× with A's tile loaded after the key walk), as the attention took ~2.7 µs a layer longer and the expand
+# summing 32 kv heads' partials ran ~10 µs a layer more alone, not beside the GEMM (against the same session's
+# trace of today's path).
 O_SHRINK_IN_ATTENTION = False
 
 

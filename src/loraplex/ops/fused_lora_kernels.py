@@ -238,7 +238,9 @@ RMS_BLOCK = 2048    # columns per tile of the row walk (B tile: RMS_BLOCK × BLO
 RMS_STAGES = 2      # the row walk's loads pipelined this deep
 RMS_SPLIT = 0       # > 0: each row over programs of this many columns, two launches (fused_lora_rms_split.py)
 SILU_BLOCK = 512
-ROPE_HEADS = 4      # heads per program
+# heads per program; 2 and 1 measured 1.000× and 1.011× its decode forward time (H200, 2026-12-02, Llama-2-7B at
+# batch 32 in CUDA graphs, paired rounds: results/decode_graph_trace_oattn.json)
+ROPE_HEADS = 4
 _RMS = Launcher(_rms_norm_lora_kernel)
 _SILU = Launcher(_silu_and_mul_lora_kernel)
 _ROPE = Launcher(_rope_lora_kernel)
