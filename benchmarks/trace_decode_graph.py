@@ -147,8 +147,9 @@ def variant(name: str):
     if name in ROPE_HEADS_VARIANTS:   # heads per RoPE program (fused_lora_kernels.ROPE_HEADS, 4): more programs
         from loraplex.ops import fused_lora_kernels
         patches.append(mock.patch.object(fused_lora_kernels, "ROPE_HEADS", ROPE_HEADS_VARIANTS[name]))
-    if name in PRIORITY_VARIANTS:   # the side stream's priority (the capture stream's: capture_priority)
+    if name in PRIORITY_VARIANTS:
         patches.append(mock.patch.object(overlap, "SIDE_STREAM_PRIORITY", PRIORITY_VARIANTS[name][0]))
+        patches.append(mock.patch.dict(os.environ, {"LORAPLEX_GRAPH_PRIORITY": PRIORITY_VARIANTS[name][1]}))
     if name == "nofill_carve16":
         patches.append(carveout(16))
     if name == "one_stream":
@@ -251,19 +252,13 @@ SILU_TOO = {"boundary_od1024_silu"}
 PRODUCT_VARIANTS["boundary_od1024_silu"] = (QKV_O_DOWN, 1024, True)
 
 ROPE_HEADS_VARIANTS = {"rope_heads2": 2, "rope_heads1": 1, "rope_heads8": 8}
-# (side stream's priority, capture stream's priority), PyTorch's numbering (lower is higher, 0 the lowest;
-# out-of-range values map to the nearest): a graph's kernels keep their stream's priority. Every other variant
-# captures as the engine does (overlap.capture_priority(): -5 by default since the thirteenth session, whose
-# probe named that variant "main_high").
-PRIORITY_VARIANTS = {"graph_default": (0, 0), "side_high": (-5, 0), "both_high": (-5, -5)}
+# (side stream's priority, LORAPLEX_GRAPH_PRIORITY): PyTorch's numbering (lower is higher, 0 the lowest; -5 maps
+# to the highest); a graph's kernels keep their stream's priority. Every other variant captures as the engine does
+# (overlap.priority_scheme(), "high" since the thirteenth session, whose probe named it "main_high"; graphs
+# without LoRA kernels at the default priority).
+PRIORITY_VARIANTS = {"graph_default": (0, "default"), "side_high": (-5, "default"), "both_high": (-5, "high"),
+                     "graph_high": (0, "high"), "gemm_high": (0, "gemm")}
 
-
-def capture_priority(name: str) -> int:
-    """The priority of the stream variant `name` (parts joined by "+": the last that sets one) is captured on."""
-    priority = overlap.capture_priority()
-    for part in name.split("+"):
-        priority = PRIORITY_VARIANTS.get(part, (0, priority))[1]
-    return priority
 
 VARIANTS = {
     "backbone": "no adapters",
@@ -291,6 +286,10 @@ VARIANTS = {
     "side_high": "graph_default with the side stream (LoRA kernels) at the highest priority "
                  "(overlap.SIDE_STREAM_PRIORITY)",
     "both_high": "fused with both streams at the highest priority (equal, as graph_default's)",
+    "graph_high": "captured at the highest priority even without LoRA kernels (backbone+graph_high: what the "
+                  "priority alone costs)",
+    "gemm_high": "graph_default with each GEMM beside LoRA kernels on a highest-priority stream of its own "
+                 "(LORAPLEX_GRAPH_PRIORITY=gemm)",
     "noshrink": "fused without shrink kernels (timing only)",
     "noexpand": "fused without expand kernels (timing only; RoPE still expands q/k/v)",
     "nolora": "fused without shrink and expand kernels: the consumers' cost and the fills (timing only)",
@@ -299,6 +298,19 @@ VARIANTS = {
     "shrink": "LORAPLEX_LORA_OVERLAP=shrink",
     "off": "LORAPLEX_LORA_OVERLAP=off (plain order)",
 }
+
+
+def is_backbone(name: str) -> bool:
+    """Does variant `name` run without adapters?"""
+    return "backbone" in name.split("+")
+
+
+def capture_priority(name: str) -> int:
+    """The priority variant `name`'s graph is captured at, inside its variant(): the engine's
+    (engine/cuda_graphs.py: the default one without LoRA kernels), or the highest with "graph_high"."""
+    if is_backbone(name) and "graph_high" not in name.split("+"):
+        return 0
+    return overlap.capture_priority()
 
 
 def describe(name: str) -> str:
@@ -352,9 +364,9 @@ def main(argv=None) -> dict:
 
     def one_variant(name: str, adapters) -> None:
         nonlocal reference
-        priority = capture_priority(name)
-        stream = torch.cuda.Stream(priority=priority) if priority else None
         with variant(name):
+            priority = capture_priority(name)
+            stream = torch.cuda.Stream(priority=priority) if priority else None
             replay, logits = capture(lambda: model(batch, kv, adapters), stream=stream)
             with torch.inference_mode():
                 logits.fill_(float("nan"))   # poisoned: the replay must write every logit
@@ -365,7 +377,7 @@ def main(argv=None) -> dict:
                 reference = out
             us = time_us([replay], target_ms=30, reps=9)
             row = dict(what=describe(name), graph_us=round(us, 1), finite=bool(torch.isfinite(out).all()))
-            if reference is not None and name != "backbone":
+            if reference is not None and not is_backbone(name):
                 row["max_abs_vs_fused"] = (out - reference).abs().max().item()
             result["variants"][name] = row
             print(f"{name:11s} {us:8.0f} µs  {row}", flush=True)
@@ -379,7 +391,7 @@ def main(argv=None) -> dict:
             torch.cuda.empty_cache()
 
     for name in args.variants.split(","):
-        adapters = None if name == "backbone" else pool
+        adapters = None if is_backbone(name) else pool
         try:
             one_variant(name, adapters)
         except Exception as e:  # noqa: BLE001 - one variant's failure (e.g. a missing torch hook) is reported

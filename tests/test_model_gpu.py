@@ -183,7 +183,8 @@ def test_lora_inside_the_gemms_matches_transformers_peft(setup):
     _assert_as_close_as_transformers(setup, plan, tokens, ours)
 
 
-@pytest.mark.parametrize("overlap_mode", ["full", "fused", "shrink", "off", "fused+o_in_attention"])
+@pytest.mark.parametrize("overlap_mode", ["full", "fused", "shrink", "off", "fused+o_in_attention", "fused+gemm_stream",
+                                          "shrink+gemm_stream"])
 def test_decode_graph_replays_new_batches(setup, overlap_mode, monkeypatch):
     """Capture one decode forward on a `for_graph` batch, rewrite the batch with other sequences,
     lengths and adapters (and fewer of them), replay: each replay equals an eager forward. The capture
@@ -191,11 +192,17 @@ def test_decode_graph_replays_new_batches(setup, overlap_mode, monkeypatch):
     next op, in eager forwards too; "fused": the shrink, its product expanded by the next op as it loads
     its input (a LoraProduct), in eager forwards too; "shrink": the shrink) or after it ("off");
     ops/overlap.py. "+o_in_attention": models/llama.O_SHRINK_IN_ATTENTION at 32 rows (fewer rows of 32 heads,
-    or GQA's 8 kv heads, split the context: then the plain path)."""
+    or GQA's 8 kv heads, split the context: then the plain path). "+gemm_stream": LORAPLEX_GRAPH_PRIORITY=gemm,
+    each GEMM beside LoRA kernels captured on a stream of its own (the same GEMM as eager's: the same bits)."""
     from loraplex.models import llama
     from loraplex.ops import attention_shrink, overlap
     rows = 8
     parts = []
+    monkeypatch.setattr(overlap, "_GEMM_STREAMS", {})
+    gemm_stream = overlap_mode.endswith("+gemm_stream")
+    if gemm_stream:
+        overlap_mode = overlap_mode.removesuffix("+gemm_stream")
+        monkeypatch.setenv("LORAPLEX_GRAPH_PRIORITY", "gemm")
     if overlap_mode == "fused+o_in_attention":
         overlap_mode, rows = "fused", 32
         monkeypatch.setattr(llama, "O_SHRINK_IN_ATTENTION", True)
@@ -232,6 +239,7 @@ def test_decode_graph_replays_new_batches(setup, overlap_mode, monkeypatch):
     with torch.cuda.graph(graph):
         out = setup.ours(graph_batch, kv, setup.pool)
     assert bool(overlap._SIDE_STREAMS) == (overlap_mode != "off")
+    assert bool(overlap._GEMM_STREAMS) == gemm_stream
     captured_sides = product_sides[len(eager_sides):]
     if overlap_mode == "fused":   # FUSED_PROJECTIONS a layer; the side stream only while capturing
         per_forward = len(overlap.FUSED_PROJECTIONS) * setup.config.num_hidden_layers

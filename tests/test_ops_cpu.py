@@ -506,17 +506,36 @@ def test_lora_overlap_setting_refuses_a_bad_value(monkeypatch):
         overlap.mode()
 
 
-@pytest.mark.parametrize("value, priority", [(None, -5), ("high", -5), (" HIGH ", -5), ("default", 0), ("0", 0),
-                                             ("", -5)])
-def test_graph_priority_setting(value, priority, monkeypatch):
-    """LORAPLEX_GRAPH_PRIORITY (ops/overlap.py): graphs are captured on a highest-priority stream by default
-    (PyTorch maps -5 to the device's highest), the side stream keeps the lowest; a bad value names itself."""
+@pytest.mark.parametrize("value, scheme", [(None, "high"), ("high", "high"), (" HIGH ", "high"), ("", "high"),
+                                           ("default", "default"), ("0", "default"), ("Gemm", "gemm")])
+def test_graph_priority_setting(value, scheme, monkeypatch):
+    """LORAPLEX_GRAPH_PRIORITY (ops/overlap.py): graphs with LoRA kernels are captured on a highest-priority
+    stream by default (PyTorch maps -5 to the device's highest); "gemm" captures at the default priority and
+    gives the GEMMs beside LoRA kernels a highest-priority stream; the side stream keeps the lowest; a bad
+    value names itself."""
     from loraplex.ops import overlap
     if value is None:
         monkeypatch.delenv("LORAPLEX_GRAPH_PRIORITY", raising=False)
     else:
         monkeypatch.setenv("LORAPLEX_GRAPH_PRIORITY", value)
-    assert overlap.capture_priority() == priority and overlap.SIDE_STREAM_PRIORITY == 0
+    assert overlap.priority_scheme() == scheme and overlap.SIDE_STREAM_PRIORITY == 0
+    assert overlap.capture_priority() == (-5 if scheme == "high" else 0)
+    assert overlap.gemm_stream_priority() == (-5 if scheme == "gemm" else None)
     monkeypatch.setenv("LORAPLEX_GRAPH_PRIORITY", "urgent")
-    with pytest.raises(ValueError, match="LORAPLEX_GRAPH_PRIORITY='urgent': expected high or default"):
+    with pytest.raises(ValueError, match="LORAPLEX_GRAPH_PRIORITY='urgent': expected high, gemm, or default"):
         overlap.capture_priority()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_into_is_f_linear(dtype, with_bias):
+    """The "gemm" scheme's GEMM into a buffer allocated on the main stream (overlap._linear_into) computes
+    F.linear's bits: the same addmm / mm. (On the GPU: tests/test_model_gpu.py's "+gemm_stream" replays.)"""
+    from loraplex.ops import overlap
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 64, generator=gen).to(dtype)
+    weight = torch.randn(48, 64, generator=gen).to(dtype)
+    bias = torch.randn(48, generator=gen).to(dtype) if with_bias else None
+    y = torch.full((5, 48), float("nan"), dtype=dtype)
+    overlap._linear_into(y, x, weight, bias)
+    assert torch.equal(y, torch.nn.functional.linear(x, weight, bias))

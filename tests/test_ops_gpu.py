@@ -1,6 +1,8 @@
 """GPU tests (`pytest -m gpu`): the full sweep in bf16 and fp16 against the float64 loop, and graph capture."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -194,15 +196,19 @@ def test_lora_delta_beside_the_gemm(dtype, side):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("side", [False, True])
+@pytest.mark.parametrize("side", [False, True, "gemm"])
 @pytest.mark.parametrize("Ns", [(4096, 4096, 4096), (11008, 11008)])
 def test_lora_product_beside_the_gemm(dtype, side, Ns, monkeypatch):
     """ops/overlap.py's "fused" path at 7B widths (q/k/v, gate/up slices), the shrink on one stream or on
-    the side stream (forked eagerly here; the model forks only while capturing): y is the plain GEMM bit
-    for bit, each row carries its segment's slot, and the product the consumers expand (`dense()`)
-    matches the float64 loop; rows without an adapter get exactly 0."""
+    the side stream (forked eagerly here; the model forks only while capturing), "gemm": and the GEMM on a
+    highest-priority stream of its own (LORAPLEX_GRAPH_PRIORITY=gemm): y is the plain GEMM bit for bit,
+    each row carries its segment's slot, and the product the consumers expand (`dense()`) matches the
+    float64 loop; rows without an adapter get exactly 0."""
     from loraplex.ops import overlap
     monkeypatch.setattr(overlap, "_SIDE_STREAMS", {})
+    monkeypatch.setattr(overlap, "_GEMM_STREAMS", {})
+    monkeypatch.setenv("LORAPLEX_GRAPH_PRIORITY", "gemm" if side == "gemm" else "high")
+    side = bool(side)
     rng = np.random.default_rng(stable_seed("product-gpu", str(dtype), side, Ns))
     case = make_case(rng, seg_lens=[1] * 32, popularity="distinct", K=4096, Ns=Ns, R=16, ranks="mixed",
                      dtype=dtype, device="cuda", none_frac=0.2)
@@ -213,6 +219,7 @@ def test_lora_product_beside_the_gemm(dtype, side, Ns, monkeypatch):
                                                   case.ranks, case.scalings, side=side)
     torch.cuda.synchronize()
     assert bool(overlap._SIDE_STREAMS) == side, "side=True forks to the side stream"
+    assert bool(overlap._GEMM_STREAMS) == (os.environ["LORAPLEX_GRAPH_PRIORITY"] == "gemm")
     assert torch.equal(y, torch.nn.functional.linear(case.x, weight))
     assert product.row_slot.tolist() == np.repeat(case.slot_ids, case.seg_lens).tolist()
     dense = product.dense()

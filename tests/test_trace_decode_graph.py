@@ -81,23 +81,28 @@ def test_paired_rounds_rotate_and_compare_within_a_round(probe):
 
 
 def test_variants_compose_with_plus_and_priorities_follow_the_engine(probe, monkeypatch):
-    """"a+b" applies both variants' patches (restored after); the capture stream's priority is the engine's
-    (overlap.capture_priority) unless a priority variant sets it; unknown names are refused by name."""
+    """"a+b" applies both variants' patches (restored after); graphs are captured at the engine's priority
+    (overlap.capture_priority, the default one without adapters) unless a priority variant sets the scheme;
+    unknown names are refused by name."""
     from loraplex.models import llama
     from loraplex.ops import fused_lora_kernels, overlap
+    monkeypatch.delenv("LORAPLEX_GRAPH_PRIORITY", raising=False)
     with probe.variant("graph_default+rope_heads2+o_in_attention"):
         assert fused_lora_kernels.ROPE_HEADS == 2 and llama.O_SHRINK_IN_ATTENTION
-        assert overlap.SIDE_STREAM_PRIORITY == 0
+        assert overlap.SIDE_STREAM_PRIORITY == 0 and probe.capture_priority("graph_default") == 0
     with probe.variant("side_high+od_split1024"):
         assert overlap.SIDE_STREAM_PRIORITY == -5 and fused_lora_kernels.RMS_SPLIT == 1024
+        assert probe.capture_priority("side_high+od_split1024") == 0
+    with probe.variant("gemm_high"):
+        assert overlap.capture_priority() == 0 and overlap.gemm_stream_priority() == -5
     assert fused_lora_kernels.ROPE_HEADS == 4 and not llama.O_SHRINK_IN_ATTENTION
     assert overlap.SIDE_STREAM_PRIORITY == 0 and fused_lora_kernels.RMS_SPLIT != 1024
-    monkeypatch.delenv("LORAPLEX_GRAPH_PRIORITY", raising=False)
-    assert probe.capture_priority("fused") == overlap.capture_priority() == -5
-    assert probe.capture_priority("graph_default") == probe.capture_priority("side_high+rope_heads2") == 0
-    assert probe.capture_priority("graph_default+both_high") == -5
-    monkeypatch.setenv("LORAPLEX_GRAPH_PRIORITY", "default")
-    assert probe.capture_priority("fused") == 0 and probe.capture_priority("both_high") == -5
+    assert "LORAPLEX_GRAPH_PRIORITY" not in __import__("os").environ
+    assert probe.capture_priority("fused") == -5 and overlap.gemm_stream_priority() is None
+    assert probe.capture_priority("backbone") == 0 and probe.is_backbone("backbone+graph_high")
+    with probe.variant("backbone+graph_high"):
+        assert probe.capture_priority("backbone+graph_high") == -5
+    assert not probe.is_backbone("fused+rope_heads2")
     assert probe.describe("graph_default+rope_heads2").count(" + ") == 1
     with pytest.raises(ValueError, match="rope_heads3"):
         probe.describe("fused+rope_heads3")

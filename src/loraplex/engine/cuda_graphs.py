@@ -169,7 +169,8 @@ class StepGraphs:
                 self.model(batch, self.kv, pool)
             torch.cuda.current_stream(device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            priority = overlap.capture_priority()   # the captured kernels keep it at replay
+            # the captured kernels keep it at replay; without LoRA kernels there is no side stream to order against
+            priority = overlap.capture_priority() if lora else 0
             capture_stream = torch.cuda.Stream(device, priority=priority) if priority else None
             with torch.cuda.graph(graph, pool=self._memory, stream=capture_stream):
                 self._logits[:seqs].copy_(self.model(batch, self.kv, pool))

@@ -35,7 +35,8 @@ DOWN_SHRINK_IN_SILU, off by default: measured slower; ops/silu_shrink.py): `line
 the expand alone beside the GEMM.
 
 LORAPLEX_LORA_OVERLAP: "fused" (default; also "1"), "full", "shrink" (only the shrink beside the GEMM,
-up to SHRINK_MAX_ROWS rows), "off" (also "0").
+up to SHRINK_MAX_ROWS rows), "off" (also "0"). LORAPLEX_GRAPH_PRIORITY (`priority_scheme`): which of the two
+streams' kernels the SMs take first at replay.
 """
 from __future__ import annotations
 
@@ -75,25 +76,49 @@ EXPAND_GEMM_FIRST = True
 SIDE_STREAM_PRIORITY = 0
 
 
-def capture_priority() -> int:
-    """The priority of the stream CUDA graphs are captured on (engine/cuda_graphs.py), from
-    LORAPLEX_GRAPH_PRIORITY: "high" (the default, also empty: -5, which PyTorch maps to the device's highest) puts the
-    captured GEMMs and the other main-stream kernels ahead of the side stream's LoRA kernels; "default" (or
-    "0") captures at PyTorch's default priority, the side stream's.
+PRIORITY_SCHEMES = ("high", "gemm", "default")
+_GEMM_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
 
-    Measured on an H200 (2026-12-02, Llama-2-7B decode forwards at batch 32 with distinct adapters, graphs
-    timed in alternating rounds, results/decode_graph_trace_prio{,2}.json): 0.987× and 0.992× the default
-    priority's time (21 and 9 rounds). The shrinks now run beside the GEMMs (alone 197 µs a forward against
-    579) and the expands after them (alone 788 against 283). The side stream at the highest priority instead:
-    0.999× (no change); both high: 0.999×. The paper's workload at batch 32: 3,376 tok/s against 3,359 (two
-    leases; decode steps' GPU time 9.05 against 9.08 ms, mixed steps' 10.30 against 11.11)."""
+
+def priority_scheme() -> str:
+    """LORAPLEX_GRAPH_PRIORITY, one of PRIORITY_SCHEMES: how the CUDA graphs of forwards with LoRA kernels
+    (engine/cuda_graphs.py) order those kernels against the main stream's on the SMs.
+
+    - "high" (the default; also empty): captured on a highest-priority stream, so the GEMMs and the other
+      main-stream kernels go ahead of the side stream's LoRA kernels wherever both have CTAs waiting.
+    - "gemm" (not yet measured): captured at PyTorch's default priority, but each GEMM beside LoRA kernels runs
+      on a highest-priority stream of its own (`_beside_gemm`), so only the GEMMs go first.
+    - "default" (or "0"): PyTorch's default priority for every stream.
+
+    Captured kernels keep their stream's priority at replay (PyTorch instantiates graphs with
+    cudaGraphInstantiateFlagUseNodePriority). Measured on an H200 (2026-12-02, Llama-2-7B decode forwards at batch
+    32 with distinct adapters, graphs timed in alternating rounds, results/decode_graph_trace_prio{,2}.json):
+    "high" took 0.987× and 0.992× the time of "default" (21 and 9 rounds): the shrinks run beside the GEMMs
+    (alone 197 µs a forward against 579) and the expands after them (alone 788 against 283). But every edge
+    between two highest-priority kernels waited longer: ~0.45 µs against ~0.1 (185 µs a forward idle against
+    25), which "gemm" is meant to avoid. The side stream at the highest priority instead: 0.999× (no change).
+    The paper's workload at batch 32: 3,376 tok/s with "high" against 3,359 (two leases; decode steps' GPU time
+    9.05 against 9.08 ms, mixed steps' 10.30 against 11.11)."""
     raw = os.environ.get("LORAPLEX_GRAPH_PRIORITY", "high")
     value = raw.strip().lower()
     if value in ("0", "default"):
-        return 0
+        return "default"
     if value in ("", "high"):
-        return -5
-    raise ValueError(f"LORAPLEX_GRAPH_PRIORITY={raw!r}: expected high or default (or 0)")
+        return "high"
+    if value == "gemm":
+        return "gemm"
+    raise ValueError(f"LORAPLEX_GRAPH_PRIORITY={raw!r}: expected high, gemm, or default (or 0)")
+
+
+def capture_priority() -> int:
+    """The priority of the stream graphs with LoRA kernels are captured on (PyTorch's numbering, lower is
+    higher: -5 maps to the device's highest)."""
+    return -5 if priority_scheme() == "high" else 0
+
+
+def gemm_stream_priority() -> int | None:
+    """The priority of the stream of the GEMMs beside LoRA kernels while capturing, None: the main stream."""
+    return -5 if priority_scheme() == "gemm" else None
 
 
 # Kernel settings of the "full" path, per tile height, where they differ from sgmv.CONFIGS (tuned for
@@ -158,19 +183,55 @@ def _usable_side(device: torch.device) -> torch.cuda.Stream | None:
     return None if side == main else side   # PyTorch hands out pooled streams in turn: this capture may hold ours
 
 
+def _usable_gemm_stream(device: torch.device, main: torch.cuda.Stream,
+                        side: torch.cuda.Stream) -> torch.cuda.Stream | None:
+    """The stream of a GEMM beside LoRA kernels ("gemm" priority scheme), None: the main stream."""
+    priority = gemm_stream_priority()
+    if priority is None:
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, priority)
+    if key not in _GEMM_STREAMS:
+        _GEMM_STREAMS[key] = torch.cuda.Stream(device=index, priority=priority)
+    stream = _GEMM_STREAMS[key]
+    return None if stream in (main, side) else stream
+
+
+def _linear_into(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """y = F.linear(x, weight, bias) for 2-D x, by the same GEMM F.linear calls (addmm with a bias, else mm)."""
+    if bias is None:
+        torch.mm(x, weight.t(), out=y)
+    else:
+        torch.addmm(bias, x, weight.t(), out=y)
+
+
 def _beside_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, side: bool,
                  work: Callable[[], None], gemm_first: bool = False) -> torch.Tensor:
     """`F.linear(x, weight, bias)` with `work` (LoRA kernels that read only x, or inputs ready with x) queued
     before it: on a side stream that forks after x is ready and joins after the GEMM when `side` (capture
     only) and one is usable, else on the current stream. `gemm_first`: the GEMM is captured before the side
     stream's work (both still wait only for x), so at replay its CTAs take their SMs first and the work runs
-    on the SMs it leaves (a kernel that starts first takes every SM). Tensors `work` writes must be allocated
-    by the caller on the main stream, which frees them after the join."""
+    on the SMs it leaves (a kernel that starts first takes every SM). Under the "gemm" priority scheme the GEMM
+    runs on a highest-priority stream of its own instead (into a buffer of the main stream's; `gemm_first` does
+    not apply). Tensors `work` writes must be allocated by the caller on the main stream, which frees them after
+    the join."""
     stream = _usable_side(x.device) if side else None
     if stream is None:
         work()
         return F.linear(x, weight, bias)
     main = torch.cuda.current_stream(x.device)
+    gemm_stream = _usable_gemm_stream(x.device, main, stream) if x.dim() == 2 else None
+    if gemm_stream is not None:   # the "gemm" priority scheme: the GEMM on a stream of its own, forked beside
+        y = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)   # main's: freed after
+        gemm_stream.wait_stream(main)   # x is ready
+        stream.wait_stream(main)
+        with torch.cuda.stream(gemm_stream):
+            _linear_into(y, x, weight, bias)
+        with torch.cuda.stream(stream):
+            work()
+        main.wait_stream(gemm_stream)
+        main.wait_stream(stream)
+        return y
     if gemm_first:
         ready = torch.cuda.Event()
         ready.record(main)
