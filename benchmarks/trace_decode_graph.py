@@ -252,10 +252,10 @@ SILU_TOO = {"boundary_od1024_silu"}
 PRODUCT_VARIANTS["boundary_od1024_silu"] = (QKV_O_DOWN, 1024, True)
 
 ROPE_HEADS_VARIANTS = {"rope_heads2": 2, "rope_heads1": 1, "rope_heads8": 8}
-# (side stream's priority, LORAPLEX_GRAPH_PRIORITY): PyTorch's numbering (lower is higher, 0 the lowest; -5 maps
-# to the highest); a graph's kernels keep their stream's priority. Every other variant captures as the engine does
-# (overlap.priority_scheme(), "high" since the thirteenth session, whose probe named it "main_high"; graphs
-# without LoRA kernels at the default priority).
+# (side stream's priority, LORAPLEX_GRAPH_PRIORITY): PyTorch's numbering (lower is higher, 0 the lowest; -5 is
+# clamped to PyTorch's highest pool); a graph's kernels keep their stream's priority. Every other variant
+# captures as the engine does (overlap.priority_scheme(), "high" since the thirteenth session, whose probe named
+# it "main_high"; graphs without LoRA kernels at the default priority).
 PRIORITY_VARIANTS = {"graph_default": (0, "default"), "side_high": (-5, "default"), "both_high": (-5, "high"),
                      "graph_high": (0, "high"), "gemm_high": (0, "gemm")}
 
@@ -313,6 +313,21 @@ def capture_priority(name: str) -> int:
     return overlap.capture_priority()
 
 
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def capture_stream(name: str) -> torch.cuda.Stream | None:
+    """The stream variant `name` is captured on (inside its variant()), one per priority for the whole run, as
+    the engine keeps them: a new pooled stream per variant would pin a cuBLAS workspace each and, after 32
+    draws, could be the side stream itself (then no overlap). None: PyTorch's capture stream."""
+    priority = capture_priority(name)
+    if priority == 0:
+        return None
+    if priority not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[priority] = torch.cuda.Stream(priority=priority)
+    return _CAPTURE_STREAMS[priority]
+
+
 def describe(name: str) -> str:
     """VARIANTS' description of `name`, or of each of its parts joined by "+"."""
     parts = name.split("+")
@@ -365,9 +380,7 @@ def main(argv=None) -> dict:
     def one_variant(name: str, adapters) -> None:
         nonlocal reference
         with variant(name):
-            priority = capture_priority(name)
-            stream = torch.cuda.Stream(priority=priority) if priority else None
-            replay, logits = capture(lambda: model(batch, kv, adapters), stream=stream)
+            replay, logits = capture(lambda: model(batch, kv, adapters), stream=capture_stream(name))
             with torch.inference_mode():
                 logits.fill_(float("nan"))   # poisoned: the replay must write every logit
             replay()
@@ -413,7 +426,7 @@ def main(argv=None) -> dict:
             args.out.write_text(json.dumps(result, indent=1) + "\n")
     for name in filter(None, args.sweep.split(",")):
         with variant("nofill"), kernel_settings(SWEEP[name]):
-            replay, logits = capture(lambda: model(batch, kv, pool))
+            replay, logits = capture(lambda: model(batch, kv, pool), stream=capture_stream("nofill"))
             replay()
             torch.cuda.synchronize()
             err = (logits - reference).abs().max().item() if reference is not None else None

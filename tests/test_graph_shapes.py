@@ -130,3 +130,21 @@ def test_gemm_counts_and_the_in_gemm_variant():
     assert graphs.lora_variant(with_slots(decode(3), [-1] * 3), (4, 0), in_gemm=None) is False
     graphs.area = None
     assert graphs.lora_variant(step, (8, 0), in_gemm=4) is True
+
+
+@pytest.mark.parametrize("scheme", ["high", "gemm", "default"])
+def test_capture_priority_only_where_lora_kernels_run_beside(scheme, monkeypatch):
+    """StepGraphs._priority: a graph is captured above the default priority only under "high" and only where its
+    forward runs LoRA kernels on the side stream (overlap.lora_path "...-side": up to SHRINK_MAX_ROWS rows);
+    graphs without adapters, with LoRA inside the GEMMs, or of more rows have nothing to order."""
+    from loraplex.engine.cuda_graphs import StepGraphs
+    from loraplex.ops import overlap
+    monkeypatch.setenv("LORAPLEX_GRAPH_PRIORITY", scheme)
+    monkeypatch.delenv("LORAPLEX_LORA_OVERLAP", raising=False)
+    high = -5 if scheme == "high" else 0
+    assert StepGraphs._priority(True, 32) == StepGraphs._priority("rows", 8) == high
+    assert StepGraphs._priority(True, overlap.SHRINK_MAX_ROWS) == high          # mixed: shrink beside the GEMM
+    assert StepGraphs._priority(True, overlap.SHRINK_MAX_ROWS + 1) == 0         # plain order, one stream
+    assert StepGraphs._priority(False, 32) == StepGraphs._priority(("gemm", 4), 32) == 0
+    monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", "off")
+    assert StepGraphs._priority(True, 32) == 0

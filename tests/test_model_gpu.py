@@ -198,11 +198,13 @@ def test_decode_graph_replays_new_batches(setup, overlap_mode, monkeypatch):
     from loraplex.ops import attention_shrink, overlap
     rows = 8
     parts = []
-    monkeypatch.setattr(overlap, "_GEMM_STREAMS", {})
     gemm_stream = overlap_mode.endswith("+gemm_stream")
-    if gemm_stream:
-        overlap_mode = overlap_mode.removesuffix("+gemm_stream")
-        monkeypatch.setenv("LORAPLEX_GRAPH_PRIORITY", "gemm")
+    overlap_mode = overlap_mode.removesuffix("+gemm_stream")
+    monkeypatch.setenv("LORAPLEX_GRAPH_PRIORITY", "gemm" if gemm_stream else "high")
+    gemm_priorities = []   # the priority of the stream each GEMM into a main-stream buffer ran on
+    real_linear_into = overlap._linear_into
+    monkeypatch.setattr(overlap, "_linear_into", lambda *a: gemm_priorities.append(
+        torch.cuda.current_stream().priority) or real_linear_into(*a))
     if overlap_mode == "fused+o_in_attention":
         overlap_mode, rows = "fused", 32
         monkeypatch.setattr(llama, "O_SHRINK_IN_ATTENTION", True)
@@ -239,7 +241,9 @@ def test_decode_graph_replays_new_batches(setup, overlap_mode, monkeypatch):
     with torch.cuda.graph(graph):
         out = setup.ours(graph_batch, kv, setup.pool)
     assert bool(overlap._SIDE_STREAMS) == (overlap_mode != "off")
-    assert bool(overlap._GEMM_STREAMS) == gemm_stream
+    # "+gemm_stream": each GEMM beside LoRA kernels (4 a layer) ran on a stream above the default priority (0)
+    assert len(gemm_priorities) == (4 * setup.config.num_hidden_layers if gemm_stream else 0)
+    assert all(p < 0 for p in gemm_priorities)
     captured_sides = product_sides[len(eager_sides):]
     if overlap_mode == "fused":   # FUSED_PROJECTIONS a layer; the side stream only while capturing
         per_forward = len(overlap.FUSED_PROJECTIONS) * setup.config.num_hidden_layers

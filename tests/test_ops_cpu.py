@@ -507,10 +507,11 @@ def test_lora_overlap_setting_refuses_a_bad_value(monkeypatch):
 
 
 @pytest.mark.parametrize("value, scheme", [(None, "high"), ("high", "high"), (" HIGH ", "high"), ("", "high"),
-                                           ("default", "default"), ("0", "default"), ("Gemm", "gemm")])
+                                           ("1", "high"), ("default", "default"), ("0", "default"),
+                                           ("off", "default"), ("Gemm", "gemm")])
 def test_graph_priority_setting(value, scheme, monkeypatch):
     """LORAPLEX_GRAPH_PRIORITY (ops/overlap.py): graphs with LoRA kernels are captured on a highest-priority
-    stream by default (PyTorch maps -5 to the device's highest); "gemm" captures at the default priority and
+    stream by default (-5: PyTorch clamps it to its highest pool); "gemm" captures at the default priority and
     gives the GEMMs beside LoRA kernels a highest-priority stream; the side stream keeps the lowest; a bad
     value names itself."""
     from loraplex.ops import overlap
@@ -522,18 +523,22 @@ def test_graph_priority_setting(value, scheme, monkeypatch):
     assert overlap.capture_priority() == (-5 if scheme == "high" else 0)
     assert overlap.gemm_stream_priority() == (-5 if scheme == "gemm" else None)
     monkeypatch.setenv("LORAPLEX_GRAPH_PRIORITY", "urgent")
-    with pytest.raises(ValueError, match="LORAPLEX_GRAPH_PRIORITY='urgent': expected high, gemm, or default"):
+    with pytest.raises(ValueError, match=r"LORAPLEX_GRAPH_PRIORITY='urgent': expected high \(or 1\), gemm, or def"):
         overlap.capture_priority()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_linear_into_is_f_linear(dtype, with_bias):
+@pytest.mark.parametrize("layout", ["contiguous", "column slice", "transposed"])
+def test_linear_into_is_f_linear(dtype, with_bias, layout):
     """The "gemm" scheme's GEMM into a buffer allocated on the main stream (overlap._linear_into) computes
-    F.linear's bits: the same addmm / mm. (On the GPU: tests/test_model_gpu.py's "+gemm_stream" replays.)"""
+    F.linear's bits: the same addmm / mm, whatever x's strides (q/k/v's views are slices). (On the GPU:
+    tests/test_model_gpu.py's "+gemm_stream" replays against eager forwards.)"""
     from loraplex.ops import overlap
     gen = torch.Generator().manual_seed(7)
-    x = torch.randn(5, 64, generator=gen).to(dtype)
+    x = torch.randn(5, 128, generator=gen).to(dtype)
+    x = {"contiguous": x[:, :64].contiguous(), "column slice": x[:, 32:96],
+         "transposed": x[:, :64].t().contiguous().t()}[layout]
     weight = torch.randn(48, 64, generator=gen).to(dtype)
     bias = torch.randn(48, generator=gen).to(dtype) if with_bias else None
     y = torch.full((5, 48), float("nan"), dtype=dtype)

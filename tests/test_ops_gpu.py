@@ -1,8 +1,6 @@
 """GPU tests (`pytest -m gpu`): the full sweep in bf16 and fp16 against the float64 loop, and graph capture."""
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -206,9 +204,13 @@ def test_lora_product_beside_the_gemm(dtype, side, Ns, monkeypatch):
     float64 loop; rows without an adapter get exactly 0."""
     from loraplex.ops import overlap
     monkeypatch.setattr(overlap, "_SIDE_STREAMS", {})
-    monkeypatch.setattr(overlap, "_GEMM_STREAMS", {})
-    monkeypatch.setenv("LORAPLEX_GRAPH_PRIORITY", "gemm" if side == "gemm" else "high")
+    gemm_stream = side == "gemm"
+    monkeypatch.setenv("LORAPLEX_GRAPH_PRIORITY", "gemm" if gemm_stream else "high")
     side = bool(side)
+    gemm_priorities = []   # the priority of the stream each GEMM into a main-stream buffer ran on
+    real_linear_into = overlap._linear_into
+    monkeypatch.setattr(overlap, "_linear_into", lambda *a: gemm_priorities.append(
+        torch.cuda.current_stream().priority) or real_linear_into(*a))
     rng = np.random.default_rng(stable_seed("product-gpu", str(dtype), side, Ns))
     case = make_case(rng, seg_lens=[1] * 32, popularity="distinct", K=4096, Ns=Ns, R=16, ranks="mixed",
                      dtype=dtype, device="cuda", none_frac=0.2)
@@ -219,7 +221,8 @@ def test_lora_product_beside_the_gemm(dtype, side, Ns, monkeypatch):
                                                   case.ranks, case.scalings, side=side)
     torch.cuda.synchronize()
     assert bool(overlap._SIDE_STREAMS) == side, "side=True forks to the side stream"
-    assert bool(overlap._GEMM_STREAMS) == (os.environ["LORAPLEX_GRAPH_PRIORITY"] == "gemm")
+    # "gemm": the GEMM ran on a stream of a higher priority than the default (0) one
+    assert len(gemm_priorities) == gemm_stream and all(p < 0 for p in gemm_priorities)
     assert torch.equal(y, torch.nn.functional.linear(case.x, weight))
     assert product.row_slot.tolist() == np.repeat(case.slot_ids, case.seg_lens).tolist()
     dense = product.dense()

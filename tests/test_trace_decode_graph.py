@@ -1,5 +1,7 @@
 """benchmarks/trace_decode_graph.py's timeline on the CPU: from kernel records (name, start, duration), each kind's
 busy time, its time alone (nothing else running), the overlaps by kinds, and the idle gaps, per forward."""
+import os
+
 import pytest
 
 from benchmark_modules import load_benchmark
@@ -79,7 +81,6 @@ def test_paired_rounds_rotate_and_compare_within_a_round(probe):
     assert probe.paired_summary({"a": [1.0]}) == {"a": dict(median_us=1.0, rounds=1)}   # no base: times only
 
 
-
 def test_variants_compose_with_plus_and_priorities_follow_the_engine(probe, monkeypatch):
     """"a+b" applies both variants' patches (restored after); graphs are captured at the engine's priority
     (overlap.capture_priority, the default one without adapters) unless a priority variant sets the scheme;
@@ -97,7 +98,12 @@ def test_variants_compose_with_plus_and_priorities_follow_the_engine(probe, monk
         assert overlap.capture_priority() == 0 and overlap.gemm_stream_priority() == -5
     assert fused_lora_kernels.ROPE_HEADS == 4 and not llama.O_SHRINK_IN_ATTENTION
     assert overlap.SIDE_STREAM_PRIORITY == 0 and fused_lora_kernels.RMS_SPLIT != 1024
-    assert "LORAPLEX_GRAPH_PRIORITY" not in __import__("os").environ
+    assert "LORAPLEX_GRAPH_PRIORITY" not in os.environ
+    monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", "fused")
+    for name in ("full+graph_default", "graph_default+full"):   # both env settings inside, both restored after
+        with probe.variant(name):
+            assert os.environ["LORAPLEX_LORA_OVERLAP"] == "full" and overlap.priority_scheme() == "default"
+        assert os.environ["LORAPLEX_LORA_OVERLAP"] == "fused" and "LORAPLEX_GRAPH_PRIORITY" not in os.environ
     assert probe.capture_priority("fused") == -5 and overlap.gemm_stream_priority() is None
     assert probe.capture_priority("backbone") == 0 and probe.is_backbone("backbone+graph_high")
     with probe.variant("backbone+graph_high"):

@@ -129,6 +129,10 @@ class StepGraphs:
         self.rows_replays = 0   # steps that replayed a "rows" graph
         self.gemm_replays = 0   # steps that replayed a ("gemm", count) graph
         self._memory = torch.cuda.graph_pool_handle()
+        # One warm-up and capture stream per priority, reused by every graph: cuBLAS keeps a workspace (32 MiB on
+        # sm90) per stream it has run on, so a stream per graph would pin one each; the warm-up on the capture
+        # stream allocates it outside the graph pool.
+        self._streams: dict[int, torch.cuda.Stream] = {}
         self._logits = torch.empty((max_batch, model.config.vocab_size), dtype=torch.float32, device=kv.device)
 
     def capture(self) -> None:
@@ -156,7 +160,7 @@ class StepGraphs:
         batch.update_([SequenceChunk([0], 0, [0])])
         pool = self.pool if lora else None
         device = self.kv.device
-        stream = torch.cuda.Stream(device)
+        stream = self._stream(self._priority(lora, batch.num_tokens))   # its kernels keep its priority at replay
         stream.wait_stream(torch.cuda.current_stream(device))
         if lora == "rows":
             mode = sgmv.decode_rowwise(2)
@@ -169,12 +173,22 @@ class StepGraphs:
                 self.model(batch, self.kv, pool)
             torch.cuda.current_stream(device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            # the captured kernels keep it at replay; without LoRA kernels there is no side stream to order against
-            priority = overlap.capture_priority() if lora else 0
-            capture_stream = torch.cuda.Stream(device, priority=priority) if priority else None
-            with torch.cuda.graph(graph, pool=self._memory, stream=capture_stream):
+            with torch.cuda.graph(graph, pool=self._memory, stream=stream):
                 self._logits[:seqs].copy_(self.model(batch, self.kv, pool))
         return _Graph(graph, batch)
+
+    @staticmethod
+    def _priority(lora: bool | str | tuple[str, int], rows: int) -> int:
+        """The capture stream's priority (overlap.capture_priority): raised only where the forward runs LoRA
+        kernels on the side stream, the other graphs (no adapter, LoRA inside the GEMMs, too many rows) have
+        nothing to order and would only pay the longer waits between high-priority kernels."""
+        side = bool(lora) and not isinstance(lora, tuple) and overlap.lora_path(rows, capturing=True).endswith("-side")
+        return overlap.capture_priority() if side else 0
+
+    def _stream(self, priority: int) -> torch.cuda.Stream:
+        if priority not in self._streams:
+            self._streams[priority] = torch.cuda.Stream(self.kv.device, priority=priority)
+        return self._streams[priority]
 
     def run(self, chunks: Sequence[SequenceChunk], inputs: tuple[torch.Tensor, torch.Tensor] | None, *,
             key: tuple[int, int], in_gemm: int | None = None) -> torch.Tensor:

@@ -76,7 +76,7 @@ class ModelRunner:
             log.warning("max_model_len %d lowered to the KV cache's %d tokens", self.max_model_len, capacity)
             self.max_model_len = capacity
         self.graphs: StepGraphs | None = None
-        host_priority.mode(), overlap.mode()   # a bad setting fails here, not in the first step
+        host_priority.mode(), overlap.mode(), overlap.priority_scheme()   # a bad setting fails here, not later
         if self.device.type == "cuda":
             compile_lora_kernels(c, self.adapters.pool, self.model.dtype)
             if self.area is not None:

@@ -36,7 +36,7 @@ the expand alone beside the GEMM.
 
 LORAPLEX_LORA_OVERLAP: "fused" (default; also "1"), "full", "shrink" (only the shrink beside the GEMM,
 up to SHRINK_MAX_ROWS rows), "off" (also "0"). LORAPLEX_GRAPH_PRIORITY (`priority_scheme`): which of the two
-streams' kernels the SMs take first at replay.
+streams' kernels the SMs take first at replay ("gemm": a third stream for the GEMMs).
 """
 from __future__ import annotations
 
@@ -84,11 +84,14 @@ def priority_scheme() -> str:
     """LORAPLEX_GRAPH_PRIORITY, one of PRIORITY_SCHEMES: how the CUDA graphs of forwards with LoRA kernels
     (engine/cuda_graphs.py) order those kernels against the main stream's on the SMs.
 
-    - "high" (the default; also empty): captured on a highest-priority stream, so the GEMMs and the other
+    - "high" (the default; also "1" or empty): captured on a high-priority stream, so the GEMMs and the other
       main-stream kernels go ahead of the side stream's LoRA kernels wherever both have CTAs waiting.
     - "gemm" (not yet measured): captured at PyTorch's default priority, but each GEMM beside LoRA kernels runs
-      on a highest-priority stream of its own (`_beside_gemm`), so only the GEMMs go first.
+      on a high-priority stream of its own (`_beside_gemm`), so only the GEMMs go first.
     - "default" (or "0"): PyTorch's default priority for every stream.
+
+    Only graphs whose forwards run LoRA kernels on the side stream take a priority (engine/cuda_graphs.py):
+    elsewhere there is nothing to order.
 
     Captured kernels keep their stream's priority at replay (PyTorch instantiates graphs with
     cudaGraphInstantiateFlagUseNodePriority). Measured on an H200 (2026-12-02, Llama-2-7B decode forwards at batch
@@ -101,18 +104,19 @@ def priority_scheme() -> str:
     9.05 against 9.08 ms, mixed steps' 10.30 against 11.11)."""
     raw = os.environ.get("LORAPLEX_GRAPH_PRIORITY", "high")
     value = raw.strip().lower()
-    if value in ("0", "default"):
+    if value in ("0", "false", "no", "off", "default"):
         return "default"
-    if value in ("", "high"):
+    if value in ("", "1", "true", "yes", "on", "high"):
         return "high"
     if value == "gemm":
         return "gemm"
-    raise ValueError(f"LORAPLEX_GRAPH_PRIORITY={raw!r}: expected high, gemm, or default (or 0)")
+    raise ValueError(f"LORAPLEX_GRAPH_PRIORITY={raw!r}: expected high (or 1), gemm, or default (or 0)")
 
 
 def capture_priority() -> int:
-    """The priority of the stream graphs with LoRA kernels are captured on (PyTorch's numbering, lower is
-    higher: -5 maps to the device's highest)."""
+    """The priority of the stream graphs with side-stream LoRA kernels are captured on (PyTorch's numbering,
+    lower is higher, 0 the default; PyTorch clamps -5 to its highest pool, which is all that matters here:
+    above the side stream's)."""
     return -5 if priority_scheme() == "high" else 0
 
 
@@ -168,7 +172,7 @@ def lora_path(rows: int, capturing: bool) -> str:
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    # One of PyTorch's pooled streams, drawn once per device, as the adapter cache's copy stream is: the
+    # One of PyTorch's pooled streams, drawn once per device and priority, as the adapter cache's copy stream is: the
     # two may be the same stream. That is safe because it is only used while graphs are captured, and
     # the engine captures them at start-up, before any adapter load exists.
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -212,9 +216,9 @@ def _beside_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     only) and one is usable, else on the current stream. `gemm_first`: the GEMM is captured before the side
     stream's work (both still wait only for x), so at replay its CTAs take their SMs first and the work runs
     on the SMs it leaves (a kernel that starts first takes every SM). Under the "gemm" priority scheme the GEMM
-    runs on a highest-priority stream of its own instead (into a buffer of the main stream's; `gemm_first` does
-    not apply). Tensors `work` writes must be allocated by the caller on the main stream, which frees them after
-    the join."""
+    runs on a high-priority stream of its own instead, into a buffer of the main stream's, always queued before
+    the work (its priority, not the order, decides). Tensors `work` writes must be allocated by the caller on
+    the main stream, which frees them after the join."""
     stream = _usable_side(x.device) if side else None
     if stream is None:
         work()
@@ -225,6 +229,8 @@ def _beside_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         y = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)   # main's: freed after
         gemm_stream.wait_stream(main)   # x is ready
         stream.wait_stream(main)
+        # the first GEMM on this stream allocates its cuBLAS workspace (32 MiB on sm90) inside that capture's pool:
+        # one stream per device, so once
         with torch.cuda.stream(gemm_stream):
             _linear_into(y, x, weight, bias)
         with torch.cuda.stream(stream):
