@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_lora_ops import time_us  # noqa: E402
 from bench_model import RANK, capture, decode_setup  # noqa: E402
 
-from loraplex.ops import overlap, sgmv  # noqa: E402
+from loraplex.ops import overlap, sgmv, stream_priority  # noqa: E402
 
 
 def kind_of(name: str) -> str:
@@ -254,7 +254,7 @@ PRODUCT_VARIANTS["boundary_od1024_silu"] = (QKV_O_DOWN, 1024, True)
 ROPE_HEADS_VARIANTS = {"rope_heads2": 2, "rope_heads1": 1, "rope_heads8": 8}
 # (side stream's priority, LORAPLEX_GRAPH_PRIORITY): PyTorch's numbering (lower is higher, 0 the lowest; -5 is
 # clamped to PyTorch's highest pool); a graph's kernels keep their stream's priority. Every other variant
-# captures as the engine does (overlap.priority_scheme(), "high" since the thirteenth session, whose probe named
+# captures as the engine does (stream_priority.priority_scheme(), "high" since the thirteenth session, whose probe named
 # it "main_high"; graphs without LoRA kernels at the default priority).
 PRIORITY_VARIANTS = {"graph_default": (0, "default"), "side_high": (-5, "default"), "both_high": (-5, "high"),
                      "graph_high": (0, "high"), "gemm_high": (0, "gemm")}
@@ -310,7 +310,7 @@ def capture_priority(name: str) -> int:
     (engine/cuda_graphs.py: the default one without LoRA kernels), or the highest with "graph_high"."""
     if is_backbone(name) and "graph_high" not in name.split("+"):
         return 0
-    return overlap.capture_priority()
+    return stream_priority.capture_priority()
 
 
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}

@@ -112,6 +112,9 @@ def test_bench_command_writes_a_report_from_every_system(tmp_path):
                 spread = [r[f"{kind}_step_ms_{q}"] for q in ("p50", "p99", "max")]
                 assert 0 < spread[0] <= spread[1] <= spread[2] and r[f"{kind}_step_ms"] <= spread[2], (kind, r)
             assert 0 <= r["steps_short_on_adapters"] <= r["steps"] and r["preemptions"] >= 0
+            assert sum(r["steps_short_on_adapters_by_tenth"]) == r["steps_short_on_adapters"]
+            assert (r["rows_short_on_adapters"] >= r["steps_short_on_adapters"]) and \
+                (r["rows_short_on_adapters"] == 0) == (r["steps_short_on_adapters"] == 0)
             assert r["recomputed_tokens"] >= 0 and (r["preemptions"] > 0 or r["recomputed_tokens"] == 0)
             assert 0 < r["schedule_mean_batch"] <= (3 if r["max_batch"] == 3 else 6) and r["schedule_preemptions"] >= 0
             assert r["schedule_recomputed_tokens"] >= 0
@@ -304,3 +307,13 @@ def test_each_popularity_s_chart_shows_the_backbone_of_the_same_run(tmp_path, mo
     assert [p.name for p in paths] == ["t_distinct.png", "t_skewed.png"]
     # skewed: its loraplex row and the backbone of the same max batch and requests, not the unlimited one
     assert drawn == [[300.0, 400.0, 700.0], [350.0, 400.0]]
+
+
+def test_steps_short_on_adapters_by_tenth_of_the_run():
+    """run_loraplex._short_on_adapters: the held-back steps, the rows they lacked, and when in the run they fell
+    (a step at the very end counts in the last tenth)."""
+    from loraplex.bench.run_loraplex import _short_on_adapters
+    got = _short_on_adapters([(0.0, 3), (0.5, 1), (9.99, 2), (10.0, 5), (4.2, 4)], seconds=10.0)
+    assert got == dict(steps_short_on_adapters=5, rows_short_on_adapters=15,
+                       steps_short_on_adapters_by_tenth=[2, 0, 0, 0, 1, 0, 0, 0, 0, 2])
+    assert _short_on_adapters([], seconds=3.0)["steps_short_on_adapters_by_tenth"] == [0] * 10

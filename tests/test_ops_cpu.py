@@ -510,21 +510,21 @@ def test_lora_overlap_setting_refuses_a_bad_value(monkeypatch):
                                            ("1", "high"), ("default", "default"), ("0", "default"),
                                            ("off", "default"), ("Gemm", "gemm")])
 def test_graph_priority_setting(value, scheme, monkeypatch):
-    """LORAPLEX_GRAPH_PRIORITY (ops/overlap.py): graphs with LoRA kernels are captured on a highest-priority
+    """LORAPLEX_GRAPH_PRIORITY (ops/stream_priority.py): graphs with LoRA kernels are captured on a high-priority
     stream by default (-5: PyTorch clamps it to its highest pool); "gemm" captures at the default priority and
-    gives the GEMMs beside LoRA kernels a highest-priority stream; the side stream keeps the lowest; a bad
-    value names itself."""
-    from loraplex.ops import overlap
+    gives the GEMMs beside LoRA kernels a high-priority stream; the side stream keeps the lowest; a bad value
+    names itself."""
+    from loraplex.ops import overlap, stream_priority
     if value is None:
         monkeypatch.delenv("LORAPLEX_GRAPH_PRIORITY", raising=False)
     else:
         monkeypatch.setenv("LORAPLEX_GRAPH_PRIORITY", value)
-    assert overlap.priority_scheme() == scheme and overlap.SIDE_STREAM_PRIORITY == 0
-    assert overlap.capture_priority() == (-5 if scheme == "high" else 0)
-    assert overlap.gemm_stream_priority() == (-5 if scheme == "gemm" else None)
+    assert stream_priority.priority_scheme() == scheme and overlap.SIDE_STREAM_PRIORITY == 0
+    assert stream_priority.capture_priority() == (-5 if scheme == "high" else 0)
+    assert stream_priority.gemm_stream_priority() == (-5 if scheme == "gemm" else None)
     monkeypatch.setenv("LORAPLEX_GRAPH_PRIORITY", "urgent")
     with pytest.raises(ValueError, match=r"LORAPLEX_GRAPH_PRIORITY='urgent': expected high \(or 1\), gemm, or def"):
-        overlap.capture_priority()
+        stream_priority.capture_priority()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -544,3 +544,21 @@ def test_linear_into_is_f_linear(dtype, with_bias, layout):
     y = torch.full((5, 48), float("nan"), dtype=dtype)
     overlap._linear_into(y, x, weight, bias)
     assert torch.equal(y, torch.nn.functional.linear(x, weight, bias))
+
+
+def test_side_stream_that_is_the_captured_stream_falls_back_and_says_so(monkeypatch, caplog):
+    """overlap._usable_side: where PyTorch's stream pool handed the capture the side stream itself, the LoRA
+    kernels run in the plain order (None), with one warning, not one per projection."""
+    from loraplex.ops import overlap
+    same, other = object(), object()
+    monkeypatch.setattr(overlap, "_warned_same_stream", False)
+    monkeypatch.setattr(overlap, "_side_stream", lambda device: same)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: other)
+    assert overlap._usable_side(torch.device("cpu")) is same and not caplog.records
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: same)
+    with caplog.at_level("WARNING", logger="loraplex.ops"):
+        assert overlap._usable_side(torch.device("cpu")) is None
+        assert overlap._usable_side(torch.device("cpu")) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "the LoRA side stream is the stream being captured: that graph runs its LoRA kernels in the plain order, "
+        "without the overlap"]

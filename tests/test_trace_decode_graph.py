@@ -86,7 +86,7 @@ def test_variants_compose_with_plus_and_priorities_follow_the_engine(probe, monk
     (overlap.capture_priority, the default one without adapters) unless a priority variant sets the scheme;
     unknown names are refused by name."""
     from loraplex.models import llama
-    from loraplex.ops import fused_lora_kernels, overlap
+    from loraplex.ops import fused_lora_kernels, overlap, stream_priority
     monkeypatch.delenv("LORAPLEX_GRAPH_PRIORITY", raising=False)
     with probe.variant("graph_default+rope_heads2+o_in_attention"):
         assert fused_lora_kernels.ROPE_HEADS == 2 and llama.O_SHRINK_IN_ATTENTION
@@ -95,16 +95,16 @@ def test_variants_compose_with_plus_and_priorities_follow_the_engine(probe, monk
         assert overlap.SIDE_STREAM_PRIORITY == -5 and fused_lora_kernels.RMS_SPLIT == 1024
         assert probe.capture_priority("side_high+od_split1024") == 0
     with probe.variant("gemm_high"):
-        assert overlap.capture_priority() == 0 and overlap.gemm_stream_priority() == -5
+        assert stream_priority.capture_priority() == 0 and stream_priority.gemm_stream_priority() == -5
     assert fused_lora_kernels.ROPE_HEADS == 4 and not llama.O_SHRINK_IN_ATTENTION
     assert overlap.SIDE_STREAM_PRIORITY == 0 and fused_lora_kernels.RMS_SPLIT != 1024
     assert "LORAPLEX_GRAPH_PRIORITY" not in os.environ
     monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", "fused")
     for name in ("full+graph_default", "graph_default+full"):   # both env settings inside, both restored after
         with probe.variant(name):
-            assert os.environ["LORAPLEX_LORA_OVERLAP"] == "full" and overlap.priority_scheme() == "default"
+            assert os.environ["LORAPLEX_LORA_OVERLAP"] == "full" and stream_priority.priority_scheme() == "default"
         assert os.environ["LORAPLEX_LORA_OVERLAP"] == "fused" and "LORAPLEX_GRAPH_PRIORITY" not in os.environ
-    assert probe.capture_priority("fused") == -5 and overlap.gemm_stream_priority() is None
+    assert probe.capture_priority("fused") == -5 and stream_priority.gemm_stream_priority() is None
     assert probe.capture_priority("backbone") == 0 and probe.is_backbone("backbone+graph_high")
     with probe.variant("backbone+graph_high"):
         assert probe.capture_priority("backbone+graph_high") == -5

@@ -95,7 +95,8 @@ class LoraplexSystem:
         first = [0.0] * len(ids)
         last = [0.0] * len(ids)
         got = [0] * len(ids)
-        steps = decode_steps = seq_sum = short_on_adapters = context_sum = adapter_reads = 0
+        steps = decode_steps = seq_sum = context_sum = adapter_reads = 0
+        short_at: list[tuple[float, int]] = []   # steps loads held back: (seconds into the run, rows missing)
         decode_s = mixed_s = 0.0   # wall time of the steps that ran, by kind (where a gap to the backbone lies)
         spans: dict[bool, list] = {True: [], False: []}   # decode?: the steps' GPU spans (CUDA), read after the run
         walls: dict[bool, list[float]] = {True: [], False: []}   # decode?: each step's wall time (its spread)
@@ -124,8 +125,8 @@ class LoraplexSystem:
                     adapter_reads += info.num_adapters
                     # a batch below its limit while a request it had KV memory for waited for its adapter:
                     # loads held it back
-                    short_on_adapters += info.num_seqs < self.config.max_num_seqs and \
-                        engine.scheduler.waiting_on_adapters
+                    if info.num_seqs < self.config.max_num_seqs and engine.scheduler.waiting_on_adapters:
+                        short_at.append((now, self.config.max_num_seqs - info.num_seqs))
                     if info.decode:
                         decode_s += info.seconds
                     else:
@@ -158,13 +159,23 @@ class LoraplexSystem:
                                       - stats_before["mixed_graph_steps"],
                                       overlapped_admissions=engine.stats["overlapped_admissions"]
                                       - stats_before["overlapped_admissions"],
-                                      steps_short_on_adapters=short_on_adapters,
+                                      **_short_on_adapters(short_at, seconds),
                                       step_context_tokens=context_sum, step_adapter_reads=adapter_reads,
                                       preemptions=engine.scheduler.num_preemptions - preemptions_before,
                                       recomputed_tokens=engine.scheduler.num_recomputed_tokens - recomputed_before,
                                       **_load_stats(engine.adapters.take_load_times())))
         check_complete(result, lens)
         return result
+
+
+def _short_on_adapters(short_at: list[tuple[float, int]], seconds: float) -> dict:
+    """The steps adapter loads held back: how many, the batch rows they lacked in all, and how many fell in each
+    tenth of the run (the start-up's first loads, or all along)."""
+    deciles = [0] * 10
+    for at, _ in short_at:
+        deciles[min(int(10 * at / seconds), 9) if seconds > 0 else 0] += 1
+    return dict(steps_short_on_adapters=len(short_at), rows_short_on_adapters=sum(n for _, n in short_at),
+                steps_short_on_adapters_by_tenth=deciles)
 
 
 def _gpu_ms(device: torch.device, spans: dict[bool, list]) -> dict:

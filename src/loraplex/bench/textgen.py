@@ -20,7 +20,7 @@ import time
 import torch
 
 from ..config import EngineConfig
-from ..ops import overlap, sgmv
+from ..ops import sgmv, stream_priority
 from .ceiling import StepBytes, copy_bandwidth_gbs, run_ceiling_tokens_per_s, simulate_ceiling
 from .schedule import simulate_schedule
 from .report import markdown, plot, ratios
@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
                   if args.overlap_admissions is None else args.overlap_admissions,
                   lora_overlap=os.environ.get("LORAPLEX_LORA_OVERLAP"),
                   host_priority=os.environ.get("LORAPLEX_HOST_PRIORITY"),
-                  graph_priority=overlap.priority_scheme(),   # runs before 2026-12-02 had no key: "default"
+                  graph_priority=stream_priority.priority_scheme(),   # runs before 2026-12-02 had no key: "default"
                   workload=dict(requests=args.requests, lengths=args.lengths, max_len=args.max_len, seed=args.seed,
                                 prompt_len=args.prompt_len, output_len=args.output_len,
                                 popularity=pops, baseline_requests=n_base),

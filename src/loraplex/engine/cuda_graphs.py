@@ -33,7 +33,7 @@ from ..adapters.pool import AdapterPool
 from ..models.forward_batch import ForwardBatch, SequenceChunk
 from ..models.kv_cache import KVCache
 from ..models.llama import LlamaForCausalLM
-from ..ops import overlap, sgmv
+from ..ops import overlap, sgmv, stream_priority
 
 log = logging.getLogger("loraplex.engine")
 
@@ -179,11 +179,11 @@ class StepGraphs:
 
     @staticmethod
     def _priority(lora: bool | str | tuple[str, int], rows: int) -> int:
-        """The capture stream's priority (overlap.capture_priority): raised only where the forward runs LoRA
+        """The capture stream's priority (ops/stream_priority.py): raised only where the forward runs LoRA
         kernels on the side stream, the other graphs (no adapter, LoRA inside the GEMMs, too many rows) have
         nothing to order and would only pay the longer waits between high-priority kernels."""
         side = bool(lora) and not isinstance(lora, tuple) and overlap.lora_path(rows, capturing=True).endswith("-side")
-        return overlap.capture_priority() if side else 0
+        return stream_priority.capture_priority() if side else 0
 
     def _stream(self, priority: int) -> torch.cuda.Stream:
         if priority not in self._streams:

@@ -18,7 +18,7 @@ from ..models import dummy_model, load_model
 from ..models.forward_batch import ForwardBatch, SequenceChunk
 from ..models.kv_cache import KVCache
 from ..models.llama import LlamaForCausalLM
-from ..ops import overlap, sgmv
+from ..ops import overlap, sgmv, stream_priority
 from ..sampling import PendingSample, Sampler, SamplingParams
 from .cuda_graphs import StepGraphs, gemm_count_for
 from .scheduler import ScheduledChunk
@@ -76,7 +76,7 @@ class ModelRunner:
             log.warning("max_model_len %d lowered to the KV cache's %d tokens", self.max_model_len, capacity)
             self.max_model_len = capacity
         self.graphs: StepGraphs | None = None
-        host_priority.mode(), overlap.mode(), overlap.priority_scheme()   # a bad setting fails here, not later
+        host_priority.mode(), overlap.mode(), stream_priority.priority_scheme()   # a bad setting fails here, not later
         if self.device.type == "cuda":
             compile_lora_kernels(c, self.adapters.pool, self.model.dtype)
             if self.area is not None:

@@ -35,11 +35,12 @@ DOWN_SHRINK_IN_SILU, off by default: measured slower; ops/silu_shrink.py): `line
 the expand alone beside the GEMM.
 
 LORAPLEX_LORA_OVERLAP: "fused" (default; also "1"), "full", "shrink" (only the shrink beside the GEMM,
-up to SHRINK_MAX_ROWS rows), "off" (also "0"). LORAPLEX_GRAPH_PRIORITY (`priority_scheme`): which of the two
-streams' kernels the SMs take first at replay ("gemm": a third stream for the GEMMs).
+up to SHRINK_MAX_ROWS rows), "off" (also "0"). LORAPLEX_GRAPH_PRIORITY (ops/stream_priority.py): which of the
+two streams' kernels the SMs take first at replay ("gemm": a third stream for the GEMMs).
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import Callable
 
@@ -49,8 +50,12 @@ import torch.nn.functional as F
 from .batch import LoraBatch
 from .lora_delta import LoraDelta
 from .lora_product import LoraProduct
+from .stream_priority import gemm_stream_priority
 
+log = logging.getLogger("loraplex.ops")
 _SIDE_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
+_GEMM_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
+_warned_same_stream = False
 
 MODES = ("fused", "full", "shrink", "off")
 # Measured on an H200 (results/lora_overlap.md, Llama-2-7B decode forwards): both kernels beside the
@@ -74,55 +79,6 @@ EXPAND_GEMM_FIRST = True
 # kernels keep their stream's priority (PyTorch instantiates graphs with cudaGraphInstantiateFlagUseNodePriority),
 # and where CTAs of both streams wait for SMs the block scheduler places the higher priority's first.
 SIDE_STREAM_PRIORITY = 0
-
-
-PRIORITY_SCHEMES = ("high", "gemm", "default")
-_GEMM_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
-
-
-def priority_scheme() -> str:
-    """LORAPLEX_GRAPH_PRIORITY, one of PRIORITY_SCHEMES: how the CUDA graphs of forwards with LoRA kernels
-    (engine/cuda_graphs.py) order those kernels against the main stream's on the SMs.
-
-    - "high" (the default; also "1" or empty): captured on a high-priority stream, so the GEMMs and the other
-      main-stream kernels go ahead of the side stream's LoRA kernels wherever both have CTAs waiting.
-    - "gemm" (not yet measured): captured at PyTorch's default priority, but each GEMM beside LoRA kernels runs
-      on a high-priority stream of its own (`_beside_gemm`), so only the GEMMs go first.
-    - "default" (or "0"): PyTorch's default priority for every stream.
-
-    Only graphs whose forwards run LoRA kernels on the side stream take a priority (engine/cuda_graphs.py):
-    elsewhere there is nothing to order.
-
-    Captured kernels keep their stream's priority at replay (PyTorch instantiates graphs with
-    cudaGraphInstantiateFlagUseNodePriority). Measured on an H200 (2026-12-02, Llama-2-7B decode forwards at batch
-    32 with distinct adapters, graphs timed in alternating rounds, results/decode_graph_trace_prio{,2}.json):
-    "high" took 0.987× and 0.992× the time of "default" (21 and 9 rounds): the shrinks run beside the GEMMs
-    (alone 197 µs a forward against 579) and the expands after them (alone 788 against 283). But every edge
-    between two highest-priority kernels waited longer: ~0.45 µs against ~0.1 (185 µs a forward idle against
-    25), which "gemm" is meant to avoid. The side stream at the highest priority instead: 0.999× (no change).
-    The paper's workload at batch 32: 3,376 tok/s with "high" against 3,359 (two leases; decode steps' GPU time
-    9.05 against 9.08 ms, mixed steps' 10.30 against 11.11)."""
-    raw = os.environ.get("LORAPLEX_GRAPH_PRIORITY", "high")
-    value = raw.strip().lower()
-    if value in ("0", "false", "no", "off", "default"):
-        return "default"
-    if value in ("", "1", "true", "yes", "on", "high"):
-        return "high"
-    if value == "gemm":
-        return "gemm"
-    raise ValueError(f"LORAPLEX_GRAPH_PRIORITY={raw!r}: expected high (or 1), gemm, or default (or 0)")
-
-
-def capture_priority() -> int:
-    """The priority of the stream graphs with side-stream LoRA kernels are captured on (PyTorch's numbering,
-    lower is higher, 0 the default; PyTorch clamps -5 to its highest pool, which is all that matters here:
-    above the side stream's)."""
-    return -5 if priority_scheme() == "high" else 0
-
-
-def gemm_stream_priority() -> int | None:
-    """The priority of the stream of the GEMMs beside LoRA kernels while capturing, None: the main stream."""
-    return -5 if priority_scheme() == "gemm" else None
 
 
 # Kernel settings of the "full" path, per tile height, where they differ from sgmv.CONFIGS (tuned for
@@ -183,8 +139,15 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def _usable_side(device: torch.device) -> torch.cuda.Stream | None:
+    global _warned_same_stream
     main, side = torch.cuda.current_stream(device), _side_stream(device)
-    return None if side == main else side   # PyTorch hands out pooled streams in turn: this capture may hold ours
+    if side != main:
+        return side
+    if not _warned_same_stream:   # PyTorch hands out pooled streams in turn: this capture may hold ours
+        _warned_same_stream = True
+        log.warning("the LoRA side stream is the stream being captured: that graph runs its LoRA kernels in the "
+                    "plain order, without the overlap")
+    return None
 
 
 def _usable_gemm_stream(device: torch.device, main: torch.cuda.Stream,
@@ -253,6 +216,12 @@ def _beside_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return y
 
 
+def _delta_values(x: torch.Tensor, lora_b: list[torch.Tensor]) -> torch.Tensor:
+    """The fp32 `[T, ΣN]` buffer a LoraDelta holds, allocated on the current (main) stream, unfilled: the expand
+    writes the rows with an adapter and the consumers read only those."""
+    return torch.empty((x.shape[0], sum(b.shape[1] for b in lora_b)), dtype=torch.float32, device=x.device)
+
+
 def linear_with_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      lora_a: list[torch.Tensor], lora_b: list[torch.Tensor], batch: LoraBatch,
                      ranks: list[torch.Tensor], scalings: list[torch.Tensor]) -> torch.Tensor:
@@ -277,7 +246,7 @@ def linear_with_lora_delta(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     from . import sgmv
     cfg = config_for(batch.block_m)
     part = sgmv.new_partials(x, lora_a, batch, cfg)
-    values = torch.empty((x.shape[0], sum(b.shape[1] for b in lora_b)), dtype=torch.float32, device=x.device)
+    values = _delta_values(x, lora_b)
 
     def work() -> None:
         sgmv.shrink_into(part, x, lora_a, ranks, batch, cfg)
@@ -307,7 +276,7 @@ def linear_with_lora_expand(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     the GEMM. `side`: on a side stream (capture only)."""
     from . import sgmv
     cfg = config_for(batch.block_m)
-    values = torch.empty((x.shape[0], sum(b.shape[1] for b in lora_b)), dtype=torch.float32, device=x.device)
+    values = _delta_values(x, lora_b)
 
     def work() -> None:
         sgmv.expand_from(values, part, lora_b, ranks, scalings, batch, 0, cfg, accumulate=False)
