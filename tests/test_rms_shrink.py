@@ -81,7 +81,10 @@ def test_bad_arguments_name_what_is_wrong():
                             (dict(lora_a=lora_a * 2, ranks=ranks * 2), "lists of 1 to 3 slices"),
                             (dict(lora_a=[lora_a[0], lora_a[1].float()]), r"lora_a\[1\] must be a torch.float16"),
                             (dict(ranks=[ranks[0], ranks[1].long()]), r"ranks\[1\] must be a contiguous int32"),
-                            (dict(row_slot=product.row_slot[:3]), r"row_slot must be a contiguous int32 \[T=4\]"),
+                            (dict(row_slot=product.row_slot[:3]), r"row_slot must be a contiguous int32 \[4\]"),
+                            (dict(lora_a=[lora_a[0], lora_a[1][:, :8]]),
+                             r"lora_a\[1\] must be shaped and strided as lora_a\[0\]"),
+                            (dict(lora_a=[lora_a[0], lora_a[1][:, :, :16]]), r"lora_a\[1\] must be a .*H=32"),
                             (dict(residual=torch.zeros(4, 32)), "residual must match x")]:
         with pytest.raises(ValueError, match=message):
             rms_norm_shrink(x, w, 1e-6, **{**ok, **change})

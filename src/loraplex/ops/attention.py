@@ -199,6 +199,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     out = check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start, max_query_len=max_query_len,
                                max_seq_len=max_seq_len, scale=scale, sliding_window=sliding_window, out=out)
+    return checked_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start,
+                                   max_query_len=max_query_len, max_seq_len=max_seq_len, scale=scale,
+                                   sliding_window=sliding_window, out=out, backend=backend)
+
+
+def checked_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                            seq_lens: torch.Tensor, query_start: torch.Tensor, *, max_query_len: int, max_seq_len: int,
+                            scale: float, sliding_window: int, out: torch.Tensor,
+                            backend: str | None = None) -> torch.Tensor:
+    """`paged_attention` on arguments `check_attention_args` accepted (its `out`): no second check."""
     (T, _, D), S, device = q.shape, block_tables.shape[0], q.device
     if T == 0 or S == 0 or max_query_len == 0:
         return out

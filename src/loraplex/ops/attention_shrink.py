@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .api import _bump_version, _on, resolve_backend
-from .attention import _check_head_dim_for_triton, check_attention_args, paged_attention
+from .attention import _check_head_dim_for_triton, check_attention_args, checked_paged_attention
 from .checks import check_shrink_inputs
 
 MAX_RANK = 64   # the epilogue holds a [R, D] tile of A per head
@@ -44,17 +44,18 @@ def decode_attention_shrink(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     kwargs = dict(max_query_len=1, max_seq_len=max_seq_len, scale=scale, sliding_window=sliding_window, out=out)
     S = block_tables.shape[0]
     if R == 0 or R > MAX_RANK or T == 0 or S == 0:
-        return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start, backend=backend,
-                               **kwargs), None
+        return checked_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start, backend=backend,
+                                       **kwargs), None
     if resolve_backend(backend, dev) == "reference":
-        paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start, backend="reference", **kwargs)
+        checked_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start, backend="reference",
+                                **kwargs)
         return out, _reference_part(out, lora_a, ranks, row_slot, k_cache.shape[2])
     from . import attention_kernels as ak
     _check_head_dim_for_triton(D)
     Hkv = k_cache.shape[2]
     if ak.plan_decode(S, Hkv, max_seq_len, sliding_window, dev, ak.decode_config(D, q.dtype))[0] > 1:
-        return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start, backend=backend,
-                               **kwargs), None
+        return checked_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start, backend=backend,
+                                       **kwargs), None
     part = torch.empty((Hkv, 1, T, R), dtype=torch.float32, device=dev)
     with _on(dev):
         done = ak.decode(q, k_cache, v_cache, block_tables, seq_lens, query_start, out, max_seq_len=max_seq_len,

@@ -20,31 +20,21 @@ from __future__ import annotations
 import torch
 
 from .api import _bump_version, _on, resolve_backend
-from .checks import _desc
+from .checks import _desc, check_shrink_inputs
 from .fused import check_rms_args, rms_norm
 from .lora_product import LoraProduct
 
 
 def _check_next(lora_a, ranks, row_slot, T: int, H: int, like: torch.Tensor) -> None:
-    if not isinstance(lora_a, (list, tuple)) or not 1 <= len(lora_a) <= 3 or len(ranks) != len(lora_a):
+    if not isinstance(lora_a, (list, tuple)) or not 1 <= len(lora_a) <= 3 or not isinstance(ranks, (list, tuple)) \
+            or len(ranks) != len(lora_a):
         raise ValueError(f"lora_a and ranks must be lists of 1 to 3 slices, one rank tensor each; got "
                          f"{type(lora_a).__name__} and {type(ranks).__name__}")
-    first = lora_a[0]
     for i, (a, rk) in enumerate(zip(lora_a, ranks)):
-        if not isinstance(a, torch.Tensor) or a.dim() != 3 or a.shape[2] != H or a.dtype != like.dtype or \
-                a.device != like.device or a.stride(2) != 1 or a.shape[:2] != first.shape[:2] or \
-                a.stride()[:2] != first.stride()[:2]:
-            raise ValueError(f"lora_a[{i}] must be a {like.dtype} [slots, R, H={H}] on {like.device}, H contiguous, "
-                             f"shaped and strided as lora_a[0], got "
-                             f"{_desc(a) if isinstance(a, torch.Tensor) else type(a).__name__}")
-        if not isinstance(rk, torch.Tensor) or rk.dtype != torch.int32 or tuple(rk.shape) != (first.shape[0],) or \
-                rk.device != like.device or rk.stride(0) != 1:
-            raise ValueError(f"ranks[{i}] must be a contiguous int32 [slots={first.shape[0]}] on {like.device}, got "
-                             f"{_desc(rk) if isinstance(rk, torch.Tensor) else type(rk).__name__}")
-    if not isinstance(row_slot, torch.Tensor) or row_slot.dtype != torch.int32 or tuple(row_slot.shape) != (T,) or \
-            row_slot.device != like.device or (T > 1 and row_slot.stride(0) != 1):
-        raise ValueError(f"row_slot must be a contiguous int32 [T={T}] on {like.device}, got "
-                         f"{_desc(row_slot) if isinstance(row_slot, torch.Tensor) else type(row_slot).__name__}")
+        check_shrink_inputs(a, rk, row_slot, T, H, "H", like.dtype, like.device, index=f"[{i}]")
+        if a.shape[:2] != lora_a[0].shape[:2] or a.stride()[:2] != lora_a[0].stride()[:2]:   # one kernel walks all
+            raise ValueError(f"lora_a[{i}] must be shaped and strided as lora_a[0] "
+                             f"({tuple(lora_a[0].shape)}, strides {lora_a[0].stride()}), got {_desc(a)}")
 
 
 def rms_norm_shrink(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: torch.Tensor | None,
