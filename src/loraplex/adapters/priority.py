@@ -18,24 +18,17 @@ they keep running.
 """
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from ..env_switch import env_switch
 
 
 def mode() -> str:
     """When the engine marks its eager forwards busy, from LORAPLEX_HOST_PRIORITY: "always" (the
     default), "adaptive" (unless requests wait for adapter loads to be admitted) or "off"."""
-    raw = os.environ.get("LORAPLEX_HOST_PRIORITY", "1")
-    value = raw.strip().lower()
-    if value in ("0", "false", "no", "off"):
-        return "off"
-    if value in ("", "1", "true", "yes", "on", "always"):
-        return "always"
-    if value == "adaptive":
-        return "adaptive"
-    raise ValueError(f"LORAPLEX_HOST_PRIORITY={raw!r}: expected always (or 1), adaptive, or off (or 0)")
+    return env_switch("LORAPLEX_HOST_PRIORITY", "1", on="always", off="off", others=("adaptive",))
 
 
 class HostPriority:

@@ -41,12 +41,12 @@ two streams' kernels the SMs take first at replay ("gemm": a third stream for th
 from __future__ import annotations
 
 import logging
-import os
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from ..env_switch import env_switch
 from .batch import LoraBatch
 from .lora_delta import LoraDelta
 from .lora_product import LoraProduct
@@ -96,15 +96,7 @@ def config_for(block_m: int):
 
 def mode() -> str:
     """The LORAPLEX_LORA_OVERLAP setting, one of MODES."""
-    raw = os.environ.get("LORAPLEX_LORA_OVERLAP", "fused")
-    value = raw.strip().lower()
-    if value in ("", "1", "true", "yes", "on", "fused"):
-        return "fused"
-    if value in ("0", "false", "no", "off"):
-        return "off"
-    if value in ("shrink", "full"):
-        return value
-    raise ValueError(f"LORAPLEX_LORA_OVERLAP={raw!r}: expected fused (or 1), full, shrink, or off (or 0)")
+    return env_switch("LORAPLEX_LORA_OVERLAP", "fused", on="fused", off="off", others=("full", "shrink"))
 
 
 def enabled(rows: int) -> bool:

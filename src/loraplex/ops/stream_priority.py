@@ -2,7 +2,7 @@
 kernels the SMs take first at replay, LORAPLEX_GRAPH_PRIORITY."""
 from __future__ import annotations
 
-import os
+from ..env_switch import env_switch
 
 PRIORITY_SCHEMES = ("high", "gemm", "default")
 
@@ -29,15 +29,7 @@ def priority_scheme() -> str:
     25), which "gemm" is meant to avoid. The side stream at the highest priority instead: 0.999× (no change).
     The paper's workload at batch 32: 3,376 tok/s with "high" against 3,359 (two leases; decode steps' GPU time
     9.05 against 9.08 ms, mixed steps' 10.30 against 11.11)."""
-    raw = os.environ.get("LORAPLEX_GRAPH_PRIORITY", "high")
-    value = raw.strip().lower()
-    if value in ("0", "false", "no", "off", "default"):
-        return "default"
-    if value in ("", "1", "true", "yes", "on", "high"):
-        return "high"
-    if value == "gemm":
-        return "gemm"
-    raise ValueError(f"LORAPLEX_GRAPH_PRIORITY={raw!r}: expected high (or 1), gemm, or default (or 0)")
+    return env_switch("LORAPLEX_GRAPH_PRIORITY", "high", on="high", off="default", others=("gemm",))
 
 
 def capture_priority() -> int:
