@@ -32,6 +32,10 @@ def test_timeline_splits_time_into_alone_beside_and_idle(probe):
     assert got["busy_us"] == {"gemm": 10.0, "shrink": 3.0, "rope": 2.0}
     assert got["alone_us"] == {"gemm": 7.0, "rope": 2.0}
     assert got["beside_us"] == {"gemm+shrink": 3.0}
+    # the gaps by the kinds either side: 10-12 and 30-32 after the GEMM, before RoPE; 14-20 after RoPE (the
+    # shrink, which ended first, is not the kernel a gap follows)
+    assert got["idle_by_edge_us"] == {"rope→gemm": 3.0, "gemm→rope": 2.0}
+    assert sum(got["idle_by_edge_us"].values()) == got["idle_us"]
     assert got["kernels_per_forward"] == 3.0
 
 
