@@ -442,7 +442,8 @@ def plan_decode(num_seqs: int, num_kv_heads: int, max_seq_len: int, window: int,
 
 
 # With the o shrink's epilogue and one head per program (G = 1), load the head's A tile before the key walk (its
-# latency then hides behind the walk) rather than after it. Not yet measured either way.
+# latency then hides behind the walk) rather than after it: the epilogue took 1.028× today's decode forward time
+# this way and 1.040× the other (H200, 2026-12-02, results/decode_graph_trace_oattn.json; the epilogue is off).
 LORA_PREFETCH_A = True
 
 

@@ -79,8 +79,6 @@ EXPAND_GEMM_FIRST = True
 # kernels keep their stream's priority (PyTorch instantiates graphs with cudaGraphInstantiateFlagUseNodePriority),
 # and where CTAs of both streams wait for SMs the block scheduler places the higher priority's first.
 SIDE_STREAM_PRIORITY = 0
-
-
 # Kernel settings of the "full" path, per tile height, where they differ from sgmv.CONFIGS (tuned for
 # the kernels alone): benchmarks/sweep_overlap_configs.py found none better (results/overlap_sweep.json).
 CONFIGS: dict = {}
@@ -119,15 +117,20 @@ def lora_path(rows: int, capturing: bool) -> str:
     return "shrink-side" if capturing and enabled(rows) else "direct"
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    # One of PyTorch's pooled streams, drawn once per device and priority, as the adapter cache's copy stream is: the
-    # two may be the same stream. That is safe because it is only used while graphs are captured, and
-    # the engine captures them at start-up, before any adapter load exists.
+def _pooled_stream(cache: dict[tuple[int, int], torch.cuda.Stream], device: torch.device,
+                   priority: int) -> torch.cuda.Stream:
+    """One of PyTorch's pooled streams at `priority`, drawn once per device and priority into `cache`."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, SIDE_STREAM_PRIORITY)
-    if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(device=index, priority=SIDE_STREAM_PRIORITY)
-    return _SIDE_STREAMS[key]
+    if (index, priority) not in cache:
+        cache[(index, priority)] = torch.cuda.Stream(device=index, priority=priority)
+    return cache[(index, priority)]
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    # Drawn from PyTorch's pool as the adapter cache's copy stream is: the two may be the same stream. That is
+    # safe because it is only used while graphs are captured, and the engine captures them at start-up, before
+    # any adapter load exists.
+    return _pooled_stream(_SIDE_STREAMS, device, SIDE_STREAM_PRIORITY)
 
 
 def _usable_side(device: torch.device) -> torch.cuda.Stream | None:
@@ -148,11 +151,7 @@ def _usable_gemm_stream(device: torch.device, main: torch.cuda.Stream,
     priority = gemm_stream_priority()
     if priority is None:
         return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, priority)
-    if key not in _GEMM_STREAMS:
-        _GEMM_STREAMS[key] = torch.cuda.Stream(device=index, priority=priority)
-    stream = _GEMM_STREAMS[key]
+    stream = _pooled_stream(_GEMM_STREAMS, device, priority)
     return None if stream in (main, side) else stream
 
 
