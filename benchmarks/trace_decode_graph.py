@@ -155,6 +155,7 @@ def variant(name: str):
         from loraplex.models import llama
         projs, rms_split, boundaries = PRODUCT_VARIANTS[name]
         patches.append(mock.patch.object(overlap, "FUSED_PROJECTIONS", frozenset(projs)))
+        patches.append(mock.patch.object(overlap, "FUSED_MIN_ROWS", 1))   # at any batch, as the variant says
         patches.append(mock.patch.object(fused_lora_kernels, "RMS_SPLIT", rms_split))
         patches.append(mock.patch.object(llama, "FUSED_BOUNDARIES", boundaries))
     if name in ("o_in_attention", "o_in_attention_late", "o_in_attention_silu"):
@@ -265,7 +266,9 @@ PRODUCT_VARIANTS = {"od_rows": (QKV_O_DOWN, 0, False), "od_split512": (QKV_O_DOW
                     "od_split1024": (QKV_O_DOWN, 1024, False), "od_split2048": (QKV_O_DOWN, 2048, False),
                     "all_split512": (ALL_FOUR, 512, False), "boundary_od512": (QKV_O_DOWN, 512, True),
                     "boundary_od1024": (QKV_O_DOWN, 1024, True), "boundary_od2048": (QKV_O_DOWN, 2048, True),
-                    "boundary_all1024": (ALL_FOUR, 1024, True)}
+                    "boundary_all1024": (ALL_FOUR, 1024, True),
+                    # the default before the fourteenth session: only q/k/v's product left to its consumer (RoPE)
+                    "q_only": (("q_proj",), 0, False)}
 # with down's shrink in SiLU-and-mul too (models/llama.DOWN_SHRINK_IN_SILU): then o's shrink and gate/up's expand
 # are a layer's only LoRA launches
 SILU_TOO = {"boundary_od1024_silu"}

@@ -6,6 +6,7 @@ from adapter_fixtures import write_adapter
 from loraplex import ops
 from loraplex.adapters import AdapterCache
 from loraplex.adapters.peft_format import inspect_peft_adapter, read_peft_adapter
+from loraplex.adapters.synthetic import read_synthetic, synthetic_spec
 from loraplex.models import ModelConfig
 
 pytestmark = pytest.mark.gpu
@@ -120,3 +121,24 @@ def test_pinned_host_copy_wastes_little_memory():
     for key, (a, b) in tensors.items():
         assert torch.equal(adapter.modules[key].a, a.to(torch.bfloat16))
         assert torch.equal(adapter.modules[key].b, b.to(torch.bfloat16))
+
+
+def test_reserved_pinned_memory_serves_the_first_reads():
+    """adapters/pinned_reserve.py: after reserve_host_memory, as many full-rank reads as it reserved for (the CPU
+    tier plus the loader threads) page-lock no fresh memory (PyTorch's host allocator counts its CUDA calls)."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if stats is None or "num_host_alloc" not in stats():
+        pytest.skip("this torch does not count pinned allocations")
+    big = ModelConfig(model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=6,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=64)
+    cache = AdapterCache(big, max_gpu_adapters=1, max_lora_rank=16, max_cpu_adapters=3, dtype=torch.bfloat16,
+                         device="cuda", loader_threads=2)
+    try:
+        reserved = cache.reserve_host_memory(None)
+        before = stats()["num_host_alloc"]
+        held = [read_synthetic(synthetic_spec(f"s{i}", big, 16, seed=i), torch.bfloat16, True) for i in range(5)]
+        assert all(b.is_pinned() for h in held for b in h.buffers)
+        assert stats()["num_host_alloc"] == before
+        assert reserved == 5 * sum(b.numel() * 2 for b in held[0].buffers)
+    finally:
+        cache.close()

@@ -182,7 +182,15 @@ def test_load_stats_of_a_run():
     assert _load_stats(times) == dict(adapter_loads_disk=10, adapter_load_disk_s_p50=1.0, adapter_load_disk_s_p90=1.0,
                                       adapter_loads_slot_wait=1, adapter_load_slot_wait_s_p50=0.5,
                                       adapter_load_slot_wait_s_p90=0.5, adapter_loads_copy_issue=0,
-                                      adapter_loads_gpu=2, adapter_load_gpu_s_p50=0.03, adapter_load_gpu_s_p90=0.03)
+                                      adapter_loads_gpu=2, adapter_load_gpu_s_p50=0.03, adapter_load_gpu_s_p90=0.03,
+                                      # the start-up's loads apart (here all: fewer than START_LOADS), in run order
+                                      adapter_load_disk_s_first_mean=0.76, adapter_load_disk_s_first_max=1.0,
+                                      adapter_load_slot_wait_s_first_mean=0.5, adapter_load_slot_wait_s_first_max=0.5,
+                                      adapter_load_gpu_s_first_mean=0.02, adapter_load_gpu_s_first_max=0.03)
+    from loraplex.bench import run_loraplex
+    late = [("disk", 0.9)] * run_loraplex.START_LOADS + [("disk", 0.1)] * 100
+    got = _load_stats(late)
+    assert got["adapter_load_disk_s_first_mean"] == 0.9 and got["adapter_load_disk_s_p50"] == 0.1
     assert _load_stats([("disk", 0.5), ("disk", 0.1), ("disk", 0.3)])["adapter_load_disk_s_p50"] == 0.3
     assert _load_stats([]) == dict(adapter_loads_disk=0, adapter_loads_slot_wait=0, adapter_loads_copy_issue=0,
                                    adapter_loads_gpu=0)
@@ -315,5 +323,26 @@ def test_steps_short_on_adapters_by_tenth_of_the_run():
     from loraplex.bench.run_loraplex import _short_on_adapters
     got = _short_on_adapters([(0.0, 3), (0.5, 1), (9.99, 2), (10.0, 5), (4.2, 4)], seconds=10.0)
     assert got == dict(steps_short_on_adapters=5, rows_short_on_adapters=15,
-                       steps_short_on_adapters_by_tenth=[2, 0, 0, 0, 1, 0, 0, 0, 0, 2])
+                       steps_short_on_adapters_by_tenth=[2, 0, 0, 0, 1, 0, 0, 0, 0, 2], last_short_on_adapters_s=10.0)
+    assert _short_on_adapters([], seconds=3.0)["last_short_on_adapters_s"] == 0.0
     assert _short_on_adapters([], seconds=3.0)["steps_short_on_adapters_by_tenth"] == [0] * 10
+
+
+def test_pinned_growth_of_a_run():
+    """run_loraplex._pinned_growth: the fresh page-locked allocations a run made and their seconds (nothing off
+    CUDA, where _pinned_allocs is None)."""
+    from loraplex.bench.run_loraplex import _pinned_allocs, _pinned_growth
+    assert _pinned_growth({"count": 3, "us": 1_000}, {"count": 10, "us": 251_000}) == dict(
+        pinned_host_allocs=7, pinned_host_alloc_s=0.25)
+    assert _pinned_growth(None, None) == {}
+    if not torch.cuda.is_available():
+        assert _pinned_allocs() is None
+
+
+def test_span_stats_say_when_the_longest_span_fell():
+    """run_loraplex._span_stats: means, spread, and the run time of each kind's longest GPU span."""
+    from loraplex.bench.run_loraplex import _span_stats
+    got = _span_stats({True: [0.008, 0.3, 0.009], False: [0.01]}, {True: [0.5, 1.25, 2.0], False: [0.1]})
+    assert got["decode_gpu_ms_max"] == pytest.approx(300.0) and got["decode_gpu_ms_max_at_s"] == 1.25
+    assert got["mixed_gpu_ms_max_at_s"] == 0.1 and got["decode_gpu_ms"] == pytest.approx(1e3 * 0.317 / 3)
+    assert "decode_gpu_ms_max_at_s" not in _span_stats({True: [0.01], False: []}, None)

@@ -422,8 +422,8 @@ def test_lora_kernel_warmup_launches_every_variant_and_changes_nothing(overlap_m
     """Every (tile height, K splits, N chunk class) after the GEMMs; with the LoRA products beside them
     (ops/overlap.py "full", and "fused", the default) the same again into fp32 buffers, which eager
     forwards of up to overlap.MAX_ROWS rows launch too; with "fused" also the ops that expand the
-    products of overlap.FUSED_PROJECTIONS (by default q/k/v's: RoPE), once per K-split count the shrink
-    can pick there (ops/lora_product.py)."""
+    products of overlap.FUSED_PROJECTIONS (by default q/k/v's, o's and down's: RoPE and RMSNorm), once per
+    K-split count the shrink can pick there (ops/lora_product.py)."""
     from loraplex.adapters import AdapterPool
     from loraplex.engine.warmup import compile_lora_kernels
     from loraplex.models import ModelConfig
@@ -459,7 +459,11 @@ def test_lora_kernel_warmup_launches_every_variant_and_changes_nothing(overlap_m
     if overlap_mode == "fused":
         # each op once per layer (0-3), split count and row count (1 and 16)
         splits, calls = {s for _, s in products}, 2 * min(4, config.num_hidden_layers)
-        ops_used = ("rms_norm", "silu_and_mul", "apply_rope") if fused_projs == "all" else ("apply_rope",)
+        # the consumers of the fused projections' products (by default q/k/v's and o's and down's)
+        ops_used = [op for op, projs in (("rms_norm", {"o_proj", "down_proj"}), ("silu_and_mul", {"gate_proj"}),
+                                         ("apply_rope", {"q_proj"})) if projs & overlap.FUSED_PROJECTIONS]
+        assert ops_used == (["rms_norm", "silu_and_mul", "apply_rope"] if fused_projs == "all"
+                            else ["rms_norm", "apply_rope"])
         assert splits and sorted(products) == sorted((n, s) for n in ops_used for s in splits for _ in range(calls))
     else:
         assert not products

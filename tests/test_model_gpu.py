@@ -245,8 +245,8 @@ def test_decode_graph_replays_new_batches(setup, overlap_mode, monkeypatch):
     assert len(gemm_priorities) == (4 * setup.config.num_hidden_layers if gemm_stream else 0)
     assert all(p < 0 for p in gemm_priorities)
     captured_sides = product_sides[len(eager_sides):]
-    if overlap_mode == "fused":   # FUSED_PROJECTIONS a layer; the side stream only while capturing
-        per_forward = len(overlap.FUSED_PROJECTIONS) * setup.config.num_hidden_layers
+    if overlap_mode == "fused":   # fused_projections a layer (decode rows); the side stream only while capturing
+        per_forward = len(overlap.fused_projections(rows, decode=True)) * setup.config.num_hidden_layers
         assert eager_sides == [False] * per_forward and per_forward > 0
         assert captured_sides == [True] * per_forward
     else:

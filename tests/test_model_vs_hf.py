@@ -161,7 +161,7 @@ OFF_PATH_CONFIGS = ("llama-text", "mistral-gqa4-window")   # MHA, and GQA with a
 
 
 @pytest.mark.parametrize("overlap_mode, fused_projs, rms_split, down_in_silu, boundaries", [
-    ("full", None, 0, False, False), ("fused", None, 0, False, False), ("full", None, 0, True, False),
+    ("full", None, 0, False, False), ("fused", None, None, False, False), ("full", None, 0, True, False),
     ("fused", None, 0, True, False), ("fused", ALL_FOUR, 0, True, False), ("fused", ALL_FOUR, 16, False, False),
     ("off", None, 0, True, False), ("fused", QKV_O_DOWN, 16, False, True), ("fused", ALL_FOUR, 32, False, True),
     ("fused", QKV_O_DOWN, 16, True, True)])
@@ -170,7 +170,8 @@ def test_triton_kernels_in_the_interpreter_match_too(setup, overlap_mode, fused_
     """The same through every Triton kernel (LoRA, attention, fused ops) run by Triton's CPU interpreter:
     with each LoRA product left for the next op to add (ops/overlap.py's "full"), left unexpanded for the
     next op to expand ("fused", the default for forwards of up to MAX_ROWS rows: q/k/v's product, the
-    others as "full"; or every projection's, RMSNorm's rows whole or over programs of `rms_split` columns),
+    others as "full"; or every projection's, RMSNorm's rows whole or over programs of `rms_split` columns;
+    None: the defaults, q/k/v's, o's and down's products, fused_lora_kernels.RMS_SPLIT columns),
     and added after each GEMM. `down_in_silu`: models/llama.DOWN_SHRINK_IN_SILU (down's shrink inside
     SiLU-and-mul where the products are left to the next op and down is not a fused projection).
     `boundaries`: models/llama.FUSED_BOUNDARIES (the split RMSNorm after o and down also computing the next
@@ -191,6 +192,8 @@ def test_triton_kernels_in_the_interpreter_match_too(setup, overlap_mode, fused_
     if fused_projs:
         monkeypatch.setattr(overlap, "FUSED_PROJECTIONS", frozenset(fused_projs))
     from loraplex.ops import fused_lora_kernels, fused_lora_rms_split
+    if rms_split is None:
+        rms_split = fused_lora_kernels.RMS_SPLIT
     monkeypatch.setattr(fused_lora_kernels, "RMS_SPLIT", rms_split)
     split_calls = []
     real_split = fused_lora_rms_split.rms_norm
@@ -207,12 +210,54 @@ def test_triton_kernels_in_the_interpreter_match_too(setup, overlap_mode, fused_
                           graph_room=(8, 32) if overlap_mode == "off" else None)   # ("off": > MAX_ROWS rows)
     finally:
         setup.model.backend = None
+    # both forwards (38 and 18 rows) at least overlap.FUSED_MIN_ROWS: every fused projection's product is left
+    want_fused = set(fused_projs or overlap.FUSED_PROJECTIONS) if overlap_mode == "fused" else set()
     want, boundary_count = _expected_lora_calls(overlap_mode, fused_projs or overlap.FUSED_PROJECTIONS, down_in_silu,
                                                 boundaries, setup.config.num_hidden_layers)
     assert {k: len(v) for k, v in calls.items()} == {k: 2 * n for k, n in want.items()}   # two forwards
     assert boundary_calls == [rms_split] * 2 * boundary_count
     assert not any(calls["full"] + calls["fused"] + calls["expand"])   # the side stream only while capturing
-    assert (len(split_calls) > 0) == bool(rms_split) and set(split_calls) <= {rms_split}
+    assert (len(split_calls) > 0) == bool(rms_split and {"o_proj", "down_proj"} & want_fused)
+    assert set(split_calls) <= {rms_split}
+
+
+def test_decode_forwards_of_few_rows_leave_only_the_qkv_product(setup, monkeypatch):
+    """"fused" in a decode forward of fewer than overlap.FUSED_MIN_ROWS rows (here 3): only q/k/v's product goes
+    to its consumer (RoPE), o's, gate/up's and down's take "full"'s way; a forward with prompts (here 6 rows)
+    leaves every fused projection's. The logits still match transformers + PEFT."""
+    if setup.variant != OFF_PATH_CONFIGS[0]:
+        pytest.skip("one configuration covers it (each run takes ~10 s here)")
+    from loraplex.ops import overlap
+    assert overlap.fused_projections(overlap.FUSED_MIN_ROWS - 1, decode=True) == {"q_proj"}
+    assert overlap.fused_projections(overlap.FUSED_MIN_ROWS, decode=True) == overlap.FUSED_PROJECTIONS > {"q_proj"}
+    assert overlap.fused_projections(1, decode=False) == overlap.FUSED_PROJECTIONS
+    monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", "fused")
+    calls = {"full": [], "fused": []}
+    for mode, name in (("full", "linear_with_lora_delta"), ("fused", "linear_with_lora_product")):
+        real = getattr(overlap, name)
+        monkeypatch.setattr(overlap, name, lambda *a, _real=real, _log=calls[mode], **kw: _log.append(a[0].shape[0])
+                            or _real(*a, **kw))
+    setup.model.backend = "triton"
+    try:   # prompt chunks of 3, 2 and 1 tokens, then one decode row each
+        check_mixed_batch(setup, [("all-r8", 3, 1), ("attn-r4", 2, 1), (None, 1, 1)])
+    finally:
+        setup.model.backend = None
+    layers = setup.config.num_hidden_layers
+    assert calls["fused"] == [6] * 3 * layers + [3] * layers          # q, o, down; then q alone
+    assert calls["full"] == [6] * layers + [3] * 3 * layers           # gate/up; then o, gate/up, down
+
+
+def test_eager_decode_steps_choose_the_fused_projections_their_graph_would():
+    """A decode step of n sequences replays the graph of the smallest bucket that holds it (engine/cuda_graphs.py):
+    eager, it leaves the same products to their consumers as that graph does (so the two compute alike)."""
+    from loraplex.engine.cuda_graphs import graph_buckets
+    from loraplex.ops import overlap
+    for max_batch in range(1, 70):
+        buckets = graph_buckets(max_batch)
+        for n in range(1, max_batch + 1):
+            bucket = next(b for b in buckets if b >= n)
+            assert overlap.fused_projections(n, decode=True) == overlap.fused_projections(bucket, decode=True), \
+                (max_batch, n, bucket)
 
 
 @pytest.mark.parametrize("overlap_mode", ["full", "fused"])

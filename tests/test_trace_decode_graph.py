@@ -43,9 +43,12 @@ def test_product_variants_patch_and_restore_the_settings(probe):
     """The variants that leave more products to their consumers set overlap.FUSED_PROJECTIONS and
     fused_lora_kernels.RMS_SPLIT only inside, and every variant has its description."""
     from loraplex.ops import fused_lora_kernels, overlap
-    before = (overlap.FUSED_PROJECTIONS, fused_lora_kernels.RMS_SPLIT)
+    before = (overlap.FUSED_PROJECTIONS, fused_lora_kernels.RMS_SPLIT, overlap.FUSED_MIN_ROWS)
     with probe.variant("od_split1024"):
         assert overlap.FUSED_PROJECTIONS == {"q_proj", "o_proj", "down_proj"} and fused_lora_kernels.RMS_SPLIT == 1024
+        assert overlap.fused_projections(1, decode=True) == overlap.FUSED_PROJECTIONS   # at any batch
+    with probe.variant("q_only"):
+        assert overlap.FUSED_PROJECTIONS == {"q_proj"} and fused_lora_kernels.RMS_SPLIT == 0
     from loraplex.models import llama
     with probe.variant("all_split512"):
         assert "gate_proj" in overlap.FUSED_PROJECTIONS and fused_lora_kernels.RMS_SPLIT == 512
@@ -62,7 +65,8 @@ def test_product_variants_patch_and_restore_the_settings(probe):
     with probe.variant("o_in_attention_late"):
         assert llama.O_SHRINK_IN_ATTENTION and not attention_kernels.LORA_PREFETCH_A
     assert attention_kernels.LORA_PREFETCH_A
-    assert (overlap.FUSED_PROJECTIONS, fused_lora_kernels.RMS_SPLIT) == before and not llama.FUSED_BOUNDARIES
+    assert (overlap.FUSED_PROJECTIONS, fused_lora_kernels.RMS_SPLIT, overlap.FUSED_MIN_ROWS) == before
+    assert not llama.FUSED_BOUNDARIES
     assert not llama.O_SHRINK_IN_ATTENTION and not llama.DOWN_SHRINK_IN_SILU
     with probe.variant("rope_heads2"):
         assert fused_lora_kernels.ROPE_HEADS == 2

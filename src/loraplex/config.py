@@ -85,6 +85,13 @@ class EngineConfig:
     adapter_loader_threads: int = field(default=2, metadata={
         "group": "adapters", "help": "Threads that read adapters from disk into host copies (more: faster "
                                      "loads of many distinct adapters, at the cost of host CPU)."})
+    adapter_host_reserve_gib: float | None = field(default=None, metadata={
+        "group": "adapters", "help": "Pinned host memory page-locked at start-up for adapter reads, so that the "
+                                     "first loads reuse it instead of page-locking fresh memory beside running "
+                                     "steps (CUDA only; adapters/pinned_reserve.py). Default: what "
+                                     "max_cpu_adapters + adapter_loader_threads adapters of max_lora_rank on "
+                                     "every projection take, at most 8 GiB and a quarter of the host's memory; "
+                                     "a number: at most that many GiB of it; 0: none."})
     lora_in_gemm: int = field(default=0, metadata={
         "group": "adapters", "help": "Decode steps with at most this many distinct adapters compute their LoRA "
                                      "shrink inside the projections' GEMMs, from a copy of those adapters' A "
@@ -130,8 +137,10 @@ class EngineConfig:
         for name in ("max_model_len", "num_kv_blocks", "dummy_layers"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 1)
-        for name in ("max_batch_wait_ms", "max_queue_skip_ms", "cpu_kv_cache_gib"):
+        for name in ("max_batch_wait_ms", "max_queue_skip_ms", "cpu_kv_cache_gib", "adapter_host_reserve_gib"):
             value = getattr(self, name)
+            if value is None and name == "adapter_host_reserve_gib":   # its default bound
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"EngineConfig.{name} must be a finite number >= 0, got {value!r}")
         u = self.gpu_memory_utilization

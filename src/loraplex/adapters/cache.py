@@ -33,6 +33,7 @@ from ..models.config import ModelConfig
 from .loads import AdapterLoads, AdapterState, Reader, _Entry
 from .packed import PackedFile
 from .peft_format import inspect_peft_adapter, read_peft_adapter
+from .pinned_reserve import full_adapter_chunks, reserve_count, reserve_pinned
 from .pool import AdapterPool
 from .spec import AdapterError, AdapterSpec, LoraAdapter, check_adapter_name
 from .synthetic import read_synthetic, synthetic_spec
@@ -54,6 +55,7 @@ class AdapterCache(AdapterLoads):
         self.model = model
         self.pool = AdapterPool(model, max_gpu_adapters, max_lora_rank, dtype, device)
         self.max_cpu_adapters = max_cpu_adapters
+        self.loader_threads = loader_threads
         self._cuda = self.pool.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.pool.device) if self._cuda else None
         if self._cuda:  # the pool's allocation is queued on the current stream; copies must follow it
@@ -87,6 +89,16 @@ class AdapterCache(AdapterLoads):
         self._load_times: deque[tuple[str, float]] = deque(maxlen=4096)
         self.counters = {"disk_reads": 0, "gpu_loads": 0, "gpu_evictions": 0, "cpu_evictions": 0, "failures": 0}
         log.info(self.pool.describe())
+
+    def reserve_host_memory(self, max_gib: float | None = None) -> int:
+        """Page-lock now the pinned host memory that the CPU tier and the reads in flight will hold, at most
+        `max_gib` GiB (None: the default bound; pinned_reserve.py); the bytes reserved (0 off CUDA)."""
+        count = reserve_count(self.model, self.pool.max_rank, self.pool.dtype,
+                              self.max_cpu_adapters + self.loader_threads, max_gib)
+        if not self._cuda:
+            return 0
+        return reserve_pinned(full_adapter_chunks(self.model, self.pool.max_rank, self.pool.dtype), count,
+                              self.pool.dtype)
 
     # ---- registry -------------------------------------------------------------------------------
     def register(self, name: str, folder: str | Path) -> AdapterSpec:

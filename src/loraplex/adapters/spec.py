@@ -123,6 +123,16 @@ def _layout(sizes: list[int], chunk: int) -> tuple[list[tuple[int, int]], list[i
     return places, chunks
 
 
+def _chunk_elements(sizes: list[int], dtype: torch.dtype, pin: bool) -> int:
+    item = torch.tensor([], dtype=dtype).element_size()
+    return max(PINNED_CHUNK_BYTES // item, max(sizes, default=0)) if pin else max(sum(sizes), 1)
+
+
+def host_chunk_sizes(sizes: list[int], dtype: torch.dtype, pin: bool) -> list[int]:
+    """The host buffers (elements each) pack_host_adapter allocates for tensors of `sizes` elements, in order."""
+    return _layout(sizes, _chunk_elements(sizes, dtype, pin))[1]
+
+
 def pack_host_adapter(spec: AdapterSpec, tensors: dict[ModuleKey, tuple[torch.Tensor, torch.Tensor]],
                       dtype: torch.dtype, pin: bool) -> LoraAdapter:
     """Copy (and cast) every module's A and B into few contiguous host buffers, pinned when asked.
@@ -133,9 +143,7 @@ def pack_host_adapter(spec: AdapterSpec, tensors: dict[ModuleKey, tuple[torch.Te
     keys = sorted(tensors)
     flat = [t for key in keys for t in tensors[key]]
     sizes = [t.numel() for t in flat]
-    item = torch.tensor([], dtype=dtype).element_size()
-    chunk = max(PINNED_CHUNK_BYTES // item, max(sizes, default=0)) if pin else max(sum(sizes), 1)
-    places, chunk_sizes = _layout(sizes, chunk)
+    places, chunk_sizes = _layout(sizes, _chunk_elements(sizes, dtype, pin))
     buffers = [torch.empty(n, dtype=dtype, pin_memory=pin) for n in chunk_sizes]
     views = []
     for i, (t, (c, offset)) in enumerate(zip(flat, places)):

@@ -42,6 +42,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "(default: twice the max batch, at least 8; 0: none, each host copy's pinned memory "
                          "goes back to PyTorch's cache once its GPU load is done). It also bounds how far the "
                          "scheduler reads adapters ahead beyond the free GPU slots")
+    ap.add_argument("--adapter-host-reserve-gib", type=float, default=None,
+                    help="loraplex: EngineConfig.adapter_host_reserve_gib, pinned host memory page-locked at "
+                         "start-up for adapter reads (default: the engine's; 0: none)")
     ap.add_argument("--admission-lookahead", type=int, default=None,
                     help="loraplex: EngineConfig.admission_lookahead (default: the engine's; 0 admits whatever "
                          "fits now)")

@@ -76,7 +76,7 @@ def markdown(result: dict) -> str:
         for q in result["ratios"]:
             lines.append((f"| {q.get('lengths', '')} " if merged else "") +
                          f"| {q['popularity']} | {q['max_batch']} | {q['requests']} | {q['versus']} | "
-                         f"{q['ratio']:.2f}× |")
+                         f"{q['ratio']:.3f}× |")
     steps = [r for r in result["rows"] if r.get("decode_step_ms") is not None]
     if steps:   # where each loraplex run's time went (runs before 2026-12-01 did not record it)
         lines += ["", "Where loraplex's time went: decode steps (every sequence fed one token; overlapped, so "

@@ -12,6 +12,7 @@ from ..sampling import SamplingParams
 from .results import RunResult, check_complete
 from .workload import Workload
 
+START_LOADS = 64          # _load_stats: the loads of a run's start-up, whose times it reports apart
 UNLIMITED_SEQS = 256      # "unlimited": more than the KV memory of a 7B model on one GPU holds at these lengths
 
 
@@ -96,11 +97,14 @@ class LoraplexSystem:
         last = [0.0] * len(ids)
         got = [0] * len(ids)
         steps = decode_steps = seq_sum = context_sum = adapter_reads = 0
+        first_step_s = 0.0
         short_at: list[tuple[float, int]] = []   # steps loads held back: (seconds into the run, rows missing)
         decode_s = mixed_s = 0.0   # wall time of the steps that ran, by kind (where a gap to the backbone lies)
         spans: dict[bool, list] = {True: [], False: []}   # decode?: the steps' GPU spans (CUDA), read after the run
         walls: dict[bool, list[float]] = {True: [], False: []}   # decode?: each step's wall time (its spread)
+        span_at: dict[bool, list[float]] = {True: [], False: []}   # decode?: when in the run each span's step ended
         engine.adapters.take_load_times()   # only this run's loads below
+        pinned_before = _pinned_allocs()
         stats_before = dict(engine.stats)
         preemptions_before = engine.scheduler.num_preemptions
         recomputed_before = engine.scheduler.num_recomputed_tokens
@@ -118,6 +122,8 @@ class LoraplexSystem:
                 if info is None and not outs:
                     time.sleep(0.0005)   # nothing could run (adapter loads): leave the GIL to the loaders
                 if info is not None:
+                    if not steps:
+                        first_step_s = now   # before it, every request waited for its adapter
                     steps += 1
                     decode_steps += info.decode
                     seq_sum += info.num_seqs
@@ -134,6 +140,7 @@ class LoraplexSystem:
                     walls[info.decode].append(info.seconds)
                     if info.span is not None:
                         spans[info.decode].append(info.span)
+                        span_at[info.decode].append(now)
                 for out in outs:
                     i = index[out.request_id]
                     if out.finish_reason in ("abort", "error"):
@@ -153,17 +160,18 @@ class LoraplexSystem:
                                       decode_step_ms=1e3 * decode_s / decode_steps if decode_steps else 0.0,
                                       mixed_step_ms=1e3 * mixed_s / (steps - decode_steps) if steps > decode_steps
                                       else 0.0, other_seconds=seconds - decode_s - mixed_s,
-                                      **_gpu_ms(engine.runner.device, spans), **_spread_ms(walls),
+                                      **_gpu_ms(engine.runner.device, spans, span_at), **_spread_ms(walls),
                                       graph_steps=engine.stats["graph_steps"] - stats_before["graph_steps"],
                                       mixed_graph_steps=engine.stats["mixed_graph_steps"]
                                       - stats_before["mixed_graph_steps"],
                                       overlapped_admissions=engine.stats["overlapped_admissions"]
                                       - stats_before["overlapped_admissions"],
-                                      **_short_on_adapters(short_at, seconds),
+                                      first_step_s=round(first_step_s, 4), **_short_on_adapters(short_at, seconds),
                                       step_context_tokens=context_sum, step_adapter_reads=adapter_reads,
                                       preemptions=engine.scheduler.num_preemptions - preemptions_before,
                                       recomputed_tokens=engine.scheduler.num_recomputed_tokens - recomputed_before,
-                                      **_load_stats(engine.adapters.take_load_times())))
+                                      **_load_stats(engine.adapters.take_load_times()),
+                                      **_pinned_growth(pinned_before, _pinned_allocs())))
         check_complete(result, lens)
         return result
 
@@ -175,19 +183,29 @@ def _short_on_adapters(short_at: list[tuple[float, int]], seconds: float) -> dic
     for at, _ in short_at:
         deciles[min(int(10 * at / seconds), 9) if seconds > 0 else 0] += 1
     return dict(steps_short_on_adapters=len(short_at), rows_short_on_adapters=sum(n for _, n in short_at),
-                steps_short_on_adapters_by_tenth=deciles)
+                steps_short_on_adapters_by_tenth=deciles,
+                last_short_on_adapters_s=round(max(at for at, _ in short_at), 3) if short_at else 0.0)
 
 
-def _gpu_ms(device: torch.device, spans: dict[bool, list]) -> dict:
+def _gpu_ms(device: torch.device, spans: dict[bool, list], span_at: dict[bool, list[float]] | None = None) -> dict:
     """On CUDA, the mean GPU span (engine StepInfo.span) of decode and of mixed steps, in ms: beside their
-    wall times, how much of a step the GPU worked and how much it waited for the host."""
+    wall times, how much of a step the GPU worked and how much it waited for the host. `span_at`: when in the
+    run each span's step ended, for when the longest fell (`<kind>_gpu_ms_max_at_s`)."""
     if device.type != "cuda":
         return {}
     seconds = {decode: [span.seconds() for span in s] for decode, s in spans.items()}
+    return _span_stats(seconds, span_at)
+
+
+def _span_stats(seconds: dict[bool, list[float]], span_at: dict[bool, list[float]] | None) -> dict:
     mean = lambda s: 1e3 * sum(s) / len(s) if s else 0.0  # noqa: E731
     out = dict(decode_gpu_ms=mean(seconds[True]), mixed_gpu_ms=mean(seconds[False]))
     # the spans' own spread: a long step's GPU span says whether the GPU took long or the host held it
     out.update({k.replace("_step_ms_", "_gpu_ms_"): v for k, v in _spread_ms(seconds).items()})
+    for decode, kind in ((True, "decode"), (False, "mixed")):
+        if span_at is not None and seconds[decode] and len(span_at[decode]) == len(seconds[decode]):
+            longest = max(range(len(seconds[decode])), key=seconds[decode].__getitem__)
+            out[f"{kind}_gpu_ms_max_at_s"] = round(span_at[decode][longest], 3)
     return out
 
 
@@ -204,15 +222,39 @@ def _spread_ms(walls: dict[bool, list[float]]) -> dict:
     return out
 
 
+def _pinned_allocs() -> dict[str, float] | None:
+    """PyTorch's pinned host allocator's counts of CUDA allocations and their total time in µs (None off CUDA, or
+    where this torch does not count them)."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if stats is None or not torch.cuda.is_available():
+        return None
+    got = stats()
+    return {"count": got.get("num_host_alloc", 0), "us": got.get("host_alloc_time.total", 0)}
+
+
+def _pinned_growth(before: dict | None, after: dict | None) -> dict:
+    """How often a run page-locked fresh host memory (cudaHostAlloc: adapter reads that found no freed chunk) and
+    the seconds those calls took (adapters/pinned_reserve.py)."""
+    if before is None or after is None:
+        return {}
+    return dict(pinned_host_allocs=after["count"] - before["count"],
+                pinned_host_alloc_s=round((after["us"] - before["us"]) / 1e6, 4))
+
+
 def _load_stats(times: list[tuple[str, float]]) -> dict:
     """Adapter loads of a run: how many reached each stage (AdapterCache.take_load_times: "disk" read to a
     host copy, "slot_wait" host copy to slot assigned, "copy_issue" queueing the copies, "gpu" slot
     assigned to copy done) and their median and 90th-percentile seconds."""
     out = {}
     for stage in ("disk", "slot_wait", "copy_issue", "gpu"):
-        seconds = sorted(t for s, t in times if s == stage)
+        in_order = [t for s, t in times if s == stage]
+        seconds = sorted(in_order)
         out[f"adapter_loads_{stage}"] = len(seconds)
         if seconds:
             out[f"adapter_load_{stage}_s_p50"] = round(seconds[len(seconds) // 2], 4)
             out[f"adapter_load_{stage}_s_p90"] = round(seconds[min(len(seconds) - 1, int(0.9 * len(seconds)))], 4)
+            # the start-up's loads (the first batch and its first replacements), which the percentiles hide
+            first = in_order[:START_LOADS]
+            out[f"adapter_load_{stage}_s_first_mean"] = round(sum(first) / len(first), 4)
+            out[f"adapter_load_{stage}_s_first_max"] = round(max(first), 4)
     return out

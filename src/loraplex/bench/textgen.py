@@ -20,7 +20,7 @@ import time
 import torch
 
 from ..config import EngineConfig
-from ..ops import sgmv, stream_priority
+from ..ops import overlap, sgmv, stream_priority
 from .ceiling import StepBytes, copy_bandwidth_gbs, run_ceiling_tokens_per_s, simulate_ceiling
 from .schedule import simulate_schedule
 from .report import markdown, plot, ratios
@@ -80,6 +80,15 @@ def cpu_copy_bandwidth_gbs(size: int = 1 << 26, reps: int = 5) -> float:
     return 2 * size / sorted(times)[reps // 2] / 1e9
 
 
+def _rms_split() -> int | None:
+    """fused_lora_kernels.RMS_SPLIT (None without Triton: the "product" paths need it)."""
+    try:
+        from ..ops import fused_lora_kernels
+    except ImportError:
+        return None
+    return fused_lora_kernels.RMS_SPLIT
+
+
 def run(args: argparse.Namespace) -> int:
     pops, systems, sizes = _parse(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -122,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
                 slots["max_cpu_adapters"] = args.cpu_adapters
             if args.admission_lookahead is not None:
                 slots["admission_lookahead"] = args.admission_lookahead
+            if args.adapter_host_reserve_gib is not None:
+                slots["adapter_host_reserve_gib"] = args.adapter_host_reserve_gib
             if args.lora_in_gemm is not None:
                 slots["lora_in_gemm"] = args.lora_in_gemm
             if args.overlap_admissions is not None:
@@ -199,11 +210,14 @@ def run(args: argparse.Namespace) -> int:
                   # unset: 512 columns a row-wise expand step at rank 16 (sgmv.rows_block_n_for)
                   lora_rows=os.environ.get("LORAPLEX_LORA_ROWS") or f"n{sgmv.ROWS_WIDE_BLOCK_N} at rank <= 16",
                   lora_in_gemm=EngineConfig.lora_in_gemm if args.lora_in_gemm is None else args.lora_in_gemm,
-                  preload_adapters=args.preload_adapters, overlap_admissions=EngineConfig.overlap_admissions
+                  preload_adapters=args.preload_adapters, adapter_host_reserve_gib=args.adapter_host_reserve_gib,
+                  overlap_admissions=EngineConfig.overlap_admissions
                   if args.overlap_admissions is None else args.overlap_admissions,
                   lora_overlap=os.environ.get("LORAPLEX_LORA_OVERLAP"),
                   host_priority=os.environ.get("LORAPLEX_HOST_PRIORITY"),
                   graph_priority=stream_priority.priority_scheme(),   # runs before 2026-12-02 had no key: "default"
+                  # runs before the fourteenth session had no keys: ["q_proj"] and 0
+                  fused_projections=sorted(overlap.FUSED_PROJECTIONS), rms_split=_rms_split(),
                   workload=dict(requests=args.requests, lengths=args.lengths, max_len=args.max_len, seed=args.seed,
                                 prompt_len=args.prompt_len, output_len=args.output_len,
                                 popularity=pops, baseline_requests=n_base),

@@ -61,6 +61,7 @@ class ModelRunner:
                                      max_lora_rank=config.max_lora_rank, max_cpu_adapters=config.max_cpu_adapters,
                                      dtype=self.model.dtype, device=self.device,
                                      loader_threads=config.adapter_loader_threads)
+        self.adapters.reserve_host_memory(config.adapter_host_reserve_gib)   # nothing off CUDA
         self.sampler = Sampler(self.device, seed=config.seed)
         # before the KV cache is sized (its memory counts) and graphs are captured (they keep its addresses)
         self.area: ActiveArea | None = None

@@ -49,7 +49,7 @@ IN_GEMM_QKV_TO_ROPE = True
 DOWN_SHRINK_IN_SILU = False
 LEFT_FOR_NEXT_OP = ("delta", "delta-side", "product", "product-side")
 # Fused layer boundaries: where an RMSNorm expands the product of the projection before it (o or down in
-# overlap.FUSED_PROJECTIONS) over programs of fused_lora_kernels.RMS_SPLIT columns, it also computes the next
+# overlap.fused_projections) over programs of fused_lora_kernels.RMS_SPLIT columns, it also computes the next
 # projection's shrink (ops/rms_shrink.py), whose GEMM then starts with no shrink launch before it (q/k/v's
 # product left to RoPE, or an expand beside the GEMM). Off: slower on an H200 (2026-12-01, Llama-2-7B decode
 # forwards at batch 32 in CUDA graphs, results/decode_graph_trace_od.json): 7,888-8,439 µs against 7,844 for
@@ -104,6 +104,9 @@ class DecoderLayer(nn.Module):
         reads the A rows of `area`'s first `area_count` active adapters."""
         T, L = hidden.shape[0], self.layer
         lora = pool is not None and batch.has_adapters
+        # the projections whose product the next op expands ("fused", overlap.fused_projections)
+        fused_projs = overlap.fused_projections(T, decode=batch.max_query_len == 1) \
+            if lora_path.startswith("product") else frozenset()
 
         def project(x: torch.Tensor, weight, bias,
                     projs: tuple[str, ...]) -> tuple[torch.Tensor, LoraDelta | LoraProduct | None]:
@@ -125,7 +128,7 @@ class DecoderLayer(nn.Module):
                 expand_in_gemm(y_ext, n, b, ranks, scalings, batch.lora, area.slot_active,
                                backend=resolve_backend(backend, x.device))
                 return y_ext[:, :n], None
-            if lora_path in ("product", "product-side") and projs[0] in overlap.FUSED_PROJECTIONS:
+            if projs[0] in fused_projs:
                 return overlap.linear_with_lora_product(x, weight, bias, a, b, batch.lora, ranks, scalings,
                                                         side=lora_path == "product-side")
             if lora_path in ("delta", "delta-side", "product", "product-side"):
@@ -146,7 +149,7 @@ class DecoderLayer(nn.Module):
                 x, residual, part = rms_norm_shrink(h, norm_weight, self.eps, residual=residual, delta=delta,
                                                     lora_a=a, ranks=ranks, row_slot=batch.lora.row_slot,
                                                     block=split, backend=backend)
-                if lora_path.startswith("product") and projs[0] in overlap.FUSED_PROJECTIONS:
+                if projs[0] in fused_projs:
                     return residual, F.linear(x, weight, bias), LoraProduct(part, tuple(b), tuple(ranks),
                                                                             tuple(scalings), batch.lora.row_slot)
                 y, d = overlap.linear_with_lora_expand(x, weight, bias, part, b, batch.lora, ranks, scalings,
@@ -164,8 +167,8 @@ class DecoderLayer(nn.Module):
         store_kv(k, v, kv.k[L], kv.v[L], batch.slot_mapping, backend=backend)
         attn_args = (q, kv.k[L], kv.v[L], batch.block_tables, batch.seq_lens, batch.query_start)
         part = None
-        if lora and O_SHRINK_IN_ATTENTION and lora_path in LEFT_FOR_NEXT_OP and batch.max_query_len == 1 and not (
-                lora_path.startswith("product") and "o_proj" in overlap.FUSED_PROJECTIONS):
+        if lora and O_SHRINK_IN_ATTENTION and lora_path in LEFT_FOR_NEXT_OP and batch.max_query_len == 1 and \
+                "o_proj" not in fused_projs:
             a, b, ranks, scalings = pool.stacks(L, ("o_proj",))
             attn, part = decode_attention_shrink(*attn_args, max_seq_len=batch.max_seq_len, scale=self.scale,
                                                  sliding_window=self.sliding_window, lora_a=a[0], ranks=ranks[0],
@@ -185,7 +188,7 @@ class DecoderLayer(nn.Module):
             a, b, ranks, scalings = pool.stacks(L, ("down_proj",))
             act, part = silu_and_mul_shrink(gate_up, a[0], ranks[0], batch.lora.row_slot, delta=delta,
                                             backend=backend)
-            if lora_path.startswith("product") and "down_proj" in overlap.FUSED_PROJECTIONS:
+            if "down_proj" in fused_projs:
                 return F.linear(act, self.down_proj, self.down_bias), residual, LoraProduct(
                     part, tuple(b), tuple(ranks), tuple(scalings), batch.lora.row_slot)
             out, delta = overlap.linear_with_lora_expand(act, self.down_proj, self.down_bias, part, b, batch.lora,
@@ -292,7 +295,7 @@ class LlamaForCausalLM(nn.Module):
         `overlap.MAX_ROWS` rows), "delta-side" (the same, the LoRA kernels on a side stream beside the
         GEMMs, while a CUDA graph is captured), "product" / "product-side" (as "delta", but only the
         shrink runs and the next op expands it: LORAPLEX_LORA_OVERLAP=fused, for the projections in
-        `overlap.FUSED_PROJECTIONS`; the others as "delta") or "shrink-side" (only the
+        `overlap.fused_projections`; the others as "delta") or "shrink-side" (only the
         shrink beside, in captured forwards of up to `overlap.SHRINK_MAX_ROWS` rows).
         See ops/overlap.py; eager steps keep one stream, where forks and joins cost host time."""
         if pool is not None and self._in_gemm_count is not None:

@@ -236,7 +236,8 @@ def _rope_lora_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_ptr, row_
 # version of these kernels; its SILU_BLOCK values did not take effect, so SILU_BLOCK is untuned).
 RMS_BLOCK = 2048    # columns per tile of the row walk (B tile: RMS_BLOCK × BLOCK_R)
 RMS_STAGES = 2      # the row walk's loads pipelined this deep
-RMS_SPLIT = 0       # > 0: each row over programs of this many columns, two launches (fused_lora_rms_split.py)
+RMS_SPLIT = 512     # > 0: each row over programs of this many columns, two launches (fused_lora_rms_split.py, which
+                    # gives its measurements); 0: one program a row
 SILU_BLOCK = 512
 # heads per program; 2 and 1 measured 1.000× and 1.011× its decode forward time (H200, 2026-12-02, Llama-2-7B at
 # batch 32 in CUDA graphs, paired rounds: results/decode_graph_trace_oattn.json)

@@ -11,9 +11,11 @@ the plain RMSNorm). Here the row is cut into chunks of BLOCK columns:
 
 The same sums and roundings as the one-program kernel except the order of the sum of squares (chunk by
 chunk), so outputs agree with it to the rounding of rstd, and every run gives the same bits. Chosen by
-fused_lora_kernels.RMS_SPLIT (0: one program per row). Off by default: with o's and down's products left to
-it, 1,024-column programs, a Llama-2-7B decode forward at batch 32 took 7,952 µs against 7,936 for today's path
-(H200, 2026-12-01, results/decode_graph_trace_od.json; benchmarks/sweep_fused_consumers.py --what rms times it).
+fused_lora_kernels.RMS_SPLIT (0: one program per row), 512 columns by default since the fourteenth session, when
+o's and down's products became "fused" projections (ops/overlap.py fused_projections): a Llama-2-7B
+decode forward at batch 32 in a CUDA graph took 0.985× the time of q/k/v's product alone, 1,024 columns 0.988×,
+2,048 1.021× (H200, 2026-12-02, results/decode_graph_trace_split.json; benchmarks/sweep_fused_consumers.py
+--what rms times the kernel alone).
 """
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ fork and join cost nothing at replay (eager steps keep one stream: each fork/joi
 Captured forwards of more rows, up to SHRINK_MAX_ROWS, run only the shrink beside the GEMM and the
 expand after it, into y (bit-identical to the plain order).
 
-"fused" (the default) goes one step further for the projections in FUSED_PROJECTIONS: only the shrink
+"fused" (the default) goes one step further for the projections in fused_projections(): only the shrink
 runs beside the GEMM, and the consumer expands each row's product itself as it loads the row
 (`LoraProduct`, ops/lora_product.py): one LoRA launch instead of two (shrink, expand).
 
@@ -63,15 +63,30 @@ MODES = ("fused", "full", "shrink", "off")
 # shrink beside it wins (1.4–1.9% at 64 and 128); at 256 the GEMMs fill the GPU and the plain order is best.
 MAX_ROWS = 32           # the LoRA product beside the GEMM, added by the next op ("full", "fused")
 SHRINK_MAX_ROWS = 128   # the shrink beside the GEMM (captured forwards; "full", "fused" and "shrink")
-# The projections (named by their first part) whose product "fused" leaves unexpanded; the others take
-# "full"'s way (expand beside the GEMM into an fp32 buffer), which the same consumers add. Only q/k/v:
-# RoPE expands it at no cost (8.7 µs, 32 rows, against 8.9 for the RoPE that adds "full"'s buffer),
-# while RMSNorm (one program per row: 10.6 µs against 2.5) and SiLU-and-mul (19.8 against 2.7) take
-# longer than the expand they replace. Of all 16 choices (results/fused_projections.json) q/k/v alone
-# was fastest at batch 32 with distinct adapters; side by side with "full" (results/
-# lora_overlap_default.md, Llama-2-7B decode forwards): 8,380 against 8,605 µs there (-2.6%), 0.7% and
-# 0.3% slower at batch 1 and 32 shared (batches 2-16 not measured).
-FUSED_PROJECTIONS = frozenset({"q_proj"})
+# The projections (named by their first part) whose product "fused" leaves unexpanded (fused_projections); the
+# others take "full"'s way (expand beside the GEMM into an fp32 buffer), which the same consumers add. q/k/v's:
+# RoPE expands it at no cost. o's and down's: the RMSNorm after each expands it, each row over programs of
+# fused_lora_kernels.RMS_SPLIT columns (one program a row took 10.6 µs against 2.5). On an H200 (2026-12-02,
+# fourteenth session; Llama-2-7B decode forwards in CUDA graphs, distinct adapters, paired rounds against q/k/v
+# alone, results/decode_graph_trace_od512_b*.json): 0.985× at batch 32 (21 rounds, results/decode_graph_trace_
+# split.json; 1,024-column programs 0.988×, 2,048 1.021×, gate/up's too 0.987×), 0.993× at 16, 0.986× at 8,
+# 1.002× at 4, 1.019× at 2 and 1.023× at 1. So decode forwards of fewer than FUSED_MIN_ROWS rows leave only
+# q/k/v's (FEW_ROWS_FUSED). Decode graphs are captured for 1, 2, 4, 8, 16, … sequences (engine/cuda_graphs.py),
+# so from 5 rows a replay runs the 8-row graph: with the bound at 5, an eager decode step (enforce_eager) picks
+# what its graph would. Mixed steps (prompts in them) are captured at 32 rows or more: every fused projection.
+# (Before the thirteenth session's stream priority, q/k/v alone was the fastest of all 16 choices at batch 32,
+# results/fused_projections.json.)
+FUSED_PROJECTIONS = frozenset({"q_proj", "o_proj", "down_proj"})
+FEW_ROWS_FUSED = frozenset({"q_proj"})
+FUSED_MIN_ROWS = 5
+
+
+def fused_projections(rows: int, decode: bool) -> frozenset[str]:
+    """The projections whose product "fused" leaves to the next op to expand, in a forward of `rows` rows;
+    `decode`: every row is a sequence's one new token (else prompts are in it: FUSED_PROJECTIONS)."""
+    return FUSED_PROJECTIONS if rows >= FUSED_MIN_ROWS or not decode else FUSED_PROJECTIONS & FEW_ROWS_FUSED
+
+
 # `linear_with_lora_expand` (the expand alone beside the GEMM, down's shrink done by SiLU-and-mul) captures the
 # GEMM first: launched first, the expand took every SM for ~5 µs before the GEMM could start (H200, batch 32).
 EXPAND_GEMM_FIRST = True
