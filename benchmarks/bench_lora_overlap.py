@@ -103,7 +103,8 @@ def main(argv=None) -> dict:
     result = dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                   torch=torch.__version__, preset=args.preset, layers=c.num_hidden_layers, rank=RANK,
                   context=args.context, copy_gbs=copy_gbs, carveout_mode=args.carveout_mode,
-                  fused_projections=sorted(overlap.FUSED_PROJECTIONS), rows=rows)
+                  fused_projections=sorted(overlap.FUSED_PROJECTIONS), fused_min_rows=overlap.FUSED_MIN_ROWS,
+                  rows=rows)   # decode forwards of fewer rows than fused_min_rows: q/k/v's product alone
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
     if args.md:

@@ -453,7 +453,7 @@ def test_lora_kernel_warmup_launches_every_variant_and_changes_nothing(overlap_m
     beside = overlap_mode in ("full", "fused")   # both launch the fp32-product expand
     assert launches == len(stores) + len(products) + sum(silu_shrinks)
     assert len(stores) >= 2 * 2 * 4 * 4 * (2 if beside else 1)
-    # once per layer (0-3) and fp32-product variant (16- and 64-row tiles), unless down is a fused projection
+    # once per layer (0-3) and fp32-product variant (16- and 64-row tiles), unless gate/up is a fused projection
     assert len(silu_shrinks) == (2 * min(4, config.num_hidden_layers) if beside and fused_projs != "all" else 0)
     assert sum(stores) == (len(stores) // 2 if beside else 0)
     if overlap_mode == "fused":

@@ -161,3 +161,25 @@ def test_preemption_on_gpu_keeps_outputs(served):
     assert sum(o.metrics.num_preemptions for o in outs) > 0
     for p, a, o in zip(prompts, which, outs):
         assert o.token_ids == oracle.greedy(p, a, 10)
+
+
+def test_the_engine_reserves_pinned_memory_after_capturing_its_graphs(served):
+    """adapters/pinned_reserve.py through the engine: once it has started (graphs captured: each capture empties
+    PyTorch's pinned cache), as many full-rank adapter reads as the CPU tier and the loader threads hold page-lock
+    no fresh memory; with the reserve off (0), they do."""
+    from loraplex.adapters.synthetic import read_synthetic, synthetic_spec
+    torch.cuda.init()
+    if "num_host_alloc" not in torch.cuda.host_memory_stats():
+        pytest.skip("this torch does not count pinned allocations")
+    for gib, fresh in ((None, False), (0, True)):
+        torch._C._host_emptyCache()   # nothing left over from earlier engines
+        with make_llm(served, max_cpu_adapters=3, adapter_loader_threads=2, adapter_host_reserve_gib=gib) as llm:
+            engine = llm.engine
+            assert engine.runner.graphs is not None
+            count = 3 + 2
+            before = torch.cuda.host_memory_stats()["num_host_alloc"]
+            rank, dtype = engine.config.max_lora_rank, engine.adapters.pool.dtype
+            held = [read_synthetic(synthetic_spec(f"s{i}", engine.model_config, rank, seed=i), dtype, True)
+                    for i in range(count)]
+            assert all(b.is_pinned() for h in held for b in h.buffers)
+            assert (torch.cuda.host_memory_stats()["num_host_alloc"] > before) == fresh, gib

@@ -205,9 +205,12 @@ def test_decode_graph_replays_new_batches(setup, overlap_mode, monkeypatch):
     real_linear_into = overlap._linear_into
     monkeypatch.setattr(overlap, "_linear_into", lambda *a: gemm_priorities.append(
         torch.cuda.current_stream().priority) or real_linear_into(*a))
-    if overlap_mode == "fused+o_in_attention":
+    o_in_attention = overlap_mode == "fused+o_in_attention"
+    if o_in_attention:
         overlap_mode, rows = "fused", 32
         monkeypatch.setattr(llama, "O_SHRINK_IN_ATTENTION", True)
+        # not where o's product is left to the RMSNorm (a fused projection by default): q/k/v's alone, as before
+        monkeypatch.setattr(overlap, "FUSED_PROJECTIONS", frozenset({"q_proj"}))
 
         def attention(*a, **kw):
             got = attention_shrink.decode_attention_shrink(*a, **kw)
@@ -251,8 +254,11 @@ def test_decode_graph_replays_new_batches(setup, overlap_mode, monkeypatch):
         assert captured_sides == [True] * per_forward
     else:
         assert not product_sides
-    if parts:   # Llama-2-7B's 32 kv heads × 32 rows fill an H200 without splits: the epilogue ran in the capture
+    if o_in_attention:   # Llama-2-7B's 32 kv heads × 32 rows fill an H200 without splits: the epilogue in the capture
+        assert len(parts) == 2 * setup.config.num_hidden_layers   # the warm-up's forward and the captured one
         assert all((p is not None) == (setup.config.num_key_value_heads == 32) for p in parts)
+    else:
+        assert not parts
     for n in (rows, 3, rows, 1):
         chunks = decode_chunks(n)
         graph_batch.update_(chunks)

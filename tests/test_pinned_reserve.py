@@ -36,8 +36,14 @@ def test_full_adapter_chunks_are_what_a_pinned_read_allocates(rank, dtype, monke
     assert pinned_reserve.full_adapter_chunks(BIG, rank, dtype) == want
 
 
+def test_pinned_bytes_round_each_chunk_up_to_a_power_of_two():
+    assert pinned_reserve.pinned_bytes([4 << 20, 3, 1], torch.bfloat16) == (8 << 20) + 8 + 2
+    chunks = pinned_reserve.full_adapter_chunks(BIG, 16, torch.bfloat16)
+    assert sum(chunks) * 2 < pinned_reserve.pinned_bytes(chunks, torch.bfloat16) <= 2 * sum(chunks) * 2
+
+
 def test_reserve_count_bounds():
-    per = sum(pinned_reserve.full_adapter_chunks(BIG, 16, torch.bfloat16)) * 2
+    per = pinned_reserve.pinned_bytes(pinned_reserve.full_adapter_chunks(BIG, 16, torch.bfloat16), torch.bfloat16)
     assert pinned_reserve.reserve_count(BIG, 16, torch.bfloat16, 5, None) == 5
     assert pinned_reserve.reserve_count(BIG, 16, torch.bfloat16, 5, 3.5 * per / 2**30) == 3
     assert pinned_reserve.reserve_count(BIG, 16, torch.bfloat16, 5, 0) == 0
@@ -47,7 +53,7 @@ def test_reserve_count_bounds():
     memory = pinned_reserve.host_memory_bytes()
     bound = min(pinned_reserve.DEFAULT_MAX_GIB * 2**30, memory / 4 if memory else float("inf"))
     assert many == int(bound // per)
-    for bad in (-1, float("nan"), True, "2"):
+    for bad in (-1, float("nan"), float("inf"), True, "2"):
         with pytest.raises(ValueError, match="non-negative number of GiB"):
             pinned_reserve.reserve_count(BIG, 16, torch.bfloat16, 5, bad)
 
@@ -75,7 +81,32 @@ def test_reserve_pinned_holds_every_chunk_at_once(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", lambda n, dtype, pin_memory: Counted(real(n, dtype=dtype)))
     nbytes = pinned_reserve.reserve_pinned([5, 7], 3, torch.float16)
-    assert nbytes == 3 * 12 * 2 and peak[0] == 6 and alive[0] == 0
+    assert nbytes == 3 * (16 + 16) and peak[0] == 6 and alive[0] == 0   # 10 and 14 bytes, rounded up
+
+
+def test_a_failed_pinned_allocation_stops_the_reserve_with_a_warning(monkeypatch, caplog):
+    real, made = torch.empty, []   # the sixth allocation fails: two whole adapters are reserved
+
+    def empty(n, dtype, pin_memory):
+        if len(made) == 5:
+            raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+        made.append(n)
+        return real(n, dtype=dtype)
+    monkeypatch.setattr(torch, "empty", empty)
+    with caplog.at_level("WARNING", logger="loraplex.adapters"):
+        nbytes = pinned_reserve.reserve_pinned([4, 4], 10, torch.float32)
+    assert nbytes == 2 * 2 * 16 and "for 2 of 10 adapter reads only" in caplog.text and "cudaHostAlloc" in caplog.text
+
+
+def test_host_memory_is_the_containers_limit_where_lower(tmp_path, monkeypatch):
+    limit, unlimited = tmp_path / "memory.max", tmp_path / "v1_limit"
+    limit.write_text("1048576\n")
+    unlimited.write_text("max\n")
+    monkeypatch.setattr(pinned_reserve, "_CGROUP_LIMITS", (str(unlimited), str(tmp_path / "missing")))
+    physical = pinned_reserve.host_memory_bytes()
+    assert physical is not None and physical > 1 << 30
+    monkeypatch.setattr(pinned_reserve, "_CGROUP_LIMITS", (str(limit), str(unlimited)))
+    assert pinned_reserve.host_memory_bytes() == 1 << 20
 
 
 def test_cache_reserves_nothing_off_cuda_and_checks_the_setting():

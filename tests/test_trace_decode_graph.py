@@ -57,8 +57,8 @@ def test_product_variants_patch_and_restore_the_settings(probe):
         assert llama.FUSED_BOUNDARIES and fused_lora_kernels.RMS_SPLIT == 1024 and not llama.DOWN_SHRINK_IN_SILU
     with probe.variant("boundary_od1024_silu"):
         assert llama.FUSED_BOUNDARIES and llama.DOWN_SHRINK_IN_SILU
-    with probe.variant("o_in_attention"):
-        assert llama.O_SHRINK_IN_ATTENTION and not llama.DOWN_SHRINK_IN_SILU
+    with probe.variant("o_in_attention"):   # o's shrink in the attention only where o is not a fused projection
+        assert llama.O_SHRINK_IN_ATTENTION and not llama.DOWN_SHRINK_IN_SILU and overlap.FUSED_PROJECTIONS == {"q_proj"}
     with probe.variant("o_in_attention_silu"):
         assert llama.O_SHRINK_IN_ATTENTION and llama.DOWN_SHRINK_IN_SILU
     from loraplex.ops import attention_kernels

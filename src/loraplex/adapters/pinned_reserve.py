@@ -11,13 +11,17 @@ all in its first tenth.
 
 `reserve_pinned` allocates the chunks that `count` full adapters (the largest rank, every projection of every
 layer) take, all at once, then frees them: PyTorch keeps freed pinned blocks for later allocations of the same
-size, so the first reads find them ready. (Whether this removes the slow start is to be measured on the GPU.)
+size, so the first reads find them ready. It must run after the engine has captured its CUDA graphs: each
+capture (torch.cuda.graph) first hands every cached pinned block back to CUDA (torch._C._host_emptyCache).
+(Whether this removes the slow start is to be measured on the GPU.)
 """
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -39,21 +43,41 @@ def full_adapter_chunks(model: ModelConfig, rank: int, dtype: torch.dtype) -> li
     return host_chunk_sizes(sizes, dtype, pin=True)
 
 
+_CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
 def host_memory_bytes() -> int | None:
-    """Physical memory of this host (None where the OS does not say)."""
+    """Memory this process may use: the host's physical memory, or its container's limit where lower (None where
+    the OS says neither)."""
+    sizes = []
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        sizes.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
-        return None
+        pass
+    for path in _CGROUP_LIMITS:
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():   # "max" (v2) or a huge number (v1): no limit
+            sizes.append(int(text))
+    return min(sizes) if sizes else None
+
+
+def pinned_bytes(chunks: list[int], dtype: torch.dtype) -> int:
+    """Bytes PyTorch's caching host allocator takes for `chunks` (elements each): it rounds every block up to a
+    power of two."""
+    item = torch.tensor([], dtype=dtype).element_size()
+    return sum(1 << max(0, n * item - 1).bit_length() for n in chunks)
 
 
 def reserve_count(model: ModelConfig, rank: int, dtype: torch.dtype, adapters: int, max_gib: float | None) -> int:
     """How many full adapters' chunks to reserve: `adapters`, at most `max_gib` GiB of them (None: the default
-    bound, DEFAULT_MAX_GIB and a quarter of the host's memory)."""
+    bound, DEFAULT_MAX_GIB and a quarter of the memory this process may use)."""
     if max_gib is not None and (isinstance(max_gib, bool) or not isinstance(max_gib, (int, float))
-                                or not max_gib >= 0):
+                                or not math.isfinite(max_gib) or max_gib < 0):
         raise ValueError(f"the adapters' host memory reserve must be a non-negative number of GiB, got {max_gib!r}")
-    per_adapter = sum(full_adapter_chunks(model, rank, dtype)) * torch.tensor([], dtype=dtype).element_size()
+    per_adapter = pinned_bytes(full_adapter_chunks(model, rank, dtype), dtype)
     bound = (max_gib if max_gib is not None else DEFAULT_MAX_GIB) * 2**30
     if max_gib is None and (memory := host_memory_bytes()):
         bound = min(bound, memory / 4)
@@ -62,12 +86,19 @@ def reserve_count(model: ModelConfig, rank: int, dtype: torch.dtype, adapters: i
 
 def reserve_pinned(chunks: list[int], count: int, dtype: torch.dtype) -> int:
     """Allocate `count` sets of pinned `chunks` (elements each) at once, then free them into PyTorch's caching
-    host allocator; the bytes reserved."""
+    host allocator; the bytes it holds for them (rounded up as it rounds). A failed allocation (the host out of
+    lockable memory) stops the reserve there, with a warning: it is only a head start for the first reads."""
     start = time.perf_counter()
-    held = [torch.empty(n, dtype=dtype, pin_memory=True) for _ in range(count) for n in chunks]
-    nbytes = sum(t.numel() * t.element_size() for t in held)
+    held = []
+    try:
+        for _ in range(count):
+            held += [torch.empty(n, dtype=dtype, pin_memory=True) for n in chunks]
+    except RuntimeError as e:
+        log.warning("reserved pinned host memory for %d of %d adapter reads only: %s", len(held) // len(chunks),
+                    count, e)
+    nbytes = pinned_bytes([t.numel() for t in held], dtype)
     del held
     if count:
-        log.info("reserved %.2f GiB of pinned host memory for %d adapter reads in %.1f s", nbytes / 2**30, count,
+        log.info("reserved %.2f GiB of pinned host memory for adapter reads in %.1f s", nbytes / 2**30,
                  time.perf_counter() - start)
     return nbytes

@@ -123,7 +123,7 @@ class LoraplexSystem:
                     time.sleep(0.0005)   # nothing could run (adapter loads): leave the GIL to the loaders
                 if info is not None:
                     if not steps:
-                        first_step_s = now   # before it, every request waited for its adapter
+                        first_step_s = now   # when the first step ended: before it, requests waited for adapters
                     steps += 1
                     decode_steps += info.decode
                     seq_sum += info.num_seqs
@@ -229,7 +229,9 @@ def _pinned_allocs() -> dict[str, float] | None:
     if stats is None or not torch.cuda.is_available():
         return None
     got = stats()
-    return {"count": got.get("num_host_alloc", 0), "us": got.get("host_alloc_time.total", 0)}
+    if "num_host_alloc" not in got or "host_alloc_time.total" not in got:
+        return None
+    return {"count": got["num_host_alloc"], "us": got["host_alloc_time.total"]}
 
 
 def _pinned_growth(before: dict | None, after: dict | None) -> dict:

@@ -216,8 +216,10 @@ def run(args: argparse.Namespace) -> int:
                   lora_overlap=os.environ.get("LORAPLEX_LORA_OVERLAP"),
                   host_priority=os.environ.get("LORAPLEX_HOST_PRIORITY"),
                   graph_priority=stream_priority.priority_scheme(),   # runs before 2026-12-02 had no key: "default"
-                  # runs before the fourteenth session had no keys: ["q_proj"] and 0
-                  fused_projections=sorted(overlap.FUSED_PROJECTIONS), rms_split=_rms_split(),
+                  # runs before the fourteenth session had no keys: ["q_proj"] and 0 (and no fused_min_rows:
+                  # before its last runs, o/down were fused at every row count)
+                  fused_projections=sorted(overlap.FUSED_PROJECTIONS), fused_min_rows=overlap.FUSED_MIN_ROWS,
+                  rms_split=_rms_split(),
                   workload=dict(requests=args.requests, lengths=args.lengths, max_len=args.max_len, seed=args.seed,
                                 prompt_len=args.prompt_len, output_len=args.output_len,
                                 popularity=pops, baseline_requests=n_base),

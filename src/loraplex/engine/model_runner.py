@@ -61,7 +61,6 @@ class ModelRunner:
                                      max_lora_rank=config.max_lora_rank, max_cpu_adapters=config.max_cpu_adapters,
                                      dtype=self.model.dtype, device=self.device,
                                      loader_threads=config.adapter_loader_threads)
-        self.adapters.reserve_host_memory(config.adapter_host_reserve_gib)   # nothing off CUDA
         self.sampler = Sampler(self.device, seed=config.seed)
         # before the KV cache is sized (its memory counts) and graphs are captured (they keep its addresses)
         self.area: ActiveArea | None = None
@@ -89,6 +88,8 @@ class ModelRunner:
                                      max_prompt_tokens=min(config.cuda_graph_max_prompt_tokens,
                                                            config.max_num_batched_tokens))
             self.graphs.capture()
+        # after the captures: each hands PyTorch's cached pinned blocks back to CUDA (adapters/pinned_reserve.py)
+        self.adapters.reserve_host_memory(config.adapter_host_reserve_gib)   # nothing off CUDA
 
     # ---- setup ------------------------------------------------------------------------------------
     def _load_model(self) -> LlamaForCausalLM:

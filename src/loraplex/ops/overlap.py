@@ -70,10 +70,10 @@ SHRINK_MAX_ROWS = 128   # the shrink beside the GEMM (captured forwards; "full",
 # fourteenth session; Llama-2-7B decode forwards in CUDA graphs, distinct adapters, paired rounds against q/k/v
 # alone, results/decode_graph_trace_od512_b*.json): 0.985× at batch 32 (21 rounds, results/decode_graph_trace_
 # split.json; 1,024-column programs 0.988×, 2,048 1.021×, gate/up's too 0.987×), 0.993× at 16, 0.986× at 8,
-# 1.002× at 4, 1.019× at 2 and 1.023× at 1. So decode forwards of fewer than FUSED_MIN_ROWS rows leave only
+# 0.998× at 4, 1.019× at 2 and 1.023× at 1. So decode forwards of fewer than FUSED_MIN_ROWS rows leave only
 # q/k/v's (FEW_ROWS_FUSED). Decode graphs are captured for 1, 2, 4, 8, 16, … sequences (engine/cuda_graphs.py),
 # so from 5 rows a replay runs the 8-row graph: with the bound at 5, an eager decode step (enforce_eager) picks
-# what its graph would. Mixed steps (prompts in them) are captured at 32 rows or more: every fused projection.
+# what its graph would. Mixed steps (prompts in them) are captured at more than 16 rows: every fused projection.
 # (Before the thirteenth session's stream priority, q/k/v alone was the fastest of all 16 choices at batch 32,
 # results/fused_projections.json.)
 FUSED_PROJECTIONS = frozenset({"q_proj", "o_proj", "down_proj"})
