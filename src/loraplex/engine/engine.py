@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence as Seq
 
@@ -14,49 +13,17 @@ import torch
 
 from ..adapters import AdapterError
 from ..config import EngineConfig
-from ..sampling import PendingSample, SamplingParams
+from ..sampling import SamplingParams
 from .block_manager import BlockManager
 from .gc_heap import freeze_heap, release_heap
-from .model_runner import GpuSpan, ModelRunner
+from .model_runner import ModelRunner
 from .outputs import RequestOutput, make_output
+from .requests import prompt_token_ids, stop_reason
 from .scheduler import ScheduledChunk, Scheduler, is_decode
 from .sequence import FinishReason, Sequence, SequenceStatus
+from .step_info import Launched, StepInfo
 
 log = logging.getLogger("loraplex.engine")
-
-
-@dataclass
-class _Launched:
-    chunks: list[ScheduledChunk]
-    pending: PendingSample
-    graph: tuple[int, int] | None   # the CUDA graph's (sequences, prompt tokens); None: eager
-    span: GpuSpan | None            # its GPU time (CUDA only)
-    admitted: bool = False          # queued ahead with prompts admitted beside its decodes
-    failed: list[Sequence] = field(default_factory=list)   # requests that admission failed (adapter errors)
-
-
-@dataclass
-class StepInfo:
-    """What the last step ran (for metrics and benchmarks)."""
-    num_seqs: int
-    num_tokens: int
-    adapters: tuple[str | None, ...]   # the step's distinct adapters (None: sequences on the base model first)
-    decode: bool           # every sequence fed one token
-    graphed: bool          # replayed a CUDA graph
-    seconds: float         # wall time of the whole step: schedule, run, sample, postprocess
-    span: GpuSpan | None = None   # its inputs, forward and sample on the GPU (CUDA only)
-    context_tokens: int = 0       # KV tokens its attention covers: each sequence's context through its chunk
-
-    @property
-    def gpu_seconds(self) -> float | None:
-        """The step's GPU span in seconds (None on the CPU); waits for the step's end on the GPU if it has
-        not come yet (read it later, e.g. after a run, not to stall the host)."""
-        return None if self.span is None else self.span.seconds()
-
-    @property
-    def num_adapters(self) -> int:
-        """Distinct adapters in the step (the base model not counted)."""
-        return sum(a is not None for a in self.adapters)
 
 
 class Engine:
@@ -75,7 +42,7 @@ class Engine:
         self.eos_token_ids = frozenset(eos)
         self._requests: dict[str, Sequence] = {}
         self.last_step: StepInfo | None = None
-        self._inflight: _Launched | None = None   # a step queued on the GPU, not yet postprocessed
+        self._inflight: Launched | None = None   # a step queued on the GPU, not yet postprocessed
         self.stats = {"steps": 0, "graph_steps": 0, "mixed_graph_steps": 0, "overlapped_steps": 0,
                       "overlapped_admissions": 0,   # steps queued ahead that admitted prompts
                       "tokens_prefilled": 0, "tokens_generated": 0}
@@ -124,7 +91,7 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params.check_vocab(self.model_config.vocab_size)
-        text_prompt, token_ids = self._tokenize(prompt)
+        text_prompt, token_ids = prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens; this engine serves at most "
                              f"{self.max_model_len} tokens per sequence (max_model_len), output included")
@@ -146,28 +113,6 @@ class Engine:
         self._requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
-
-    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer: give the prompt as token ids")
-            if not prompt:
-                raise ValueError("the prompt is empty")
-            return prompt, list(self.tokenizer.encode(prompt))
-        try:
-            ids = [int(t) for t in prompt]
-            ok = all(isinstance(t, int) or type(t).__name__.startswith("int") for t in prompt)
-        except (TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise ValueError(f"the prompt must be a string or a list of token ids, got {prompt!r:.80}")
-        if not ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        for i, t in enumerate(ids):
-            if not 0 <= t < vocab:
-                raise ValueError(f"prompt token {i} = {t} is outside the vocabulary [0, {vocab})")
-        return None, ids
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now: its KV blocks and its adapter pin are released at once."""
@@ -230,11 +175,11 @@ class Engine:
                                   sum(c.start + c.num_tokens for c in chunks))
         return outputs
 
-    def _launch(self, chunks: list[ScheduledChunk], inputs=None) -> "_Launched":
+    def _launch(self, chunks: list[ScheduledChunk], inputs=None) -> "Launched":
         pending, graph, span = self.runner.launch(chunks, inputs, loads_urgent=self.scheduler.waiting_on_adapters)
-        return _Launched(chunks, pending, graph, span)
+        return Launched(chunks, pending, graph, span)
 
-    def _continue(self, current: "_Launched") -> "_Launched | None":
+    def _continue(self, current: "Launched") -> "Launched | None":
         """Queue the next step of `current`'s sequences now, if the scheduler would run their decodes
         next: every chunk ends its sequence, every running sequence is in it, and the KV blocks for one
         more token each are free (no preemption happens here). Waiting requests the scheduler admits
@@ -296,7 +241,7 @@ class Engine:
             return sched.fits(seq, extra_blocks)
         return False
 
-    def _postprocess(self, launched: "_Launched") -> list[RequestOutput]:
+    def _postprocess(self, launched: "Launched") -> list[RequestOutput]:
         sampled = launched.pending.result()
         now = time.monotonic()
         outputs, row = [], -1
@@ -322,27 +267,11 @@ class Engine:
             self.stats["tokens_generated"] += 1
             if seq.times.first_token is None:
                 seq.times.first_token = now
-            reason = self._stop_reason(seq, token)
+            reason = stop_reason(seq, token, self.eos_token_ids, self.max_model_len)
             if reason is not None:
                 self._finish(seq, reason)
             outputs.append(make_output(seq))
         return outputs
-
-    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        params = seq.params
-        # A stop token or eos ends the request; its id stays in token_ids, its text is not added.
-        if token in params.stop_token_ids:
-            seq.stop_reason = token
-            return FinishReason.STOP
-        if not params.ignore_eos and token in self.eos_token_ids:
-            return FinishReason.STOP
-        stop_str = seq.text.append(token) if seq.text is not None else None
-        if stop_str is not None:
-            seq.stop_reason = stop_str
-            return FinishReason.STOP
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status is not SequenceStatus.FINISHED:
