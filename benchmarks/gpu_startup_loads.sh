@@ -17,7 +17,8 @@ for pair in ${VARIANTS:-default= threads4=threads4 adaptive=adaptive both=thread
   case ",$setting," in *,adaptive,*) host=adaptive;; esac
   case ",$setting," in *,noreserve,*) reserve="--adapter-host-reserve-gib 0";; esac
   echo "== $name (loader threads $threads, LORAPLEX_HOST_PRIORITY=$host ${reserve}) at ${SECONDS}s"
-  LORAPLEX_HOST_PRIORITY=$host timeout $((${DEADLINE:-585} - SECONDS)) python3 -c \
+  left=$((${DEADLINE:-585} - SECONDS)); [ "$left" -gt 0 ] || { echo "== out of time before $name"; break; }
+  LORAPLEX_HOST_PRIORITY=$host timeout "$left" python3 -c \
       'import sys; from loraplex.cli import main; sys.exit(main())' bench --quiet --no-plots \
       --lengths punica --popularity distinct --requests "${REQUESTS:-120}" --max-batch 32 --systems loraplex \
       --loader-threads "$threads" $reserve --out-dir "$OUT" --name "startup_${name}" 2>&1 | grep -E "^\| distinct \| 32 \| loraplex \| [0-9]" | head -2
