@@ -7,5 +7,5 @@ OUT=${OUT:-benchmarks/results}
 export PYTHONPATH=$PWD/src
 timeout 200 python -m pytest -m gpu -q -x tests/test_engine_gpu.py tests/test_sampling.py tests/test_model_gpu.py \
     2>&1 | tail -5 | tee "$OUT/pytest_gpu_engine.log"
-timeout 380 python benchmarks/bench_engine.py --batches 32,256 --modes graphs,eager --eager-batches 32 \
+timeout 380 python benchmarks/bench_engine.py --batches 32,256 --modes graphs,eager --eager-batches 32 --repeats 3 \
     --out "$OUT/engine.json" --md "$OUT/engine.md" 2>&1 | grep -v '^{' | tail -16

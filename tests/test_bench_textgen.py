@@ -78,6 +78,7 @@ def test_bench_command_writes_a_report_from_every_system(tmp_path):
     assert result["loader_threads"] == 3 and result["gpu_adapters"] == 9 and result["admission_lookahead"] == 0
     assert result["lora_in_gemm"] == 2 and result["overlap_admissions"] is False and result["cpu_adapters"] == 1
     assert result["lora_rows"] == (os.environ.get("LORAPLEX_LORA_ROWS") or "n512 at rank <= 16")   # as the kernels ran
+    assert result["lora_prefill"] == (os.environ.get("LORAPLEX_LORA_PREFILL") or None)
     systems = {(r["system"], r["popularity"], str(r["max_batch"]), r["requests"]) for r in result["rows"]}
     for pop in ("distinct", "identical"):
         for n in (4, 6):

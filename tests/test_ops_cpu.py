@@ -114,6 +114,48 @@ def test_expand_n_chunks_and_rank_tiles(n_chunks, R, rowwise):
         assert rel_err(y, case.oracle(), case.y0) <= 1e-5
 
 
+@interpreted
+@pytest.mark.parametrize("R", [16, 128])
+@pytest.mark.parametrize("accumulate", [True, False])
+def test_prefetching_tile_expand_gives_the_plain_ones_bits(R, accumulate):
+    """KernelConfig.tile_prefetch (each step's y tile loaded a step ahead): prompts of 1–70 rows in tiles of 16
+    and 64, N cut into chunks of several BLOCK_N steps and a last partial one, one rank tile (R=16) or several
+    (R=128); the same arithmetic in the same order as the plain tile expand, so the same bits, and both the
+    float64 loop's values. Storing (accumulate=False: an fp32 delta buffer), every product is written."""
+    rng = np.random.default_rng(stable_seed("tile-prefetch", R, accumulate))
+    case = make_case(rng, seg_lens=[70, 1, 33, 5, 17], popularity="uniform", K=64, Ns=(80, 48), R=R, ranks="mixed",
+                     dtype=torch.float16, y_offset=2, extra_cols=3)
+    for block_m in (16, 64):
+        outs = []
+        for prefetch in (False, True):
+            cfg = sgmv.KernelConfig(expand_block_n=16, n_chunks=2, shrink_block_k=32, tile_prefetch=prefetch)
+            y = case.y0.clone() if accumulate else torch.full(case.y0.shape, float("nan"))
+            sgmv.add_lora(y, case.x, case.lora_a, case.lora_b, case.batch(block_m=block_m), case.ranks,
+                          case.scalings, 2, cfg, accumulate=accumulate)
+            outs.append(y)
+        assert torch.equal(outs[0].nan_to_num(7.0), outs[1].nan_to_num(7.0)), block_m
+        if accumulate:
+            untouched = case.untouched()
+            assert torch.equal(outs[1][untouched], case.y0[untouched])
+            assert rel_err(outs[1], case.oracle(), case.y0) <= TOL[torch.float16]
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("", {}), ("prefetch", dict(tile_prefetch=True)),
+    (" N64 , epps4", dict(expand_block_n=64, expand_programs_per_sm=4.0)),
+    ("epps2.5,ew8,", dict(expand_programs_per_sm=2.5, expand_warps=8))])
+def test_prefill_options(value, expected, monkeypatch):
+    monkeypatch.setenv("LORAPLEX_LORA_PREFILL", value)
+    assert sgmv._prefill_options() == expected
+
+
+@pytest.mark.parametrize("value", ["n512", "n48", "epps", "epps-1", "epps0", "ew3", "fetch", "prefetch,n"])
+def test_prefill_options_refuse_a_bad_one(value, monkeypatch):
+    monkeypatch.setenv("LORAPLEX_LORA_PREFILL", value)
+    with pytest.raises(ValueError, match="LORAPLEX_LORA_PREFILL=.* is not an option"):
+        sgmv._prefill_options()
+
+
 # The row-wise paths' options: loads a step ahead, and the expand's own column step (wider than a program's
 # share of N here, so its masks matter)
 ROWS_OPTIONS = {"plain": {}, "prefetch": dict(rows_prefetch=True), "prefetch-n64": dict(rows_prefetch=True,

@@ -1,6 +1,8 @@
 """GPU tests (`pytest -m gpu`): the full sweep in bf16 and fp16 against the float64 loop, and graph capture."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -88,6 +90,30 @@ def test_rowwise_kernels_match_float64_loop(dtype, popularity, Ns, mode, rows):
     untouched = case.untouched()
     assert torch.equal(y[untouched], case.y0[untouched])
     assert rel_err(y, case.oracle(), case.y0) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("Ns", [(4096, 4096, 4096), (11008, 11008)])
+@pytest.mark.parametrize("options", [dict(tile_prefetch=True), dict(tile_prefetch=True, expand_block_n=64,
+                                                                    expand_programs_per_sm=4.0)])
+def test_prefill_expand_options_match_float64_loop(dtype, Ns, options):
+    """The large tiles' expand options (LORAPLEX_LORA_PREFILL) on prompt-sized segments of Llama-2-7B's shapes:
+    the float64 loop's values, and with the y tile loaded a step ahead the plain expand's bits."""
+    rng = np.random.default_rng(stable_seed("prefill-options", str(dtype), Ns, sorted(options)))
+    case = make_case(rng, seg_lens=[320, 1, 511, 64, 129, 3], popularity="distinct", K=4096, Ns=Ns, R=16,
+                     ranks="mixed", dtype=dtype, device="cuda", none_frac=0.2, y_offset=2, extra_cols=3)
+    base = sgmv.config_for(64)
+    outs = []
+    for cfg in (base, dataclasses.replace(base, **options)):
+        y = case.y0.clone()
+        sgmv.add_lora(y, case.x, case.lora_a, case.lora_b, case.batch(block_m=64), case.ranks, case.scalings, 2,
+                      cfg)
+        outs.append(y)
+    untouched = case.untouched()
+    assert torch.equal(outs[1][untouched], case.y0[untouched])
+    assert rel_err(outs[1], case.oracle(), case.y0) <= TOL[dtype]
+    if options.get("expand_block_n", base.expand_block_n) == base.expand_block_n:
+        assert torch.equal(outs[0], outs[1])
 
 
 def test_halves_match_float64():

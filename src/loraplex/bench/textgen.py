@@ -209,6 +209,7 @@ def run(args: argparse.Namespace) -> int:
                   else args.admission_lookahead, lora_rowwise=os.environ.get("LORAPLEX_LORA_ROWWISE", "1"),
                   # unset: 512 columns a row-wise expand step at rank 16 (sgmv.rows_block_n_for)
                   lora_rows=os.environ.get("LORAPLEX_LORA_ROWS") or f"n{sgmv.ROWS_WIDE_BLOCK_N} at rank <= 16",
+                  lora_prefill=os.environ.get("LORAPLEX_LORA_PREFILL") or None,   # the prompt tiles' expand options
                   lora_in_gemm=EngineConfig.lora_in_gemm if args.lora_in_gemm is None else args.lora_in_gemm,
                   preload_adapters=args.preload_adapters, adapter_host_reserve_gib=args.adapter_host_reserve_gib,
                   overlap_admissions=EngineConfig.overlap_admissions

@@ -274,6 +274,53 @@ def _expand_tile(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, s
 
 
 @triton.jit
+def _expand_tile_prefetch(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, slot, start, end, n_chunk, N,
+                          col0, n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R,
+                          SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                          ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr):
+    """`_expand_tile` with each step's y tile loaded a step ahead (KernelConfig.tile_prefetch): the expand of
+    a prompt's rows streams y in and out (a read-modify-write of BLOCK_M × BLOCK_N values a step), and
+    Triton pipelines only loads that feed a tl.dot, so without this each step waits for its y in turn."""
+    rank = tl.minimum(tl.load(rank_ptr + slot), R)  # a rank past R (the stacks' width) is R
+    n_begin = n_chunk * n_per_prog
+    if _expands(rank, ACCUMULATE) & (n_begin < N):
+        offs_m = start + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < end
+        rows = tl.load(sorted_rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+        n_end = tl.minimum(n_begin + n_per_prog, N)
+        scale = tl.load(scale_ptr + slot)
+        b_base = b_ptr + slot.to(tl.int64) * N * R
+        y_rows = y_ptr + rows[:, None] * stride_ym
+        if ONE_R_TILE:
+            v, offs_r, r_mask = _load_v(part_ptr, rows, m_mask, 0, rank, stride_p_split, stride_pm, SPLIT_K, BLOCK_R)
+        cols = tl.arange(0, BLOCK_N)
+        if ACCUMULATE:
+            y_next = tl.load(y_rows + (col0 + n_begin + cols)[None, :] * stride_yn,
+                             mask=m_mask[:, None] & ((n_begin + cols) < n_end)[None, :], other=0.0)
+        for n0 in range(n_begin, n_end, BLOCK_N):
+            offs_n = n0 + cols
+            n_mask = offs_n < n_end
+            y_ptrs = y_rows + (col0 + offs_n)[None, :] * stride_yn
+            y_mask = m_mask[:, None] & n_mask[None, :]
+            if ACCUMULATE:
+                y_old = y_next.to(tl.float32)
+                later = offs_n + BLOCK_N   # the next step's columns (all masked off after the last step)
+                y_next = tl.load(y_rows + (col0 + later)[None, :] * stride_yn,
+                                 mask=m_mask[:, None] & (later < n_end)[None, :], other=0.0)
+            else:
+                y_old = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if ONE_R_TILE:
+                acc = _dot_v_b(v, _load_b(b_base, offs_n, n_mask, offs_r, r_mask, R), acc, PRECISION)
+            else:
+                for r0 in range(0, rank, BLOCK_R):
+                    v_r, offs_rr, r_mask_r = _load_v(part_ptr, rows, m_mask, r0, rank, stride_p_split, stride_pm,
+                                                     SPLIT_K, BLOCK_R)
+                    acc = _dot_v_b(v_r, _load_b(b_base, offs_n, n_mask, offs_rr, r_mask_r, R), acc, PRECISION)
+            tl.store(y_ptrs, (y_old + acc * scale).to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+@triton.jit
 def _expand_tile_rows(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, slot, start, end, n_chunk, N,
                       col0, n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R,
                       SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, ACCUMULATE: tl.constexpr,
@@ -325,7 +372,8 @@ def _expand_slice(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, 
                   n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R,
                   SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                   ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
-                  ROWWISE: tl.constexpr, ROWS_BLOCK_N: tl.constexpr, ROWS_PREFETCH: tl.constexpr):
+                  ROWWISE: tl.constexpr, ROWS_BLOCK_N: tl.constexpr, ROWS_PREFETCH: tl.constexpr,
+                  TILE_PREFETCH: tl.constexpr):
     # ROWWISE 1: row by row only for tiles of a few rows (decode rows with their own adapters): a tile's rows
     # run one after another, so 16 rows sharing an adapter took 9.5 ms per 32-row forward against 6.9 with
     # the tile product. But one kernel gets the registers of its larger branch (239 against 72 for the
@@ -341,6 +389,10 @@ def _expand_slice(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, 
         _expand_tile_rows(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, slot, start, end, n_chunk,
                           N, col0, n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R,
                           SPLIT_K, ROWS_BLOCK_N, BLOCK_R, ACCUMULATE, ROWS_PREFETCH)
+    elif TILE_PREFETCH:
+        _expand_tile_prefetch(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, slot, start, end, n_chunk,
+                              N, col0, n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R,
+                              SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION, ACCUMULATE)
     else:
         _expand_tile(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, slot, start, end, n_chunk, N,
                      col0, n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R,
@@ -354,7 +406,7 @@ def _sgmv_expand_kernel(
         n_chunks, n_per_prog, R, stride_ym, stride_yn, stride_p_split, stride_p_slice, stride_pm,
         NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_R: tl.constexpr, ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
-        ROWWISE: tl.constexpr, ROWS_BLOCK_N: tl.constexpr, ROWS_PREFETCH: tl.constexpr):
+        ROWWISE: tl.constexpr, ROWS_BLOCK_N: tl.constexpr, ROWS_PREFETCH: tl.constexpr, TILE_PREFETCH: tl.constexpr):
     """y[rows, c_i + n] += sc_i[slot] * (Σ_split part[split, i, rows, :rank]) @ B_i[slot, n, :rank]ᵀ
     (ACCUMULATE), or y[rows, c_i + n] = that product (y an fp32 delta buffer; 0 where rank is 0)."""
     work, sl, n_chunk = _program_work(NUM_SLICES, n_chunks)
@@ -366,25 +418,26 @@ def _sgmv_expand_kernel(
         if sl == 0:
             _expand_slice(y_ptr, part, b0, rk0, sc0, sorted_rows_ptr, slot, start, end, n_chunk, n0, c0, n_per_prog,
                           stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R,
-                          ONE_R_TILE, PRECISION, ACCUMULATE, ROWWISE, ROWS_BLOCK_N, ROWS_PREFETCH)
+                          ONE_R_TILE, PRECISION, ACCUMULATE, ROWWISE, ROWS_BLOCK_N, ROWS_PREFETCH,
+                          TILE_PREFETCH)
         if NUM_SLICES > 1:
             if sl == 1:
                 _expand_slice(y_ptr, part, b1, rk1, sc1, sorted_rows_ptr, slot, start, end, n_chunk, n1, c1,
                               n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M,
                               BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION, ACCUMULATE, ROWWISE, ROWS_BLOCK_N,
-                              ROWS_PREFETCH)
+                              ROWS_PREFETCH, TILE_PREFETCH)
         if NUM_SLICES > 2:
             if sl == 2:
                 _expand_slice(y_ptr, part, b2, rk2, sc2, sorted_rows_ptr, slot, start, end, n_chunk, n2, c2,
                               n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M,
                               BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION, ACCUMULATE, ROWWISE, ROWS_BLOCK_N,
-                              ROWS_PREFETCH)
+                              ROWS_PREFETCH, TILE_PREFETCH)
         if NUM_SLICES > 3:
             if sl == 3:
                 _expand_slice(y_ptr, part, b3, rk3, sc3, sorted_rows_ptr, slot, start, end, n_chunk, n3, c3,
                               n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M,
                               BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION, ACCUMULATE, ROWWISE, ROWS_BLOCK_N,
-                              ROWS_PREFETCH)
+                              ROWS_PREFETCH, TILE_PREFETCH)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -413,6 +466,7 @@ class KernelConfig:
     expand_rowwise: int = 0
     rows_block_n: int | None = None  # the row-wise expand's columns per step (None: `rows_block_n_for`)
     rows_prefetch: bool = False  # the row-wise paths load each step's weights a step ahead (_expand_tile_rows)
+    tile_prefetch: bool = False  # the tile expand loads each step's y tile a step ahead (_expand_tile_prefetch)
 
 
 MAX_SPLIT_K = 8
@@ -455,13 +509,35 @@ def _rows_options() -> dict:
     return options
 
 
+# LORAPLEX_LORA_PREFILL: changes to the large tiles' config (prompts), comma-separated: "n<columns>" (the
+# expand's BLOCK_N, a power of two from 16 to 256), "epps<x>" (the expand's programs per SM), "ew<warps>" (its
+# warps: 2, 4 or 8) and "prefetch" (KernelConfig.tile_prefetch). Unset: CONFIGS[64] as below.
+def _prefill_options() -> dict:
+    raw = os.environ.get("LORAPLEX_LORA_PREFILL", "")
+    options: dict = {}
+    for item in (part.strip().lower() for part in raw.split(",")):
+        if item == "prefetch":
+            options["tile_prefetch"] = True
+        elif item.startswith("epps") and item[4:].replace(".", "", 1).isdigit() and float(item[4:]) > 0:
+            options["expand_programs_per_sm"] = float(item[4:])
+        elif item.startswith("ew") and item[2:] in ("2", "4", "8"):
+            options["expand_warps"] = int(item[2:])
+        elif item[:1] == "n" and item[1:].isdigit() and int(item[1:]) in (16, 32, 64, 128, 256):
+            options["expand_block_n"] = int(item[1:])
+        elif item:
+            raise ValueError(f"LORAPLEX_LORA_PREFILL={raw!r}: {item!r} is not an option; expected n<columns> (16 to "
+                             f"256, a power of two), epps<programs per SM>, ew<2|4|8> and/or prefetch, comma-separated")
+    return options
+
+
 _SETTING = _rowwise_setting()
 ROWWISE_AUTO = _SETTING == "auto"
 _DECODE_ROWWISE = 0 if ROWWISE_AUTO else _SETTING
 CONFIGS = {16: KernelConfig(shrink_block_k=256, expand_block_n=256, shrink_programs_per_sm=16.0,
                             expand_programs_per_sm=16.0, shrink_rowwise=_DECODE_ROWWISE,
                             expand_rowwise=_DECODE_ROWWISE, **_rows_options()),
-           64: KernelConfig(shrink_block_k=128, expand_block_n=128, expand_programs_per_sm=2.0)}
+           64: dataclasses.replace(KernelConfig(shrink_block_k=128, expand_block_n=128, expand_programs_per_sm=2.0),
+                                   **_prefill_options())}
 
 
 # A row-wise mode for the decode config while a forward runs (`decode_rowwise`): "auto" graphs capture with it.
@@ -612,7 +688,7 @@ def expand_from(y: torch.Tensor, part: torch.Tensor, lora_b: list[torch.Tensor],
                              BLOCK_N=cfg.expand_block_n, BLOCK_R=block_r, ONE_R_TILE=R <= block_r,
                              PRECISION=precision, ACCUMULATE=accumulate,
                              ROWWISE=cfg.expand_rowwise, ROWS_BLOCK_N=rows_block_n_for(cfg, block_r),
-                             ROWS_PREFETCH=cfg.rows_prefetch),
+                             ROWS_PREFETCH=cfg.rows_prefetch, TILE_PREFETCH=cfg.tile_prefetch),
             cfg.expand_warps, cfg.expand_stages)
 
 
