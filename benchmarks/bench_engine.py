@@ -99,6 +99,8 @@ def main(argv=None) -> None:
     ap.add_argument("--out")
     ap.add_argument("--md")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {args.repeats}")
     copy_gbs = copy_bandwidth_gbs()
     rows, first = [], True
     for B in map(int, args.batches.split(",")):
@@ -122,8 +124,9 @@ def main(argv=None) -> None:
             work = prompts(args.waves * B, model.config.vocab_size)
             variants = args.variants.split(",")
             runs: dict[str, list[dict]] = {v: [] for v in variants}
-            for repeat in range(args.repeats):   # interleaved, so that drift over the call hits every variant alike
-                for variant in variants:
+            # interleaved, and each round in a rotated order, so that drift over the call hits every variant alike
+            for repeat in range(args.repeats):
+                for variant in variants[repeat % len(variants):] + variants[:repeat % len(variants)]:
                     adapters = {"backbone": [None] * len(work), "shared": ["a0"] * len(work),
                                 "distinct": [f"a{i % B}" for i in range(len(work))]}[variant]
                     if repeat == 0:

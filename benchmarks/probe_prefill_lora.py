@@ -87,8 +87,10 @@ def main(argv=None) -> dict:
     kv.data.normal_(0, 1, generator=g)
     pool = AdapterPool(model.config, num_slots=64, max_rank=RANK, dtype=torch.bfloat16, device="cuda")
     fill_pool(pool, g)
+    # the variants are changes to the default, whatever LORAPLEX_LORA_PREFILL was at import
     os.environ.pop("LORAPLEX_LORA_PREFILL", None)
-    base_cfg, pick = sgmv.CONFIGS[64], LoraBatch.pick_block_m
+    base_cfg, pick = sgmv.PREFILL_DEFAULT, LoraBatch.pick_block_m
+    start_cfg = sgmv.CONFIGS[64]
     variants = args.variants.split(";")
     rows, totals = [], {v: 0.0 for v in variants}
     LoraBatch.pick_block_m = staticmethod(lambda *_: 64)
@@ -111,7 +113,7 @@ def main(argv=None) -> dict:
                 print(f"{case:11s} {value or 'base':20s} forward {us:9.0f} µs (+{us - backbone:6.0f})  shrink "
                       f"{kernels['shrink']:7.0f}  expand {kernels['expand']:7.0f} µs", flush=True)
     finally:
-        sgmv.CONFIGS[64] = base_cfg
+        sgmv.CONFIGS[64] = start_cfg
         LoraBatch.pick_block_m = staticmethod(pick)
         os.environ.pop("LORAPLEX_LORA_PREFILL", None)
     best = min(totals, key=totals.get)

@@ -46,9 +46,11 @@ def expand(dtype: str, block_m: int) -> None:
     # ROWWISE: sgmv._expand_tile_rows for tiles of a few rows (1) or every tile (2); one rank tile only.
     # ROWS_PREFETCH: its B loads a step ahead (and 512 columns a step, as a sweep may try); without it, the
     # row-wise steps' default columns (sgmv.rows_block_n_for: 512 for the rank tile of 16).
-    variants = ((True, True, 0, False), (True, True, 1, False), (False, True, 1, False), (True, False, 2, False),
-                (True, True, 1, True), (True, False, 2, True))
-    for one_r, accumulate, rowwise, prefetch in variants:
+    # TILE_PREFETCH: the tile expand's y a step ahead (sgmv._expand_tile_prefetch; LORAPLEX_LORA_PREFILL=prefetch)
+    variants = ((True, True, 0, False, False), (True, True, 1, False, False), (False, True, 1, False, False),
+                (True, False, 2, False, False), (True, True, 1, True, False), (True, False, 2, True, False),
+                (True, True, 0, False, True), (False, True, 0, False, True), (True, False, 0, False, True))
+    for one_r, accumulate, rowwise, prefetch, tile_prefetch in variants:
         types = {"y_": "*" + (dtype if accumulate else "fp32"), "part_": "*fp32", "sorted_": "*i32", "work_": "*i32",
                  "b": "*" + dtype, "rk": "*i32", "sc": "*fp32"}
         consts = dict(NUM_SLICES=2, SPLIT_K=2, BLOCK_M=block_m, BLOCK_N=cfg.expand_block_n,
@@ -56,7 +58,7 @@ def expand(dtype: str, block_m: int) -> None:
                       ACCUMULATE=accumulate, ROWWISE=rowwise,
                       ROWS_BLOCK_N=512 if prefetch else sgmv.rows_block_n_for(
                           dataclasses.replace(cfg, expand_rowwise=rowwise), 16 if one_r else 64),
-                      ROWS_PREFETCH=prefetch)
+                      ROWS_PREFETCH=prefetch, TILE_PREFETCH=tile_prefetch)
         _compile(sgmv._sgmv_expand_kernel, types, consts, cfg.expand_warps, cfg.expand_stages)
 
 

@@ -117,27 +117,37 @@ def test_expand_n_chunks_and_rank_tiles(n_chunks, R, rowwise):
 @interpreted
 @pytest.mark.parametrize("R", [16, 128])
 @pytest.mark.parametrize("accumulate", [True, False])
-def test_prefetching_tile_expand_gives_the_plain_ones_bits(R, accumulate):
+def test_prefetching_tile_expand_gives_the_plain_ones_bits(R, accumulate, monkeypatch):
     """KernelConfig.tile_prefetch (each step's y tile loaded a step ahead): prompts of 1–70 rows in tiles of 16
-    and 64, N cut into chunks of several BLOCK_N steps and a last partial one, one rank tile (R=16) or several
-    (R=128); the same arithmetic in the same order as the plain tile expand, so the same bits, and both the
-    float64 loop's values. Storing (accumulate=False: an fp32 delta buffer), every product is written."""
+    and 64, N cut into chunks of several BLOCK_N steps whose last is partial (83 and 45 columns), one rank
+    tile (R=16) or several (R=128); the prefetching path taken (counted), the same arithmetic in the same order
+    as the plain tile expand, so the same bits, and the float64 loop's values (accumulate=False: the products
+    stored into an fp32 buffer, every adapter row's columns written)."""
+    monkeypatch.setattr(sgmv, "_expand_tile_prefetch", _count_expand_prefetch)
     rng = np.random.default_rng(stable_seed("tile-prefetch", R, accumulate))
-    case = make_case(rng, seg_lens=[70, 1, 33, 5, 17], popularity="uniform", K=64, Ns=(80, 48), R=R, ranks="mixed",
+    case = make_case(rng, seg_lens=[70, 1, 33, 5, 17], popularity="uniform", K=64, Ns=(83, 45), R=R, ranks="mixed",
                      dtype=torch.float16, y_offset=2, extra_cols=3)
+    expected = case.oracle()
     for block_m in (16, 64):
         outs = []
         for prefetch in (False, True):
+            _PATH_CALLS.clear()
             cfg = sgmv.KernelConfig(expand_block_n=16, n_chunks=2, shrink_block_k=32, tile_prefetch=prefetch)
             y = case.y0.clone() if accumulate else torch.full(case.y0.shape, float("nan"))
             sgmv.add_lora(y, case.x, case.lora_a, case.lora_b, case.batch(block_m=block_m), case.ranks,
                           case.scalings, 2, cfg, accumulate=accumulate)
+            assert (_PATH_CALLS.get("expand_prefetch", 0) > 0) is prefetch
             outs.append(y)
         assert torch.equal(outs[0].nan_to_num(7.0), outs[1].nan_to_num(7.0)), block_m
         if accumulate:
             untouched = case.untouched()
             assert torch.equal(outs[1][untouched], case.y0[untouched])
-            assert rel_err(outs[1], case.oracle(), case.y0) <= TOL[torch.float16]
+            assert rel_err(outs[1], expected, case.y0) <= TOL[torch.float16]
+        else:   # every row has an adapter ("uniform", none_frac 0): all its columns of the slices are products
+            written = outs[1][:, 2:2 + 83 + 45]
+            assert not written.isnan().any()
+            delta = (expected - case.y0.double())[:, 2:2 + 83 + 45]
+            assert (written.double() - delta).norm() <= 1e-2 * delta.norm()
 
 
 @pytest.mark.parametrize("value, expected", [
@@ -202,7 +212,7 @@ def test_rowwise_rank_above_stack_width_counts_as_the_width(mode):
 
 _PATH_CALLS: dict[str, int] = {}
 _REAL_TILES = {name: getattr(sgmv, name) for name in
-               ("_shrink_tile", "_shrink_tile_rows", "_expand_tile", "_expand_tile_rows")}
+               ("_shrink_tile", "_shrink_tile_rows", "_expand_tile", "_expand_tile_rows", "_expand_tile_prefetch")}
 
 
 # Counting stand-ins for the per-tile functions (Triton's interpreter runs a kernel as Python, looking its
@@ -218,6 +228,7 @@ _count_shrink_tile = _counting("_shrink_tile", "shrink_tile")
 _count_shrink_rows = _counting("_shrink_tile_rows", "shrink_rows")
 _count_expand_tile = _counting("_expand_tile", "expand_tile")
 _count_expand_rows = _counting("_expand_tile_rows", "expand_rows")
+_count_expand_prefetch = _counting("_expand_tile_prefetch", "expand_prefetch")
 
 
 @interpreted

@@ -93,16 +93,17 @@ def test_rowwise_kernels_match_float64_loop(dtype, popularity, Ns, mode, rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("Ns", [(4096, 4096, 4096), (11008, 11008)])
+@pytest.mark.parametrize("Ns", [(4096, 4096, 4099), (11008, 11011)])
 @pytest.mark.parametrize("options", [dict(tile_prefetch=True), dict(tile_prefetch=True, expand_block_n=64,
                                                                     expand_programs_per_sm=4.0)])
 def test_prefill_expand_options_match_float64_loop(dtype, Ns, options):
-    """The large tiles' expand options (LORAPLEX_LORA_PREFILL) on prompt-sized segments of Llama-2-7B's shapes:
-    the float64 loop's values, and with the y tile loaded a step ahead the plain expand's bits."""
+    """The large tiles' expand options (LORAPLEX_LORA_PREFILL) on prompt-sized segments of Llama-2-7B's shapes
+    (and widths 3 past them, so that a step's columns are cut short): the float64 loop's values, and with the y
+    tile loaded a step ahead the plain expand's bits. Against sgmv.PREFILL_DEFAULT, whatever the environment."""
     rng = np.random.default_rng(stable_seed("prefill-options", str(dtype), Ns, sorted(options)))
     case = make_case(rng, seg_lens=[320, 1, 511, 64, 129, 3], popularity="distinct", K=4096, Ns=Ns, R=16,
                      ranks="mixed", dtype=dtype, device="cuda", none_frac=0.2, y_offset=2, extra_cols=3)
-    base = sgmv.config_for(64)
+    base = sgmv.PREFILL_DEFAULT
     outs = []
     for cfg in (base, dataclasses.replace(base, **options)):
         y = case.y0.clone()
@@ -221,7 +222,7 @@ def test_lora_delta_beside_the_gemm(dtype, side):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("side", [False, True, "gemm"])
-@pytest.mark.parametrize("Ns", [(4096, 4096, 4096), (11008, 11008)])
+@pytest.mark.parametrize("Ns", [(4096, 4096, 4099), (11008, 11011)])
 def test_lora_product_beside_the_gemm(dtype, side, Ns, monkeypatch):
     """ops/overlap.py's "fused" path at 7B widths (q/k/v, gate/up slices), the shrink on one stream or on
     the side stream (forked eagerly here; the model forks only while capturing), "gemm": and the GEMM on a

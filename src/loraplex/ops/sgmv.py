@@ -501,7 +501,7 @@ def _rows_options() -> dict:
     for item in (part.strip().lower() for part in raw.split(",")):
         if item == "prefetch":
             options["rows_prefetch"] = True
-        elif item[:1] == "n" and item[1:].isdigit() and int(item[1:]) in (16, 32, 64, 128, 256, 512, 1024):
+        elif item[:1] == "n" and item[1:].isdecimal() and int(item[1:]) in (16, 32, 64, 128, 256, 512, 1024):
             options["rows_block_n"] = int(item[1:])
         elif item:
             raise ValueError(f"LORAPLEX_LORA_ROWS={raw!r}: {item!r} is not an option; expected prefetch and/or "
@@ -518,11 +518,11 @@ def _prefill_options() -> dict:
     for item in (part.strip().lower() for part in raw.split(",")):
         if item == "prefetch":
             options["tile_prefetch"] = True
-        elif item.startswith("epps") and item[4:].replace(".", "", 1).isdigit() and float(item[4:]) > 0:
+        elif item.startswith("epps") and item[4:].replace(".", "", 1).isdecimal() and float(item[4:]) > 0:
             options["expand_programs_per_sm"] = float(item[4:])
         elif item.startswith("ew") and item[2:] in ("2", "4", "8"):
             options["expand_warps"] = int(item[2:])
-        elif item[:1] == "n" and item[1:].isdigit() and int(item[1:]) in (16, 32, 64, 128, 256):
+        elif item[:1] == "n" and item[1:].isdecimal() and int(item[1:]) in (16, 32, 64, 128, 256):
             options["expand_block_n"] = int(item[1:])
         elif item:
             raise ValueError(f"LORAPLEX_LORA_PREFILL={raw!r}: {item!r} is not an option; expected n<columns> (16 to "
@@ -531,13 +531,14 @@ def _prefill_options() -> dict:
 
 
 _SETTING = _rowwise_setting()
+# The large tiles' config without LORAPLEX_LORA_PREFILL (what probes and tests compare its options against).
+PREFILL_DEFAULT = KernelConfig(shrink_block_k=128, expand_block_n=128, expand_programs_per_sm=2.0)
 ROWWISE_AUTO = _SETTING == "auto"
 _DECODE_ROWWISE = 0 if ROWWISE_AUTO else _SETTING
 CONFIGS = {16: KernelConfig(shrink_block_k=256, expand_block_n=256, shrink_programs_per_sm=16.0,
                             expand_programs_per_sm=16.0, shrink_rowwise=_DECODE_ROWWISE,
                             expand_rowwise=_DECODE_ROWWISE, **_rows_options()),
-           64: dataclasses.replace(KernelConfig(shrink_block_k=128, expand_block_n=128, expand_programs_per_sm=2.0),
-                                   **_prefill_options())}
+           64: dataclasses.replace(PREFILL_DEFAULT, **_prefill_options())}
 
 
 # A row-wise mode for the decode config while a forward runs (`decode_rowwise`): "auto" graphs capture with it.
