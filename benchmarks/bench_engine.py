@@ -23,6 +23,7 @@ steps' GPU span (inputs, forward, sampling on the GPU) is reported beside their 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -40,6 +41,7 @@ from bench_model import adapter_bytes, kv_bytes, weight_bytes  # noqa: E402
 from loraplex import SamplingParams  # noqa: E402
 from loraplex.config import EngineConfig  # noqa: E402
 from loraplex.engine import Engine  # noqa: E402
+from loraplex.ops import sgmv  # noqa: E402
 
 RANK = 16
 OUTPUT_TOKENS = 128
@@ -96,11 +98,21 @@ def main(argv=None) -> None:
     ap.add_argument("--variants", default="backbone,distinct,shared")
     ap.add_argument("--repeats", type=int, default=1,
                     help="measured runs per variant, interleaved across variants; each row is the median-tokens/s run")
+    ap.add_argument("--prefill", default=None,
+                    help="LORAPLEX_LORA_PREFILL values, ';'-separated (an empty one: the default): each adapter "
+                         "variant runs once per value, in the same engine (default: the environment's value only)")
     ap.add_argument("--out")
     ap.add_argument("--md")
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
+    prefills = [v.strip() for v in args.prefill.split(";")] if args.prefill is not None else \
+        [os.environ.get("LORAPLEX_LORA_PREFILL", "")]
+    try:
+        prefill_configs = {v: dataclasses.replace(sgmv.PREFILL_DEFAULT, **sgmv._prefill_options(v)) for v in prefills}
+    except ValueError as e:
+        ap.error(str(e))
+    start_config = sgmv.CONFIGS[64]
     copy_gbs = copy_bandwidth_gbs()
     rows, first = [], True
     for B in map(int, args.batches.split(",")):
@@ -122,11 +134,14 @@ def main(argv=None) -> None:
                 engine.adapters.wait_resident(f"a{i}", timeout=600)
             model = engine.runner.model
             work = prompts(args.waves * B, model.config.vocab_size)
-            variants = args.variants.split(",")
-            runs: dict[str, list[dict]] = {v: [] for v in variants}
+            # (adapters, prompt tiles' expand options): the backbone runs no LoRA kernels, so once
+            variants = [(v, p) for v in args.variants.split(",")
+                        for p in (prefills[:1] if v == "backbone" else prefills)]
+            runs: dict[tuple[str, str], list[dict]] = {v: [] for v in variants}
             # interleaved, and each round in a rotated order, so that drift over the call hits every variant alike
             for repeat in range(args.repeats):
-                for variant in variants[repeat % len(variants):] + variants[:repeat % len(variants)]:
+                for variant, prefill in variants[repeat % len(variants):] + variants[:repeat % len(variants)]:
+                    sgmv.CONFIGS[64] = prefill_configs[prefill]   # eager prompt steps read it at each launch
                     adapters = {"backbone": [None] * len(work), "shared": ["a0"] * len(work),
                                 "distinct": [f"a{i % B}" for i in range(len(work))]}[variant]
                     if repeat == 0:
@@ -135,16 +150,18 @@ def main(argv=None) -> None:
                         n = len(work) if first else B
                         run(engine, work[:n], adapters[:n])
                         first = False
-                    runs[variant].append(run(engine, work, adapters))
-            for variant in variants:
-                ordered = sorted(runs[variant], key=lambda r: r["tokens_per_s"])
+                    runs[variant, prefill].append(run(engine, work, adapters))
+            sgmv.CONFIGS[64] = start_config
+            for variant, prefill in variants:
+                ordered = sorted(runs[variant, prefill], key=lambda r: r["tokens_per_s"])
                 res = ordered[(len(ordered) - 1) // 2]   # the median run (the lower middle of an even count)
                 used = {"backbone": 0, "shared": 1, "distinct": B}[variant]
                 ctx = res["mean_full_context"] or 0
                 floor_ms = (weight_bytes(model, B) + kv_bytes(model, int(ctx * B)) +
                             used * adapter_bytes(model)) / (copy_gbs * 1e9) * 1e3
-                row = dict(batch=B, mode=mode, variant=variant, setup_s=setup_s, floor_ms=floor_ms,
-                           repeats_tokens_per_s=[round(r["tokens_per_s"], 1) for r in runs[variant]], **res)
+                row = dict(batch=B, mode=mode, variant=variant, prefill=None if variant == "backbone" else prefill,
+                           setup_s=setup_s, floor_ms=floor_ms,
+                           repeats_tokens_per_s=[round(r["tokens_per_s"], 1) for r in runs[variant, prefill]], **res)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             engine.close()
@@ -152,7 +169,7 @@ def main(argv=None) -> None:
             torch.cuda.empty_cache()
     result = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,
                   preset=args.preset, layers=args.layers, rank=RANK, output_tokens=OUTPUT_TOKENS, repeats=args.repeats,
-                  lora_prefill=os.environ.get("LORAPLEX_LORA_PREFILL") or None,
+                  lora_prefill=os.environ.get("LORAPLEX_LORA_PREFILL") or None, prefills=prefills,
                   copy_gbs=copy_gbs, rows=rows)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
@@ -179,7 +196,9 @@ def markdown(res: dict) -> str:
         rel = r["tokens_per_s"] / base[(r["batch"], r["mode"])] if (r["batch"], r["mode"]) in base else float("nan")
         steps = (f"{step:.2f} | {gpu:.2f} | " if gpu else f"{step:.2f} | – | ") if step else "– | – | "
         floor = f"{r['floor_ms']:.2f} | {step / r['floor_ms']:.2f}× | " if step else "– | – | "
-        lines.append(f"| {r['batch']} | {r['mode']} | {r['variant']} | {r['tokens_per_s']:.0f} | {rel:.3f} | "
+        name = r["variant"] + (f" [{r['prefill'] or 'default'}]" if len(res.get("prefills", [])) > 1
+                               and r["variant"] != "backbone" else "")
+        lines.append(f"| {r['batch']} | {r['mode']} | {name} | {r['tokens_per_s']:.0f} | {rel:.3f} | "
                      f"{steps}{floor}{r['prefill_step_ms']:.1f} | {r['graph_steps']}/{r['steps']} |")
     lines += ["", "Floor: (weights + KV bytes of the batch's mean context + each used adapter once) / copy "
               "bandwidth. Step times are wall times of the engine's whole step (host work included); the GPU span "

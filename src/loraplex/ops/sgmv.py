@@ -512,8 +512,9 @@ def _rows_options() -> dict:
 # LORAPLEX_LORA_PREFILL: changes to the large tiles' config (prompts), comma-separated: "n<columns>" (the
 # expand's BLOCK_N, a power of two from 16 to 256), "epps<x>" (the expand's programs per SM), "ew<warps>" (its
 # warps: 2, 4 or 8) and "prefetch" (KernelConfig.tile_prefetch). Unset: CONFIGS[64] as below.
-def _prefill_options() -> dict:
-    raw = os.environ.get("LORAPLEX_LORA_PREFILL", "")
+def _prefill_options(raw: str | None = None) -> dict:
+    """The KernelConfig changes a LORAPLEX_LORA_PREFILL value asks for (`raw`; None: the environment's)."""
+    raw = os.environ.get("LORAPLEX_LORA_PREFILL", "") if raw is None else raw
     options: dict = {}
     for item in (part.strip().lower() for part in raw.split(",")):
         if item == "prefetch":
