@@ -31,7 +31,7 @@ def _compile(kernel, pointer_types: dict, constexprs: dict, num_warps: int, num_
 def shrink(dtype: str, block_m: int) -> None:
     cfg = sgmv.config_for(block_m)
     types = {"x_": "*" + dtype, "part_": "*fp32", "sorted_": "*i32", "work_": "*i32", "a": "*" + dtype, "rk": "*i32"}
-    # ROWWISE: sgmv._shrink_tile_rows for tiles of a few rows (1) or every tile (2); ROWS_PREFETCH: its loads a
+    # ROWWISE: sgmv_kernels._shrink_tile_rows for tiles of a few rows (1) or every tile (2); ROWS_PREFETCH: its loads a
     # step ahead
     for num_slices, block_r, rowwise, prefetch in ((1, 16, 0, False), (1, 16, 1, False), (3, 32, 2, False),
                                                    (3, 16, 1, True)):
@@ -43,10 +43,10 @@ def shrink(dtype: str, block_m: int) -> None:
 def expand(dtype: str, block_m: int) -> None:
     cfg = sgmv.config_for(block_m)
     # ACCUMULATE=False: y is the fp32 buffer of LoRA products that ops/overlap.py leaves for the next op;
-    # ROWWISE: sgmv._expand_tile_rows for tiles of a few rows (1) or every tile (2); one rank tile only.
+    # ROWWISE: sgmv_kernels._expand_tile_rows for tiles of a few rows (1) or every tile (2); one rank tile only.
     # ROWS_PREFETCH: its B loads a step ahead (and 512 columns a step, as a sweep may try); without it, the
     # row-wise steps' default columns (sgmv.rows_block_n_for: 512 for the rank tile of 16).
-    # TILE_PREFETCH: the tile expand's y a step ahead (sgmv._expand_tile_prefetch; LORAPLEX_LORA_PREFILL=prefetch)
+    # TILE_PREFETCH: the tile expand's y a step ahead (sgmv_kernels._expand_tile_prefetch; LORAPLEX_LORA_PREFILL)
     variants = ((True, True, 0, False, False), (True, True, 1, False, False), (False, True, 1, False, False),
                 (True, False, 2, False, False), (True, True, 1, True, False), (True, False, 2, True, False),
                 (True, True, 0, False, True), (False, True, 0, False, True), (True, False, 0, False, True))

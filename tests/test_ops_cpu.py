@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from loraplex import ops
-from loraplex.ops import sgmv
+from loraplex.ops import sgmv, sgmv_kernels
 from loraplex.ops.lora_delta import LoraDelta
 from loraplex.workloads import POPULARITIES
 
@@ -123,7 +123,7 @@ def test_prefetching_tile_expand_gives_the_plain_ones_bits(R, accumulate, monkey
     tile (R=16) or several (R=128); the prefetching path taken (counted), the same arithmetic in the same order
     as the plain tile expand, so the same bits, and the float64 loop's values (accumulate=False: the products
     stored into an fp32 buffer, every adapter row's columns written)."""
-    monkeypatch.setattr(sgmv, "_expand_tile_prefetch", _count_expand_prefetch)
+    monkeypatch.setattr(sgmv_kernels, "_expand_tile_prefetch", _count_expand_prefetch)
     rng = np.random.default_rng(stable_seed("tile-prefetch", R, accumulate))
     case = make_case(rng, seg_lens=[70, 1, 33, 5, 17], popularity="uniform", K=64, Ns=(83, 45), R=R, ranks="mixed",
                      dtype=torch.float16, y_offset=2, extra_cols=3)
@@ -211,7 +211,7 @@ def test_rowwise_rank_above_stack_width_counts_as_the_width(mode):
 
 
 _PATH_CALLS: dict[str, int] = {}
-_REAL_TILES = {name: getattr(sgmv, name) for name in
+_REAL_TILES = {name: getattr(sgmv_kernels, name) for name in
                ("_shrink_tile", "_shrink_tile_rows", "_expand_tile", "_expand_tile_rows", "_expand_tile_prefetch")}
 
 
@@ -241,7 +241,7 @@ def test_each_mode_takes_the_path_it_says(mode, expected, monkeypatch):
     the tile product on all, mode 1 the row-wise path on the three of ≤ ROWWISE_MAX_ROWS rows, mode 2 on all."""
     for name, stand_in in (("_shrink_tile", _count_shrink_tile), ("_shrink_tile_rows", _count_shrink_rows),
                            ("_expand_tile", _count_expand_tile), ("_expand_tile_rows", _count_expand_rows)):
-        monkeypatch.setattr(sgmv, name, stand_in)
+        monkeypatch.setattr(sgmv_kernels, name, stand_in)
     _PATH_CALLS.clear()
     rng = np.random.default_rng(stable_seed("paths", mode))
     case = make_case(rng, seg_lens=[1, 2, 6, 1], popularity="distinct", K=32, Ns=(16,), R=16, ranks="full",

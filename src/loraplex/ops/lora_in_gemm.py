@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from . import sgmv
-from .sgmv import _expand_tile, _program_work
+from .sgmv_kernels import _expand_tile, _program_work
 from .batch import LoraBatch
 from .checks import _desc
 from .launch import Launcher

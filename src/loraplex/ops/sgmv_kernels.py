@@ -1,0 +1,405 @@
+"""The SGMV shrink and expand as Triton kernels (`_sgmv_shrink_kernel`, `_sgmv_expand_kernel`) and the per-tile
+functions they branch to; ops/sgmv.py picks their settings and launches them (the semantics are in its docstring).
+
+Triton's interpreter runs a kernel as Python and looks its callees up in this module, so tests that count which
+per-tile path ran patch them here.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# The row-wise kernels (`_shrink_tile_rows`, `_expand_tile_rows`) take tiles of at most this many rows; larger
+# ones keep the tile product, where the rows run side by side rather than one after another.
+ROWWISE_MAX_ROWS = tl.constexpr(4)
+
+
+@triton.jit
+def _program_work(NUM_SLICES: tl.constexpr, per_slice):
+    """(work item, slice, index within the slice) of this program along axis 0: slices and then the
+    `per_slice` programs of each (rank tiles, N chunks) vary fastest, so programs of one tile run side by side."""
+    pid = tl.program_id(0)
+    inner = pid % (NUM_SLICES * per_slice)
+    return pid // (NUM_SLICES * per_slice), inner // per_slice, inner % per_slice
+
+
+@triton.jit
+def _shrink_tile(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
+                 stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
+                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    rank = tl.minimum(tl.load(rank_ptr + slot), R)  # a rank past R (the stacks' width) is R
+    r_first = r_tile * BLOCK_R
+    if r_first < rank:
+        offs_m = start + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < end
+        rows = tl.load(sorted_rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+        offs_r = r_first + tl.arange(0, BLOCK_R)
+        r_mask = offs_r < rank
+        offs_k = tl.arange(0, BLOCK_K)
+        x_ptrs = x_ptr + rows[:, None] * stride_xm + (k_begin + offs_k)[None, :] * stride_xk
+        a_ptrs = a_ptr + slot.to(tl.int64) * stride_a_slot + offs_r[:, None] * stride_a_r + (k_begin + offs_k)[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k in range(k_begin, k_end, BLOCK_K):
+            k_mask = (k + offs_k) < k_end
+            xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            at = tl.load(a_ptrs, mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+            acc = tl.dot(xt, tl.trans(at), acc, input_precision=PRECISION)
+            x_ptrs += BLOCK_K * stride_xk
+            a_ptrs += BLOCK_K
+        p_ptrs = part_ptr + rows[:, None] * stride_pm + offs_r[None, :]
+        tl.store(p_ptrs, acc, mask=m_mask[:, None] & r_mask[None, :])
+
+
+@triton.jit
+def _shrink_tile_rows(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
+                      stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
+                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):
+    """`_shrink_tile` for tiles of a few rows (decode), row by row: a [rank tile, BLOCK_K] block of A times
+    the row's x, summed over K in fp32 on the CUDA cores (no tile padded to 16 rows for the tensor cores).
+    A is read once per row; the tile's few rows find it in L2. PREFETCH: each step loads the next step's
+    x and A before it reduces its own (Triton pipelines only loads that feed a tl.dot; without it each step
+    waits for its loads in turn)."""
+    rank = tl.minimum(tl.load(rank_ptr + slot), R)  # a rank past R (the stacks' width) is R
+    r_first = r_tile * BLOCK_R
+    if r_first < rank:
+        offs_r = r_first + tl.arange(0, BLOCK_R)
+        r_mask = offs_r < rank
+        offs_k = tl.arange(0, BLOCK_K)
+        a_rows = a_ptr + slot.to(tl.int64) * stride_a_slot + offs_r[:, None] * stride_a_r
+        for m in range(start, end):
+            row = tl.load(sorted_rows_ptr + m).to(tl.int64)
+            x_row = x_ptr + row * stride_xm
+            acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+            if PREFETCH:
+                k_mask = (k_begin + offs_k) < k_end
+                xk = tl.load(x_row + (k_begin + offs_k) * stride_xk, mask=k_mask, other=0.0)
+                at = tl.load(a_rows + (k_begin + offs_k)[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+            for k in range(k_begin, k_end, BLOCK_K):
+                if PREFETCH:
+                    xk_now, at_now = xk, at
+                    k_next = k + BLOCK_K + offs_k
+                    k_mask = k_next < k_end
+                    xk = tl.load(x_row + k_next * stride_xk, mask=k_mask, other=0.0)
+                    at = tl.load(a_rows + k_next[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+                else:
+                    k_mask = (k + offs_k) < k_end
+                    xk_now = tl.load(x_row + (k + offs_k) * stride_xk, mask=k_mask, other=0.0)
+                    at_now = tl.load(a_rows + (k + offs_k)[None, :], mask=r_mask[:, None] & k_mask[None, :],
+                                     other=0.0)
+                acc += tl.sum(at_now.to(tl.float32) * xk_now.to(tl.float32)[None, :], axis=1)
+            tl.store(part_ptr + row * stride_pm + offs_r, acc, mask=r_mask)
+
+
+@triton.jit
+def _shrink_slice(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
+                  stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
+                  BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                  ROWWISE: tl.constexpr, ROWS_PREFETCH: tl.constexpr):
+    # the modes as in _expand_slice; static branches, so that modes 0 and 2 compile one path only
+    if ROWWISE == 2:
+        _shrink_tile_rows(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, start, end, r_tile, k_begin,
+                          k_end, R, stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm, BLOCK_R, BLOCK_K,
+                          ROWS_PREFETCH)
+    elif ROWWISE == 1:
+        if end - start <= ROWWISE_MAX_ROWS:
+            _shrink_tile_rows(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, start, end, r_tile, k_begin,
+                              k_end, R, stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm, BLOCK_R, BLOCK_K,
+                              ROWS_PREFETCH)
+        else:
+            _shrink_tile(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end,
+                         R, stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm, BLOCK_M, BLOCK_R, BLOCK_K,
+                         PRECISION)
+    else:
+        _shrink_tile(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
+                     stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm, BLOCK_M, BLOCK_R, BLOCK_K, PRECISION)
+
+
+@triton.jit
+def _sgmv_shrink_kernel(
+        x_ptr, part_ptr, sorted_rows_ptr, work_slot_ptr, work_start_ptr, work_end_ptr,
+        a0, a1, a2, a3, rk0, rk1, rk2, rk3,
+        K, k_per_split, r_tiles, R,
+        stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_p_split, stride_p_slice, stride_pm,
+        NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+        PRECISION: tl.constexpr, ROWWISE: tl.constexpr, ROWS_PREFETCH: tl.constexpr):
+    """part[split, i, rows, :rank_i] = x[rows, split's K range] @ A_i[slot, :rank_i, same range]ᵀ."""
+    split = tl.program_id(1)
+    work, sl, r_tile = _program_work(NUM_SLICES, r_tiles)   # programs that share x rows run side by side
+    slot = tl.load(work_slot_ptr + work)
+    if slot >= 0:
+        start = tl.load(work_start_ptr + work)
+        end = tl.load(work_end_ptr + work)
+        k_begin = split * k_per_split
+        k_end = tl.minimum(k_begin + k_per_split, K)
+        part = part_ptr + split.to(tl.int64) * stride_p_split + sl.to(tl.int64) * stride_p_slice
+        if sl == 0:
+            _shrink_slice(x_ptr, a0, rk0, part, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
+                          stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
+                          BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, ROWWISE, ROWS_PREFETCH)
+        if NUM_SLICES > 1:
+            if sl == 1:
+                _shrink_slice(x_ptr, a1, rk1, part, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
+                              stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
+                              BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, ROWWISE, ROWS_PREFETCH)
+        if NUM_SLICES > 2:
+            if sl == 2:
+                _shrink_slice(x_ptr, a2, rk2, part, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
+                              stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
+                              BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, ROWWISE, ROWS_PREFETCH)
+        if NUM_SLICES > 3:
+            if sl == 3:
+                _shrink_slice(x_ptr, a3, rk3, part, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
+                              stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
+                              BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, ROWWISE, ROWS_PREFETCH)
+
+
+@triton.jit
+def _load_v(part_ptr, rows, m_mask, r0, rank, stride_p_split, stride_pm,
+            SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Σ over the K splits of the fp32 partials for these rows and rank columns r0..r0+BLOCK_R (in fp32 also
+    when the partials are a 16-bit GEMM's output: ops/lora_in_gemm.py)."""
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    v_mask = m_mask[:, None] & r_mask[None, :]
+    v_ptrs = part_ptr + rows[:, None] * stride_pm + offs_r[None, :]
+    v = tl.load(v_ptrs, mask=v_mask, other=0.0).to(tl.float32)
+    for s in tl.static_range(1, SPLIT_K):
+        v += tl.load(v_ptrs + tl.full((), s, tl.int64) * stride_p_split, mask=v_mask, other=0.0)
+    return v, offs_r, r_mask
+
+
+@triton.jit
+def _load_b(b_base, offs_n, n_mask, offs_r, r_mask, R):
+    """B[slot][offs_n, offs_r] as [BLOCK_N, BLOCK_R], in memory order (transposed in registers for the dot)."""
+    return tl.load(b_base + offs_n[:, None] * R + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+
+
+@triton.jit
+def _dot_v_b(v, b, acc, PRECISION: tl.constexpr):
+    """acc += v @ bᵀ with v fp32. "split": v as hi + lo halves in b's 16-bit dtype, two tensor-core
+    products that keep ~16 mantissa bits of v; otherwise one fp32 product at that precision."""
+    bt = tl.trans(b)
+    if PRECISION == "split":
+        v_hi = v.to(bt.dtype)
+        acc = tl.dot(v_hi, bt, acc)
+        acc = tl.dot((v - v_hi.to(tl.float32)).to(bt.dtype), bt, acc)
+    else:
+        acc = tl.dot(v, bt.to(tl.float32), acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _expands(rank, ACCUMULATE: tl.constexpr):
+    """Does a tile of this slice's rank write y? Adding, only with a rank; storing (an fp32 delta buffer that
+    is not zero-filled, ops/overlap.py), always: a slice of rank 0 stores zeros (its loads are all masked)."""
+    if ACCUMULATE:
+        writes = rank > 0
+    else:
+        writes = rank >= 0
+    return writes
+
+
+@triton.jit
+def _expand_tile(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, slot, start, end, n_chunk, N, col0,
+                 n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R,
+                 SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                 ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr):
+    rank = tl.minimum(tl.load(rank_ptr + slot), R)  # a rank past R (the stacks' width) is R
+    n_begin = n_chunk * n_per_prog
+    if _expands(rank, ACCUMULATE) & (n_begin < N):
+        offs_m = start + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < end
+        rows = tl.load(sorted_rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+        n_end = tl.minimum(n_begin + n_per_prog, N)
+        scale = tl.load(scale_ptr + slot)
+        b_base = b_ptr + slot.to(tl.int64) * N * R
+        y_rows = y_ptr + rows[:, None] * stride_ym
+        if ONE_R_TILE:
+            v, offs_r, r_mask = _load_v(part_ptr, rows, m_mask, 0, rank, stride_p_split, stride_pm, SPLIT_K, BLOCK_R)
+        # One program covers n_per_prog columns of y, BLOCK_N at a time; B streams through.
+        for n0 in range(n_begin, n_end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < n_end
+            y_ptrs = y_rows + (col0 + offs_n)[None, :] * stride_yn
+            y_mask = m_mask[:, None] & n_mask[None, :]
+            if ACCUMULATE:  # loaded first, so that its latency hides behind the dot
+                y_old = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
+            else:  # y is an fp32 buffer of LoRA products that a later op adds (ops/overlap.py)
+                y_old = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if ONE_R_TILE:
+                # The whole rank fits one tile: v (loaded once, above) stays in registers.
+                acc = _dot_v_b(v, _load_b(b_base, offs_n, n_mask, offs_r, r_mask, R), acc, PRECISION)
+            else:
+                for r0 in range(0, rank, BLOCK_R):
+                    v_r, offs_rr, r_mask_r = _load_v(part_ptr, rows, m_mask, r0, rank, stride_p_split, stride_pm,
+                                                     SPLIT_K, BLOCK_R)
+                    acc = _dot_v_b(v_r, _load_b(b_base, offs_n, n_mask, offs_rr, r_mask_r, R), acc, PRECISION)
+            tl.store(y_ptrs, (y_old + acc * scale).to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+@triton.jit
+def _expand_tile_prefetch(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, slot, start, end, n_chunk, N,
+                          col0, n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R,
+                          SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                          ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr):
+    """`_expand_tile` with each step's y tile loaded a step ahead (KernelConfig.tile_prefetch): the expand of
+    a prompt's rows streams y in and out (a read-modify-write of BLOCK_M × BLOCK_N values a step), and
+    Triton pipelines only loads that feed a tl.dot, so without this each step waits for its y in turn."""
+    rank = tl.minimum(tl.load(rank_ptr + slot), R)  # a rank past R (the stacks' width) is R
+    n_begin = n_chunk * n_per_prog
+    if _expands(rank, ACCUMULATE) & (n_begin < N):
+        offs_m = start + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < end
+        rows = tl.load(sorted_rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+        n_end = tl.minimum(n_begin + n_per_prog, N)
+        scale = tl.load(scale_ptr + slot)
+        b_base = b_ptr + slot.to(tl.int64) * N * R
+        y_rows = y_ptr + rows[:, None] * stride_ym
+        if ONE_R_TILE:
+            v, offs_r, r_mask = _load_v(part_ptr, rows, m_mask, 0, rank, stride_p_split, stride_pm, SPLIT_K, BLOCK_R)
+        cols = tl.arange(0, BLOCK_N)
+        if ACCUMULATE:
+            y_next = tl.load(y_rows + (col0 + n_begin + cols)[None, :] * stride_yn,
+                             mask=m_mask[:, None] & ((n_begin + cols) < n_end)[None, :], other=0.0)
+        for n0 in range(n_begin, n_end, BLOCK_N):
+            offs_n = n0 + cols
+            n_mask = offs_n < n_end
+            y_ptrs = y_rows + (col0 + offs_n)[None, :] * stride_yn
+            y_mask = m_mask[:, None] & n_mask[None, :]
+            if ACCUMULATE:
+                y_old = y_next.to(tl.float32)
+                later = offs_n + BLOCK_N   # the next step's columns (all masked off after the last step)
+                y_next = tl.load(y_rows + (col0 + later)[None, :] * stride_yn,
+                                 mask=m_mask[:, None] & (later < n_end)[None, :], other=0.0)
+            else:
+                y_old = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if ONE_R_TILE:
+                acc = _dot_v_b(v, _load_b(b_base, offs_n, n_mask, offs_r, r_mask, R), acc, PRECISION)
+            else:
+                for r0 in range(0, rank, BLOCK_R):
+                    v_r, offs_rr, r_mask_r = _load_v(part_ptr, rows, m_mask, r0, rank, stride_p_split, stride_pm,
+                                                     SPLIT_K, BLOCK_R)
+                    acc = _dot_v_b(v_r, _load_b(b_base, offs_n, n_mask, offs_rr, r_mask_r, R), acc, PRECISION)
+            tl.store(y_ptrs, (y_old + acc * scale).to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+@triton.jit
+def _expand_tile_rows(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, slot, start, end, n_chunk, N,
+                      col0, n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R,
+                      SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, ACCUMULATE: tl.constexpr,
+                      PREFETCH: tl.constexpr):
+    """`_expand_tile` for tiles of a few rows (decode): row by row, a [BLOCK_N, rank] block of B times the
+    row's fp32 v, summed over the rank in fp32 on the CUDA cores. No tensor-core product, so no tile is
+    padded to 16 rows, no B tile is transposed through shared memory, and each program holds few
+    registers (more of them in flight per SM). Needs rank ≤ BLOCK_R. PREFETCH: each step loads the next
+    step's B block, and each row its y, before the reduce (Triton pipelines only loads that feed a tl.dot)."""
+    rank = tl.minimum(tl.load(rank_ptr + slot), R)  # a rank past R (the stacks' width) is R
+    n_begin = n_chunk * n_per_prog
+    if _expands(rank, ACCUMULATE) & (n_begin < N):
+        n_end = tl.minimum(n_begin + n_per_prog, N)
+        scale = tl.load(scale_ptr + slot)
+        b_base = b_ptr + slot.to(tl.int64) * N * R
+        offs_r = tl.arange(0, BLOCK_R)
+        r_mask = offs_r < rank
+        if PREFETCH:
+            offs_first = n_begin + tl.arange(0, BLOCK_N)
+            b_next = _load_b(b_base, offs_first, offs_first < n_end, offs_r, r_mask, R)
+        for n0 in range(n_begin, n_end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < n_end
+            if PREFETCH:
+                b = b_next.to(tl.float32)
+                b_next = _load_b(b_base, offs_n + BLOCK_N, offs_n + BLOCK_N < n_end, offs_r, r_mask, R)
+            else:
+                b = _load_b(b_base, offs_n, n_mask, offs_r, r_mask, R).to(tl.float32)
+            for m in range(start, end):
+                row = tl.load(sorted_rows_ptr + m).to(tl.int64)
+                y_ptrs = y_ptr + row * stride_ym + (col0 + offs_n) * stride_yn
+                if PREFETCH and ACCUMULATE:
+                    y_old = tl.load(y_ptrs, mask=n_mask, other=0.0).to(tl.float32)
+                v_ptrs = part_ptr + row * stride_pm + offs_r
+                v = tl.load(v_ptrs, mask=r_mask, other=0.0).to(tl.float32)
+                for s in tl.static_range(1, SPLIT_K):
+                    v += tl.load(v_ptrs + tl.full((), s, tl.int64) * stride_p_split, mask=r_mask, other=0.0)
+                acc = tl.sum(b * v[None, :], axis=1) * scale
+                if ACCUMULATE:
+                    if PREFETCH:
+                        acc += y_old
+                    else:
+                        acc += tl.load(y_ptrs, mask=n_mask, other=0.0).to(tl.float32)
+                tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _expand_slice(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, slot, start, end, n_chunk, N, col0,
+                  n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R,
+                  SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                  ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
+                  ROWWISE: tl.constexpr, ROWS_BLOCK_N: tl.constexpr, ROWS_PREFETCH: tl.constexpr,
+                  TILE_PREFETCH: tl.constexpr):
+    # ROWWISE 1: row by row only for tiles of a few rows (decode rows with their own adapters): a tile's rows
+    # run one after another, so 16 rows sharing an adapter took 9.5 ms per 32-row forward against 6.9 with
+    # the tile product. But one kernel gets the registers of its larger branch (239 against 72 for the
+    # row-wise expand alone, sm_90), so mode 2 (every tile row by row, one path compiled) is kept to measure
+    # what that costs. The row-wise path needs the rank in one tile. (Static branches but the tile size.)
+    rows = False
+    if ONE_R_TILE:
+        if ROWWISE == 2:
+            rows = True
+        elif ROWWISE == 1:
+            rows = end - start <= ROWWISE_MAX_ROWS
+    if rows:
+        _expand_tile_rows(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, slot, start, end, n_chunk,
+                          N, col0, n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R,
+                          SPLIT_K, ROWS_BLOCK_N, BLOCK_R, ACCUMULATE, ROWS_PREFETCH)
+    elif TILE_PREFETCH:
+        _expand_tile_prefetch(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, slot, start, end, n_chunk,
+                              N, col0, n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R,
+                              SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION, ACCUMULATE)
+    else:
+        _expand_tile(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, slot, start, end, n_chunk, N,
+                     col0, n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R,
+                     SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION, ACCUMULATE)
+
+
+@triton.jit
+def _sgmv_expand_kernel(
+        y_ptr, part_ptr, sorted_rows_ptr, work_slot_ptr, work_start_ptr, work_end_ptr,
+        b0, b1, b2, b3, rk0, rk1, rk2, rk3, sc0, sc1, sc2, sc3, n0, n1, n2, n3, c0, c1, c2, c3,
+        n_chunks, n_per_prog, R, stride_ym, stride_yn, stride_p_split, stride_p_slice, stride_pm,
+        NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_R: tl.constexpr, ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
+        ROWWISE: tl.constexpr, ROWS_BLOCK_N: tl.constexpr, ROWS_PREFETCH: tl.constexpr, TILE_PREFETCH: tl.constexpr):
+    """y[rows, c_i + n] += sc_i[slot] * (Σ_split part[split, i, rows, :rank]) @ B_i[slot, n, :rank]ᵀ
+    (ACCUMULATE), or y[rows, c_i + n] = that product (y an fp32 delta buffer; 0 where rank is 0)."""
+    work, sl, n_chunk = _program_work(NUM_SLICES, n_chunks)
+    slot = tl.load(work_slot_ptr + work)
+    if slot >= 0:
+        start = tl.load(work_start_ptr + work)
+        end = tl.load(work_end_ptr + work)
+        part = part_ptr + sl.to(tl.int64) * stride_p_slice
+        if sl == 0:
+            _expand_slice(y_ptr, part, b0, rk0, sc0, sorted_rows_ptr, slot, start, end, n_chunk, n0, c0, n_per_prog,
+                          stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R,
+                          ONE_R_TILE, PRECISION, ACCUMULATE, ROWWISE, ROWS_BLOCK_N, ROWS_PREFETCH,
+                          TILE_PREFETCH)
+        if NUM_SLICES > 1:
+            if sl == 1:
+                _expand_slice(y_ptr, part, b1, rk1, sc1, sorted_rows_ptr, slot, start, end, n_chunk, n1, c1,
+                              n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M,
+                              BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION, ACCUMULATE, ROWWISE, ROWS_BLOCK_N,
+                              ROWS_PREFETCH, TILE_PREFETCH)
+        if NUM_SLICES > 2:
+            if sl == 2:
+                _expand_slice(y_ptr, part, b2, rk2, sc2, sorted_rows_ptr, slot, start, end, n_chunk, n2, c2,
+                              n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M,
+                              BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION, ACCUMULATE, ROWWISE, ROWS_BLOCK_N,
+                              ROWS_PREFETCH, TILE_PREFETCH)
+        if NUM_SLICES > 3:
+            if sl == 3:
+                _expand_slice(y_ptr, part, b3, rk3, sc3, sorted_rows_ptr, slot, start, end, n_chunk, n3, c3,
+                              n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M,
+                              BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION, ACCUMULATE, ROWWISE, ROWS_BLOCK_N,
+                              ROWS_PREFETCH, TILE_PREFETCH)
