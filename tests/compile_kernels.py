@@ -46,7 +46,7 @@ def expand(dtype: str, block_m: int) -> None:
     # ROWWISE: sgmv_kernels._expand_tile_rows for tiles of a few rows (1) or every tile (2); one rank tile only.
     # ROWS_PREFETCH: its B loads a step ahead (and 512 columns a step, as a sweep may try); without it, the
     # row-wise steps' default columns (sgmv.rows_block_n_for: 512 for the rank tile of 16).
-    # TILE_PREFETCH: the tile expand's y a step ahead (sgmv_kernels._expand_tile_prefetch; LORAPLEX_LORA_PREFILL)
+    # TILE_PREFETCH: the tile expand's y a step ahead (sgmv_kernels._expand_tile's PREFETCH; LORAPLEX_LORA_PREFILL)
     variants = ((True, True, 0, False, False), (True, True, 1, False, False), (False, True, 1, False, False),
                 (True, False, 2, False, False), (True, True, 1, True, False), (True, False, 2, True, False),
                 (True, True, 0, False, True), (False, True, 0, False, True), (True, False, 0, False, True))

@@ -54,17 +54,17 @@ def _expand_in_gemm_kernel(
         if sl == 0:
             _expand_tile(y_ptr, part, b0, rk0, sc0, sorted_rows_ptr, slot, start, end, n_chunk, n0, c0,
                          n_per_prog, stride_ym, stride_yn, 0, stride_ym, R, 1, BLOCK_M, BLOCK_N, BLOCK_R,
-                         ONE_R_TILE, PRECISION, True)
+                         ONE_R_TILE, PRECISION, True, False)
         if NUM_SLICES > 1:
             if sl == 1:
                 _expand_tile(y_ptr, part, b1, rk1, sc1, sorted_rows_ptr, slot, start, end, n_chunk, n1, c1,
                              n_per_prog, stride_ym, stride_yn, 0, stride_ym, R, 1, BLOCK_M, BLOCK_N, BLOCK_R,
-                             ONE_R_TILE, PRECISION, True)
+                             ONE_R_TILE, PRECISION, True, False)
         if NUM_SLICES > 2:
             if sl == 2:
                 _expand_tile(y_ptr, part, b2, rk2, sc2, sorted_rows_ptr, slot, start, end, n_chunk, n2, c2,
                              n_per_prog, stride_ym, stride_yn, 0, stride_ym, R, 1, BLOCK_M, BLOCK_N, BLOCK_R,
-                             ONE_R_TILE, PRECISION, True)
+                             ONE_R_TILE, PRECISION, True, False)
 
 
 _EXPAND = Launcher(_expand_in_gemm_kernel)

@@ -70,7 +70,7 @@ class KernelConfig:
     expand_rowwise: int = 0
     rows_block_n: int | None = None  # the row-wise expand's columns per step (None: `rows_block_n_for`)
     rows_prefetch: bool = False  # the row-wise paths load each step's weights a step ahead (_expand_tile_rows)
-    tile_prefetch: bool = False  # the tile expand loads each step's y tile a step ahead (_expand_tile_prefetch)
+    tile_prefetch: bool = False  # the tile expand loads each step's y tile a step ahead (_expand_tile)
 
 
 MAX_SPLIT_K = 8

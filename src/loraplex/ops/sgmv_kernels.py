@@ -203,49 +203,11 @@ def _expands(rank, ACCUMULATE: tl.constexpr):
 def _expand_tile(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, slot, start, end, n_chunk, N, col0,
                  n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R,
                  SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                 ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr):
-    rank = tl.minimum(tl.load(rank_ptr + slot), R)  # a rank past R (the stacks' width) is R
-    n_begin = n_chunk * n_per_prog
-    if _expands(rank, ACCUMULATE) & (n_begin < N):
-        offs_m = start + tl.arange(0, BLOCK_M)
-        m_mask = offs_m < end
-        rows = tl.load(sorted_rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
-        n_end = tl.minimum(n_begin + n_per_prog, N)
-        scale = tl.load(scale_ptr + slot)
-        b_base = b_ptr + slot.to(tl.int64) * N * R
-        y_rows = y_ptr + rows[:, None] * stride_ym
-        if ONE_R_TILE:
-            v, offs_r, r_mask = _load_v(part_ptr, rows, m_mask, 0, rank, stride_p_split, stride_pm, SPLIT_K, BLOCK_R)
-        # One program covers n_per_prog columns of y, BLOCK_N at a time; B streams through.
-        for n0 in range(n_begin, n_end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < n_end
-            y_ptrs = y_rows + (col0 + offs_n)[None, :] * stride_yn
-            y_mask = m_mask[:, None] & n_mask[None, :]
-            if ACCUMULATE:  # loaded first, so that its latency hides behind the dot
-                y_old = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
-            else:  # y is an fp32 buffer of LoRA products that a later op adds (ops/overlap.py)
-                y_old = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            if ONE_R_TILE:
-                # The whole rank fits one tile: v (loaded once, above) stays in registers.
-                acc = _dot_v_b(v, _load_b(b_base, offs_n, n_mask, offs_r, r_mask, R), acc, PRECISION)
-            else:
-                for r0 in range(0, rank, BLOCK_R):
-                    v_r, offs_rr, r_mask_r = _load_v(part_ptr, rows, m_mask, r0, rank, stride_p_split, stride_pm,
-                                                     SPLIT_K, BLOCK_R)
-                    acc = _dot_v_b(v_r, _load_b(b_base, offs_n, n_mask, offs_rr, r_mask_r, R), acc, PRECISION)
-            tl.store(y_ptrs, (y_old + acc * scale).to(y_ptr.dtype.element_ty), mask=y_mask)
-
-
-@triton.jit
-def _expand_tile_prefetch(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, slot, start, end, n_chunk, N,
-                          col0, n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R,
-                          SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                          ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr):
-    """`_expand_tile` with each step's y tile loaded a step ahead (KernelConfig.tile_prefetch): the expand of
-    a prompt's rows streams y in and out (a read-modify-write of BLOCK_M × BLOCK_N values a step), and
-    Triton pipelines only loads that feed a tl.dot, so without this each step waits for its y in turn."""
+                 ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
+                 PREFETCH: tl.constexpr):
+    """PREFETCH (KernelConfig.tile_prefetch): each step's y tile is loaded a step ahead. A prompt's expand
+    streams y in and out (a read-modify-write of BLOCK_M × BLOCK_N values a step), and Triton pipelines only
+    loads that feed a tl.dot, so without it each step waits for its y in turn. The same values either way."""
     rank = tl.minimum(tl.load(rank_ptr + slot), R)  # a rank past R (the stacks' width) is R
     n_begin = n_chunk * n_per_prog
     if _expands(rank, ACCUMULATE) & (n_begin < N):
@@ -259,23 +221,28 @@ def _expand_tile_prefetch(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_ro
         if ONE_R_TILE:
             v, offs_r, r_mask = _load_v(part_ptr, rows, m_mask, 0, rank, stride_p_split, stride_pm, SPLIT_K, BLOCK_R)
         cols = tl.arange(0, BLOCK_N)
-        if ACCUMULATE:
+        if PREFETCH and ACCUMULATE:
             y_next = tl.load(y_rows + (col0 + n_begin + cols)[None, :] * stride_yn,
                              mask=m_mask[:, None] & ((n_begin + cols) < n_end)[None, :], other=0.0)
+        # One program covers n_per_prog columns of y, BLOCK_N at a time; B streams through.
         for n0 in range(n_begin, n_end, BLOCK_N):
             offs_n = n0 + cols
             n_mask = offs_n < n_end
             y_ptrs = y_rows + (col0 + offs_n)[None, :] * stride_yn
             y_mask = m_mask[:, None] & n_mask[None, :]
             if ACCUMULATE:
-                y_old = y_next.to(tl.float32)
-                later = offs_n + BLOCK_N   # the next step's columns (all masked off after the last step)
-                y_next = tl.load(y_rows + (col0 + later)[None, :] * stride_yn,
-                                 mask=m_mask[:, None] & (later < n_end)[None, :], other=0.0)
-            else:
+                if PREFETCH:
+                    y_old = y_next.to(tl.float32)
+                    later = offs_n + BLOCK_N   # the next step's columns (all masked off after the last step)
+                    y_next = tl.load(y_rows + (col0 + later)[None, :] * stride_yn,
+                                     mask=m_mask[:, None] & (later < n_end)[None, :], other=0.0)
+                else:  # loaded first, so that its latency hides behind the dot
+                    y_old = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
+            else:  # y is an fp32 buffer of LoRA products that a later op adds (ops/overlap.py)
                 y_old = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             if ONE_R_TILE:
+                # The whole rank fits one tile: v (loaded once, above) stays in registers.
                 acc = _dot_v_b(v, _load_b(b_base, offs_n, n_mask, offs_r, r_mask, R), acc, PRECISION)
             else:
                 for r0 in range(0, rank, BLOCK_R):
@@ -354,14 +321,10 @@ def _expand_slice(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, 
         _expand_tile_rows(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, slot, start, end, n_chunk,
                           N, col0, n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R,
                           SPLIT_K, ROWS_BLOCK_N, BLOCK_R, ACCUMULATE, ROWS_PREFETCH)
-    elif TILE_PREFETCH:
-        _expand_tile_prefetch(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, slot, start, end, n_chunk,
-                              N, col0, n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R,
-                              SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION, ACCUMULATE)
     else:
         _expand_tile(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, slot, start, end, n_chunk, N,
                      col0, n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R,
-                     SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION, ACCUMULATE)
+                     SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION, ACCUMULATE, TILE_PREFETCH)
 
 
 @triton.jit
