@@ -169,7 +169,7 @@ def main(argv=None) -> None:
             torch.cuda.empty_cache()
     result = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,
                   preset=args.preset, layers=args.layers, rank=RANK, output_tokens=OUTPUT_TOKENS, repeats=args.repeats,
-                  lora_prefill=os.environ.get("LORAPLEX_LORA_PREFILL") or None, prefills=prefills,
+                  prefills=prefills,   # the LORAPLEX_LORA_PREFILL values the adapter rows ran with
                   copy_gbs=copy_gbs, rows=rows)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

@@ -20,7 +20,6 @@ import argparse
 import dataclasses
 import datetime
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -88,7 +87,6 @@ def main(argv=None) -> dict:
     pool = AdapterPool(model.config, num_slots=64, max_rank=RANK, dtype=torch.bfloat16, device="cuda")
     fill_pool(pool, g)
     # the variants are changes to the default, whatever LORAPLEX_LORA_PREFILL was at import
-    os.environ.pop("LORAPLEX_LORA_PREFILL", None)
     base_cfg, pick = sgmv.PREFILL_DEFAULT, LoraBatch.pick_block_m
     start_cfg = sgmv.CONFIGS[64]
     variants = args.variants.split(";")
@@ -102,8 +100,7 @@ def main(argv=None) -> dict:
             print(f"{case:11s} backbone {backbone:9.0f} µs", flush=True)
             batch = build(model, kv, prompts, decodes, args.context, True, torch.Generator().manual_seed(1))
             for value in variants:
-                os.environ["LORAPLEX_LORA_PREFILL"] = value
-                sgmv.CONFIGS[64] = dataclasses.replace(base_cfg, **sgmv._prefill_options())
+                sgmv.CONFIGS[64] = dataclasses.replace(base_cfg, **sgmv._prefill_options(value))
                 us = time_us([lambda: model(batch, kv, pool)], reps=7)
                 kernels = lora_kernel_us(lambda: model(batch, kv, pool))
                 totals[value] += kernels["shrink"] + kernels["expand"]
@@ -115,7 +112,6 @@ def main(argv=None) -> dict:
     finally:
         sgmv.CONFIGS[64] = start_cfg
         LoraBatch.pick_block_m = staticmethod(pick)
-        os.environ.pop("LORAPLEX_LORA_PREFILL", None)
     best = min(totals, key=totals.get)
     print("LoRA kernel µs over the cases:", {k or "base": round(v) for k, v in totals.items()}, "best:", best or "base")
     result = dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),

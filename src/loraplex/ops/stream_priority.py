@@ -15,7 +15,7 @@ def priority_scheme() -> str:
       main-stream kernels go ahead of the side stream's LoRA kernels wherever both have CTAs waiting.
     - "gemm": captured at PyTorch's default priority, but each GEMM beside LoRA kernels runs on a high-priority
       stream of its own (ops/overlap.py's `_beside_gemm`), so only the GEMMs go first. Measured no faster than
-      "default" (below).
+      "high" (below).
     - "default" (or "0"): PyTorch's default priority for every stream.
 
     Only graphs whose forwards run LoRA kernels on the side stream take a priority (engine/cuda_graphs.py):
