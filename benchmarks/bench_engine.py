@@ -41,7 +41,7 @@ from bench_model import adapter_bytes, kv_bytes, weight_bytes  # noqa: E402
 from loraplex import SamplingParams  # noqa: E402
 from loraplex.config import EngineConfig  # noqa: E402
 from loraplex.engine import Engine  # noqa: E402
-from loraplex.ops import sgmv  # noqa: E402
+from loraplex.ops import sgmv, sgmv_kernels  # noqa: E402
 
 RANK = 16
 OUTPUT_TOKENS = 128
@@ -169,7 +169,10 @@ def main(argv=None) -> None:
             torch.cuda.empty_cache()
     result = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,
                   preset=args.preset, layers=args.layers, rank=RANK, output_tokens=OUTPUT_TOKENS, repeats=args.repeats,
-                  prefills=prefills,   # the LORAPLEX_LORA_PREFILL values the adapter rows ran with
+                  prefills=prefills,   # the LORAPLEX_LORA_PREFILL values the adapter rows ran with (changes to:)
+                  prefill_default=sgmv.describe_prefill(sgmv.PREFILL_DEFAULT),   # before 2026-12-02 (no key): plain
+                  prefill_configs={v: sgmv.describe_prefill(c) for v, c in prefill_configs.items()},
+                  vector_loads=sgmv_kernels.VECTOR_LOADS,   # LORAPLEX_LORA_VECTOR_LOADS (no key before: off)
                   copy_gbs=copy_gbs, rows=rows)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

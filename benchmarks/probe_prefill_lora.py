@@ -3,7 +3,7 @@
 The engine benchmark of issue 5 (prompts 128–512, batch 32) runs its prompts in eager steps of ~2,000 rows
 ("direct" path: sgmv.add_lora after each GEMM), and with 32 distinct adapters those steps took ~10 ms more
 than the backbone's ~40 (results/engine.md, 2026-12-02). Cases, each a ForwardBatch of 7B-sized rows in tiles
-of 64 (sgmv.CONFIGS[64], the config LORAPLEX_LORA_PREFILL changes):
+of 64 (sgmv.CONFIGS[64], the config LORAPLEX_LORA_PREFILL changes; the values apply to sgmv.PREFILL_DEFAULT):
 - `prompts6`: six 320-token prompts, each its own adapter (1,920 rows);
 - `mixed20`: five 320-token prompts and 20 decodes at context 400, every sequence its own adapter;
 - `prompt2048`: one 2,048-token prompt.
@@ -35,7 +35,8 @@ from loraplex.ops import sgmv  # noqa: E402
 from loraplex.ops.batch import LoraBatch  # noqa: E402
 
 CASES = {"prompts6": ([320] * 6, 0), "mixed20": ([320] * 5, 20), "prompt2048": ([2048], 0)}
-VARIANTS = ["", "prefetch", "epps4", "prefetch,epps4", "n64,epps4", "n64,epps8", "prefetch,n64,epps8"]
+# Changes to sgmv.PREFILL_DEFAULT (prefetch, 64 columns, 4 programs per SM since 2026-12-02); the last is PREFILL_PLAIN.
+VARIANTS = ["", "n128", "noprefetch", "epps8", "n32,epps8", "noprefetch,n128,epps2"]
 
 
 def build(model, kv, prompts: list[int], decodes: int, context: int, adapters: bool, gen: torch.Generator):

@@ -24,8 +24,10 @@ ARCHS = (90, 80)
 DTYPES = ("fp16", "bf16", "fp32")
 
 
-def _compile(kernel, pointer_types: dict, constexprs: dict, arch: int, num_warps: int, num_stages: int = 1) -> str:
-    """Compile `kernel` for sm_`arch` (float scalars fp32, other scalars i32); returns its PTX."""
+def _compile(kernel, pointer_types: dict, constexprs: dict, arch: int, num_warps: int, num_stages: int = 1,
+             divisible: tuple[str, ...] = ()) -> str:
+    """Compile `kernel` for sm_`arch` (float scalars fp32, other scalars i32); returns its PTX. `divisible`: int
+    arguments specialized as multiples of 16, as a launch does for such values."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -44,7 +46,8 @@ def _compile(kernel, pointer_types: dict, constexprs: dict, arch: int, num_warps
             signature[name] = "fp32" if name in ("inv_h", "eps") else "i32"
     # Pointers as a real launch specializes them (torch's allocations are 16-byte aligned): Triton 3.6 failed
     # on a kernel only with these (rms_shrink_kernels._slice_partial, before its broadcast left the loop).
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names) if name in pointer_types}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+             if name in pointer_types or name in divisible}
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", arch, 32),
                               options=dict(num_warps=num_warps, num_stages=num_stages))
@@ -206,9 +209,61 @@ def rms_shrink(dtype: str, arch: int) -> None:
         assert re.search(r"mul\.rn(\.ftz)?\.f32", ptx), f"{what}: sum·(1/H) must be a separate product before + eps"
 
 
+def _vector_b_loads(ptx: str, dtype: str, what: str) -> None:
+    """A 16-bit B block read 16 bytes at a time (sgmv_kernels._rank_cols): no 2-byte global loads are left."""
+    if dtype == "fp32" or not sgmv_kernels().VECTOR_LOADS:
+        return
+    scalar = len(re.findall(r"ld\.global(?:\.nc)?\.b16", ptx))
+    assert scalar == 0 and "ld.global.v4.b32" in ptx, f"{what}: {scalar} 2-byte loads, B should load 16 bytes a time"
+
+
+def sgmv_kernels():
+    from loraplex.ops import sgmv_kernels as k
+    return k
+
+
+def lora_loads(dtype: str, arch: int) -> None:
+    """The decode step's LoRA readers at Llama-2-7B's shapes, ints specialized as a launch does (R = 16, widths
+    and row strides multiples of 16, unit column strides 1): their B blocks compile to 16-byte loads."""
+    from loraplex.ops import fused_lora_kernels as k, fused_lora_rms_split as ks
+    div = ("R", "I", "H", "HALF", "n0", "n1", "n2", "n3", "c0", "c1", "c2", "c3", "n_per_prog", "stride_pm",
+           "stride_p_split", "stride_p_slice", "stride_gu", "stride_out", "stride_x", "stride_r", "stride_s",
+           "stride_ym", "stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh")
+    ptx = _compile(k._silu_and_mul_lora_kernel, dict(gu_ptr="*" + dtype, out_ptr="*" + dtype, b0="*" + dtype,
+                                                     b1="*" + dtype, rk0="*i32", rk1="*i32", sc0="*fp32",
+                                                     sc1="*fp32", **LORA_POINTERS),
+                   dict(ONE_R_TILE=True, SPLIT_K=1, BLOCK_R=16, BLOCK=k.SILU_BLOCK, COMPILED=True), arch, 4,
+                   divisible=div)
+    _vector_b_loads(ptx, dtype, f"silu_and_mul_lora {dtype} sm_{arch}")
+    ptx = _compile(k._rope_lora_kernel, dict(q_ptr="*" + dtype, k_ptr="*" + dtype, v_ptr="*" + dtype, pos_ptr="*i64",
+                                             inv_freq_ptr="*fp32", b0="*" + dtype, b1="*" + dtype, b2="*" + dtype,
+                                             rk0="*i32", rk1="*i32", rk2="*i32", sc0="*fp32", sc1="*fp32",
+                                             sc2="*fp32", slot_active_ptr="*i32", **LORA_POINTERS),
+                   dict(ONE_R_TILE=True, SPLIT_K=1, BLOCK_R=16, BLOCK_H=k.ROPE_HEADS, BLOCK_D=64, COMPILED=True,
+                        IN_GEMM=False), arch, 2, divisible=div)
+    _vector_b_loads(ptx, dtype, f"rope_lora {dtype} sm_{arch}")
+    ptx = _compile(ks._rms_lora_sums_kernel, dict(x_ptr="*" + dtype, r_ptr="*" + dtype, s_ptr="*" + dtype,
+                                                  sumsq_ptr="*fp32", b_ptr="*" + dtype, rank_ptr="*i32",
+                                                  scale_ptr="*fp32", **LORA_POINTERS),
+                   dict(HAS_RESIDUAL=True, ONE_R_TILE=True, SPLIT_K=1, BLOCK_R=16, BLOCK=k.RMS_SPLIT, COMPILED=True),
+                   arch, 4, divisible=div)
+    _vector_b_loads(ptx, dtype, f"rms_norm_lora_split sums {dtype} sm_{arch}")
+    # The row-wise expand into an fp32 buffer (a "delta" projection): its only 16-bit loads are B's.
+    ptx = _compile(sgmv_kernels()._sgmv_expand_kernel, dict(y_ptr="*fp32", part_ptr="*fp32", sorted_rows_ptr="*i32",
+                                                  work_slot_ptr="*i32", work_start_ptr="*i32", work_end_ptr="*i32",
+                                                  b0="*" + dtype, b1="*" + dtype, b2="*" + dtype, b3="*" + dtype,
+                                                  rk0="*i32", rk1="*i32", rk2="*i32", rk3="*i32", sc0="*fp32",
+                                                  sc1="*fp32", sc2="*fp32", sc3="*fp32"),
+                   dict(NUM_SLICES=2, SPLIT_K=1, BLOCK_M=16, BLOCK_N=256, BLOCK_R=16, ONE_R_TILE=True,
+                        PRECISION="split" if dtype == "bf16" else "tf32x3", ACCUMULATE=False, ROWWISE=1,
+                        ROWS_BLOCK_N=512, ROWS_PREFETCH=False, TILE_PREFETCH=False, stride_yn=1),
+                   arch, 4, 2, divisible=div)
+    _vector_b_loads(ptx, dtype, f"row-wise expand {dtype} sm_{arch}")
+
+
 KERNELS = {"rms_norm": rms_norm, "silu_and_mul": silu, "rope": rope, "rms_norm_lora": rms_norm_lora,
            "rms_norm_lora_split": rms_norm_lora_split, "silu_and_mul_lora": silu_lora, "rope_lora": rope_lora,
-           "silu_shrink": silu_shrink, "rms_shrink": rms_shrink}
+           "silu_shrink": silu_shrink, "rms_shrink": rms_shrink, "lora_loads": lora_loads}
 
 
 @pytest.mark.parametrize("kernel", list(KERNELS))

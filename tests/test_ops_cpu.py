@@ -3,6 +3,7 @@ interpreter) against the float64 loop of the documented semantics, on fresh rand
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -152,11 +153,24 @@ def test_prefetching_tile_expand_gives_the_plain_ones_bits(R, accumulate, monkey
 
 @pytest.mark.parametrize("value, expected", [
     ("", {}), ("prefetch", dict(tile_prefetch=True)),
+    ("noprefetch,n128", dict(tile_prefetch=False, expand_block_n=128)),
     (" N64 , epps4", dict(expand_block_n=64, expand_programs_per_sm=4.0)),
     ("epps2.5,ew8,", dict(expand_programs_per_sm=2.5, expand_warps=8))])
 def test_prefill_options(value, expected, monkeypatch):
     monkeypatch.setenv("LORAPLEX_LORA_PREFILL", value)
     assert sgmv._prefill_options() == expected
+
+
+def test_prefill_default_and_plain_settings_round_trip():
+    """The prompt tiles' default is the prefetching expand over 64 columns (unless the environment changes it);
+    its description, and "noprefetch,n128,epps2", are LORAPLEX_LORA_PREFILL values that give the configs back."""
+    if not os.environ.get("LORAPLEX_LORA_PREFILL"):
+        assert sgmv.CONFIGS[64] == sgmv.PREFILL_DEFAULT
+    assert sgmv.describe_prefill(sgmv.PREFILL_DEFAULT) == "prefetch,n64,epps4,ew4"
+    for cfg in (sgmv.PREFILL_DEFAULT, sgmv.PREFILL_PLAIN):
+        assert dataclasses.replace(sgmv.PREFILL_PLAIN, **sgmv._prefill_options(sgmv.describe_prefill(cfg))) == cfg
+    assert dataclasses.replace(sgmv.PREFILL_DEFAULT, **sgmv._prefill_options("noprefetch,n128,epps2")) == \
+        sgmv.PREFILL_PLAIN
 
 
 @pytest.mark.parametrize("value", ["n512", "n48", "epps", "epps-1", "epps0", "ew3", "fetch", "prefetch,n"])
@@ -621,3 +635,20 @@ def test_side_stream_that_is_the_captured_stream_falls_back_and_says_so(monkeypa
     assert [r.getMessage() for r in caplog.records] == [
         "the LoRA side stream is the stream being captured: that graph runs its LoRA kernels in the plain order, "
         "without the overlap"]
+
+
+def test_vector_loads_switch_picks_the_rank_mask():
+    """LORAPLEX_LORA_VECTOR_LOADS (read at import): on by default, B read over 16-column steps of the rank;
+    off, at the rank itself (the code before, for runs against it); a bad value names the variable."""
+    import subprocess
+    import sys
+    if os.environ.get("LORAPLEX_LORA_VECTOR_LOADS") is None:
+        assert sgmv_kernels.VECTOR_LOADS and sgmv_kernels._rank_cols is sgmv_kernels._rank_cols_vector
+    probe = "from loraplex.ops import sgmv_kernels as k; print(k._rank_cols.fn.__name__)"
+    for value, want in (("off", "_rank_cols_exact"), ("1", "_rank_cols_vector")):
+        out = subprocess.run([sys.executable, "-c", probe], env=dict(os.environ, LORAPLEX_LORA_VECTOR_LOADS=value),
+                             capture_output=True, text=True, check=True).stdout
+        assert out.strip() == want
+    bad = subprocess.run([sys.executable, "-c", probe], env=dict(os.environ, LORAPLEX_LORA_VECTOR_LOADS="wide"),
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "LORAPLEX_LORA_VECTOR_LOADS='wide'" in bad.stderr

@@ -94,26 +94,28 @@ def test_rowwise_kernels_match_float64_loop(dtype, popularity, Ns, mode, rows):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("Ns", [(4096, 4096, 4099), (11008, 11011)])
-@pytest.mark.parametrize("options", [dict(tile_prefetch=True), dict(tile_prefetch=True, expand_block_n=64,
-                                                                    expand_programs_per_sm=4.0)])
-def test_prefill_expand_options_match_float64_loop(dtype, Ns, options):
-    """The large tiles' expand options (LORAPLEX_LORA_PREFILL) on prompt-sized segments of Llama-2-7B's shapes
-    (and widths 3 past them, so that a step's columns are cut short): the float64 loop's values, and with the y
-    tile loaded a step ahead the plain expand's bits. Against sgmv.PREFILL_DEFAULT, whatever the environment."""
-    rng = np.random.default_rng(stable_seed("prefill-options", str(dtype), Ns, sorted(options)))
+@pytest.mark.parametrize("pair", ["plain+prefetch", "plain:default", "default-prefetch:default"])
+def test_prefill_expand_options_match_float64_loop(dtype, Ns, pair):
+    """The large tiles' expand settings (sgmv.PREFILL_PLAIN, the default before 2026-12-02; PREFILL_DEFAULT, the
+    y tile a step ahead over 64 columns; LORAPLEX_LORA_PREFILL changes them) on prompt-sized segments of
+    Llama-2-7B's shapes (and widths 3 past them, so that a step's columns are cut short): the float64 loop's
+    values, and with the y tile loaded a step ahead the same columns' bits without it. Whatever the environment."""
+    plain, default = sgmv.PREFILL_PLAIN, sgmv.PREFILL_DEFAULT
+    base, cfg = {"plain+prefetch": (plain, dataclasses.replace(plain, tile_prefetch=True)),
+                 "plain:default": (plain, default),
+                 "default-prefetch:default": (dataclasses.replace(default, tile_prefetch=False), default)}[pair]
+    rng = np.random.default_rng(stable_seed("prefill-options", str(dtype), Ns, pair))
     case = make_case(rng, seg_lens=[320, 1, 511, 64, 129, 3], popularity="distinct", K=4096, Ns=Ns, R=16,
                      ranks="mixed", dtype=dtype, device="cuda", none_frac=0.2, y_offset=2, extra_cols=3)
-    base = sgmv.PREFILL_DEFAULT
     outs = []
-    for cfg in (base, dataclasses.replace(base, **options)):
+    for c in (base, cfg):
         y = case.y0.clone()
-        sgmv.add_lora(y, case.x, case.lora_a, case.lora_b, case.batch(block_m=64), case.ranks, case.scalings, 2,
-                      cfg)
+        sgmv.add_lora(y, case.x, case.lora_a, case.lora_b, case.batch(block_m=64), case.ranks, case.scalings, 2, c)
         outs.append(y)
     untouched = case.untouched()
     assert torch.equal(outs[1][untouched], case.y0[untouched])
     assert rel_err(outs[1], case.oracle(), case.y0) <= TOL[dtype]
-    if options.get("expand_block_n", base.expand_block_n) == base.expand_block_n:
+    if cfg.expand_block_n == base.expand_block_n:
         assert torch.equal(outs[0], outs[1])
 
 

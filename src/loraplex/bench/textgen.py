@@ -20,7 +20,7 @@ import time
 import torch
 
 from ..config import EngineConfig
-from ..ops import overlap, sgmv, stream_priority
+from ..ops import overlap, sgmv, sgmv_kernels, stream_priority
 from .ceiling import StepBytes, copy_bandwidth_gbs, run_ceiling_tokens_per_s, simulate_ceiling
 from .schedule import simulate_schedule
 from .report import markdown, plot, ratios
@@ -209,7 +209,10 @@ def run(args: argparse.Namespace) -> int:
                   else args.admission_lookahead, lora_rowwise=os.environ.get("LORAPLEX_LORA_ROWWISE", "1"),
                   # unset: 512 columns a row-wise expand step at rank 16 (sgmv.rows_block_n_for)
                   lora_rows=os.environ.get("LORAPLEX_LORA_ROWS") or f"n{sgmv.ROWS_WIDE_BLOCK_N} at rank <= 16",
-                  lora_prefill=os.environ.get("LORAPLEX_LORA_PREFILL") or None,   # the prompt tiles' expand options
+                  # the prompt tiles' expand; runs before 2026-12-02's sixteenth session recorded the environment's
+                  # value: None was noprefetch,n128,epps2,ew4 (sgmv.PREFILL_PLAIN)
+                  lora_prefill=sgmv.describe_prefill(sgmv.CONFIGS[64]),
+                  lora_vector_loads=sgmv_kernels.VECTOR_LOADS,   # B read 16 bytes at a time (no key before: False)
                   lora_in_gemm=EngineConfig.lora_in_gemm if args.lora_in_gemm is None else args.lora_in_gemm,
                   preload_adapters=args.preload_adapters, adapter_host_reserve_gib=args.adapter_host_reserve_gib,
                   overlap_admissions=EngineConfig.overlap_admissions
