@@ -248,14 +248,15 @@ def lora_loads(dtype: str, arch: int) -> None:
                    dict(HAS_RESIDUAL=True, ONE_R_TILE=True, SPLIT_K=1, BLOCK_R=16, BLOCK=k.RMS_SPLIT, COMPILED=True),
                    arch, 4, divisible=div)
     _vector_b_loads(ptx, dtype, f"rms_norm_lora_split sums {dtype} sm_{arch}")
-    # The row-wise expand into an fp32 buffer (a "delta" projection): its only 16-bit loads are B's.
+    # The row-wise expand into an fp32 buffer (a "delta" projection): its only 16-bit loads are B's. ROWWISE=2
+    # leaves the tile path (whose B feeds the tensor cores, still at the exact rank mask) out of the binary.
     ptx = _compile(sgmv_kernels()._sgmv_expand_kernel, dict(y_ptr="*fp32", part_ptr="*fp32", sorted_rows_ptr="*i32",
                                                   work_slot_ptr="*i32", work_start_ptr="*i32", work_end_ptr="*i32",
                                                   b0="*" + dtype, b1="*" + dtype, b2="*" + dtype, b3="*" + dtype,
                                                   rk0="*i32", rk1="*i32", rk2="*i32", rk3="*i32", sc0="*fp32",
                                                   sc1="*fp32", sc2="*fp32", sc3="*fp32"),
                    dict(NUM_SLICES=2, SPLIT_K=1, BLOCK_M=16, BLOCK_N=256, BLOCK_R=16, ONE_R_TILE=True,
-                        PRECISION="split" if dtype == "bf16" else "tf32x3", ACCUMULATE=False, ROWWISE=1,
+                        PRECISION="split" if dtype == "bf16" else "tf32x3", ACCUMULATE=False, ROWWISE=2,
                         ROWS_BLOCK_N=512, ROWS_PREFETCH=False, TILE_PREFETCH=False, stride_yn=1),
                    arch, 4, 2, divisible=div)
     _vector_b_loads(ptx, dtype, f"row-wise expand {dtype} sm_{arch}")

@@ -643,9 +643,9 @@ def test_vector_loads_switch_picks_the_rank_mask():
     import subprocess
     import sys
     if os.environ.get("LORAPLEX_LORA_VECTOR_LOADS") is None:
-        assert sgmv_kernels.VECTOR_LOADS and sgmv_kernels._rank_cols is sgmv_kernels._rank_cols_vector
-    probe = "from loraplex.ops import sgmv_kernels as k; print(k._rank_cols.fn.__name__)"
-    for value, want in (("off", "_rank_cols_exact"), ("1", "_rank_cols_vector")):
+        assert sgmv_kernels.VECTOR_LOADS and sgmv_kernels._load_rank_block is sgmv_kernels._rank_block_vector
+    probe = "from loraplex.ops import sgmv_kernels as k; print(k._load_rank_block.fn.__name__)"
+    for value, want in (("off", "_rank_block_exact"), ("1", "_rank_block_vector")):
         out = subprocess.run([sys.executable, "-c", probe], env=dict(os.environ, LORAPLEX_LORA_VECTOR_LOADS=value),
                              capture_output=True, text=True, check=True).stdout
         assert out.strip() == want

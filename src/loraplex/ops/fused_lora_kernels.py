@@ -19,7 +19,7 @@ import triton.language as tl
 
 from .fused_kernels import COMPILED, _cos_sin, _inv, _norm_output, _pow2, _rotate, _round, _rstd, _silu_mul
 from .launch import Launcher
-from .sgmv_kernels import _rank_cols
+from .sgmv_kernels import _load_rank_block
 
 
 @triton.jit
@@ -49,18 +49,16 @@ def _product(part_row, b_slot, rank, scale, cols, mask, R, stride_p_split, v, of
     """fp32 [BLOCK]: scale · Σ_{r<rank} v[r] · B[cols, r] (B: this slot's [N, R] block). ONE_R_TILE (R ≤
     BLOCK_R): `v` (with `offs_r`, `r_mask`) is the row's, loaded once by the caller; else loaded here,
     BLOCK_R ranks at a time."""
-    if ONE_R_TILE:   # B read over `_rank_cols` (16-byte loads), zero past the rank
-        b = tl.load(b_slot + cols[:, None] * R + offs_r[None, :],
-                    mask=mask[:, None] & _rank_cols(offs_r, rank, R)[None, :], other=0.0)
-        b = tl.where(r_mask[None, :], b, tl.zeros_like(b))
+    if ONE_R_TILE:   # B through `_load_rank_block` (16-byte loads), zero past the rank
+        b = _load_rank_block(b_slot + cols[:, None] * R + offs_r[None, :], mask[:, None], offs_r[None, :],
+                             r_mask[None, :], rank, R)
         acc = tl.sum(b.to(tl.float32) * v[None, :], axis=1)
     else:
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for r0 in range(0, rank, BLOCK_R):
             v_r, offs_rr, r_mask_r = _v(part_row, r0, rank, stride_p_split, SPLIT_K, BLOCK_R)
-            b = tl.load(b_slot + cols[:, None] * R + offs_rr[None, :],
-                        mask=mask[:, None] & _rank_cols(offs_rr, rank, R)[None, :], other=0.0)
-            b = tl.where(r_mask_r[None, :], b, tl.zeros_like(b))
+            b = _load_rank_block(b_slot + cols[:, None] * R + offs_rr[None, :], mask[:, None], offs_rr[None, :],
+                                 r_mask_r[None, :], rank, R)
             acc += tl.sum(b.to(tl.float32) * v_r[None, :], axis=1)
     return acc * scale
 
@@ -71,17 +69,15 @@ def _product_2d(part_row, b_slot, rank, scale, cols, mask, R, stride_p_split, v,
                 BLOCK_D: tl.constexpr):
     """`_product` over a [BLOCK_H, BLOCK_D] tile of columns (heads × half a head)."""
     if ONE_R_TILE:
-        b = tl.load(b_slot + cols[:, :, None] * R + offs_r[None, None, :],
-                    mask=mask[:, :, None] & _rank_cols(offs_r, rank, R)[None, None, :], other=0.0)
-        b = tl.where(r_mask[None, None, :], b, tl.zeros_like(b))
+        b = _load_rank_block(b_slot + cols[:, :, None] * R + offs_r[None, None, :], mask[:, :, None],
+                             offs_r[None, None, :], r_mask[None, None, :], rank, R)
         acc = tl.sum(b.to(tl.float32) * v[None, None, :], axis=2)
     else:
         acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
         for r0 in range(0, rank, BLOCK_R):
             v_r, offs_rr, r_mask_r = _v(part_row, r0, rank, stride_p_split, SPLIT_K, BLOCK_R)
-            b = tl.load(b_slot + cols[:, :, None] * R + offs_rr[None, None, :],
-                        mask=mask[:, :, None] & _rank_cols(offs_rr, rank, R)[None, None, :], other=0.0)
-            b = tl.where(r_mask_r[None, None, :], b, tl.zeros_like(b))
+            b = _load_rank_block(b_slot + cols[:, :, None] * R + offs_rr[None, None, :], mask[:, :, None],
+                                 offs_rr[None, None, :], r_mask_r[None, None, :], rank, R)
             acc += tl.sum(b.to(tl.float32) * v_r[None, None, :], axis=2)
     return acc * scale
 

@@ -171,33 +171,43 @@ def _load_v(part_ptr, rows, m_mask, r0, rank, stride_p_split, stride_pm,
 
 
 @triton.jit
-def _rank_cols_vector(offs_r, rank, R):
-    """The rank columns of B that a load reads: those below `rank` rounded up to 16, and below R. A mask that is
-    constant over 16 columns lets Triton load 16 bytes at a time where R is a multiple of 16 (it specializes
-    such ints); masking at the rank itself compiled to 2-byte loads (sm_90 PTX: tests/test_fused_compile.py
-    counts them). The columns read past the rank are zeroed by the caller (`r_mask`): what the pool holds
-    there is not this adapter's. A 16-column step of a 16-bit B row is one 32-byte sector: no more bytes."""
-    return offs_r < tl.minimum((rank + 15) // 16 * 16, R)
+def _load_b(b_base, offs_n, n_mask, offs_r, r_mask, R):
+    """B[slot][offs_n, offs_r] as [BLOCK_N, BLOCK_R], in memory order (transposed in registers for the dot)."""
+    return tl.load(b_base + offs_n[:, None] * R + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
 
 
 @triton.jit
-def _rank_cols_exact(offs_r, rank, R):
-    """The columns below the rank only (2-byte loads): before 2026-12-02's sixteenth session."""
-    return offs_r < rank
+def _rank_block_vector(ptrs, col_mask, offs_r, r_mask, rank, R):
+    """A block of B (columns × rank, `offs_r`/`r_mask` broadcast along the last axis), zero past the rank. It
+    reads the rank rounded up to 16 (and below R): a mask constant over 16 columns lets Triton load 16 bytes at
+    a time where R is a multiple of 16 (it specializes such ints), where a mask at the rank itself compiled
+    to 2-byte loads (sm_90 PTX: tests/test_fused_compile.py counts them). The columns past the rank are zeroed
+    in registers: what the pool holds there is not this adapter's. 16 columns of a 16-bit B row are one
+    32-byte sector, so no more bytes move."""
+    b = tl.load(ptrs, mask=col_mask & (offs_r < tl.minimum((rank + 15) // 16 * 16, R)), other=0.0)
+    return tl.where(r_mask, b, tl.zeros_like(b))
 
 
-# LORAPLEX_LORA_VECTOR_LOADS=off reads B at the rank itself, for runs against the code before; which function
-# the kernels call is part of their source, so Triton compiles (and caches) each choice apart.
+@triton.jit
+def _rank_block_exact(ptrs, col_mask, offs_r, r_mask, rank, R):
+    """The same block read at the rank itself (2-byte loads): the code before 2026-12-02's sixteenth session."""
+    return tl.load(ptrs, mask=col_mask & r_mask, other=0.0)
+
+
+# The CUDA-core readers of B (the row-wise expand and the consumers of fused_lora_kernels.py) load it through
+# `_load_rank_block`; the tile expand keeps `_load_b`, whose loads feed the tensor cores through shared memory
+# (16-byte loads there took twice the shared memory a program). LORAPLEX_LORA_VECTOR_LOADS=off: the exact mask,
+# for runs against the code before; which function the kernels call is part of their source, so Triton
+# compiles (and caches) each choice apart.
 VECTOR_LOADS = env_switch("LORAPLEX_LORA_VECTOR_LOADS", "on", on="on", off="off") == "on"
-_rank_cols = _rank_cols_vector if VECTOR_LOADS else _rank_cols_exact
+_load_rank_block = _rank_block_vector if VECTOR_LOADS else _rank_block_exact
 
 
 @triton.jit
-def _load_b(b_base, offs_n, n_mask, offs_r, r_mask, c_mask, R):
-    """B[slot][offs_n, offs_r] as [BLOCK_N, BLOCK_R], in memory order (transposed in registers for the dot),
-    zero past the rank (`r_mask`); `c_mask`: `_rank_cols`, what is read."""
-    b = tl.load(b_base + offs_n[:, None] * R + offs_r[None, :], mask=n_mask[:, None] & c_mask[None, :], other=0.0)
-    return tl.where(r_mask[None, :], b, tl.zeros_like(b))
+def _load_b_rows(b_base, offs_n, n_mask, offs_r, r_mask, rank, R):
+    """`_load_b` for the row-wise expand, through `_load_rank_block`."""
+    return _load_rank_block(b_base + offs_n[:, None] * R + offs_r[None, :], n_mask[:, None], offs_r[None, :],
+                            r_mask[None, :], rank, R)
 
 
 @triton.jit
@@ -246,7 +256,6 @@ def _expand_tile(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, s
         y_rows = y_ptr + rows[:, None] * stride_ym
         if ONE_R_TILE:
             v, offs_r, r_mask = _load_v(part_ptr, rows, m_mask, 0, rank, stride_p_split, stride_pm, SPLIT_K, BLOCK_R)
-            c_mask = _rank_cols(offs_r, rank, R)
         cols = tl.arange(0, BLOCK_N)
         if PREFETCH and ACCUMULATE:
             y_next = tl.load(y_rows + (col0 + n_begin + cols)[None, :] * stride_yn,
@@ -270,13 +279,12 @@ def _expand_tile(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, s
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             if ONE_R_TILE:
                 # The whole rank fits one tile: v (loaded once, above) stays in registers.
-                acc = _dot_v_b(v, _load_b(b_base, offs_n, n_mask, offs_r, r_mask, c_mask, R), acc, PRECISION)
+                acc = _dot_v_b(v, _load_b(b_base, offs_n, n_mask, offs_r, r_mask, R), acc, PRECISION)
             else:
                 for r0 in range(0, rank, BLOCK_R):
                     v_r, offs_rr, r_mask_r = _load_v(part_ptr, rows, m_mask, r0, rank, stride_p_split, stride_pm,
                                                      SPLIT_K, BLOCK_R)
-                    acc = _dot_v_b(v_r, _load_b(b_base, offs_n, n_mask, offs_rr, r_mask_r,
-                                                _rank_cols(offs_rr, rank, R), R), acc, PRECISION)
+                    acc = _dot_v_b(v_r, _load_b(b_base, offs_n, n_mask, offs_rr, r_mask_r, R), acc, PRECISION)
             tl.store(y_ptrs, (y_old + acc * scale).to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
@@ -298,18 +306,17 @@ def _expand_tile_rows(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_p
         b_base = b_ptr + slot.to(tl.int64) * N * R
         offs_r = tl.arange(0, BLOCK_R)
         r_mask = offs_r < rank
-        c_mask = _rank_cols(offs_r, rank, R)
         if PREFETCH:
             offs_first = n_begin + tl.arange(0, BLOCK_N)
-            b_next = _load_b(b_base, offs_first, offs_first < n_end, offs_r, r_mask, c_mask, R)
+            b_next = _load_b_rows(b_base, offs_first, offs_first < n_end, offs_r, r_mask, rank, R)
         for n0 in range(n_begin, n_end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_mask = offs_n < n_end
             if PREFETCH:
                 b = b_next.to(tl.float32)
-                b_next = _load_b(b_base, offs_n + BLOCK_N, offs_n + BLOCK_N < n_end, offs_r, r_mask, c_mask, R)
+                b_next = _load_b_rows(b_base, offs_n + BLOCK_N, offs_n + BLOCK_N < n_end, offs_r, r_mask, rank, R)
             else:
-                b = _load_b(b_base, offs_n, n_mask, offs_r, r_mask, c_mask, R).to(tl.float32)
+                b = _load_b_rows(b_base, offs_n, n_mask, offs_r, r_mask, rank, R).to(tl.float32)
             for m in range(start, end):
                 row = tl.load(sorted_rows_ptr + m).to(tl.int64)
                 y_ptrs = y_ptr + row * stride_ym + (col0 + offs_n) * stride_yn
