@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (~9 minutes on an H200): B blocks read 16 bytes at a time (sgmv_kernels._rank_cols,
+# One device call (~9 minutes on an H200): B blocks read 16 bytes at a time (sgmv_kernels._load_rank_block,
 # LORAPLEX_LORA_VECTOR_LOADS) against the 2-byte loads before, each setting in its own processes (the setting is
 # read at import). First the GPU tests of the kernels that read B, against their oracles; then a batch-32 decode
 # forward in a CUDA graph (trace_decode_graph.py: backbone and today's path, paired rounds, and the timeline of

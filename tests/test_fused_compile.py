@@ -210,22 +210,18 @@ def rms_shrink(dtype: str, arch: int) -> None:
 
 
 def _vector_b_loads(ptx: str, dtype: str, what: str) -> None:
-    """A 16-bit B block read 16 bytes at a time (sgmv_kernels._rank_cols): no 2-byte global loads are left."""
-    if dtype == "fp32" or not sgmv_kernels().VECTOR_LOADS:
+    """A 16-bit B block read 16 bytes at a time (sgmv_kernels._load_rank_block): no 2-byte global loads are left."""
+    from loraplex.ops import sgmv_kernels
+    if dtype == "fp32" or not sgmv_kernels.VECTOR_LOADS:
         return
     scalar = len(re.findall(r"ld\.global(?:\.nc)?\.b16", ptx))
     assert scalar == 0 and "ld.global.v4.b32" in ptx, f"{what}: {scalar} 2-byte loads, B should load 16 bytes a time"
 
 
-def sgmv_kernels():
-    from loraplex.ops import sgmv_kernels as k
-    return k
-
-
 def lora_loads(dtype: str, arch: int) -> None:
     """The decode step's LoRA readers at Llama-2-7B's shapes, ints specialized as a launch does (R = 16, widths
     and row strides multiples of 16, unit column strides 1): their B blocks compile to 16-byte loads."""
-    from loraplex.ops import fused_lora_kernels as k, fused_lora_rms_split as ks
+    from loraplex.ops import fused_lora_kernels as k, fused_lora_rms_split as ks, sgmv_kernels
     div = ("R", "I", "H", "HALF", "n0", "n1", "n2", "n3", "c0", "c1", "c2", "c3", "n_per_prog", "stride_pm",
            "stride_p_split", "stride_p_slice", "stride_gu", "stride_out", "stride_x", "stride_r", "stride_s",
            "stride_ym", "stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh")
@@ -250,7 +246,7 @@ def lora_loads(dtype: str, arch: int) -> None:
     _vector_b_loads(ptx, dtype, f"rms_norm_lora_split sums {dtype} sm_{arch}")
     # The row-wise expand into an fp32 buffer (a "delta" projection): its only 16-bit loads are B's. ROWWISE=2
     # leaves the tile path (whose B feeds the tensor cores, still at the exact rank mask) out of the binary.
-    ptx = _compile(sgmv_kernels()._sgmv_expand_kernel, dict(y_ptr="*fp32", part_ptr="*fp32", sorted_rows_ptr="*i32",
+    ptx = _compile(sgmv_kernels._sgmv_expand_kernel, dict(y_ptr="*fp32", part_ptr="*fp32", sorted_rows_ptr="*i32",
                                                   work_slot_ptr="*i32", work_start_ptr="*i32", work_end_ptr="*i32",
                                                   b0="*" + dtype, b1="*" + dtype, b2="*" + dtype, b3="*" + dtype,
                                                   rk0="*i32", rk1="*i32", rk2="*i32", rk3="*i32", sc0="*fp32",
