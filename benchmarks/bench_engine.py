@@ -41,7 +41,7 @@ from bench_model import adapter_bytes, kv_bytes, weight_bytes  # noqa: E402
 from loraplex import SamplingParams  # noqa: E402
 from loraplex.config import EngineConfig  # noqa: E402
 from loraplex.engine import Engine  # noqa: E402
-from loraplex.ops import sgmv, sgmv_kernels  # noqa: E402
+from loraplex.ops import overlap, sgmv, sgmv_kernels  # noqa: E402
 
 RANK = 16
 OUTPUT_TOKENS = 128
@@ -173,6 +173,8 @@ def main(argv=None) -> None:
                   prefill_default=sgmv.describe_prefill(sgmv.PREFILL_DEFAULT),   # before 2026-12-02 (no key): plain
                   prefill_configs={v: sgmv.describe_prefill(c) for v, c in prefill_configs.items()},
                   vector_loads=sgmv_kernels.VECTOR_LOADS,   # LORAPLEX_LORA_VECTOR_LOADS (no key before: off)
+                  vector_loads_setting=sgmv_kernels.VECTOR_LOADS_SETTING,   # no key before the seventeenth session
+                  decode_extra_fused=sorted(overlap.DECODE_EXTRA_FUSED),    # no key before the seventeenth session: []
                   copy_gbs=copy_gbs, rows=rows)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

@@ -104,6 +104,8 @@ def main(argv=None) -> dict:
                   torch=torch.__version__, preset=args.preset, layers=c.num_hidden_layers, rank=RANK,
                   context=args.context, copy_gbs=copy_gbs, carveout_mode=args.carveout_mode,
                   fused_projections=sorted(overlap.FUSED_PROJECTIONS), fused_min_rows=overlap.FUSED_MIN_ROWS,
+                  decode_extra_fused=sorted(overlap.DECODE_EXTRA_FUSED),   # no key before the seventeenth session: []
+                  decode_extra_max_rows=overlap.DECODE_EXTRA_MAX_ROWS,
                   rows=rows)   # decode forwards of fewer rows than fused_min_rows: q/k/v's product alone
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))

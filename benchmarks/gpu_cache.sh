@@ -27,3 +27,12 @@ save_triton_cache() {
   fi
   rm -f "$packed"
 }
+
+# The device scripts' common start: the cache restored and src importable. `left`: the seconds to DEADLINE (a
+# script's own default, else 540), after which a script starts no new part.
+gpu_script_start() {
+  restore_triton_cache
+  export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+}
+
+left() { echo $((${DEADLINE:-540} - SECONDS)); }

@@ -9,10 +9,7 @@
 set -u
 OUT=${OUT:-benchmarks/results}
 . "$(dirname "$0")/gpu_cache.sh"
-restore_triton_cache
-export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
-DEADLINE=${DEADLINE:-540}
-left() { echo $((DEADLINE - SECONDS)); }
+gpu_script_start
 if [ "${TESTS:-1}" = 1 ]; then
   echo "== GPU tests at ${SECONDS}s"
   timeout 200 python -m pytest -m gpu -q -rA -p no:cacheprovider tests/test_ops_gpu.py tests/test_lora_product_gpu.py \

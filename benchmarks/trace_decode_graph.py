@@ -156,6 +156,7 @@ def variant(name: str):
         projs, rms_split, boundaries = PRODUCT_VARIANTS[name]
         patches.append(mock.patch.object(overlap, "FUSED_PROJECTIONS", frozenset(projs)))
         patches.append(mock.patch.object(overlap, "FUSED_MIN_ROWS", 1))   # at any batch, as the variant says
+        patches.append(mock.patch.object(overlap, "DECODE_EXTRA_FUSED", frozenset()))   # only `projs`
         patches.append(mock.patch.object(fused_lora_kernels, "RMS_SPLIT", rms_split))
         patches.append(mock.patch.object(llama, "FUSED_BOUNDARIES", boundaries))
     if name in ("o_in_attention", "o_in_attention_late", "o_in_attention_silu"):
@@ -170,6 +171,16 @@ def variant(name: str):
     if name in ROPE_HEADS_VARIANTS:   # heads per RoPE program (fused_lora_kernels.ROPE_HEADS, 4): more programs
         from loraplex.ops import fused_lora_kernels
         patches.append(mock.patch.object(fused_lora_kernels, "ROPE_HEADS", ROPE_HEADS_VARIANTS[name]))
+    if name == "no_gate":   # the default before the seventeenth session: gate/up's product expanded apart
+        patches.append(mock.patch.object(overlap, "DECODE_EXTRA_FUSED", frozenset()))
+    if name == "silu_w8":
+        from loraplex.ops import fused_lora_kernels
+        patches.append(mock.patch.object(fused_lora_kernels, "SILU_WARPS", 8))
+    if name in KERNEL_VARIANTS:   # the decode config's kernel settings (sgmv.CONFIGS[16])
+        patches.append(kernel_settings(KERNEL_VARIANTS[name]))
+    if name in SILU_BLOCK_VARIANTS:   # columns per SiLU-and-mul program where it expands gate/up's product
+        from loraplex.ops import fused_lora_kernels
+        patches.append(mock.patch.object(fused_lora_kernels, "SILU_BLOCK", SILU_BLOCK_VARIANTS[name]))
     if name in PRIORITY_VARIANTS:
         patches.append(mock.patch.object(overlap, "SIDE_STREAM_PRIORITY", PRIORITY_VARIANTS[name][0]))
         patches.append(mock.patch.dict(os.environ, {"LORAPLEX_GRAPH_PRIORITY": PRIORITY_VARIANTS[name][1]}))
@@ -277,6 +288,12 @@ SILU_TOO = {"boundary_od1024_silu"}
 PRODUCT_VARIANTS["boundary_od1024_silu"] = (QKV_O_DOWN, 1024, True)
 
 ROPE_HEADS_VARIANTS = {"rope_heads2": 2, "rope_heads1": 1, "rope_heads8": 8}
+# columns per SiLU-and-mul program (fused_lora_kernels.SILU_BLOCK, 512): matters where gate/up's product is left
+# to it ("all_split512+silu256")
+SILU_BLOCK_VARIANTS = {"silu256": 256, "silu1024": 1024}
+# the decode config's kernel settings: the row-wise expand's 512-column steps in 8 warps (64 registers a thread
+# against 120 in 4, sm_90 ptxas)
+KERNEL_VARIANTS = {"rows_ew8": dict(expand_warps=8)}
 # (side stream's priority, LORAPLEX_GRAPH_PRIORITY): PyTorch's numbering (lower is higher, 0 the lowest; -5 is
 # clamped to PyTorch's highest pool); a graph's kernels keep their stream's priority. Every other variant
 # captures as the engine does (stream_priority.priority_scheme(), "high" since the thirteenth session, whose probe named
@@ -306,6 +323,12 @@ VARIANTS = {
     "o_in_attention_late": "o_in_attention with A's tile loaded after the key walk (LORA_PREFETCH_A off)",
     "o_in_attention_silu": "o_in_attention with down's shrink inside SiLU-and-mul too",
     **{name: f"fused with {h} head(s) per RoPE program (4 today)" for name, h in ROPE_HEADS_VARIANTS.items()},
+    "no_gate": "fused without gate/up's product left to SiLU-and-mul at decode (overlap.DECODE_EXTRA_FUSED empty: "
+               "the default before the seventeenth session)",
+    "silu_w8": "SiLU-and-mul's programs in 8 warps where it expands gate/up's product (fused_lora_kernels.SILU_WARPS)",
+    "rows_ew8": "the decode config's expand in 8 warps (sgmv.CONFIGS[16].expand_warps, 4 today)",
+    **{name: f"{n} columns per SiLU-and-mul program (512 today; where it expands gate/up's product)"
+       for name, n in SILU_BLOCK_VARIANTS.items()},
     "graph_default": "fused captured on a stream of PyTorch's default priority, the side stream's (before the "
                      "thirteenth session: LORAPLEX_GRAPH_PRIORITY=default)",
     "side_high": "graph_default with the side stream (LoRA kernels) at the highest priority "

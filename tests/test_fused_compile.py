@@ -209,10 +209,11 @@ def rms_shrink(dtype: str, arch: int) -> None:
         assert re.search(r"mul\.rn(\.ftz)?\.f32", ptx), f"{what}: sum·(1/H) must be a separate product before + eps"
 
 
-def _vector_b_loads(ptx: str, dtype: str, what: str) -> None:
-    """A 16-bit B block read 16 bytes at a time (sgmv_kernels._load_rank_block): no 2-byte global loads are left."""
+def _vector_b_loads(ptx: str, dtype: str, what: str, rope: bool = False) -> None:
+    """A 16-bit B block read 16 bytes at a time (sgmv_kernels._load_rank_block): no 2-byte global loads are left.
+    `rope`: RoPE's kernel, whose B tiles keep the exact mask unless LORAPLEX_LORA_VECTOR_LOADS=on."""
     from loraplex.ops import sgmv_kernels
-    if dtype == "fp32" or not sgmv_kernels.VECTOR_LOADS:
+    if dtype == "fp32" or not sgmv_kernels.VECTOR_LOADS or (rope and sgmv_kernels.VECTOR_LOADS_SETTING != "on"):
         return
     scalar = len(re.findall(r"ld\.global(?:\.nc)?\.b16", ptx))
     assert scalar == 0 and "ld.global.v4.b32" in ptx, f"{what}: {scalar} 2-byte loads, B should load 16 bytes a time"
@@ -237,7 +238,7 @@ def lora_loads(dtype: str, arch: int) -> None:
                                              sc2="*fp32", slot_active_ptr="*i32", **LORA_POINTERS),
                    dict(ONE_R_TILE=True, SPLIT_K=1, BLOCK_R=16, BLOCK_H=k.ROPE_HEADS, BLOCK_D=64, COMPILED=True,
                         IN_GEMM=False), arch, 2, divisible=div)
-    _vector_b_loads(ptx, dtype, f"rope_lora {dtype} sm_{arch}")
+    _vector_b_loads(ptx, dtype, f"rope_lora {dtype} sm_{arch}", rope=True)
     ptx = _compile(ks._rms_lora_sums_kernel, dict(x_ptr="*" + dtype, r_ptr="*" + dtype, s_ptr="*" + dtype,
                                                   sumsq_ptr="*fp32", b_ptr="*" + dtype, rank_ptr="*i32",
                                                   scale_ptr="*fp32", **LORA_POINTERS),
@@ -258,14 +259,38 @@ def lora_loads(dtype: str, arch: int) -> None:
     _vector_b_loads(ptx, dtype, f"row-wise expand {dtype} sm_{arch}")
 
 
+def skinny_gemm(dtype: str, arch: int) -> None:
+    """ops/skinny_gemm_kernels.py at Llama-2-7B's widths (ints specialized as a launch does), unsplit and split
+    (the split's partials and counter): 16-bit w through tensor-core MMAs, pipelined with asynchronous copies."""
+    from loraplex.ops.skinny_gemm_kernels import _skinny_gemm_kernel as k
+    for split, block_n, block_k, stages in ((1, 64, 128, 4), (4, 128, 128, 3)):
+        ptx = _compile(k, dict(x_ptr="*" + dtype, w_ptr="*" + dtype, bias_ptr="*" + dtype, y_ptr="*" + dtype,
+                               part_ptr="*fp32", count_ptr="*i32"),
+                       dict(HAS_BIAS=split == 1, SPLIT_K=split, EVEN_N=True, EVEN_K=True, IEEE=dtype == "fp32",
+                            BLOCK_M=32, BLOCK_N=block_n, BLOCK_K=block_k), arch, 4, stages,
+                       divisible=("N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_ym"))
+        what = f"skinny_gemm {dtype} sm_{arch} split {split}"
+        if dtype != "fp32":
+            assert ("wgmma" if arch == 90 else "mma.sync") in ptx, f"{what}: no tensor-core MMA"
+        assert "cp.async" in ptx, f"{what}: w's loads are not pipelined"
+        if split > 1:
+            assert "atom.global" in ptx and "ld.global.cg" in ptx, f"{what}: no counter atomic or L2 loads"
+
+
 KERNELS = {"rms_norm": rms_norm, "silu_and_mul": silu, "rope": rope, "rms_norm_lora": rms_norm_lora,
            "rms_norm_lora_split": rms_norm_lora_split, "silu_and_mul_lora": silu_lora, "rope_lora": rope_lora,
-           "silu_shrink": silu_shrink, "rms_shrink": rms_shrink, "lora_loads": lora_loads}
+           "silu_shrink": silu_shrink, "rms_shrink": rms_shrink, "lora_loads": lora_loads,
+           "skinny_gemm": skinny_gemm}
 
 
-@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("kernel", [*KERNELS, "lora_loads:on"])
 def test_fused_kernel_compiles(kernel):
+    """Each kernel's variants compile; "lora_loads:on" checks the decode readers' 16-byte B loads with
+    LORAPLEX_LORA_VECTOR_LOADS=on, where RoPE's tiles take them too."""
+    kernel, _, vector_loads = kernel.partition(":")
     env = dict(os.environ, TRITON_INTERPRET="0")
+    if vector_loads:
+        env["LORAPLEX_LORA_VECTOR_LOADS"] = vector_loads
     proc = subprocess.run([sys.executable, str(Path(__file__)), kernel], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -221,6 +221,19 @@ def test_triton_kernels_in_the_interpreter_match_too(setup, overlap_mode, fused_
     assert set(split_calls) <= {rms_split}
 
 
+def _fused_path_calls(monkeypatch) -> dict[str, list[int]]:
+    """"fused" on, and the rows of each call of its "full" (linear_with_lora_delta) and "fused"
+    (linear_with_lora_product) paths, in call order."""
+    from loraplex.ops import overlap
+    monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", "fused")
+    calls = {"full": [], "fused": []}
+    for mode, name in (("full", "linear_with_lora_delta"), ("fused", "linear_with_lora_product")):
+        real = getattr(overlap, name)
+        monkeypatch.setattr(overlap, name, lambda *a, _real=real, _log=calls[mode], **kw: _log.append(a[0].shape[0])
+                            or _real(*a, **kw))
+    return calls
+
+
 def test_decode_forwards_of_few_rows_leave_only_the_qkv_product(setup, monkeypatch):
     """"fused" in a decode forward of fewer than overlap.FUSED_MIN_ROWS rows (here 3): only q/k/v's product goes
     to its consumer (RoPE), o's, gate/up's and down's take "full"'s way; a forward with prompts leaves every
@@ -229,14 +242,9 @@ def test_decode_forwards_of_few_rows_leave_only_the_qkv_product(setup, monkeypat
         pytest.skip("one configuration covers it (each run takes ~10 s here)")
     from loraplex.ops import overlap
     assert overlap.fused_projections(overlap.FUSED_MIN_ROWS - 1, decode=True) == {"q_proj"}
-    assert overlap.fused_projections(overlap.FUSED_MIN_ROWS, decode=True) == overlap.FUSED_PROJECTIONS > {"q_proj"}
+    assert overlap.fused_projections(overlap.FUSED_MIN_ROWS, decode=True) >= overlap.FUSED_PROJECTIONS > {"q_proj"}
     assert overlap.fused_projections(1, decode=False) == overlap.FUSED_PROJECTIONS
-    monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", "fused")
-    calls = {"full": [], "fused": []}
-    for mode, name in (("full", "linear_with_lora_delta"), ("fused", "linear_with_lora_product")):
-        real = getattr(overlap, name)
-        monkeypatch.setattr(overlap, name, lambda *a, _real=real, _log=calls[mode], **kw: _log.append(a[0].shape[0])
-                            or _real(*a, **kw))
+    calls = _fused_path_calls(monkeypatch)
     setup.model.backend = "triton"
     assert overlap.FUSED_MIN_ROWS > 4
     try:   # prompt chunks of 2, 1 and 1 tokens, then one decode row each
@@ -246,6 +254,30 @@ def test_decode_forwards_of_few_rows_leave_only_the_qkv_product(setup, monkeypat
     layers = setup.config.num_hidden_layers
     assert calls["fused"] == [4] * 3 * layers + [3] * layers          # q, o, down; then q alone
     assert calls["full"] == [4] * layers + [3] * 3 * layers           # gate/up; then o, gate/up, down
+
+
+def test_decode_forwards_of_up_to_32_rows_leave_gate_up_to_silu(setup, monkeypatch):
+    """"fused" in a decode forward of FUSED_MIN_ROWS to DECODE_EXTRA_MAX_ROWS rows (here 6): gate/up's product
+    goes to SiLU-and-mul too (overlap.DECODE_EXTRA_FUSED), while a forward with prompts keeps its expand. The
+    logits still match transformers + PEFT."""
+    if setup.variant != OFF_PATH_CONFIGS[0]:
+        pytest.skip("one configuration covers it (each run takes ~10 s here)")
+    from loraplex.ops import overlap
+    assert overlap.DECODE_EXTRA_FUSED == {"gate_proj"} and overlap.DECODE_EXTRA_MAX_ROWS == 32
+    assert overlap.fused_projections(6, decode=True) == overlap.FUSED_PROJECTIONS | {"gate_proj"}
+    assert overlap.fused_projections(32, decode=True) == overlap.FUSED_PROJECTIONS | {"gate_proj"}
+    assert overlap.fused_projections(33, decode=True) == overlap.FUSED_PROJECTIONS
+    assert overlap.fused_projections(6, decode=False) == overlap.FUSED_PROJECTIONS
+    calls = _fused_path_calls(monkeypatch)
+    setup.model.backend = "triton"
+    try:   # prompt chunks of 9 tokens in all, then one decode row each (gate/up's LoRA in three of them)
+        check_mixed_batch(setup, [("all-r8", 3, 1), ("mlp-patterned", 2, 1), (None, 1, 1), ("attn-r4", 1, 1),
+                                  ("all-r8", 1, 1), ("mlp-patterned", 1, 1)])
+    finally:
+        setup.model.backend = None
+    layers = setup.config.num_hidden_layers
+    assert calls["fused"] == [9] * 3 * layers + [6] * 4 * layers      # q, o, down; then q, o, gate/up, down
+    assert calls["full"] == [9] * layers                               # gate/up's expand with the prompts alone
 
 
 def test_eager_decode_steps_choose_the_fused_projections_their_graph_would():

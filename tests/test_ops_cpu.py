@@ -638,17 +638,21 @@ def test_side_stream_that_is_the_captured_stream_falls_back_and_says_so(monkeypa
 
 
 def test_vector_loads_switch_picks_the_rank_mask():
-    """LORAPLEX_LORA_VECTOR_LOADS (read at import): on by default, B read over 16-column steps of the rank;
-    off, at the rank itself (the code before, for runs against it); a bad value names the variable."""
+    """LORAPLEX_LORA_VECTOR_LOADS (read at import): "no-rope" by default, B read over 16-column steps of the rank
+    except in RoPE's tiles (fused_lora_kernels._product_2d); "on" there too; off, at the rank itself everywhere
+    (the code before, for runs against it); a bad value names the variable."""
     import subprocess
     import sys
     if os.environ.get("LORAPLEX_LORA_VECTOR_LOADS") is None:
-        assert sgmv_kernels.VECTOR_LOADS and sgmv_kernels._load_rank_block is sgmv_kernels._rank_block_vector
-    probe = "from loraplex.ops import sgmv_kernels as k; print(k._load_rank_block.fn.__name__)"
-    for value, want in (("off", "_rank_block_exact"), ("1", "_rank_block_vector")):
+        assert sgmv_kernels.VECTOR_LOADS_SETTING == "no-rope" and sgmv_kernels.VECTOR_LOADS
+        assert sgmv_kernels._load_rank_block is sgmv_kernels._rank_block_vector
+    probe = ("from loraplex.ops import sgmv_kernels as k, fused_lora_kernels as f; "
+             "print(k._load_rank_block.fn.__name__, f._load_rank_block_2d.fn.__name__)")
+    for value, want in (("off", "_rank_block_exact _rank_block_exact"), ("1", "_rank_block_vector _rank_block_vector"),
+                        ("No-Rope", "_rank_block_vector _rank_block_exact")):
         out = subprocess.run([sys.executable, "-c", probe], env=dict(os.environ, LORAPLEX_LORA_VECTOR_LOADS=value),
                              capture_output=True, text=True, check=True).stdout
-        assert out.strip() == want
+        assert out.strip() == want, value
     bad = subprocess.run([sys.executable, "-c", probe], env=dict(os.environ, LORAPLEX_LORA_VECTOR_LOADS="wide"),
                          capture_output=True, text=True)
     assert bad.returncode != 0 and "LORAPLEX_LORA_VECTOR_LOADS='wide'" in bad.stderr

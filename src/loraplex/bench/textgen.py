@@ -223,6 +223,8 @@ def run(args: argparse.Namespace) -> int:
                   # runs before the fourteenth session had no keys: ["q_proj"] and 0 (and no fused_min_rows:
                   # before its last runs, o/down were fused at every row count)
                   fused_projections=sorted(overlap.FUSED_PROJECTIONS), fused_min_rows=overlap.FUSED_MIN_ROWS,
+                  decode_extra_fused=sorted(overlap.DECODE_EXTRA_FUSED),   # no key before the seventeenth session: []
+                  decode_extra_max_rows=overlap.DECODE_EXTRA_MAX_ROWS,
                   rms_split=_rms_split(),
                   workload=dict(requests=args.requests, lengths=args.lengths, max_len=args.max_len, seed=args.seed,
                                 prompt_len=args.prompt_len, output_len=args.output_len,

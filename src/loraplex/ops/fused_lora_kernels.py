@@ -19,7 +19,10 @@ import triton.language as tl
 
 from .fused_kernels import COMPILED, _cos_sin, _inv, _norm_output, _pow2, _rotate, _round, _rstd, _silu_mul
 from .launch import Launcher
-from .sgmv_kernels import _load_rank_block
+from .sgmv_kernels import VECTOR_LOADS_SETTING, _load_rank_block, _rank_block_exact
+
+# RoPE's [heads, half head, rank] tiles: LORAPLEX_LORA_VECTOR_LOADS=no-rope keeps the exact mask there alone
+_load_rank_block_2d = _rank_block_exact if VECTOR_LOADS_SETTING == "no-rope" else _load_rank_block
 
 
 @triton.jit
@@ -69,15 +72,15 @@ def _product_2d(part_row, b_slot, rank, scale, cols, mask, R, stride_p_split, v,
                 BLOCK_D: tl.constexpr):
     """`_product` over a [BLOCK_H, BLOCK_D] tile of columns (heads × half a head)."""
     if ONE_R_TILE:
-        b = _load_rank_block(b_slot + cols[:, :, None] * R + offs_r[None, None, :], mask[:, :, None],
-                             offs_r[None, None, :], r_mask[None, None, :], rank, R)
+        b = _load_rank_block_2d(b_slot + cols[:, :, None] * R + offs_r[None, None, :], mask[:, :, None],
+                                offs_r[None, None, :], r_mask[None, None, :], rank, R)
         acc = tl.sum(b.to(tl.float32) * v[None, None, :], axis=2)
     else:
         acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
         for r0 in range(0, rank, BLOCK_R):
             v_r, offs_rr, r_mask_r = _v(part_row, r0, rank, stride_p_split, SPLIT_K, BLOCK_R)
-            b = _load_rank_block(b_slot + cols[:, :, None] * R + offs_rr[None, None, :], mask[:, :, None],
-                                 offs_rr[None, None, :], r_mask_r[None, None, :], rank, R)
+            b = _load_rank_block_2d(b_slot + cols[:, :, None] * R + offs_rr[None, None, :], mask[:, :, None],
+                                    offs_rr[None, None, :], r_mask_r[None, None, :], rank, R)
             acc += tl.sum(b.to(tl.float32) * v_r[None, None, :], axis=2)
     return acc * scale
 
@@ -241,6 +244,8 @@ RMS_STAGES = 2      # the row walk's loads pipelined this deep
 RMS_SPLIT = 512     # > 0: each row over programs of this many columns, two launches (fused_lora_rms_split.py, which
                     # gives its measurements); 0: one program a row
 SILU_BLOCK = 512
+SILU_WARPS = 0      # > 0: warps per SiLU-and-mul program; 0: one per 128 columns, at most 4 (148 registers a thread
+                    # at 512 columns, sm_90 ptxas; 76 in 8 warps)
 # heads per program; 2 and 1 measured 1.000× and 1.011× its decode forward time (H200, 2026-12-02, Llama-2-7B at
 # batch 32 in CUDA graphs, paired rounds: results/decode_graph_trace_oattn.json)
 ROPE_HEADS = 4
@@ -285,7 +290,7 @@ def silu_and_mul(gate_up, out, lora, block: int | None = None) -> None:
     p, row_slot, b0, b1, _, rk0, rk1, _, sc0, sc1, _, R, sp, ss, sm = lora.kernel_args()
     args = (gate_up, out, p, row_slot, b0, b1, rk0, rk1, sc0, sc1, R, sp, ss, sm, I, gate_up.stride(0), out.stride(0))
     _SILU((T, -(-I // block)), args, dict(**_tiles(R), SPLIT_K=p.shape[0], BLOCK=block, COMPILED=COMPILED),
-          max(1, min(4, block // 128)), 1)
+          SILU_WARPS or max(1, min(4, block // 128)), 1)
 
 
 def apply_rope(q, k, v, positions, inv_freq, lora, heads: int | None = None) -> None:

@@ -79,12 +79,25 @@ SHRINK_MAX_ROWS = 128   # the shrink beside the GEMM (captured forwards; "full",
 FUSED_PROJECTIONS = frozenset({"q_proj", "o_proj", "down_proj"})
 FEW_ROWS_FUSED = frozenset({"q_proj"})
 FUSED_MIN_ROWS = 5
+# gate/up's product left to SiLU-and-mul too in decode forwards of FUSED_MIN_ROWS to DECODE_EXTRA_MAX_ROWS rows.
+# Each SiLU program reads its row's B columns, so prompts (many rows of one adapter, whose B the tile expand
+# reads once per 16 to 64 rows) keep the expand. Once B was read 16 bytes at a time (sgmv_kernels._load_rank_block),
+# SiLU's product took 15 µs a layer against 17 for the expand and plain SiLU (H200, 2026-12-02, seventeenth
+# session: Llama-2-7B decode forwards at batch 32 in CUDA graphs, 7,539 against 7,593 µs, paired rounds 0.992×;
+# results/decode_graph_trace_gate_silu.json). With 2-byte loads it had been level (0.987× against 0.985×).
+# Fewer rows and more were not measured; 32 is a graph bucket (engine/cuda_graphs.py), so eager steps agree.
+DECODE_EXTRA_FUSED = frozenset({"gate_proj"})
+DECODE_EXTRA_MAX_ROWS = 32
 
 
 def fused_projections(rows: int, decode: bool) -> frozenset[str]:
     """The projections whose product "fused" leaves to the next op to expand, in a forward of `rows` rows;
     `decode`: every row is a sequence's one new token (else prompts are in it: FUSED_PROJECTIONS)."""
-    return FUSED_PROJECTIONS if rows >= FUSED_MIN_ROWS or not decode else FUSED_PROJECTIONS & FEW_ROWS_FUSED
+    if not decode:
+        return FUSED_PROJECTIONS
+    if rows < FUSED_MIN_ROWS:
+        return FUSED_PROJECTIONS & FEW_ROWS_FUSED
+    return FUSED_PROJECTIONS | DECODE_EXTRA_FUSED if rows <= DECODE_EXTRA_MAX_ROWS else FUSED_PROJECTIONS
 
 
 # `linear_with_lora_expand` (the expand alone beside the GEMM, down's shrink done by SiLU-and-mul) captures the

@@ -199,7 +199,12 @@ def _rank_block_exact(ptrs, col_mask, offs_r, r_mask, rank, R):
 # (16-byte loads there took twice the shared memory a program). LORAPLEX_LORA_VECTOR_LOADS=off: the exact mask,
 # for runs against the code before; which function the kernels call is part of their source, so Triton
 # compiles (and caches) each choice apart.
-VECTOR_LOADS = env_switch("LORAPLEX_LORA_VECTOR_LOADS", "on", on="on", off="off") == "on"
+# "no-rope" (the default): the exact mask in RoPE's [heads, half head, rank] tiles alone (fused_lora_kernels.
+# _product_2d). With 16-byte loads there RoPE's kernels took 289 µs of a batch-32 Llama-2-7B decode forward against
+# 274-276 with the exact mask, while the expand's fell 437 -> 410 and the RMSNorms' 438 -> 402 (H200, 2026-12-02,
+# seventeenth session, results/decode_graph_trace_vector_*.json, _rope_exact.json). "on": 16-byte loads there too.
+VECTOR_LOADS_SETTING = env_switch("LORAPLEX_LORA_VECTOR_LOADS", "no-rope", on="on", off="off", others=("no-rope",))
+VECTOR_LOADS = VECTOR_LOADS_SETTING != "off"
 _load_rank_block = _rank_block_vector if VECTOR_LOADS else _rank_block_exact
 
 

@@ -1,0 +1,69 @@
+"""Triton kernel of a projection for few rows (decode steps): y = x @ wᵀ (+ bias), x [M, K] with M ≤ 64.
+
+For every row m < M and column n < N (fp32 sums, rounded once to y's dtype):
+
+    y[m, n] = round(Σ_{s < SPLIT_K} (Σ_{k in split s} x[m, k] · w[n, k]) + bias[n])
+
+where split s covers k in [s · k_per_split, min((s + 1) · k_per_split, K)), summed in s order. At decode the
+projection is bound by reading w (a 7B layer's four weights are 404 MB against 2 MB of x and y), and cuBLAS's
+kernels for 32 rows read it at 0.70-0.91 of the copy bandwidth on an H200 (o's and down's with a split-K
+reduce launch after them; benchmarks/NOTES.md, seventeenth session). Here program (n tile, k split) streams a
+[BLOCK_N, K / SPLIT_K] block of w through a pipelined `tl.dot` with xᵀ (w's rows on the MMA's long side, so
+32 rows of x fill a Hopper wgmma's N = 32), and with SPLIT_K > 1 the split that finishes last for its n tile
+(a counter per tile, reset by that program, so graphs replay) sums the fp32 partials in split order and stores
+y: one launch, and the same bits whichever split finishes last.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _skinny_gemm_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, stride_xm,
+                        stride_wn, stride_ym, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_N: tl.constexpr,
+                        EVEN_K: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    x_cols = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k + tl.arange(0, BLOCK_K)
+        if EVEN_N and EVEN_K:   # N and K multiples of the tiles (Llama's widths): no masks on w
+            w = tl.load(w_rows + offs_k[None, :])
+        else:
+            w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < k_hi)[None, :], other=0.0)
+        x = tl.load(x_cols + offs_k[:, None], mask=m_mask[None, :] & (offs_k < k_hi)[:, None], other=0.0)
+        if IEEE:   # fp32 weights: full fp32 products, not TF32
+            acc = tl.dot(w, x, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, x, acc)
+    out_mask = n_mask[:, None] & m_mask[None, :]
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # part: [SPLIT_K, BLOCK_M, N] fp32, this split's sums; the counter's acq_rel atomic orders them before the
+        # last split's loads, which bypass L1 (.cg: other SMs wrote them)
+        tile = offs_m[None, :] * N + offs_n[:, None]
+        tl.store(part_ptr + pid_k.to(tl.int64) * BLOCK_M * N + tile, acc, mask=out_mask)
+        tl.debug_barrier()   # every thread's partials stored before the (one-thread) release below
+        done = tl.atomic_add(count_ptr + pid_n, 1)
+        if done == SPLIT_K - 1:
+            total = tl.load(part_ptr + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT_K):
+                total += tl.load(part_ptr + s * BLOCK_M * N + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(count_ptr + pid_n, 0)   # ready for the next launch (and graph replay)

@@ -1,0 +1,145 @@
+"""ops.skinny_gemm.skinny_linear against the float64 loop of its documented sums (skinny_gemm_kernels.py):
+in Triton's CPU interpreter here (fp32, fp16), at Llama-2-7B's shapes in bf16 on a GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplex import ops
+from loraplex.ops import skinny_gemm
+from loraplex.ops.skinny_gemm import SkinnyConfig, skinny_linear
+
+interpreted = pytest.mark.skipif(not ops.triton_interpreted(), reason="needs TRITON_INTERPRET=1 (no CUDA)")
+
+
+def loop_f64(x, w, bias, split: int, block_k: int) -> torch.Tensor:
+    """The documented sums: each K split's products summed, the splits summed in order, plus the bias."""
+    K = x.shape[1]
+    k_tiles = -(-K // block_k)
+    per = -(-k_tiles // min(split, k_tiles)) * block_k
+    x64, w64 = x.double(), w.double()
+    y = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64)
+    for lo in range(0, K, per):
+        y += x64[:, lo:lo + per] @ w64[:, lo:lo + per].T
+    return y + (bias.double() if bias is not None else 0)
+
+
+CASES = [  # M, N, K, config
+    (1, 64, 64, SkinnyConfig(block_n=32, block_k=32)),
+    (5, 100, 300, SkinnyConfig(block_n=32, block_k=64, split_k=3)),   # N and K past the tiles, a short last split
+    (16, 128, 256, SkinnyConfig(block_n=64, block_k=64, split_k=1)),
+    (32, 96, 512, SkinnyConfig(block_n=32, block_k=128, split_k=4)),
+    (33, 48, 160, SkinnyConfig(block_n=16, block_k=32, split_k=8)),   # a 64-row tile; 5 K tiles over 8 splits
+    (7, 80, 96, None),                                                # pick_config's choice
+]
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_skinny_linear_matches_the_float64_loop(case, with_bias, dtype):
+    M, N, K, cfg = CASES[case]
+    g = torch.Generator().manual_seed(1000 * case + 10 * with_bias + (dtype == torch.float16))
+    x = torch.randn(M, K, generator=g).to(dtype)
+    w = (torch.randn(N, K, generator=g) * K ** -0.5).to(dtype)
+    bias = torch.randn(N, generator=g).to(dtype) if with_bias else None
+    out = torch.full((M, N), float("nan"), dtype=dtype)   # poisoned: every element must be written
+    y = skinny_linear(x, w, bias, out=out, config=cfg)
+    assert y is out and not y.isnan().any()
+    used = cfg or skinny_gemm.pick_config(N, K, 132)
+    want = loop_f64(x, w, bias, used.split_k, used.block_k)
+    err = ((y.double() - want).abs().max() / want.abs().max()).item()
+    assert err <= (1e-6 if dtype == torch.float32 else 1e-3), err
+    assert torch.equal(skinny_linear(x, w, bias, config=cfg), y)   # again: the same bits (counters were reset)
+    for (_, split, _, n), (_, count) in skinny_gemm._WORKSPACES.items():
+        assert not count.any(), (split, n)
+
+
+@interpreted
+def test_a_row_tile_larger_than_the_rows_leaves_other_memory_alone():
+    """x and out as row slices of bigger buffers (strides past their widths): only out's rows change."""
+    g = torch.Generator().manual_seed(5)
+    big_x = torch.randn(10, 200, generator=g)
+    big_out = torch.randn(10, 90, generator=g)
+    before = big_out.clone()
+    x, out = big_x[2:5, :150], big_out[4:7, 10:90]
+    w = torch.randn(80, 150, generator=g)
+    skinny_linear(x, w, out=out, config=SkinnyConfig(block_n=32, block_k=32, split_k=2))
+    want = loop_f64(x, w, None, 2, 32)
+    assert ((out.double() - want).abs().max() / want.abs().max()).item() <= 1e-6
+    mask = torch.ones_like(big_out, dtype=torch.bool)
+    mask[4:7, 10:90] = False
+    assert torch.equal(big_out[mask], before[mask])
+
+
+def test_arguments_are_checked():
+    x, w = torch.randn(4, 32), torch.randn(16, 32)
+    with pytest.raises(ValueError, match="K = 32 columns but weight"):
+        skinny_linear(x, torch.randn(16, 31))
+    with pytest.raises(ValueError, match="more than MAX_ROWS"):
+        skinny_linear(torch.randn(skinny_gemm.MAX_ROWS + 1, 32), w)
+    with pytest.raises(ValueError, match="bias is torch.float16"):
+        skinny_linear(x, w, torch.randn(16).half())
+    with pytest.raises(ValueError, match=r"bias has shape \(15,\)"):
+        skinny_linear(x, w, torch.randn(15))
+    with pytest.raises(ValueError, match=r"out has shape \(4, 15\)"):
+        skinny_linear(x, w, out=torch.empty(4, 15))
+    with pytest.raises(ValueError, match="weight must have unit stride"):
+        skinny_linear(x, torch.randn(32, 16).t())
+    with pytest.raises(ValueError, match="dtype torch.int32"):
+        skinny_linear(x.int(), w.int())
+    with pytest.raises(ValueError, match="block_k=48"):
+        SkinnyConfig(block_k=48)
+    with pytest.raises(ValueError, match="split_k=0"):
+        SkinnyConfig(split_k=0)
+    assert skinny_linear(torch.randn(0, 32), w).shape == (0, 16)
+    bias = torch.randn(16)
+    assert torch.equal(skinny_linear(torch.randn(3, 0), torch.randn(16, 0), bias), bias.expand(3, 16))
+
+
+def test_pick_config_splits_k_until_the_programs_fill_the_gpu():
+    # Llama-2-7B on 132 SMs: o (64 tiles) to 256 programs, down (64 tiles, K 11,008) to 512, q/k/v (192 tiles) to
+    # 384, gate/up (344 tiles) unsplit
+    assert skinny_gemm.pick_config(4096, 4096, 132).split_k == 4
+    assert skinny_gemm.pick_config(4096, 11008, 132).split_k == 8
+    assert skinny_gemm.pick_config(12288, 4096, 132).split_k == 2
+    assert skinny_gemm.pick_config(22016, 4096, 132).split_k == 1
+    assert skinny_gemm.pick_config(64, 1024, 132).split_k == 1      # K too short to split
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)])
+@pytest.mark.parametrize("rows", [1, 8, 32])
+def test_skinny_linear_at_llama_shapes_on_the_gpu(shape, rows):
+    N, K = shape
+    g = torch.Generator(device="cuda").manual_seed(N + rows)
+    x = torch.randn(rows, K, generator=g, device="cuda").bfloat16()
+    w = (torch.randn(N, K, generator=g, device="cuda") * K ** -0.5).bfloat16()
+    bias = torch.randn(N, generator=g, device="cuda").bfloat16()
+    for cfg in (None, SkinnyConfig(block_n=128, block_k=128, split_k=2, stages=3),
+                SkinnyConfig(block_n=64, block_k=256, split_k=8, stages=3)):
+        used = cfg or skinny_gemm.pick_config(N, K, torch.cuda.get_device_properties(0).multi_processor_count)
+        out = torch.full((rows, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+        y = skinny_linear(x, w, bias, out=out, config=cfg)
+        want = loop_f64(x.cpu(), w.cpu(), bias.cpu(), used.split_k, used.block_k)
+        err = ((y.cpu().double() - want).abs().max() / want.abs().max()).item()
+        assert err <= 8e-3, (cfg, err)   # one bf16 rounding of the fp32 sum
+        graph = torch.cuda.CUDAGraph()   # captured and replayed: the same bits
+        with torch.cuda.graph(graph):
+            z = skinny_linear(x, w, bias, config=cfg)
+        graph.replay()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(z, y), cfg
+
+
+@pytest.mark.gpu
+def test_a_first_split_call_inside_a_capture_is_refused():
+    x = torch.randn(32, 4096, device="cuda").bfloat16()
+    w = torch.randn(4096, 4096, device="cuda").bfloat16()
+    cfg = SkinnyConfig(block_n=64, block_k=64, split_k=16)   # a workspace no other test made
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="run the same shape once before capturing"):
+        with torch.cuda.graph(graph):
+            skinny_linear(x, w, config=cfg)
