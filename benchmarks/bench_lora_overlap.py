@@ -117,7 +117,13 @@ def main(argv=None) -> dict:
 def _projs(result: dict) -> str:
     # Runs before 2026-12-01's third session left every projection's product to the next op.
     names = result.get("fused_projections", ["down_proj", "gate_proj", "o_proj", "q_proj"])
-    return "/".join({"q_proj": "qkv", "o_proj": "o", "gate_proj": "gate_up", "down_proj": "down"}[n] for n in names)
+    short = {"q_proj": "qkv", "o_proj": "o", "gate_proj": "gate_up", "down_proj": "down"}
+    text = "/".join(short[n] for n in names)
+    extra = [n for n in result.get("decode_extra_fused", []) if n not in names]   # since the seventeenth session
+    if extra:
+        text += f" (and {'/'.join(short[n] for n in extra)} at {result.get('fused_min_rows', 5)}-"
+        text += f"{result.get('decode_extra_max_rows', 32)} rows)"
+    return text
 
 
 def markdown(result: dict) -> str:

@@ -33,7 +33,8 @@ SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "do
 ROTATION_BYTES = 600 << 20   # each shape's copies together, ten times the L2
 SWEEP = [SkinnyConfig(block_n=bn, block_k=bk, split_k=s, stages=st, warps=w)
          for bn, bk, s, st, w in itertools.product((64, 128), (128, 256), (1, 2, 4, 8), (3, 4), (4,))
-         if not (bn == 128 and bk == 256 and st == 4)]   # 128 × 256 × 4 stages: 256 KB of w tiles, past the SM's
+         if not (bn == 128 and bk == 256)]   # 128 × 256 tiles: 192 KB of w a program at 3 stages, with x's past the
+# 227 KB of shared memory an H100/H200 SM gives a block
 # settings of PyTorch's own GEMM to try beside its default
 BLAS = ("default", "cublaslt", "cublas", "no_reduced_precision")
 
@@ -83,6 +84,8 @@ def main(argv=None) -> None:
     ap.add_argument("--top", type=int, default=3, help="configs per shape retried at the other row counts")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--md", type=Path)
+    ap.add_argument("--configs-out", type=Path,
+                    help="the fastest config per shape at the first row count, as LORAPLEX_SKINNY_CONFIGS reads it")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     rows = [int(r) for r in args.rows.split(",")]
@@ -137,7 +140,7 @@ def main(argv=None) -> None:
                   f"{timed[0] if timed else None}", flush=True)
             if args.out:
                 args.out.write_text(json.dumps(result, indent=1) + "\n")
-    # a layer's four projections in order over 8 layers' weights, at the first row count
+    # a layer's four projections in order, over as many layers as every shape has copies, at the first row count
     M = rows[0]
     xs = {name: torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for name, (N, K) in SHAPES.items()}
     layers = min(len(ws) for ws in weights.values())
@@ -160,6 +163,9 @@ def main(argv=None) -> None:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     if args.md:
         args.md.write_text(markdown(result))
+    if args.configs_out:
+        args.configs_out.write_text(json.dumps({f"{N},{K}": best[name][0].__dict__ for name, (N, K) in SHAPES.items()
+                                                if best.get(name)}, indent=1) + "\n")
 
 
 def markdown(result: dict) -> str:

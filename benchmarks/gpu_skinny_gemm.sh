@@ -1,20 +1,38 @@
 #!/usr/bin/env bash
-# One device call (~4 minutes on an H200): ops/skinny_gemm.py's GPU tests (bf16 at Llama-2-7B's four projection
-# shapes against the float64 loop, graph replays), then bench_skinny_gemm.py: cuBLAS under PyTorch's BLAS settings
-# against skinny_linear's tile sweep at 32 rows (the fastest three retried at 16, 8 and 1), and a layer's four
-# projections in order. Built (2026-12-02, seventeenth session) for issue 5's backbone decode step (1.32-1.35× its
-# floor against 1.3×), whose GEMMs stream the weights at ~0.84 of the copy bandwidth.
+# One device call (~9 minutes on an H200): ops/skinny_gemm.py, built (2026-12-02, seventeenth session) for issue
+# 5's backbone decode step (1.32-1.35× its floor against 1.3×), whose cuBLAS GEMMs stream the weights at ~0.84 of
+# the copy bandwidth. (1) Its GPU tests (bf16 at Llama-2-7B's four projection shapes against the float64 loop,
+# graph replays); (2) bench_skinny_gemm.py: cuBLAS under PyTorch's BLAS settings against the kernel's tile sweep
+# at 32 rows (the fastest three at 16, 8 and 1) and a layer's four projections in order, writing the fastest config
+# per shape; (3) batch-32 decode forwards in graphs with those configs, paired rounds: backbone and today's path,
+# each with and without the kernel (LORAPLEX_SKINNY_GEMM); (4) issue 5's engine benchmark with the kernel on, then
+# (time left) off.
 #   OUT=/some/dir bash benchmarks/gpu_skinny_gemm.sh
 set -u
 OUT=${OUT:-benchmarks/results}
 . "$(dirname "$0")/gpu_cache.sh"
 gpu_script_start
+DEADLINE=${DEADLINE:-570}
 if [ "${TESTS:-1}" = 1 ]; then
   echo "== GPU tests at ${SECONDS}s"
   timeout ${TEST_S:-120} python -m pytest -m gpu -q -rA -p no:cacheprovider tests/test_skinny_gemm.py 2>&1 \
-      | tee "$OUT/pytest_gpu_skinny_gemm.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -16
+      | tee "$OUT/pytest_gpu_skinny_gemm.log" | grep -E "FAILED|ERROR|passed|failed" | tail -16
 fi
 echo "== bench at ${SECONDS}s"
-timeout ${BENCH_S:-400} python benchmarks/bench_skinny_gemm.py --out "$OUT/skinny_gemm.json" --md "$OUT/skinny_gemm.md" 2>&1 \
-    | tail -24
+timeout ${BENCH_S:-240} python benchmarks/bench_skinny_gemm.py --out "$OUT/skinny_gemm.json" --md "$OUT/skinny_gemm.md" \
+    --configs-out "$OUT/skinny_configs.json" 2>&1 | tail -24
+[ -s "$OUT/skinny_configs.json" ] && export LORAPLEX_SKINNY_CONFIGS=$OUT/skinny_configs.json
+if [ "$(left)" -gt 120 ]; then
+  echo "== decode forwards at ${SECONDS}s (configs: ${LORAPLEX_SKINNY_CONFIGS:-pick_config})"
+  timeout $(($(left) - 60)) python benchmarks/trace_decode_graph.py --variants backbone,backbone+skinny,fused,fused+skinny \
+      --trace-variants backbone+skinny --paired 7 --out "$OUT/decode_graph_trace_skinny.json" 2>&1 \
+      | grep -E "^[a-z_0-9+]+ +[0-9]+ µs|^paired" | tail -10
+fi
+for setting in on off; do
+  [ "$(left)" -gt 100 ] || break
+  echo "== engine, LORAPLEX_SKINNY_GEMM=$setting at ${SECONDS}s"
+  LORAPLEX_SKINNY_GEMM=$setting timeout $(($(left) - 5)) python benchmarks/bench_engine.py --batches 32 --modes graphs \
+      --variants backbone,distinct --repeats 3 --out "$OUT/engine_skinny_$setting.json" \
+      --md "$OUT/engine_skinny_$setting.md" 2>&1 | grep "^| 32"
+done
 echo "== done at ${SECONDS}s"

@@ -145,6 +145,8 @@ def variant(name: str):
     if name in ("down_in_silu", "expand_work_first") or name in SILU_TOO:
         from loraplex.models import llama
         patches.append(mock.patch.object(llama, "DOWN_SHRINK_IN_SILU", True))
+        # as measured (eleventh session): gate/up's product not left to SiLU, which computes down's shrink instead
+        patches.append(mock.patch.object(overlap, "DECODE_EXTRA_FUSED", frozenset()))
     if name == "expand_work_first":
         patches.append(mock.patch.object(overlap, "EXPAND_GEMM_FIRST", False))
     if name == "down_sgmv":
@@ -165,6 +167,7 @@ def variant(name: str):
         patches.append(mock.patch.object(llama, "O_SHRINK_IN_ATTENTION", True))
         # as measured (thirteenth session): o's product not left to the RMSNorm, where the attention's shrink is off
         patches.append(mock.patch.object(overlap, "FUSED_PROJECTIONS", frozenset({"q_proj"})))
+        patches.append(mock.patch.object(overlap, "DECODE_EXTRA_FUSED", frozenset()))
         patches.append(mock.patch.object(attention_kernels, "LORA_PREFETCH_A", name != "o_in_attention_late"))
         if name == "o_in_attention_silu":
             patches.append(mock.patch.object(llama, "DOWN_SHRINK_IN_SILU", True))
@@ -176,6 +179,9 @@ def variant(name: str):
     if name == "silu_w8":
         from loraplex.ops import fused_lora_kernels
         patches.append(mock.patch.object(fused_lora_kernels, "SILU_WARPS", 8))
+    if name == "skinny":   # the projections' GEMMs by ops/skinny_gemm.py (LORAPLEX_SKINNY_GEMM=on)
+        from loraplex.ops import skinny_gemm
+        patches.append(mock.patch.object(skinny_gemm, "SETTING", "on"))
     if name in KERNEL_VARIANTS:   # the decode config's kernel settings (sgmv.CONFIGS[16])
         patches.append(kernel_settings(KERNEL_VARIANTS[name]))
     if name in SILU_BLOCK_VARIANTS:   # columns per SiLU-and-mul program where it expands gate/up's product
@@ -326,6 +332,8 @@ VARIANTS = {
     "no_gate": "fused without gate/up's product left to SiLU-and-mul at decode (overlap.DECODE_EXTRA_FUSED empty: "
                "the default before the seventeenth session)",
     "silu_w8": "SiLU-and-mul's programs in 8 warps where it expands gate/up's product (fused_lora_kernels.SILU_WARPS)",
+    "skinny": "the projections' GEMMs by ops/skinny_gemm.py's Triton kernel (LORAPLEX_SKINNY_GEMM=on), e.g. "
+              "backbone+skinny",
     "rows_ew8": "the decode config's expand in 8 warps (sgmv.CONFIGS[16].expand_warps, 4 today)",
     **{name: f"{n} columns per SiLU-and-mul program (512 today; where it expands gate/up's product)"
        for name, n in SILU_BLOCK_VARIANTS.items()},

@@ -459,11 +459,13 @@ def test_lora_kernel_warmup_launches_every_variant_and_changes_nothing(overlap_m
     if overlap_mode == "fused":
         # each op once per layer (0-3), split count and row count (1 and 16)
         splits, calls = {s for _, s in products}, 2 * min(4, config.num_hidden_layers)
-        # the consumers of the fused projections' products (by default q/k/v's and o's and down's)
+        # the consumers of the fused projections' products (by default q/k/v's and o's and down's, and gate/up's
+        # in decode forwards of 5 to 32 rows: overlap.DECODE_EXTRA_FUSED)
+        fused_any = overlap.FUSED_PROJECTIONS | overlap.DECODE_EXTRA_FUSED
         ops_used = [op for op, projs in (("rms_norm", {"o_proj", "down_proj"}), ("silu_and_mul", {"gate_proj"}),
-                                         ("apply_rope", {"q_proj"})) if projs & overlap.FUSED_PROJECTIONS]
-        assert ops_used == (["rms_norm", "silu_and_mul", "apply_rope"] if fused_projs == "all"
-                            else ["rms_norm", "apply_rope"])
+                                         ("apply_rope", {"q_proj"})) if projs & fused_any]
+        assert ops_used == ["rms_norm", "silu_and_mul", "apply_rope"]
+        assert fused_projs == "all" or "gate_proj" not in overlap.FUSED_PROJECTIONS   # by default, from the decode set
         assert splits and sorted(products) == sorted((n, s) for n in ops_used for s in splits for _ in range(calls))
     else:
         assert not products

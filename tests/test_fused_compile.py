@@ -213,9 +213,12 @@ def _vector_b_loads(ptx: str, dtype: str, what: str, rope: bool = False) -> None
     """A 16-bit B block read 16 bytes at a time (sgmv_kernels._load_rank_block): no 2-byte global loads are left.
     `rope`: RoPE's kernel, whose B tiles keep the exact mask unless LORAPLEX_LORA_VECTOR_LOADS=on."""
     from loraplex.ops import sgmv_kernels
-    if dtype == "fp32" or not sgmv_kernels.VECTOR_LOADS or (rope and sgmv_kernels.VECTOR_LOADS_SETTING != "on"):
+    if dtype == "fp32" or not sgmv_kernels.VECTOR_LOADS:
         return
     scalar = len(re.findall(r"ld\.global(?:\.nc)?\.b16", ptx))
+    if rope and sgmv_kernels.VECTOR_LOADS_SETTING == "no-rope":   # the switch took effect: the exact mask's loads
+        assert scalar > 0, f"{what}: no 2-byte loads, but RoPE's B should keep the exact mask under no-rope"
+        return
     assert scalar == 0 and "ld.global.v4.b32" in ptx, f"{what}: {scalar} 2-byte loads, B should load 16 bytes a time"
 
 

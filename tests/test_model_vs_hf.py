@@ -270,7 +270,7 @@ def test_decode_forwards_of_up_to_32_rows_leave_gate_up_to_silu(setup, monkeypat
     assert overlap.fused_projections(6, decode=False) == overlap.FUSED_PROJECTIONS
     calls = _fused_path_calls(monkeypatch)
     setup.model.backend = "triton"
-    try:   # prompt chunks of 9 tokens in all, then one decode row each (gate/up's LoRA in three of them)
+    try:   # prompt chunks of 9 tokens in all, then one decode row each (gate/up's LoRA in four of them)
         check_mixed_batch(setup, [("all-r8", 3, 1), ("mlp-patterned", 2, 1), (None, 1, 1), ("attn-r4", 1, 1),
                                   ("all-r8", 1, 1), ("mlp-patterned", 1, 1)])
     finally:
@@ -278,6 +278,31 @@ def test_decode_forwards_of_up_to_32_rows_leave_gate_up_to_silu(setup, monkeypat
     layers = setup.config.num_hidden_layers
     assert calls["fused"] == [9] * 3 * layers + [6] * 4 * layers      # q, o, down; then q, o, gate/up, down
     assert calls["full"] == [9] * layers                               # gate/up's expand with the prompts alone
+
+
+def test_skinny_gemm_projections_match_too(setup, monkeypatch):
+    """LORAPLEX_SKINNY_GEMM=on (ops/skinny_gemm.py): every projection of a forward of at most DECODE_MAX_ROWS rows
+    runs the Triton GEMM (here in the interpreter, with the LoRA kernels and the "fused" path), a mixed forward of
+    9 rows and a decode forward of 6; the logits still match transformers + PEFT."""
+    if setup.variant not in OFF_PATH_CONFIGS:
+        pytest.skip("an opt-in path: two configurations cover it (each run takes ~10 s here)")
+    if setup.config.head_dim & (setup.config.head_dim - 1):
+        pytest.skip("the Triton attention kernels take power-of-two head sizes")
+    from loraplex.ops import skinny_gemm
+    monkeypatch.setattr(skinny_gemm, "SETTING", "on")
+    rows = []
+    real = skinny_gemm.skinny_linear
+    monkeypatch.setattr(skinny_gemm, "skinny_linear", lambda x, *a, **kw: rows.append(x.shape[0]) or real(x, *a, **kw))
+    calls = _fused_path_calls(monkeypatch)
+    setup.model.backend = "triton"
+    try:
+        check_mixed_batch(setup, [("all-r8", 3, 1), ("mlp-patterned", 2, 1), (None, 1, 1), ("attn-r4", 1, 1),
+                                  ("all-r8", 1, 1), ("mlp-patterned", 1, 1)])
+    finally:
+        setup.model.backend = None
+    layers = setup.config.num_hidden_layers
+    assert rows == [9] * 4 * layers + [6] * 4 * layers   # q/k/v, o, gate/up, down of both forwards
+    assert len(calls["fused"]) == 7 * layers             # and the LoRA took the "fused" path beside them
 
 
 def test_eager_decode_steps_choose_the_fused_projections_their_graph_would():

@@ -31,6 +31,7 @@ CASES = [  # M, N, K, config
     (32, 96, 512, SkinnyConfig(block_n=32, block_k=128, split_k=4)),
     (33, 48, 160, SkinnyConfig(block_n=16, block_k=32, split_k=8)),   # a 64-row tile; 5 K tiles over 8 splits
     (7, 80, 96, None),                                                # pick_config's choice
+    (4, 64, 320, SkinnyConfig(block_n=32, block_k=64, split_k=2)),    # K and splits in whole tiles, the last short
 ]
 
 
@@ -52,8 +53,22 @@ def test_skinny_linear_matches_the_float64_loop(case, with_bias, dtype):
     err = ((y.double() - want).abs().max() / want.abs().max()).item()
     assert err <= (1e-6 if dtype == torch.float32 else 1e-3), err
     assert torch.equal(skinny_linear(x, w, bias, config=cfg), y)   # again: the same bits (counters were reset)
-    for (_, split, _, n), (_, count) in skinny_gemm._WORKSPACES.items():
+    for (_, split, n), (_, count) in skinny_gemm._WORKSPACES.items():
         assert not count.any(), (split, n)
+
+
+@interpreted
+def test_split_launches_of_one_width_with_other_tiles_share_the_counters_safely():
+    """The split workspace is kept per (device, split, N); launches with narrower column tiles (more tiles, more
+    counters) after wider ones still compute the documented sums and leave every counter at 0."""
+    g = torch.Generator().manual_seed(9)
+    x, w = torch.randn(3, 128, generator=g), torch.randn(256, 128, generator=g)
+    want = loop_f64(x, w, None, 2, 32)
+    for block_n in (128, 64, 16, 32):
+        y = skinny_linear(x, w, config=SkinnyConfig(block_n=block_n, block_k=32, split_k=2))
+        assert ((y.double() - want).abs().max() / want.abs().max()).item() <= 1e-6, block_n
+    counts = skinny_gemm._WORKSPACES[(x.device, 2, 256)][1]
+    assert counts.numel() >= 256 // 16 and not counts.any()
 
 
 @interpreted
@@ -85,6 +100,8 @@ def test_arguments_are_checked():
         skinny_linear(x, w, torch.randn(15))
     with pytest.raises(ValueError, match=r"out has shape \(4, 15\)"):
         skinny_linear(x, w, out=torch.empty(4, 15))
+    with pytest.raises(ValueError, match="bias must have unit stride"):
+        skinny_linear(x, w, torch.randn(32)[::2])
     with pytest.raises(ValueError, match="weight must have unit stride"):
         skinny_linear(x, torch.randn(32, 16).t())
     with pytest.raises(ValueError, match="dtype torch.int32"):
@@ -143,3 +160,40 @@ def test_a_first_split_call_inside_a_capture_is_refused():
     with pytest.raises(RuntimeError, match="run the same shape once before capturing"):
         with torch.cuda.graph(graph):
             skinny_linear(x, w, config=cfg)
+
+
+def test_tuned_configs_load_from_the_file_the_bench_writes(tmp_path):
+    good = tmp_path / "configs.json"
+    good.write_text('{"4096,4096": {"block_n": 128, "block_k": 256, "split_k": 2, "warps": 4, "stages": 3}}')
+    assert skinny_gemm.load_configs(str(good)) == {(4096, 4096): SkinnyConfig(128, 256, 2, 4, 3)}
+    for text, match in (("[1]", "expected an object"), ("{", "cannot read it as JSON"),
+                        ('{"4096": {}}', "entry '4096'"), ('{"8,8": {"block_n": 24}}', "block_n=24"),
+                        ('{"8,8": {"tile": 4}}', "entry '8,8'")):
+        bad = tmp_path / "bad.json"
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=match):
+            skinny_gemm.load_configs(str(bad))
+    with pytest.raises(ValueError, match="cannot read"):
+        skinny_gemm.load_configs(str(tmp_path / "missing.json"))
+
+
+def test_linear_takes_the_kernel_only_when_on_and_for_few_rows(monkeypatch):
+    """`linear` (the model's projections): F.linear unless LORAPLEX_SKINNY_GEMM=on, and then only for 1 to
+    DECODE_MAX_ROWS rows on CUDA or in the interpreter; the same values either way."""
+    used = []
+    real = skinny_gemm.skinny_linear
+    monkeypatch.setattr(skinny_gemm, "skinny_linear", lambda x, *a, **kw: used.append(x.shape[0]) or real(x, *a, **kw))
+    w, b = torch.randn(48, 64), torch.randn(48)
+    few = torch.randn(5, 64)
+    many = torch.cat([few, torch.randn(skinny_gemm.DECODE_MAX_ROWS + 1 - 5, 64)])
+    assert skinny_gemm.SETTING == "off" or ops.triton_interpreted()
+    monkeypatch.setattr(skinny_gemm, "SETTING", "off")
+    assert torch.equal(skinny_gemm.linear(few, w, b), torch.nn.functional.linear(few, w, b)) and used == []
+    monkeypatch.setattr(skinny_gemm, "SETTING", "on")
+    y = torch.empty(5, 48)
+    skinny_gemm.linear_into(y, few, w, b)
+    for got in (skinny_gemm.linear(few, w, b), skinny_gemm.linear(many, w, b)[:5], y):
+        assert torch.allclose(got, torch.nn.functional.linear(few, w, b), rtol=1e-5, atol=1e-5)
+    assert used == ([5, 5] if ops.triton_interpreted() else [])   # not the 33 rows
+    before = len(used)
+    assert skinny_gemm.linear(few.double(), w.double()).dtype == torch.float64 and len(used) == before   # F.linear

@@ -61,6 +61,16 @@ def test_product_variants_patch_and_restore_the_settings(probe):
         assert llama.O_SHRINK_IN_ATTENTION and not llama.DOWN_SHRINK_IN_SILU and overlap.FUSED_PROJECTIONS == {"q_proj"}
     with probe.variant("o_in_attention_silu"):
         assert llama.O_SHRINK_IN_ATTENTION and llama.DOWN_SHRINK_IN_SILU
+    # as they were measured: gate/up's product not added to SiLU at 5-32 decode rows (overlap.DECODE_EXTRA_FUSED)
+    for name in ("od_split512", "down_in_silu", "o_in_attention", "no_gate"):
+        with probe.variant(name):
+            assert "gate_proj" not in overlap.fused_projections(32, decode=True), name
+    assert "gate_proj" in overlap.fused_projections(32, decode=True)   # today's default
+    from loraplex.ops import skinny_gemm
+    setting = skinny_gemm.SETTING
+    with probe.variant("backbone+skinny"):
+        assert skinny_gemm.SETTING == "on"
+    assert skinny_gemm.SETTING == setting
     from loraplex.ops import attention_kernels
     with probe.variant("o_in_attention_late"):
         assert llama.O_SHRINK_IN_ATTENTION and not attention_kernels.LORA_PREFETCH_A

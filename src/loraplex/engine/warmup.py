@@ -112,9 +112,10 @@ def compile_in_gemm(config: ModelConfig, pool: AdapterPool, dtype: torch.dtype, 
 
 
 def _compile_consumers(config: ModelConfig, pool: AdapterPool, dtype: torch.dtype) -> int:
-    """"fused" (ops/lora_product.py): the ops that expand the products of overlap.FUSED_PROJECTIONS, for
-    every K-split count the shrink can pick in forwards of up to overlap.MAX_ROWS rows, on rows of
-    slot 0 (rank 0 here: nothing read)."""
+    """"fused" (ops/lora_product.py): the ops that expand the products of overlap.FUSED_PROJECTIONS (and of
+    DECODE_EXTRA_FUSED, fused in decode forwards of up to DECODE_EXTRA_MAX_ROWS rows), for every K-split count
+    the shrink can pick in forwards of up to overlap.MAX_ROWS rows, on rows of slot 0 (rank 0 here: nothing
+    read)."""
     device, c = pool.device, config
     cfg = overlap.config_for(SMALL_BLOCK_M)
     R = pool.max_rank
@@ -137,7 +138,7 @@ def _compile_consumers(config: ModelConfig, pool: AdapterPool, dtype: torch.dtyp
             fused.rms_norm(zeros(rows, c.hidden_size), weight, c.rms_norm_eps, residual=zeros(rows, c.hidden_size),
                            delta=product(("o_proj",)))
             launches += 1
-        if "gate_proj" in overlap.FUSED_PROJECTIONS:
+        if "gate_proj" in overlap.FUSED_PROJECTIONS | overlap.DECODE_EXTRA_FUSED:
             fused.silu_and_mul(zeros(rows, 2 * c.intermediate_size), delta=product(("gate_proj", "up_proj")))
             launches += 1
         if "q_proj" in overlap.FUSED_PROJECTIONS:

@@ -28,6 +28,7 @@ from ..ops.lora_in_gemm import expand_in_gemm
 from ..ops.lora_product import LoraProduct
 from ..ops.rms_shrink import rms_norm_shrink
 from ..ops.silu_shrink import silu_and_mul_shrink
+from ..ops.skinny_gemm import linear as base_linear   # F.linear, or a Triton GEMM for few rows (opt-in)
 from .config import ModelConfig
 from .forward_batch import ForwardBatch
 from .kv_cache import KVCache
@@ -111,7 +112,7 @@ class DecoderLayer(nn.Module):
         def project(x: torch.Tensor, weight, bias,
                     projs: tuple[str, ...]) -> tuple[torch.Tensor, LoraDelta | LoraProduct | None]:
             if not lora:
-                return F.linear(x, weight, bias), None
+                return base_linear(x, weight, bias), None
             a, b, ranks, scalings = pool.stacks(L, projs)   # fused projections: one multi-slice launch
             if lora_path == "in-gemm":
                 # one GEMM gives the base output and every active adapter's shrink; each row's expand reads
@@ -136,7 +137,7 @@ class DecoderLayer(nn.Module):
                                                       side=lora_path.endswith("-side"))
             if lora_path == "shrink-side":
                 return overlap.linear_with_lora(x, weight, bias, a, b, batch.lora, ranks, scalings), None
-            y = F.linear(x, weight, bias)
+            y = base_linear(x, weight, bias)
             if lora_path == "direct":  # the Triton kernels without the per-call argument checks (see forward)
                 return api.sgmv.add_lora(y, x, a, b, batch.lora, ranks, scalings, 0), None
             return add_lora(y, x, a, b, batch.lora, ranks, scalings, backend=backend), None
@@ -150,7 +151,7 @@ class DecoderLayer(nn.Module):
                                                     lora_a=a, ranks=ranks, row_slot=batch.lora.row_slot,
                                                     block=split, backend=backend)
                 if projs[0] in fused_projs:
-                    return residual, F.linear(x, weight, bias), LoraProduct(part, tuple(b), tuple(ranks),
+                    return residual, base_linear(x, weight, bias), LoraProduct(part, tuple(b), tuple(ranks),
                                                                             tuple(scalings), batch.lora.row_slot)
                 y, d = overlap.linear_with_lora_expand(x, weight, bias, part, b, batch.lora, ranks, scalings,
                                                        side=lora_path.endswith("-side"))
@@ -189,7 +190,7 @@ class DecoderLayer(nn.Module):
             act, part = silu_and_mul_shrink(gate_up, a[0], ranks[0], batch.lora.row_slot, delta=delta,
                                             backend=backend)
             if "down_proj" in fused_projs:
-                return F.linear(act, self.down_proj, self.down_bias), residual, LoraProduct(
+                return base_linear(act, self.down_proj, self.down_bias), residual, LoraProduct(
                     part, tuple(b), tuple(ranks), tuple(scalings), batch.lora.row_slot)
             out, delta = overlap.linear_with_lora_expand(act, self.down_proj, self.down_bias, part, b, batch.lora,
                                                          ranks, scalings, side=lora_path.endswith("-side"))

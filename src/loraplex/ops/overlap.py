@@ -44,12 +44,13 @@ import logging
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from ..env_switch import env_switch
 from .batch import LoraBatch
 from .lora_delta import LoraDelta
 from .lora_product import LoraProduct
+# the projections' GEMM: F.linear, or ops/skinny_gemm's kernel for few rows where LORAPLEX_SKINNY_GEMM=on
+from .skinny_gemm import linear as base_linear, linear_into as _linear_into
 from .stream_priority import gemm_stream_priority
 
 log = logging.getLogger("loraplex.ops")
@@ -92,7 +93,9 @@ DECODE_EXTRA_MAX_ROWS = 32
 
 def fused_projections(rows: int, decode: bool) -> frozenset[str]:
     """The projections whose product "fused" leaves to the next op to expand, in a forward of `rows` rows;
-    `decode`: every row is a sequence's one new token (else prompts are in it: FUSED_PROJECTIONS)."""
+    `decode`: every row is a sequence's one new token (else prompts are in it: FUSED_PROJECTIONS). Decode
+    forwards: q/k/v's alone below FUSED_MIN_ROWS rows, FUSED_PROJECTIONS and DECODE_EXTRA_FUSED up to
+    DECODE_EXTRA_MAX_ROWS, FUSED_PROJECTIONS beyond."""
     if not decode:
         return FUSED_PROJECTIONS
     if rows < FUSED_MIN_ROWS:
@@ -183,17 +186,9 @@ def _usable_gemm_stream(device: torch.device, main: torch.cuda.Stream,
     return None if stream in (main, side) else stream
 
 
-def _linear_into(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    """y = F.linear(x, weight, bias) for 2-D x, by the same GEMM F.linear calls (addmm with a bias, else mm)."""
-    if bias is None:
-        torch.mm(x, weight.t(), out=y)
-    else:
-        torch.addmm(bias, x, weight.t(), out=y)
-
-
 def _beside_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, side: bool,
                  work: Callable[[], None], gemm_first: bool = False) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` with `work` (LoRA kernels that read only x, or inputs ready with x) queued
+    """`base_linear(x, weight, bias)` with `work` (LoRA kernels that read only x, or inputs ready with x) queued
     before it: on a side stream that forks after x is ready and joins after the GEMM when `side` (capture
     only) and one is usable, else on the current stream. `gemm_first`: the GEMM is captured before the side
     stream's work (both still wait only for x), so at replay its CTAs take their SMs first and the work runs
@@ -204,7 +199,7 @@ def _beside_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     stream = _usable_side(x.device) if side else None
     if stream is None:
         work()
-        return F.linear(x, weight, bias)
+        return base_linear(x, weight, bias)
     main = torch.cuda.current_stream(x.device)
     gemm_stream = _usable_gemm_stream(x.device, main, stream) if x.dim() == 2 else None
     if gemm_stream is not None:   # the "gemm" priority scheme: the GEMM on a stream of its own, forked beside
@@ -223,14 +218,14 @@ def _beside_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if gemm_first:
         ready = torch.cuda.Event()
         ready.record(main)
-        y = F.linear(x, weight, bias)
+        y = base_linear(x, weight, bias)
         stream.wait_event(ready)   # x is ready
     else:
         stream.wait_stream(main)    # x is ready
     with torch.cuda.stream(stream):
         work()
     if not gemm_first:
-        y = F.linear(x, weight, bias)
+        y = base_linear(x, weight, bias)
     main.wait_stream(stream)
     return y
 
@@ -244,11 +239,11 @@ def _delta_values(x: torch.Tensor, lora_b: list[torch.Tensor]) -> torch.Tensor:
 def linear_with_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      lora_a: list[torch.Tensor], lora_b: list[torch.Tensor], batch: LoraBatch,
                      ranks: list[torch.Tensor], scalings: list[torch.Tensor]) -> torch.Tensor:
-    """"shrink": `F.linear(x, weight, bias)` plus `sgmv.add_lora` of the slices, the shrink beside the GEMM."""
+    """"shrink": `base_linear(x, weight, bias)` plus `sgmv.add_lora` of the slices, the shrink beside the GEMM."""
     from . import sgmv   # Triton: imported where it runs, so that the CPU path needs none
     cfg = sgmv.config_for(batch.block_m)   # the plain order's settings: the same bits
     if _usable_side(x.device) is None:
-        return sgmv.add_lora(F.linear(x, weight, bias), x, lora_a, lora_b, batch, ranks, scalings, 0, cfg)
+        return sgmv.add_lora(base_linear(x, weight, bias), x, lora_a, lora_b, batch, ranks, scalings, 0, cfg)
     part = sgmv.new_partials(x, lora_a, batch, cfg)
     y = _beside_gemm(x, weight, bias, True, lambda: sgmv.shrink_into(part, x, lora_a, ranks, batch, cfg))
     sgmv.expand_from(y, part, lora_b, ranks, scalings, batch, 0, cfg)
@@ -259,7 +254,7 @@ def linear_with_lora_delta(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
                            lora_a: list[torch.Tensor], lora_b: list[torch.Tensor], batch: LoraBatch,
                            ranks: list[torch.Tensor], scalings: list[torch.Tensor], *,
                            side: bool) -> tuple[torch.Tensor, LoraDelta]:
-    """"full": `(F.linear(x, weight, bias), delta)`, delta the fp32 `[T, ΣN]` LoRA product of the slices in
+    """"full": `(base_linear(x, weight, bias), delta)`, delta the fp32 `[T, ΣN]` LoRA product of the slices in
     the rows with an adapter (a LoraDelta: the other rows are not written), for the consumer to add.
     `side`: on a side stream (capture only)."""
     from . import sgmv
@@ -278,7 +273,7 @@ def linear_with_lora_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.
                              lora_a: list[torch.Tensor], lora_b: list[torch.Tensor], batch: LoraBatch,
                              ranks: list[torch.Tensor], scalings: list[torch.Tensor], *,
                              side: bool) -> tuple[torch.Tensor, LoraProduct]:
-    """"fused": `(F.linear(x, weight, bias), product)`, the product the shrink of the slices left for the
+    """"fused": `(base_linear(x, weight, bias), product)`, the product the shrink of the slices left for the
     consumer to expand (ops/lora_product.py). `side`: the shrink on a side stream (capture only)."""
     from . import sgmv
     cfg = config_for(batch.block_m)
@@ -291,7 +286,7 @@ def linear_with_lora_expand(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
                             lora_b: list[torch.Tensor], batch: LoraBatch, ranks: list[torch.Tensor],
                             scalings: list[torch.Tensor], *, side: bool) -> tuple[torch.Tensor, LoraDelta]:
     """"full" for a projection whose shrink the op before it computed (`part`, the fp32 split-K partials
-    `[splits, slices, T, R]`: ops/silu_shrink.py): `(F.linear(x, weight, bias), delta)`, only the expand beside
+    `[splits, slices, T, R]`: ops/silu_shrink.py): `(base_linear(x, weight, bias), delta)`, only the expand beside
     the GEMM. `side`: on a side stream (capture only)."""
     from . import sgmv
     cfg = config_for(batch.block_m)

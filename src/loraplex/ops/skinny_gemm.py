@@ -1,23 +1,28 @@
 """`skinny_linear`: y = x @ wᵀ (+ bias) for decode steps of up to MAX_ROWS rows, one Triton launch
-(skinny_gemm_kernels.py states the exact sums). Not used by the model yet: benchmarks/bench_skinny_gemm.py
-times it against `torch.nn.functional.linear` (cuBLAS) at Llama's projection shapes first.
+(skinny_gemm_kernels.py states the exact sums); `linear`, the model's projections: F.linear (cuBLAS), or
+skinny_linear for forwards of up to DECODE_MAX_ROWS rows where LORAPLEX_SKINNY_GEMM=on (off by default: built
+2026-12-02 for the backbone's decode step, whose cuBLAS GEMMs read the weights at ~0.84 of the copy bandwidth, and
+not yet timed; benchmarks/bench_skinny_gemm.py times it against cuBLAS at Llama's projection shapes).
 
-Split-K launches need an fp32 workspace and a counter per column tile. Both are allocated on the first call
-for a (device, split, rows tile, N) shape and kept, so CUDA graphs can capture the same buffers; a first call
-inside a capture is refused (run one eagerly first, as the engine's warm-up does). Launches that share a
-shape must not run concurrently on two streams.
+Split-K launches need an fp32 workspace [split, MAX_ROWS, N] and a counter per column tile. Both are allocated on
+the first call for a (device, split, N) and kept, so CUDA graphs capture the same buffers; a first call inside a
+capture is refused (the engine's graphs are each captured after an eager run of the same forward). Launches that
+share a workspace must not run concurrently on two streams (a forward's projections run one after another).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from .launch import Launcher
-from .skinny_gemm_kernels import _skinny_gemm_kernel
+from ..env_switch import env_switch
 
 MAX_ROWS = 64
-_KERNEL = Launcher(_skinny_gemm_kernel)
+DECODE_MAX_ROWS = 32   # `linear` takes skinny_linear for forwards of at most this many rows
+SETTING = env_switch("LORAPLEX_SKINNY_GEMM", "off", on="on", off="off")
+_KERNEL = []   # its Launcher, made on first use: Triton is imported only where the kernel runs
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -56,17 +61,70 @@ def _block_m(rows: int) -> int:
     return max(16, 1 << (rows - 1).bit_length())
 
 
-def _buffers(device: torch.device, split: int, block_m: int, n: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    key = (device, split, block_m, n)
+def _buffers(device: torch.device, split: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 partials [split, MAX_ROWS, n] and the zeroed counters (enough for 16-column tiles) of split
+    launches of width n."""
+    key = (device, split, n)
     got = _WORKSPACES.get(key)
     if got is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"skinny_linear: no workspace yet for split {split}, {block_m} rows, N = {n}, and a "
-                               f"CUDA graph is being captured; run the same shape once before capturing")
-        got = (torch.empty(split, block_m, n, dtype=torch.float32, device=device),
-               torch.zeros(tiles, dtype=torch.int32, device=device))
+            raise RuntimeError(f"skinny_linear: no workspace yet for split {split} and N = {n}, and a CUDA graph is "
+                               f"being captured; run the same shape once before capturing")
+        got = (torch.empty(split, MAX_ROWS, n, dtype=torch.float32, device=device),
+               torch.zeros(-(-n // 16), dtype=torch.int32, device=device))
         _WORKSPACES[key] = got
     return got
+
+
+def load_configs(path: str) -> dict[tuple[int, int], SkinnyConfig]:
+    """Tuned configs per weight shape from a JSON file {"N,K": {SkinnyConfig's fields}} (bench_skinny_gemm.py's
+    --configs-out); a malformed file is an error that names it and the entry."""
+    import json
+    from pathlib import Path
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"LORAPLEX_SKINNY_CONFIGS={path!r}: cannot read it as JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"LORAPLEX_SKINNY_CONFIGS={path!r}: expected an object of \"N,K\": config entries")
+    configs = {}
+    for key, fields in raw.items():
+        try:
+            n, k = (int(v) for v in key.split(","))
+            configs[(n, k)] = SkinnyConfig(**fields)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"LORAPLEX_SKINNY_CONFIGS={path!r}: entry {key!r}: {e}") from e
+    return configs
+
+
+# Tuned configs per weight shape (N, K) (LORAPLEX_SKINNY_CONFIGS: a file bench_skinny_gemm.py wrote); others
+# take `pick_config`.
+CONFIGS: dict[tuple[int, int], SkinnyConfig] = (load_configs(os.environ["LORAPLEX_SKINNY_CONFIGS"])
+                                                 if os.environ.get("LORAPLEX_SKINNY_CONFIGS") else {})
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`; with LORAPLEX_SKINNY_GEMM=on, `skinny_linear` where x is 2-D with 1 to
+    DECODE_MAX_ROWS rows, of w's float dtype, on CUDA (or in Triton's interpreter), with unit strides along K."""
+    if SETTING == "on" and x.dim() == 2 and 0 < x.shape[0] <= DECODE_MAX_ROWS and _skinny_ok(x, weight):
+        return skinny_linear(x, weight, bias, config=CONFIGS.get(tuple(weight.shape)))
+    return F.linear(x, weight, bias)
+
+
+def linear_into(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """y = `linear(x, weight, bias)` for 2-D x, into y (cuBLAS: the GEMM F.linear calls)."""
+    if SETTING == "on" and 0 < x.shape[0] <= DECODE_MAX_ROWS and _skinny_ok(x, weight):
+        skinny_linear(x, weight, bias, out=y, config=CONFIGS.get(tuple(weight.shape)))
+    elif bias is None:
+        torch.mm(x, weight.t(), out=y)
+    else:
+        torch.addmm(bias, x, weight.t(), out=y)
+
+
+def _skinny_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    from .api import triton_interpreted
+    return (x.dtype in (torch.float16, torch.bfloat16, torch.float32) and weight.dtype == x.dtype and x.stride(1) == 1
+            and weight.stride(1) == 1 and (x.is_cuda or triton_interpreted()))
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -94,8 +152,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     elif tuple(out.shape) != (M, N):
         raise ValueError(f"skinny_linear: out has shape {tuple(out.shape)}, expected ({M}, {N})")
-    for name, t in (("x", x), ("weight", weight), ("out", out)):
-        if t.stride(1) != 1:
+    for name, t in (("x", x), ("weight", weight), ("out", out), ("bias", bias)):
+        if t is not None and t.stride(-1) != 1:
             raise ValueError(f"skinny_linear: {name} must have unit stride along its last dimension")
     if M == 0 or N == 0:
         return out
@@ -111,11 +169,15 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     k_per_split = -(-k_tiles // split) * config.block_k
     split = -(-K // k_per_split)
     tiles = -(-N // config.block_n)
-    part, count = _buffers(x.device, split, block_m, N, tiles) if split > 1 else (out, out)
+    part, count = _buffers(x.device, split, N) if split > 1 else (out, out)
     args = (x, weight, bias if bias is not None else out, out, part, count, M, N, K, k_per_split, x.stride(0),
             weight.stride(0), out.stride(0))
     consts = dict(HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_N=N % config.block_n == 0,
                   EVEN_K=K % config.block_k == 0, IEEE=x.dtype == torch.float32, BLOCK_M=block_m,
                   BLOCK_N=config.block_n, BLOCK_K=config.block_k)
-    _KERNEL((tiles, split), args, consts, config.warps, config.stages)
+    if not _KERNEL:
+        from .launch import Launcher
+        from .skinny_gemm_kernels import _skinny_gemm_kernel
+        _KERNEL.append(Launcher(_skinny_gemm_kernel))
+    _KERNEL[0]((tiles, split), args, consts, config.warps, config.stages)
     return out

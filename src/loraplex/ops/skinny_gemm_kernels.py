@@ -4,7 +4,8 @@ For every row m < M and column n < N (fp32 sums, rounded once to y's dtype):
 
     y[m, n] = round(Σ_{s < SPLIT_K} (Σ_{k in split s} x[m, k] · w[n, k]) + bias[n])
 
-where split s covers k in [s · k_per_split, min((s + 1) · k_per_split, K)), summed in s order. At decode the
+where split s covers k in [s · k_per_split, min((s + 1) · k_per_split, K)), the splits summed in s order (within
+a split, `tl.dot`'s fp32 accumulation order is the MMA's). At decode the
 projection is bound by reading w (a 7B layer's four weights are 404 MB against 2 MB of x and y), and cuBLAS's
 kernels for 32 rows read it at 0.70-0.91 of the copy bandwidth on an H200 (o's and down's with a split-K
 reduce launch after them; benchmarks/NOTES.md, seventeenth session). Here program (n tile, k split) streams a
@@ -55,7 +56,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, M, N
     else:
         # part: [SPLIT_K, BLOCK_M, N] fp32, this split's sums; the counter's acq_rel atomic orders them before the
         # last split's loads, which bypass L1 (.cg: other SMs wrote them)
-        tile = offs_m[None, :] * N + offs_n[:, None]
+        tile = offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]
         tl.store(part_ptr + pid_k.to(tl.int64) * BLOCK_M * N + tile, acc, mask=out_mask)
         tl.debug_barrier()   # every thread's partials stored before the (one-thread) release below
         done = tl.atomic_add(count_ptr + pid_n, 1)
