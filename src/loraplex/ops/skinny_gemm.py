@@ -11,6 +11,7 @@ share a workspace must not run concurrently on two streams (a forward's projecti
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -55,6 +56,13 @@ def pick_config(n: int, k: int, sms: int) -> SkinnyConfig:
     while split < 8 and tiles * split < 2 * sms and k // (2 * split) >= 1024:
         split *= 2
     return SkinnyConfig(split_k=split)
+
+
+@functools.lru_cache(maxsize=None)
+def _picked(n: int, k: int, cuda_index: int | None) -> SkinnyConfig:
+    """`pick_config` for a CUDA device's SM count (132, an H100/H200's, in the interpreter), once per shape."""
+    sms = torch.cuda.get_device_properties(cuda_index).multi_processor_count if cuda_index is not None else 132
+    return pick_config(n, k, sms)
 
 
 def _block_m(rows: int) -> int:
@@ -160,8 +168,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if K == 0:
         return out.copy_(bias.expand(M, N) if bias is not None else torch.zeros_like(out))
     if config is None:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
-        config = pick_config(N, K, sms)
+        config = _picked(N, K, x.device.index if x.is_cuda else None)
     block_m = _block_m(M)
     # each split a whole number of K tiles; fewer splits where K has fewer tiles than splits
     k_tiles = -(-K // config.block_k)
