@@ -1,16 +1,21 @@
 # Sourced by the gpu_*.sh device scripts: Triton's compile cache between device calls (a fresh machine spent
 # ~90 s of its ~110 s engine start-up compiling). `restore_triton_cache` unpacks the repo root's
-# .triton-cache.tgz (git-ignored; carry it) if there is one; `save_triton_cache` leaves the cache in $OUT in
-# 15 MB parts (triton-cache.tgz.part-aa, -ab, ...: a file over 16 MiB does not come back from the device),
-# which `cat` joins into .triton-cache.tgz again. The device returns at most ~32 MB in all, so a cache packed
-# larger (GPU test runs compile hundreds of variants) is not saved: part of one would be useless. Only
-# binaries and metadata are packed (a cache of 715 kernels was 53 MB with its IR, 2026-12-01).
+# .triton-cache.tgz (git-ignored; carry it) if there is one; `save_triton_cache` leaves in $OUT, in 15 MB parts
+# (triton-cache.tgz.part-aa, -ab, ...: a file over 16 MiB does not come back from the device), only the entries
+# compiled since the restore (all of them without one), so a grown cache still comes back (the whole one reached
+# 33.8 MB on 2026-12-02, past the ~32 MB the device returns). Merge them into the carried cache here:
+#   mkdir -p /tmp/tc && tar -xzf .triton-cache.tgz -C /tmp/tc && cat $FILES_AT/triton-cache.tgz.part-* \
+#       | tar -xz -C /tmp/tc && tar -czf .triton-cache.tgz -C /tmp/tc .
+# Only binaries and metadata are packed (a cache of 715 kernels was 53 MB with its IR, 2026-12-01).
 CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 CACHE_LIMIT_BYTES=$((30 * 1024 * 1024))
+
+CACHE_MARK=/tmp/triton-cache-restored
 
 restore_triton_cache() {
   if [ -f .triton-cache.tgz ]; then
     mkdir -p "$CACHE_DIR" && tar -xzf .triton-cache.tgz -C "$CACHE_DIR" && echo "== Triton cache: $(ls "$CACHE_DIR" | wc -l) entries"
+    sleep 1 && touch "$CACHE_MARK"   # what is compiled after this is what save_triton_cache packs
   fi
 }
 
@@ -18,7 +23,9 @@ save_triton_cache() {
   local packed=/tmp/triton-cache-out.tgz
   # only what a cache hit reads: the binary (.cubin), the metadata (.json) and the launcher stubs (.so); the
   # intermediate IR and PTX (~80% of the bytes) are skipped (Triton's get_group returns the files that exist)
-  (cd "$CACHE_DIR" && find . -type f \( -name '*.cubin' -o -name '*.json' -o -name '*.so' \) -print0 \
+  local newer=()
+  [ -f "$CACHE_MARK" ] && newer=(-newer "$CACHE_MARK")
+  (cd "$CACHE_DIR" && find . -type f ${newer[@]+"${newer[@]}"} \( -name '*.cubin' -o -name '*.json' -o -name '*.so' \) -print0 \
       | tar -czf "$packed" --null -T -) 2>/dev/null || return 0
   if [ "$(stat -c %s "$packed")" -gt "$CACHE_LIMIT_BYTES" ]; then
     echo "== Triton cache not saved: $(stat -c %s "$packed") bytes packed, over $CACHE_LIMIT_BYTES"

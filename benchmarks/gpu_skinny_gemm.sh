@@ -35,4 +35,5 @@ for setting in on off; do
       --variants backbone,distinct --repeats 3 --out "$OUT/engine_skinny_$setting.json" \
       --md "$OUT/engine_skinny_$setting.md" 2>&1 | grep "^| 32"
 done
+save_triton_cache
 echo "== done at ${SECONDS}s"
