@@ -281,8 +281,8 @@ def test_decode_forwards_of_up_to_32_rows_leave_gate_up_to_silu(setup, monkeypat
 
 
 def test_skinny_gemm_projections_match_too(setup, monkeypatch):
-    """LORAPLEX_SKINNY_GEMM=on (ops/skinny_gemm.py): every projection of a forward of at most DECODE_MAX_ROWS rows
-    runs the Triton GEMM (here in the interpreter, with the LoRA kernels and the "fused" path), a mixed forward of
+    """LORAPLEX_SKINNY_GEMM=on (ops/skinny_gemm.py): every projection (and the LM head) of a forward of at most
+    DECODE_MAX_ROWS rows runs the Triton GEMM (here in the interpreter, with the LoRA kernels and the "fused" path), a mixed forward of
     9 rows and a decode forward of 6; the logits still match transformers + PEFT."""
     if setup.variant not in OFF_PATH_CONFIGS:
         pytest.skip("an opt-in path: two configurations cover it (each run takes ~10 s here)")
@@ -301,7 +301,8 @@ def test_skinny_gemm_projections_match_too(setup, monkeypatch):
     finally:
         setup.model.backend = None
     layers = setup.config.num_hidden_layers
-    assert rows == [9] * 4 * layers + [6] * 4 * layers   # q/k/v, o, gate/up, down of both forwards
+    # q/k/v, o, gate/up and down of both forwards, and the LM head on the rows that get logits (3, then 6)
+    assert rows == [9] * 4 * layers + [3] + [6] * 4 * layers + [6]
     assert len(calls["fused"]) == 7 * layers             # and the LoRA took the "fused" path beside them
 
 

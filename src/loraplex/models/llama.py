@@ -284,7 +284,7 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = rms_norm(hidden.index_select(0, rows), self.norm, self.config.rms_norm_eps,
                              residual=residual.index_select(0, rows),
                              delta=_select_rows(delta, rows), backend=self.backend)
-        return F.linear(hidden, self.lm_head).float()
+        return base_linear(hidden, self.lm_head).float()
 
     def _lora_path(self, batch: ForwardBatch, pool: AdapterPool | None) -> str:
         """How the projections add LoRA: "in-gemm" (inside `lora_in_gemm`: the shrink inside each
