@@ -19,6 +19,7 @@ import datetime
 import itertools
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -29,7 +30,9 @@ from bench_lora_ops import copy_bandwidth_gbs, time_us  # noqa: E402
 from loraplex.ops.skinny_gemm import SkinnyConfig, skinny_linear  # noqa: E402
 
 # Llama-2-7B: name -> (N, K) of the weight
-SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}
+SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008),
+          "lm_head": (32000, 4096)}
+LAYER = ("qkv", "o", "gate_up", "down")   # a decoder layer's projections, in order
 ROTATION_BYTES = 600 << 20   # each shape's copies together, ten times the L2
 SWEEP = [SkinnyConfig(block_n=bn, block_k=bk, split_k=s, stages=st, warps=w)
          for bn, bk, s, st, w in itertools.product((64, 128), (128, 256), (1, 2, 4, 8), (3, 4), (4,))
@@ -74,8 +77,28 @@ def graph_of(calls: list) -> torch.cuda.CUDAGraph:
 
 
 def per_call_us(calls: list) -> float:
+    if SMOKE:   # the CPU smoke run: wall time of one pass, after a warm-up pass
+        for c in calls:
+            c()
+        start = time.perf_counter()
+        for c in calls:
+            c()
+        return (time.perf_counter() - start) * 1e6 / len(calls)
     g = graph_of(calls)
     return time_us([g.replay], target_ms=20, reps=7) / len(calls)
+
+
+# --smoke: the whole script on the CPU (Triton's interpreter, fp16, shapes 1/128th, two configs, few rows), for CI
+SMOKE = False
+DEVICE, DTYPE = "cuda", torch.bfloat16
+
+
+def _smoke_settings() -> None:
+    global SMOKE, DEVICE, DTYPE, SHAPES, SWEEP, BLAS, ROTATION_BYTES
+    SMOKE, DEVICE, DTYPE = True, "cpu", torch.float16
+    SHAPES = {name: (n // 128, k // 128) for name, (n, k) in SHAPES.items()}
+    SWEEP = [SkinnyConfig(block_n=16, block_k=16, split_k=s, stages=1) for s in (1, 2)]
+    BLAS, ROTATION_BYTES = ("default",), 0
 
 
 def main(argv=None) -> None:
@@ -86,22 +109,26 @@ def main(argv=None) -> None:
     ap.add_argument("--md", type=Path)
     ap.add_argument("--configs-out", type=Path,
                     help="the fastest config per shape at the first row count, as LORAPLEX_SKINNY_CONFIGS reads it")
+    ap.add_argument("--smoke", action="store_true", help="a CPU run of everything at toy sizes (CI)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        _smoke_settings()
     torch.manual_seed(0)
     rows = [int(r) for r in args.rows.split(",")]
-    copy_gbs = copy_bandwidth_gbs()
-    result = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,
+    copy_gbs = 1.0 if SMOKE else copy_bandwidth_gbs()
+    result = dict(gpu="cpu (smoke run)" if SMOKE else torch.cuda.get_device_name(),
+                  date=datetime.date.today().isoformat(), torch=torch.__version__,
                   triton=__import__("triton").__version__, copy_gbs=copy_gbs, shapes={}, layer={})
     weights = {}
     for name, (N, K) in SHAPES.items():
         copies = max(2, -(-ROTATION_BYTES // (N * K * 2)))
-        weights[name] = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5 for _ in range(copies)]
+        weights[name] = [torch.randn(N, K, device=DEVICE).to(DTYPE) * K ** -0.5 for _ in range(copies)]
     best: dict[str, list[SkinnyConfig]] = {}   # per shape, the first row count's fastest configs, fastest first
     for M in rows:
         for name, (N, K) in SHAPES.items():
             ws = weights[name]
-            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            outs = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16) for _ in ws]
+            x = torch.randn(M, K, device=DEVICE).to(DTYPE)
+            outs = [torch.empty(M, N, device=DEVICE, dtype=DTYPE) for _ in ws]
             floor_us = N * K * 2 / copy_gbs / 1e3
             entry = dict(N=N, K=K, floor_us=floor_us, blas={}, skinny={})
             for blas in BLAS if M == rows[0] else ("default",):
@@ -142,12 +169,12 @@ def main(argv=None) -> None:
                 args.out.write_text(json.dumps(result, indent=1) + "\n")
     # a layer's four projections in order, over as many layers as every shape has copies, at the first row count
     M = rows[0]
-    xs = {name: torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for name, (N, K) in SHAPES.items()}
-    layers = min(len(ws) for ws in weights.values())
+    xs = {name: torch.randn(M, SHAPES[name][1], device=DEVICE).to(DTYPE) for name in LAYER}
+    layers = min(len(weights[name]) for name in LAYER)
     for system in ("cublas", "skinny"):
         calls = []
         for i in range(layers):
-            for name, (N, K) in SHAPES.items():
+            for name in LAYER:
                 w, x = weights[name][i], xs[name]
                 if system == "cublas":
                     calls.append(lambda w=w, x=x: torch.nn.functional.linear(x, w))
@@ -157,7 +184,7 @@ def main(argv=None) -> None:
                     calls.append(lambda w=w, x=x, c=best[name][0]: skinny_linear(x, w, config=c))
         if len(calls) == 4 * layers:
             result["layer"][system] = round(per_call_us(calls) * 4, 2)
-    result["layer"]["floor_us"] = sum(N * K * 2 for N, K in SHAPES.values()) / copy_gbs / 1e3
+    result["layer"]["floor_us"] = sum(SHAPES[name][0] * SHAPES[name][1] * 2 for name in LAYER) / copy_gbs / 1e3
     print("layer µs", result["layer"], flush=True)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -282,8 +282,8 @@ def test_decode_forwards_of_up_to_32_rows_leave_gate_up_to_silu(setup, monkeypat
 
 def test_skinny_gemm_projections_match_too(setup, monkeypatch):
     """LORAPLEX_SKINNY_GEMM=on (ops/skinny_gemm.py): every projection (and the LM head) of a forward of at most
-    DECODE_MAX_ROWS rows runs the Triton GEMM (here in the interpreter, with the LoRA kernels and the "fused" path), a mixed forward of
-    9 rows and a decode forward of 6; the logits still match transformers + PEFT."""
+    DECODE_MAX_ROWS rows runs the Triton GEMM (here in the interpreter, with the LoRA kernels and the "fused"
+    path), a mixed forward of 9 rows and a decode forward of 6; the logits still match transformers + PEFT."""
     if setup.variant not in OFF_PATH_CONFIGS:
         pytest.skip("an opt-in path: two configurations cover it (each run takes ~10 s here)")
     if setup.config.head_dim & (setup.config.head_dim - 1):

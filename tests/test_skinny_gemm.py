@@ -197,3 +197,25 @@ def test_linear_takes_the_kernel_only_when_on_and_for_few_rows(monkeypatch):
     assert used == ([5, 5] if ops.triton_interpreted() else [])   # not the 33 rows
     before = len(used)
     assert skinny_gemm.linear(few.double(), w.double()).dtype == torch.float64 and len(used) == before   # F.linear
+
+
+@interpreted
+def test_the_benchmark_runs_end_to_end_on_the_cpu(tmp_path, monkeypatch):
+    """benchmarks/bench_skinny_gemm.py --smoke (toy shapes in the interpreter): every shape's cuBLAS and kernel
+    timings, the kernel checked against F.linear, the layer timing, and a configs file that load_configs reads."""
+    import json
+
+    from benchmark_modules import load_benchmark
+    bench = load_benchmark(monkeypatch, "bench_skinny_gemm")   # a fresh module: --smoke rescales its settings
+    out, configs = tmp_path / "skinny.json", tmp_path / "configs.json"
+    bench.main(["--smoke", "--rows", "4,2", "--out", str(out), "--md", str(tmp_path / "skinny.md"),
+                "--configs-out", str(configs)])
+    result = json.loads(out.read_text())
+    assert set(result["shapes"]) == {f"{name}@{m}" for name in bench.SHAPES for m in (4, 2)}
+    for entry in result["shapes"].values():
+        assert isinstance(entry["blas"]["default"], float) and entry["best"]
+        assert all("us" in v and v["rel_err"] <= 1e-2 for v in entry["skinny"].values()), entry["skinny"]
+    assert result["layer"]["cublas"] > 0 and result["layer"]["skinny"] > 0
+    loaded = skinny_gemm.load_configs(str(configs))
+    assert set(loaded) == {bench.SHAPES[name] for name in bench.SHAPES}
+    assert "skinny / cuBLAS" in (tmp_path / "skinny.md").read_text()
