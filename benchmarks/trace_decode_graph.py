@@ -176,9 +176,9 @@ def variant(name: str):
         patches.append(mock.patch.object(fused_lora_kernels, "ROPE_HEADS", ROPE_HEADS_VARIANTS[name]))
     if name == "no_gate":   # the default before the seventeenth session: gate/up's product expanded apart
         patches.append(mock.patch.object(overlap, "DECODE_EXTRA_FUSED", frozenset()))
-    if name == "silu_w8":
+    if name in ("silu_w4", "silu_w8"):
         from loraplex.ops import fused_lora_kernels
-        patches.append(mock.patch.object(fused_lora_kernels, "SILU_WARPS", 8))
+        patches.append(mock.patch.object(fused_lora_kernels, "SILU_WARPS", int(name[-1])))
     if name == "skinny":   # the projections' GEMMs by ops/skinny_gemm.py (LORAPLEX_SKINNY_GEMM=on)
         from loraplex.ops import skinny_gemm
         patches.append(mock.patch.object(skinny_gemm, "SETTING", "on"))
@@ -332,6 +332,8 @@ VARIANTS = {
     "no_gate": "fused without gate/up's product left to SiLU-and-mul at decode (overlap.DECODE_EXTRA_FUSED empty: "
                "the default before the seventeenth session)",
     "silu_w8": "SiLU-and-mul's programs in 8 warps where it expands gate/up's product (fused_lora_kernels.SILU_WARPS)",
+    "silu_w4": "SiLU-and-mul's programs in 4 warps whatever their columns (silu256+silu_w4: 71 registers a thread, "
+               "where 256 columns in 2 warps take 148)",
     "skinny": "the projections' GEMMs by ops/skinny_gemm.py's Triton kernel (LORAPLEX_SKINNY_GEMM=on), e.g. "
               "backbone+skinny",
     "rows_ew8": "the decode config's expand in 8 warps (sgmv.CONFIGS[16].expand_warps, 4 today)",
