@@ -5,8 +5,9 @@
 # replays); (2) bench_skinny_gemm.py: cuBLAS under PyTorch's BLAS settings against the kernel's tile sweep at 32
 # rows (the fastest three at 16, 8 and 1) and a layer's four projections in order, writing the fastest config per
 # shape; (3) batch-32 decode forwards in graphs with those configs, paired rounds: backbone and today's path, each
-# with and without the kernel (LORAPLEX_SKINNY_GEMM), and SiLU's product at 256 columns in 4 warps; (4) issue 5's
-# engine benchmark with the kernel on, then (time left) off. Returns the Triton cache entries it compiled.
+# with and without the kernel (LORAPLEX_SKINNY_GEMM), SiLU's product at 256 columns in 4 warps and with both B
+# blocks loaded first; (4) issue 5's engine benchmark with the kernel on, then (time left) off. Returns the
+# Triton cache entries it compiled.
 #   OUT=/some/dir bash benchmarks/gpu_skinny_gemm.sh
 set -u
 OUT=${OUT:-benchmarks/results}
@@ -24,7 +25,7 @@ timeout ${BENCH_S:-240} python benchmarks/bench_skinny_gemm.py --out "$OUT/skinn
 [ -s "$OUT/skinny_configs.json" ] && export LORAPLEX_SKINNY_CONFIGS=$OUT/skinny_configs.json
 if [ "$(left)" -gt 120 ]; then
   echo "== decode forwards at ${SECONDS}s (configs: ${LORAPLEX_SKINNY_CONFIGS:-pick_config})"
-  timeout $(($(left) - 60)) python benchmarks/trace_decode_graph.py --variants backbone,backbone+skinny,fused,fused+skinny,silu256+silu_w4 \
+  timeout $(($(left) - 60)) python benchmarks/trace_decode_graph.py --variants backbone,backbone+skinny,fused,fused+skinny,silu256+silu_w4,silu_loads_first \
       --trace-variants backbone+skinny --paired 7 --out "$OUT/decode_graph_trace_skinny.json" 2>&1 \
       | grep -E "^[a-z_0-9+]+ +[0-9]+ µs|^paired" | tail -10
 fi

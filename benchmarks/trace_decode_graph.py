@@ -176,6 +176,9 @@ def variant(name: str):
         patches.append(mock.patch.object(fused_lora_kernels, "ROPE_HEADS", ROPE_HEADS_VARIANTS[name]))
     if name == "no_gate":   # the default before the seventeenth session: gate/up's product expanded apart
         patches.append(mock.patch.object(overlap, "DECODE_EXTRA_FUSED", frozenset()))
+    if name == "silu_loads_first":
+        from loraplex.ops import fused_lora_kernels
+        patches.append(mock.patch.object(fused_lora_kernels, "SILU_LOADS_FIRST", True))
     if name in ("silu_w4", "silu_w8"):
         from loraplex.ops import fused_lora_kernels
         patches.append(mock.patch.object(fused_lora_kernels, "SILU_WARPS", int(name[-1])))
@@ -332,6 +335,8 @@ VARIANTS = {
     "no_gate": "fused without gate/up's product left to SiLU-and-mul at decode (overlap.DECODE_EXTRA_FUSED empty: "
                "the default before the seventeenth session)",
     "silu_w8": "SiLU-and-mul's programs in 8 warps where it expands gate/up's product (fused_lora_kernels.SILU_WARPS)",
+    "silu_loads_first": "SiLU-and-mul loading both B blocks before either product (fused_lora_kernels."
+                        "SILU_LOADS_FIRST; 165 registers a thread against 148)",
     "silu_w4": "SiLU-and-mul's programs in 4 warps whatever their columns (silu256+silu_w4: 71 registers a thread, "
                "where 256 columns in 2 warps take 148)",
     "skinny": "the projections' GEMMs by ops/skinny_gemm.py's Triton kernel (LORAPLEX_SKINNY_GEMM=on), e.g. "

@@ -148,14 +148,15 @@ def rms_norm_lora_split(dtype: str, arch: int) -> None:
 
 def silu_lora(dtype: str, arch: int) -> None:
     from loraplex.ops import fused_lora_kernels as k
-    # (SPLIT_K, BLOCK_R, ONE_R_TILE, BLOCK)
-    for split_k, block_r, one_r, block in ((8, 16, True, k.SILU_BLOCK), (2, 32, False, 64)):
+    # (SPLIT_K, BLOCK_R, ONE_R_TILE, BLOCK, LOADS_FIRST)
+    for split_k, block_r, one_r, block, first in ((8, 16, True, k.SILU_BLOCK, False), (2, 32, False, 64, False),
+                                                  (8, 16, True, k.SILU_BLOCK, True)):
         types = dict(gu_ptr="*" + dtype, out_ptr="*" + dtype, b0="*" + dtype, b1="*" + dtype, rk0="*i32", rk1="*i32",
                      sc0="*fp32", sc1="*fp32", **LORA_POINTERS)
         ptx = _compile(k._silu_and_mul_lora_kernel, types,
-                       dict(ONE_R_TILE=one_r, SPLIT_K=split_k, BLOCK_R=block_r, BLOCK=block, COMPILED=True), arch,
-                       max(1, min(4, block // 128)))
-        what = f"silu_and_mul_lora {dtype} SPLIT_K={split_k} BLOCK_R={block_r} BLOCK={block}"
+                       dict(ONE_R_TILE=one_r, SPLIT_K=split_k, BLOCK_R=block_r, BLOCK=block, COMPILED=True,
+                            LOADS_FIRST=first), arch, max(1, min(4, block // 128)))
+        what = f"silu_and_mul_lora {dtype} SPLIT_K={split_k} BLOCK_R={block_r} BLOCK={block} LOADS_FIRST={first}"
         _no_approx(ptx, what)
         assert "div.rn.f32" in ptx, f"{what}: the division must be IEEE"
 
@@ -232,8 +233,8 @@ def lora_loads(dtype: str, arch: int) -> None:
     ptx = _compile(k._silu_and_mul_lora_kernel, dict(gu_ptr="*" + dtype, out_ptr="*" + dtype, b0="*" + dtype,
                                                      b1="*" + dtype, rk0="*i32", rk1="*i32", sc0="*fp32",
                                                      sc1="*fp32", **LORA_POINTERS),
-                   dict(ONE_R_TILE=True, SPLIT_K=1, BLOCK_R=16, BLOCK=k.SILU_BLOCK, COMPILED=True), arch, 4,
-                   divisible=div)
+                   dict(ONE_R_TILE=True, SPLIT_K=1, BLOCK_R=16, BLOCK=k.SILU_BLOCK, COMPILED=True,
+                        LOADS_FIRST=k.SILU_LOADS_FIRST), arch, 4, divisible=div)
     _vector_b_loads(ptx, dtype, f"silu_and_mul_lora {dtype} sm_{arch}")
     ptx = _compile(k._rope_lora_kernel, dict(q_ptr="*" + dtype, k_ptr="*" + dtype, v_ptr="*" + dtype, pos_ptr="*i64",
                                              inv_freq_ptr="*fp32", b0="*" + dtype, b1="*" + dtype, b2="*" + dtype,

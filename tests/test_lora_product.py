@@ -122,12 +122,16 @@ def test_rms_norm_expands_the_product(backend, dtype, residual, H, block, R, spl
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("I, split_k, R, block", [(300, 3, 16, None), (40, 1, 40, None), (300, 2, 16, 64)])
-def test_silu_and_mul_expands_the_product(backend, dtype, I, split_k, R, block, monkeypatch):
-    """R=40: rank columns in two tiles of the consumer's loop; block=64: several column blocks per row."""
+@pytest.mark.parametrize("I, split_k, R, block, loads_first", [(300, 3, 16, None, False), (40, 1, 40, None, False),
+                                                               (300, 2, 16, 64, False), (300, 3, 16, None, True)])
+def test_silu_and_mul_expands_the_product(backend, dtype, I, split_k, R, block, loads_first, monkeypatch):
+    """R=40: rank columns in two tiles of the consumer's loop; block=64: several column blocks per row;
+    loads_first: fused_lora_kernels.SILU_LOADS_FIRST (both B blocks loaded before either product): the same
+    bits as without."""
     gen = torch.Generator().manual_seed(stable_seed("silu-product", str(dtype), I, split_k, R, block))
     if block:
         monkeypatch.setattr(fused_lora_kernels, "SILU_BLOCK", block)
+    monkeypatch.setattr(fused_lora_kernels, "SILU_LOADS_FIRST", loads_first)
     T = 7
     gate_up = (torch.randn(T, 2 * I, generator=gen) * 2).to(dtype)
     p = make_product(gen, T, (I, I), dtype, R=R, split_k=split_k, sizes=torch.full((T,), 2.0))
@@ -145,6 +149,9 @@ def test_silu_and_mul_expands_the_product(backend, dtype, I, split_k, R, block, 
     keep = p.row_slot < 0
     plain = fused.silu_and_mul(gate_up, backend=backend)
     assert torch.equal(out[keep], plain[keep]) and not torch.equal(out[~keep], plain[~keep])
+    if loads_first:
+        monkeypatch.setattr(fused_lora_kernels, "SILU_LOADS_FIRST", False)
+        assert torch.equal(out, fused.silu_and_mul(gate_up, delta=p, backend=backend))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

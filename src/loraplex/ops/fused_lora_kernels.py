@@ -133,8 +133,10 @@ def _rms_norm_lora_kernel(x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, part_ptr, row_slo
 def _silu_and_mul_lora_kernel(gu_ptr, out_ptr, part_ptr, row_slot_ptr, b0, b1, rk0, rk1, sc0, sc1, R,
                               stride_p_split, stride_p_slice, stride_pm, I, stride_gu, stride_out,
                               ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                              BLOCK: tl.constexpr, COMPILED: tl.constexpr):
-    """Program (row, column block): gate and up take their slice's product, then out = silu(gate) · up."""
+                              BLOCK: tl.constexpr, COMPILED: tl.constexpr, LOADS_FIRST: tl.constexpr):
+    """Program (row, column block): gate and up take their slice's product, then out = silu(gate) · up.
+    LOADS_FIRST (one rank tile): both slices' B blocks are loaded before either product is summed (compiled
+    in program order, the up block's loads otherwise wait for the gate's product: sm_90 PTX)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
@@ -149,12 +151,25 @@ def _silu_and_mul_lora_kernel(gu_ptr, out_ptr, part_ptr, row_slot_ptr, b0, b1, r
         scale_u = tl.load(sc1 + slot)
         part_g = part_ptr + row * stride_pm
         part_u = part_g + stride_p_slice
-        vg, offs_r, rm_g = _v(part_g, 0, rank_g, stride_p_split, SPLIT_K, BLOCK_R)
-        vu, _, rm_u = _v(part_u, 0, rank_u, stride_p_split, SPLIT_K, BLOCK_R)
-        dg = _product(part_g, b0 + slot.to(tl.int64) * I * R, rank_g, scale_g, offs, mask, R, stride_p_split, vg,
-                      offs_r, rm_g, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK)
-        du = _product(part_u, b1 + slot.to(tl.int64) * I * R, rank_u, scale_u, offs, mask, R, stride_p_split, vu,
-                      offs_r, rm_u, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK)
+        b_g = b0 + slot.to(tl.int64) * I * R
+        b_u = b1 + slot.to(tl.int64) * I * R
+        if LOADS_FIRST and ONE_R_TILE:   # the same sums as _product's, its loads issued first
+            offs_r = tl.arange(0, BLOCK_R)
+            bg = _load_rank_block(b_g + offs[:, None] * R + offs_r[None, :], mask[:, None], offs_r[None, :],
+                                  (offs_r < rank_g)[None, :], rank_g, R)
+            bu = _load_rank_block(b_u + offs[:, None] * R + offs_r[None, :], mask[:, None], offs_r[None, :],
+                                  (offs_r < rank_u)[None, :], rank_u, R)
+            vg, _, _ = _v(part_g, 0, rank_g, stride_p_split, SPLIT_K, BLOCK_R)
+            vu, _, _ = _v(part_u, 0, rank_u, stride_p_split, SPLIT_K, BLOCK_R)
+            dg = tl.sum(bg.to(tl.float32) * vg[None, :], axis=1) * scale_g
+            du = tl.sum(bu.to(tl.float32) * vu[None, :], axis=1) * scale_u
+        else:
+            vg, offs_r, rm_g = _v(part_g, 0, rank_g, stride_p_split, SPLIT_K, BLOCK_R)
+            vu, _, rm_u = _v(part_u, 0, rank_u, stride_p_split, SPLIT_K, BLOCK_R)
+            dg = _product(part_g, b_g, rank_g, scale_g, offs, mask, R, stride_p_split, vg, offs_r, rm_g, ONE_R_TILE,
+                          SPLIT_K, BLOCK_R, BLOCK)
+            du = _product(part_u, b_u, rank_u, scale_u, offs, mask, R, stride_p_split, vu, offs_r, rm_u, ONE_R_TILE,
+                          SPLIT_K, BLOCK_R, BLOCK)
         g = _round(g + dg, DT, COMPILED)
         u = _round(u + du, DT, COMPILED)
     tl.store(out_ptr + row * stride_out + offs, _silu_mul(g, u, DT, COMPILED).to(DT), mask=mask)
@@ -246,6 +261,7 @@ RMS_SPLIT = 512     # > 0: each row over programs of this many columns, two laun
 SILU_BLOCK = 512
 SILU_WARPS = 0      # > 0: warps per SiLU-and-mul program; 0: one per 128 columns, at most 4 (148 registers a thread
                     # at 512 columns, sm_90 ptxas; 76 in 8 warps)
+SILU_LOADS_FIRST = False   # both B blocks loaded before either product (not yet timed: trace variant silu_loads_first)
 # heads per program; 2 and 1 measured 1.000× and 1.011× its decode forward time (H200, 2026-12-02, Llama-2-7B at
 # batch 32 in CUDA graphs, paired rounds: results/decode_graph_trace_oattn.json)
 ROPE_HEADS = 4
@@ -289,7 +305,8 @@ def silu_and_mul(gate_up, out, lora, block: int | None = None) -> None:
     block = min(_pow2(I), block or SILU_BLOCK)   # read at call time: benchmarks set SILU_BLOCK
     p, row_slot, b0, b1, _, rk0, rk1, _, sc0, sc1, _, R, sp, ss, sm = lora.kernel_args()
     args = (gate_up, out, p, row_slot, b0, b1, rk0, rk1, sc0, sc1, R, sp, ss, sm, I, gate_up.stride(0), out.stride(0))
-    _SILU((T, -(-I // block)), args, dict(**_tiles(R), SPLIT_K=p.shape[0], BLOCK=block, COMPILED=COMPILED),
+    _SILU((T, -(-I // block)), args, dict(**_tiles(R), SPLIT_K=p.shape[0], BLOCK=block, COMPILED=COMPILED,
+                                          LOADS_FIRST=SILU_LOADS_FIRST),
           SILU_WARPS or max(1, min(4, block // 128)), 1)
 
 
