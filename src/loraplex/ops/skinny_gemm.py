@@ -130,9 +130,14 @@ def linear_into(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: to
 
 
 def _skinny_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    from .api import triton_interpreted
     return (x.dtype in (torch.float16, torch.bfloat16, torch.float32) and weight.dtype == x.dtype and x.stride(1) == 1
-            and weight.stride(1) == 1 and (x.is_cuda or triton_interpreted()))
+            and weight.stride(1) == 1 and (x.is_cuda or _interpreted()))
+
+
+@functools.lru_cache(maxsize=1)
+def _interpreted() -> bool:
+    from .api import triton_interpreted   # fixed at import (TRITON_INTERPRET)
+    return triton_interpreted()
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
