@@ -9,6 +9,8 @@
 # blocks loaded first; (4) issue 5's engine benchmark with the kernel on, then (time left) off. Returns the
 # Triton cache entries it compiled.
 #   OUT=/some/dir bash benchmarks/gpu_skinny_gemm.sh
+# TESTS=0 / BENCH=0 skip a part (a second call: TESTS=0 BENCH=0 LORAPLEX_SKINNY_CONFIGS=<the first call's
+# skinny_configs.json, committed> runs the forwards and the engine alone); DEADLINE as in gpu_cache.sh.
 set -u
 OUT=${OUT:-benchmarks/results}
 . "$(dirname "$0")/gpu_cache.sh"
@@ -19,10 +21,12 @@ if [ "${TESTS:-1}" = 1 ]; then
   timeout ${TEST_S:-120} python -m pytest -m gpu -q -rA -p no:cacheprovider tests/test_skinny_gemm.py 2>&1 \
       | tee "$OUT/pytest_gpu_skinny_gemm.log" | grep -E "FAILED|ERROR|passed|failed" | tail -16
 fi
-echo "== bench at ${SECONDS}s"
-timeout ${BENCH_S:-240} python benchmarks/bench_skinny_gemm.py --out "$OUT/skinny_gemm.json" --md "$OUT/skinny_gemm.md" \
-    --configs-out "$OUT/skinny_configs.json" 2>&1 | tail -24
-[ -s "$OUT/skinny_configs.json" ] && export LORAPLEX_SKINNY_CONFIGS=$OUT/skinny_configs.json
+if [ "${BENCH:-1}" = 1 ]; then
+  echo "== bench at ${SECONDS}s"
+  timeout ${BENCH_S:-300} python benchmarks/bench_skinny_gemm.py --out "$OUT/skinny_gemm.json" --md "$OUT/skinny_gemm.md" \
+      --configs-out "$OUT/skinny_configs.json" 2>&1 | tail -24
+  [ -s "$OUT/skinny_configs.json" ] && export LORAPLEX_SKINNY_CONFIGS=$OUT/skinny_configs.json
+fi
 if [ "$(left)" -gt 120 ]; then
   echo "== decode forwards at ${SECONDS}s (configs: ${LORAPLEX_SKINNY_CONFIGS:-pick_config})"
   timeout $(($(left) - 60)) python benchmarks/trace_decode_graph.py --variants backbone,backbone+skinny,fused,fused+skinny,silu256+silu_w4,silu_loads_first \
