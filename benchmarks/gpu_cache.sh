@@ -43,3 +43,14 @@ gpu_script_start() {
 }
 
 left() { echo $((${DEADLINE:-540} - SECONDS)); }
+
+# `gpu_tests LOG SECONDS PYTEST_ARGS...`: the GPU tests named, at most SECONDS, their log in $OUT/LOG (-rA: a log
+# cut by the limit still names what passed), the summary lines shown; TESTS=0 skips them.
+gpu_tests() {
+  [ "${TESTS:-1}" = 1 ] || return 0
+  local log=$1 limit=$2
+  shift 2
+  echo "== GPU tests at ${SECONDS}s"
+  timeout "$limit" python -m pytest -m gpu -q -rA -p no:cacheprovider "$@" 2>&1 | tee "$OUT/$log" \
+      | grep -E "FAILED|ERROR|passed|failed" | tail -12
+}

@@ -12,12 +12,8 @@ OUT=${OUT:-benchmarks/results}
 . "$(dirname "$0")/gpu_cache.sh"
 gpu_script_start
 DEADLINE=${DEADLINE:-560}
-if [ "${TESTS:-1}" = 1 ]; then
-  echo "== GPU tests at ${SECONDS}s"
-  timeout ${TEST_S:-150} python -m pytest -m gpu -q -rA -p no:cacheprovider tests/test_model_gpu.py tests/test_engine_gpu.py \
-      -k "${TEST_K:-(replays_new_batches and fused and not o_in and not gemm_stream) or (shared_adapter and fused) or graphs_and_eager}" \
-      2>&1 | tee "$OUT/pytest_gpu_gate_default.log" | grep -E "passed|failed|FAILED|ERROR" | tail -8
-fi
+gpu_tests pytest_gpu_gate_default.log "${TEST_S:-150}" tests/test_model_gpu.py tests/test_engine_gpu.py \
+    -k "${TEST_K:-(replays_new_batches and fused and not o_in and not gemm_stream) or (shared_adapter and fused) or graphs_and_eager}"
 run_trace() {   # name, batch, variants, rounds
   [ "$(left)" -gt 60 ] || return 0
   echo "== decode forward $1 at batch $2 at ${SECONDS}s"

@@ -10,12 +10,8 @@ set -u
 OUT=${OUT:-benchmarks/results}
 . "$(dirname "$0")/gpu_cache.sh"
 gpu_script_start
-if [ "${TESTS:-1}" = 1 ]; then
-  echo "== GPU tests at ${SECONDS}s"
-  timeout ${TEST_S:-200} python -m pytest -m gpu -q -rA -p no:cacheprovider tests/test_lora_product_gpu.py \
-      tests/test_fused_gpu.py tests/test_ops_gpu.py -k "${TEST_K:-product or lora_deltas or (rowwise and distinct)}" 2>&1 \
-      | tee "$OUT/pytest_gpu_vector_loads_b.log" | grep -E "passed|failed|FAILED|ERROR" | tail -8
-fi
+gpu_tests pytest_gpu_vector_loads_b.log "${TEST_S:-200}" tests/test_lora_product_gpu.py tests/test_fused_gpu.py \
+    tests/test_ops_gpu.py -k "${TEST_K:-product or lora_deltas or (rowwise and distinct)}"
 run_trace() {   # setting, name, variants, trace variant
   [ "$(left)" -gt 60 ] || return 0
   echo "== decode forward $2 (LORAPLEX_LORA_VECTOR_LOADS=$1) at ${SECONDS}s"

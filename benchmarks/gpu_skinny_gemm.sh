@@ -16,11 +16,7 @@ OUT=${OUT:-benchmarks/results}
 . "$(dirname "$0")/gpu_cache.sh"
 gpu_script_start
 DEADLINE=${DEADLINE:-570}
-if [ "${TESTS:-1}" = 1 ]; then
-  echo "== GPU tests at ${SECONDS}s"
-  timeout ${TEST_S:-120} python -m pytest -m gpu -q -rA -p no:cacheprovider tests/test_skinny_gemm.py 2>&1 \
-      | tee "$OUT/pytest_gpu_skinny_gemm.log" | grep -E "FAILED|ERROR|passed|failed" | tail -16
-fi
+gpu_tests pytest_gpu_skinny_gemm.log "${TEST_S:-120}" tests/test_skinny_gemm.py
 if [ "${BENCH:-1}" = 1 ]; then
   echo "== bench at ${SECONDS}s"
   timeout ${BENCH_S:-300} python benchmarks/bench_skinny_gemm.py --out "$OUT/skinny_gemm.json" --md "$OUT/skinny_gemm.md" \

@@ -10,12 +10,8 @@ set -u
 OUT=${OUT:-benchmarks/results}
 . "$(dirname "$0")/gpu_cache.sh"
 gpu_script_start
-if [ "${TESTS:-1}" = 1 ]; then
-  echo "== GPU tests at ${SECONDS}s"
-  timeout 200 python -m pytest -m gpu -q -rA -p no:cacheprovider tests/test_ops_gpu.py tests/test_lora_product_gpu.py \
-      tests/test_fused_gpu.py tests/test_model_gpu.py -k "${TEST_K:-not in_gemm}" 2>&1 \
-      | tee "$OUT/pytest_gpu_vector_loads.log" | grep -E "passed|failed|FAILED|ERROR" | tail -8
-fi
+gpu_tests pytest_gpu_vector_loads.log 200 tests/test_ops_gpu.py tests/test_lora_product_gpu.py \
+    tests/test_fused_gpu.py tests/test_model_gpu.py -k "${TEST_K:-not in_gemm}"
 if [ "${TRACE:-1}" = 1 ]; then
   for setting in on off on2; do
     [ "$(left)" -gt 100 ] || break

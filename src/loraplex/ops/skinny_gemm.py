@@ -114,14 +114,14 @@ CONFIGS: dict[tuple[int, int], SkinnyConfig] = (load_configs(os.environ["LORAPLE
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`; with LORAPLEX_SKINNY_GEMM=on, `skinny_linear` where x is 2-D with 1 to
     DECODE_MAX_ROWS rows, of w's float dtype, on CUDA (or in Triton's interpreter), with unit strides along K."""
-    if SETTING == "on" and x.dim() == 2 and 0 < x.shape[0] <= DECODE_MAX_ROWS and _skinny_ok(x, weight):
+    if _skinny_ok(x, weight):
         return skinny_linear(x, weight, bias, config=CONFIGS.get(tuple(weight.shape)))
     return F.linear(x, weight, bias)
 
 
 def linear_into(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     """y = `linear(x, weight, bias)` for 2-D x, into y (cuBLAS: the GEMM F.linear calls)."""
-    if SETTING == "on" and 0 < x.shape[0] <= DECODE_MAX_ROWS and _skinny_ok(x, weight):
+    if _skinny_ok(x, weight):
         skinny_linear(x, weight, bias, out=y, config=CONFIGS.get(tuple(weight.shape)))
     elif bias is None:
         torch.mm(x, weight.t(), out=y)
@@ -130,8 +130,10 @@ def linear_into(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: to
 
 
 def _skinny_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.dtype in (torch.float16, torch.bfloat16, torch.float32) and weight.dtype == x.dtype and x.stride(1) == 1
-            and weight.stride(1) == 1 and (x.is_cuda or _interpreted()))
+    """Does `linear` take skinny_linear for x (see its docstring)?"""
+    return (SETTING == "on" and x.dim() == 2 and 0 < x.shape[0] <= DECODE_MAX_ROWS
+            and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and weight.dtype == x.dtype
+            and x.stride(1) == 1 and weight.stride(1) == 1 and (x.is_cuda or _interpreted()))
 
 
 @functools.lru_cache(maxsize=1)
