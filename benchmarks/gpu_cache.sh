@@ -33,6 +33,17 @@ save_triton_cache() {
     split -b 15m "$packed" "$OUT/triton-cache.tgz.part-" && ls -la "$OUT"/triton-cache.tgz.part-*
   fi
   rm -f "$packed"
+  bundle_out
+}
+
+# At most 8 files come back from $OUT (the eighteenth session lost its cache part to that): with more, every
+# file but the cache parts goes into $OUT/results.tgz (unpack it here: tar -xzf results.tgz).
+bundle_out() {
+  local files
+  files=$(cd "$OUT" && find . -maxdepth 1 -type f ! -name 'triton-cache.tgz.part-*' ! -name results.tgz | sort)
+  [ "$(ls -A "$OUT" | wc -l)" -le 8 ] && return 0
+  (cd "$OUT" && echo "$files" | tar -czf results.tgz -T - && echo "$files" | xargs rm -f) \
+      && echo "== results packed into results.tgz: $(echo $files)"
 }
 
 # The device scripts' common start: the cache restored and src importable. `left`: the seconds to DEADLINE (a

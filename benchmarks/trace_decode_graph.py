@@ -182,9 +182,9 @@ def variant(name: str):
     if name in ("silu_w4", "silu_w8"):
         from loraplex.ops import fused_lora_kernels
         patches.append(mock.patch.object(fused_lora_kernels, "SILU_WARPS", int(name[-1])))
-    if name == "skinny":   # the projections' GEMMs by ops/skinny_gemm.py (LORAPLEX_SKINNY_GEMM=on)
-        from loraplex.ops import skinny_gemm
-        patches.append(mock.patch.object(skinny_gemm, "SETTING", "on"))
+    if name in ("skinny", "cublas"):   # the projections' GEMMs by ops/skinny_gemm.py (the default since the
+        from loraplex.ops import skinny_gemm   # eighteenth session) or by cuBLAS (F.linear)
+        patches.append(mock.patch.object(skinny_gemm, "SETTING", "on" if name == "skinny" else "off"))
     if name in KERNEL_VARIANTS:   # the decode config's kernel settings (sgmv.CONFIGS[16])
         patches.append(kernel_settings(KERNEL_VARIANTS[name]))
     if name in SILU_BLOCK_VARIANTS:   # columns per SiLU-and-mul program where it expands gate/up's product
@@ -339,8 +339,10 @@ VARIANTS = {
                         "SILU_LOADS_FIRST; 165 registers a thread against 148)",
     "silu_w4": "SiLU-and-mul's programs in 4 warps whatever their columns (silu256+silu_w4: 71 registers a thread, "
                "where 256 columns in 2 warps take 148)",
-    "skinny": "the projections' GEMMs by ops/skinny_gemm.py's Triton kernel (LORAPLEX_SKINNY_GEMM=on), e.g. "
-              "backbone+skinny",
+    "skinny": "the projections' GEMMs by ops/skinny_gemm.py's Triton kernel (LORAPLEX_SKINNY_GEMM=on; the default "
+              "on GPUs since the eighteenth session), e.g. backbone+skinny",
+    "cublas": "the projections' GEMMs by cuBLAS (LORAPLEX_SKINNY_GEMM=off: the default before the eighteenth "
+              "session), e.g. backbone+cublas",
     "rows_ew8": "the decode config's expand in 8 warps (sgmv.CONFIGS[16].expand_warps, 4 today)",
     **{name: f"{n} columns per SiLU-and-mul program (512 today; where it expands gate/up's product)"
        for name, n in SILU_BLOCK_VARIANTS.items()},

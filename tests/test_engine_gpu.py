@@ -58,6 +58,19 @@ def test_graphs_and_eager_give_the_same_tokens_and_match_transformers(served):
     _graphs_and_eager_agree(served, 21, check)
 
 
+def test_graphs_and_eager_agree_with_the_skinny_gemm_in_fp32(served, monkeypatch):
+    """LORAPLEX_SKINNY_GEMM=on: the fp32 projections of steps of up to 32 rows through ops/skinny_gemm.py (its
+    tuned tiles cut to the GPU's shared memory by fit_config), captured and eager: the same tokens both ways,
+    and transformers + PEFT's ("auto", the default, leaves fp32 to cuBLAS)."""
+    from loraplex.ops import skinny_gemm
+    monkeypatch.setattr(skinny_gemm, "SETTING", "on")
+    rows = []
+    real = skinny_gemm.skinny_linear
+    monkeypatch.setattr(skinny_gemm, "skinny_linear", lambda x, *a, **kw: rows.append(x.shape[0]) or real(x, *a, **kw))
+    _graphs_and_eager_agree(served, 23, lambda llm, eager: None)
+    assert rows and max(rows) <= skinny_gemm.DECODE_MAX_ROWS
+
+
 def test_prompts_admitted_beside_a_step_in_flight_replay_mixed_graphs(served):
     """overlap_admissions: a request arriving while decodes run joins the step queued ahead, whose mixed graph
     takes the decodes' tokens from the sample of the step in flight (its first rows) and the prompt's from

@@ -27,7 +27,8 @@ DTYPES = ("fp16", "bf16", "fp32")
 def _compile(kernel, pointer_types: dict, constexprs: dict, arch: int, num_warps: int, num_stages: int = 1,
              divisible: tuple[str, ...] = ()) -> str:
     """Compile `kernel` for sm_`arch` (float scalars fp32, other scalars i32); returns its PTX. `divisible`: int
-    arguments specialized as multiples of 16, as a launch does for such values."""
+    arguments specialized as multiples of 16, as a launch does for such values. The compiled kernel's shared
+    memory bytes are left in COMPILED_SHARED."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -51,7 +52,11 @@ def _compile(kernel, pointer_types: dict, constexprs: dict, arch: int, num_warps
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", arch, 32),
                               options=dict(num_warps=num_warps, num_stages=num_stages))
+    COMPILED_SHARED[0] = compiled.metadata.shared
     return compiled.asm["ptx"]
+
+
+COMPILED_SHARED = [0]
 
 
 def _no_approx(ptx: str, what: str) -> None:
@@ -265,20 +270,27 @@ def lora_loads(dtype: str, arch: int) -> None:
 
 def skinny_gemm(dtype: str, arch: int) -> None:
     """ops/skinny_gemm_kernels.py at Llama-2-7B's widths (ints specialized as a launch does), unsplit and split
-    (the split's partials and counter): 16-bit w through tensor-core MMAs, pipelined with asynchronous copies."""
+    (the split's partials and counter): 16-bit w through tensor-core MMAs, pipelined with asynchronous copies;
+    and the shared memory each config takes within skinny_gemm.shared_bytes, the bound fit_config keeps under
+    the GPU's."""
+    from loraplex.ops.skinny_gemm import SkinnyConfig, shared_bytes
     from loraplex.ops.skinny_gemm_kernels import _skinny_gemm_kernel as k
-    for split, block_n, block_k, stages in ((1, 64, 128, 4), (4, 128, 128, 3)):
+    for split, block_m, block_n, block_k, stages in ((1, 32, 64, 128, 4), (4, 64, 128, 128, 3), (1, 16, 64, 256, 4),
+                                                     (1, 32, 128, 64, 2)):
         ptx = _compile(k, dict(x_ptr="*" + dtype, w_ptr="*" + dtype, bias_ptr="*" + dtype, y_ptr="*" + dtype,
                                part_ptr="*fp32", count_ptr="*i32"),
                        dict(HAS_BIAS=split == 1, SPLIT_K=split, EVEN_N=True, EVEN_K=True, IEEE=dtype == "fp32",
-                            BLOCK_M=32, BLOCK_N=block_n, BLOCK_K=block_k), arch, 4, stages,
+                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k), arch, 4, stages,
                        divisible=("N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_ym"))
-        what = f"skinny_gemm {dtype} sm_{arch} split {split}"
+        what = f"skinny_gemm {dtype} sm_{arch} split {split} m{block_m} n{block_n} k{block_k} st{stages}"
         if dtype != "fp32":
             assert ("wgmma" if arch == 90 else "mma.sync") in ptx, f"{what}: no tensor-core MMA"
         assert "cp.async" in ptx, f"{what}: w's loads are not pipelined"
         if split > 1:
             assert "atom.global" in ptx and "ld.global.cg" in ptx, f"{what}: no counter atomic or L2 loads"
+        bound = shared_bytes(SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split, stages=stages), block_m,
+                             4 if dtype == "fp32" else 2)
+        assert 0 < COMPILED_SHARED[0] <= bound, f"{what}: {COMPILED_SHARED[0]} bytes of shared memory, bound {bound}"
 
 
 KERNELS = {"rms_norm": rms_norm, "silu_and_mul": silu, "rope": rope, "rms_norm_lora": rms_norm_lora,

@@ -2,6 +2,8 @@
 in Triton's CPU interpreter here (fp32, fp16), at Llama-2-7B's shapes in bf16 on a GPU."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -115,14 +117,40 @@ def test_arguments_are_checked():
     assert torch.equal(skinny_linear(torch.randn(3, 0), torch.randn(16, 0), bias), bias.expand(3, 16))
 
 
-def test_pick_config_splits_k_until_the_programs_fill_the_gpu():
-    # Llama-2-7B on 132 SMs: o (64 tiles) to 256 programs, down (64 tiles, K 11,008) to 512, q/k/v (192 tiles) to
-    # 384, gate/up (344 tiles) unsplit
-    assert skinny_gemm.pick_config(4096, 4096, 132).split_k == 4
-    assert skinny_gemm.pick_config(4096, 11008, 132).split_k == 8
-    assert skinny_gemm.pick_config(12288, 4096, 132).split_k == 2
-    assert skinny_gemm.pick_config(22016, 4096, 132).split_k == 1
-    assert skinny_gemm.pick_config(64, 1024, 132).split_k == 1      # K too short to split
+def test_pick_config_follows_the_sweep():
+    # on 132 SMs, as the H200 sweep found at Llama-2-7B's shapes (skinny_gemm.TUNED): no K split; few tiles (o,
+    # down: 64) take 256 of K a step in 4 stages; gate/up's 344 tiles fit one wave at three programs an SM (3
+    # stages); q/k/v's 192 tiles do not need that (4 stages)
+    for (n, k), tuned in skinny_gemm.TUNED.items():
+        picked = skinny_gemm.pick_config(n, k, 132)
+        assert picked.split_k == 1 and picked.block_n == 64
+        if n != 12288 and n != 32000:   # q/k/v and the LM head were fastest with 128-column tiles
+            assert picked == tuned, (n, k)
+    assert skinny_gemm.pick_config(4096, 4096, 132) == SkinnyConfig(block_k=256, stages=4)
+    assert skinny_gemm.pick_config(22016, 4096, 132) == SkinnyConfig(block_k=128, stages=3)
+    assert skinny_gemm.pick_config(12288, 4096, 132) == SkinnyConfig(block_k=128, stages=4)
+    assert skinny_gemm.pick_config(128256, 4096, 132).stages == 4   # Llama-3's LM head: 2,004 tiles
+    assert skinny_gemm.CONFIGS == skinny_gemm.TUNED or os.environ.get("LORAPLEX_SKINNY_CONFIGS")
+
+
+def test_fit_config_keeps_launches_within_the_gpus_shared_memory():
+    h200, ada = 232_448, 101_376
+    for (n, k), tuned in skinny_gemm.TUNED.items():   # as tuned: 16-bit, 32 rows, an H200
+        assert skinny_gemm.fit_config(tuned, 32, 2, h200) == tuned, (n, k)
+    o = skinny_gemm.TUNED[(4096, 4096)]   # 256 of K a step in 4 stages: 262,144 bytes at 64 rows
+    assert skinny_gemm.fit_config(o, 64, 2, h200) == SkinnyConfig(block_n=64, block_k=256, stages=3)
+    assert skinny_gemm.fit_config(o, 16, 4, h200) == SkinnyConfig(block_n=64, block_k=256, stages=2)   # fp32
+    assert skinny_gemm.fit_config(o, 32, 2, ada) == SkinnyConfig(block_n=64, block_k=256, stages=2)
+    assert skinny_gemm.fit_config(o, 32, 4, ada) == SkinnyConfig(block_n=64, block_k=128, stages=2)   # fp32
+    for limit in (232_448, 166_912, 101_376, 49_152, 24_000):
+        for cfg in (o, *skinny_gemm.TUNED.values(), SkinnyConfig(block_n=256, block_k=512, stages=8, split_k=4)):
+            for block_m in (16, 32, 64):
+                for elem in (2, 4):
+                    fitted = skinny_gemm.fit_config(cfg, block_m, elem, limit)
+                    assert skinny_gemm.shared_bytes(fitted, block_m, elem) <= limit, (cfg, block_m, elem, limit)
+                    assert fitted.split_k == cfg.split_k and fitted.warps == cfg.warps
+                    if skinny_gemm.shared_bytes(cfg, block_m, elem) <= limit:
+                        assert fitted == cfg
 
 
 @pytest.mark.gpu
@@ -134,7 +162,7 @@ def test_skinny_linear_at_llama_shapes_on_the_gpu(shape, rows):
     x = torch.randn(rows, K, generator=g, device="cuda").bfloat16()
     w = (torch.randn(N, K, generator=g, device="cuda") * K ** -0.5).bfloat16()
     bias = torch.randn(N, generator=g, device="cuda").bfloat16()
-    for cfg in (None, SkinnyConfig(block_n=128, block_k=128, split_k=2, stages=3),
+    for cfg in (None, skinny_gemm.TUNED[shape], SkinnyConfig(block_n=128, block_k=128, split_k=2, stages=3),
                 SkinnyConfig(block_n=64, block_k=256, split_k=8, stages=3)):
         used = cfg or skinny_gemm.pick_config(N, K, torch.cuda.get_device_properties(0).multi_processor_count)
         out = torch.full((rows, N), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -149,6 +177,22 @@ def test_skinny_linear_at_llama_shapes_on_the_gpu(shape, rows):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(z, y), cfg
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_tuned_tiles_fit_at_64_rows_and_in_fp32_on_the_gpu(dtype):
+    """The tuned tiles need more shared memory than an H200 has at 64 rows (o's, down's) or in fp32: fit_config
+    takes fewer stages, and the sums still match the loop."""
+    for (N, K), tuned in skinny_gemm.TUNED.items():
+        rows = 64 if dtype == torch.bfloat16 else 32
+        g = torch.Generator(device="cuda").manual_seed(N + K + rows)
+        x = torch.randn(rows, K, generator=g, device="cuda").to(dtype)
+        w = (torch.randn(N, K, generator=g, device="cuda") * K ** -0.5).to(dtype)
+        y = skinny_linear(x, w, out=torch.full((rows, N), float("nan"), device="cuda", dtype=dtype), config=tuned)
+        want = loop_f64(x.cpu(), w.cpu(), None, 1, tuned.block_k)
+        err = ((y.cpu().double() - want).abs().max() / want.abs().max()).item()
+        assert err <= (8e-3 if dtype == torch.bfloat16 else 1e-5), ((N, K), err)
 
 
 @pytest.mark.gpu
@@ -177,18 +221,19 @@ def test_tuned_configs_load_from_the_file_the_bench_writes(tmp_path):
         skinny_gemm.load_configs(str(tmp_path / "missing.json"))
 
 
-def test_linear_takes_the_kernel_only_when_on_and_for_few_rows(monkeypatch):
-    """`linear` (the model's projections): F.linear unless LORAPLEX_SKINNY_GEMM=on, and then only for 1 to
-    DECODE_MAX_ROWS rows on CUDA or in the interpreter; the same values either way."""
+def test_linear_takes_the_kernel_only_where_set_and_for_few_rows(monkeypatch):
+    """`linear` (the model's projections): F.linear for CPU tensors unless LORAPLEX_SKINNY_GEMM=on in the
+    interpreter, and even then only for 1 to DECODE_MAX_ROWS rows; the same values either way."""
     used = []
     real = skinny_gemm.skinny_linear
     monkeypatch.setattr(skinny_gemm, "skinny_linear", lambda x, *a, **kw: used.append(x.shape[0]) or real(x, *a, **kw))
     w, b = torch.randn(48, 64), torch.randn(48)
     few = torch.randn(5, 64)
     many = torch.cat([few, torch.randn(skinny_gemm.DECODE_MAX_ROWS + 1 - 5, 64)])
-    assert skinny_gemm.SETTING == "off" or ops.triton_interpreted()
-    monkeypatch.setattr(skinny_gemm, "SETTING", "off")
-    assert torch.equal(skinny_gemm.linear(few, w, b), torch.nn.functional.linear(few, w, b)) and used == []
+    assert skinny_gemm.SETTING in ("auto", "off") or ops.triton_interpreted()
+    for setting in ("off", "auto"):   # "auto": GPUs only, not CPU tensors, not in the interpreter
+        monkeypatch.setattr(skinny_gemm, "SETTING", setting)
+        assert torch.equal(skinny_gemm.linear(few, w, b), torch.nn.functional.linear(few, w, b)) and used == []
     monkeypatch.setattr(skinny_gemm, "SETTING", "on")
     y = torch.empty(5, 48)
     skinny_gemm.linear_into(y, few, w, b)

@@ -70,6 +70,8 @@ def test_product_variants_patch_and_restore_the_settings(probe):
     setting = skinny_gemm.SETTING
     with probe.variant("backbone+skinny"):
         assert skinny_gemm.SETTING == "on"
+    with probe.variant("backbone+cublas"):
+        assert skinny_gemm.SETTING == "off"
     assert skinny_gemm.SETTING == setting
     from loraplex.ops import attention_kernels
     with probe.variant("o_in_attention_late"):

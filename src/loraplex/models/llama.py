@@ -28,7 +28,7 @@ from ..ops.lora_in_gemm import expand_in_gemm
 from ..ops.lora_product import LoraProduct
 from ..ops.rms_shrink import rms_norm_shrink
 from ..ops.silu_shrink import silu_and_mul_shrink
-from ..ops.skinny_gemm import linear as base_linear   # F.linear, or a Triton GEMM for few rows (opt-in)
+from ..ops.skinny_gemm import linear as base_linear   # a Triton GEMM for few rows on GPUs, else F.linear
 from .config import ModelConfig
 from .forward_batch import ForwardBatch
 from .kv_cache import KVCache

@@ -49,7 +49,7 @@ from ..env_switch import env_switch
 from .batch import LoraBatch
 from .lora_delta import LoraDelta
 from .lora_product import LoraProduct
-# the projections' GEMM: F.linear, or ops/skinny_gemm's kernel for few rows where LORAPLEX_SKINNY_GEMM=on
+# the projections' GEMM: ops/skinny_gemm's kernel for few rows on GPUs (LORAPLEX_SKINNY_GEMM), else F.linear
 from .skinny_gemm import linear as base_linear, linear_into as _linear_into
 from .stream_priority import gemm_stream_priority
 

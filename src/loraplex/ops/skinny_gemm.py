@@ -1,8 +1,16 @@
 """`skinny_linear`: y = x @ wᵀ (+ bias) for decode steps of up to MAX_ROWS rows, one Triton launch
-(skinny_gemm_kernels.py states the exact sums); `linear`, the model's projections: F.linear (cuBLAS), or
-skinny_linear for forwards of up to DECODE_MAX_ROWS rows where LORAPLEX_SKINNY_GEMM=on (off by default: built
-2026-12-02 for the backbone's decode step, whose cuBLAS GEMMs read the weights at ~0.84 of the copy bandwidth, and
-not yet timed; benchmarks/bench_skinny_gemm.py times it against cuBLAS at Llama's projection shapes).
+(skinny_gemm_kernels.py states the exact sums); `linear`, the model's projections: skinny_linear for forwards of
+up to DECODE_MAX_ROWS rows on CUDA GPUs of compute capability 8.0 or more, else F.linear (cuBLAS).
+
+LORAPLEX_SKINNY_GEMM: "auto" (the default: as above, for fp16 and bf16 weights; F.linear for fp32 weights and in
+Triton's interpreter, where the kernel is slow), "on" (fp32 weights too, and in the interpreter: the CPU tests'
+way to run it in the model) or "off" (F.linear everywhere). Launches take fewer stages or smaller tiles where a
+config would need more shared memory than the GPU has (`fit_config`). Made
+the default on 2026-12-02 (eighteenth session; H200, Llama-2-7B, batch 32, results/skinny_gemm.md): a layer's
+four projections took 110.3 µs against cuBLAS's 117.6 (floor 94.9), the backbone's decode forward in a CUDA graph
+0.948× (paired rounds), distinct adapters' 0.968×, and issue 5's engine decode step 6.27 → 5.98 ms (backbone)
+and 7.36 → 7.12 ms (distinct adapters). CONFIGS holds the tiles that benchmarks/bench_skinny_gemm.py picked at
+Llama-2-7B's shapes; other shapes take `pick_config`'s rule, drawn from the same sweep.
 
 Split-K launches need an fp32 workspace [split, MAX_ROWS, N] and a counter per column tile. Both are allocated on
 the first call for a (device, split, N) and kept, so CUDA graphs capture the same buffers; a first call inside a
@@ -13,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +30,7 @@ from ..env_switch import env_switch
 
 MAX_ROWS = 64
 DECODE_MAX_ROWS = 32   # `linear` takes skinny_linear for forwards of at most this many rows
-SETTING = env_switch("LORAPLEX_SKINNY_GEMM", "off", on="on", off="off")
+SETTING = env_switch("LORAPLEX_SKINNY_GEMM", "auto", on="on", off="off", others=("auto",))
 _KERNEL = []   # its Launcher, made on first use: Triton is imported only where the kernel runs
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -49,13 +57,46 @@ class SkinnyConfig:
 
 
 def pick_config(n: int, k: int, sms: int) -> SkinnyConfig:
-    """A first guess, before any GPU sweep: 64-column tiles, and K split until there are about two programs per
-    SM, each streaming at least 1,024 of K (so a split carries ≥ 128 KB of a 16-bit w)."""
+    """Tiles for a shape the sweep did not time, by what it found at Llama-2-7B's (H200, 2026-12-02, 24 configs,
+    results/skinny_gemm.json): no K split (split launches were slower at every shape), 64-column tiles, and
+    - at most one tile per SM (o's and down's 4,096 columns: 64 tiles): 256 of K a step in 4 stages, so each of
+      the few programs keeps more bytes in flight;
+    - more tiles: 128 of K a step, in 3 stages where three programs an SM then hold every tile in one wave
+      (gate/up's 344 tiles: 45.2 µs against 48.5 in 4 stages, two programs an SM), else 4 stages."""
     tiles = -(-n // 64)
-    split = 1
-    while split < 8 and tiles * split < 2 * sms and k // (2 * split) >= 1024:
-        split *= 2
-    return SkinnyConfig(split_k=split)
+    if tiles <= sms:
+        return SkinnyConfig(block_k=256, stages=4)
+    return SkinnyConfig(block_k=128, stages=3 if 2 * sms < tiles <= 3 * sms else 4)
+
+
+def shared_bytes(config: SkinnyConfig, block_m: int, elem_bytes: int) -> int:
+    """An upper bound of a launch's shared memory: a [block_n + block_m, block_k] tile of w and x per stage (Triton
+    3.6's count on sm_90 with 16-bit wgmma; elsewhere it keeps one stage fewer), checked by compiles for sm_90
+    and sm_80 (test_fused_compile.py)."""
+    return config.stages * (config.block_n + block_m) * config.block_k * elem_bytes
+
+
+def fit_config(config: SkinnyConfig, block_m: int, elem_bytes: int, limit: int) -> SkinnyConfig:
+    """`config` with fewer stages (to 2), then shorter K steps (to 32), then narrower tiles (to 16) until
+    `shared_bytes` is within `limit`: tiles tuned for an H200's 227 KiB at 16 bits and 32 rows also launch at 64
+    rows, in fp32, and on GPUs of 99 KiB a block."""
+    while shared_bytes(config, block_m, elem_bytes) > limit:
+        if config.stages > 2:
+            config = replace(config, stages=config.stages - 1)
+        elif config.block_k > 32:
+            config = replace(config, block_k=config.block_k // 2)
+        elif config.block_n > 16:
+            config = replace(config, block_n=config.block_n // 2)
+        else:
+            break   # (2 × 32 × (16 + 64) × 4 = 20 KiB: within every CUDA GPU's shared memory)
+    return config
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_limit(cuda_index: int) -> int:
+    """The shared memory a block may opt in to on that GPU (232,448 bytes on an H100/H200)."""
+    props = torch.cuda.get_device_properties(cuda_index)
+    return getattr(props, "shared_memory_per_block_optin", None) or props.shared_memory_per_block
 
 
 @functools.lru_cache(maxsize=None)
@@ -105,15 +146,24 @@ def load_configs(path: str) -> dict[tuple[int, int], SkinnyConfig]:
     return configs
 
 
-# Tuned configs per weight shape (N, K) (LORAPLEX_SKINNY_CONFIGS: a file bench_skinny_gemm.py wrote); others
-# take `pick_config`.
+# The sweep's fastest tiles at 32 rows per weight shape (N, K) (H200, 2026-12-02, results/skinny_configs.json;
+# they were also the fastest or within 2% at 16, 8 and 1 rows); LORAPLEX_SKINNY_CONFIGS (a file
+# bench_skinny_gemm.py --configs-out wrote) replaces them. Other shapes take `pick_config`.
+TUNED: dict[tuple[int, int], SkinnyConfig] = {
+    (12288, 4096): SkinnyConfig(block_n=128, block_k=128, stages=4),   # Llama-2-7B q/k/v: 26.9 µs, cuBLAS 28.5
+    (4096, 4096): SkinnyConfig(block_n=64, block_k=256, stages=4),     # o: 12.4 µs, cuBLAS 13.1
+    (22016, 4096): SkinnyConfig(block_n=64, block_k=128, stages=3),    # gate/up: 45.2 µs, cuBLAS 48.8
+    (4096, 11008): SkinnyConfig(block_n=64, block_k=256, stages=4),    # down: 26.5 µs, cuBLAS 26.6
+    (32000, 4096): SkinnyConfig(block_n=128, block_k=128, stages=4),   # the LM head: 65.4 µs, cuBLAS 67.8
+}
 CONFIGS: dict[tuple[int, int], SkinnyConfig] = (load_configs(os.environ["LORAPLEX_SKINNY_CONFIGS"])
-                                                 if os.environ.get("LORAPLEX_SKINNY_CONFIGS") else {})
+                                                 if os.environ.get("LORAPLEX_SKINNY_CONFIGS") else dict(TUNED))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`; with LORAPLEX_SKINNY_GEMM=on, `skinny_linear` where x is 2-D with 1 to
-    DECODE_MAX_ROWS rows, of w's float dtype, on CUDA (or in Triton's interpreter), with unit strides along K."""
+    """`F.linear(x, weight, bias)`, by `skinny_linear` where x is 2-D with 1 to DECODE_MAX_ROWS rows, of w's float
+    dtype, with unit strides along K, on a CUDA GPU of compute capability 8.0 or more (16-bit dtypes with "auto",
+    fp32 too with "on") or in Triton's interpreter ("on" only); see LORAPLEX_SKINNY_GEMM above."""
     if _skinny_ok(x, weight):
         return skinny_linear(x, weight, bias, config=CONFIGS.get(tuple(weight.shape)))
     return F.linear(x, weight, bias)
@@ -131,9 +181,22 @@ def linear_into(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: to
 
 def _skinny_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Does `linear` take skinny_linear for x (see its docstring)?"""
-    return (SETTING == "on" and x.dim() == 2 and 0 < x.shape[0] <= DECODE_MAX_ROWS
-            and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and weight.dtype == x.dtype
-            and x.stride(1) == 1 and weight.stride(1) == 1 and (x.is_cuda or _interpreted()))
+    if SETTING == "off" or x.dim() != 2 or not 0 < x.shape[0] <= DECODE_MAX_ROWS:
+        return False
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or weight.dtype != x.dtype:
+        return False
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        return False
+    if _interpreted():   # CPU tensors in Triton's interpreter
+        return SETTING == "on"
+    # "auto": 16-bit weights, as timed (fp32's products run on CUDA cores, not timed against cuBLAS)
+    return x.is_cuda and (SETTING == "on" or x.element_size() == 2) and _capable(x.device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _capable(cuda_index: int | None) -> bool:
+    """Compute capability 8.0 or more (Ampere on: bf16 and the MMA shapes of the kernel's tl.dot; tuned on Hopper)."""
+    return torch.cuda.get_device_capability(cuda_index) >= (8, 0)
 
 
 @functools.lru_cache(maxsize=1)
@@ -177,6 +240,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if config is None:
         config = _picked(N, K, x.device.index if x.is_cuda else None)
     block_m = _block_m(M)
+    if x.is_cuda:
+        config = fit_config(config, block_m, x.element_size(), _shared_limit(x.device.index))
     # each split a whole number of K tiles; fewer splits where K has fewer tiles than splits
     k_tiles = -(-K // config.block_k)
     split = min(config.split_k, k_tiles)
