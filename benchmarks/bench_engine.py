@@ -41,7 +41,7 @@ from bench_model import adapter_bytes, kv_bytes, weight_bytes  # noqa: E402
 from loraplex import SamplingParams  # noqa: E402
 from loraplex.config import EngineConfig  # noqa: E402
 from loraplex.engine import Engine  # noqa: E402
-from loraplex.ops import overlap, sgmv, sgmv_kernels, skinny_gemm  # noqa: E402
+from loraplex.ops import overlap, pdl, sgmv, sgmv_kernels, skinny_gemm  # noqa: E402
 
 RANK = 16
 OUTPUT_TOKENS = 128
@@ -176,6 +176,7 @@ def main(argv=None) -> None:
                   vector_loads_setting=sgmv_kernels.VECTOR_LOADS_SETTING,   # no key before the seventeenth session
                   decode_extra_fused=sorted(overlap.DECODE_EXTRA_FUSED),    # no key before the seventeenth session: []
                   skinny_gemm=skinny_gemm.SETTING,   # LORAPLEX_SKINNY_GEMM (no key before the seventeenth session: off)
+                  pdl=bool(pdl.PDL),   # LORAPLEX_PDL in effect (no key before the eighteenth session: off)
                   skinny_configs={f"{n},{k}": c.__dict__ for (n, k), c in skinny_gemm.CONFIGS.items()},
                   copy_gbs=copy_gbs, rows=rows)
     if args.out:

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_lora_ops import time_us  # noqa: E402
 from bench_model import RANK, capture, decode_setup  # noqa: E402
 
-from loraplex.ops import overlap, sgmv, stream_priority  # noqa: E402
+from loraplex.ops import overlap, pdl, sgmv, stream_priority  # noqa: E402
 
 
 def kind_of(name: str) -> str:
@@ -438,7 +438,7 @@ def main(argv=None) -> dict:
     B = args.batch
     model, kv, pool, batch = decode_setup(B, args.context)
     result = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,
-                  batch=B, context=args.context, rank=RANK, variants={}, timelines={}, sweep={})
+                  batch=B, context=args.context, rank=RANK, pdl=bool(pdl.PDL), variants={}, timelines={}, sweep={})
     reference = None
     kept: dict[str, object] = {}   # --paired: each variant's replay, kept for the rounds
 

@@ -20,7 +20,7 @@ import time
 import torch
 
 from ..config import EngineConfig
-from ..ops import overlap, sgmv, sgmv_kernels, skinny_gemm, stream_priority
+from ..ops import overlap, pdl, sgmv, sgmv_kernels, skinny_gemm, stream_priority
 from .ceiling import StepBytes, copy_bandwidth_gbs, run_ceiling_tokens_per_s, simulate_ceiling
 from .schedule import simulate_schedule
 from .report import markdown, plot, ratios
@@ -226,6 +226,7 @@ def run(args: argparse.Namespace) -> int:
                   decode_extra_fused=sorted(overlap.DECODE_EXTRA_FUSED),   # no key before the seventeenth session: []
                   decode_extra_max_rows=overlap.DECODE_EXTRA_MAX_ROWS,
                   skinny_gemm=skinny_gemm.SETTING,   # LORAPLEX_SKINNY_GEMM (no key before the seventeenth session: off)
+                  pdl=bool(pdl.PDL),   # LORAPLEX_PDL in effect (no key before the eighteenth session: off)
                   rms_split=_rms_split(),
                   workload=dict(requests=args.requests, lengths=args.lengths, max_len=args.max_len, seed=args.seed,
                                 prompt_len=args.prompt_len, output_len=args.output_len,

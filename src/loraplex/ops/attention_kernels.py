@@ -53,6 +53,7 @@ import triton.language as tl
 
 from .attention_shrink_kernels import o_shrink_epilogue, o_shrink_finish, o_shrink_prefetch
 from .launch import Launcher
+from .pdl import pdl_start
 
 LOG2E = 1.4426950408889634
 # Running maxima start finite: a row whose first tiles are all masked (sliding window) then gets
@@ -71,6 +72,7 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_kv_he
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch,
                      HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     """k_cache[slot] = k[t], v_cache[slot] = v[t] for heads of this program's group, unless slot < 0."""
+    pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
@@ -159,6 +161,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
                     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, SCAN_SEQS: tl.constexpr, WINDOW: tl.constexpr,
                     PRECISION: tl.constexpr):
     """out[rows, heads] for one tile of BLOCK_Q query rows × the G heads of kv head program_id(1)."""
+    pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kvh = tl.program_id(1)
@@ -225,6 +228,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ml
     """The one query row of sequence program_id(0), G heads of kv head program_id(1), over keys
     [lo + split * chunk, lo + (split + 1) * chunk) ∩ [lo, seq_len) of split program_id(2). LORA_SHRINK (one
     split only): also the o projection's shrink over those heads' columns (attention_shrink_kernels.py)."""
+    pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
     s = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -279,6 +283,7 @@ def _decode_reduce_kernel(part_o_ptr, part_ml_ptr, out_ptr, seq_lens_ptr, query_
                           HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
     """out[row, h] = Σ_split 2^(m_split - M) acc_split / Σ_split 2^(m_split - M) l_split over the
     splits this sequence's context reaches (the decode kernel wrote nothing for the others)."""
+    pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
     s = tl.program_id(0)
     h = tl.program_id(1)
     q_begin = tl.load(query_start_ptr + s)

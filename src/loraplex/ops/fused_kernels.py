@@ -33,6 +33,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .launch import Launcher
+from .pdl import pdl_start
 
 # ---------------------------------------------------------------------------------------------
 # Helpers
@@ -132,6 +133,7 @@ def _rms_norm_kernel(x_ptr, d_ptr, rows_ptr, r_ptr, w_ptr, out_ptr, s_ptr, H, in
                      HAS_RESIDUAL: tl.constexpr, WRITE_S: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
                      COMPILED: tl.constexpr):
     """One program per row: out[row] = weight * normalize(s[row]), s = x (+ delta) (+ residual)."""
+    pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
     row = tl.program_id(0).to(tl.int64)
     take = _takes_delta(rows_ptr, row, HAS_ROWS)
     x_row = x_ptr + row * stride_x
@@ -186,6 +188,7 @@ def _silu_and_mul_kernel(gu_ptr, d_ptr, rows_ptr, out_ptr, I, stride_gu, stride_
                          HAS_DELTA: tl.constexpr, HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr, COMPILED: tl.constexpr):
     """Program (row, column block): out = round(round(silu(gate)) * up), silu(g) = g / (1 + exp(-g));
     gate and up first take their LoRA delta when HAS_DELTA (each sum rounded)."""
+    pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
     row = tl.program_id(0).to(tl.int64)
     take = _takes_delta(rows_ptr, row, HAS_ROWS)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -271,6 +274,7 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, d_ptr, rows_ptr, pos_ptr, inv_freq_ptr, HQ
                  HAS_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, COMPILED: tl.constexpr):
     """One program per token: cos/sin of position · inv_freq (fp32, rounded to q's dtype), then all heads
     of q and k. HAS_DELTA: q, k and v first take their LoRA delta (`d`: [q | k | v] fp32 per token)."""
+    pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
     t = tl.program_id(0).to(tl.int64)
     DT = q_ptr.dtype.element_ty
     offs_d = tl.arange(0, BLOCK_D)

@@ -20,6 +20,7 @@ import triton.language as tl
 from .fused_kernels import COMPILED, _cos_sin, _inv, _norm_output, _pow2, _rotate, _round, _rstd, _silu_mul
 from .launch import Launcher
 from .sgmv_kernels import VECTOR_LOADS_SETTING, _load_rank_block, _rank_block_exact
+from .pdl import pdl_start
 
 # RoPE's [heads, half head, rank] tiles: LORAPLEX_LORA_VECTOR_LOADS=no-rope keeps the exact mask there alone
 _load_rank_block_2d = _rank_block_exact if VECTOR_LOADS_SETTING == "no-rope" else _load_rank_block
@@ -95,6 +96,7 @@ def _rms_norm_lora_kernel(x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, part_ptr, row_slo
                           HAS_RESIDUAL: tl.constexpr, ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr,
                           BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, COMPILED: tl.constexpr):
     """One program per row: s = round(x + delta) (+ residual, rounded), stored; out = weight · normalize(s)."""
+    pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
     row = tl.program_id(0).to(tl.int64)
     DT = x_ptr.dtype.element_ty
     has, slot, rank, scale = _slot_of(row_slot_ptr, row, rank_ptr, scale_ptr, R)
@@ -137,6 +139,7 @@ def _silu_and_mul_lora_kernel(gu_ptr, out_ptr, part_ptr, row_slot_ptr, b0, b1, r
     """Program (row, column block): gate and up take their slice's product, then out = silu(gate) · up.
     LOADS_FIRST (one rank tile): both slices' B blocks are loaded before either product is summed (compiled
     in program order, the up block's loads otherwise wait for the gate's product: sm_90 PTX)."""
+    pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
@@ -222,6 +225,7 @@ def _rope_lora_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_ptr, row_
     """Program (token, q|k|v, head block): q/k/v heads take their slice's product; q and k rotate.
     IN_GEMM: the product's part is a GEMM's shrink columns, the row's adapter's `active_stride` × its
     active index along (lora_product.py)."""
+    pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
     t = tl.program_id(0).to(tl.int64)
     which = tl.program_id(1)
     h0 = tl.program_id(2) * BLOCK_H

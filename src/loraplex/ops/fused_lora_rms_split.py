@@ -26,6 +26,7 @@ import triton.language as tl
 from .fused_kernels import COMPILED, _inv, _norm_output, _pow2, _round, _rstd
 from .fused_lora_kernels import _product, _slot_of, _v
 from .launch import Launcher
+from .pdl import pdl_start
 
 
 @triton.jit
@@ -34,6 +35,7 @@ def _rms_lora_sums_kernel(x_ptr, r_ptr, s_ptr, sumsq_ptr, part_ptr, row_slot_ptr
                           HAS_RESIDUAL: tl.constexpr, ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr,
                           BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, COMPILED: tl.constexpr):
     """Program (row, chunk): the chunk of s, stored, and its sum of squares."""
+    pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     DT = x_ptr.dtype.element_ty
@@ -73,6 +75,7 @@ def _scale_step(s_ptr, sumsq_ptr, H, inv_h, eps, stride_s, CHUNKS, BLOCK_C: tl.c
 def _rms_scale_kernel(s_ptr, w_ptr, out_ptr, sumsq_ptr, H, inv_h, eps, stride_s, stride_out, CHUNKS,
                       BLOCK_C: tl.constexpr, BLOCK: tl.constexpr, COMPILED: tl.constexpr):
     """Program (row, chunk): rstd of the row from its chunks' sums of squares, then the chunk normalised."""
+    pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
     row, rstd, v, offs, mask = _scale_step(s_ptr, sumsq_ptr, H, inv_h, eps, stride_s, CHUNKS, BLOCK_C, BLOCK,
                                            COMPILED)
     _norm_output(v, rstd, w_ptr, out_ptr + row * stride_out, offs, mask, COMPILED)

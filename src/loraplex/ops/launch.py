@@ -21,12 +21,17 @@ import torch
 import triton
 from triton.runtime import driver
 
+from . import pdl
+
 try:
     from triton import knobs
 except ImportError:  # older Triton: no knobs module, and no direct launches either
     knobs = None
 
 FAST_TRITON_VERSIONS = ("3.6.",)
+# every kernel of the package starts with ops/pdl.py's pdl_start(), so with PDL on each is launched with CUDA's
+# programmatic stream serialization (the compiled kernel's metadata carries it into direct launches too)
+_PDL_OPTIONS = {"launch_pdl": True} if pdl.PDL else {}
 _INT32 = range(-2**31, 2**31)
 
 
@@ -68,7 +73,8 @@ def _plain_spec(arg, _int32=_INT32):
 
 
 class Launcher:
-    """`Launcher(kernel)(grid, args, constexprs, num_warps, num_stages)` ≡ `kernel[grid](*args, **constexprs, ...)`.
+    """`Launcher(kernel)(grid, args, constexprs, num_warps, num_stages)` ≡ `kernel[grid](*args, **constexprs, ...)`
+    (with `launch_pdl=True` where LORAPLEX_PDL=on: ops/pdl.py).
 
     `args` are the kernel's runtime parameters in order; its constexpr parameters follow them.
     """
@@ -89,7 +95,7 @@ class Launcher:
 
     def __call__(self, grid: tuple, args: tuple, constexprs: dict, num_warps: int, num_stages: int) -> None:
         if not self.enabled or _hooks_installed():
-            self.kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+            self.kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages, **_PDL_OPTIONS)
             return
         device = torch.cuda.current_device()
         specs = tuple(map(_spec, args))
@@ -98,7 +104,8 @@ class Launcher:
         key = (device, num_warps, num_stages, *constexprs.values(), *specs)
         compiled = self._compiled.get(key)
         if compiled is None:
-            self._compiled[key] = self.kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+            self._compiled[key] = self.kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages,
+                                                    **_PDL_OPTIONS)
             return
         self.direct_launches += 1
         grid = tuple(grid) + (1, 1)

@@ -32,6 +32,7 @@ from .sgmv_kernels import _expand_tile, _program_work
 from .batch import LoraBatch
 from .checks import _desc
 from .launch import Launcher
+from .pdl import pdl_start
 
 MAX_SLICES = 3
 
@@ -44,6 +45,7 @@ def _expand_in_gemm_kernel(
         NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
         ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr):
     """y[rows, c_i + n] += sc_i[slot] * y[rows, N_BASE + (active·S + i)·R + :rank] @ B_i[slot, n, :rank]ᵀ."""
+    pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
     work, sl, n_chunk = _program_work(NUM_SLICES, n_chunks)
     slot = tl.load(work_slot_ptr + work)
     if slot >= 0:

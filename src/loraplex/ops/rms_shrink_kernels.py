@@ -19,6 +19,7 @@ import triton.language as tl
 from .fused_kernels import COMPILED, _inv, _pow2, _round
 from .fused_lora_rms_split import _scale_step
 from .launch import Launcher
+from .pdl import pdl_start
 
 MAX_SLICES = 3   # q/k/v
 
@@ -41,6 +42,7 @@ def _rms_scale_shrink_kernel(s_ptr, w_ptr, out_ptr, sumsq_ptr, slot_ptr, a0, a1,
                              stride_p_split, stride_p_slice, stride_pm, NUM_SLICES: tl.constexpr,
                              BLOCK_C: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr,
                              COMPILED: tl.constexpr):
+    pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
     row, rstd, v, offs, mask = _scale_step(s_ptr, sumsq_ptr, H, inv_h, eps, stride_s, CHUNKS, BLOCK_C, BLOCK,
                                            COMPILED)
     chunk = tl.program_id(1)

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from ..env_switch import env_switch
+from .pdl import pdl_start
 
 # The row-wise kernels (`_shrink_tile_rows`, `_expand_tile_rows`) take tiles of at most this many rows; larger
 # ones keep the tile product, where the rows run side by side rather than one after another.
@@ -125,6 +126,7 @@ def _sgmv_shrink_kernel(
         NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
         PRECISION: tl.constexpr, ROWWISE: tl.constexpr, ROWS_PREFETCH: tl.constexpr):
     """part[split, i, rows, :rank_i] = x[rows, split's K range] @ A_i[slot, :rank_i, same range]ᵀ."""
+    pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
     split = tl.program_id(1)
     work, sl, r_tile = _program_work(NUM_SLICES, r_tiles)   # programs that share x rows run side by side
     slot = tl.load(work_slot_ptr + work)
@@ -378,6 +380,7 @@ def _sgmv_expand_kernel(
         ROWWISE: tl.constexpr, ROWS_BLOCK_N: tl.constexpr, ROWS_PREFETCH: tl.constexpr, TILE_PREFETCH: tl.constexpr):
     """y[rows, c_i + n] += sc_i[slot] * (Σ_split part[split, i, rows, :rank]) @ B_i[slot, n, :rank]ᵀ
     (ACCUMULATE), or y[rows, c_i + n] = that product (y an fp32 delta buffer; 0 where rank is 0)."""
+    pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
     work, sl, n_chunk = _program_work(NUM_SLICES, n_chunks)
     slot = tl.load(work_slot_ptr + work)
     if slot >= 0:

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from .fused_kernels import COMPILED, _add_delta, _pow2, _silu_mul, _takes_delta
 from .launch import Launcher
+from .pdl import pdl_start
 
 BLOCK = 512     # columns per program: the shrink's K split is I / BLOCK (22 at Llama-2-7B's 11,008)
 BLOCK_R = 16    # rank columns per step
@@ -29,6 +30,7 @@ def _silu_and_mul_shrink_kernel(gu_ptr, d_ptr, rows_ptr, out_ptr, slot_ptr, a_pt
                                 stride_gu, stride_d, stride_out, stride_a_slot, stride_a_r, stride_p_split, stride_pm,
                                 HAS_DELTA: tl.constexpr, HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr,
                                 BLOCK_R: tl.constexpr, COMPILED: tl.constexpr):
+    pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
     row = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     offs = block * BLOCK + tl.arange(0, BLOCK)

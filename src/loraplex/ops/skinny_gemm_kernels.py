@@ -19,12 +19,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .pdl import pdl_start
+
 
 @triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, stride_xm,
                         stride_wn, stride_ym, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_N: tl.constexpr,
                         EVEN_K: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr):
+    pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -1,0 +1,53 @@
+"""Programmatic dependent launch (PDL) for the Triton kernels, opt-in: LORAPLEX_PDL=on (off by default; built
+2026-12-02, eighteenth session, not yet timed on a GPU).
+
+A decode forward is ~330 short kernels in a row (Llama-2-7B, 32 layers), each waiting for the one before it to
+finish and its memory to be flushed before its first program may start. With PDL (Hopper on, CUDA 12.3 on;
+kept by CUDA graph capture as programmatic edges) a kernel is launched with CUDA's programmatic stream
+serialization: its programs may be placed on SMs while the kernel before it is still finishing, and each waits
+at its first instruction (`griddepcontrol.wait`: every prerequisite grid complete and its writes visible)
+before reading or writing anything; it then lets the next kernel launch (`griddepcontrol.launch_dependents`).
+So what overlaps is the launch and the placing of programs, never memory traffic: a kernel's loads and stores
+all follow the wait, so no ordering the model relies on changes (including a buffer the caching allocator
+hands from one kernel's input to the next one's output).
+
+Every Triton kernel of the package calls `pdl_start()` first, and ops/launch.py's Launcher launches them with
+`launch_pdl` when PDL is on; kernels of PyTorch's own (cuBLAS, copies, sampling) keep the plain order, which
+the wait also honours (their grids complete before a dependent one is released). Off, in Triton's
+interpreter, and on GPUs before compute capability 9.0, `pdl_start` compiles to nothing.
+"""
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+from ..env_switch import env_switch
+
+try:   # Triton 3.4 on
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
+
+SETTING = env_switch("LORAPLEX_PDL", "off", on="on", off="off")
+
+
+def _supported() -> bool:
+    """PDL's instructions exist on sm_90 and later, in Triton 3.4 on; not in Triton's interpreter."""
+    if gdc_wait is None or os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes"):
+        return False
+    import torch
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+# A compile-time constant of every kernel (Triton keys its cache on the globals a kernel reads).
+PDL = tl.constexpr(SETTING == "on" and _supported())
+
+
+@triton.jit
+def pdl_start():
+    """A kernel's first statement: with PDL, wait for the grids before this one, then release the next."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()

@@ -1,0 +1,134 @@
+"""ops/pdl.py (LORAPLEX_PDL): every Triton kernel of the package starts with `pdl_start()`, which compiles to
+nothing by default and, with PDL on, to `griddepcontrol.wait` before the kernel's first memory access and
+`griddepcontrol.launch_dependents` after it (the PTX of every kernel family, compiled for sm_90 in a subprocess
+with PDL forced on: no GPU here). Its effect on a GPU (graph replays against eager, the speed) is for the
+GPU tests and benchmarks with LORAPLEX_PDL=on."""
+from __future__ import annotations
+
+import ast
+import inspect
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from loraplex.ops import launch, pdl
+
+TESTS = Path(__file__).parent
+MEMORY_OPS = ("ld.global", "st.global", "cp.async", "atom.global", "red.global", "ld.shared", "cp.reduce")
+
+
+def _kernels():
+    """Every `@triton.jit` function of the package whose name ends in `_kernel`."""
+    import importlib
+    import pkgutil
+
+    import loraplex.ops as ops
+    found = {}
+    for info in pkgutil.iter_modules(ops.__path__):
+        module = importlib.import_module(f"loraplex.ops.{info.name}")
+        for name, obj in vars(module).items():
+            if name.endswith("_kernel") and hasattr(obj, "fn") and obj.fn.__module__ == module.__name__:
+                found[f"{info.name}.{name}"] = obj
+    return found
+
+
+def test_pdl_is_off_by_default_and_without_a_hopper_gpu():
+    assert pdl.SETTING == "off" or os.environ.get("LORAPLEX_PDL")
+    assert not pdl.PDL and launch._PDL_OPTIONS == {}   # here: no GPU (or the interpreter)
+
+
+def test_every_kernel_starts_with_pdl_start():
+    kernels = _kernels()
+    assert len(kernels) >= 18, sorted(kernels)
+    for name, kernel in kernels.items():
+        tree = ast.parse(textwrap.dedent(inspect.getsource(kernel.fn)))
+        body = tree.body[0].body
+        if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):   # the docstring
+            body = body[1:]
+        first = body[0]
+        assert (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call)
+                and getattr(first.value.func, "id", None) == "pdl_start"), f"{name}: first statement is not pdl_start()"
+
+
+@pytest.mark.parametrize("forced", [True, False])
+def test_kernels_wait_before_any_memory_access_with_pdl_on(forced):
+    """Compiled for sm_90 with PDL forced on: each kernel's PTX waits (griddepcontrol.wait) before its first
+    global or shared memory access and releases its dependents; forced off, neither instruction is there."""
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join([str(TESTS), *sys.path]))
+    proc = subprocess.run([sys.executable, __file__, "on" if forced else "off"], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = [line for line in proc.stdout.splitlines() if line.startswith("checked")]
+    assert counts and int(counts[-1].split()[1]) >= 30, proc.stdout[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not pdl.PDL, reason="LORAPLEX_PDL=on on a GPU of compute capability 9.0 or more")
+def test_launches_carry_the_programmatic_attribute_and_keep_their_results():
+    """With PDL on, the compiled kernels the Launcher keeps are launched with programmatic serialization, and a
+    chain of dependent launches (each reading the one before's output) in a CUDA graph gives eager's bits."""
+    import torch
+
+    from loraplex.ops import skinny_gemm
+    x = torch.randn(8, 512, device="cuda").bfloat16()
+    ws = [(torch.randn(512, 512, device="cuda") / 23).bfloat16() for _ in range(6)]
+
+    def chain():
+        y = x
+        for w in ws:   # each launch reads the previous one's output
+            y = skinny_gemm.skinny_linear(y, w)
+        return y
+
+    eager = chain()
+    launcher = skinny_gemm._KERNEL[0]
+    assert launcher._compiled and all(k.metadata.launch_pdl for k in launcher._compiled.values())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = chain()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+
+
+def _check_ptx(ptx: str, forced: bool, seen: list) -> None:
+    lines = [line.strip() for line in ptx.splitlines()]
+    waits = [i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait")]
+    if not forced:
+        assert not waits and "griddepcontrol" not in ptx
+    else:
+        assert waits and any(line.startswith("griddepcontrol.launch_dependents") for line in lines)
+        first_memory = next((i for i, line in enumerate(lines) if line.startswith(MEMORY_OPS)), len(lines))
+        assert waits[0] < first_memory, f"a memory access before the wait: {lines[first_memory]}"
+    seen.append(1)
+
+
+if __name__ == "__main__":
+    import triton
+    import triton.language as tl
+
+    forced = sys.argv[1] == "on"
+    pdl.PDL = tl.constexpr(forced)   # read by pdl_start when a kernel compiles
+    seen: list = []
+    real_compile = triton.compile
+
+    def checked_compile(*args, **kwargs):
+        compiled = real_compile(*args, **kwargs)
+        _check_ptx(compiled.asm["ptx"], forced, seen)
+        return compiled
+
+    triton.compile = checked_compile
+    import compile_kernels
+    import test_attention_compile
+    import test_fused_compile
+    for name, build in test_fused_compile.KERNELS.items():
+        build("bf16", 90)
+    for kind in ("shrink", "expand", "in_gemm"):
+        getattr(compile_kernels, kind)("bf16", 16)
+    for kind in test_attention_compile.KINDS:
+        test_attention_compile.compile_kind(90, "bf16", kind)
+    print("checked", len(seen))
