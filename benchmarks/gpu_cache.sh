@@ -26,7 +26,7 @@ save_triton_cache() {
   local newer=()
   [ -f "$CACHE_MARK" ] && newer=(-newer "$CACHE_MARK")
   (cd "$CACHE_DIR" && find . -type f ${newer[@]+"${newer[@]}"} \( -name '*.cubin' -o -name '*.json' -o -name '*.so' \) -print0 \
-      | tar -czf "$packed" --null -T -) 2>/dev/null || return 0
+      | tar -czf "$packed" --null -T -) 2>/dev/null || { bundle_out; return 0; }
   if [ "$(stat -c %s "$packed")" -gt "$CACHE_LIMIT_BYTES" ]; then
     echo "== Triton cache not saved: $(stat -c %s "$packed") bytes packed, over $CACHE_LIMIT_BYTES"
   else
@@ -37,31 +37,14 @@ save_triton_cache() {
 }
 
 # At most 8 files come back from $OUT (the eighteenth session lost its cache part to that): with more, every
-# file but the cache parts goes into $OUT/results.tgz (unpack it here: tar -xzf results.tgz).
+# file but the cache parts goes into $OUT/results.tgz (unpack it here: tar -xzf results.tgz). Only for an $OUT
+# outside the repo (the device's): a script run here with the default OUT=benchmarks/results packs nothing.
 bundle_out() {
-  local files
-  files=$(cd "$OUT" && find . -maxdepth 1 -type f ! -name 'triton-cache.tgz.part-*' ! -name results.tgz | sort)
-  [ "$(ls -A "$OUT" | wc -l)" -le 8 ] && return 0
-  (cd "$OUT" && echo "$files" | tar -czf results.tgz -T - && echo "$files" | xargs rm -f) \
-      && echo "== results packed into results.tgz: $(echo $files)"
-}
-
-# The device scripts' common start: the cache restored and src importable. `left`: the seconds to DEADLINE (a
-# script's own default, else 540), after which a script starts no new part.
-gpu_script_start() {
-  restore_triton_cache
-  export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
-}
-
-left() { echo $((${DEADLINE:-540} - SECONDS)); }
-
-# `gpu_tests LOG SECONDS PYTEST_ARGS...`: the GPU tests named, at most SECONDS, their log in $OUT/LOG (-rA: a log
-# cut by the limit still names what passed), the summary lines shown; TESTS=0 skips them.
-gpu_tests() {
-  [ "${TESTS:-1}" = 1 ] || return 0
-  local log=$1 limit=$2
-  shift 2
-  echo "== GPU tests at ${SECONDS}s"
-  timeout "$limit" python -m pytest -m gpu -q -rA -p no:cacheprovider "$@" 2>&1 | tee "$OUT/$log" \
-      | grep -E "FAILED|ERROR|passed|failed" | tail -12
+  local out repo
+  out=$(realpath "$OUT") repo=$(realpath .)
+  case "$out/" in "$repo"/*) return 0 ;; esac
+  [ "$(find "$out" -type f | wc -l)" -le 8 ] && return 0
+  (cd "$out" && find . -type f ! -name 'triton-cache.tgz.part-*' ! -name results.tgz -print0 | sort -z \
+      | tar -czf results.tgz --null -T - --remove-files) \
+      && echo "== results packed into results.tgz: $(tar -tzf "$out/results.tgz" | tr '\n' ' ')"
 }

@@ -4,7 +4,7 @@
 # instruction for the grids before it, so with PDL a kernel's programs are placed on the SMs while the one
 # before it finishes: ~330 kernels in a row per Llama-2-7B decode forward. PDL is a compile-time constant read
 # at import, so each setting runs in its own process: (1) batch-32 decode forwards in CUDA graphs, backbone and
-# distinct adapters ("fused"), off then on (trace_decode_graph.py, paired rounds within each process); (2) GPU
+# distinct adapters ("fused"), off, on, off, on (trace_decode_graph.py, four processes); (2) GPU
 # tests with it on (graph replays against eager, the engine against transformers); (3) issue 5's engine
 # benchmark with it on, then off. Returns the Triton cache entries it compiled.
 #   OUT=/some/dir bash benchmarks/gpu_pdl.sh
@@ -13,22 +13,27 @@ OUT=${OUT:-benchmarks/results}
 . "$(dirname "$0")/gpu_cache.sh"
 gpu_script_start
 DEADLINE=${DEADLINE:-570}
-for setting in off on; do
-  [ "$(left)" -gt 120 ] || break
+# off, on, off, on: PDL is fixed per process, so its effect is read across processes (their spread shows in the
+# repeats); the first of each setting compiles (~1 min)
+for setting in off on off on; do
+  [ "$(left)" -gt 240 ] || break
+  n=$(ls "$OUT"/decode_graph_trace_pdl_"$setting"*.json 2>/dev/null | wc -l)
   echo "== decode forwards, LORAPLEX_PDL=$setting, at ${SECONDS}s"
-  LORAPLEX_PDL=$setting timeout $(($(left) - 60)) python benchmarks/trace_decode_graph.py --variants backbone,fused \
-      --paired 7 --out "$OUT/decode_graph_trace_pdl_$setting.json" 2>&1 | grep -E "^[a-z_0-9+]+ +[0-9]+ µs|^paired|Error" | tail -6
+  LORAPLEX_PDL=$setting timeout 150 python benchmarks/trace_decode_graph.py --variants backbone,fused --paired 7 \
+      --out "$OUT/decode_graph_trace_pdl_${setting}_$n.json" 2>&1 | grep -E "^[a-z_0-9+]+ +[0-9]+ µs|^paired|Error" \
+      | tail -6
 done
 if [ "$(left)" -gt 200 ]; then
-  LORAPLEX_PDL=on gpu_tests pytest_gpu_pdl.log "${TEST_S:-150}" tests/test_model_gpu.py tests/test_engine_gpu.py \
-      -k "decode_graph_replays_new or mixed_graph_replays or mixed_bf16 or graphs_and_eager_give or seeded"
+  which="pdl or decode_graph_replays_new or mixed_graph_replays or mixed_bf16 or graphs_and_eager_give or seeded"
+  LORAPLEX_PDL=on gpu_tests pytest_gpu_pdl.log "${TEST_S:-150}" tests/test_pdl.py tests/test_model_gpu.py \
+      tests/test_engine_gpu.py -k "$which"
 fi
 for setting in on off; do
   [ "$(left)" -gt 100 ] || break
   echo "== engine, LORAPLEX_PDL=$setting at ${SECONDS}s"
   LORAPLEX_PDL=$setting timeout $(($(left) - 5)) python benchmarks/bench_engine.py --batches 32 --modes graphs \
-      --variants backbone,distinct --repeats 3 --out "$OUT/engine_pdl_$setting.json" --md "$OUT/engine_pdl_$setting.md" \
-      2>&1 | grep "^| 32"
+      --variants backbone,distinct --repeats 3 --out "$OUT/engine_pdl_$setting.json" \
+      --md "$OUT/engine_pdl_$setting.md" 2>&1 | grep "^| 32"
 done
 save_triton_cache
 echo "== done at ${SECONDS}s"

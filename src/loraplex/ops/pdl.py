@@ -33,21 +33,32 @@ except ImportError:
 SETTING = env_switch("LORAPLEX_PDL", "off", on="on", off="off")
 
 
+def _interpreting() -> bool:
+    """Triton's interpreter (TRITON_INTERPRET, read when kernels are decorated, as Triton reads it)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
 def _supported() -> bool:
     """PDL's instructions exist on sm_90 and later, in Triton 3.4 on; not in Triton's interpreter."""
-    if gdc_wait is None or os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes"):
+    if gdc_wait is None or _interpreting():
         return False
-    import torch
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+    import torch   # (initialises CUDA at import, where LORAPLEX_PDL=on)
+    return (torch.cuda.is_available() and torch.version.hip is None
+            and torch.cuda.get_device_capability() >= (9, 0))
 
 
 # A compile-time constant of every kernel (Triton keys its cache on the globals a kernel reads).
 PDL = tl.constexpr(SETTING == "on" and _supported())
 
-
-@triton.jit
-def pdl_start():
-    """A kernel's first statement: with PDL, wait for the grids before this one, then release the next."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+if _interpreting():
+    def pdl_start():
+        """Nothing, as plain Python: the interpreter runs a kernel's programs one by one in Python, where a
+        call to a jitted helper cost ~150 µs a program (+40% on a small kernel, minutes of the CPU suite)."""
+        return None
+else:
+    @triton.jit
+    def pdl_start():
+        """A kernel's first statement: with PDL, wait for the grids before this one, then release the next."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()

@@ -147,8 +147,10 @@ def load_configs(path: str) -> dict[tuple[int, int], SkinnyConfig]:
 
 
 # The sweep's fastest tiles at 32 rows per weight shape (N, K) (H200, 2026-12-02, results/skinny_configs.json;
-# they were also the fastest or within 2% at 16, 8 and 1 rows); LORAPLEX_SKINNY_CONFIGS (a file
-# bench_skinny_gemm.py --configs-out wrote) replaces them. Other shapes take `pick_config`.
+# they were also the fastest or within 2.3% at 16, 8 and 1 rows). "cuBLAS" below is PyTorch's default BLAS
+# setting; with cublaslt, o took 12.23 µs and down 25.06 (under the kernel), q/k/v and gate/up no less.
+# LORAPLEX_SKINNY_CONFIGS (a file bench_skinny_gemm.py --configs-out wrote) replaces them. Other shapes take
+# `pick_config`.
 TUNED: dict[tuple[int, int], SkinnyConfig] = {
     (12288, 4096): SkinnyConfig(block_n=128, block_k=128, stages=4),   # Llama-2-7B q/k/v: 26.9 µs, cuBLAS 28.5
     (4096, 4096): SkinnyConfig(block_n=64, block_k=256, stages=4),     # o: 12.4 µs, cuBLAS 13.1
@@ -195,7 +197,10 @@ def _skinny_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _capable(cuda_index: int | None) -> bool:
-    """Compute capability 8.0 or more (Ampere on: bf16 and the MMA shapes of the kernel's tl.dot; tuned on Hopper)."""
+    """An NVIDIA GPU of compute capability 8.0 or more (bf16 and the MMA shapes of the kernel's tl.dot; tuned on
+    Hopper)."""
+    if torch.version.hip is not None:   # ROCm: the kernel and its tiles are NVIDIA's
+        return False
     return torch.cuda.get_device_capability(cuda_index) >= (8, 0)
 
 
