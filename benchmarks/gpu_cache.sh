@@ -41,10 +41,30 @@ save_triton_cache() {
 # outside the repo (the device's): a script run here with the default OUT=benchmarks/results packs nothing.
 bundle_out() {
   local out repo
-  out=$(realpath "$OUT") repo=$(realpath .)
+  out=$(realpath -m "$OUT") repo=$(realpath .)
   case "$out/" in "$repo"/*) return 0 ;; esac
   [ "$(find "$out" -type f | wc -l)" -le 8 ] && return 0
   (cd "$out" && find . -type f ! -name 'triton-cache.tgz.part-*' ! -name results.tgz -print0 | sort -z \
       | tar -czf results.tgz --null -T - --remove-files) \
       && echo "== results packed into results.tgz: $(tar -tzf "$out/results.tgz" | tr '\n' ' ')"
+}
+
+# The device scripts' common start: the cache restored and src importable. `left`: the seconds to DEADLINE (a
+# script's own default, else 540), after which a script starts no new part.
+gpu_script_start() {
+  restore_triton_cache
+  export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+}
+
+left() { echo $((${DEADLINE:-540} - SECONDS)); }
+
+# `gpu_tests LOG SECONDS PYTEST_ARGS...`: the GPU tests named, at most SECONDS, their log in $OUT/LOG (-rA: a log
+# cut by the limit still names what passed), the summary lines shown; TESTS=0 skips them.
+gpu_tests() {
+  [ "${TESTS:-1}" = 1 ] || return 0
+  local log=$1 limit=$2
+  shift 2
+  echo "== GPU tests at ${SECONDS}s"
+  timeout "$limit" python -m pytest -m gpu -q -rA -p no:cacheprovider "$@" 2>&1 | tee "$OUT/$log" \
+      | grep -E "FAILED|ERROR|passed|failed" | tail -12
 }

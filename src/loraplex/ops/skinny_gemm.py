@@ -5,12 +5,13 @@ up to DECODE_MAX_ROWS rows on CUDA GPUs of compute capability 8.0 or more, else 
 LORAPLEX_SKINNY_GEMM: "auto" (the default: as above, for fp16 and bf16 weights; F.linear for fp32 weights and in
 Triton's interpreter, where the kernel is slow), "on" (fp32 weights too, and in the interpreter: the CPU tests'
 way to run it in the model) or "off" (F.linear everywhere). Launches take fewer stages or smaller tiles where a
-config would need more shared memory than the GPU has (`fit_config`). Made
-the default on 2026-12-02 (eighteenth session; H200, Llama-2-7B, batch 32, results/skinny_gemm.md): a layer's
-four projections took 110.3 µs against cuBLAS's 117.6 (floor 94.9), the backbone's decode forward in a CUDA graph
-0.948× (paired rounds), distinct adapters' 0.968×, and issue 5's engine decode step 6.27 → 5.98 ms (backbone)
-and 7.36 → 7.12 ms (distinct adapters). CONFIGS holds the tiles that benchmarks/bench_skinny_gemm.py picked at
-Llama-2-7B's shapes; other shapes take `pick_config`'s rule, drawn from the same sweep.
+config would need more shared memory than the GPU has (`fit_config`).
+
+Made the default on 2026-12-02 (eighteenth session; H200, Llama-2-7B, batch 32, results/skinny_gemm.md): a
+layer's four projections took 110.3 µs against cuBLAS's 117.6 (floor 94.9), the backbone's decode forward in a
+CUDA graph 0.948× (paired rounds), distinct adapters' 0.968×, and issue 5's engine decode step 6.27 → 5.98 ms
+(backbone) and 7.36 → 7.12 ms (distinct adapters). CONFIGS holds the tiles that benchmarks/bench_skinny_gemm.py
+picked at Llama-2-7B's shapes; other shapes take `pick_config`'s rule, drawn from the same sweep.
 
 Split-K launches need an fp32 workspace [split, MAX_ROWS, N] and a counter per column tile. Both are allocated on
 the first call for a (device, split, N) and kept, so CUDA graphs capture the same buffers; a first call inside a
