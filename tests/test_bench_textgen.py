@@ -133,6 +133,19 @@ def test_bench_command_writes_a_report_from_every_system(tmp_path):
             assert (r["step_adapter_reads"] >= r["steps"]) == (r["system"] == "loraplex"), r
             assert r["run_ceiling_tokens_per_s"] > 0
     assert any(q["versus"] == "ceiling over its own steps" for q in result["ratios"])
+    # a second copy-bandwidth reading after each engine (and after the transformers baselines), and each row's
+    # ceiling at the higher reading: never above the ratio to the first reading's ceiling
+    assert len(result["bandwidth_readings_gbs"]) == 1 + 2 + 1   # first; two engines (max batch 3, unlimited); HF
+    for r in result["rows"]:
+        assert r["bandwidth_after_gbs"] in result["bandwidth_readings_gbs"][1:]
+        high = max(r["bandwidth_after_gbs"], result["bandwidth_gbs"])
+        assert r["ceiling_tokens_per_s_high"] == pytest.approx(r["ceiling_tokens_per_s"] * high / result["bandwidth_gbs"])
+    by_row = {}
+    for q in result["ratios"]:
+        by_row.setdefault((q["popularity"], str(q["max_batch"]), q["requests"]), {})[q["versus"]] = q["ratio"]
+    highs = [v for v in by_row.values() if "ceiling at the higher copy-bandwidth reading" in v]
+    assert len(highs) == len([r for r in result["rows"] if r["system"] == "loraplex"])
+    assert all(v["ceiling at the higher copy-bandwidth reading"] <= v["ceiling"] * (1 + 1e-9) for v in highs)
     md = (out / "smoke.md").read_text()
     assert "| distinct | 3 | hf-peft | 4 |" in md and "cpu" in md
     assert "Where loraplex's time went" in md and "| distinct | 3 | loraplex | " in md.split("time went")[1]

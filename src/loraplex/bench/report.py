@@ -38,6 +38,9 @@ def ratios(rows: list[dict]) -> list[dict]:
                 out.append(dict(_where(row), versus=other["system"], ratio=row["tokens_per_s"] / other["tokens_per_s"]))
         if row.get("ceiling_tokens_per_s"):
             out.append(dict(_where(row), versus="ceiling", ratio=row["tokens_per_s"] / row["ceiling_tokens_per_s"]))
+        if row.get("ceiling_tokens_per_s_high"):   # (runs since 2026-12-02's eighteenth session)
+            out.append(dict(_where(row), versus="ceiling at the higher copy-bandwidth reading",
+                            ratio=row["tokens_per_s"] / row["ceiling_tokens_per_s_high"]))
         if row.get("run_ceiling_tokens_per_s"):
             out.append(dict(_where(row), versus="ceiling over its own steps",
                             ratio=row["tokens_per_s"] / row["run_ceiling_tokens_per_s"]))

@@ -97,8 +97,23 @@ def run(args: argparse.Namespace) -> int:
     workloads = {p: make_workload(args.requests, p, lengths=args.lengths, max_len=args.max_len, seed=args.seed,
                                   prompt_len=args.prompt_len, output_len=args.output_len) for p in pops}
     n_base = args.baseline_requests or args.requests
-    bandwidth = copy_bandwidth_gbs(device) if device == "cuda" else cpu_copy_bandwidth_gbs()
+    def measure_bandwidth() -> float:
+        return copy_bandwidth_gbs(device) if device == "cuda" else cpu_copy_bandwidth_gbs()
+
+    bandwidth = measure_bandwidth()
     rows, notes = [], []
+    readings = [bandwidth]
+
+    def read_bandwidth_again(since: int) -> None:
+        """A second copy-bandwidth reading once an engine has freed its memory, kept with the rows it ran
+        (rows[since:]), and each row's ceiling at the higher of the two readings: one low reading (they
+        varied 4,020-4,263 GB/s between H200 leases on 2026-12-02) cannot flatter a ratio to the ceiling."""
+        reading = measure_bandwidth()
+        readings.append(reading)
+        for row in rows[since:]:
+            row["bandwidth_after_gbs"] = reading
+            if row.get("ceiling_tokens_per_s"):
+                row["ceiling_tokens_per_s_high"] = row["ceiling_tokens_per_s"] * max(reading, bandwidth) / bandwidth
     if args.preload_adapters:
         notes.append("loraplex rows: each workload's adapters were put on the GPU before timing, up to the "
                      "number of slots (`preloaded` in the JSON); otherwise they start on disk")
@@ -124,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
 
     if any(s.startswith("loraplex") for s in systems):
         for max_batch in sizes:
+            first_row = len(rows)
             slots = {} if args.gpu_adapters is None else dict(max_gpu_adapters=args.gpu_adapters)
             if args.loader_threads is not None:
                 slots["adapter_loader_threads"] = args.loader_threads
@@ -168,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
             system.close()
             del system
             _free()
+            read_bandwidth_again(first_row)
 
     hf_systems = [s for s in systems if s in HF_SYSTEMS]
     hf_sizes = [b for b in sizes if b is not None]
@@ -177,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
         if n_base < args.requests:
             notes.append(f"hf-* systems ran the first {n_base} of the {args.requests} requests (too slow for all); "
                          f"loraplex also ran those {n_base}, and each ratio compares the same requests")
+        first_row = len(rows)
         hf = load_hf_model(args.model, layers=args.layers, dtype=getattr(torch, dtype), device=device)
         step_bytes = StepBytes.of(_model_config(args.model, args.layers), args.rank,
                                   torch.finfo(getattr(torch, dtype)).bits // 8)
@@ -200,10 +218,12 @@ def run(args: argparse.Namespace) -> int:
             del model
         del hf
         _free()
+        read_bandwidth_again(first_row)
 
     result = dict(gpu=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                   date=datetime.date.today().isoformat(), torch=torch.__version__, model=args.model,
                   layers=args.layers, dtype=dtype, rank=args.rank, bandwidth_gbs=bandwidth,
+                  bandwidth_readings_gbs=readings,   # the first, then one after each engine (none before 2026-12-02)
                   gpu_adapters=args.gpu_adapters, loader_threads=args.loader_threads, cpu_adapters=args.cpu_adapters,
                   admission_lookahead=EngineConfig.admission_lookahead if args.admission_lookahead is None
                   else args.admission_lookahead, lora_rowwise=os.environ.get("LORAPLEX_LORA_ROWWISE", "1"),
