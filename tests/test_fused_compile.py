@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -299,16 +300,34 @@ KERNELS = {"rms_norm": rms_norm, "silu_and_mul": silu, "rope": rope, "rms_norm_l
            "skinny_gemm": skinny_gemm}
 
 
-@pytest.mark.parametrize("kernel", [*KERNELS, "lora_loads:on"])
-def test_fused_kernel_compiles(kernel):
-    """Each kernel's variants compile; "lora_loads:on" checks the decode readers' 16-byte B loads with
-    LORAPLEX_LORA_VECTOR_LOADS=on, where RoPE's tiles take them too."""
-    kernel, _, vector_loads = kernel.partition(":")
+JOBS = [*KERNELS, "lora_loads:on"]
+
+
+def _compile_in_subprocess(job: str) -> subprocess.CompletedProcess:
+    kernel, _, vector_loads = job.partition(":")
     env = dict(os.environ, TRITON_INTERPRET="0")
     if vector_loads:
         env["LORAPLEX_LORA_VECTOR_LOADS"] = vector_loads
-    proc = subprocess.run([sys.executable, str(Path(__file__)), kernel], env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, str(Path(__file__)), kernel], env=env, capture_output=True, text=True,
                           timeout=600)
+
+
+@pytest.fixture(scope="module")
+def compile_jobs(request):
+    """Start the selected jobs at once, one subprocess per CPU (compiling is most of this file's time: ~3 minutes
+    one after another on 2 CPUs with a cold Triton cache)."""
+    wanted = [item.callspec.params["kernel"] for item in request.session.items
+              if item.module is request.module and hasattr(item, "callspec") and "kernel" in item.callspec.params]
+    pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1)
+    yield {job: pool.submit(_compile_in_subprocess, job) for job in dict.fromkeys(wanted)}
+    pool.shutdown(cancel_futures=True)
+
+
+@pytest.mark.parametrize("kernel", JOBS)
+def test_fused_kernel_compiles(compile_jobs, kernel):
+    """Each kernel's variants compile; "lora_loads:on" checks the decode readers' 16-byte B loads with
+    LORAPLEX_LORA_VECTOR_LOADS=on, where RoPE's tiles take them too."""
+    proc = compile_jobs[kernel].result()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("compiled") == len(ARCHS) * len(DTYPES), proc.stdout
 

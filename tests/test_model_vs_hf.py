@@ -105,6 +105,8 @@ def test_lora_inside_the_gemms_matches_too(setup, backend, graph_room, monkeypat
         pytest.skip("needs TRITON_INTERPRET=1 (no CUDA): tests/test_model_gpu.py runs it for real")
     if backend == "triton" and setup.config.head_dim & (setup.config.head_dim - 1):
         pytest.skip("the Triton attention kernels take power-of-two head sizes")
+    if backend == "triton" and setup.variant not in OFF_PATH_CONFIGS:
+        pytest.skip("an opt-in path (measured not to pay): two configurations cover its kernels (~11 s each here)")
     calls, ropes = [], []
     real = llama.expand_in_gemm
     monkeypatch.setattr(llama, "expand_in_gemm", lambda *a, **kw: calls.append(kw["backend"]) or real(*a, **kw))
