@@ -68,3 +68,18 @@ gpu_tests() {
   timeout "$limit" python -m pytest -m gpu -q -rA -p no:cacheprovider "$@" 2>&1 | tee "$OUT/$log" \
       | grep -E "FAILED|ERROR|passed|failed" | tail -12
 }
+
+# `engine_each VAR TAG VALUE...`: issue 5's benchmark at batch 32 (backbone and distinct adapters, 3 runs each,
+# CUDA graphs) once per VALUE of the environment variable VAR, each in its own process, while time is left;
+# results in $OUT/engine_TAG_VALUE.{json,md}.
+engine_each() {
+  local var=$1 tag=$2 value
+  shift 2
+  for value in "$@"; do
+    [ "$(left)" -gt 100 ] || break
+    echo "== engine, $var=$value at ${SECONDS}s"
+    env "$var=$value" timeout $(($(left) - 5)) python benchmarks/bench_engine.py --batches 32 --modes graphs \
+        --variants backbone,distinct --repeats 3 --out "$OUT/engine_${tag}_$value.json" \
+        --md "$OUT/engine_${tag}_$value.md" 2>&1 | grep "^| 32"
+  done
+}

@@ -28,12 +28,6 @@ if [ "$(left)" -gt 200 ]; then
   LORAPLEX_PDL=on gpu_tests pytest_gpu_pdl.log "${TEST_S:-150}" tests/test_pdl.py tests/test_model_gpu.py \
       tests/test_engine_gpu.py -k "$which"
 fi
-for setting in on off; do
-  [ "$(left)" -gt 100 ] || break
-  echo "== engine, LORAPLEX_PDL=$setting at ${SECONDS}s"
-  LORAPLEX_PDL=$setting timeout $(($(left) - 5)) python benchmarks/bench_engine.py --batches 32 --modes graphs \
-      --variants backbone,distinct --repeats 3 --out "$OUT/engine_pdl_$setting.json" \
-      --md "$OUT/engine_pdl_$setting.md" 2>&1 | grep "^| 32"
-done
+engine_each LORAPLEX_PDL pdl on off
 save_triton_cache
 echo "== done at ${SECONDS}s"

@@ -29,12 +29,6 @@ if [ "$(left)" -gt 120 ]; then
       --trace-variants backbone+skinny --paired 7 --out "$OUT/decode_graph_trace_skinny.json" 2>&1 \
       | grep -E "^[a-z_0-9+]+ +[0-9]+ µs|^paired" | tail -10
 fi
-for setting in on off; do
-  [ "$(left)" -gt 100 ] || break
-  echo "== engine, LORAPLEX_SKINNY_GEMM=$setting at ${SECONDS}s"
-  LORAPLEX_SKINNY_GEMM=$setting timeout $(($(left) - 5)) python benchmarks/bench_engine.py --batches 32 --modes graphs \
-      --variants backbone,distinct --repeats 3 --out "$OUT/engine_skinny_$setting.json" \
-      --md "$OUT/engine_skinny_$setting.md" 2>&1 | grep "^| 32"
-done
+engine_each LORAPLEX_SKINNY_GEMM skinny on off
 save_triton_cache
 echo "== done at ${SECONDS}s"
