@@ -138,6 +138,7 @@ def test_fit_config_keeps_launches_within_the_gpus_shared_memory():
     for (n, k), tuned in skinny_gemm.TUNED.items():   # as tuned: 16-bit, 32 rows, an H200
         assert skinny_gemm.fit_config(tuned, 32, 2, h200) == tuned, (n, k)
     o = skinny_gemm.TUNED[(4096, 4096)]   # 256 of K a step in 4 stages: 262,144 bytes at 64 rows
+    assert skinny_gemm.launched_config(o, 64, torch.empty(64, 8)) == o   # the interpreter has no such limit
     assert skinny_gemm.fit_config(o, 64, 2, h200) == SkinnyConfig(block_n=64, block_k=256, stages=3)
     assert skinny_gemm.fit_config(o, 16, 4, h200) == SkinnyConfig(block_n=64, block_k=256, stages=2)   # fp32
     assert skinny_gemm.fit_config(o, 32, 2, ada) == SkinnyConfig(block_n=64, block_k=256, stages=2)

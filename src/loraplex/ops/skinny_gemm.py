@@ -93,6 +93,14 @@ def fit_config(config: SkinnyConfig, block_m: int, elem_bytes: int, limit: int) 
     return config
 
 
+def launched_config(config: SkinnyConfig, rows: int, x: torch.Tensor) -> SkinnyConfig:
+    """The config a launch for `rows` rows of x's dtype and device runs: `config` fitted to the GPU's shared memory
+    (as given in the interpreter, which has no such limit)."""
+    if not x.is_cuda:
+        return config
+    return fit_config(config, _block_m(rows), x.element_size(), _shared_limit(x.device.index))
+
+
 @functools.lru_cache(maxsize=None)
 def _shared_limit(cuda_index: int) -> int:
     """The shared memory a block may opt in to on that GPU (232,448 bytes on an H100/H200)."""
@@ -246,8 +254,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if config is None:
         config = _picked(N, K, x.device.index if x.is_cuda else None)
     block_m = _block_m(M)
-    if x.is_cuda:
-        config = fit_config(config, block_m, x.element_size(), _shared_limit(x.device.index))
+    config = launched_config(config, M, x)
     # each split a whole number of K tiles; fewer splits where K has fewer tiles than splits
     k_tiles = -(-K // config.block_k)
     split = min(config.split_k, k_tiles)
