@@ -71,7 +71,8 @@ gpu_tests() {
 
 # `engine_each VAR TAG VALUE...`: issue 5's benchmark at batch 32 (backbone and distinct adapters, 3 runs each,
 # CUDA graphs) once per VALUE of the environment variable VAR, each in its own process, while time is left;
-# results in $OUT/engine_TAG_VALUE.{json,md}.
+# results in $OUT/engine_TAG_VALUE.{json,md}. ENGINE_ARGS: more bench_engine.py arguments (word-split);
+# REPEATS: runs per variant (3).
 engine_each() {
   local var=$1 tag=$2 value
   shift 2
@@ -79,7 +80,7 @@ engine_each() {
     [ "$(left)" -gt 100 ] || break
     echo "== engine, $var=$value at ${SECONDS}s"
     env "$var=$value" timeout $(($(left) - 5)) python benchmarks/bench_engine.py --batches 32 --modes graphs \
-        --variants backbone,distinct --repeats 3 --out "$OUT/engine_${tag}_$value.json" \
-        --md "$OUT/engine_${tag}_$value.md" 2>&1 | grep "^| 32"
+        --variants backbone,distinct --repeats "${REPEATS:-3}" --out "$OUT/engine_${tag}_$value.json" \
+        --md "$OUT/engine_${tag}_$value.md" ${ENGINE_ARGS:-} 2>&1 | grep -E "^\| 32|Error"
   done
 }

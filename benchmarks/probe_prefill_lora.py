@@ -8,9 +8,11 @@ of 64 (sgmv.CONFIGS[64], the config LORAPLEX_LORA_PREFILL changes; the values ap
 - `mixed20`: five 320-token prompts and 20 decodes at context 400, every sequence its own adapter;
 - `prompt2048`: one 2,048-token prompt.
 For each case and LORAPLEX_LORA_PREFILL value: the forward's median µs (CUDA events; these eager forwards are
-GPU-bound, and their times move by ~1 ms run to run), and the LoRA kernels' own GPU time from the PyTorch
-profiler over 3 forwards (shrink and expand apart: precise where the forward's time is not). The value with the
-least LoRA kernel time over all cases is written to `--best` (for a run of the engine benchmark with it).
+GPU-bound, and their times move by ~1 ms run to run; `--rounds` alternates the variants), and the GPU time
+of the LoRA kernels, of cuBLAS's GEMMs and of all kernels from the PyTorch profiler over 3 forwards (shrink
+and expand apart: precise where the forward's time is not). The value with the least kernel time over all
+cases (every kernel of the forward: "store" changes the GEMMs too; before the nineteenth session, the LoRA
+kernels' alone) is written to `--best` (for a run of the engine benchmark with it).
 
     python benchmarks/probe_prefill_lora.py --out benchmarks/results/probe_prefill_lora.json --best best.txt
 """
@@ -20,6 +22,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -56,20 +59,29 @@ def build(model, kv, prompts: list[int], decodes: int, context: int, adapters: b
                               device="cuda", num_adapter_slots=64)
 
 
+GEMM_NAMES = ("gemm", "xmma", "cutlass", "nvjet", "sm90_")   # cuBLAS's kernels (their names vary by version)
+
+
 def lora_kernel_us(fn, reps: int = 3) -> dict:
-    """GPU µs per call of `fn` in the LoRA kernels (shrink, expand), from the profiler."""
+    """GPU µs per call of `fn` in the LoRA kernels (shrink, expand), in cuBLAS's GEMMs (whose epilogue reads the
+    stored products with KernelConfig.store_first) and in all kernels, from the profiler."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    out = {"shrink": 0.0, "expand": 0.0}
+    out = {"shrink": 0.0, "expand": 0.0, "gemm": 0.0, "all": 0.0}
     for e in prof.key_averages():
         total = getattr(e, "self_device_time_total", None)
         total = e.self_cuda_time_total if total is None else total
-        for kind in out:
+        if not total or e.key.startswith("cuda") or e.key.startswith("Memcpy"):
+            continue
+        for kind in ("shrink", "expand"):
             if e.key == f"_sgmv_{kind}_kernel":
                 out[kind] += total / reps
+        if any(n in e.key.lower() for n in GEMM_NAMES) and not e.key.startswith("_"):
+            out["gemm"] += total / reps
+        out["all"] += total / reps
     return out
 
 
@@ -78,8 +90,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--variants", default=";".join(VARIANTS), help="LORAPLEX_LORA_PREFILL values, ';'-separated")
     ap.add_argument("--context", type=int, default=400)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="forward timings per variant, the variants alternating round by round (median reported)")
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--best", type=Path, help="write the LORAPLEX_LORA_PREFILL value of least LoRA time here")
+    ap.add_argument("--best", type=Path, help="write the LORAPLEX_LORA_PREFILL value of least kernel time here")
     args = ap.parse_args(argv)
     g = torch.Generator(device="cuda").manual_seed(0)
     model = dummy_model("llama-2-7b", dtype="bfloat16", device="cuda")
@@ -98,26 +112,38 @@ def main(argv=None) -> dict:
             prompts, decodes = CASES[case]
             batch = build(model, kv, prompts, decodes, args.context, False, torch.Generator().manual_seed(1))
             backbone = time_us([lambda: model(batch, kv, None)], reps=7)
-            print(f"{case:11s} backbone {backbone:9.0f} µs", flush=True)
+            base_kernels = lora_kernel_us(lambda: model(batch, kv, None))
+            print(f"{case:11s} backbone {backbone:9.0f} µs  GEMMs {base_kernels['gemm']:7.0f}  all kernels "
+                  f"{base_kernels['all']:7.0f} µs", flush=True)
             batch = build(model, kv, prompts, decodes, args.context, True, torch.Generator().manual_seed(1))
+            times: dict[str, list[float]] = {v: [] for v in variants}
+            for _ in range(args.rounds):
+                for value in variants:
+                    sgmv.CONFIGS[64] = dataclasses.replace(base_cfg, **sgmv._prefill_options(value))
+                    times[value].append(time_us([lambda: model(batch, kv, pool)], reps=7))
             for value in variants:
                 sgmv.CONFIGS[64] = dataclasses.replace(base_cfg, **sgmv._prefill_options(value))
-                us = time_us([lambda: model(batch, kv, pool)], reps=7)
+                us = statistics.median(times[value])
                 kernels = lora_kernel_us(lambda: model(batch, kv, pool))
-                totals[value] += kernels["shrink"] + kernels["expand"]
+                totals[value] += kernels["all"]   # with "store" the GEMMs change too
                 rows.append(dict(case=case, prefill=value, rows=batch.num_tokens, forward_us=round(us, 1),
-                                 backbone_us=round(backbone, 1), shrink_us=round(kernels["shrink"], 1),
-                                 expand_us=round(kernels["expand"], 1)))
+                                 forward_us_rounds=[round(t, 1) for t in times[value]],
+                                 backbone_us=round(backbone, 1), backbone_gemm_us=round(base_kernels["gemm"], 1),
+                                 backbone_kernels_us=round(base_kernels["all"], 1),
+                                 shrink_us=round(kernels["shrink"], 1),
+                                 expand_us=round(kernels["expand"], 1), gemm_us=round(kernels["gemm"], 1),
+                                 kernels_us=round(kernels["all"], 1)))
                 print(f"{case:11s} {value or 'base':20s} forward {us:9.0f} µs (+{us - backbone:6.0f})  shrink "
-                      f"{kernels['shrink']:7.0f}  expand {kernels['expand']:7.0f} µs", flush=True)
+                      f"{kernels['shrink']:7.0f}  expand {kernels['expand']:7.0f}  GEMMs {kernels['gemm']:7.0f}  "
+                      f"all kernels {kernels['all']:7.0f} µs", flush=True)
     finally:
         sgmv.CONFIGS[64] = start_cfg
         LoraBatch.pick_block_m = staticmethod(pick)
     best = min(totals, key=totals.get)
-    print("LoRA kernel µs over the cases:", {k or "base": round(v) for k, v in totals.items()}, "best:", best or "base")
+    print("kernel µs over the cases:", {k or "base": round(v) for k, v in totals.items()}, "best:", best or "base")
     result = dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                   torch=torch.__version__, context=args.context, rank=RANK, base_config=dataclasses.asdict(base_cfg),
-                  lora_kernel_us_total=totals, best=best, rows=rows)
+                  kernel_us_total=totals, best=best, rows=rows)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
     if args.best:

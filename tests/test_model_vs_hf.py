@@ -7,6 +7,7 @@ the pool, and the cache starts out poisoned with NaN so a read of an unwritten s
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -221,6 +222,37 @@ def test_triton_kernels_in_the_interpreter_match_too(setup, overlap_mode, fused_
     assert not any(calls["full"] + calls["fused"] + calls["expand"])   # the side stream only while capturing
     assert (len(split_calls) > 0) == bool(rms_split and {"o_proj", "down_proj"} & want_fused)
     assert set(split_calls) <= {rms_split}
+
+
+@pytest.mark.parametrize("store_first", [True, False])
+def test_lora_stored_before_the_gemm_matches_too(setup, store_first, monkeypatch):
+    """Eager forwards of more than 32 rows, every row with an adapter, through the interpreter: with
+    KernelConfig.store_first each biasless projection's expand stores its product and the GEMM adds to it
+    (ops/stored_lora.py); without it the expand adds after the GEMM. Both forwards (36 and 35 rows) take it."""
+    from loraplex import ops
+    from loraplex.models import llama
+    from loraplex.ops import sgmv
+    if not ops.triton_interpreted():
+        pytest.skip("needs TRITON_INTERPRET=1 (no CUDA): tests/test_model_gpu.py runs it for real")
+    if setup.variant not in OFF_PATH_CONFIGS:
+        pytest.skip("two configurations cover it (~10 s each here)")
+    for block_m in (16, 64):
+        monkeypatch.setitem(sgmv.CONFIGS, block_m, dataclasses.replace(sgmv.CONFIGS[block_m],
+                                                                        store_first=store_first))
+    calls = []
+    real = llama.linear_with_lora_stored
+    monkeypatch.setattr(llama, "linear_with_lora_stored", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    setup.model.backend = "triton"
+    try:
+        check_mixed_batch(setup, [("all-r8", 0, 14), ("attn-r4", 9, 12), ("mlp-patterned", 21, 1),
+                                  ("all-r8", 6, 8)])
+    finally:
+        setup.model.backend = None
+    layer = setup.model.layers[0]
+    biasless = sum(b is None for b in (layer.qkv_bias, layer.o_bias, layer.gate_up_bias, layer.down_bias))
+    per_forward = biasless * setup.config.num_hidden_layers
+    assert calls == ([36] * per_forward + [35] * per_forward if store_first else [])
+    assert not store_first or per_forward > 0
 
 
 def _fused_path_calls(monkeypatch) -> dict[str, list[int]]:

@@ -166,7 +166,7 @@ def test_prefill_default_and_plain_settings_round_trip():
     its description, and "noprefetch,n128,epps2", are LORAPLEX_LORA_PREFILL values that give the configs back."""
     if not os.environ.get("LORAPLEX_LORA_PREFILL"):
         assert sgmv.CONFIGS[64] == sgmv.PREFILL_DEFAULT
-    assert sgmv.describe_prefill(sgmv.PREFILL_DEFAULT) == "prefetch,n64,epps4,ew4"
+    assert sgmv.describe_prefill(sgmv.PREFILL_DEFAULT) == "prefetch,n64,epps4,ew4,nostore"
     for cfg in (sgmv.PREFILL_DEFAULT, sgmv.PREFILL_PLAIN):
         assert dataclasses.replace(sgmv.PREFILL_PLAIN, **sgmv._prefill_options(sgmv.describe_prefill(cfg))) == cfg
     assert dataclasses.replace(sgmv.PREFILL_DEFAULT, **sgmv._prefill_options("noprefetch,n128,epps2")) == \

@@ -39,10 +39,12 @@ def _kernels():
     return found
 
 
-def test_pdl_is_off_by_default_and_without_a_hopper_gpu():
-    assert pdl.SETTING == "off" or os.environ.get("LORAPLEX_PDL")
+def test_pdl_is_on_by_default_only_with_a_hopper_gpu():
+    assert pdl.SETTING == "on" or os.environ.get("LORAPLEX_PDL")
     if pdl.SETTING == "off" or not pdl._supported():   # off, or on without an sm_90 GPU (or in the interpreter)
         assert not pdl.PDL
+    else:
+        assert pdl.PDL
     assert launch._PDL_OPTIONS == ({"launch_pdl": True} if pdl.PDL else {})
 
 

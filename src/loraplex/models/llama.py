@@ -29,6 +29,7 @@ from ..ops.lora_product import LoraProduct
 from ..ops.rms_shrink import rms_norm_shrink
 from ..ops.silu_shrink import silu_and_mul_shrink
 from ..ops.skinny_gemm import linear as base_linear   # a Triton GEMM for few rows on GPUs, else F.linear
+from ..ops.stored_lora import applies as stored_lora_applies, linear_with_lora_stored
 from .config import ModelConfig
 from .forward_batch import ForwardBatch
 from .kv_cache import KVCache
@@ -137,8 +138,10 @@ class DecoderLayer(nn.Module):
                                                       side=lora_path.endswith("-side"))
             if lora_path == "shrink-side":
                 return overlap.linear_with_lora(x, weight, bias, a, b, batch.lora, ranks, scalings), None
+            if lora_path == "stored" and bias is None:   # the expand first, the GEMM adds to it (ops/stored_lora.py)
+                return linear_with_lora_stored(x, weight, a, b, batch.lora, ranks, scalings), None
             y = base_linear(x, weight, bias)
-            if lora_path == "direct":  # the Triton kernels without the per-call argument checks (see forward)
+            if lora_path in ("direct", "stored"):  # the Triton kernels without the per-call argument checks
                 return api.sgmv.add_lora(y, x, a, b, batch.lora, ranks, scalings, 0), None
             return add_lora(y, x, a, b, batch.lora, ranks, scalings, backend=backend), None
 
@@ -292,7 +295,9 @@ class LlamaForCausalLM(nn.Module):
         or on the Triton path, where every argument is the model's own (shapes by construction, the
         batch and pool checked in `_check`) and the 128 calls of a step skip their checks (they cost
         more host time than the kernels take in eager steps): "direct" (`sgmv.add_lora` after each
-        GEMM), "delta" (each product left for the next op to add, in forwards of up to
+        GEMM), "stored" (as "direct", but the biasless projections store the product first and the GEMM adds
+        to it: eager forwards where every row has an adapter, ops/stored_lora.py), "delta" (each product
+        left for the next op to add, in forwards of up to
         `overlap.MAX_ROWS` rows), "delta-side" (the same, the LoRA kernels on a side stream beside the
         GEMMs, while a CUDA graph is captured), "product" / "product-side" (as "delta", but only the
         shrink runs and the next op expands it: LORAPLEX_LORA_OVERLAP=fused, for the projections in
@@ -311,8 +316,9 @@ class LlamaForCausalLM(nn.Module):
             return "in-gemm"
         if pool is None or resolve_backend(self.backend, self.device) != "triton":
             return "checked"
-        return overlap.lora_path(batch.input_ids.shape[0],
-                                 self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        path = overlap.lora_path(batch.input_ids.shape[0], capturing)
+        return "stored" if path == "direct" and not capturing and stored_lora_applies(batch.lora) else path
 
     @property
     def lm_head(self) -> torch.Tensor:

@@ -1,5 +1,11 @@
-"""Programmatic dependent launch (PDL) for the Triton kernels, opt-in: LORAPLEX_PDL=on (off by default; built
-2026-12-02, eighteenth session, not yet timed on a GPU).
+"""Programmatic dependent launch (PDL) for the Triton kernels: on by default where the GPU has it (compute
+capability 9.0 on, Triton 3.4 on); LORAPLEX_PDL=off turns it off.
+
+On an H200 (2026-12-02, nineteenth session; issue 5's engine benchmark at batch 32, each setting its own process,
+benchmarks/results/engine_pdl_store_{off,on}.md) the batch-32 decode step took 5.89 against 5.98 ms for the
+backbone and 7.02 against 7.16 with distinct adapters; with it the GPU tests of decode and mixed graph replays
+against eager, of bf16 batches against transformers + PEFT (pytest_gpu_pdl_2026-12-02.log) and of the engine's
+graph and eager tokens against transformers (pytest_gpu_pdl_engine_2026-12-02.log) passed.
 
 A decode forward is ~330 short kernels in a row (Llama-2-7B, 32 layers), each waiting for the one before it to
 finish and its memory to be flushed before its first program may start. With PDL (Hopper on, CUDA 12.3 on;
@@ -30,7 +36,8 @@ try:   # Triton 3.4 on
 except ImportError:
     gdc_launch_dependents = gdc_wait = None
 
-SETTING = env_switch("LORAPLEX_PDL", "off", on="on", off="off")
+# "on" reads the GPU's compute capability at import (CUDA initialised), where CUDA is available
+SETTING = env_switch("LORAPLEX_PDL", "on", on="on", off="off")
 
 
 def _interpreting() -> bool:

@@ -71,6 +71,9 @@ class KernelConfig:
     rows_block_n: int | None = None  # the row-wise expand's columns per step (None: `rows_block_n_for`)
     rows_prefetch: bool = False  # the row-wise paths load each step's weights a step ahead (_expand_tile_rows)
     tile_prefetch: bool = False  # the tile expand loads each step's y tile a step ahead (_expand_tile)
+    # Eager forwards whose every row has an adapter: the expand stores into the projection's output, then the
+    # GEMM adds to it (ops/stored_lora.py), instead of the expand's read-modify-write after the GEMM.
+    store_first: bool = False
 
 
 MAX_SPLIT_K = 8
@@ -115,7 +118,8 @@ def _rows_options() -> dict:
 
 # LORAPLEX_LORA_PREFILL: changes to the large tiles' config (prompts), comma-separated: "n<columns>" (the
 # expand's BLOCK_N, a power of two from 16 to 256), "epps<x>" (the expand's programs per SM), "ew<warps>" (its
-# warps: 2, 4 or 8) and "prefetch" / "noprefetch" (KernelConfig.tile_prefetch). Unset: PREFILL_DEFAULT;
+# warps: 2, 4 or 8), "prefetch" / "noprefetch" (KernelConfig.tile_prefetch) and "store" / "nostore"
+# (KernelConfig.store_first). Unset: PREFILL_DEFAULT;
 # "noprefetch,n128,epps2" gives PREFILL_PLAIN, the default before 2026-12-02.
 def _prefill_options(raw: str | None = None) -> dict:
     """The KernelConfig changes a LORAPLEX_LORA_PREFILL value asks for (`raw`; None: the environment's)."""
@@ -124,6 +128,8 @@ def _prefill_options(raw: str | None = None) -> dict:
     for item in (part.strip().lower() for part in raw.split(",")):
         if item in ("prefetch", "noprefetch"):
             options["tile_prefetch"] = item == "prefetch"
+        elif item in ("store", "nostore"):
+            options["store_first"] = item == "store"
         elif item.startswith("epps") and item[4:].replace(".", "", 1).isdecimal() and float(item[4:]) > 0:
             options["expand_programs_per_sm"] = float(item[4:])
         elif item.startswith("ew") and item[2:] in ("2", "4", "8"):
@@ -132,7 +138,7 @@ def _prefill_options(raw: str | None = None) -> dict:
             options["expand_block_n"] = int(item[1:])
         elif item:
             raise ValueError(f"LORAPLEX_LORA_PREFILL={raw!r}: {item!r} is not an option; expected n<columns> (16 to "
-                             f"256, a power of two), epps<programs per SM>, ew<2|4|8> and/or (no)prefetch, "
+                             f"256, a power of two), epps<programs per SM>, ew<2|4|8>, (no)prefetch and/or (no)store, "
                              f"comma-separated")
     return options
 
@@ -140,7 +146,7 @@ def _prefill_options(raw: str | None = None) -> dict:
 def describe_prefill(cfg: KernelConfig) -> str:
     """`cfg`'s expand settings as a LORAPLEX_LORA_PREFILL value (what bench results record)."""
     return (f"{'prefetch' if cfg.tile_prefetch else 'noprefetch'},n{cfg.expand_block_n},"
-            f"epps{cfg.expand_programs_per_sm:g},ew{cfg.expand_warps}")
+            f"epps{cfg.expand_programs_per_sm:g},ew{cfg.expand_warps},{'store' if cfg.store_first else 'nostore'}")
 
 
 _SETTING = _rowwise_setting()
@@ -283,8 +289,9 @@ def expand_from(y: torch.Tensor, part: torch.Tensor, lora_b: list[torch.Tensor],
                 scalings: list[torch.Tensor], batch, y_offset: int, cfg: KernelConfig, *,
                 accumulate: bool = True) -> None:
     """Launch expand adding `scalings[slot] * Σ_split part @ B[slot]ᵀ` into y's slices; with
-    `accumulate=False`, y is fp32 and that product is stored instead (zeros for slices of rank 0; rows
-    without an adapter are left as they were)."""
+    `accumulate=False`, that product is stored instead, rounded to y's dtype (zeros for slices of rank 0; rows
+    without an adapter are left as they were): y is an fp32 delta buffer (ops/overlap.py) or a projection's
+    output before its GEMM adds to it (ops/stored_lora.py)."""
     num_slices = len(lora_b)
     R = lora_b[0].shape[2]
     ns = [b.shape[1] for b in lora_b]

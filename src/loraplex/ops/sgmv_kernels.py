@@ -234,7 +234,8 @@ def _dot_v_b(v, b, acc, PRECISION: tl.constexpr):
 @triton.jit
 def _expands(rank, ACCUMULATE: tl.constexpr):
     """Does a tile of this slice's rank write y? Adding, only with a rank; storing (an fp32 delta buffer that
-    is not zero-filled, ops/overlap.py), always: a slice of rank 0 stores zeros (its loads are all masked)."""
+    is not zero-filled, ops/overlap.py, or a projection's output before its GEMM adds to it, ops/stored_lora.py),
+    always: a slice of rank 0 stores zeros (its loads are all masked)."""
     if ACCUMULATE:
         writes = rank > 0
     else:
