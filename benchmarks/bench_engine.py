@@ -53,22 +53,42 @@ def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, vocab, (L,), generator=gen).tolist() for L in lens]
 
 
+def _timing_eager_launches(engine: Engine) -> list[float]:
+    """From now on, the host seconds of each eager launch (`ModelRunner.launch` returning no graph: the whole
+    forward and sampling queued from Python) are appended to the list returned; `del engine.runner.launch` ends it."""
+    host: list[float] = []
+    real = engine.runner.launch
+
+    def launch(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = real(*args, **kwargs)
+        if out[1] is None:
+            host.append(time.perf_counter() - t0)
+        return out
+    engine.runner.launch = launch
+    return host
+
+
 def run(engine: Engine, work: list[list[int]], adapters: list[str | None]) -> dict:
     params = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
     engine.stats["overlapped_steps"] = 0
     torch.cuda.synchronize()
+    eager_host = _timing_eager_launches(engine)
     start = time.perf_counter()
     for i, (p, a) in enumerate(zip(work, adapters)):
         engine.add_request(f"r{i}", p, params, a)
     steps, out_tokens, contexts = [], 0, []
-    while engine.has_unfinished():
-        outs = engine.step()
-        info = engine.last_step
-        out_tokens += sum(len(o.new_token_ids) for o in outs)
-        if info is not None:
-            steps.append(info)
-            if info.decode and info.num_seqs == engine.config.max_num_seqs:
-                contexts.append(sum(s.num_tokens for s in engine.scheduler.running))
+    try:
+        while engine.has_unfinished():
+            outs = engine.step()
+            info = engine.last_step
+            out_tokens += sum(len(o.new_token_ids) for o in outs)
+            if info is not None:
+                steps.append(info)
+                if info.decode and info.num_seqs == engine.config.max_num_seqs:
+                    contexts.append(sum(s.num_tokens for s in engine.scheduler.running))
+    finally:
+        del engine.runner.launch   # the class's own again
     seconds = time.perf_counter() - start
     kinds = {"decode": [s for s in steps if s.decode], "mixed": [s for s in steps if not s.decode and s.num_seqs > 1],
              "prefill": [s for s in steps if not s.decode and s.num_seqs == 1]}
@@ -77,6 +97,8 @@ def run(engine: Engine, work: list[list[int]], adapters: list[str | None]) -> di
     full_steps = [s for s in steps if s.decode and s.num_seqs == engine.config.max_num_seqs]
     full = [s.seconds for s in full_steps]
     full_gpu = [g for g in (s.gpu_seconds for s in full_steps) if g is not None]
+    # the steps with prompts (eager): their GPU span beside their wall time tells host time from GPU time
+    prompt_gpu = [g for g in (s.gpu_seconds for s in steps if not s.decode) if g is not None]
     return dict(seconds=seconds, breakdown=breakdown, step_seconds=round(sum(s.seconds for s in steps), 3),
                 output_tokens=out_tokens, tokens_per_s=out_tokens / seconds, steps=len(steps),
                 decode_steps=sum(s.decode for s in steps), graph_steps=sum(s.graphed for s in steps),
@@ -84,7 +106,13 @@ def run(engine: Engine, work: list[list[int]], adapters: list[str | None]) -> di
                 full_decode_steps=len(full), full_decode_step_ms=1e3 * statistics.median(full) if full else None,
                 full_decode_gpu_ms=1e3 * statistics.median(full_gpu) if full_gpu else None,
                 mean_full_context=statistics.mean(contexts) / engine.config.max_num_seqs if contexts else None,
-                prefill_step_ms=1e3 * statistics.median([s.seconds for s in steps if not s.decode] or [0]))
+                prefill_step_ms=1e3 * statistics.median([s.seconds for s in steps if not s.decode] or [0]),
+                prefill_gpu_ms=1e3 * statistics.median(prompt_gpu) if prompt_gpu else None,
+                prompt_steps_seconds=round(sum(s.seconds for s in steps if not s.decode), 4),
+                prompt_steps_gpu_seconds=round(sum(prompt_gpu), 4) if prompt_gpu else None,
+                # host time queueing the eager forwards (more than their GPU span: the GPU waited for the host)
+                eager_launch_host_ms=1e3 * statistics.median(eager_host) if eager_host else None,
+                eager_launches_host_seconds=round(sum(eager_host), 4))
 
 
 def main(argv=None) -> None:
@@ -196,8 +224,8 @@ def markdown(res: dict) -> str:
              + (f" Each row is the median-throughput run of {repeats}, the variants' runs interleaved." if repeats > 1
                 else ""), "",
              "| max seqs | mode | adapters | tokens/s | vs backbone | full-batch decode step (ms) | its GPU span (ms) "
-             "| floor (ms) | of floor | prefill step (ms) | graph steps |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| floor (ms) | of floor | prefill step (ms) | its GPU span (ms) | graph steps |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base = {(r["batch"], r["mode"]): r["tokens_per_s"] for r in res["rows"] if r["variant"] == "backbone"}
     for r in res["rows"]:
         step, gpu = r["full_decode_step_ms"], r.get("full_decode_gpu_ms")
@@ -206,8 +234,9 @@ def markdown(res: dict) -> str:
         floor = f"{r['floor_ms']:.2f} | {step / r['floor_ms']:.2f}× | " if step else "– | – | "
         name = r["variant"] + (f" [{r['prefill'] or 'default'}]" if len(res.get("prefills", [])) > 1
                                and r["variant"] != "backbone" else "")
+        prompt_gpu = f"{r['prefill_gpu_ms']:.1f}" if r.get("prefill_gpu_ms") else "–"
         lines.append(f"| {r['batch']} | {r['mode']} | {name} | {r['tokens_per_s']:.0f} | {rel:.3f} | "
-                     f"{steps}{floor}{r['prefill_step_ms']:.1f} | {r['graph_steps']}/{r['steps']} |")
+                     f"{steps}{floor}{r['prefill_step_ms']:.1f} | {prompt_gpu} | {r['graph_steps']}/{r['steps']} |")
     lines += ["", "Floor: (weights + KV bytes of the batch's mean context + each used adapter once) / copy "
               "bandwidth. Step times are wall times of the engine's whole step (host work included); the GPU span "
               "is the step's inputs, forward and sampling on the GPU."]
