@@ -103,6 +103,39 @@ def test_slot_is_not_overwritten_before_queued_work_has_read_it(folders):
     cache.close()
 
 
+def test_release_events_do_not_pile_up_and_a_use_on_another_stream_still_holds_the_slot(folders):
+    """A resident adapter's releases keep one event per stream (each covers the ones before it on its stream),
+    not one per release: a server's popular adapter would otherwise gather an event per request until its slot
+    is next loaded. A use queued on a side stream behind a long kernel, released there, still holds the slot
+    against a load that evicts it, whatever releases follow on the default stream."""
+    cache = make_cache(folders, slots=1)
+    cache.wait_resident("a0", timeout=30)
+    for _ in range(50):
+        slot = cache.acquire("a0")
+        cache.release("a0")
+    assert len(cache._last_use[slot]) == 1
+    x = torch.randn(7, MODEL.hidden_size, device="cuda", dtype=torch.bfloat16)
+    y0 = torch.randn(7, 384, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    assert side.cuda_stream not in (cache._stream.cuda_stream, torch.cuda.current_stream().cuda_stream)
+    side.wait_stream(torch.cuda.current_stream())
+    assert cache.acquire("a0") == slot
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(400_000_000)   # the side stream is busy for a while
+        y = run_qkv(cache, slot, x, y0.clone())
+        cache.release("a0")
+    for _ in range(5):   # releases on the default stream must not drop the side stream's event
+        cache.acquire("a0")
+        cache.release("a0")
+    assert len(cache._last_use[slot]) == 2
+    cache.wait_resident("a1", timeout=30)   # a1 evicts a0 into the same slot: its copy waits for both streams
+    assert cache._last_use[slot] == {}
+    torch.cuda.synchronize()
+    want = y0.double() + fused_qkv_oracle(x.cpu(), host_adapter(folders["a0"])).cuda()
+    torch.testing.assert_close(y.double(), want, rtol=2e-2, atol=2e-2)
+    cache.close()
+
+
 def test_pinned_host_copy_wastes_little_memory():
     """A 7B-shaped layer's worth of rank-16 modules: pinned chunks hold at most ~10% more than the weights
     (one buffer would be rounded up to a power of two by PyTorch's host allocator)."""

@@ -2,6 +2,8 @@
 output for a request whatever else runs with it (other adapters, chunked prefill, preemption)."""
 from __future__ import annotations
 
+import os
+
 import time
 
 import pytest
@@ -414,6 +416,20 @@ def test_in_gemm_warmup_launches_each_count_and_changes_nothing(monkeypatch):
     # each count's GEMM width: the base columns and `count` adapters' shrink columns (slices × max rank 4)
     assert all(extra == rows * slices * 4 for rows, extra, slices, _, block_m, _ in expands if block_m == 16)
     assert {p.active_count for p in ropes} == {1, 2, 3} and all(p.slot_active is not None for p in ropes)
+
+
+def test_lora_kernel_warmup_includes_the_stored_expand_where_it_is_on(monkeypatch):
+    """With KernelConfig.store_first (LORAPLEX_LORA_PREFILL=store) eager prompt steps store the expand's
+    product in the model's dtype (ops/stored_lora.py): a variant of its own, compiled at start-up too."""
+    import dataclasses
+
+    from loraplex.engine import warmup
+    from loraplex.ops import sgmv
+    if not os.environ.get("LORAPLEX_LORA_PREFILL"):
+        assert not any(stored for *_, stored in warmup._variants())   # off by default
+    monkeypatch.setitem(sgmv.CONFIGS, 64, dataclasses.replace(sgmv.CONFIGS[64], store_first=True))
+    stored = [(block_m, cfg, accumulate) for block_m, cfg, accumulate, s in warmup._variants() if s]
+    assert stored == [(64, sgmv.CONFIGS[64], False)]
 
 
 @pytest.mark.parametrize("overlap_mode, fused_projs", [("full", None), ("fused", None), ("fused", "all"),

@@ -65,7 +65,9 @@ class AdapterCache(AdapterLoads):
         self._entries: dict[str, _Entry] = {}
         # the entry (not the name: a name can be re-registered while its old copy is in flight)
         self._slot_owner: list[_Entry | None] = [None] * max_gpu_adapters
-        self._last_use: list[list] = [[] for _ in range(max_gpu_adapters)]  # release events since the last load
+        # per slot, each stream's latest release event since the slot's last load (by the stream's handle: a later
+        # event on a stream covers its earlier ones, so a resident adapter's releases do not pile up events)
+        self._last_use: list[dict[int, torch.cuda.Event]] = [{} for _ in range(max_gpu_adapters)]
         self._gpu_lru: OrderedDict[str, None] = OrderedDict()  # resident, ready and unpinned; oldest first
         self._cpu_lru: OrderedDict[str, LoraAdapter] = OrderedDict()
         # host copies ready for the GPU but without a slot, oldest wish first: served whenever a slot frees
@@ -226,9 +228,10 @@ class AdapterCache(AdapterLoads):
                 raise AdapterError(f"release({name!r}) without a matching acquire")
             entry.pins -= 1
             if self._cuda:  # the slot may be overwritten only after the work queued so far has used it
+                stream = torch.cuda.current_stream(self.pool.device)
                 event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(self.pool.device))
-                self._last_use[entry.slot].append(event)  # one per release: users may be on several streams
+                event.record(stream)
+                self._last_use[entry.slot][stream.cuda_stream] = event   # users may be on several streams
             if entry.pins:
                 return
             if entry.removed:

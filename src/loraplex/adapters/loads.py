@@ -183,8 +183,8 @@ class AdapterLoads:
             if self._cuda:
                 with torch.cuda.stream(self._stream):
                     with self._lock:
-                        uses, self._last_use[slot] = self._last_use[slot], []
-                    for use in uses:
+                        uses, self._last_use[slot] = self._last_use[slot], {}
+                    for use in uses.values():
                         self._stream.wait_event(use)
                     self.pool.write(slot, host, non_blocking=True)
                     event = torch.cuda.Event()

@@ -42,20 +42,20 @@ def compile_lora_kernels(config: ModelConfig, pool: AdapterPool, dtype: torch.dt
     saved = pool.ranks[:, :, 0].clone()
     pool.ranks[:, :, 0] = 0   # slot 0 reads nothing, whatever it holds
     try:
-        for block_m, base, accumulate in _variants():
+        for block_m, base, accumulate, in_model_dtype in _variants():
             batch = LoraBatch.from_lengths([block_m], [0], device, block_m=block_m)
             # layers 0-3: the per-layer rank and scaling views take every alignment they can take
             for layer, (projs, width) in itertools.product(range(min(4, config.num_hidden_layers)), CALLS):
                 a, b, ranks, scalings = pool.stacks(layer, projs)
                 x = torch.zeros(block_m, widths[width], dtype=dtype, device=device)
-                y = torch.zeros(block_m, sum(t.shape[1] for t in b), dtype=dtype if accumulate else torch.float32,
-                                device=device)
+                y = torch.zeros(block_m, sum(t.shape[1] for t in b),
+                                dtype=dtype if accumulate or in_model_dtype else torch.float32, device=device)
                 n_tiles = -(-max(t.shape[1] for t in b) // base.expand_block_n)
                 for split_k, n_chunks in itertools.product((1, 2, 4, 8), _chunk_classes(n_tiles)):
                     cfg = dataclasses.replace(base, split_k=split_k, n_chunks=n_chunks)
                     sgmv.add_lora(y, x, a, b, batch, ranks, scalings, 0, cfg, accumulate=accumulate)
                     launches += 1
-                if not accumulate and projs == ("down_proj",) and _down_shrink_in_silu():
+                if not accumulate and not in_model_dtype and projs == ("down_proj",) and _down_shrink_in_silu():
                     launches += _compile_silu_shrink(x, y, a, b, ranks, scalings, batch, base, n_tiles)
         if overlap.mode() == "fused":
             launches += _compile_consumers(config, pool, dtype)
@@ -177,19 +177,23 @@ def _compile_silu_shrink(x, y, a, b, ranks, scalings, batch, base: sgmv.KernelCo
     return 1 + len(_chunk_classes(n_tiles))
 
 
-def _variants() -> list[tuple[int, sgmv.KernelConfig, bool]]:
-    """(tile height, settings, accumulate) of every way a step can launch the kernels: after the
-    GEMMs, and in "full" and "fused" (ops/overlap.py) the products into fp32 buffers, which eager
-    forwards of up to overlap.MAX_ROWS rows launch too (16-row tiles; 64-row ones only for hand-built
-    batches)."""
-    found = [(block_m, sgmv.config_for(block_m), True) for block_m in (SMALL_BLOCK_M, LARGE_BLOCK_M)]
+def _variants() -> list[tuple[int, sgmv.KernelConfig, bool, bool]]:
+    """(tile height, settings, accumulate, stored in the model's dtype) of every way a step can launch the
+    kernels: after the GEMMs, and in "full" and "fused" (ops/overlap.py) the products into fp32 buffers, which
+    eager forwards of up to overlap.MAX_ROWS rows launch too (16-row tiles; 64-row ones only for hand-built
+    batches); with KernelConfig.store_first (LORAPLEX_LORA_PREFILL=store) the products stored into the
+    projections' outputs (ops/stored_lora.py)."""
+    tiles = (SMALL_BLOCK_M, LARGE_BLOCK_M)
+    found = [(block_m, sgmv.config_for(block_m), True, False) for block_m in tiles]
     if overlap.mode() in ("full", "fused"):   # ("shrink" launches the plain order's variants)
-        found += [(block_m, overlap.config_for(block_m), False) for block_m in (SMALL_BLOCK_M, LARGE_BLOCK_M)]
+        found += [(block_m, overlap.config_for(block_m), False, False) for block_m in tiles]
+    found += [(block_m, sgmv.config_for(block_m), False, True) for block_m in tiles
+              if sgmv.config_for(block_m).store_first]
     if sgmv.ROWWISE_AUTO:   # the decode graphs' row-wise variant (engine/cuda_graphs.py)
         with sgmv.decode_rowwise(2):
-            found.append((SMALL_BLOCK_M, sgmv.config_for(SMALL_BLOCK_M), True))
+            found.append((SMALL_BLOCK_M, sgmv.config_for(SMALL_BLOCK_M), True, False))
             if overlap.mode() in ("full", "fused"):
-                found.append((SMALL_BLOCK_M, overlap.config_for(SMALL_BLOCK_M), False))
+                found.append((SMALL_BLOCK_M, overlap.config_for(SMALL_BLOCK_M), False, False))
     return found
 
 

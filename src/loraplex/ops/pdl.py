@@ -46,12 +46,13 @@ def _interpreting() -> bool:
 
 
 def _supported() -> bool:
-    """PDL's instructions exist on sm_90 and later, in Triton 3.4 on; not in Triton's interpreter."""
+    """PDL's instructions exist on sm_90 and later, in Triton 3.4 on; not in Triton's interpreter. Every visible
+    GPU must have them (the kernels compile with one setting for all)."""
     if gdc_wait is None or _interpreting():
         return False
-    import torch   # (initialises CUDA at import, where LORAPLEX_PDL=on)
+    import torch   # (initialises CUDA at import, where LORAPLEX_PDL=on: the default)
     return (torch.cuda.is_available() and torch.version.hip is None
-            and torch.cuda.get_device_capability() >= (9, 0))
+            and min(torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())) >= (9, 0))
 
 
 # A compile-time constant of every kernel (Triton keys its cache on the globals a kernel reads).
