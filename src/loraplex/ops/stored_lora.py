@@ -11,7 +11,12 @@ reads the output in its epilogue beside its main loop. For every row m (each has
 (0 for the product of a slice of rank 0), where `sgmv.add_lora` rounds the other way round,
 `round(round(x[m] @ W[c_i + n]ᵀ) + scalings[i][s] · …)`: the two may differ in the last bit.
 
-Only where it pays and is safe (`applies`):
+Measured, it does not pay, so it is opt-in (H200, 2026-12-02, nineteenth session, benchmarks/NOTES.md): the
+profiler counted 3–17% less kernel time in eager 7B prompt forwards, but the forwards were not shorter (47.9 →
+48.9 ms for six 320-token prompts, 53.2 → 53.3 for one of 2,048), and issue 5's engine benchmark moved its
+median prompt step by −2.5, +0.7 and +2.8 ms in three processes.
+
+Only where it is safe (`applies`):
 - every row of the batch has an adapter: the expand never writes the rows without one, and the output is not
   zero-filled (a fill would cost what this saves);
 - no bias (the epilogue has one addend);
