@@ -105,6 +105,8 @@ def main(argv=None) -> dict:
     base_cfg, pick = sgmv.PREFILL_DEFAULT, LoraBatch.pick_block_m
     start_cfg = sgmv.CONFIGS[64]
     variants = args.variants.split(";")
+    # each variant's config, built once (a bad value fails before any timing)
+    configs = {v: dataclasses.replace(base_cfg, **sgmv._prefill_options(v)) for v in variants}
     rows, totals = [], {v: 0.0 for v in variants}
     LoraBatch.pick_block_m = staticmethod(lambda *_: 64)
     try:
@@ -119,10 +121,10 @@ def main(argv=None) -> dict:
             times: dict[str, list[float]] = {v: [] for v in variants}
             for _ in range(args.rounds):
                 for value in variants:
-                    sgmv.CONFIGS[64] = dataclasses.replace(base_cfg, **sgmv._prefill_options(value))
+                    sgmv.CONFIGS[64] = configs[value]
                     times[value].append(time_us([lambda: model(batch, kv, pool)], reps=7))
             for value in variants:
-                sgmv.CONFIGS[64] = dataclasses.replace(base_cfg, **sgmv._prefill_options(value))
+                sgmv.CONFIGS[64] = configs[value]
                 us = statistics.median(times[value])
                 kernels = lora_kernel_us(lambda: model(batch, kv, pool))
                 totals[value] += kernels["all"]   # with "store" the GEMMs change too
