@@ -185,6 +185,9 @@ def variant(name: str):
     if name in ("skinny", "cublas"):   # the projections' GEMMs by ops/skinny_gemm.py (the default since the
         from loraplex.ops import skinny_gemm   # eighteenth session) or by cuBLAS (F.linear)
         patches.append(mock.patch.object(skinny_gemm, "SETTING", "on" if name == "skinny" else "off"))
+    if name == "skinny_lora":   # each projection's shrink and expand inside its GEMM's launch (ops/skinny_lora.py)
+        from loraplex.ops import skinny_lora
+        patches.append(mock.patch.object(skinny_lora, "SETTING", "on"))
     if name in KERNEL_VARIANTS:   # the decode config's kernel settings (sgmv.CONFIGS[16])
         patches.append(kernel_settings(KERNEL_VARIANTS[name]))
     if name in SILU_BLOCK_VARIANTS:   # columns per SiLU-and-mul program where it expands gate/up's product
@@ -315,6 +318,7 @@ VARIANTS = {
     "backbone": "no adapters",
     "fused": "today's path (LORAPLEX_LORA_OVERLAP=fused)",
     "nofill": "fused without zero fills of the fp32 deltas (no patch since the eleventh session: fused)",
+    "skinny_lora": "each projection's GEMM, shrink and expand in one launch (LORAPLEX_SKINNY_LORA=on)",
     "down_in_silu": "fused with down's shrink inside SiLU-and-mul (models/llama.DOWN_SHRINK_IN_SILU on)",
     "expand_work_first": "down_in_silu with down's expand captured before its GEMM (overlap.EXPAND_GEMM_FIRST off)",
     "down_sgmv": "fused with models/llama.DOWN_SHRINK_IN_SILU off (today's default: fused)",

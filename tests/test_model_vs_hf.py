@@ -340,6 +340,35 @@ def test_skinny_gemm_projections_match_too(setup, monkeypatch):
     assert len(calls["fused"]) == 7 * layers             # and the LoRA took the "fused" path beside them
 
 
+def test_lora_inside_the_skinny_gemm_matches_too(setup, monkeypatch):
+    """LORAPLEX_SKINNY_LORA=on (ops/skinny_lora.py): each projection of a forward of at most 32 rows runs its GEMM,
+    shrink and expand in one launch (in the interpreter; 16-column tiles, so that the tiny models' slices fit them),
+    a mixed forward of 9 rows and a decode forward of 6, with adapters of different ranks and targets and a row
+    without one; one configuration has q/k/v biases. The logits still match transformers + PEFT."""
+    from loraplex.ops import skinny_gemm, skinny_lora
+    from loraplex.ops.skinny_gemm import SkinnyConfig
+    if setup.variant not in OFF_PATH_CONFIGS + ("qwen2-bias-tied-window",):
+        pytest.skip("an opt-in path: three configurations cover it (each run takes ~10 s here)")
+    if setup.config.head_dim & (setup.config.head_dim - 1):
+        pytest.skip("the Triton attention kernels take power-of-two head sizes")
+    monkeypatch.setattr(skinny_gemm, "SETTING", "on")
+    monkeypatch.setattr(skinny_lora, "SETTING", "on")
+    monkeypatch.setattr(skinny_lora, "config_for", lambda w: SkinnyConfig(block_n=16, block_k=32, stages=1))
+    rows = []
+    real = skinny_lora.skinny_lora_linear
+    monkeypatch.setattr(skinny_lora, "skinny_lora_linear",
+                        lambda x, *a, **kw: rows.append(x.shape[0]) or real(x, *a, config=skinny_lora.config_for(x),
+                                                                             **kw))
+    setup.model.backend = "triton"
+    try:
+        check_mixed_batch(setup, [("all-r8", 3, 1), ("mlp-patterned", 2, 1), (None, 1, 1), ("attn-r4", 1, 1),
+                                  ("all-r8", 1, 1), ("mlp-patterned", 1, 1)])
+    finally:
+        setup.model.backend = None
+    layers = setup.config.num_hidden_layers
+    assert rows == [9] * 4 * layers + [6] * 4 * layers   # q/k/v, o, gate/up and down of both forwards
+
+
 def test_eager_decode_steps_choose_the_fused_projections_their_graph_would():
     """A decode step of n sequences replays the graph of the smallest bucket that holds it (engine/cuda_graphs.py):
     eager, it leaves the same products to their consumers as that graph does (so the two compute alike)."""

@@ -22,7 +22,7 @@ from ..ops import overlap, sgmv, stream_priority
 from ..sampling import PendingSample, Sampler, SamplingParams
 from .cuda_graphs import StepGraphs, gemm_count_for
 from .scheduler import ScheduledChunk
-from .warmup import compile_in_gemm, compile_lora_kernels
+from .warmup import compile_in_gemm, compile_lora_kernels, compile_skinny_lora
 
 log = logging.getLogger("loraplex.engine")
 
@@ -79,6 +79,7 @@ class ModelRunner:
         host_priority.mode(), overlap.mode(), stream_priority.priority_scheme()   # a bad setting fails here, not later
         if self.device.type == "cuda":
             compile_lora_kernels(c, self.adapters.pool, self.model.dtype)
+            compile_skinny_lora(c, self.adapters.pool, self.model.dtype)
             if self.area is not None:
                 compile_in_gemm(c, self.adapters.pool, self.model.dtype, self.area.capacity)
         if self.device.type == "cuda" and not config.enforce_eager:

@@ -67,6 +67,39 @@ def compile_lora_kernels(config: ModelConfig, pool: AdapterPool, dtype: torch.dt
     return launches
 
 
+def compile_skinny_lora(config: ModelConfig, pool: AdapterPool, dtype: torch.dtype) -> int:
+    """LORAPLEX_SKINNY_LORA=on: the projections' GEMM-and-LoRA launches (ops/skinny_lora.py) of forwards of 1-16 and
+    17-32 rows, with 16-row work tiles and 64-row ones (many rows of one adapter), on a slot of rank 0 (nothing of
+    it is read) and a weight of zero stride (the kernel a real weight compiles: its row stride is only known to be
+    divisible by 16); returns the number of launches."""
+    from ..ops import skinny_gemm, skinny_lora
+    if not skinny_lora.used_for(1):
+        return 0
+    device, start, launches = pool.device, time.perf_counter(), 0
+    widths = {"hidden": config.hidden_size, "attention": config.num_attention_heads * config.head_dim,
+              "intermediate": config.intermediate_size}
+    saved = pool.ranks[:, :, 0].clone()
+    pool.ranks[:, :, 0] = 0
+    try:
+        for rows, block_m in itertools.product((1, SMALL_BLOCK_M + 1), (SMALL_BLOCK_M, LARGE_BLOCK_M)):
+            batch = LoraBatch.from_lengths([rows], [0], device, block_m=block_m)
+            for layer, (projs, width) in itertools.product(range(min(4, config.num_hidden_layers)), CALLS):
+                a, b, ranks, scalings = pool.stacks(layer, projs)
+                n, k = sum(t.shape[1] for t in b), widths[width]
+                x = torch.zeros(rows, k, dtype=dtype, device=device)
+                weight = torch.zeros(1, k, dtype=dtype, device=device).expand(n, k)
+                if skinny_lora.applies(x, weight, [t.shape[1] for t in b]):
+                    skinny_lora.skinny_lora_linear(x, weight, None, a, b, batch, ranks, scalings)
+                    launches += 1
+    finally:
+        pool.ranks[:, :, 0] = saved
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    log.info("compiled the GEMM-and-LoRA projections' variants (%d calls, LORAPLEX_SKINNY_GEMM=%s) in %.1f s",
+             launches, skinny_gemm.SETTING, time.perf_counter() - start)
+    return launches
+
+
 def compile_in_gemm(config: ModelConfig, pool: AdapterPool, dtype: torch.dtype, capacity: int) -> int:
     """EngineConfig.lora_in_gemm: what decode steps on the in-gemm path launch beyond the GEMMs, for 1 to
     `capacity` active adapters (the work items and the GEMM's width, which set the kernels' chunking and row

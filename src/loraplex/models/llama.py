@@ -19,7 +19,7 @@ from torch import nn
 
 from ..adapters.active_area import ActiveArea
 from ..adapters.pool import AdapterPool
-from ..ops import add_lora, api, overlap, resolve_backend
+from ..ops import add_lora, api, overlap, resolve_backend, skinny_lora
 from ..ops.attention import paged_attention, store_kv
 from ..ops.attention_shrink import decode_attention_shrink
 from ..ops.fused import apply_rope, rms_norm, silu_and_mul
@@ -130,6 +130,8 @@ class DecoderLayer(nn.Module):
                 expand_in_gemm(y_ext, n, b, ranks, scalings, batch.lora, area.slot_active,
                                backend=resolve_backend(backend, x.device))
                 return y_ext[:, :n], None
+            if lora_path == "gemm-lora" and skinny_lora.applies(x, weight, [t.shape[1] for t in b]):
+                return skinny_lora.skinny_lora_linear(x, weight, bias, a, b, batch.lora, ranks, scalings), None
             if projs[0] in fused_projs:
                 return overlap.linear_with_lora_product(x, weight, bias, a, b, batch.lora, ranks, scalings,
                                                         side=lora_path == "product-side")
@@ -141,7 +143,7 @@ class DecoderLayer(nn.Module):
             if lora_path == "stored" and bias is None:   # the expand first, the GEMM adds to it (ops/stored_lora.py)
                 return linear_with_lora_stored(x, weight, a, b, batch.lora, ranks, scalings), None
             y = base_linear(x, weight, bias)
-            if lora_path in ("direct", "stored"):  # the Triton kernels without the per-call argument checks
+            if lora_path in ("direct", "stored", "gemm-lora"):  # the Triton kernels without the per-call checks
                 return api.sgmv.add_lora(y, x, a, b, batch.lora, ranks, scalings, 0), None
             return add_lora(y, x, a, b, batch.lora, ranks, scalings, backend=backend), None
 
@@ -302,7 +304,9 @@ class LlamaForCausalLM(nn.Module):
         GEMMs, while a CUDA graph is captured), "product" / "product-side" (as "delta", but only the
         shrink runs and the next op expands it: LORAPLEX_LORA_OVERLAP=fused, for the projections in
         `overlap.fused_projections`; the others as "delta") or "shrink-side" (only the
-        shrink beside, in captured forwards of up to `overlap.SHRINK_MAX_ROWS` rows).
+        shrink beside, in captured forwards of up to `overlap.SHRINK_MAX_ROWS` rows), or "gemm-lora" (each
+        projection's shrink and expand inside its GEMM's launch, ops/skinny_lora.py: LORAPLEX_SKINNY_LORA=on,
+        forwards of up to 32 rows; projections it does not fit as "direct").
         See ops/overlap.py; eager steps keep one stream, where forks and joins cost host time."""
         if pool is not None and self._in_gemm_count is not None:
             area = self.active_area

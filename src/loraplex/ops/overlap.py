@@ -46,6 +46,7 @@ from typing import Callable
 import torch
 
 from ..env_switch import env_switch
+from . import skinny_lora
 from .batch import LoraBatch
 from .lora_delta import LoraDelta
 from .lora_product import LoraProduct
@@ -139,9 +140,12 @@ def uses_delta(rows: int) -> bool:
 
 
 def lora_path(rows: int, capturing: bool) -> str:
-    """How a Triton forward of `rows` rows adds LoRA: "product-side", "product" ("fused"), "delta-side",
-    "delta" ("full"), "shrink-side" or "direct" (see LlamaForCausalLM._lora_path). `capturing`: a CUDA
+    """How a Triton forward of `rows` rows adds LoRA: "gemm-lora" (LORAPLEX_SKINNY_LORA=on), "product-side",
+    "product" ("fused"), "delta-side", "delta" ("full"), "shrink-side" or "direct" (see
+    LlamaForCausalLM._lora_path). `capturing`: a CUDA
     graph is being captured."""
+    if skinny_lora.used_for(rows):   # the shrink and expand inside the projection's GEMM (ops/skinny_lora.py)
+        return "gemm-lora"
     if uses_delta(rows):
         kind = "product" if mode() == "fused" else "delta"
         return f"{kind}-side" if capturing else kind

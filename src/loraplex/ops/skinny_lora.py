@@ -1,0 +1,174 @@
+"""`skinny_lora_linear`: a decode projection and its LoRA in one launch (skinny_lora_kernels.py states the sums).
+
+    y = x @ wᵀ (+ bias) + [for each row with an adapter: scaling · (x @ Aᵀ) @ Bᵀ, per slice of y's columns]
+
+for up to MAX_ROWS rows, 1 to 3 slices (q/k/v, gate/up, o or down), the adapters in the pool's stacks (A
+[slots, R, K], B [slots, N_i, R], ranks and scalings per slot) and the rows' slots in a `LoraBatch`. It
+replaces skinny_gemm's GEMM plus the SGMV shrink and expand (or their fusions into the ops around) in decode
+forwards: `applies` says where it can run. The LoRA programs' count (`lora_programs`) is what the GEMM's grid
+leaves of the GPU, so that all programs are resident at once (the GEMM's wait on them must not block them).
+
+LORAPLEX_SKINNY_LORA: "on" makes it the model's path for Triton forwards of up to skinny_gemm.DECODE_MAX_ROWS
+rows (ops/overlap.lora_path: "gemm-lora"; projections it does not apply to take the SGMV kernels after the
+GEMM); "off" (the default until measured) keeps the paths of ops/overlap.py.
+
+Workspace: fp32 v [3, MAX_ROWS, BLOCK_R] and two counters per (device, BLOCK_R), allocated on first use and
+kept (CUDA graphs capture them; a first call inside a capture is refused). Launches must not run concurrently
+on two streams.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..env_switch import env_switch
+from . import skinny_gemm
+from .batch import LoraBatch
+from .skinny_gemm import SkinnyConfig
+
+SETTING = env_switch("LORAPLEX_SKINNY_LORA", "off", on="on", off="off")
+MAX_ROWS = skinny_gemm.MAX_ROWS
+MAX_SLICES = 3
+SHRINK_BLOCK_K = 128
+_KERNEL = []
+_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def config_for(weight: torch.Tensor) -> SkinnyConfig:
+    """skinny_gemm's tiles for the weight's shape (tuned or picked)."""
+    config = skinny_gemm.CONFIGS.get(tuple(weight.shape))
+    if config is None:
+        config = skinny_gemm._picked(weight.shape[0], weight.shape[1],
+                                     weight.device.index if weight.is_cuda else None)
+    return config
+
+
+def used_for(rows: int) -> bool:
+    """Does a Triton forward of `rows` rows take the "gemm-lora" path (LORAPLEX_SKINNY_LORA)?"""
+    return SETTING == "on" and 0 < rows <= skinny_gemm.DECODE_MAX_ROWS
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor, widths: list[int] | tuple[int, ...]) -> bool:
+    """Can the model take `skinny_lora_linear` for this projection: skinny_gemm would run it (its dtypes, rows and
+    GPUs, LORAPLEX_SKINNY_GEMM), 1 to 3 slices, and every slice a whole number of the tiles' columns (a tile
+    expands from one slice's B)."""
+    if not skinny_gemm._skinny_ok(x, weight) or not 1 <= len(widths) <= MAX_SLICES:
+        return False
+    block_n = config_for(weight).block_n
+    return sum(widths) == weight.shape[0] and all(n % block_n == 0 for n in widths)
+
+
+def _block_r(R: int) -> int:
+    return max(16, 1 << (R - 1).bit_length())
+
+
+def _workspace(device: torch.device, block_r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (device, block_r)
+    got = _WORKSPACES.get(key)
+    if got is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("skinny_lora_linear: no workspace yet on this device, and a CUDA graph is being "
+                               "captured; run the same shape once before capturing")
+        got = (torch.empty(MAX_SLICES, MAX_ROWS, block_r, dtype=torch.float32, device=device),
+               torch.zeros(2, dtype=torch.int32, device=device))
+        _WORKSPACES[key] = got
+    return got
+
+
+@functools.lru_cache(maxsize=None)
+def _sms(cuda_index: int | None) -> int:
+    # in the interpreter, a small GPU: the LoRA programs then each take several units
+    return torch.cuda.get_device_properties(cuda_index).multi_processor_count if cuda_index is not None else 4
+
+
+def lora_programs(tiles: int, units: int, config: SkinnyConfig, block_m: int, x: torch.Tensor) -> int:
+    """The LoRA programs of a launch: the program slots the GEMM's tiles leave free (by shared memory, at most
+    4 programs an SM), at least 1 and at most one per unit."""
+    if x.is_cuda:
+        limit = skinny_gemm._shared_limit(x.device.index)
+        per_sm = max(1, min(4, limit // max(1, skinny_gemm.shared_bytes(config, block_m, x.element_size()))))
+        free = _sms(x.device.index) * per_sm - tiles
+    else:
+        free = _sms(None)
+    return max(1, min(units, free))
+
+
+def skinny_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: list[torch.Tensor],
+                       lora_b: list[torch.Tensor], batch: LoraBatch, ranks: list[torch.Tensor],
+                       scalings: list[torch.Tensor], *, out: torch.Tensor | None = None,
+                       config: SkinnyConfig | None = None) -> torch.Tensor:
+    """y = x @ weightᵀ (+ bias) + each row's LoRA product, slice i of y's columns from lora_a[i] and lora_b[i]
+    (see the module docstring); `out` [M, N] or a new tensor."""
+    if x.dim() != 2 or weight.dim() != 2:
+        raise ValueError(f"skinny_lora_linear: x and weight must be 2-D, got {tuple(x.shape)} and {tuple(weight.shape)}")
+    M, K = x.shape
+    N = weight.shape[0]
+    S = len(lora_a)
+    if weight.shape[1] != K:
+        raise ValueError(f"skinny_lora_linear: x has K = {K} columns but weight {tuple(weight.shape)} has "
+                         f"{weight.shape[1]}")
+    if not 1 <= M <= MAX_ROWS:
+        raise ValueError(f"skinny_lora_linear: x has {M} rows; expected 1 to MAX_ROWS = {MAX_ROWS}")
+    if not 1 <= S <= MAX_SLICES or not len(lora_b) == len(ranks) == len(scalings) == S:
+        raise ValueError(f"skinny_lora_linear: expected 1 to {MAX_SLICES} slices with one lora_a, lora_b, ranks and "
+                         f"scalings each, got {len(lora_a)}, {len(lora_b)}, {len(ranks)}, {len(scalings)}")
+    if batch.num_rows != M:
+        raise ValueError(f"skinny_lora_linear: the LoraBatch covers {batch.num_rows} rows, x has {M}")
+    slots, R = lora_a[0].shape[0], lora_a[0].shape[1]
+    widths = [b.shape[1] if b.dim() == 3 else -1 for b in lora_b]
+    for i, (a, b) in enumerate(zip(lora_a, lora_b)):
+        if tuple(a.shape) != (slots, R, K) or tuple(b.shape) != (slots, widths[i], R):
+            raise ValueError(f"skinny_lora_linear: slice {i}: lora_a {tuple(a.shape)} and lora_b {tuple(b.shape)}; "
+                             f"expected [{slots}, {R}, {K}] and [{slots}, N_{i}, {R}]")
+        if not (a.is_contiguous() and b.is_contiguous()):
+            raise ValueError(f"skinny_lora_linear: slice {i}: lora_a and lora_b must be contiguous")
+        for name, t in (("lora_a", a), ("lora_b", b)):
+            if t.dtype != weight.dtype or t.device != x.device:
+                raise ValueError(f"skinny_lora_linear: slice {i}: {name} is {t.dtype} on {t.device}, weight "
+                                 f"{weight.dtype} on {x.device}")
+        if tuple(ranks[i].shape) != (slots,) or tuple(scalings[i].shape) != (slots,):
+            raise ValueError(f"skinny_lora_linear: slice {i}: ranks and scalings must have one entry per slot "
+                             f"({slots})")
+    if sum(widths) != N:
+        raise ValueError(f"skinny_lora_linear: the slices' widths {widths} do not add up to the weight's {N} rows")
+    if config is None:
+        config = config_for(weight)
+    block_m = skinny_gemm._block_m(M)
+    if x.is_cuda:   # fp32's shrink and expand buffers take up to ~20% more than the GEMM's (sm_90 compiles)
+        limit = skinny_gemm._shared_limit(x.device.index)
+        config = skinny_gemm.fit_config(config, block_m, x.element_size(),
+                                        limit * 3 // 4 if x.dtype == torch.float32 else limit)
+    if any(n % config.block_n for n in widths):
+        raise ValueError(f"skinny_lora_linear: slice widths {widths} are not multiples of the tiles' {config.block_n} "
+                         f"columns (see `applies`)")
+    if out is None:
+        out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    elif tuple(out.shape) != (M, N) or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(f"skinny_lora_linear: out must be [{M}, {N}] {x.dtype} with unit column stride")
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is not None and (t.stride(-1) != 1 or t.dtype != x.dtype or t.device != x.device):
+            raise ValueError(f"skinny_lora_linear: {name} must be {x.dtype} on {x.device} with unit last stride")
+    block_r = _block_r(R)
+    part, count = _workspace(x.device, block_r)
+    tiles = -(-N // config.block_n)
+    units = batch.num_work * S
+    programs = lora_programs(tiles, units, config, block_m, x)
+    pad = MAX_SLICES - S
+    args = (x, weight, bias if bias is not None else out, out, part, count, batch.row_slot, batch.sorted_rows,
+            batch.work_slot, batch.work_start, batch.work_end, *lora_a, *[lora_a[0]] * pad, *lora_b,
+            *[lora_b[0]] * pad, *ranks, *[ranks[0]] * pad, *scalings, *[scalings[0]] * pad,
+            *widths, *[0] * pad, units, programs, tiles, M, N, K, R, x.stride(0), weight.stride(0), out.stride(0),
+            part.stride(0), part.stride(1))
+    ieee = x.dtype == torch.float32
+    consts = dict(NUM_SLICES=S, HAS_BIAS=bias is not None, EVEN_N=N % config.block_n == 0,
+                  EVEN_K=K % config.block_k == 0, SHRINK_EVEN_K=K % SHRINK_BLOCK_K == 0, IEEE=ieee,
+                  PRECISION="ieee" if ieee else ("split" if x.dtype == torch.bfloat16 else "tf32x3"),
+                  BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TILE_M=batch.block_m,
+                  BLOCK_R=block_r, SHRINK_BLOCK_K=SHRINK_BLOCK_K, CHUNK=max(1, 64 // block_r))
+    if not _KERNEL:
+        from .launch import Launcher
+        from .skinny_lora_kernels import _skinny_lora_kernel
+        _KERNEL.append(Launcher(_skinny_lora_kernel))
+    _KERNEL[0]((programs + tiles,), args, consts, config.warps, config.stages)
+    return out
