@@ -101,7 +101,8 @@ def skinny_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     """y = x @ weightᵀ (+ bias) + each row's LoRA product, slice i of y's columns from lora_a[i] and lora_b[i]
     (see the module docstring); `out` [M, N] or a new tensor."""
     if x.dim() != 2 or weight.dim() != 2:
-        raise ValueError(f"skinny_lora_linear: x and weight must be 2-D, got {tuple(x.shape)} and {tuple(weight.shape)}")
+        raise ValueError(f"skinny_lora_linear: x and weight must be 2-D, got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
     M, K = x.shape
     N = weight.shape[0]
     S = len(lora_a)
