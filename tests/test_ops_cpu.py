@@ -119,12 +119,11 @@ def test_expand_n_chunks_and_rank_tiles(n_chunks, R, rowwise):
 @pytest.mark.parametrize("R", [16, 128])
 @pytest.mark.parametrize("accumulate", [True, False])
 def test_prefetching_tile_expand_gives_the_plain_ones_bits(R, accumulate, monkeypatch):
-    """KernelConfig.tile_prefetch (each step's y tile loaded a step ahead) and tile_y_dot (y through a dot with
-    the identity, which Triton pipelines): prompts of 1–70 rows in tiles of 16 and 64, N cut into chunks of
-    several BLOCK_N steps whose last is partial (83 and 45 columns), one rank tile (R=16) or several (R=128);
-    each mode's path taken (counted), the same arithmetic in the same order as the plain tile expand, so the
-    same bits, and the float64 loop's values (accumulate=False: the products stored into an fp32 buffer, every
-    adapter row's columns written)."""
+    """KernelConfig.tile_prefetch (each step's y tile loaded a step ahead): prompts of 1–70 rows in tiles of 16
+    and 64, N cut into chunks of several BLOCK_N steps whose last is partial (83 and 45 columns), one rank
+    tile (R=16) or several (R=128); the prefetching path taken (counted), the same arithmetic in the same order
+    as the plain tile expand, so the same bits, and the float64 loop's values (accumulate=False: the products
+    stored into an fp32 buffer, every adapter row's columns written)."""
     monkeypatch.setattr(sgmv_kernels, "_expand_tile", _count_expand_prefetch)
     rng = np.random.default_rng(stable_seed("tile-prefetch", R, accumulate))
     case = make_case(rng, seg_lens=[70, 1, 33, 5, 17], popularity="uniform", K=64, Ns=(83, 45), R=R, ranks="mixed",
@@ -132,17 +131,15 @@ def test_prefetching_tile_expand_gives_the_plain_ones_bits(R, accumulate, monkey
     expected = case.oracle()
     for block_m in (16, 64):
         outs = []
-        for mode in (0, 1, 2):
+        for prefetch in (False, True):
             _PATH_CALLS.clear()
-            cfg = sgmv.KernelConfig(expand_block_n=16, n_chunks=2, shrink_block_k=32, tile_prefetch=mode == 1,
-                                    tile_y_dot=mode == 2)
+            cfg = sgmv.KernelConfig(expand_block_n=16, n_chunks=2, shrink_block_k=32, tile_prefetch=prefetch)
             y = case.y0.clone() if accumulate else torch.full(case.y0.shape, float("nan"))
             sgmv.add_lora(y, case.x, case.lora_a, case.lora_b, case.batch(block_m=block_m), case.ranks,
                           case.scalings, 2, cfg, accumulate=accumulate)
-            assert _PATH_CALLS.get(f"expand_mode{mode}", 0) > 0
+            assert (_PATH_CALLS.get("expand_prefetch", 0) > 0) is prefetch
             outs.append(y)
-        for mode in (1, 2):
-            assert torch.equal(outs[0].nan_to_num(7.0), outs[mode].nan_to_num(7.0)), (block_m, mode)
+        assert torch.equal(outs[0].nan_to_num(7.0), outs[1].nan_to_num(7.0)), block_m
         if accumulate:
             untouched = case.untouched()
             assert torch.equal(outs[1][untouched], case.y0[untouched])
@@ -158,8 +155,7 @@ def test_prefetching_tile_expand_gives_the_plain_ones_bits(R, accumulate, monkey
     ("", {}), ("prefetch", dict(tile_prefetch=True)),
     ("noprefetch,n128", dict(tile_prefetch=False, expand_block_n=128)),
     (" N64 , epps4", dict(expand_block_n=64, expand_programs_per_sm=4.0)),
-    ("epps2.5,ew8,", dict(expand_programs_per_sm=2.5, expand_warps=8)),
-    ("ydot,es4", dict(tile_y_dot=True, expand_stages=4)), ("noydot", dict(tile_y_dot=False))])
+    ("epps2.5,ew8,", dict(expand_programs_per_sm=2.5, expand_warps=8))])
 def test_prefill_options(value, expected, monkeypatch):
     monkeypatch.setenv("LORAPLEX_LORA_PREFILL", value)
     assert sgmv._prefill_options() == expected
@@ -170,15 +166,14 @@ def test_prefill_default_and_plain_settings_round_trip():
     its description, and "noprefetch,n128,epps2", are LORAPLEX_LORA_PREFILL values that give the configs back."""
     if not os.environ.get("LORAPLEX_LORA_PREFILL"):
         assert sgmv.CONFIGS[64] == sgmv.PREFILL_DEFAULT
-    assert sgmv.describe_prefill(sgmv.PREFILL_DEFAULT) == "prefetch,n64,epps4,ew4,es2,noydot,nostore"
+    assert sgmv.describe_prefill(sgmv.PREFILL_DEFAULT) == "prefetch,n64,epps4,ew4,nostore"
     for cfg in (sgmv.PREFILL_DEFAULT, sgmv.PREFILL_PLAIN):
         assert dataclasses.replace(sgmv.PREFILL_PLAIN, **sgmv._prefill_options(sgmv.describe_prefill(cfg))) == cfg
     assert dataclasses.replace(sgmv.PREFILL_DEFAULT, **sgmv._prefill_options("noprefetch,n128,epps2")) == \
         sgmv.PREFILL_PLAIN
 
 
-@pytest.mark.parametrize("value", ["n512", "n48", "epps", "epps-1", "epps0", "ew3", "fetch", "prefetch,n", "es0",
-                                   "es", "ydots"])
+@pytest.mark.parametrize("value", ["n512", "n48", "epps", "epps-1", "epps0", "ew3", "fetch", "prefetch,n"])
 def test_prefill_options_refuse_a_bad_one(value, monkeypatch):
     monkeypatch.setenv("LORAPLEX_LORA_PREFILL", value)
     with pytest.raises(ValueError, match="LORAPLEX_LORA_PREFILL=.* is not an option"):
@@ -250,10 +245,9 @@ _count_expand_rows = _counting("_expand_tile_rows", "expand_rows")
 
 
 def _count_expand_prefetch(*args):
-    """The tile expand, counting the calls per y mode (its last argument, PREFETCH: 0 plain, 1 a step ahead, 2
-    through the identity's dot)."""
-    key = f"expand_mode{int(getattr(args[-1], 'value', args[-1]))}"
-    _PATH_CALLS[key] = _PATH_CALLS.get(key, 0) + 1
+    """The tile expand, counting the calls that load y a step ahead (its last argument, PREFETCH)."""
+    if bool(getattr(args[-1], "value", args[-1])):
+        _PATH_CALLS["expand_prefetch"] = _PATH_CALLS.get("expand_prefetch", 0) + 1
     return _REAL_TILES["_expand_tile"](*args)
 
 

@@ -94,20 +94,16 @@ def test_rowwise_kernels_match_float64_loop(dtype, popularity, Ns, mode, rows):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("Ns", [(4096, 4096, 4099), (11008, 11011)])
-@pytest.mark.parametrize("pair", ["plain+prefetch", "plain:default", "default-prefetch:default", "default:ydot",
-                                  "default:ydot-es4"])
+@pytest.mark.parametrize("pair", ["plain+prefetch", "plain:default", "default-prefetch:default"])
 def test_prefill_expand_options_match_float64_loop(dtype, Ns, pair):
     """The large tiles' expand settings (sgmv.PREFILL_PLAIN, the default before 2026-12-02; PREFILL_DEFAULT, the
     y tile a step ahead over 64 columns; LORAPLEX_LORA_PREFILL changes them) on prompt-sized segments of
     Llama-2-7B's shapes (and widths 3 past them, so that a step's columns are cut short): the float64 loop's
-    values, and with the y tile loaded a step ahead or through the identity's dot (tile_y_dot, 2 or 4 stages) the
-    same columns' bits without it. Whatever the environment."""
+    values, and with the y tile loaded a step ahead the same columns' bits without it. Whatever the environment."""
     plain, default = sgmv.PREFILL_PLAIN, sgmv.PREFILL_DEFAULT
     base, cfg = {"plain+prefetch": (plain, dataclasses.replace(plain, tile_prefetch=True)),
                  "plain:default": (plain, default),
-                 "default-prefetch:default": (dataclasses.replace(default, tile_prefetch=False), default),
-                 "default:ydot": (default, dataclasses.replace(default, tile_y_dot=True)),
-                 "default:ydot-es4": (default, dataclasses.replace(default, tile_y_dot=True, expand_stages=4))}[pair]
+                 "default-prefetch:default": (dataclasses.replace(default, tile_prefetch=False), default)}[pair]
     rng = np.random.default_rng(stable_seed("prefill-options", str(dtype), Ns, pair))
     case = make_case(rng, seg_lens=[320, 1, 511, 64, 129, 3], popularity="distinct", K=4096, Ns=Ns, R=16,
                      ranks="mixed", dtype=dtype, device="cuda", none_frac=0.2, y_offset=2, extra_cols=3)

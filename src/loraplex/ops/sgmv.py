@@ -71,9 +71,6 @@ class KernelConfig:
     rows_block_n: int | None = None  # the row-wise expand's columns per step (None: `rows_block_n_for`)
     rows_prefetch: bool = False  # the row-wise paths load each step's weights a step ahead (_expand_tile_rows)
     tile_prefetch: bool = False  # the tile expand loads each step's y tile a step ahead (_expand_tile)
-    # the tile expand takes y through a dot with the identity, so Triton pipelines its loads expand_stages deep
-    # (_expand_tile's PREFETCH 2; tile_prefetch then does nothing)
-    tile_y_dot: bool = False
     # Eager forwards whose every row has an adapter: the expand stores into the projection's output, then the
     # GEMM adds to it (ops/stored_lora.py), instead of the expand's read-modify-write after the GEMM.
     store_first: bool = False
@@ -121,8 +118,7 @@ def _rows_options() -> dict:
 
 # LORAPLEX_LORA_PREFILL: changes to the large tiles' config (prompts), comma-separated: "n<columns>" (the
 # expand's BLOCK_N, a power of two from 16 to 256), "epps<x>" (the expand's programs per SM), "ew<warps>" (its
-# warps: 2, 4 or 8), "es<stages>" (its pipeline stages, 1 to 5), "prefetch" / "noprefetch"
-# (KernelConfig.tile_prefetch), "ydot" / "noydot" (KernelConfig.tile_y_dot) and "store" / "nostore"
+# warps: 2, 4 or 8), "prefetch" / "noprefetch" (KernelConfig.tile_prefetch) and "store" / "nostore"
 # (KernelConfig.store_first). Unset: PREFILL_DEFAULT;
 # "noprefetch,n128,epps2" gives PREFILL_PLAIN, the default before 2026-12-02.
 def _prefill_options(raw: str | None = None) -> dict:
@@ -132,10 +128,6 @@ def _prefill_options(raw: str | None = None) -> dict:
     for item in (part.strip().lower() for part in raw.split(",")):
         if item in ("prefetch", "noprefetch"):
             options["tile_prefetch"] = item == "prefetch"
-        elif item in ("ydot", "noydot"):
-            options["tile_y_dot"] = item == "ydot"
-        elif item.startswith("es") and item[2:] in ("1", "2", "3", "4", "5"):
-            options["expand_stages"] = int(item[2:])
         elif item in ("store", "nostore"):
             options["store_first"] = item == "store"
         elif item.startswith("epps") and item[4:].replace(".", "", 1).isdecimal() and float(item[4:]) > 0:
@@ -146,8 +138,7 @@ def _prefill_options(raw: str | None = None) -> dict:
             options["expand_block_n"] = int(item[1:])
         elif item:
             raise ValueError(f"LORAPLEX_LORA_PREFILL={raw!r}: {item!r} is not an option; expected n<columns> (16 to "
-                             f"256, a power of two), epps<programs per SM>, ew<2|4|8>, es<1-5>, (no)prefetch, (no)ydot "
-                             f"and/or (no)store, "
+                             f"256, a power of two), epps<programs per SM>, ew<2|4|8>, (no)prefetch and/or (no)store, "
                              f"comma-separated")
     return options
 
@@ -155,8 +146,7 @@ def _prefill_options(raw: str | None = None) -> dict:
 def describe_prefill(cfg: KernelConfig) -> str:
     """`cfg`'s expand settings as a LORAPLEX_LORA_PREFILL value (what bench results record)."""
     return (f"{'prefetch' if cfg.tile_prefetch else 'noprefetch'},n{cfg.expand_block_n},"
-            f"epps{cfg.expand_programs_per_sm:g},ew{cfg.expand_warps},es{cfg.expand_stages},"
-            f"{'ydot' if cfg.tile_y_dot else 'noydot'},{'store' if cfg.store_first else 'nostore'}")
+            f"epps{cfg.expand_programs_per_sm:g},ew{cfg.expand_warps},{'store' if cfg.store_first else 'nostore'}")
 
 
 _SETTING = _rowwise_setting()
@@ -324,8 +314,7 @@ def expand_from(y: torch.Tensor, part: torch.Tensor, lora_b: list[torch.Tensor],
                              BLOCK_N=cfg.expand_block_n, BLOCK_R=block_r, ONE_R_TILE=R <= block_r,
                              PRECISION=precision, ACCUMULATE=accumulate,
                              ROWWISE=cfg.expand_rowwise, ROWS_BLOCK_N=rows_block_n_for(cfg, block_r),
-                             ROWS_PREFETCH=cfg.rows_prefetch,
-                             TILE_PREFETCH=2 if cfg.tile_y_dot else int(cfg.tile_prefetch)),
+                             ROWS_PREFETCH=cfg.rows_prefetch, TILE_PREFETCH=cfg.tile_prefetch),
             cfg.expand_warps, cfg.expand_stages)
 
 

@@ -249,12 +249,9 @@ def _expand_tile(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, s
                  SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                  ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
                  PREFETCH: tl.constexpr):
-    """PREFETCH 1 (KernelConfig.tile_prefetch): each step's y tile is loaded a step ahead. A prompt's expand
+    """PREFETCH (KernelConfig.tile_prefetch): each step's y tile is loaded a step ahead. A prompt's expand
     streams y in and out (a read-modify-write of BLOCK_M × BLOCK_N values a step), and Triton pipelines only
-    loads that feed a tl.dot, so without it each step waits for its y in turn. PREFETCH 2 (KernelConfig.
-    tile_y_dot): y's tile reaches fp32 through a tl.dot with the identity (1 · y plus zeros: exact), so that Triton
-    pipelines its load as it does a dot operand's, `num_stages` deep (asynchronous copies into shared memory),
-    and B's tile is loaded a step ahead. The same values in every mode."""
+    loads that feed a tl.dot, so without it each step waits for its y in turn. The same values either way."""
     rank = tl.minimum(tl.load(rank_ptr + slot), R)  # a rank past R (the stacks' width) is R
     n_begin = n_chunk * n_per_prog
     if _expands(rank, ACCUMULATE) & (n_begin < N):
@@ -268,12 +265,7 @@ def _expand_tile(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, s
         if ONE_R_TILE:
             v, offs_r, r_mask = _load_v(part_ptr, rows, m_mask, 0, rank, stride_p_split, stride_pm, SPLIT_K, BLOCK_R)
         cols = tl.arange(0, BLOCK_N)
-        if PREFETCH == 2:
-            eye = tl.arange(0, BLOCK_M)[:, None] == tl.arange(0, BLOCK_M)[None, :]
-            if ONE_R_TILE:   # B a step ahead: masked at the rank, its loads are 2 bytes wide, which Triton does not
-                # pipeline (asynchronous copies move 4 to 16)
-                b_next = _load_b(b_base, n_begin + cols, (n_begin + cols) < n_end, offs_r, r_mask, R)
-        if PREFETCH == 1 and ACCUMULATE:
+        if PREFETCH and ACCUMULATE:
             y_next = tl.load(y_rows + (col0 + n_begin + cols)[None, :] * stride_yn,
                              mask=m_mask[:, None] & ((n_begin + cols) < n_end)[None, :], other=0.0)
         # One program covers n_per_prog columns of y, BLOCK_N at a time; B streams through.
@@ -283,10 +275,7 @@ def _expand_tile(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, s
             y_ptrs = y_rows + (col0 + offs_n)[None, :] * stride_yn
             y_mask = m_mask[:, None] & n_mask[None, :]
             if ACCUMULATE:
-                if PREFETCH == 2:
-                    y_tile = tl.load(y_ptrs, mask=y_mask, other=0.0)
-                    y_old = tl.dot(eye.to(y_tile.dtype), y_tile, input_precision="ieee")
-                elif PREFETCH == 1:
+                if PREFETCH:
                     y_old = y_next.to(tl.float32)
                     later = offs_n + BLOCK_N   # the next step's columns (all masked off after the last step)
                     y_next = tl.load(y_rows + (col0 + later)[None, :] * stride_yn,
@@ -298,12 +287,7 @@ def _expand_tile(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, s
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             if ONE_R_TILE:
                 # The whole rank fits one tile: v (loaded once, above) stays in registers.
-                if PREFETCH == 2:
-                    b = b_next
-                    b_next = _load_b(b_base, offs_n + BLOCK_N, (offs_n + BLOCK_N) < n_end, offs_r, r_mask, R)
-                else:
-                    b = _load_b(b_base, offs_n, n_mask, offs_r, r_mask, R)
-                acc = _dot_v_b(v, b, acc, PRECISION)
+                acc = _dot_v_b(v, _load_b(b_base, offs_n, n_mask, offs_r, r_mask, R), acc, PRECISION)
             else:
                 for r0 in range(0, rank, BLOCK_R):
                     v_r, offs_rr, r_mask_r = _load_v(part_ptr, rows, m_mask, r0, rank, stride_p_split, stride_pm,

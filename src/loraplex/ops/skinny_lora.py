@@ -30,7 +30,6 @@ from .skinny_gemm import SkinnyConfig
 SETTING = env_switch("LORAPLEX_SKINNY_LORA", "off", on="on", off="off")
 MAX_ROWS = skinny_gemm.MAX_ROWS
 MAX_SLICES = 3
-SHRINK_BLOCK_K = 128
 _KERNEL = []
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -57,6 +56,15 @@ def applies(x: torch.Tensor, weight: torch.Tensor, widths: list[int] | tuple[int
         return False
     block_n = config_for(weight).block_n
     return sum(widths) == weight.shape[0] and all(n % block_n == 0 for n in widths)
+
+
+def shrink_block_k(config: SkinnyConfig, block_m: int, tile_m: int, block_r: int) -> int:
+    """The shrink's K step: the widest power of two (32 to 1024) whose [tile_m + block_r, step] stage takes no
+    more shared memory than the GEMM's [block_n + block_m, block_k] one, so the launch needs no more than the GEMM
+    alone (Triton reuses the main loop's buffers after it). Wide steps keep more of A in flight: a LoRA program
+    streams several adapters' A alone."""
+    room = (config.block_n + block_m) * config.block_k // (tile_m + block_r)
+    return max(32, min(1024, 1 << (max(room, 1).bit_length() - 1)))
 
 
 def _block_r(R: int) -> int:
@@ -97,9 +105,10 @@ def lora_programs(tiles: int, units: int, config: SkinnyConfig, block_m: int, x:
 def skinny_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: list[torch.Tensor],
                        lora_b: list[torch.Tensor], batch: LoraBatch, ranks: list[torch.Tensor],
                        scalings: list[torch.Tensor], *, out: torch.Tensor | None = None,
-                       config: SkinnyConfig | None = None) -> torch.Tensor:
+                       config: SkinnyConfig | None = None, parts: int = 7) -> torch.Tensor:
     """y = x @ weightᵀ (+ bias) + each row's LoRA product, slice i of y's columns from lora_a[i] and lora_b[i]
-    (see the module docstring); `out` [M, N] or a new tensor."""
+    (see the module docstring); `out` [M, N] or a new tensor. `parts` < 7 leaves parts out, to time them apart
+    (the kernel's PARTS; benchmarks/bench_skinny_lora.py): not the op."""
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"skinny_lora_linear: x and weight must be 2-D, got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
@@ -136,10 +145,10 @@ def skinny_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if config is None:
         config = config_for(weight)
     block_m = skinny_gemm._block_m(M)
-    if x.is_cuda:   # fp32's shrink and expand buffers take up to ~20% more than the GEMM's (sm_90 compiles)
+    if x.is_cuda:   # fp32: the shrink and expand buffers took up to a third more than the GEMM's (sm_90 compiles)
         limit = skinny_gemm._shared_limit(x.device.index)
         config = skinny_gemm.fit_config(config, block_m, x.element_size(),
-                                        limit * 3 // 4 if x.dtype == torch.float32 else limit)
+                                        limit // 2 if x.dtype == torch.float32 else limit)
     if any(n % config.block_n for n in widths):
         raise ValueError(f"skinny_lora_linear: slice widths {widths} are not multiples of the tiles' {config.block_n} "
                          f"columns (see `applies`)")
@@ -162,11 +171,14 @@ def skinny_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
             *widths, *[0] * pad, units, programs, tiles, M, N, K, R, x.stride(0), weight.stride(0), out.stride(0),
             part.stride(0), part.stride(1))
     ieee = x.dtype == torch.float32
+    step = shrink_block_k(config, block_m, batch.block_m, block_r)
     consts = dict(NUM_SLICES=S, HAS_BIAS=bias is not None, EVEN_N=N % config.block_n == 0,
-                  EVEN_K=K % config.block_k == 0, SHRINK_EVEN_K=K % SHRINK_BLOCK_K == 0, IEEE=ieee,
+                  EVEN_K=K % config.block_k == 0,
+                  SHRINK_EVEN_K=K % step == 0, IEEE=ieee,
                   PRECISION="ieee" if ieee else ("split" if x.dtype == torch.bfloat16 else "tf32x3"),
                   BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TILE_M=batch.block_m,
-                  BLOCK_R=block_r, SHRINK_BLOCK_K=SHRINK_BLOCK_K, CHUNK=max(1, 64 // block_r))
+                  BLOCK_R=block_r, SHRINK_BLOCK_K=step,
+                  CHUNK=max(1, 64 // block_r), PARTS=parts)
     if not _KERNEL:
         from .launch import Launcher
         from .skinny_lora_kernels import _skinny_lora_kernel

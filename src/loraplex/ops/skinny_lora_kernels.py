@@ -61,27 +61,29 @@ def _shrink_unit(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, start,
 
 
 @triton.jit
-def _expand_block(acc, b_ptr, rank_ptr, scale_ptr, part_ptr, row_slot_ptr, M, col, N_i, R, stride_pm,
+def _expand_block(acc, b_ptr, part_ptr, slot2, used2, rank2, scale2, M, col, N_i, R, stride_pm,
                   BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,
                   PRECISION: tl.constexpr):
     """acc[n, m] += Σ_r q(scale[s_m] · part[m, r]) · B[s_m, col + n, r] over the rows, CHUNK rows a step: one
     tensor-core product of the step's rows' B blocks side by side, [BLOCK_N, CHUNK · BLOCK_R], with their v laid
-    out block-diagonally, [CHUNK · BLOCK_R, BLOCK_M] (each row's v in its own column, zeros elsewhere). B is
-    loaded as [BLOCK_N, CHUNK, BLOCK_R] with masks constant along the rank, so that its loads are 16 bytes wide
-    and Triton pipelines them; the columns past each row's rank are zeroed in registers (what the pool holds
-    there is not this adapter's)."""
+    out block-diagonally, [CHUNK · BLOCK_R, BLOCK_M] (each row's v in its own column, zeros elsewhere). The rows'
+    slots, ranks and scales come in registers ([BLOCK_M // CHUNK, CHUNK], loaded before the GEMM's loop), so a
+    step's loads depend on no other load and Triton pipelines them; B is loaded as [BLOCK_N, CHUNK, BLOCK_R] with
+    masks constant along the rank (16-byte loads), the columns past each row's rank zeroed in registers (what the
+    pool holds there is not this adapter's)."""
     jj = tl.arange(0, CHUNK)
     rr = tl.arange(0, BLOCK_R)
+    chunk_of = tl.arange(0, BLOCK_M // CHUNK)[:, None]
     cols = col + tl.arange(0, BLOCK_N)
     n_ok = cols < N_i
     offs_m = tl.arange(0, BLOCK_M)
-    for c in range(0, M, CHUNK):
-        row = c + jj
-        slot = tl.load(row_slot_ptr + row, mask=row < M, other=-1)
-        used = slot >= 0
-        slot = tl.where(used, slot, 0).to(tl.int64)
-        rank = tl.minimum(tl.load(rank_ptr + slot, mask=used, other=0), R)
-        scale = tl.load(scale_ptr + slot, mask=used, other=0.0)
+    for c in range(0, tl.cdiv(M, CHUNK)):
+        pick = chunk_of == c
+        slot = tl.sum(tl.where(pick, slot2, 0), axis=0).to(tl.int64)
+        used = tl.sum(tl.where(pick, used2.to(tl.int32), 0), axis=0) > 0
+        rank = tl.sum(tl.where(pick, rank2, 0), axis=0)
+        scale = tl.sum(tl.where(pick, scale2, 0.0), axis=0)
+        row = c * CHUNK + jj
         live = rr[None, :] < rank[:, None]                                        # [CHUNK, BLOCK_R]
         v = tl.load(part_ptr + row[:, None] * stride_pm + rr[None, :], mask=used[:, None], other=0.0,
                     cache_modifier=".cg")
@@ -109,35 +111,67 @@ def _skinny_lora_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, row_
                         EVEN_K: tl.constexpr, SHRINK_EVEN_K: tl.constexpr, IEEE: tl.constexpr,
                         PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_M: tl.constexpr,
-                        BLOCK_R: tl.constexpr, SHRINK_BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
+                        BLOCK_R: tl.constexpr, SHRINK_BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
+                        PARTS: tl.constexpr = 7):
+    """PARTS (for timing the parts apart; 7 computes the op): 1 the shrink, 2 the wait for it, 4 the expand."""
     pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
     pid = tl.program_id(0)
     if pid < lora_programs:
         # the shrink: units (work tile, slice), this program's every lora_programs-th
-        for u in range(pid, num_units, lora_programs):
-            work = u // NUM_SLICES
-            sl = u % NUM_SLICES
-            slot = tl.load(work_slot_ptr + work)
-            if slot >= 0:
-                start = tl.load(work_start_ptr + work)
-                end = tl.load(work_end_ptr + work)
-                part = part_ptr + sl * stride_ps
-                if sl == 0:
-                    _shrink_unit(x_ptr, a0, rk0, part, sorted_rows_ptr, slot, start, end, K, R, stride_xm, stride_pm,
-                                 SHRINK_EVEN_K, IEEE, TILE_M, BLOCK_R, SHRINK_BLOCK_K)
-                if NUM_SLICES > 1:
-                    if sl == 1:
-                        _shrink_unit(x_ptr, a1, rk1, part, sorted_rows_ptr, slot, start, end, K, R, stride_xm,
-                                     stride_pm, SHRINK_EVEN_K, IEEE, TILE_M, BLOCK_R, SHRINK_BLOCK_K)
-                if NUM_SLICES > 2:
-                    if sl == 2:
-                        _shrink_unit(x_ptr, a2, rk2, part, sorted_rows_ptr, slot, start, end, K, R, stride_xm,
-                                     stride_pm, SHRINK_EVEN_K, IEEE, TILE_M, BLOCK_R, SHRINK_BLOCK_K)
+        if PARTS & 1:
+            for u in range(pid, num_units, lora_programs):
+                work = u // NUM_SLICES
+                sl = u % NUM_SLICES
+                slot = tl.load(work_slot_ptr + work)
+                if slot >= 0:
+                    start = tl.load(work_start_ptr + work)
+                    end = tl.load(work_end_ptr + work)
+                    a = a0
+                    rk = rk0
+                    if NUM_SLICES > 1:
+                        a = tl.where(sl == 1, a1, a)
+                        rk = tl.where(sl == 1, rk1, rk)
+                    if NUM_SLICES > 2:
+                        a = tl.where(sl == 2, a2, a)
+                        rk = tl.where(sl == 2, rk2, rk)
+                    _shrink_unit(x_ptr, a, rk, part_ptr + sl * stride_ps, sorted_rows_ptr, slot, start, end, K, R,
+                                 stride_xm, stride_pm, SHRINK_EVEN_K, IEEE, TILE_M, BLOCK_R, SHRINK_BLOCK_K)
         tl.debug_barrier()   # every thread's stores before the (one-thread) release below
         tl.atomic_add(count_ptr, 1, sem="release")
     else:
         pid_n = pid - lora_programs
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col = pid_n * BLOCK_N
+        # the tile's slice (a tile lies in one, checked on the host): its B, ranks, scales, v and columns
+        b = b0
+        rk = rk0
+        sc = sc0
+        part = part_ptr
+        first = 0
+        width = n0
+        if NUM_SLICES > 1:
+            second = col >= n0
+            b = tl.where(second, b1, b)
+            rk = tl.where(second, rk1, rk)
+            sc = tl.where(second, sc1, sc)
+            part = tl.where(second, part_ptr + stride_ps, part)
+            first = tl.where(second, n0, first)
+            width = tl.where(second, n1, width)
+        if NUM_SLICES > 2:
+            third = col >= n0 + n1
+            b = tl.where(third, b2, b)
+            rk = tl.where(third, rk2, rk)
+            sc = tl.where(third, sc2, sc)
+            part = tl.where(third, part_ptr + 2 * stride_ps, part)
+            first = tl.where(third, n0 + n1, first)
+            width = tl.where(third, n2, width)
+        # the rows' slots, ranks and scales: loaded now, their latency hidden by the GEMM's loop
+        row2 = tl.arange(0, BLOCK_M // CHUNK)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+        slot2 = tl.load(row_slot_ptr + row2, mask=row2 < M, other=-1)
+        used2 = slot2 >= 0
+        slot2 = tl.where(used2, slot2, 0)
+        rank2 = tl.minimum(tl.load(rk + slot2, mask=used2, other=0), R)
+        scale2 = tl.load(sc + slot2, mask=used2, other=0.0)
+        offs_n = col + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
         n_mask = offs_n < N
         m_mask = offs_m < M
@@ -155,24 +189,16 @@ def _skinny_lora_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, row_
                 acc = tl.dot(w, x, acc, input_precision="ieee")
             else:
                 acc = tl.dot(w, x, acc)
-        # every LoRA program's v stored (acquire: its stores are visible; loaded past L1 below)
-        while tl.atomic_add(count_ptr, 0, sem="acquire") < lora_programs:
-            pass
-        tl.debug_barrier()
-        col = pid_n * BLOCK_N   # a tile lies in one slice (checked on the host)
-        if NUM_SLICES == 1:
-            acc = _expand_block(acc, b0, rk0, sc0, part_ptr, row_slot_ptr, M, col, n0, R, stride_pm,
+        if PARTS & 2:
+            # every LoRA program's v stored: spin on plain (volatile) loads, then one acquire, which makes their
+            # stores visible (read past L1 below)
+            while tl.load(count_ptr, volatile=True) < lora_programs:
+                pass
+            tl.atomic_add(count_ptr, 0, sem="acquire")
+            tl.debug_barrier()
+        if PARTS & 4:
+            acc = _expand_block(acc, b, part, slot2, used2, rank2, scale2, M, col - first, width, R, stride_pm,
                                 BLOCK_N, BLOCK_M, BLOCK_R, CHUNK, PRECISION)
-        else:
-            if col < n0:
-                acc = _expand_block(acc, b0, rk0, sc0, part_ptr, row_slot_ptr, M, col, n0, R, stride_pm,
-                                    BLOCK_N, BLOCK_M, BLOCK_R, CHUNK, PRECISION)
-            elif col < n0 + n1:
-                acc = _expand_block(acc, b1, rk1, sc1, part_ptr + stride_ps, row_slot_ptr, M, col - n0, n1, R,
-                                    stride_pm, BLOCK_N, BLOCK_M, BLOCK_R, CHUNK, PRECISION)
-            else:   # only with three slices
-                acc = _expand_block(acc, b2, rk2, sc2, part_ptr + 2 * stride_ps, row_slot_ptr, M, col - n0 - n1,
-                                    n2, R, stride_pm, BLOCK_N, BLOCK_M, BLOCK_R, CHUNK, PRECISION)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
