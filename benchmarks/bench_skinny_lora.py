@@ -79,7 +79,7 @@ def main(argv=None) -> dict:
         ref = None
         for variant in args.variants.split(","):
             fns = calls(variant)
-            skinny_lora._workspace(x.device, 16)[1].zero_()   # parts without the wait leave the counters off zero
+            skinny_lora._workspace(x.device, 16, N)[2].zero_()   # parts without the waits leave the counters off zero
             for f in fns:   # warm-up (compiles, allocates workspaces) outside the capture
                 f()
             torch.cuda.synchronize()

@@ -71,35 +71,36 @@ def _block_r(R: int) -> int:
     return max(16, 1 << (R - 1).bit_length())
 
 
-def _workspace(device: torch.device, block_r: int) -> tuple[torch.Tensor, torch.Tensor]:
-    key = (device, block_r)
+def _workspace(device: torch.device, block_r: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(v [3, MAX_ROWS, block_r] fp32, the products [MAX_ROWS, n] fp32, three zeroed counters) for launches of
+    width n."""
+    key = (device, block_r, n)
     got = _WORKSPACES.get(key)
     if got is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("skinny_lora_linear: no workspace yet on this device, and a CUDA graph is being "
-                               "captured; run the same shape once before capturing")
+            raise RuntimeError(f"skinny_lora_linear: no workspace yet for {n} columns on this device, and a CUDA graph "
+                               f"is being captured; run the same shape once before capturing")
         got = (torch.empty(MAX_SLICES, MAX_ROWS, block_r, dtype=torch.float32, device=device),
-               torch.zeros(2, dtype=torch.int32, device=device))
+               torch.empty(MAX_ROWS, n, dtype=torch.float32, device=device),
+               torch.zeros(3, dtype=torch.int32, device=device))
         _WORKSPACES[key] = got
     return got
 
 
 @functools.lru_cache(maxsize=None)
-def _sms(cuda_index: int | None) -> int:
-    # in the interpreter, a small GPU: the LoRA programs then each take several units
-    return torch.cuda.get_device_properties(cuda_index).multi_processor_count if cuda_index is not None else 4
+def _sms(cuda_index: int) -> int:
+    return torch.cuda.get_device_properties(cuda_index).multi_processor_count
 
 
-def lora_programs(tiles: int, units: int, config: SkinnyConfig, block_m: int, x: torch.Tensor) -> int:
-    """The LoRA programs of a launch: the program slots the GEMM's tiles leave free (by shared memory, at most
-    4 programs an SM), at least 1 and at most one per unit."""
-    if x.is_cuda:
-        limit = skinny_gemm._shared_limit(x.device.index)
-        per_sm = max(1, min(4, limit // max(1, skinny_gemm.shared_bytes(config, block_m, x.element_size()))))
-        free = _sms(x.device.index) * per_sm - tiles
-    else:
-        free = _sms(None)
-    return max(1, min(units, free))
+def lora_programs(tiles: int, config: SkinnyConfig, block_m: int, x: torch.Tensor) -> int:
+    """The LoRA programs of a launch: the program slots the GEMM's tiles leave free (by shared memory, at most 4
+    programs an SM), at least 1; one in Triton's interpreter, which runs programs one after another (the LoRA
+    programs wait for each other)."""
+    if not x.is_cuda:
+        return 1
+    limit = skinny_gemm._shared_limit(x.device.index)
+    per_sm = max(1, min(4, limit // max(1, skinny_gemm.shared_bytes(config, block_m, x.element_size()))))
+    return max(1, _sms(x.device.index) * per_sm - tiles)
 
 
 def skinny_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: list[torch.Tensor],
@@ -160,12 +161,12 @@ def skinny_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         if t is not None and (t.stride(-1) != 1 or t.dtype != x.dtype or t.device != x.device):
             raise ValueError(f"skinny_lora_linear: {name} must be {x.dtype} on {x.device} with unit last stride")
     block_r = _block_r(R)
-    part, count = _workspace(x.device, block_r)
+    part, delta, count = _workspace(x.device, block_r, N)
     tiles = -(-N // config.block_n)
     units = batch.num_work * S
-    programs = lora_programs(tiles, units, config, block_m, x)
+    programs = lora_programs(tiles, config, block_m, x)
     pad = MAX_SLICES - S
-    args = (x, weight, bias if bias is not None else out, out, part, count, batch.row_slot, batch.sorted_rows,
+    args = (x, weight, bias if bias is not None else out, out, part, delta, count, batch.row_slot, batch.sorted_rows,
             batch.work_slot, batch.work_start, batch.work_end, *lora_a, *[lora_a[0]] * pad, *lora_b,
             *[lora_b[0]] * pad, *ranks, *[ranks[0]] * pad, *scalings, *[scalings[0]] * pad,
             *widths, *[0] * pad, units, programs, tiles, M, N, K, R, x.stride(0), weight.stride(0), out.stride(0),
@@ -175,7 +176,6 @@ def skinny_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     consts = dict(NUM_SLICES=S, HAS_BIAS=bias is not None, EVEN_N=N % config.block_n == 0,
                   EVEN_K=K % config.block_k == 0,
                   SHRINK_EVEN_K=K % step == 0, IEEE=ieee,
-                  PRECISION="ieee" if ieee else ("split" if x.dtype == torch.bfloat16 else "tf32x3"),
                   BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TILE_M=batch.block_m,
                   BLOCK_R=block_r, SHRINK_BLOCK_K=step,
                   CHUNK=max(1, 64 // block_r), PARTS=parts)

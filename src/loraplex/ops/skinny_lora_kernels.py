@@ -1,26 +1,27 @@
 """Triton kernel of a decode projection with its LoRA in one launch: y = x @ wᵀ (+ bias) + each row's LoRA product.
 
 For every row m < M with slot s = row_slot[m] ≥ 0, slice i (columns c_i … c_i + N_i of y, c_0 = 0), and
-column n < N_i of that slice, with r_i = min(ranks_i[s], R) (fp32 sums):
+column n < N_i of that slice, with r_i = min(ranks_i[s], R) (fp32 sums, one rounding to y's dtype):
 
     v[m, i, r]      = Σ_k x[m, k] · A_i[s, r, k]                            for r < r_i
     y[m, c_i + n]   = round(Σ_k x[m, k] · w[c_i + n, k] + bias[c_i + n]
-                            + Σ_{r < r_i} q(scalings_i[s] · v[m, i, r]) · B_i[s, n, r])
+                            + Σ_{r < r_i} (scalings_i[s] · v[m, i, r]) · B_i[s, n, r])
 
-where q rounds to the weights' dtype as `PRECISION` says ("split": the sum of two 16-bit halves, ~16 mantissa
-bits; "ieee": fp32 as is). Rows without an adapter get the base sum alone. What no other op does: the shrink
-and the expand run inside the GEMM's launch. Programs 0 … LORA_PROGRAMS-1 ("LoRA programs") compute v for the
-batch's work tiles (rows sharing a slot) × slices and store it in an fp32 workspace; the GEMM's programs
-stream their [BLOCK_N, K] block of w as ops/skinny_gemm_kernels.py does (on the SMs the LoRA programs leave),
-then wait for a counter that each LoRA program bumps when its v is stored, and add their columns' products
-before storing y. A decode projection is bound by reading w, and the adapters' A and B are ~10% more bytes:
-read beside it in the same launch, they cost about their bytes, where separate shrink and expand kernels
-each paid a launch, a wave of few programs and a wait.
+Rows without an adapter get the base sum alone. The shrink and the expand run inside the GEMM's launch, on the
+SMs its tiles leave: programs 0 … lora_programs-1 ("LoRA programs") (1) compute v for the batch's work tiles
+(rows sharing a slot) × slices into an fp32 workspace, (2) wait until every LoRA program has, (3) compute every
+row's product for the columns (BLOCK_N of them, CHUNK rows a step) into an fp32 `delta` [M, N], and count
+themselves done. Meanwhile the GEMM's programs stream their [BLOCK_N, K] block of w as ops/skinny_gemm_kernels.py
+does, then wait for the LoRA programs and add their block of delta (from L2) before storing y. A decode
+projection is bound by reading w, and the adapters' A and B are ~10% more bytes: read beside it, by programs of
+long pipelined loops, they cost about their bytes. (An expand inside the GEMM's programs, after their loop,
+was measured first: its 8 short steps a tile, each waiting on its loads, added 15-25 µs a projection on an
+H200, results/skinny_lora_v2.json.)
 
-The wait is a spin on a global counter, so every LoRA program must be able to run while the GEMM's
-programs wait: they have the lowest program ids, which the GPU places first, and the launch's programs fit
-the GPU at once for the grids `skinny_lora` picks. The last GEMM program to pass resets both counters for
-the next launch (and graph replay). Launches sharing a workspace must not run concurrently on two streams.
+The waits spin on global counters, so every LoRA program must be able to run while others wait: they have
+the lowest program ids, which the GPU places first, and there are no more of them than the GPU holds at once
+beside the tiles. The last GEMM program to finish resets the counters for the next launch (and graph replay).
+Launches sharing a workspace must not run concurrently on two streams.
 """
 from __future__ import annotations
 
@@ -61,63 +62,78 @@ def _shrink_unit(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, start,
 
 
 @triton.jit
-def _expand_block(acc, b_ptr, part_ptr, slot2, used2, rank2, scale2, M, col, N_i, R, stride_pm,
-                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,
-                  PRECISION: tl.constexpr):
-    """acc[n, m] += Σ_r q(scale[s_m] · part[m, r]) · B[s_m, col + n, r] over the rows, CHUNK rows a step: one
-    tensor-core product of the step's rows' B blocks side by side, [BLOCK_N, CHUNK · BLOCK_R], with their v laid
-    out block-diagonally, [CHUNK · BLOCK_R, BLOCK_M] (each row's v in its own column, zeros elsewhere). The rows'
-    slots, ranks and scales come in registers ([BLOCK_M // CHUNK, CHUNK], loaded before the GEMM's loop), so a
-    step's loads depend on no other load and Triton pipelines them; B is loaded as [BLOCK_N, CHUNK, BLOCK_R] with
-    masks constant along the rank (16-byte loads), the columns past each row's rank zeroed in registers (what the
-    pool holds there is not this adapter's)."""
-    jj = tl.arange(0, CHUNK)
-    rr = tl.arange(0, BLOCK_R)
-    chunk_of = tl.arange(0, BLOCK_M // CHUNK)[:, None]
-    cols = col + tl.arange(0, BLOCK_N)
-    n_ok = cols < N_i
-    offs_m = tl.arange(0, BLOCK_M)
-    for c in range(0, tl.cdiv(M, CHUNK)):
-        pick = chunk_of == c
-        slot = tl.sum(tl.where(pick, slot2, 0), axis=0).to(tl.int64)
-        used = tl.sum(tl.where(pick, used2.to(tl.int32), 0), axis=0) > 0
-        rank = tl.sum(tl.where(pick, rank2, 0), axis=0)
-        scale = tl.sum(tl.where(pick, scale2, 0.0), axis=0)
-        row = c * CHUNK + jj
-        live = rr[None, :] < rank[:, None]                                        # [CHUNK, BLOCK_R]
-        v = tl.load(part_ptr + row[:, None] * stride_pm + rr[None, :], mask=used[:, None], other=0.0,
-                    cache_modifier=".cg")
-        v = tl.where(live, v, 0.0) * scale[:, None]
-        v = tl.where(row[:, None, None] == offs_m[None, None, :], v[:, :, None], 0.0)   # [CHUNK, BLOCK_R, BLOCK_M]
-        v = tl.reshape(v, (CHUNK * BLOCK_R, BLOCK_M))
-        b = tl.load(b_ptr + slot[None, :, None] * N_i * R + cols[:, None, None] * R + rr[None, None, :],
-                    mask=n_ok[:, None, None] & used[None, :, None] & (rr < R)[None, None, :], other=0.0)
-        b = tl.reshape(tl.where(live[None, :, :], b, 0.0), (BLOCK_N, CHUNK * BLOCK_R))
-        if PRECISION == "split":
-            v_hi = v.to(b.dtype)
-            acc = tl.dot(b, v_hi, acc)
-            acc = tl.dot(b, (v - v_hi.to(tl.float32)).to(b.dtype), acc)
-        else:
-            acc = tl.dot(b.to(tl.float32), v, acc, input_precision=PRECISION)
-    return acc
+def _row_meta(row_slot_ptr, rk, sc, M, R, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """Every row's slot (0 where it has none), whether it has one, and its rank and scale in one slice, as
+    [BLOCK_M // CHUNK, CHUNK] (chunk c's rows in row c), loaded once so that the expand's steps depend on no load."""
+    row2 = tl.arange(0, BLOCK_M // CHUNK)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+    slot2 = tl.load(row_slot_ptr + row2, mask=row2 < M, other=-1)
+    used2 = slot2 >= 0
+    slot2 = tl.where(used2, slot2, 0)
+    rank2 = tl.minimum(tl.load(rk + slot2, mask=used2, other=0), R)
+    scale2 = tl.load(sc + slot2, mask=used2, other=0.0)
+    return slot2, used2, rank2, scale2
 
 
 @triton.jit
-def _skinny_lora_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, row_slot_ptr, sorted_rows_ptr,
-                        work_slot_ptr, work_start_ptr, work_end_ptr, a0, a1, a2, b0, b1, b2, rk0, rk1, rk2,
-                        sc0, sc1, sc2, n0, n1, n2, num_units, lora_programs, tiles, M, N, K, R, stride_xm, stride_wn,
-                        stride_ym, stride_ps, stride_pm,
+def _chunk(values, c, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """Row c of a [BLOCK_M // CHUNK, CHUNK] tensor (in registers: a masked sum)."""
+    pick = tl.arange(0, BLOCK_M // CHUNK)[:, None] == c
+    return tl.sum(tl.where(pick, values, tl.zeros_like(values)), axis=0)
+
+
+@triton.jit
+def _expand_step(delta_ptr, b_ptr, part_ptr, slot2, used2, rank2, scale2, c, col, first, width, M, N, R, stride_pm,
+                 BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr):
+    """delta[rows of chunk c, col + n] = Σ_r (scale · part[row, r]) · B[slot, col - first + n, r] in fp32 (CUDA
+    cores: [BLOCK_N, CHUNK, BLOCK_R] products summed over the rank), for one slice's columns col … col + BLOCK_N.
+    B is loaded with masks constant along the rank (16-byte loads, which Triton pipelines); the columns past each
+    row's rank are zeroed in registers (what the pool holds there is not this adapter's)."""
+    jj = tl.arange(0, CHUNK)
+    rr = tl.arange(0, BLOCK_R)
+    offs_n = tl.arange(0, BLOCK_N)
+    slot = _chunk(slot2, c, BLOCK_M, CHUNK).to(tl.int64)
+    used = _chunk(used2.to(tl.int32), c, BLOCK_M, CHUNK) > 0
+    rank = _chunk(rank2, c, BLOCK_M, CHUNK)
+    scale = _chunk(scale2, c, BLOCK_M, CHUNK)
+    row = c * CHUNK + jj
+    live = rr[None, :] < rank[:, None]                                            # [CHUNK, BLOCK_R]
+    v = tl.load(part_ptr + row[:, None] * stride_pm + rr[None, :], mask=used[:, None], other=0.0,
+                cache_modifier=".cg")
+    v = tl.where(live, v, 0.0) * scale[:, None]
+    n_ok = (col - first + offs_n) < width
+    b = tl.load(b_ptr + slot[None, :, None] * width * R + (col - first + offs_n)[:, None, None] * R + rr[None, None, :],
+                mask=n_ok[:, None, None] & used[None, :, None] & (rr < R)[None, None, :], other=0.0)
+    b = tl.where(live[None, :, :], b.to(tl.float32), 0.0)
+    prod = tl.sum(b * v[None, :, :], axis=2)                                          # [BLOCK_N, CHUNK]
+    tl.store(delta_ptr + row[None, :].to(tl.int64) * N + (col + offs_n)[:, None], prod,
+             mask=(row < M)[None, :] & n_ok[:, None])
+
+
+@triton.jit
+def _wait_for(count_ptr, target):
+    """Spin until *count_ptr ≥ target on plain (volatile) loads, then one acquire, which makes the stores released
+    before each count visible (they are read past L1)."""
+    while tl.load(count_ptr, volatile=True) < target:
+        pass
+    tl.atomic_add(count_ptr, 0, sem="acquire")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _skinny_lora_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, delta_ptr, count_ptr, row_slot_ptr,
+                        sorted_rows_ptr, work_slot_ptr, work_start_ptr, work_end_ptr, a0, a1, a2, b0, b1, b2,
+                        rk0, rk1, rk2, sc0, sc1, sc2, n0, n1, n2, num_units, lora_programs, tiles, M, N, K, R,
+                        stride_xm, stride_wn, stride_ym, stride_ps, stride_pm,
                         NUM_SLICES: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr,
                         EVEN_K: tl.constexpr, SHRINK_EVEN_K: tl.constexpr, IEEE: tl.constexpr,
-                        PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_M: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_M: tl.constexpr,
                         BLOCK_R: tl.constexpr, SHRINK_BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
                         PARTS: tl.constexpr = 7):
-    """PARTS (for timing the parts apart; 7 computes the op): 1 the shrink, 2 the wait for it, 4 the expand."""
+    """PARTS (for timing the parts apart; 7 computes the op): 1 the shrink, 2 the waits, 4 the expand."""
     pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
     pid = tl.program_id(0)
     if pid < lora_programs:
-        # the shrink: units (work tile, slice), this program's every lora_programs-th
+        # 1. the shrink: units (work tile, slice), this program's every lora_programs-th
         if PARTS & 1:
             for u in range(pid, num_units, lora_programs):
                 work = u // NUM_SLICES
@@ -138,40 +154,53 @@ def _skinny_lora_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, row_
                                  stride_xm, stride_pm, SHRINK_EVEN_K, IEEE, TILE_M, BLOCK_R, SHRINK_BLOCK_K)
         tl.debug_barrier()   # every thread's stores before the (one-thread) release below
         tl.atomic_add(count_ptr, 1, sem="release")
+        # 2. every LoRA program's v stored (they all run at once: the lowest program ids, within the GPU's room)
+        if PARTS & 2:
+            _wait_for(count_ptr, lora_programs)
+        # 3. the expand into delta: steps (column tile, chunk of rows), this program's every lora_programs-th
+        if PARTS & 4:
+            slot2, used2, rank2, scale2 = _row_meta(row_slot_ptr, rk0, sc0, M, R, BLOCK_M, CHUNK)
+            if NUM_SLICES > 1:
+                rank2_1 = tl.minimum(tl.load(rk1 + slot2, mask=used2, other=0), R)
+                scale2_1 = tl.load(sc1 + slot2, mask=used2, other=0.0)
+            if NUM_SLICES > 2:
+                rank2_2 = tl.minimum(tl.load(rk2 + slot2, mask=used2, other=0), R)
+                scale2_2 = tl.load(sc2 + slot2, mask=used2, other=0.0)
+            chunks = tl.cdiv(M, CHUNK)
+            # no branch in the loop (Triton pipelines loads only outside conditionals): each step picks its
+            # slice's B, v, ranks and scales by selects
+            for it in tl.range(pid, tiles * chunks, lora_programs, num_stages=3):
+                col = (it // chunks) * BLOCK_N
+                c = it % chunks
+                b = b0
+                part = part_ptr
+                rank = rank2
+                scale = scale2
+                first = 0
+                width = n0
+                if NUM_SLICES > 1:
+                    second = col >= n0
+                    b = tl.where(second, b1, b)
+                    part = tl.where(second, part_ptr + stride_ps, part)
+                    rank = tl.where(second, rank2_1, rank)
+                    scale = tl.where(second, scale2_1, scale)
+                    first = tl.where(second, n0, first)
+                    width = tl.where(second, n1, width)
+                if NUM_SLICES > 2:
+                    third = col >= n0 + n1
+                    b = tl.where(third, b2, b)
+                    part = tl.where(third, part_ptr + 2 * stride_ps, part)
+                    rank = tl.where(third, rank2_2, rank)
+                    scale = tl.where(third, scale2_2, scale)
+                    first = tl.where(third, n0 + n1, first)
+                    width = tl.where(third, n2, width)
+                _expand_step(delta_ptr, b, part, slot2, used2, rank, scale, c, col, first, width, M, N, R, stride_pm,
+                             BLOCK_N, BLOCK_M, BLOCK_R, CHUNK)
+        tl.debug_barrier()
+        tl.atomic_add(count_ptr + 1, 1, sem="release")
     else:
         pid_n = pid - lora_programs
-        col = pid_n * BLOCK_N
-        # the tile's slice (a tile lies in one, checked on the host): its B, ranks, scales, v and columns
-        b = b0
-        rk = rk0
-        sc = sc0
-        part = part_ptr
-        first = 0
-        width = n0
-        if NUM_SLICES > 1:
-            second = col >= n0
-            b = tl.where(second, b1, b)
-            rk = tl.where(second, rk1, rk)
-            sc = tl.where(second, sc1, sc)
-            part = tl.where(second, part_ptr + stride_ps, part)
-            first = tl.where(second, n0, first)
-            width = tl.where(second, n1, width)
-        if NUM_SLICES > 2:
-            third = col >= n0 + n1
-            b = tl.where(third, b2, b)
-            rk = tl.where(third, rk2, rk)
-            sc = tl.where(third, sc2, sc)
-            part = tl.where(third, part_ptr + 2 * stride_ps, part)
-            first = tl.where(third, n0 + n1, first)
-            width = tl.where(third, n2, width)
-        # the rows' slots, ranks and scales: loaded now, their latency hidden by the GEMM's loop
-        row2 = tl.arange(0, BLOCK_M // CHUNK)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
-        slot2 = tl.load(row_slot_ptr + row2, mask=row2 < M, other=-1)
-        used2 = slot2 >= 0
-        slot2 = tl.where(used2, slot2, 0)
-        rank2 = tl.minimum(tl.load(rk + slot2, mask=used2, other=0), R)
-        scale2 = tl.load(sc + slot2, mask=used2, other=0.0)
-        offs_n = col + tl.arange(0, BLOCK_N)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
         n_mask = offs_n < N
         m_mask = offs_m < M
@@ -189,21 +218,18 @@ def _skinny_lora_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, row_
                 acc = tl.dot(w, x, acc, input_precision="ieee")
             else:
                 acc = tl.dot(w, x, acc)
-        if PARTS & 2:
-            # every LoRA program's v stored: spin on plain (volatile) loads, then one acquire, which makes their
-            # stores visible (read past L1 below)
-            while tl.load(count_ptr, volatile=True) < lora_programs:
-                pass
-            tl.atomic_add(count_ptr, 0, sem="acquire")
-            tl.debug_barrier()
+        if PARTS & 2:   # every LoRA program's products stored
+            _wait_for(count_ptr + 1, lora_programs)
+        out_mask = n_mask[:, None] & m_mask[None, :]
         if PARTS & 4:
-            acc = _expand_block(acc, b, part, slot2, used2, rank2, scale2, M, col - first, width, R, stride_pm,
-                                BLOCK_N, BLOCK_M, BLOCK_R, CHUNK, PRECISION)
+            acc += tl.load(delta_ptr + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None], mask=out_mask, other=0.0,
+                           cache_modifier=".cg")
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
-        passed = tl.atomic_add(count_ptr + 1, 1)
-        if passed == tiles - 1:   # the last: every program has read the counter; ready for the next launch
+        tl.store(y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
+                 mask=out_mask)
+        passed = tl.atomic_add(count_ptr + 2, 1)
+        if passed == tiles - 1:   # the last: every program has read the counters; ready for the next launch
             tl.atomic_xchg(count_ptr, 0)
             tl.atomic_xchg(count_ptr + 1, 0)
+            tl.atomic_xchg(count_ptr + 2, 0)
