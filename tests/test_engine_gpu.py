@@ -71,6 +71,21 @@ def test_graphs_and_eager_agree_with_the_skinny_gemm_in_fp32(served, monkeypatch
     assert rows and max(rows) <= skinny_gemm.DECODE_MAX_ROWS
 
 
+def test_graphs_and_eager_agree_with_lora_inside_the_skinny_gemm(served, monkeypatch):
+    """LORAPLEX_SKINNY_LORA=on (ops/skinny_lora.py, with LORAPLEX_SKINNY_GEMM=on for these fp32 models): steps of up
+    to 32 rows run each projection's GEMM, shrink and expand in one launch, captured and eager: the same tokens
+    both ways, and transformers + PEFT's."""
+    from loraplex.ops import skinny_gemm, skinny_lora
+    monkeypatch.setattr(skinny_gemm, "SETTING", "on")
+    monkeypatch.setattr(skinny_lora, "SETTING", "on")
+    rows = []
+    real = skinny_lora.skinny_lora_linear
+    monkeypatch.setattr(skinny_lora, "skinny_lora_linear",
+                        lambda x, *a, **kw: rows.append(x.shape[0]) or real(x, *a, **kw))
+    _graphs_and_eager_agree(served, 25, lambda llm, eager: None)
+    assert rows and max(rows) <= skinny_gemm.DECODE_MAX_ROWS
+
+
 def test_prompts_admitted_beside_a_step_in_flight_replay_mixed_graphs(served):
     """overlap_admissions: a request arriving while decodes run joins the step queued ahead, whose mixed graph
     takes the decodes' tokens from the sample of the step in flight (its first rows) and the prompt's from
