@@ -98,7 +98,7 @@ def main(argv=None) -> dict:
             print(f"{name:8s} {variant:12s} {us:8.2f} µs (floor {row['floor_us']})", flush=True)
             del graph
         result["shapes"][name] = row
-        del ws, As, Bs
+        ws = As = Bs = None   # the copies freed before the next shape
         torch.cuda.empty_cache()
         if args.out:
             args.out.write_text(json.dumps(result, indent=1) + "\n")

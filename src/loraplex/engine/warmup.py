@@ -73,7 +73,7 @@ def compile_skinny_lora(config: ModelConfig, pool: AdapterPool, dtype: torch.dty
     it is read) and a weight of zero stride (the kernel a real weight compiles: its row stride is only known to be
     divisible by 16); returns the number of launches."""
     from ..ops import skinny_gemm, skinny_lora
-    if not skinny_lora.used_for(1):
+    if not skinny_lora.used_for(1, dtype, pool.device):
         return 0
     device, start, launches = pool.device, time.perf_counter(), 0
     widths = {"hidden": config.hidden_size, "attention": config.num_attention_heads * config.head_dim,

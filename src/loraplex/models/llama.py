@@ -321,7 +321,7 @@ class LlamaForCausalLM(nn.Module):
         if pool is None or resolve_backend(self.backend, self.device) != "triton":
             return "checked"
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        path = overlap.lora_path(batch.input_ids.shape[0], capturing)
+        path = overlap.lora_path(batch.input_ids.shape[0], capturing, self.dtype, self.device)
         return "stored" if path == "direct" and not capturing and stored_lora_applies(batch.lora) else path
 
     @property

@@ -139,12 +139,12 @@ def uses_delta(rows: int) -> bool:
     return rows <= MAX_ROWS and mode() in ("full", "fused")
 
 
-def lora_path(rows: int, capturing: bool) -> str:
-    """How a Triton forward of `rows` rows adds LoRA: "gemm-lora" (LORAPLEX_SKINNY_LORA=on), "product-side",
-    "product" ("fused"), "delta-side", "delta" ("full"), "shrink-side" or "direct" (see
-    LlamaForCausalLM._lora_path). `capturing`: a CUDA
-    graph is being captured."""
-    if skinny_lora.used_for(rows):   # the shrink and expand inside the projection's GEMM (ops/skinny_lora.py)
+def lora_path(rows: int, capturing: bool, dtype: torch.dtype | None = None, device: torch.device | None = None) -> str:
+    """How a Triton forward of `rows` rows adds LoRA: "gemm-lora" (LORAPLEX_SKINNY_LORA=on, for a model of `dtype`
+    on `device` whose projections skinny_gemm takes), "product-side", "product" ("fused"), "delta-side", "delta"
+    ("full"), "shrink-side" or "direct" (see LlamaForCausalLM._lora_path). `capturing`: a CUDA graph is being
+    captured."""
+    if dtype is not None and skinny_lora.used_for(rows, dtype, device):   # LoRA inside the GEMM: ops/skinny_lora.py
         return "gemm-lora"
     if uses_delta(rows):
         kind = "product" if mode() == "fused" else "delta"

@@ -192,16 +192,21 @@ def linear_into(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: to
 
 def _skinny_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Does `linear` take skinny_linear for x (see its docstring)?"""
-    if SETTING == "off" or x.dim() != 2 or not 0 < x.shape[0] <= DECODE_MAX_ROWS:
-        return False
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or weight.dtype != x.dtype:
+    if x.dim() != 2 or not 0 < x.shape[0] <= DECODE_MAX_ROWS or weight.dtype != x.dtype:
         return False
     if x.stride(1) != 1 or weight.stride(1) != 1:
+        return False
+    return takes(x.dtype, x.device)
+
+
+def takes(dtype: torch.dtype, device: torch.device) -> bool:
+    """Does `linear` take skinny_linear for inputs of this dtype on this device (of a shape it takes)?"""
+    if SETTING == "off" or dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return False
     if _interpreted():   # CPU tensors in Triton's interpreter
         return SETTING == "on"
     # "auto": 16-bit weights, as timed (fp32's products run on CUDA cores, not timed against cuBLAS)
-    return x.is_cuda and (SETTING == "on" or x.element_size() == 2) and _capable(x.device.index)
+    return device.type == "cuda" and (SETTING == "on" or dtype != torch.float32) and _capable(device.index)
 
 
 @functools.lru_cache(maxsize=None)

@@ -43,9 +43,10 @@ def config_for(weight: torch.Tensor) -> SkinnyConfig:
     return config
 
 
-def used_for(rows: int) -> bool:
-    """Does a Triton forward of `rows` rows take the "gemm-lora" path (LORAPLEX_SKINNY_LORA)?"""
-    return SETTING == "on" and 0 < rows <= skinny_gemm.DECODE_MAX_ROWS
+def used_for(rows: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Does a Triton forward of `rows` rows of a model of this dtype on this device take the "gemm-lora" path
+    (LORAPLEX_SKINNY_LORA on, and skinny_gemm taking its projections)?"""
+    return SETTING == "on" and 0 < rows <= skinny_gemm.DECODE_MAX_ROWS and skinny_gemm.takes(dtype, device)
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor, widths: list[int] | tuple[int, ...]) -> bool:
