@@ -69,9 +69,9 @@ def compile_lora_kernels(config: ModelConfig, pool: AdapterPool, dtype: torch.dt
 
 def compile_skinny_lora(config: ModelConfig, pool: AdapterPool, dtype: torch.dtype) -> int:
     """LORAPLEX_SKINNY_LORA=on: the projections' GEMM-and-LoRA launches (ops/skinny_lora.py) of forwards of 1-16 and
-    17-32 rows, with 16-row work tiles and 64-row ones (many rows of one adapter), on a slot of rank 0 (nothing of
-    it is read) and a weight of zero stride (the kernel a real weight compiles: its row stride is only known to be
-    divisible by 16); returns the number of launches."""
+    17-32 rows, with 16-row work tiles and 64-row ones (many rows of one adapter), with the model's biases, on a
+    slot of rank 0 (nothing of it is read) and a weight of zero stride (the kernel a real weight compiles: its row
+    stride is only known to be divisible by 16); returns the number of launches."""
     from ..ops import skinny_gemm, skinny_lora
     if not skinny_lora.used_for(1, dtype, pool.device):
         return 0
@@ -88,8 +88,9 @@ def compile_skinny_lora(config: ModelConfig, pool: AdapterPool, dtype: torch.dty
                 n, k = sum(t.shape[1] for t in b), widths[width]
                 x = torch.zeros(rows, k, dtype=dtype, device=device)
                 weight = torch.zeros(1, k, dtype=dtype, device=device).expand(n, k)
+                bias = torch.zeros(n, dtype=dtype, device=device) if _has_bias(config, projs) else None
                 if skinny_lora.applies(x, weight, [t.shape[1] for t in b]):
-                    skinny_lora.skinny_lora_linear(x, weight, None, a, b, batch, ranks, scalings)
+                    skinny_lora.skinny_lora_linear(x, weight, bias, a, b, batch, ranks, scalings)
                     launches += 1
     finally:
         pool.ranks[:, :, 0] = saved
@@ -98,6 +99,15 @@ def compile_skinny_lora(config: ModelConfig, pool: AdapterPool, dtype: torch.dty
     log.info("compiled the GEMM-and-LoRA projections' variants (%d calls, LORAPLEX_SKINNY_GEMM=%s) in %.1f s",
              launches, skinny_gemm.SETTING, time.perf_counter() - start)
     return launches
+
+
+def _has_bias(config: ModelConfig, projs: tuple[str, ...]) -> bool:
+    """Does the model add a bias to this projection (models/llama.py's biases)?"""
+    if projs[0] == "q_proj":
+        return bool(config.qkv_bias)
+    if projs[0] == "o_proj":
+        return bool(config.o_bias)
+    return bool(config.mlp_bias)
 
 
 def compile_in_gemm(config: ModelConfig, pool: AdapterPool, dtype: torch.dtype, capacity: int) -> int:

@@ -83,7 +83,7 @@ def _workspace(device: torch.device, block_r: int, n: int) -> tuple[torch.Tensor
                                f"is being captured; run the same shape once before capturing")
         got = (torch.empty(MAX_SLICES, MAX_ROWS, block_r, dtype=torch.float32, device=device),
                torch.empty(MAX_ROWS, n, dtype=torch.float32, device=device),
-               torch.zeros(3, dtype=torch.int32, device=device))
+               torch.zeros(4, dtype=torch.int32, device=device))
         _WORKSPACES[key] = got
     return got
 
@@ -94,14 +94,16 @@ def _sms(cuda_index: int) -> int:
 
 
 def lora_programs(tiles: int, config: SkinnyConfig, block_m: int, x: torch.Tensor) -> int:
-    """The LoRA programs of a launch: the program slots the GEMM's tiles leave free (by shared memory, at most 4
-    programs an SM), at least 1; one in Triton's interpreter, which runs programs one after another (the LoRA
-    programs wait for each other)."""
+    """The LoRA programs of a launch: the program slots the GEMM's tiles leave free (by the GEMM's shared memory,
+    at most 4 programs an SM), at least 1 and at most one per SM, so that all of them run at once whatever the
+    kernel's real occupancy (they wait for each other); one in Triton's interpreter, which runs programs one
+    after another."""
     if not x.is_cuda:
         return 1
     limit = skinny_gemm._shared_limit(x.device.index)
     per_sm = max(1, min(4, limit // max(1, skinny_gemm.shared_bytes(config, block_m, x.element_size()))))
-    return max(1, _sms(x.device.index) * per_sm - tiles)
+    sms = _sms(x.device.index)
+    return max(1, min(sms, sms * per_sm - tiles))
 
 
 def skinny_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: list[torch.Tensor],
@@ -142,6 +144,8 @@ def skinny_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         if tuple(ranks[i].shape) != (slots,) or tuple(scalings[i].shape) != (slots,):
             raise ValueError(f"skinny_lora_linear: slice {i}: ranks and scalings must have one entry per slot "
                              f"({slots})")
+    if bias is not None and tuple(bias.shape) != (N,):
+        raise ValueError(f"skinny_lora_linear: bias has shape {tuple(bias.shape)}, expected ({N},)")
     if sum(widths) != N:
         raise ValueError(f"skinny_lora_linear: the slices' widths {widths} do not add up to the weight's {N} rows")
     if config is None:

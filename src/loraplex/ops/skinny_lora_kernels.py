@@ -18,9 +18,10 @@ long pipelined loops, they cost about their bytes. (An expand inside the GEMM's 
 was measured first: its 8 short steps a tile, each waiting on its loads, added 15-25 µs a projection on an
 H200, results/skinny_lora_v2.json.)
 
-The waits spin on global counters, so every LoRA program must be able to run while others wait: they have
-the lowest program ids, which the GPU places first, and there are no more of them than the GPU holds at once
-beside the tiles. The last GEMM program to finish resets the counters for the next launch (and graph replay).
+The waits spin on global counters, so every LoRA program must be running while others wait: a program's role
+is its arrival order (a ticket from a counter, not its program id), so the LoRA programs are the first to
+start, and there are no more of them than the GPU's SMs (each holds at least one program of any kernel that
+launches). The last GEMM program to finish resets the counters for the next launch (and graph replay).
 Launches sharing a workspace must not run concurrently on two streams.
 """
 from __future__ import annotations
@@ -119,7 +120,7 @@ def _wait_for(count_ptr, target):
     tl.debug_barrier()
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_units", "lora_programs", "tiles", "M"])   # one compile for every batch
 def _skinny_lora_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, delta_ptr, count_ptr, row_slot_ptr,
                         sorted_rows_ptr, work_slot_ptr, work_start_ptr, work_end_ptr, a0, a1, a2, b0, b1, b2,
                         rk0, rk1, rk2, sc0, sc1, sc2, n0, n1, n2, num_units, lora_programs, tiles, M, N, K, R,
@@ -131,7 +132,9 @@ def _skinny_lora_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, delta_ptr, coun
                         PARTS: tl.constexpr = 7):
     """PARTS (for timing the parts apart; 7 computes the op): 1 the shrink, 2 the waits, 4 the expand."""
     pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
-    pid = tl.program_id(0)
+    # roles by arrival, not by program id: the first lora_programs programs to start are the LoRA programs, so
+    # each one another waits for is already running, whatever order the GPU places programs in
+    pid = tl.atomic_add(count_ptr + 3, 1)
     if pid < lora_programs:
         # 1. the shrink: units (work tile, slice), this program's every lora_programs-th
         if PARTS & 1:
@@ -233,3 +236,4 @@ def _skinny_lora_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, delta_ptr, coun
             tl.atomic_xchg(count_ptr, 0)
             tl.atomic_xchg(count_ptr + 1, 0)
             tl.atomic_xchg(count_ptr + 2, 0)
+            tl.atomic_xchg(count_ptr + 3, 0)
