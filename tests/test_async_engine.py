@@ -151,6 +151,12 @@ CASES = [  # (prompt, adapter, max_tokens); prompts of 12-15 tokens cross a 16-t
 @pytest.mark.parametrize("num_kv_blocks", [32, 5], ids=["roomy", "preempting"])
 def test_concurrent_requests_with_different_adapters_match_running_alone(make_engine, reference, num_kv_blocks):
     engine = make_engine(num_kv_blocks=num_kv_blocks, admission_lookahead=0)   # admitted by their tokens now
+
+    def load(eng):   # both adapters resident first: where a load finished late (a busy CI machine), the requests
+        for name in ("a", "b"):   # without one ran alone meanwhile, fitted the small cache and nothing was preempted
+            eng.adapters.prefetch(name)
+        assert all(eng.adapters.wait_resident(name, timeout=30) for name in ("a", "b"))
+    engine.run_on_engine(load)
     gate, holder = hold_worker(engine)   # every request is queued before the first step
 
     async def main():

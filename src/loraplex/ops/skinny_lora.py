@@ -5,16 +5,18 @@
 for up to MAX_ROWS rows, 1 to 3 slices (q/k/v, gate/up, o or down), the adapters in the pool's stacks (A
 [slots, R, K], B [slots, N_i, R], ranks and scalings per slot) and the rows' slots in a `LoraBatch`. It
 replaces skinny_gemm's GEMM plus the SGMV shrink and expand (or their fusions into the ops around) in decode
-forwards: `applies` says where it can run. The LoRA programs' count (`lora_programs`) is what the GEMM's grid
-leaves of the GPU, so that all programs are resident at once (the GEMM's wait on them must not block them).
+forwards: `applies` says where it can run. The LoRA programs (`lora_programs`) take the program slots the GEMM's
+tiles leave, at most one per SM, so that all of them run at once (they wait for each other).
 
 LORAPLEX_SKINNY_LORA: "on" makes it the model's path for Triton forwards of up to skinny_gemm.DECODE_MAX_ROWS
-rows (ops/overlap.lora_path: "gemm-lora"; projections it does not apply to take the SGMV kernels after the
-GEMM); "off" (the default until measured) keeps the paths of ops/overlap.py.
+rows where skinny_gemm takes the model's dtype and GPU (ops/overlap.lora_path: "gemm-lora"; projections it does
+not apply to take the SGMV kernels after the GEMM); "off", the default, keeps the paths of ops/overlap.py.
+Measured on an H200 (2026-12-02, benchmarks/NOTES.md, results/skinny_lora_v{2,3}.json): slower than those paths
+(Llama-2-7B decode forwards at 32 distinct adapters 8.9-11.1 ms against 7.3), the expand being the cost.
 
-Workspace: fp32 v [3, MAX_ROWS, BLOCK_R] and two counters per (device, BLOCK_R), allocated on first use and
-kept (CUDA graphs capture them; a first call inside a capture is refused). Launches must not run concurrently
-on two streams.
+Workspace per (device, BLOCK_R, N): fp32 v [3, MAX_ROWS, BLOCK_R], the fp32 products [MAX_ROWS, N] and four
+counters, allocated on first use and kept (CUDA graphs capture them; a first call inside a capture is refused).
+Launches must not run concurrently on two streams.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ SETTING = env_switch("LORAPLEX_SKINNY_LORA", "off", on="on", off="off")
 MAX_ROWS = skinny_gemm.MAX_ROWS
 MAX_SLICES = 3
 _KERNEL = []
-_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
 def config_for(weight: torch.Tensor) -> SkinnyConfig:
@@ -73,7 +75,7 @@ def _block_r(R: int) -> int:
 
 
 def _workspace(device: torch.device, block_r: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(v [3, MAX_ROWS, block_r] fp32, the products [MAX_ROWS, n] fp32, three zeroed counters) for launches of
+    """(v [3, MAX_ROWS, block_r] fp32, the products [MAX_ROWS, n] fp32, four zeroed counters) for launches of
     width n."""
     key = (device, block_r, n)
     got = _WORKSPACES.get(key)

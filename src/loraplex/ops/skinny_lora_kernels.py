@@ -14,9 +14,10 @@ row's product for the columns (BLOCK_N of them, CHUNK rows a step) into an fp32 
 themselves done. Meanwhile the GEMM's programs stream their [BLOCK_N, K] block of w as ops/skinny_gemm_kernels.py
 does, then wait for the LoRA programs and add their block of delta (from L2) before storing y. A decode
 projection is bound by reading w, and the adapters' A and B are ~10% more bytes: read beside it, by programs of
-long pipelined loops, they cost about their bytes. (An expand inside the GEMM's programs, after their loop,
-was measured first: its 8 short steps a tile, each waiting on its loads, added 15-25 µs a projection on an
-H200, results/skinny_lora_v2.json.)
+long pipelined loops, they should cost about their bytes. Measured, they do not (H200, 2026-12-02,
+results/skinny_lora_v3.json): this expand took 8-95 µs a projection beside the GEMM, and an expand inside the
+GEMM's programs after their loop (8 short steps a tile) 15-25 µs (results/skinny_lora_v2.json); the shrink
+alone beside the GEMM costs 3-5 µs. Off by default (ops/skinny_lora.py).
 
 The waits spin on global counters, so every LoRA program must be running while others wait: a program's role
 is its arrival order (a ticket from a counter, not its program id), so the LoRA programs are the first to
