@@ -20,8 +20,6 @@ Launches must not run concurrently on two streams.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from ..env_switch import env_switch
@@ -90,11 +88,6 @@ def _workspace(device: torch.device, block_r: int, n: int) -> tuple[torch.Tensor
     return got
 
 
-@functools.lru_cache(maxsize=None)
-def _sms(cuda_index: int) -> int:
-    return torch.cuda.get_device_properties(cuda_index).multi_processor_count
-
-
 def lora_programs(tiles: int, config: SkinnyConfig, block_m: int, x: torch.Tensor) -> int:
     """The LoRA programs of a launch: the program slots the GEMM's tiles leave free (by the GEMM's shared memory,
     at most 4 programs an SM), at least 1 and at most one per SM, so that all of them run at once whatever the
@@ -102,9 +95,10 @@ def lora_programs(tiles: int, config: SkinnyConfig, block_m: int, x: torch.Tenso
     after another."""
     if not x.is_cuda:
         return 1
+    from .sgmv import _sm_count   # (sgmv imports Triton: only where the kernel runs)
     limit = skinny_gemm._shared_limit(x.device.index)
     per_sm = max(1, min(4, limit // max(1, skinny_gemm.shared_bytes(config, block_m, x.element_size()))))
-    sms = _sms(x.device.index)
+    sms = _sm_count(x.device.index)
     return max(1, min(sms, sms * per_sm - tiles))
 
 
