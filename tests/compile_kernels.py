@@ -46,10 +46,13 @@ def expand(dtype: str, block_m: int) -> None:
     # ROWWISE: sgmv_kernels._expand_tile_rows for tiles of a few rows (1) or every tile (2); one rank tile only.
     # ROWS_PREFETCH: its B loads a step ahead (and 512 columns a step, as a sweep may try); without it, the
     # row-wise steps' default columns (sgmv.rows_block_n_for: 512 for the rank tile of 16).
-    # TILE_PREFETCH: the tile expand's y a step ahead (sgmv_kernels._expand_tile's PREFETCH; LORAPLEX_LORA_PREFILL)
+    # TILE_PREFETCH: the tile expand's y a step ahead, or 2+ pipelined stages (sgmv_kernels._expand_tile's PREFETCH;
+    # LORAPLEX_LORA_PREFILL)
     variants = ((True, True, 0, False, False), (True, True, 1, False, False), (False, True, 1, False, False),
                 (True, False, 2, False, False), (True, True, 1, True, False), (True, False, 2, True, False),
-                (True, True, 0, False, True), (False, True, 0, False, True), (True, False, 0, False, True))
+                (True, True, 0, False, True), (False, True, 0, False, True), (True, False, 0, False, True),
+                (True, True, 1, False, True),   # prompt tiles with LORAPLEX_LORA_PREFILL's "rows"
+                (True, True, 0, False, 3), (False, True, 1, False, 4))   # its "ts<stages>" (Triton's pipeliner)
     for one_r, accumulate, rowwise, prefetch, tile_prefetch in variants:
         types = {"y_": "*" + (dtype if accumulate else "fp32"), "part_": "*fp32", "sorted_": "*i32", "work_": "*i32",
                  "b": "*" + dtype, "rk": "*i32", "sc": "*fp32"}

@@ -80,7 +80,7 @@ def test_bench_command_writes_a_report_from_every_system(tmp_path):
     assert result["lora_in_gemm"] == 2 and result["overlap_admissions"] is False and result["cpu_adapters"] == 1
     assert result["lora_rows"] == (os.environ.get("LORAPLEX_LORA_ROWS") or "n512 at rank <= 16")   # as the kernels ran
     assert result["lora_prefill"] == (sgmv.describe_prefill(sgmv.CONFIGS[64]) if os.environ.get("LORAPLEX_LORA_PREFILL")
-                                      else "prefetch,n64,epps4,ew4,nostore")   # the prompt tiles' default
+                                      else "prefetch,n64,epps4,ew4,nostore,norows")   # the prompt tiles' default
     assert result["lora_vector_loads"] is (os.environ.get("LORAPLEX_LORA_VECTOR_LOADS", "on") != "off")
     systems = {(r["system"], r["popularity"], str(r["max_batch"]), r["requests"]) for r in result["rows"]}
     for pop in ("distinct", "identical"):

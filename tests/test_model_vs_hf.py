@@ -88,6 +88,23 @@ def _blocks(rng: random.Random, kv: KVCache, lengths: list[int]) -> list[list[in
 PLAN = [("all-r8", 0, 13), ("attn-r4", 5, 9), (None, 9, 1), ("mlp-patterned", 21, 1), ("all-r8", 0, 3),
         ("attn-r4", 30, 1), (None, 0, 6), ("mlp-patterned", 4, 4)]
 
+# The configurations the Triton tests below run on. Through the Triton kernels what tells the five apart is the
+# attention's G (heads per kv head) and sliding window (ops/attention_kernels.py: G, G_PAD, BLOCK_Q and WINDOW are
+# constexprs of the prefill kernel, G of the decode one, whose o-shrink epilogue sums over the kv heads), the number
+# of kv heads (strides of a head-major cache), biases (HAS_BIAS of ops/skinny_gemm.py and ops/skinny_lora.py;
+# ops/stored_lora.py leaves biased projections to the plain path) and widths that are not a multiple of a tile
+# (skinny_lora's EVEN_K and SHRINK_EVEN_K). The LoRA kernels and the ops that consume their products
+# (sgmv_kernels.py, fused_lora_kernels.py, fused_lora_rms_split.py, rms_shrink.py, silu_shrink.py,
+# lora_in_gemm.py) take nothing from the model's shape at these sizes but masks and runtime values (the same rank
+# tiles, RoPE's BLOCK_H = 4 heads, one 128-column SiLU block, 64 hidden columns, no K split at K <= 96): one
+# configuration runs all of their code. The llama3 and linear RoPE scalings only change inv_freq, computed on the
+# host (models/rope.py), so llama-gqa-llama3rope reaches exactly TEXT's code.
+#   TEXT:   GQA with G = 2, no window, no bias.
+#   WINDOW: G = 4 (one kv head), a window on every layer, intermediate size 80 (not a multiple of 32).
+#   BIASED: G = 2 with two kv heads, layer 0 full attention and layer 1 windowed, biased q/k/v, tied embeddings.
+# llama-mha-tied-odd-bias-linear (G = 1, head size 12) never runs there: the Triton attention takes powers of two.
+TEXT, WINDOW, BIASED = "llama-text", "mistral-gqa4-window", "qwen2-bias-tied-window"
+
 
 def test_mixed_batch_matches_transformers_peft(setup):
     check_mixed_batch(setup, PLAN)
@@ -106,8 +123,11 @@ def test_lora_inside_the_gemms_matches_too(setup, backend, graph_room, monkeypat
         pytest.skip("needs TRITON_INTERPRET=1 (no CUDA): tests/test_model_gpu.py runs it for real")
     if backend == "triton" and setup.config.head_dim & (setup.config.head_dim - 1):
         pytest.skip("the Triton attention kernels take power-of-two head sizes")
-    if backend == "triton" and setup.variant not in OFF_PATH_CONFIGS:
-        pytest.skip("an opt-in path (measured not to pay): two configurations cover its kernels (~11 s each here)")
+    # One configuration: lora_in_gemm.py's expand and RoPE's IN_GEMM kernel take only the slices and the rank
+    # from the model (see TEXT above); WINDOW's attention (G = 4, windowed) runs in test_o_shrink_in_the_attention_
+    # kernel_matches_too[WINDOW] and test_lora_inside_the_skinny_gemm_matches_too[WINDOW].
+    if backend == "triton" and setup.variant != TEXT:
+        pytest.skip("an opt-in path (measured not to pay): one configuration covers its kernels (~21 s here)")
     calls, ropes = [], []
     real = llama.expand_in_gemm
     monkeypatch.setattr(llama, "expand_in_gemm", lambda *a, **kw: calls.append(kw["backend"]) or real(*a, **kw))
@@ -151,6 +171,11 @@ def test_head_major_kv_cache_matches_too(setup, backend):
         pytest.skip("needs TRITON_INTERPRET=1 (no CUDA): tests/test_model_gpu.py runs the kernels for real")
     if backend == "triton" and setup.config.head_dim & (setup.config.head_dim - 1):
         pytest.skip("the Triton attention kernels take power-of-two head sizes")
+    # Triton on BIASED alone: its two kv heads make the head-major strides differ from token-major ones (WINDOW's
+    # one kv head reads the same addresses either way), with G = 2 as TEXT and llama-gqa-llama3rope, and a
+    # windowed layer beside a full one. G = 4 on the token-major cache: test_o_shrink_..._matches_too[WINDOW].
+    if backend == "triton" and setup.variant != BIASED:
+        pytest.skip("one configuration covers the head-major cache through the kernels (~9 s here)")
     setup.model.backend = backend
     try:
         check_mixed_batch(setup, PLAN, head_major=True)
@@ -160,7 +185,6 @@ def test_head_major_kv_cache_matches_too(setup, backend):
 
 ALL_FOUR = ("q_proj", "o_proj", "gate_proj", "down_proj")
 QKV_O_DOWN = ("q_proj", "o_proj", "down_proj")
-OFF_PATH_CONFIGS = ("llama-text", "mistral-gqa4-window")   # MHA, and GQA with a sliding window
 
 
 @pytest.mark.parametrize("overlap_mode, fused_projs, rms_split, down_in_silu, boundaries", [
@@ -179,8 +203,13 @@ def test_triton_kernels_in_the_interpreter_match_too(setup, overlap_mode, fused_
     SiLU-and-mul where the products are left to the next op and down is not a fused projection).
     `boundaries`: models/llama.FUSED_BOUNDARIES (the split RMSNorm after o and down also computing the next
     projection's shrink, ops/rms_shrink.py)."""
-    if (down_in_silu or boundaries or rms_split or fused_projs) and setup.variant not in OFF_PATH_CONFIGS:
-        pytest.skip("a path that is off by default: two configurations cover it (each run takes ~10 s here)")
+    # Each case on one configuration (see TEXT above): the paths off by default on TEXT; the defaults ("full",
+    # and "fused" with its projections and RMS_SPLIT) on BIASED, whose biased q/k/v GEMMs feed RoPE's delta and
+    # product. The attention beside them is the same in every case; its other configurations run in
+    # test_o_shrink_in_the_attention_kernel_matches_too (WINDOW's G = 4) and the tests of the opt-in paths.
+    off_by_default = bool(down_in_silu or boundaries or rms_split or fused_projs)
+    if setup.variant != (TEXT if off_by_default else BIASED):
+        pytest.skip("one configuration covers each case (each run takes ~10 s here)")
     from loraplex.models import llama
     from loraplex.ops import overlap, rms_shrink
     monkeypatch.setattr(llama, "DOWN_SHRINK_IN_SILU", down_in_silu)
@@ -209,11 +238,14 @@ def test_triton_kernels_in_the_interpreter_match_too(setup, overlap_mode, fused_
                             or _real(*a, **kw))
     setup.model.backend = "triton"
     try:
-        check_mixed_batch(setup, [("all-r8", 0, 11), ("attn-r4", 9, 1), (None, 3, 5), ("mlp-patterned", 17, 1)],
+        # prompt chunks of 4, 3 and 17 tokens (the 17 two 16-row LoRA tiles of one adapter), then a mixed forward:
+        # a prompt, a chunk over a cached prefix without an adapter, two decodes. (attn-r4's prefix was 9 tokens and
+        # all-r8's prompt 11: the same tiles and paths, a fifth more rows for the interpreter to walk.)
+        check_mixed_batch(setup, [("all-r8", 0, 6), ("attn-r4", 4, 1), (None, 3, 5), ("mlp-patterned", 17, 1)],
                           graph_room=(8, 32) if overlap_mode == "off" else None)   # ("off": > MAX_ROWS rows)
     finally:
         setup.model.backend = None
-    # both forwards (38 and 18 rows) at least overlap.FUSED_MIN_ROWS: every fused projection's product is left
+    # both forwards (24 and 13 rows) have prompts in them: every fused projection's product is left
     want_fused = set(fused_projs or overlap.FUSED_PROJECTIONS) if overlap_mode == "fused" else set()
     want, boundary_count = _expected_lora_calls(overlap_mode, fused_projs or overlap.FUSED_PROJECTIONS, down_in_silu,
                                                 boundaries, setup.config.num_hidden_layers)
@@ -234,8 +266,11 @@ def test_lora_stored_before_the_gemm_matches_too(setup, store_first, monkeypatch
     from loraplex.ops import sgmv
     if not ops.triton_interpreted():
         pytest.skip("needs TRITON_INTERPRET=1 (no CUDA): tests/test_model_gpu.py runs it for real")
-    if setup.variant not in OFF_PATH_CONFIGS + ("qwen2-bias-tied-window",):
-        pytest.skip("three configurations cover it, one with biased q/k/v (~10 s each here)")
+    # store_first on TEXT (q/k/v's three slices stored too) and BIASED (biased q/k/v left to the plain path);
+    # without it (the plain path, "direct") on TEXT alone (BIASED's biased "direct" path: the head-major test's);
+    # WINDOW's attention runs in the o-shrink test.
+    if setup.variant not in ((TEXT, BIASED) if store_first else (TEXT,)):
+        pytest.skip("two configurations cover it, one with biased q/k/v (~7 s each here)")
     for block_m in (16, 64):
         monkeypatch.setitem(sgmv.CONFIGS, block_m, dataclasses.replace(sgmv.CONFIGS[block_m],
                                                                         store_first=store_first))
@@ -272,7 +307,7 @@ def test_decode_forwards_of_few_rows_leave_only_the_qkv_product(setup, monkeypat
     """"fused" in a decode forward of fewer than overlap.FUSED_MIN_ROWS rows (here 3): only q/k/v's product goes
     to its consumer (RoPE), o's, gate/up's and down's take "full"'s way; a forward with prompts leaves every
     fused projection's, however few its rows (here 4). The logits still match transformers + PEFT."""
-    if setup.variant != OFF_PATH_CONFIGS[0]:
+    if setup.variant != TEXT:
         pytest.skip("one configuration covers it (each run takes ~10 s here)")
     from loraplex.ops import overlap
     assert overlap.fused_projections(overlap.FUSED_MIN_ROWS - 1, decode=True) == {"q_proj"}
@@ -294,7 +329,7 @@ def test_decode_forwards_of_up_to_32_rows_leave_gate_up_to_silu(setup, monkeypat
     """"fused" in a decode forward of FUSED_MIN_ROWS to DECODE_EXTRA_MAX_ROWS rows (here 6): gate/up's product
     goes to SiLU-and-mul too (overlap.DECODE_EXTRA_FUSED), while a forward with prompts keeps its expand. The
     logits still match transformers + PEFT."""
-    if setup.variant != OFF_PATH_CONFIGS[0]:
+    if setup.variant != TEXT:
         pytest.skip("one configuration covers it (each run takes ~10 s here)")
     from loraplex.ops import overlap
     assert overlap.DECODE_EXTRA_FUSED == {"gate_proj"} and overlap.DECODE_EXTRA_MAX_ROWS == 32
@@ -318,8 +353,10 @@ def test_skinny_gemm_projections_match_too(setup, monkeypatch):
     """LORAPLEX_SKINNY_GEMM=on (ops/skinny_gemm.py): every projection (and the LM head) of a forward of at most
     DECODE_MAX_ROWS rows runs the Triton GEMM (here in the interpreter, with the LoRA kernels and the "fused"
     path), a mixed forward of 9 rows and a decode forward of 6; the logits still match transformers + PEFT."""
-    if setup.variant not in OFF_PATH_CONFIGS:
-        pytest.skip("an opt-in path: two configurations cover it (each run takes ~10 s here)")
+    # BIASED alone: its q/k/v take the kernel's HAS_BIAS path, its other projections and tied LM head the
+    # biasless one; K <= 96 < BLOCK_K everywhere (pick_config's 256), so no configuration reaches EVEN_N and EVEN_K.
+    if setup.variant != BIASED:
+        pytest.skip("an opt-in path: one configuration covers it (~4 s here)")
     if setup.config.head_dim & (setup.config.head_dim - 1):
         pytest.skip("the Triton attention kernels take power-of-two head sizes")
     from loraplex.ops import skinny_gemm
@@ -347,8 +384,10 @@ def test_lora_inside_the_skinny_gemm_matches_too(setup, monkeypatch):
     without one; one configuration has q/k/v biases. The logits still match transformers + PEFT."""
     from loraplex.ops import skinny_gemm, skinny_lora
     from loraplex.ops.skinny_gemm import SkinnyConfig
-    if setup.variant not in OFF_PATH_CONFIGS + ("qwen2-bias-tied-window",):
-        pytest.skip("an opt-in path: three configurations cover it (each run takes ~10 s here)")
+    # BIASED: HAS_BIAS (q/k/v) and the biasless projections, K a multiple of 32; WINDOW: down's K = 80, which is
+    # not (EVEN_K and SHRINK_EVEN_K false). TEXT reaches nothing else (BIASED's shapes without the biases).
+    if setup.variant not in (BIASED, WINDOW):
+        pytest.skip("an opt-in path: two configurations cover it (each run takes ~5-10 s here)")
     if setup.config.head_dim & (setup.config.head_dim - 1):
         pytest.skip("the Triton attention kernels take power-of-two head sizes")
     monkeypatch.setattr(skinny_gemm, "SETTING", "on")
@@ -391,6 +430,11 @@ def test_o_shrink_in_the_attention_kernel_matches_too(setup, overlap_mode, monke
     from loraplex.ops import attention_shrink, overlap
     if setup.config.head_dim & (setup.config.head_dim - 1):
         pytest.skip("the Triton attention kernels take power-of-two head sizes")
+    # Each mode on one configuration: at 4 decode rows o is not a fused projection in either (so both take the
+    # same o-shrink path); they differ in q/k/v's product for RoPE, test_triton_kernels_..._match_too's. BIASED: G = 2
+    # over two kv heads, a full and a windowed layer (so TEXT's and llama-gqa-llama3rope's path too); WINDOW: G = 4.
+    if setup.variant != {"full": BIASED, "fused": WINDOW}[overlap_mode]:
+        pytest.skip("one configuration covers each mode (~5 s each here)")
     monkeypatch.setattr(llama, "O_SHRINK_IN_ATTENTION", True)
     monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", overlap_mode)
     parts, expands = [], []

@@ -119,11 +119,12 @@ def test_expand_n_chunks_and_rank_tiles(n_chunks, R, rowwise):
 @pytest.mark.parametrize("R", [16, 128])
 @pytest.mark.parametrize("accumulate", [True, False])
 def test_prefetching_tile_expand_gives_the_plain_ones_bits(R, accumulate, monkeypatch):
-    """KernelConfig.tile_prefetch (each step's y tile loaded a step ahead): prompts of 1–70 rows in tiles of 16
-    and 64, N cut into chunks of several BLOCK_N steps whose last is partial (83 and 45 columns), one rank
-    tile (R=16) or several (R=128); the prefetching path taken (counted), the same arithmetic in the same order
-    as the plain tile expand, so the same bits, and the float64 loop's values (accumulate=False: the products
-    stored into an fp32 buffer, every adapter row's columns written)."""
+    """KernelConfig.tile_prefetch (each step's y tile loaded a step ahead) and tile_stages (the column loop
+    pipelined by Triton): prompts of 1–70 rows in tiles of 16 and 64, N cut into chunks of several BLOCK_N steps
+    whose last is partial (83 and 45 columns), one rank tile (R=16) or several (R=128); each path taken
+    (counted), the same arithmetic in the same order as the plain tile expand, so the same bits, and the float64
+    loop's values (accumulate=False: the products stored into an fp32 buffer, every adapter row's columns
+    written)."""
     monkeypatch.setattr(sgmv_kernels, "_expand_tile", _count_expand_prefetch)
     rng = np.random.default_rng(stable_seed("tile-prefetch", R, accumulate))
     case = make_case(rng, seg_lens=[70, 1, 33, 5, 17], popularity="uniform", K=64, Ns=(83, 45), R=R, ranks="mixed",
@@ -131,15 +132,18 @@ def test_prefetching_tile_expand_gives_the_plain_ones_bits(R, accumulate, monkey
     expected = case.oracle()
     for block_m in (16, 64):
         outs = []
-        for prefetch in (False, True):
+        for prefetch, stages in ((False, 0), (True, 0), (True, 3)):
             _PATH_CALLS.clear()
-            cfg = sgmv.KernelConfig(expand_block_n=16, n_chunks=2, shrink_block_k=32, tile_prefetch=prefetch)
+            cfg = sgmv.KernelConfig(expand_block_n=16, n_chunks=2, shrink_block_k=32, tile_prefetch=prefetch,
+                                    tile_stages=stages)
             y = case.y0.clone() if accumulate else torch.full(case.y0.shape, float("nan"))
             sgmv.add_lora(y, case.x, case.lora_a, case.lora_b, case.batch(block_m=block_m), case.ranks,
                           case.scalings, 2, cfg, accumulate=accumulate)
-            assert (_PATH_CALLS.get("expand_prefetch", 0) > 0) is prefetch
+            assert set(_PATH_CALLS) == {f"expand_prefetch{stages or int(prefetch)}"}, _PATH_CALLS
             outs.append(y)
-        assert torch.equal(outs[0].nan_to_num(7.0), outs[1].nan_to_num(7.0)), block_m
+        for out in outs[1:]:
+            assert torch.equal(outs[0].nan_to_num(7.0), out.nan_to_num(7.0)), block_m
+        outs = outs[:2]
         if accumulate:
             untouched = case.untouched()
             assert torch.equal(outs[1][untouched], case.y0[untouched])
@@ -155,7 +159,9 @@ def test_prefetching_tile_expand_gives_the_plain_ones_bits(R, accumulate, monkey
     ("", {}), ("prefetch", dict(tile_prefetch=True)),
     ("noprefetch,n128", dict(tile_prefetch=False, expand_block_n=128)),
     (" N64 , epps4", dict(expand_block_n=64, expand_programs_per_sm=4.0)),
-    ("epps2.5,ew8,", dict(expand_programs_per_sm=2.5, expand_warps=8))])
+    ("epps2.5,ew8,", dict(expand_programs_per_sm=2.5, expand_warps=8)),
+    ("rows,rn128", dict(shrink_rowwise=1, expand_rowwise=1, rows_block_n=128)),
+    ("norows", dict(shrink_rowwise=0, expand_rowwise=0)), ("ts3,n32", dict(tile_stages=3, expand_block_n=32))])
 def test_prefill_options(value, expected, monkeypatch):
     monkeypatch.setenv("LORAPLEX_LORA_PREFILL", value)
     assert sgmv._prefill_options() == expected
@@ -166,14 +172,18 @@ def test_prefill_default_and_plain_settings_round_trip():
     its description, and "noprefetch,n128,epps2", are LORAPLEX_LORA_PREFILL values that give the configs back."""
     if not os.environ.get("LORAPLEX_LORA_PREFILL"):
         assert sgmv.CONFIGS[64] == sgmv.PREFILL_DEFAULT
-    assert sgmv.describe_prefill(sgmv.PREFILL_DEFAULT) == "prefetch,n64,epps4,ew4,nostore"
-    for cfg in (sgmv.PREFILL_DEFAULT, sgmv.PREFILL_PLAIN):
+    assert sgmv.describe_prefill(sgmv.PREFILL_DEFAULT) == "prefetch,n64,epps4,ew4,nostore,norows"
+    rows = dataclasses.replace(sgmv.PREFILL_DEFAULT, shrink_rowwise=1, expand_rowwise=1, rows_block_n=128,
+                               tile_stages=4)
+    assert sgmv.describe_prefill(rows) == "prefetch,n64,epps4,ew4,nostore,rows,rn128,ts4"
+    for cfg in (sgmv.PREFILL_DEFAULT, sgmv.PREFILL_PLAIN, rows):
         assert dataclasses.replace(sgmv.PREFILL_PLAIN, **sgmv._prefill_options(sgmv.describe_prefill(cfg))) == cfg
     assert dataclasses.replace(sgmv.PREFILL_DEFAULT, **sgmv._prefill_options("noprefetch,n128,epps2")) == \
         sgmv.PREFILL_PLAIN
 
 
-@pytest.mark.parametrize("value", ["n512", "n48", "epps", "epps-1", "epps0", "ew3", "fetch", "prefetch,n"])
+@pytest.mark.parametrize("value", ["n512", "n48", "epps", "epps-1", "epps0", "ew3", "fetch", "prefetch,n", "rn48",
+                                   "rn2048", "rowz", "rn", "ts1", "ts6", "ts"])
 def test_prefill_options_refuse_a_bad_one(value, monkeypatch):
     monkeypatch.setenv("LORAPLEX_LORA_PREFILL", value)
     with pytest.raises(ValueError, match="LORAPLEX_LORA_PREFILL=.* is not an option"):
@@ -245,9 +255,10 @@ _count_expand_rows = _counting("_expand_tile_rows", "expand_rows")
 
 
 def _count_expand_prefetch(*args):
-    """The tile expand, counting the calls that load y a step ahead (its last argument, PREFETCH)."""
-    if bool(getattr(args[-1], "value", args[-1])):
-        _PATH_CALLS["expand_prefetch"] = _PATH_CALLS.get("expand_prefetch", 0) + 1
+    """The tile expand, counting its calls by their last argument, PREFETCH (0/False plain, 1/True y a step
+    ahead, 2+ Triton's pipelined loop)."""
+    key = f"expand_prefetch{int(getattr(args[-1], 'value', args[-1]))}"
+    _PATH_CALLS[key] = _PATH_CALLS.get(key, 0) + 1
     return _REAL_TILES["_expand_tile"](*args)
 
 

@@ -94,16 +94,26 @@ def test_rowwise_kernels_match_float64_loop(dtype, popularity, Ns, mode, rows):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("Ns", [(4096, 4096, 4099), (11008, 11011)])
-@pytest.mark.parametrize("pair", ["plain+prefetch", "plain:default", "default-prefetch:default"])
+@pytest.mark.parametrize("pair", ["plain+prefetch", "plain:default", "default-prefetch:default", "default:rows",
+                                  "default:rows-rn128", "default:ts3", "default:ts4-n32"])
 def test_prefill_expand_options_match_float64_loop(dtype, Ns, pair):
     """The large tiles' expand settings (sgmv.PREFILL_PLAIN, the default before 2026-12-02; PREFILL_DEFAULT, the
     y tile a step ahead over 64 columns; LORAPLEX_LORA_PREFILL changes them) on prompt-sized segments of
     Llama-2-7B's shapes (and widths 3 past them, so that a step's columns are cut short): the float64 loop's
-    values, and with the y tile loaded a step ahead the same columns' bits without it. Whatever the environment."""
+    values, and with the y tile loaded a step ahead (or through Triton's pipeliner: "ts") the same columns' bits
+    without it. With the row-wise mode ("rows": tiles of up to ROWWISE_MAX_ROWS rows, here a 1-row and a 3-row
+    segment and a 129-row segment's last row, go row by row) the other tiles' bits are the tile product's.
+    Whatever the environment."""
     plain, default = sgmv.PREFILL_PLAIN, sgmv.PREFILL_DEFAULT
+    rows = dataclasses.replace(default, shrink_rowwise=1, expand_rowwise=1)
     base, cfg = {"plain+prefetch": (plain, dataclasses.replace(plain, tile_prefetch=True)),
                  "plain:default": (plain, default),
-                 "default-prefetch:default": (dataclasses.replace(default, tile_prefetch=False), default)}[pair]
+                 "default-prefetch:default": (dataclasses.replace(default, tile_prefetch=False), default),
+                 "default:rows": (dataclasses.replace(default, shrink_rowwise=0, expand_rowwise=0), rows),
+                 "default:rows-rn128": (dataclasses.replace(default, shrink_rowwise=0, expand_rowwise=0),
+                                        dataclasses.replace(rows, rows_block_n=128)),
+                 "default:ts3": (default, dataclasses.replace(default, tile_stages=3)),
+                 "default:ts4-n32": (default, dataclasses.replace(default, tile_stages=4, expand_block_n=32))}[pair]
     rng = np.random.default_rng(stable_seed("prefill-options", str(dtype), Ns, pair))
     case = make_case(rng, seg_lens=[320, 1, 511, 64, 129, 3], popularity="distinct", K=4096, Ns=Ns, R=16,
                      ranks="mixed", dtype=dtype, device="cuda", none_frac=0.2, y_offset=2, extra_cols=3)
@@ -115,8 +125,17 @@ def test_prefill_expand_options_match_float64_loop(dtype, Ns, pair):
     untouched = case.untouched()
     assert torch.equal(outs[1][untouched], case.y0[untouched])
     assert rel_err(outs[1], case.oracle(), case.y0) <= TOL[dtype]
+    same = torch.ones(len(case.y0), dtype=torch.bool, device="cuda")   # rows the same path takes in both
+    if cfg.expand_rowwise:
+        start = 0
+        for length in case.seg_lens:   # distinct: a segment a slot, cut into tiles of 64 rows
+            for tile in range(start, start + length, 64):
+                if min(64, start + length - tile) <= sgmv.ROWWISE_MAX_ROWS.value:
+                    same[tile:start + length] = False
+            start += length
+        assert 3 <= int((~same).sum()) <= 5
     if cfg.expand_block_n == base.expand_block_n:
-        assert torch.equal(outs[0], outs[1])
+        assert torch.equal(outs[0][same], outs[1][same])
 
 
 def test_halves_match_float64():

@@ -71,6 +71,7 @@ class KernelConfig:
     rows_block_n: int | None = None  # the row-wise expand's columns per step (None: `rows_block_n_for`)
     rows_prefetch: bool = False  # the row-wise paths load each step's weights a step ahead (_expand_tile_rows)
     tile_prefetch: bool = False  # the tile expand loads each step's y tile a step ahead (_expand_tile)
+    tile_stages: int = 0  # 2 or more: the tile expand's column loop pipelined by Triton instead (overrides prefetch)
     # Eager forwards whose every row has an adapter: the expand stores into the projection's output, then the
     # GEMM adds to it (ops/stored_lora.py), instead of the expand's read-modify-write after the GEMM.
     store_first: bool = False
@@ -118,8 +119,11 @@ def _rows_options() -> dict:
 
 # LORAPLEX_LORA_PREFILL: changes to the large tiles' config (prompts), comma-separated: "n<columns>" (the
 # expand's BLOCK_N, a power of two from 16 to 256), "epps<x>" (the expand's programs per SM), "ew<warps>" (its
-# warps: 2, 4 or 8), "prefetch" / "noprefetch" (KernelConfig.tile_prefetch) and "store" / "nostore"
-# (KernelConfig.store_first). Unset: PREFILL_DEFAULT;
+# warps: 2, 4 or 8), "prefetch" / "noprefetch" (KernelConfig.tile_prefetch), "store" / "nostore"
+# (KernelConfig.store_first), "rows" / "norows" (row-wise mode 1 for both kernels, or 0: the decode rows of a
+# mixed step, each its own adapter and so a tile of one row, go row by row), "rn<columns>" (the row-wise
+# expand's columns a step, rows_block_n, a power of two from 16 to 1024) and "ts<stages>" (tile_stages, 2 to 5;
+# "ts0": none). Unset: PREFILL_DEFAULT;
 # "noprefetch,n128,epps2" gives PREFILL_PLAIN, the default before 2026-12-02.
 def _prefill_options(raw: str | None = None) -> dict:
     """The KernelConfig changes a LORAPLEX_LORA_PREFILL value asks for (`raw`; None: the environment's)."""
@@ -136,17 +140,29 @@ def _prefill_options(raw: str | None = None) -> dict:
             options["expand_warps"] = int(item[2:])
         elif item[:1] == "n" and item[1:].isdecimal() and int(item[1:]) in (16, 32, 64, 128, 256):
             options["expand_block_n"] = int(item[1:])
+        elif item in ("rows", "norows"):
+            options["shrink_rowwise"] = options["expand_rowwise"] = int(item == "rows")
+        elif item[:2] == "rn" and item[2:].isdecimal() and int(item[2:]) in (16, 32, 64, 128, 256, 512, 1024):
+            options["rows_block_n"] = int(item[2:])
+        elif item[:2] == "ts" and item[2:] in ("0", "2", "3", "4", "5"):
+            options["tile_stages"] = int(item[2:])
         elif item:
             raise ValueError(f"LORAPLEX_LORA_PREFILL={raw!r}: {item!r} is not an option; expected n<columns> (16 to "
-                             f"256, a power of two), epps<programs per SM>, ew<2|4|8>, (no)prefetch and/or (no)store, "
+                             f"256, a power of two), epps<programs per SM>, ew<2|4|8>, (no)prefetch, (no)store, "
+                             f"(no)rows, rn<columns> (16 to 1024, a power of two) and/or ts<0|2|3|4|5>, "
                              f"comma-separated")
     return options
 
 
 def describe_prefill(cfg: KernelConfig) -> str:
     """`cfg`'s expand settings as a LORAPLEX_LORA_PREFILL value (what bench results record)."""
+    modes = (cfg.shrink_rowwise, cfg.expand_rowwise)
+    # (other row-wise modes have no option; written so that a record still says which ran)
+    rows = {(0, 0): "norows", (1, 1): "rows"}.get(modes, f"rowwise{modes[0]}{modes[1]}")
     return (f"{'prefetch' if cfg.tile_prefetch else 'noprefetch'},n{cfg.expand_block_n},"
-            f"epps{cfg.expand_programs_per_sm:g},ew{cfg.expand_warps},{'store' if cfg.store_first else 'nostore'}")
+            f"epps{cfg.expand_programs_per_sm:g},ew{cfg.expand_warps},{'store' if cfg.store_first else 'nostore'},"
+            f"{rows}" + (f",rn{cfg.rows_block_n}" if cfg.rows_block_n is not None else "") +
+            (f",ts{cfg.tile_stages}" if cfg.tile_stages else ""))
 
 
 _SETTING = _rowwise_setting()
@@ -314,7 +330,8 @@ def expand_from(y: torch.Tensor, part: torch.Tensor, lora_b: list[torch.Tensor],
                              BLOCK_N=cfg.expand_block_n, BLOCK_R=block_r, ONE_R_TILE=R <= block_r,
                              PRECISION=precision, ACCUMULATE=accumulate,
                              ROWWISE=cfg.expand_rowwise, ROWS_BLOCK_N=rows_block_n_for(cfg, block_r),
-                             ROWS_PREFETCH=cfg.rows_prefetch, TILE_PREFETCH=cfg.tile_prefetch),
+                             ROWS_PREFETCH=cfg.rows_prefetch,
+                             TILE_PREFETCH=cfg.tile_stages if cfg.tile_stages >= 2 else cfg.tile_prefetch),
             cfg.expand_warps, cfg.expand_stages)
 
 

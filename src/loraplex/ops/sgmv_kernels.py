@@ -249,9 +249,11 @@ def _expand_tile(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, s
                  SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                  ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
                  PREFETCH: tl.constexpr):
-    """PREFETCH (KernelConfig.tile_prefetch): each step's y tile is loaded a step ahead. A prompt's expand
-    streams y in and out (a read-modify-write of BLOCK_M × BLOCK_N values a step), and Triton pipelines only
-    loads that feed a tl.dot, so without it each step waits for its y in turn. The same values either way."""
+    """PREFETCH (KernelConfig.tile_prefetch, tile_stages): 1, each step's y tile is loaded a step ahead; 2 or
+    more, the column loop is Triton's pipelined `tl.range` of that many stages (y's loads become asynchronous
+    copies into shared memory, no register holds the next tile); 0, neither. A prompt's expand streams y in and
+    out (a read-modify-write of BLOCK_M × BLOCK_N values a step), and Triton pipelines a plain loop's loads only
+    where they feed a tl.dot, so with 0 each step waits for its y in turn. The same values in every case."""
     rank = tl.minimum(tl.load(rank_ptr + slot), R)  # a rank past R (the stacks' width) is R
     n_begin = n_chunk * n_per_prog
     if _expands(rank, ACCUMULATE) & (n_begin < N):
@@ -265,17 +267,17 @@ def _expand_tile(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, s
         if ONE_R_TILE:
             v, offs_r, r_mask = _load_v(part_ptr, rows, m_mask, 0, rank, stride_p_split, stride_pm, SPLIT_K, BLOCK_R)
         cols = tl.arange(0, BLOCK_N)
-        if PREFETCH and ACCUMULATE:
+        if PREFETCH == 1 and ACCUMULATE:
             y_next = tl.load(y_rows + (col0 + n_begin + cols)[None, :] * stride_yn,
                              mask=m_mask[:, None] & ((n_begin + cols) < n_end)[None, :], other=0.0)
         # One program covers n_per_prog columns of y, BLOCK_N at a time; B streams through.
-        for n0 in range(n_begin, n_end, BLOCK_N):
+        for n0 in tl.range(n_begin, n_end, BLOCK_N, num_stages=PREFETCH if PREFETCH >= 2 else None):
             offs_n = n0 + cols
             n_mask = offs_n < n_end
             y_ptrs = y_rows + (col0 + offs_n)[None, :] * stride_yn
             y_mask = m_mask[:, None] & n_mask[None, :]
             if ACCUMULATE:
-                if PREFETCH:
+                if PREFETCH == 1:
                     y_old = y_next.to(tl.float32)
                     later = offs_n + BLOCK_N   # the next step's columns (all masked off after the last step)
                     y_next = tl.load(y_rows + (col0 + later)[None, :] * stride_yn,
