@@ -5,7 +5,8 @@
 #    mixed steps' one-row decode tiles row by row: "rows"; fewer registers a thread: n32, ew8, ...), beside the
 #    bandwidth floor of the expand's read-modify-write;
 # 3. issue 5's engine benchmark at batch 32 (backbone, distinct; REPEATS runs each, interleaved, one process) with
-#    the default, the probe's best (ts3 if that is the default) and "rows" with it.
+#    the default, the probe's best (ts3 where that is the default) and, where the best has no "rows" and is not
+#    the default, "rows" with it.
 # (First run 2026-12-02 with "rows" and "rows,rn128" only: results/engine_prefill_rows.md.)
 #   OUT=/some/dir bash benchmarks/gpu_prefill_rows.sh
 set -u

@@ -7,15 +7,17 @@ bandwidth in eager forwards (results/probe_prefill_lora_*.json). Two suspects, b
   them through the tile product ("rows": the row-wise paths take tiles of up to ROWWISE_MAX_ROWS rows);
 - each step's y tile passes through registers (loaded a step ahead), so few bytes are in flight an SM:
   "ts<stages>" pipelines the column loop with Triton's `tl.range` instead (y's loads become asynchronous copies
-  into shared memory), "epps8" asks for more programs, n32 halves the registers a program. Each row records the
-  registers and spills of the expand kernels compiled for it (on the H200 the default's were 126–128: four
-  programs an SM; an offline ptxas run without the launch's specializations had suggested ~220).
+  into shared memory), "epps8" asks for more programs, n32 halves the registers a program. A row records the
+  registers and spills of the expand kernels first compiled for it (None where its kernels had been compiled for
+  an earlier row: "epps8" changes only the grid; on the H200 the default's were 126–128, four programs an SM; an
+  offline ptxas run without the launch's specializations had suggested ~220).
 
 Cases: `mixed` (six 300-token prompts and 20 decode rows, each sequence its own adapter: the engine's mixed steps)
 and `prompts` (six 320-token prompts). For each case, projection (q/k/v, o, gate/up, down: their slices and K) and
 value: the shrink's and the expand's µs, each a CUDA-graph replay over rotating x and y (past the L2), and the
 in-place read-modify-write of the same y columns by PyTorch (`y.add_(1)`, the bandwidth floor of the expand).
-Every value's output is checked against the default's (bf16 rounding apart). The value with the least summed
+Every value's output is checked against the first value's (the default unless --variants says otherwise;
+`rel_err_vs_default`), bf16 rounding apart. The value with the least summed
 time over cases and projections is written to `--best`.
 
     python benchmarks/probe_prefill_expand.py --out benchmarks/results/probe_prefill_expand.json --best best.txt
