@@ -26,6 +26,11 @@ VARIANTS: dict[str, dict] = {
         family="qwen2", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, tie_word_embeddings=True,
         use_sliding_window=True, sliding_window=6, max_window_layers=1),
+    # MHA with a power-of-two head size and biases on every projection (q/k/v, o and the MLP's): the one
+    # configuration whose Triton attention has one head per kv head and whose o, gate/up and down are biased
+    "llama-mha-bias": dict(
+        family="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=128, max_position_embeddings=256, attention_bias=True, mlp_bias=True),
     # a vocabulary that holds the tiny test tokenizers (tests/tokenizer_fixtures.py), for text in and out
     "llama-text": dict(
         family="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -102,8 +102,10 @@ PLAN = [("all-r8", 0, 13), ("attn-r4", 5, 9), (None, 9, 1), ("mlp-patterned", 21
 #   TEXT:   GQA with G = 2, no window, no bias.
 #   WINDOW: G = 4 (one kv head), a window on every layer, intermediate size 80 (not a multiple of 32).
 #   BIASED: G = 2 with two kv heads, layer 0 full attention and layer 1 windowed, biased q/k/v, tied embeddings.
+#   MHA:    G = 1 (the decode attention's LORA_PREFETCH is on only there), biases on every projection (o's and the
+#           MLP's reach the Triton paths only here).
 # llama-mha-tied-odd-bias-linear (G = 1, head size 12) never runs there: the Triton attention takes powers of two.
-TEXT, WINDOW, BIASED = "llama-text", "mistral-gqa4-window", "qwen2-bias-tied-window"
+TEXT, WINDOW, BIASED, MHA = "llama-text", "mistral-gqa4-window", "qwen2-bias-tied-window", "llama-mha-bias"
 
 
 def test_mixed_batch_matches_transformers_peft(setup):
@@ -203,13 +205,14 @@ def test_triton_kernels_in_the_interpreter_match_too(setup, overlap_mode, fused_
     SiLU-and-mul where the products are left to the next op and down is not a fused projection).
     `boundaries`: models/llama.FUSED_BOUNDARIES (the split RMSNorm after o and down also computing the next
     projection's shrink, ops/rms_shrink.py)."""
-    # Each case on one configuration (see TEXT above): the paths off by default on TEXT; the defaults ("full",
-    # and "fused" with its projections and RMS_SPLIT) on BIASED, whose biased q/k/v GEMMs feed RoPE's delta and
-    # product. The attention beside them is the same in every case; its other configurations run in
-    # test_o_shrink_in_the_attention_kernel_matches_too (WINDOW's G = 4) and the tests of the opt-in paths.
+    # Each case on the configurations that reach different code (see TEXT above): the paths off by default on
+    # TEXT; the defaults ("full", and "fused" with its projections and RMS_SPLIT) on BIASED, whose biased q/k/v
+    # GEMMs feed RoPE's delta and product, and MHA (G = 1; biased o, gate/up and down before the ops that take
+    # their products). WINDOW's attention (G = 4) runs in test_o_shrink_in_the_attention_kernel_matches_too and
+    # the tests of the opt-in paths.
     off_by_default = bool(down_in_silu or boundaries or rms_split or fused_projs)
-    if setup.variant != (TEXT if off_by_default else BIASED):
-        pytest.skip("one configuration covers each case (each run takes ~10 s here)")
+    if setup.variant not in ((TEXT,) if off_by_default else (BIASED, MHA)):
+        pytest.skip("the configurations named above cover each case (each run takes ~10 s here)")
     from loraplex.models import llama
     from loraplex.ops import overlap, rms_shrink
     monkeypatch.setattr(llama, "DOWN_SHRINK_IN_SILU", down_in_silu)
@@ -432,9 +435,10 @@ def test_o_shrink_in_the_attention_kernel_matches_too(setup, overlap_mode, monke
         pytest.skip("the Triton attention kernels take power-of-two head sizes")
     # Each mode on one configuration: at 4 decode rows o is not a fused projection in either (so both take the
     # same o-shrink path); they differ in q/k/v's product for RoPE, test_triton_kernels_..._match_too's. BIASED: G = 2
-    # over two kv heads, a full and a windowed layer (so TEXT's and llama-gqa-llama3rope's path too); WINDOW: G = 4.
-    if setup.variant != {"full": BIASED, "fused": WINDOW}[overlap_mode]:
-        pytest.skip("one configuration covers each mode (~5 s each here)")
+    # over two kv heads, a full and a windowed layer (so TEXT's and llama-gqa-llama3rope's path too); WINDOW: G = 4;
+    # MHA: G = 1, where the kernel loads A a step ahead (attention_kernels' LORA_PREFETCH).
+    if setup.variant not in {"full": (BIASED, MHA), "fused": (WINDOW,)}[overlap_mode]:
+        pytest.skip("the configurations named above cover each mode (~5 s each here)")
     monkeypatch.setattr(llama, "O_SHRINK_IN_ATTENTION", True)
     monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", overlap_mode)
     parts, expands = [], []
