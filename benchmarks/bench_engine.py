@@ -41,7 +41,8 @@ from bench_model import adapter_bytes, kv_bytes, weight_bytes  # noqa: E402
 from loraplex import SamplingParams  # noqa: E402
 from loraplex.config import EngineConfig  # noqa: E402
 from loraplex.engine import Engine  # noqa: E402
-from loraplex.ops import overlap, pdl, sgmv, sgmv_kernels, skinny_gemm  # noqa: E402
+from loraplex.ops import (fused_lora_kernels, fused_lora_rms_split, overlap, pdl, sgmv, sgmv_kernels,  # noqa: E402
+                          skinny_gemm)
 
 RANK = 16
 OUTPUT_TOKENS = 128
@@ -205,6 +206,8 @@ def main(argv=None) -> None:
                   decode_extra_fused=sorted(overlap.DECODE_EXTRA_FUSED),    # no key before the seventeenth session: []
                   skinny_gemm=skinny_gemm.SETTING,   # LORAPLEX_SKINNY_GEMM (no key before the seventeenth session: off)
                   pdl=bool(pdl.PDL),   # LORAPLEX_PDL in effect (no key before the eighteenth session: off)
+                  # LORAPLEX_LORA_EARLY_READS and LORAPLEX_LORA_RMS_ONE_LAUNCH (no keys before 2026-12-03: off)
+                  early_reads=fused_lora_kernels.EARLY_READS, rms_one_launch=fused_lora_rms_split.ONE_LAUNCH,
                   skinny_configs={f"{n},{k}": c.__dict__ for (n, k), c in skinny_gemm.CONFIGS.items()},
                   copy_gbs=copy_gbs, rows=rows)
     if args.out:

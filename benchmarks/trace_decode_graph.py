@@ -179,6 +179,13 @@ def variant(name: str):
     if name == "silu_loads_first":
         from loraplex.ops import fused_lora_kernels
         patches.append(mock.patch.object(fused_lora_kernels, "SILU_LOADS_FIRST", True))
+    if name == "rms_one":   # the split RMSNorm's two launches in one (fused_lora_rms_split.ONE_LAUNCH)
+        from loraplex.ops import fused_lora_rms_split
+        patches.append(mock.patch.object(fused_lora_rms_split, "ONE_LAUNCH", True))
+    if name in EARLY_VARIANTS:   # ops/pdl.py's early reads in the LoRA consumers (all, or one of them)
+        from loraplex.ops import fused_lora_kernels
+        patches.append(mock.patch.object(fused_lora_kernels, "EARLY_READS", True))
+        patches.append(mock.patch.object(fused_lora_kernels, "EARLY_KERNELS", EARLY_VARIANTS[name]))
     if name in ("silu_w4", "silu_w8"):
         from loraplex.ops import fused_lora_kernels
         patches.append(mock.patch.object(fused_lora_kernels, "SILU_WARPS", int(name[-1])))
@@ -302,6 +309,8 @@ PRODUCT_VARIANTS["boundary_od1024_silu"] = (QKV_O_DOWN, 1024, True)
 ROPE_HEADS_VARIANTS = {"rope_heads2": 2, "rope_heads1": 1, "rope_heads8": 8}
 # columns per SiLU-and-mul program (fused_lora_kernels.SILU_BLOCK, 512): matters where gate/up's product is left
 # to it ("all_split512+silu256")
+EARLY_VARIANTS = {"early_reads": frozenset({"rms", "silu", "rope"}), "early_silu": frozenset({"silu"}),
+                  "early_rope": frozenset({"rope"}), "early_rms": frozenset({"rms"})}
 SILU_BLOCK_VARIANTS = {"silu256": 256, "silu1024": 1024}
 # the decode config's kernel settings: the row-wise expand's 512-column steps in 8 warps (64 registers a thread
 # against 120 in 4, sm_90 ptxas)
@@ -341,6 +350,11 @@ VARIANTS = {
     "silu_w8": "SiLU-and-mul's programs in 8 warps where it expands gate/up's product (fused_lora_kernels.SILU_WARPS)",
     "silu_loads_first": "SiLU-and-mul loading both B blocks before either product (fused_lora_kernels."
                         "SILU_LOADS_FIRST; 165 registers a thread against 148)",
+    "early_reads": "the LoRA consumers (RoPE, SiLU-and-mul, the split RMSNorm's first launch) reading their rows' "
+                   "slots, ranks, scalings and B blocks before the PDL wait (LORAPLEX_LORA_EARLY_READS=on)",
+    **{f"early_{k}": f"early_reads in the {k} consumer alone" for k in ("silu", "rope", "rms")},
+    "rms_one": "the split RMSNorm with a product in one launch, each row's last program normalizing it "
+               "(LORAPLEX_LORA_RMS_ONE_LAUNCH=on)",
     "silu_w4": "SiLU-and-mul's programs in 4 warps whatever their columns (silu256+silu_w4: 71 registers a thread, "
                "where 256 columns in 2 warps take 148)",
     "skinny": "the projections' GEMMs by ops/skinny_gemm.py's Triton kernel (LORAPLEX_SKINNY_GEMM=on; the default "

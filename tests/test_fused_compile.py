@@ -143,9 +143,19 @@ def rms_norm_lora_split(dtype: str, arch: int) -> None:
     from loraplex.ops import fused_lora_rms_split as k
     types = dict(x_ptr="*" + dtype, r_ptr="*" + dtype, s_ptr="*" + dtype, sumsq_ptr="*fp32", b_ptr="*" + dtype,
                  rank_ptr="*i32", scale_ptr="*fp32", **LORA_POINTERS)
-    ptx = _compile(k._rms_lora_sums_kernel, types, dict(HAS_RESIDUAL=True, ONE_R_TILE=True, SPLIT_K=8, BLOCK_R=16,
-                                                        BLOCK=512, COMPILED=True), arch, 4)
-    _no_approx(ptx, f"rms_norm_lora_split sums {dtype}")
+    for early in (False, True):   # EARLY: fused_lora_kernels.EARLY_READS (ops/pdl.py's early reads)
+        ptx = _compile(k._rms_lora_sums_kernel, types, dict(HAS_RESIDUAL=True, ONE_R_TILE=True, SPLIT_K=8, BLOCK_R=16,
+                                                            BLOCK=512, COMPILED=True, EARLY=early), arch, 4)
+        _no_approx(ptx, f"rms_norm_lora_split sums {dtype} EARLY={early}")
+        # ONE_LAUNCH: both launches in one, the row's last program (by its counter) normalizing it
+        ptx = _compile(k._rms_lora_one_launch_kernel, dict(types, w_ptr="*" + dtype, out_ptr="*" + dtype,
+                                                           count_ptr="*i32"),
+                       dict(HAS_RESIDUAL=True, ONE_R_TILE=True, SPLIT_K=8, BLOCK_R=16, BLOCK=512, BLOCK_C=8,
+                            ROW_BLOCK=4096, COMPILED=True, EARLY=early), arch, 4)
+        what = f"rms_norm_lora_split one launch {dtype} EARLY={early}"
+        _no_approx(ptx, what)
+        assert "atom.global" in ptx and "ld.global.cg" in ptx, f"{what}: no counter atomic or L2 loads"
+        assert re.search(r"mul\.rn(\.ftz)?\.f32", ptx), f"{what}: sum·(1/H) must be a separate product before + eps"
     ptx = _compile(k._rms_scale_kernel, dict(s_ptr="*" + dtype, w_ptr="*" + dtype, out_ptr="*" + dtype,
                                              sumsq_ptr="*fp32"), dict(BLOCK_C=8, BLOCK=512, COMPILED=True), arch, 4)
     _no_approx(ptx, f"rms_norm_lora_split scale {dtype}")
@@ -154,15 +164,18 @@ def rms_norm_lora_split(dtype: str, arch: int) -> None:
 
 def silu_lora(dtype: str, arch: int) -> None:
     from loraplex.ops import fused_lora_kernels as k
-    # (SPLIT_K, BLOCK_R, ONE_R_TILE, BLOCK, LOADS_FIRST)
-    for split_k, block_r, one_r, block, first in ((8, 16, True, k.SILU_BLOCK, False), (2, 32, False, 64, False),
-                                                  (8, 16, True, k.SILU_BLOCK, True)):
+    # (SPLIT_K, BLOCK_R, ONE_R_TILE, BLOCK, LOADS_FIRST, EARLY); EARLY: EARLY_READS (ops/pdl.py's early reads)
+    for split_k, block_r, one_r, block, first, early in ((8, 16, True, k.SILU_BLOCK, False, False),
+                                                         (2, 32, False, 64, False, False),
+                                                         (8, 16, True, k.SILU_BLOCK, True, False),
+                                                         (8, 16, True, k.SILU_BLOCK, False, True)):
         types = dict(gu_ptr="*" + dtype, out_ptr="*" + dtype, b0="*" + dtype, b1="*" + dtype, rk0="*i32", rk1="*i32",
                      sc0="*fp32", sc1="*fp32", **LORA_POINTERS)
         ptx = _compile(k._silu_and_mul_lora_kernel, types,
                        dict(ONE_R_TILE=one_r, SPLIT_K=split_k, BLOCK_R=block_r, BLOCK=block, COMPILED=True,
-                            LOADS_FIRST=first), arch, max(1, min(4, block // 128)))
-        what = f"silu_and_mul_lora {dtype} SPLIT_K={split_k} BLOCK_R={block_r} BLOCK={block} LOADS_FIRST={first}"
+                            LOADS_FIRST=first, EARLY=early), arch, max(1, min(4, block // 128)))
+        what = (f"silu_and_mul_lora {dtype} SPLIT_K={split_k} BLOCK_R={block_r} BLOCK={block} LOADS_FIRST={first} "
+                f"EARLY={early}")
         _no_approx(ptx, what)
         assert "div.rn.f32" in ptx, f"{what}: the division must be IEEE"
 
@@ -172,9 +185,11 @@ def rope_lora(dtype: str, arch: int) -> None:
     # (positions, SPLIT_K, BLOCK_R, ONE_R_TILE, BLOCK_H, BLOCK_D): D=128 heads ROPE_HEADS at a time; D=64
     # one head per program, two rank tiles.
     # IN_GEMM: part is a GEMM's 16-bit shrink columns, offset by the row's active index (lora_product.py)
-    for pos, split_k, block_r, one_r, block_h, block_d, in_gemm in (("i64", 8, 16, True, k.ROPE_HEADS, 64, False),
-                                                                     ("i32", 2, 32, False, 1, 32, False),
-                                                                     ("i64", 1, 16, True, k.ROPE_HEADS, 64, True)):
+    # EARLY: EARLY_READS (ops/pdl.py's early reads)
+    for pos, split_k, block_r, one_r, block_h, block_d, in_gemm, early in (
+            ("i64", 8, 16, True, k.ROPE_HEADS, 64, False, False), ("i32", 2, 32, False, 1, 32, False, False),
+            ("i64", 1, 16, True, k.ROPE_HEADS, 64, True, False), ("i64", 8, 16, True, k.ROPE_HEADS, 64, False, True),
+            ("i64", 1, 16, True, 1, 64, True, True)):
         types = dict(q_ptr="*" + dtype, k_ptr="*" + dtype, v_ptr="*" + dtype, pos_ptr="*" + pos,
                      inv_freq_ptr="*fp32", b0="*" + dtype, b1="*" + dtype, b2="*" + dtype, rk0="*i32", rk1="*i32",
                      rk2="*i32", sc0="*fp32", sc1="*fp32", sc2="*fp32", slot_active_ptr="*i32", **LORA_POINTERS)
@@ -182,9 +197,10 @@ def rope_lora(dtype: str, arch: int) -> None:
             types["part_ptr"] = "*" + dtype
         ptx = _compile(k._rope_lora_kernel, types,
                        dict(ONE_R_TILE=one_r, SPLIT_K=split_k, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_D=block_d,
-                            COMPILED=True, IN_GEMM=in_gemm), arch, max(1, min(4, block_h * block_d // 128)))
+                            COMPILED=True, IN_GEMM=in_gemm, EARLY=early), arch,
+                       max(1, min(4, block_h * block_d // 128)))
         what = (f"rope_lora {dtype} positions {pos} SPLIT_K={split_k} BLOCK_R={block_r} BLOCK_H={block_h} "
-                f"BLOCK_D={block_d} IN_GEMM={in_gemm}")
+                f"BLOCK_D={block_d} IN_GEMM={in_gemm} EARLY={early}")
         _no_approx(ptx, what)
         # As rope: every product that feeds the rotation's sums is rounded on its own.
         assert len(re.findall(r"mul\.rn(?:\.ftz)?\.f32", ptx)) >= 4, f"{what}: products must be mul.rn"
@@ -240,20 +256,20 @@ def lora_loads(dtype: str, arch: int) -> None:
                                                      b1="*" + dtype, rk0="*i32", rk1="*i32", sc0="*fp32",
                                                      sc1="*fp32", **LORA_POINTERS),
                    dict(ONE_R_TILE=True, SPLIT_K=1, BLOCK_R=16, BLOCK=k.SILU_BLOCK, COMPILED=True,
-                        LOADS_FIRST=k.SILU_LOADS_FIRST), arch, 4, divisible=div)
+                        LOADS_FIRST=k.SILU_LOADS_FIRST, EARLY=k.EARLY_READS), arch, 4, divisible=div)
     _vector_b_loads(ptx, dtype, f"silu_and_mul_lora {dtype} sm_{arch}")
     ptx = _compile(k._rope_lora_kernel, dict(q_ptr="*" + dtype, k_ptr="*" + dtype, v_ptr="*" + dtype, pos_ptr="*i64",
                                              inv_freq_ptr="*fp32", b0="*" + dtype, b1="*" + dtype, b2="*" + dtype,
                                              rk0="*i32", rk1="*i32", rk2="*i32", sc0="*fp32", sc1="*fp32",
                                              sc2="*fp32", slot_active_ptr="*i32", **LORA_POINTERS),
                    dict(ONE_R_TILE=True, SPLIT_K=1, BLOCK_R=16, BLOCK_H=k.ROPE_HEADS, BLOCK_D=64, COMPILED=True,
-                        IN_GEMM=False), arch, 2, divisible=div)
+                        IN_GEMM=False, EARLY=k.EARLY_READS), arch, 2, divisible=div)
     _vector_b_loads(ptx, dtype, f"rope_lora {dtype} sm_{arch}", rope=True)
     ptx = _compile(ks._rms_lora_sums_kernel, dict(x_ptr="*" + dtype, r_ptr="*" + dtype, s_ptr="*" + dtype,
                                                   sumsq_ptr="*fp32", b_ptr="*" + dtype, rank_ptr="*i32",
                                                   scale_ptr="*fp32", **LORA_POINTERS),
-                   dict(HAS_RESIDUAL=True, ONE_R_TILE=True, SPLIT_K=1, BLOCK_R=16, BLOCK=k.RMS_SPLIT, COMPILED=True),
-                   arch, 4, divisible=div)
+                   dict(HAS_RESIDUAL=True, ONE_R_TILE=True, SPLIT_K=1, BLOCK_R=16, BLOCK=k.RMS_SPLIT, COMPILED=True,
+                        EARLY=k.EARLY_READS), arch, 4, divisible=div)
     _vector_b_loads(ptx, dtype, f"rms_norm_lora_split sums {dtype} sm_{arch}")
     # The row-wise expand into an fp32 buffer (a "delta" projection): its only 16-bit loads are B's. ROWWISE=2
     # leaves the tile path (whose B feeds the tensor cores, still at the exact rank mask) out of the binary.
@@ -300,14 +316,16 @@ KERNELS = {"rms_norm": rms_norm, "silu_and_mul": silu, "rope": rope, "rms_norm_l
            "skinny_gemm": skinny_gemm}
 
 
-JOBS = [*KERNELS, "lora_loads:on"]
+JOBS = [*KERNELS, "lora_loads:on", "lora_loads:early"]
 
 
 def _compile_in_subprocess(job: str) -> subprocess.CompletedProcess:
-    kernel, _, vector_loads = job.partition(":")
+    kernel, _, setting = job.partition(":")
     env = dict(os.environ, TRITON_INTERPRET="0")
-    if vector_loads:
-        env["LORAPLEX_LORA_VECTOR_LOADS"] = vector_loads
+    if setting == "early":
+        env["LORAPLEX_LORA_EARLY_READS"] = "on"
+    elif setting:
+        env["LORAPLEX_LORA_VECTOR_LOADS"] = setting
     return subprocess.run([sys.executable, str(Path(__file__)), kernel], env=env, capture_output=True, text=True,
                           timeout=600)
 
@@ -326,7 +344,8 @@ def compile_jobs(request):
 @pytest.mark.parametrize("kernel", JOBS)
 def test_fused_kernel_compiles(compile_jobs, kernel):
     """Each kernel's variants compile; "lora_loads:on" checks the decode readers' 16-byte B loads with
-    LORAPLEX_LORA_VECTOR_LOADS=on, where RoPE's tiles take them too."""
+    LORAPLEX_LORA_VECTOR_LOADS=on, where RoPE's tiles take them too; "lora_loads:early" with
+    LORAPLEX_LORA_EARLY_READS=on."""
     proc = compile_jobs[kernel].result()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("compiled") == len(ARCHS) * len(DTYPES), proc.stdout

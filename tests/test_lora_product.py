@@ -185,6 +185,95 @@ def test_rope_expands_the_product_into_q_k_and_v(backend, dtype, Hq, Hkv, D, hea
 
 
 @interpreted
+@pytest.mark.parametrize("residual, H, split, R, early", [(True, 200, 64, 16, False), (False, 96, 32, 40, False),
+                                                          (True, 200, 64, 16, True)])
+def test_rms_norm_in_one_launch_gives_the_two_launches_bits(residual, H, split, R, early, monkeypatch):
+    """fused_lora_rms_split.ONE_LAUNCH (each row's last program normalizes it after counting itself in): the
+    bits of the two launches (held to the float64 loop above), twice in a row (the counters reset), with
+    the counters at zero after; early: with EARLY_READS."""
+    from loraplex.ops import fused_lora_rms_split
+    gen = torch.Generator().manual_seed(stable_seed("rms-one-launch", residual, H, split, R, early))
+    monkeypatch.setattr(fused_lora_kernels, "RMS_SPLIT", split)
+    monkeypatch.setattr(fused_lora_kernels, "EARLY_READS", early)
+    T, dtype = 9, torch.float16
+    x = rows_with_scales(gen, T, H, dtype, large=False)
+    r = rows_with_scales(gen, T, H, dtype, large=False) if residual else None
+    w = (1 + 0.3 * torch.randn(H, generator=gen)).to(dtype)
+    p = make_product(gen, T, (H,), dtype, R=R, sizes=x.float().abs().mean(1))
+    two = fused.rms_norm(x, w, 1e-6, residual=r, delta=p, backend="triton")
+    monkeypatch.setattr(fused_lora_rms_split, "ONE_LAUNCH", True)
+    calls = []
+    one_launch = fused_lora_rms_split._ONE
+    monkeypatch.setattr(fused_lora_rms_split, "_ONE", lambda *a: (calls.append(1), one_launch(*a)))
+    for _ in range(2):
+        out, s = fused.rms_norm(x, w, 1e-6, residual=r, delta=p, backend="triton")
+        assert torch.equal(out, two[0]) and torch.equal(s, two[1])
+    assert len(calls) == 2 and not fused_lora_rms_split._COUNTERS[x.device][-1].any()
+
+
+@interpreted
+@pytest.mark.parametrize("op, R", [("silu", 16), ("rope", 16), ("rope_gqa", 8), ("rms_split", 16), ("silu", 40)])
+def test_early_reads_give_the_same_bits(op, R, monkeypatch):
+    """fused_lora_kernels.EARLY_READS (LORAPLEX_LORA_EARLY_READS; ops/pdl.py's early reads: the rows' slots,
+    ranks, scalings and B blocks read first): the consumers give the bits they give without it, which the tests
+    above hold to the float64 loop. It applies where one rank tile holds the rank (R=40: two tiles, not
+    taken); the launches' EARLY constexpr is checked, so the case cannot pass by not taking the path."""
+    from loraplex.ops import fused_lora_rms_split
+    gen = torch.Generator().manual_seed(stable_seed("early-reads", op, R))
+    T, dtype = 9, torch.float16
+    seen = []
+
+    def spy(module, name):
+        launcher = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda grid, args, consts, *rest: (seen.append(consts["EARLY"]),
+                                                                             launcher(grid, args, consts, *rest)))
+
+    if op == "silu":
+        I = 300
+        gate_up = (torch.randn(T, 2 * I, generator=gen) * 2).to(dtype)
+        p = make_product(gen, T, (I, I), dtype, R=R, sizes=torch.full((T,), 2.0))
+        spy(fused_lora_kernels, "_SILU")
+
+        def run():
+            return fused.silu_and_mul(gate_up, out=torch.full((T, I), float("nan"), dtype=dtype), delta=p,
+                                      backend="triton")
+    elif op == "rms_split":
+        H = 200
+        monkeypatch.setattr(fused_lora_kernels, "RMS_SPLIT", 64)
+        x = rows_with_scales(gen, T, H, dtype, large=False)
+        r = rows_with_scales(gen, T, H, dtype, large=False)
+        w = (1 + 0.3 * torch.randn(H, generator=gen)).to(dtype)
+        p = make_product(gen, T, (H,), dtype, R=R, sizes=x.float().abs().mean(1))
+        spy(fused_lora_rms_split, "_SUMS")
+
+        def run():
+            return torch.cat(fused.rms_norm(x, w, 1e-6, residual=r, delta=p, backend="triton"), dim=1)
+    else:   # RoPE of q, k and v; rope_gqa: 3 kv heads per 6 query heads, one head per program (k/v past theirs)
+        Hq, Hkv, D = (4, 2, 64) if op == "rope" else (6, 3, 32)
+        if op == "rope_gqa":
+            monkeypatch.setattr(fused_lora_kernels, "ROPE_HEADS", 1)
+        q, k, qkv = qkv_views(gen, T, Hq, Hkv, D, dtype, "fused")
+        positions = random_positions(gen, T)
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+        inv_freq = LlamaRotaryEmbedding(rope_config(Hq, Hkv, D)).inv_freq
+        p = make_product(gen, T, (Hq * D, Hkv * D, Hkv * D), dtype, R=R, sizes=qkv.float().abs().mean(1))
+        qkv_in = qkv.clone()
+        spy(fused_lora_kernels, "_ROPE")
+
+        def run():
+            qkv.copy_(qkv_in)
+            fused.apply_rope(q, k, positions, inv_freq, v=qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D), delta=p,
+                             backend="triton")
+            return qkv.clone()
+    monkeypatch.setattr(fused_lora_kernels, "EARLY_READS", False)
+    plain = run()
+    monkeypatch.setattr(fused_lora_kernels, "EARLY_READS", True)
+    early = run()
+    assert seen[0] is False and all(seen[1:]) is (R <= 32) and len(seen) == 2
+    assert not torch.isnan(early).any() and torch.equal(early, plain)
+
+
+@interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("regime", ["decode", "prefill"])
 def test_linear_with_lora_product_leaves_the_shrink_for_the_next_op(dtype, regime):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from loraplex.ops import fused
+from loraplex.ops import fused, fused_lora_kernels
 from loraplex.ops.lora_product import LoraProduct
 
 from test_fused_gpu import CUDA, RMS_TOL, SILU_TOL, _gen
@@ -32,6 +32,9 @@ LORA_DTYPES = [torch.bfloat16, torch.float16]
 # bf16, ~3e-4 in fp16, a few ulps apart only where t and delta cancel), and of silu_and_mul's outputs
 # that may then differ from the plain op on the float64 sums (measured ≤ 4e-4).
 LORA_FLIP_FRAC = 5e-3
+# fused_lora_kernels.EARLY_READS (ops/pdl.py's early reads) off and on: the tests below set it (with it on, the
+# compiled sums contract into FMAs differently: bits may differ from it off, within the same bounds)
+EARLY = [pytest.param(False, id="plain"), pytest.param(True, id="early")]
 
 
 def _lora_product(gen: torch.Generator, widths: tuple[int, ...], dtype: torch.dtype, exact: bool) -> LoraProduct:
@@ -108,12 +111,14 @@ def _qkv_of(buf: torch.Tensor, Hkv: int) -> tuple[torch.Tensor, torch.Tensor, to
 
 @pytest.mark.parametrize("dtype", LORA_DTYPES)
 @pytest.mark.parametrize("Hkv", [32, 8])
-def test_lora_product_consumers_are_the_ops_on_the_exact_sum(dtype, Hkv):
+@pytest.mark.parametrize("early", EARLY)
+def test_lora_product_consumers_are_the_ops_on_the_exact_sum(dtype, Hkv, early, monkeypatch):
     """Products exact in fp32 (dyadic data): each consumer with a LoraProduct gives, bit for bit, what the
     plain kernel gives on `round(t + delta)`, delta the float64 loop of lora_product.py's docstring (equal
     to `dense()` here to the bit); rms_norm's output only to its own tolerance, since the LoRA kernel sums
     the squares tile by tile. Inputs that are only read stay unwritten; the reference backend, fed the
     same product, agrees within the ops' tolerances (RMS_TOL, SILU_TOL, the rope bound)."""
+    monkeypatch.setattr(fused_lora_kernels, "EARLY_READS", early)
     gen = _gen("lora-exact", str(dtype), Hkv)
     T, H, I, Hq, D = LORA_T, LORA_H, LORA_I, LORA_HQ, LORA_D
     w = (1 + 0.3 * torch.randn(H, generator=gen)).to(CUDA, dtype)
@@ -186,7 +191,8 @@ def _assert_sum(got: torch.Tensor, t: torch.Tensor, p: LoraProduct, what: str) -
 
 @pytest.mark.parametrize("dtype", LORA_DTYPES)
 @pytest.mark.parametrize("Hkv", [32, 8])
-def test_lora_product_consumers_match_float64_on_gaussian_data(dtype, Hkv):
+@pytest.mark.parametrize("early", EARLY)
+def test_lora_product_consumers_match_float64_on_gaussian_data(dtype, Hkv, early, monkeypatch):
     """Gaussian partials, B and scalings (fp32 rounding in every sum): the sums the kernels form (s of
     rms_norm; q, k and v of apply_rope at position 0, where the rotation is the identity) are the float64
     `t + delta` up to the fp32 rounding of the product and the dtype's, and off it rounded once on few
@@ -194,6 +200,7 @@ def test_lora_product_consumers_match_float64_on_gaussian_data(dtype, Hkv):
     positions apply_rope rotates its own sums as the plain kernel does (bit for bit); silu_and_mul differs
     from the plain op on the float64 sums on few elements only, and not at all on rows without an adapter.
     (The exact-sum test above holds every element to the bit.)"""
+    monkeypatch.setattr(fused_lora_kernels, "EARLY_READS", early)
     gen = _gen("lora-gaussian", str(dtype), Hkv)
     T, H, I, Hq, D = LORA_T, LORA_H, LORA_I, LORA_HQ, LORA_D
 
@@ -238,10 +245,17 @@ def test_lora_product_consumers_match_float64_on_gaussian_data(dtype, Hkv):
 
 
 @pytest.mark.parametrize("dtype", LORA_DTYPES)
-def test_cuda_graph_of_the_lora_product_consumers(dtype):
+@pytest.mark.parametrize("early, one_launch", [(False, False), (True, False), (True, True)])
+def test_cuda_graph_of_the_lora_product_consumers(dtype, early, one_launch, monkeypatch):
     """rms_norm (+ residual), silu_and_mul and apply_rope with LoraProducts, captured once and replayed
     with new inputs, partials and row slots (other adapters, other rows without one) copied into the same
-    buffers: each replay gives the eager kernels' bits."""
+    buffers: each replay gives the eager kernels' bits. `early`: fused_lora_kernels.EARLY_READS (ops/pdl.py's
+    early reads, with PDL where the GPU has it); `one_launch`: fused_lora_rms_split.ONE_LAUNCH (its row counters
+    reset by each replay)."""
+    from loraplex.ops import fused_lora_rms_split
+    monkeypatch.setattr(fused_lora_kernels, "EARLY_READS", early)
+    monkeypatch.setattr(fused_lora_rms_split, "ONE_LAUNCH", one_launch)
+    monkeypatch.setattr(fused_lora_kernels, "RMS_SPLIT", 512)   # the default: the split launch reads early
     gen = _gen(str(dtype), "lora-graph")
     T, H, I, Hq, Hkv, D = LORA_T, LORA_H, LORA_I, LORA_HQ, 8, LORA_D
     products = [_lora_product(gen, widths, dtype, exact=False)
@@ -292,22 +306,30 @@ def test_cuda_graph_of_the_lora_product_consumers(dtype):
 
 
 @pytest.mark.parametrize("dtype", LORA_DTYPES)
-@pytest.mark.parametrize("split", [256, 1024])
-def test_rms_norm_with_rows_over_several_programs(dtype, split, monkeypatch):
+@pytest.mark.parametrize("split, one_launch", [(256, False), (1024, False), (512, True), (1024, True)])
+def test_rms_norm_with_rows_over_several_programs(dtype, split, one_launch, monkeypatch):
     """fused_lora_kernels.RMS_SPLIT (fused_lora_rms_split.py: each row over programs of `split` columns,
     two launches): s is the float64 `x + delta` as in the test above, rows without an adapter keep their
     bits, out is the plain RMSNorm of s (RMS_TOL: another order of the sum of squares), and a second call
-    gives the same bits (the chunks' sums are added in a fixed order)."""
-    from loraplex.ops import fused_lora_kernels
+    gives the same bits (the chunks' sums are added in a fixed order). `one_launch`: fused_lora_rms_split.
+    ONE_LAUNCH (the row's last program normalizes it), whose bits are the two launches' and which leaves its
+    row counters at zero."""
+    from loraplex.ops import fused_lora_rms_split
     monkeypatch.setattr(fused_lora_kernels, "RMS_SPLIT", split)
     gen = _gen("lora-rms-split", str(dtype), split)
     T, H = LORA_T, LORA_H
     p = _lora_product(gen, (H,), dtype, exact=False)
     x = torch.randn(T, H, generator=gen).to(CUDA, dtype)
     w = (1 + 0.3 * torch.randn(H, generator=gen)).to(CUDA, dtype)
+    if one_launch:
+        two = fused.rms_norm(x, w, 1e-5, delta=p)
+        monkeypatch.setattr(fused_lora_rms_split, "ONE_LAUNCH", True)
     out, s = fused.rms_norm(x, w, 1e-5, delta=p)
     again, again_s = fused.rms_norm(x, w, 1e-5, delta=p)
     assert torch.equal(out, again) and torch.equal(s, again_s)
+    if one_launch:
+        assert torch.equal(out, two[0]) and torch.equal(s, two[1])
+        assert not fused_lora_rms_split._COUNTERS[x.device][-1].any()
     _assert_sum(s, x, p, f"rms_norm s over programs of {split} columns")
     keep = p.row_slot < 0
     assert keep.any() and torch.equal(s[keep], x[keep])

@@ -62,20 +62,23 @@ def test_every_kernel_starts_with_pdl_start():
 @pytest.mark.parametrize("forced", [True, False])
 def test_kernels_wait_before_any_memory_access_with_pdl_on(forced):
     """Compiled for sm_90 with PDL forced on: each kernel's PTX waits (griddepcontrol.wait) before its first
-    global or shared memory access and releases its dependents; forced off, neither instruction is there. (With
+    global or shared memory access (the LoRA consumers' EARLY variants: global loads only, ops/pdl.py's early
+    reads) and releases its dependents; forced off, neither instruction is there. (With
     PDL on every kernel compiles anew: two subprocesses side by side, ~35 s each on 2 CPUs.)"""
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join([str(TESTS), *sys.path]))
     parts = ("fused", "attention") if forced else ("fused",)
     procs = [subprocess.Popen([sys.executable, __file__, "on" if forced else "off", part], env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for part in parts]
-    checked = 0
+    checked = early = 0
     for proc in procs:
         out, err = proc.communicate(timeout=900)
         assert proc.returncode == 0, err[-3000:]
         counts = [line for line in out.splitlines() if line.startswith("checked")]
         assert counts, out[-2000:]
         checked += int(counts[-1].split()[1])
+        early += int(counts[-1].split()[3])
     assert checked >= (100 if forced else 30), checked
+    assert early >= (4 if forced else 0), early   # the LoRA consumers' EARLY variants (test_fused_compile.py)
 
 
 @pytest.mark.gpu
@@ -108,17 +111,38 @@ def test_launches_carry_the_programmatic_attribute_and_keep_their_results():
     assert torch.equal(captured, eager)
 
 
-def _check_ptx(ptx: str, forced: bool, seen: list) -> None:
+def _check_ptx(ptx: str, forced: bool, seen: list, early: bool = False) -> None:
+    """`early`: a kernel compiled with EARLY (ops/pdl.py's early reads): global loads, and nothing else that
+    touches memory, before the wait, and at least one of them (else the variant would be pointless)."""
     lines = [line.strip() for line in ptx.splitlines()]
     waits = [i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait")]
     if not forced:
         assert not waits and "griddepcontrol" not in ptx
     else:
         assert waits and any(line.startswith("griddepcontrol.launch_dependents") for line in lines)
-        first_memory = next((i for i, line in enumerate(lines) if MEMORY_OP.match(line)), None)
-        assert first_memory is not None, "no memory instruction found: the pattern is stale"
-        assert waits[0] < first_memory, f"a memory access before the wait: {lines[first_memory]}"
-    seen.append(1)
+        memory = [i for i, line in enumerate(lines) if MEMORY_OP.match(line)]
+        assert memory, "no memory instruction found: the pattern is stale"
+        before = [lines[i] for i in memory if i < waits[0]]
+        if early:
+            assert before, "an early-reading kernel reads nothing before the wait"
+            other = [line for line in before if not EARLY_LOAD.match(line)]
+            assert not other, f"a memory access before the wait that is not a global load: {other[0]}"
+        else:
+            assert not before, f"a memory access before the wait: {before[0]}"
+    seen.append(2 if early and forced else 1)
+
+
+EARLY_LOAD = re.compile(r"^(@!?%p\d+\s+)?ld\.global\.")
+
+
+def _is_early(src) -> bool:
+    """Is a compile's EARLY constexpr true (an ASTSource's constants, keyed by name or by (index,))?"""
+    names = src.fn.arg_names
+    for key, value in getattr(src, "constants", {}).items():
+        name = key if isinstance(key, str) else names[key[0]] if len(key) == 1 else None
+        if name == "EARLY" and value:
+            return True
+    return False
 
 
 if __name__ == "__main__":
@@ -132,7 +156,7 @@ if __name__ == "__main__":
 
     def checked_compile(*args, **kwargs):
         compiled = real_compile(*args, **kwargs)
-        _check_ptx(compiled.asm["ptx"], forced, seen)
+        _check_ptx(compiled.asm["ptx"], forced, seen, early=_is_early(args[0]))
         return compiled
 
     triton.compile = checked_compile
@@ -148,4 +172,4 @@ if __name__ == "__main__":
     else:
         for kind in test_attention_compile.KINDS:
             test_attention_compile.compile_kind(90, "bf16", kind)
-    print("checked", len(seen))
+    print("checked", len(seen), "early", seen.count(2))

@@ -17,10 +17,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..env_switch import env_switch
 from .fused_kernels import COMPILED, _cos_sin, _inv, _norm_output, _pow2, _rotate, _round, _rstd, _silu_mul
 from .launch import Launcher
 from .sgmv_kernels import VECTOR_LOADS_SETTING, _load_rank_block, _rank_block_exact
-from .pdl import pdl_start
+from .pdl import pdl_deferred_start, pdl_start
 
 # RoPE's [heads, half head, rank] tiles: LORAPLEX_LORA_VECTOR_LOADS=no-rope keeps the exact mask there alone
 _load_rank_block_2d = _rank_block_exact if VECTOR_LOADS_SETTING == "no-rope" else _load_rank_block
@@ -135,46 +136,68 @@ def _rms_norm_lora_kernel(x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, part_ptr, row_slo
 def _silu_and_mul_lora_kernel(gu_ptr, out_ptr, part_ptr, row_slot_ptr, b0, b1, rk0, rk1, sc0, sc1, R,
                               stride_p_split, stride_p_slice, stride_pm, I, stride_gu, stride_out,
                               ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                              BLOCK: tl.constexpr, COMPILED: tl.constexpr, LOADS_FIRST: tl.constexpr):
+                              BLOCK: tl.constexpr, COMPILED: tl.constexpr, LOADS_FIRST: tl.constexpr,
+                              EARLY: tl.constexpr):
     """Program (row, column block): gate and up take their slice's product, then out = silu(gate) · up.
     LOADS_FIRST (one rank tile): both slices' B blocks are loaded before either product is summed (compiled
-    in program order, the up block's loads otherwise wait for the gate's product: sm_90 PTX)."""
-    pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
+    in program order, the up block's loads otherwise wait for the gate's product: sm_90 PTX).
+    EARLY (one rank tile): the row's slot, ranks, scalings and both B blocks are read before the PDL wait
+    (ops/pdl.py's early reads), gate/up and the partials after it; the same sums as LOADS_FIRST's."""
+    pdl_start(EARLY)   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first (EARLY: below)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
     DT = out_ptr.dtype.element_ty
     gu_row = gu_ptr + row * stride_gu
-    g = tl.load(gu_row + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gu_row + I + offs, mask=mask, other=0.0).to(tl.float32)
-    has, slot, rank_g, scale_g = _slot_of(row_slot_ptr, row, rk0, sc0, R)
-    if has:
-        # Both slices' scalars and shrink outputs first, so that their loads overlap.
-        rank_u = tl.minimum(tl.load(rk1 + slot), R)
+    if EARLY:
+        has, slot, rank_g, scale_g = _slot_of(row_slot_ptr, row, rk0, sc0, R)
+        rank_u = tl.where(has, tl.minimum(tl.load(rk1 + slot), R), 0)
         scale_u = tl.load(sc1 + slot)
-        part_g = part_ptr + row * stride_pm
-        part_u = part_g + stride_p_slice
-        b_g = b0 + slot.to(tl.int64) * I * R
-        b_u = b1 + slot.to(tl.int64) * I * R
-        if LOADS_FIRST and ONE_R_TILE:   # the same sums as _product's, its loads issued first
-            offs_r = tl.arange(0, BLOCK_R)
-            bg = _load_rank_block(b_g + offs[:, None] * R + offs_r[None, :], mask[:, None], offs_r[None, :],
-                                  (offs_r < rank_g)[None, :], rank_g, R)
-            bu = _load_rank_block(b_u + offs[:, None] * R + offs_r[None, :], mask[:, None], offs_r[None, :],
-                                  (offs_r < rank_u)[None, :], rank_u, R)
+        offs_r = tl.arange(0, BLOCK_R)
+        bg = _load_rank_block(b0 + slot.to(tl.int64) * I * R + offs[:, None] * R + offs_r[None, :], mask[:, None],
+                              offs_r[None, :], (offs_r < rank_g)[None, :], rank_g, R)   # rank 0: nothing read
+        bu = _load_rank_block(b1 + slot.to(tl.int64) * I * R + offs[:, None] * R + offs_r[None, :], mask[:, None],
+                              offs_r[None, :], (offs_r < rank_u)[None, :], rank_u, R)
+        pdl_deferred_start(EARLY)
+        g = tl.load(gu_row + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gu_row + I + offs, mask=mask, other=0.0).to(tl.float32)
+        if has:
+            part_g = part_ptr + row * stride_pm
             vg, _, _ = _v(part_g, 0, rank_g, stride_p_split, SPLIT_K, BLOCK_R)
-            vu, _, _ = _v(part_u, 0, rank_u, stride_p_split, SPLIT_K, BLOCK_R)
-            dg = tl.sum(bg.to(tl.float32) * vg[None, :], axis=1) * scale_g
-            du = tl.sum(bu.to(tl.float32) * vu[None, :], axis=1) * scale_u
-        else:
-            vg, offs_r, rm_g = _v(part_g, 0, rank_g, stride_p_split, SPLIT_K, BLOCK_R)
-            vu, _, rm_u = _v(part_u, 0, rank_u, stride_p_split, SPLIT_K, BLOCK_R)
-            dg = _product(part_g, b_g, rank_g, scale_g, offs, mask, R, stride_p_split, vg, offs_r, rm_g, ONE_R_TILE,
-                          SPLIT_K, BLOCK_R, BLOCK)
-            du = _product(part_u, b_u, rank_u, scale_u, offs, mask, R, stride_p_split, vu, offs_r, rm_u, ONE_R_TILE,
-                          SPLIT_K, BLOCK_R, BLOCK)
-        g = _round(g + dg, DT, COMPILED)
-        u = _round(u + du, DT, COMPILED)
+            vu, _, _ = _v(part_g + stride_p_slice, 0, rank_u, stride_p_split, SPLIT_K, BLOCK_R)
+            g = _round(g + tl.sum(bg.to(tl.float32) * vg[None, :], axis=1) * scale_g, DT, COMPILED)
+            u = _round(u + tl.sum(bu.to(tl.float32) * vu[None, :], axis=1) * scale_u, DT, COMPILED)
+    else:
+        g = tl.load(gu_row + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gu_row + I + offs, mask=mask, other=0.0).to(tl.float32)
+        has, slot, rank_g, scale_g = _slot_of(row_slot_ptr, row, rk0, sc0, R)
+        if has:
+            # Both slices' scalars and shrink outputs first, so that their loads overlap.
+            rank_u = tl.minimum(tl.load(rk1 + slot), R)
+            scale_u = tl.load(sc1 + slot)
+            part_g = part_ptr + row * stride_pm
+            part_u = part_g + stride_p_slice
+            b_g = b0 + slot.to(tl.int64) * I * R
+            b_u = b1 + slot.to(tl.int64) * I * R
+            if LOADS_FIRST and ONE_R_TILE:   # the same sums as _product's, its loads issued first
+                offs_r = tl.arange(0, BLOCK_R)
+                bg = _load_rank_block(b_g + offs[:, None] * R + offs_r[None, :], mask[:, None], offs_r[None, :],
+                                      (offs_r < rank_g)[None, :], rank_g, R)
+                bu = _load_rank_block(b_u + offs[:, None] * R + offs_r[None, :], mask[:, None], offs_r[None, :],
+                                      (offs_r < rank_u)[None, :], rank_u, R)
+                vg, _, _ = _v(part_g, 0, rank_g, stride_p_split, SPLIT_K, BLOCK_R)
+                vu, _, _ = _v(part_u, 0, rank_u, stride_p_split, SPLIT_K, BLOCK_R)
+                dg = tl.sum(bg.to(tl.float32) * vg[None, :], axis=1) * scale_g
+                du = tl.sum(bu.to(tl.float32) * vu[None, :], axis=1) * scale_u
+            else:
+                vg, offs_r, rm_g = _v(part_g, 0, rank_g, stride_p_split, SPLIT_K, BLOCK_R)
+                vu, _, rm_u = _v(part_u, 0, rank_u, stride_p_split, SPLIT_K, BLOCK_R)
+                dg = _product(part_g, b_g, rank_g, scale_g, offs, mask, R, stride_p_split, vg, offs_r, rm_g, ONE_R_TILE,
+                              SPLIT_K, BLOCK_R, BLOCK)
+                du = _product(part_u, b_u, rank_u, scale_u, offs, mask, R, stride_p_split, vu, offs_r, rm_u, ONE_R_TILE,
+                              SPLIT_K, BLOCK_R, BLOCK)
+            g = _round(g + dg, DT, COMPILED)
+            u = _round(u + du, DT, COMPILED)
     tl.store(out_ptr + row * stride_out + offs, _silu_mul(g, u, DT, COMPILED).to(DT), mask=mask)
 
 
@@ -217,19 +240,80 @@ def _heads(base, stride_h, num_heads, h0, part_row, b_ptr, rank_ptr, scale_ptr, 
 
 
 @triton.jit
+def _rope_early(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_row, slot, has, b0, b1, b2, rk0, rk1, rk2, sc0, sc1,
+                sc2, R, stride_p_split, stride_p_slice, HQ, HKV, HALF, stride_qh, stride_kh, stride_vh, t, which, h0,
+                ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+                BLOCK_D: tl.constexpr, COMPILED: tl.constexpr):
+    """`_heads` for q, k or v (`which`) with the slice's rank, scaling and both halves' B blocks read first, then
+    the kernel's deferred PDL wait (ops/pdl.py's early reads), then the rest: the same sums and roundings. `q_ptr`,
+    `k_ptr`, `v_ptr`: the token's rows."""
+    is_q = which == 0
+    is_k = which == 1
+    num_heads = tl.where(is_q, HQ, HKV)
+    b_ptr = tl.where(is_q, b0, tl.where(is_k, b1, b2))
+    rank = tl.where(has, tl.minimum(tl.load(tl.where(is_q, rk0, tl.where(is_k, rk1, rk2)) + slot), R), 0)
+    scale = tl.load(tl.where(is_q, sc0, tl.where(is_k, sc1, sc2)) + slot)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HALF
+    offs_h = h0 + tl.arange(0, BLOCK_H)
+    mask = (offs_h < num_heads)[:, None] & d_mask[None, :]
+    cols = offs_h[:, None] * (2 * HALF) + offs_d[None, :]
+    b_slot = b_ptr + slot.to(tl.int64) * num_heads * 2 * HALF * R
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank   # rank 0 (no adapter): nothing read
+    b1_ = _load_rank_block_2d(b_slot + cols[:, :, None] * R + offs_r[None, None, :], mask[:, :, None],
+                              offs_r[None, None, :], r_mask[None, None, :], rank, R)
+    b2_ = _load_rank_block_2d(b_slot + (cols + HALF)[:, :, None] * R + offs_r[None, None, :], mask[:, :, None],
+                              offs_r[None, None, :], r_mask[None, None, :], rank, R)
+    pdl_deferred_start(True)
+    DT = q_ptr.dtype.element_ty
+    base = tl.where(is_q, q_ptr, tl.where(is_k, k_ptr, v_ptr))
+    stride_h = tl.where(is_q, stride_qh, tl.where(is_k, stride_kh, stride_vh))
+    p1 = base + offs_h[:, None] * stride_h + offs_d[None, :]
+    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
+    if has:
+        lv, _, _ = _v(part_row + which * stride_p_slice, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
+        x1 = _round(x1 + tl.sum(b1_.to(tl.float32) * lv[None, None, :], axis=2) * scale, DT, COMPILED)
+        x2 = _round(x2 + tl.sum(b2_.to(tl.float32) * lv[None, None, :], axis=2) * scale, DT, COMPILED)
+    if which < 2:
+        c, s = _cos_sin(pos_ptr, inv_freq_ptr, offs_d, d_mask, DT, COMPILED)
+        o1, o2 = _rotate(x1, x2, c, s, DT, COMPILED)
+        tl.store(p1, o1.to(DT), mask=mask)
+        tl.store(p1 + HALF, o2.to(DT), mask=mask)
+    elif has:
+        tl.store(p1, x1.to(DT), mask=mask)
+        tl.store(p1 + HALF, x2.to(DT), mask=mask)
+
+
+@triton.jit
 def _rope_lora_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_ptr, row_slot_ptr, b0, b1, b2, rk0, rk1, rk2,
                       sc0, sc1, sc2, R, stride_p_split, stride_p_slice, stride_pm, HQ, HKV, HALF, stride_qt,
                       stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_pos, slot_active_ptr,
                       active_stride, ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, COMPILED: tl.constexpr, IN_GEMM: tl.constexpr):
+                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, COMPILED: tl.constexpr, IN_GEMM: tl.constexpr,
+                      EARLY: tl.constexpr):
     """Program (token, q|k|v, head block): q/k/v heads take their slice's product; q and k rotate.
     IN_GEMM: the product's part is a GEMM's shrink columns, the row's adapter's `active_stride` × its
-    active index along (lora_product.py)."""
-    pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
+    active index along (lora_product.py). EARLY (one rank tile): the row's slot, the slice's rank and scaling
+    and its B blocks are read before the PDL wait (ops/pdl.py's early reads; `_rope_early`)."""
+    pdl_start(EARLY)   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first (EARLY: below)
     t = tl.program_id(0).to(tl.int64)
     which = tl.program_id(1)
     h0 = tl.program_id(2) * BLOCK_H
-    if h0 < tl.where(which == 0, HQ, HKV):   # k and v have fewer head blocks with GQA
+    if EARLY:
+        slot = tl.load(row_slot_ptr + t)
+        has = slot >= 0
+        slot = tl.maximum(slot, 0)
+        part_row = part_ptr + t * stride_pm
+        if IN_GEMM:
+            part_row += tl.maximum(tl.load(slot_active_ptr + slot), 0).to(tl.int64) * active_stride
+        # k and v have fewer head blocks with GQA; a program past them waits and ends
+        _rope_early(q_ptr + t * stride_qt, k_ptr + t * stride_kt, v_ptr + t * stride_vt, pos_ptr + t * stride_pos,
+                    inv_freq_ptr, part_row, slot, has, b0, b1, b2, rk0, rk1, rk2, sc0, sc1, sc2, R, stride_p_split,
+                    stride_p_slice, HQ, HKV, HALF, stride_qh, stride_kh, stride_vh, t, which, h0, ONE_R_TILE, SPLIT_K,
+                    BLOCK_R, BLOCK_H, BLOCK_D, COMPILED)
+    elif h0 < tl.where(which == 0, HQ, HKV):   # k and v have fewer head blocks with GQA
         DT = q_ptr.dtype.element_ty
         offs_d = tl.arange(0, BLOCK_D)
         d_mask = offs_d < HALF
@@ -265,7 +349,13 @@ RMS_SPLIT = 512     # > 0: each row over programs of this many columns, two laun
 SILU_BLOCK = 512
 SILU_WARPS = 0      # > 0: warps per SiLU-and-mul program; 0: one per 128 columns, at most 4 (148 registers a thread
                     # at 512 columns, sm_90 ptxas; 76 in 8 warps)
-SILU_LOADS_FIRST = False   # both B blocks loaded before either product (not yet timed: trace variant silu_loads_first)
+SILU_LOADS_FIRST = False   # both B blocks loaded before either product (0.992x a batch-32 decode forward: inside the
+                           # rounds' spread, H200, 2026-12-02, results/decode_graph_trace_skinny.json)
+# LORAPLEX_LORA_EARLY_READS: the three consumers (RMSNorm's split launch 1) read their rows' slots, ranks, scalings
+# and B blocks before the PDL wait (ops/pdl.py's early reads), so that with PDL those loads run while the GEMM
+# before them is finishing; only where one rank tile holds the rank (R <= 32). Off until measured on a GPU.
+EARLY_READS = env_switch("LORAPLEX_LORA_EARLY_READS", "off", on="on", off="off") == "on"
+EARLY_KERNELS = frozenset({"rms", "silu", "rope"})   # the consumers it changes (benchmarks time them apart)
 # heads per program; 2 and 1 measured 1.000× and 1.011× its decode forward time (H200, 2026-12-02, Llama-2-7B at
 # batch 32 in CUDA graphs, paired rounds: results/decode_graph_trace_oattn.json)
 ROPE_HEADS = 4
@@ -283,6 +373,12 @@ def _tiles(R: int) -> dict:
     return dict(ONE_R_TILE=R <= block_r, BLOCK_R=block_r)
 
 
+def _early(R: int, kernel: str) -> bool:
+    """EARLY_READS for `kernel` where it applies (one rank tile); read at call time, as tests and benchmarks
+    set it."""
+    return EARLY_READS and kernel in EARLY_KERNELS and R <= _block_r(R)
+
+
 def rms_norm(x, weight, eps: float, residual, out, s_out, lora, block: int | None = None) -> None:
     """`fused_kernels.rms_norm` on x plus the LoraProduct `lora` (one slice), s always written."""
     T, H = x.shape
@@ -290,7 +386,9 @@ def rms_norm(x, weight, eps: float, residual, out, s_out, lora, block: int | Non
         return
     if RMS_SPLIT:
         from . import fused_lora_rms_split   # imports this module's jit helpers
-        fused_lora_rms_split.rms_norm(x, weight, eps, residual, out, s_out, lora, RMS_SPLIT, _tiles(lora.part.shape[3]))
+        R = lora.part.shape[3]
+        fused_lora_rms_split.rms_norm(x, weight, eps, residual, out, s_out, lora, RMS_SPLIT, _tiles(R),
+                                      _early(R, "rms"))
         return
     block = min(_pow2(H), block or RMS_BLOCK)
     p, row_slot, b, _, _, rk, _, _, sc, _, _, R, sp, _, sm = lora.kernel_args()
@@ -310,7 +408,7 @@ def silu_and_mul(gate_up, out, lora, block: int | None = None) -> None:
     p, row_slot, b0, b1, _, rk0, rk1, _, sc0, sc1, _, R, sp, ss, sm = lora.kernel_args()
     args = (gate_up, out, p, row_slot, b0, b1, rk0, rk1, sc0, sc1, R, sp, ss, sm, I, gate_up.stride(0), out.stride(0))
     _SILU((T, -(-I // block)), args, dict(**_tiles(R), SPLIT_K=p.shape[0], BLOCK=block, COMPILED=COMPILED,
-                                          LOADS_FIRST=SILU_LOADS_FIRST),
+                                          LOADS_FIRST=SILU_LOADS_FIRST, EARLY=_early(R, "silu")),
           SILU_WARPS or max(1, min(4, block // 128)), 1)
 
 
@@ -329,5 +427,5 @@ def apply_rope(q, k, v, positions, inv_freq, lora, heads: int | None = None) -> 
             positions.stride(0), lora.slot_active if in_gemm else row_slot, lora.active_stride if in_gemm else 0)
     grid = (T, 3, -(-max(Hq, Hkv) // block_h))
     _ROPE(grid, args, dict(**_tiles(R), SPLIT_K=p.shape[0], BLOCK_H=block_h, BLOCK_D=block_d, COMPILED=COMPILED,
-                           IN_GEMM=in_gemm),
+                           IN_GEMM=in_gemm, EARLY=_early(R, "rope")),
           max(1, min(4, block_h * block_d // 128)), 1)

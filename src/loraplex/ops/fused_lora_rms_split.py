@@ -10,7 +10,9 @@ the plain RMSNorm). Here the row is cut into chunks of BLOCK columns:
        out = weight · normalize(s) over the chunk
 
 The same sums and roundings as the one-program kernel except the order of the sum of squares (chunk by
-chunk), so outputs agree with it to the rounding of rstd, and every run gives the same bits. Chosen by
+chunk), so outputs agree with it to the rounding of rstd, and every run gives the same bits. With ONE_LAUNCH
+(off until measured) both steps run in one launch: each program of launch 1 counts itself in on its row's
+counter, and the row's last program does step 2 for the whole row (the same sums and roundings). Chosen by
 fused_lora_kernels.RMS_SPLIT (0: one program per row), 512 columns by default since the fourteenth session, when
 o's and down's products became "fused" projections (ops/overlap.py fused_projections): a Llama-2-7B
 decode forward at batch 32 in a CUDA graph took 0.985× the time of q/k/v's product alone, 1,024 columns 0.988×,
@@ -23,36 +25,92 @@ import torch
 import triton
 import triton.language as tl
 
+from ..env_switch import env_switch
 from .fused_kernels import COMPILED, _inv, _norm_output, _pow2, _round, _rstd
 from .fused_lora_kernels import _product, _slot_of, _v
+from .sgmv_kernels import _load_rank_block
 from .launch import Launcher
-from .pdl import pdl_start
+from .pdl import pdl_deferred_start, pdl_start
+
+
+@triton.jit
+def _chunk_sums(x_ptr, r_ptr, s_ptr, sumsq_ptr, part_ptr, row_slot_ptr, b_ptr, rank_ptr, scale_ptr, R, stride_p_split,
+                stride_pm, H, stride_x, stride_r, stride_s, CHUNKS, HAS_RESIDUAL: tl.constexpr,
+                ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr,
+                COMPILED: tl.constexpr, EARLY: tl.constexpr):
+    """Launch 1's program (row, chunk): the chunk of s, stored, and its sum of squares. EARLY (one rank tile):
+    the row's slot, rank, scaling and B block are read before the deferred PDL wait (ops/pdl.py's early reads;
+    the kernel's first statement was `pdl_start(EARLY)`); the same sums."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    DT = x_ptr.dtype.element_ty
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < H
+    if EARLY:
+        has, slot, rank, scale = _slot_of(row_slot_ptr, row, rank_ptr, scale_ptr, R)
+        offs_r = tl.arange(0, BLOCK_R)
+        b = _load_rank_block(b_ptr + slot.to(tl.int64) * H * R + offs[:, None] * R + offs_r[None, :], mask[:, None],
+                             offs_r[None, :], (offs_r < rank)[None, :], rank, R)   # rank 0: nothing read
+        pdl_deferred_start(EARLY)
+        v = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        if has:
+            lv, _, _ = _v(part_ptr + row * stride_pm, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
+            v = _round(v + tl.sum(b.to(tl.float32) * lv[None, :], axis=1) * scale, DT, COMPILED)
+    else:
+        v = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        has, slot, rank, scale = _slot_of(row_slot_ptr, row, rank_ptr, scale_ptr, R)
+        if has:
+            part_row = part_ptr + row * stride_pm
+            lv, offs_r, r_mask = _v(part_row, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
+            d = _product(part_row, b_ptr + slot.to(tl.int64) * H * R, rank, scale, offs, mask, R, stride_p_split,
+                         lv, offs_r, r_mask, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK)
+            v = _round(v + d, DT, COMPILED)
+    if HAS_RESIDUAL:
+        v = _round(tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32) + v, DT, COMPILED)
+    tl.store(s_ptr + row * stride_s + offs, v.to(DT), mask=mask)
+    tl.store(sumsq_ptr + row * CHUNKS + chunk, tl.sum(v * v, axis=0))
 
 
 @triton.jit
 def _rms_lora_sums_kernel(x_ptr, r_ptr, s_ptr, sumsq_ptr, part_ptr, row_slot_ptr, b_ptr, rank_ptr, scale_ptr, R,
                           stride_p_split, stride_pm, H, stride_x, stride_r, stride_s, CHUNKS,
                           HAS_RESIDUAL: tl.constexpr, ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr,
-                          BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, COMPILED: tl.constexpr):
-    """Program (row, chunk): the chunk of s, stored, and its sum of squares."""
-    pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
+                          BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, COMPILED: tl.constexpr, EARLY: tl.constexpr):
+    """Launch 1: program (row, chunk) stores the chunk of s and its sum of squares (`_chunk_sums`)."""
+    pdl_start(EARLY)   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first (EARLY: later)
+    _chunk_sums(x_ptr, r_ptr, s_ptr, sumsq_ptr, part_ptr, row_slot_ptr, b_ptr, rank_ptr, scale_ptr, R, stride_p_split,
+                stride_pm, H, stride_x, stride_r, stride_s, CHUNKS, HAS_RESIDUAL, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK,
+                COMPILED, EARLY)
+
+
+@triton.jit
+def _rms_lora_one_launch_kernel(x_ptr, r_ptr, s_ptr, sumsq_ptr, part_ptr, row_slot_ptr, b_ptr, rank_ptr, scale_ptr,
+                                w_ptr, out_ptr, count_ptr, R, stride_p_split, stride_pm, H, inv_h, eps, stride_x,
+                                stride_r, stride_s, stride_out, CHUNKS, HAS_RESIDUAL: tl.constexpr,
+                                ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                                BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, ROW_BLOCK: tl.constexpr,
+                                COMPILED: tl.constexpr, EARLY: tl.constexpr):
+    """Both launches in one: program (row, chunk) does launch 1's work, then counts itself in on the row's
+    counter; the row's last program (whichever chunk) normalizes the whole row as launch 2 would (the same
+    rstd from the chunks' sums in the same order, the same roundings) and resets the counter for the next
+    launch (and graph replay)."""
+    pdl_start(EARLY)   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first (EARLY: later)
+    _chunk_sums(x_ptr, r_ptr, s_ptr, sumsq_ptr, part_ptr, row_slot_ptr, b_ptr, rank_ptr, scale_ptr, R, stride_p_split,
+                stride_pm, H, stride_x, stride_r, stride_s, CHUNKS, HAS_RESIDUAL, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK,
+                COMPILED, EARLY)
     row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    DT = x_ptr.dtype.element_ty
-    offs = chunk * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < H
-    v = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    has, slot, rank, scale = _slot_of(row_slot_ptr, row, rank_ptr, scale_ptr, R)
-    if has:
-        part_row = part_ptr + row * stride_pm
-        lv, offs_r, r_mask = _v(part_row, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
-        d = _product(part_row, b_ptr + slot.to(tl.int64) * H * R, rank, scale, offs, mask, R, stride_p_split, lv,
-                     offs_r, r_mask, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK)
-        v = _round(v + d, DT, COMPILED)
-    if HAS_RESIDUAL:
-        v = _round(tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32) + v, DT, COMPILED)
-    tl.store(s_ptr + row * stride_s + offs, v.to(DT), mask=mask)
-    tl.store(sumsq_ptr + row * CHUNKS + chunk, tl.sum(v * v, axis=0))
+    tl.debug_barrier()   # every thread's s and sum stored before the (one-thread, acq_rel) count below
+    done = tl.atomic_add(count_ptr + row, 1)
+    if done == CHUNKS - 1:   # the row's other chunks are stored; read them past L1 (.cg: other SMs wrote them)
+        offs_c = tl.arange(0, BLOCK_C)
+        sums = tl.load(sumsq_ptr + row * CHUNKS + offs_c, mask=offs_c < CHUNKS, other=0.0, cache_modifier=".cg")
+        rstd = _rstd(tl.sum(sums, axis=0), inv_h, eps, COMPILED)
+        for c in range(0, H, ROW_BLOCK):
+            offs = c + tl.arange(0, ROW_BLOCK)
+            mask = offs < H
+            v = tl.load(s_ptr + row * stride_s + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+            _norm_output(v, rstd, w_ptr, out_ptr + row * stride_out, offs, mask, COMPILED)
+        tl.atomic_xchg(count_ptr + row, 0)
 
 
 @triton.jit
@@ -83,6 +141,27 @@ def _rms_scale_kernel(s_ptr, w_ptr, out_ptr, sumsq_ptr, H, inv_h, eps, stride_s,
 
 _SUMS = Launcher(_rms_lora_sums_kernel)
 _SCALE = Launcher(_rms_scale_kernel)
+_ONE = Launcher(_rms_lora_one_launch_kernel)
+
+# Both launches in one (`_rms_lora_one_launch_kernel`: the row's last program normalizes it):
+# LORAPLEX_LORA_RMS_ONE_LAUNCH=on. Off until measured.
+ONE_LAUNCH = env_switch("LORAPLEX_LORA_RMS_ONE_LAUNCH", "off", on="on", off="off") == "on"
+ROW_BLOCK = 4096   # columns a step of the last program's row walk
+_COUNTERS: dict = {}   # device -> the zeroed row counters of one-launch calls, and every smaller one (kept alive:
+                       # CUDA graphs captured their pointers)
+
+
+def _counters(device: torch.device, rows: int) -> torch.Tensor:
+    """At least `rows` zeroed int32 counters on `device`, allocated outside CUDA graph captures (the engine
+    captures each graph after an eager run of the same forward); every call leaves them zero. Calls that share
+    them must not run concurrently on two streams (a forward's RMSNorms run one after another)."""
+    kept = _COUNTERS.setdefault(device, [])
+    if not kept or kept[-1].numel() < rows:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"fused_lora_rms_split: no row counters yet for {rows} rows, and a CUDA graph is being "
+                               f"captured; run the same shape once before capturing")
+        kept.append(torch.zeros(max(256, 1 << (rows - 1).bit_length()), dtype=torch.int32, device=device))
+    return kept[-1]
 
 
 def chunking(H: int, block: int) -> tuple[int, int]:
@@ -91,7 +170,7 @@ def chunking(H: int, block: int) -> tuple[int, int]:
     return block, -(-H // block)
 
 
-def sums(x, residual, s_out, lora, block: int, tiles: dict) -> torch.Tensor:
+def sums(x, residual, s_out, lora, block: int, tiles: dict, early: bool = False) -> torch.Tensor:
     """Launch 1 (see above): s written, and the fp32 `[T, chunks]` sums of squares returned."""
     T, H = x.shape
     block, chunks = chunking(H, block)
@@ -100,16 +179,27 @@ def sums(x, residual, s_out, lora, block: int, tiles: dict) -> torch.Tensor:
     sumsq = torch.empty((T, chunks), dtype=torch.float32, device=x.device)
     _SUMS((T, chunks), (x, r, s_out, sumsq, p, row_slot, b, rk, sc, R, sp, sm, H, x.stride(0), r.stride(0),
                         s_out.stride(0), chunks),
-          dict(HAS_RESIDUAL=residual is not None, **tiles, SPLIT_K=p.shape[0], BLOCK=block, COMPILED=COMPILED),
-          max(1, min(4, block // 128)), 1)
+          dict(HAS_RESIDUAL=residual is not None, **tiles, SPLIT_K=p.shape[0], BLOCK=block, COMPILED=COMPILED,
+               EARLY=early and tiles["ONE_R_TILE"]), max(1, min(4, block // 128)), 1)
     return sumsq
 
 
-def rms_norm(x, weight, eps: float, residual, out, s_out, lora, block: int, tiles: dict) -> None:
+def rms_norm(x, weight, eps: float, residual, out, s_out, lora, block: int, tiles: dict, early: bool = False) -> None:
     """fused_lora_kernels.rms_norm's op with each row cut into chunks of `block` columns (see above);
-    `tiles`: the rank-tile constexprs (ONE_R_TILE, BLOCK_R)."""
+    `tiles`: the rank-tile constexprs (ONE_R_TILE, BLOCK_R); `early`: launch 1's early reads (one rank tile)."""
     T, H = x.shape
-    sumsq = sums(x, residual, s_out, lora, block, tiles)
+    if ONE_LAUNCH:
+        block, chunks = chunking(H, block)
+        p, row_slot, b, _, _, rk, _, _, sc, _, _, R, sp, _, sm = lora.kernel_args()
+        r = residual if residual is not None else x
+        sumsq = torch.empty((T, chunks), dtype=torch.float32, device=x.device)
+        _ONE((T, chunks), (x, r, s_out, sumsq, p, row_slot, b, rk, sc, weight, out, _counters(x.device, T), R, sp, sm,
+                           H, _inv(H), float(eps), x.stride(0), r.stride(0), s_out.stride(0), out.stride(0), chunks),
+             dict(HAS_RESIDUAL=residual is not None, **tiles, SPLIT_K=p.shape[0], BLOCK=block,
+                  BLOCK_C=_pow2(chunks), ROW_BLOCK=min(_pow2(H), ROW_BLOCK), COMPILED=COMPILED,
+                  EARLY=early and tiles["ONE_R_TILE"]), max(1, min(4, block // 128)), 1)
+        return
+    sumsq = sums(x, residual, s_out, lora, block, tiles, early)
     block, chunks = chunking(H, block)
     _SCALE((T, chunks), (s_out, weight, out, sumsq, H, _inv(H), float(eps), s_out.stride(0), out.stride(0), chunks),
            dict(BLOCK_C=_pow2(chunks), BLOCK=block, COMPILED=COMPILED), max(1, min(4, block // 128)), 1)

@@ -17,6 +17,13 @@ So what overlaps is the launch and the placing of programs, never memory traffic
 all follow the wait, so no ordering the model relies on changes (including a buffer the caching allocator
 hands from one kernel's input to the next one's output).
 
+Early reads (LORAPLEX_LORA_EARLY_READS, fused_lora_kernels.py's consumers): a kernel may read, before its wait,
+what no kernel of a forward writes: the batch's rows' slots (written by copies before the forward's first
+kernel) and the adapter pool's ranks, scalings and B stacks (written by adapter loads into slots no running
+batch reads). Its first statement is then `pdl_start(True)`, which waits for nothing, and it calls
+`pdl_deferred_start(True)` after those loads and before any other memory access (tests/test_pdl.py checks the
+PTX: loads only before the wait). With PDL the loads run while the kernel before is finishing.
+
 Every Triton kernel of the package calls `pdl_start()` first, and ops/launch.py's Launcher launches them with
 `launch_pdl` when PDL is on; kernels of PyTorch's own (cuBLAS, copies, sampling) keep the plain order, which
 the wait also honours (their grids complete before a dependent one is released). Off, in Triton's
@@ -59,14 +66,26 @@ def _supported() -> bool:
 PDL = tl.constexpr(SETTING == "on" and _supported())
 
 if _interpreting():
-    def pdl_start():
+    def pdl_start(defer=False):
         """Nothing, as plain Python: the interpreter runs a kernel's programs one by one in Python, where a
         call to a jitted helper cost ~150 µs a program (+40% on a small kernel, minutes of the CPU suite)."""
         return None
+
+    def pdl_deferred_start(deferred=False):
+        """Nothing (see pdl_start)."""
+        return None
 else:
     @triton.jit
-    def pdl_start():
-        """A kernel's first statement: with PDL, wait for the grids before this one, then release the next."""
-        if PDL:
+    def pdl_start(DEFER: tl.constexpr = False):
+        """A kernel's first statement: with PDL, wait for the grids before this one, then release the next.
+        DEFER: not here but at the kernel's `pdl_deferred_start(DEFER)`, after its early reads (see below)."""
+        if PDL and not DEFER:
+            gdc_wait()
+            gdc_launch_dependents()
+
+    @triton.jit
+    def pdl_deferred_start(DEFERRED: tl.constexpr):
+        """pdl_start's wait and release where the kernel deferred them (DEFERRED), after its early reads."""
+        if PDL and DEFERRED:
             gdc_wait()
             gdc_launch_dependents()
