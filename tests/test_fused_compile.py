@@ -316,14 +316,14 @@ KERNELS = {"rms_norm": rms_norm, "silu_and_mul": silu, "rope": rope, "rms_norm_l
            "skinny_gemm": skinny_gemm}
 
 
-JOBS = [*KERNELS, "lora_loads:on", "lora_loads:early"]
+JOBS = [*KERNELS, "lora_loads:on", "lora_loads:early-off"]
 
 
 def _compile_in_subprocess(job: str) -> subprocess.CompletedProcess:
     kernel, _, setting = job.partition(":")
     env = dict(os.environ, TRITON_INTERPRET="0")
-    if setting == "early":
-        env["LORAPLEX_LORA_EARLY_READS"] = "on"
+    if setting == "early-off":
+        env["LORAPLEX_LORA_EARLY_READS"] = "off"
     elif setting:
         env["LORAPLEX_LORA_VECTOR_LOADS"] = setting
     return subprocess.run([sys.executable, str(Path(__file__)), kernel], env=env, capture_output=True, text=True,
@@ -344,8 +344,8 @@ def compile_jobs(request):
 @pytest.mark.parametrize("kernel", JOBS)
 def test_fused_kernel_compiles(compile_jobs, kernel):
     """Each kernel's variants compile; "lora_loads:on" checks the decode readers' 16-byte B loads with
-    LORAPLEX_LORA_VECTOR_LOADS=on, where RoPE's tiles take them too; "lora_loads:early" with
-    LORAPLEX_LORA_EARLY_READS=on."""
+    LORAPLEX_LORA_VECTOR_LOADS=on, where RoPE's tiles take them too; "lora_loads:early-off" with
+    LORAPLEX_LORA_EARLY_READS=off (the readers' code before it)."""
     proc = compile_jobs[kernel].result()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("compiled") == len(ARCHS) * len(DTYPES), proc.stdout

@@ -351,10 +351,13 @@ SILU_WARPS = 0      # > 0: warps per SiLU-and-mul program; 0: one per 128 column
                     # at 512 columns, sm_90 ptxas; 76 in 8 warps)
 SILU_LOADS_FIRST = False   # both B blocks loaded before either product (0.992x a batch-32 decode forward: inside the
                            # rounds' spread, H200, 2026-12-02, results/decode_graph_trace_skinny.json)
-# LORAPLEX_LORA_EARLY_READS: the three consumers (RMSNorm's split launch 1) read their rows' slots, ranks, scalings
-# and B blocks before the PDL wait (ops/pdl.py's early reads), so that with PDL those loads run while the GEMM
-# before them is finishing; only where one rank tile holds the rank (R <= 32). Off until measured on a GPU.
-EARLY_READS = env_switch("LORAPLEX_LORA_EARLY_READS", "off", on="on", off="off") == "on"
+# LORAPLEX_LORA_EARLY_READS (on by default; off: the code before 2026-12-03): the three consumers (RMSNorm's split
+# launch 1) read their rows' slots, ranks, scalings and B blocks before the PDL wait (ops/pdl.py's early reads), so
+# that with PDL those loads run while the GEMM before them is finishing; only where one rank tile holds the rank
+# (R <= 32). H200, 2026-12-03 (results/decode_graph_trace_early{,_c}.json, engine_early_*.md): a batch-32 Llama-2-7B
+# decode forward with distinct adapters 0.988-0.990x in paired rounds (SiLU-and-mul's share 0.991x, RoPE's and the
+# RMSNorm's 0.997-0.998x), issue 5's decode step 7.05-7.06 -> 6.96-6.98 ms on one lease, 6.98 -> 6.85-6.91 on another.
+EARLY_READS = env_switch("LORAPLEX_LORA_EARLY_READS", "on", on="on", off="off") == "on"
 EARLY_KERNELS = frozenset({"rms", "silu", "rope"})   # the consumers it changes (benchmarks time them apart)
 # heads per program; 2 and 1 measured 1.000× and 1.011× its decode forward time (H200, 2026-12-02, Llama-2-7B at
 # batch 32 in CUDA graphs, paired rounds: results/decode_graph_trace_oattn.json)

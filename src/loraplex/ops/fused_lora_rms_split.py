@@ -11,8 +11,9 @@ the plain RMSNorm). Here the row is cut into chunks of BLOCK columns:
 
 The same sums and roundings as the one-program kernel except the order of the sum of squares (chunk by
 chunk), so outputs agree with it to the rounding of rstd, and every run gives the same bits. With ONE_LAUNCH
-(off until measured) both steps run in one launch: each program of launch 1 counts itself in on its row's
-counter, and the row's last program does step 2 for the whole row (the same sums and roundings). Chosen by
+(LORAPLEX_LORA_RMS_ONE_LAUNCH, off) both steps run in one launch: each program of launch 1 counts itself in on its row's
+counter, and the row's last program does step 2 for the whole row (the same sums and roundings); measured
+slower than the two launches (below). Chosen by
 fused_lora_kernels.RMS_SPLIT (0: one program per row), 512 columns by default since the fourteenth session, when
 o's and down's products became "fused" projections (ops/overlap.py fused_projections): a Llama-2-7B
 decode forward at batch 32 in a CUDA graph took 0.985× the time of q/k/v's product alone, 1,024 columns 0.988×,
@@ -144,7 +145,8 @@ _SCALE = Launcher(_rms_scale_kernel)
 _ONE = Launcher(_rms_lora_one_launch_kernel)
 
 # Both launches in one (`_rms_lora_one_launch_kernel`: the row's last program normalizes it):
-# LORAPLEX_LORA_RMS_ONE_LAUNCH=on. Off until measured.
+# LORAPLEX_LORA_RMS_ONE_LAUNCH=on, off by default: a batch-32 Llama-2-7B decode forward with distinct adapters took
+# 1.017x the two launches' time, 1.013x with the early reads (H200, 2026-12-03, results/decode_graph_trace_early_c.json)
 ONE_LAUNCH = env_switch("LORAPLEX_LORA_RMS_ONE_LAUNCH", "off", on="on", off="off") == "on"
 ROW_BLOCK = 4096   # columns a step of the last program's row walk
 _COUNTERS: dict = {}   # device -> the zeroed row counters of one-launch calls, and every smaller one (kept alive:
