@@ -230,7 +230,14 @@ def _heads(base, stride_h, num_heads, h0, part_row, b_ptr, rank_ptr, scale_ptr, 
                          ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D)
         x1 = _round(x1 + d1, DT, COMPILED)
         x2 = _round(x2 + d2, DT, COMPILED)
-    if ROTATE:
+    _store_heads(p1, HALF, x1, x2, c, s, mask, ROTATE, has, COMPILED)
+
+
+@triton.jit
+def _store_heads(p1, HALF, x1, x2, c, s, mask, rotate, has, COMPILED: tl.constexpr):
+    """The heads' halves back in place: q and k (`rotate`) rotated; v only where it took a product (`has`)."""
+    DT = p1.dtype.element_ty
+    if rotate:
         o1, o2 = _rotate(x1, x2, c, s, DT, COMPILED)
         tl.store(p1, o1.to(DT), mask=mask)
         tl.store(p1 + HALF, o2.to(DT), mask=mask)
@@ -276,14 +283,20 @@ def _rope_early(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_row, slot, has,
         lv, _, _ = _v(part_row + which * stride_p_slice, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
         x1 = _round(x1 + tl.sum(b1_.to(tl.float32) * lv[None, None, :], axis=2) * scale, DT, COMPILED)
         x2 = _round(x2 + tl.sum(b2_.to(tl.float32) * lv[None, None, :], axis=2) * scale, DT, COMPILED)
-    if which < 2:
-        c, s = _cos_sin(pos_ptr, inv_freq_ptr, offs_d, d_mask, DT, COMPILED)
-        o1, o2 = _rotate(x1, x2, c, s, DT, COMPILED)
-        tl.store(p1, o1.to(DT), mask=mask)
-        tl.store(p1 + HALF, o2.to(DT), mask=mask)
-    elif has:
-        tl.store(p1, x1.to(DT), mask=mask)
-        tl.store(p1 + HALF, x2.to(DT), mask=mask)
+    c, s = _cos_sin(pos_ptr, inv_freq_ptr, offs_d, d_mask, DT, COMPILED)
+    _store_heads(p1, HALF, x1, x2, c, s, mask, which < 2, has, COMPILED)
+
+
+@triton.jit
+def _token_slot(row_slot_ptr, part_ptr, slot_active_ptr, t, stride_pm, active_stride, IN_GEMM: tl.constexpr):
+    """(has, slot, its partials' row) of token t: slot 0 where it has no adapter (nothing is read)."""
+    slot = tl.load(row_slot_ptr + t)
+    has = slot >= 0
+    slot = tl.maximum(slot, 0)
+    part_row = part_ptr + t * stride_pm
+    if IN_GEMM:
+        part_row += tl.maximum(tl.load(slot_active_ptr + slot), 0).to(tl.int64) * active_stride
+    return has, slot, part_row
 
 
 @triton.jit
@@ -302,12 +315,8 @@ def _rope_lora_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_ptr, row_
     which = tl.program_id(1)
     h0 = tl.program_id(2) * BLOCK_H
     if EARLY:
-        slot = tl.load(row_slot_ptr + t)
-        has = slot >= 0
-        slot = tl.maximum(slot, 0)
-        part_row = part_ptr + t * stride_pm
-        if IN_GEMM:
-            part_row += tl.maximum(tl.load(slot_active_ptr + slot), 0).to(tl.int64) * active_stride
+        has, slot, part_row = _token_slot(row_slot_ptr, part_ptr, slot_active_ptr, t, stride_pm, active_stride,
+                                          IN_GEMM)
         # k and v have fewer head blocks with GQA; a program past them waits and ends
         _rope_early(q_ptr + t * stride_qt, k_ptr + t * stride_kt, v_ptr + t * stride_vt, pos_ptr + t * stride_pos,
                     inv_freq_ptr, part_row, slot, has, b0, b1, b2, rk0, rk1, rk2, sc0, sc1, sc2, R, stride_p_split,
@@ -318,12 +327,8 @@ def _rope_lora_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_ptr, row_
         offs_d = tl.arange(0, BLOCK_D)
         d_mask = offs_d < HALF
         c, s = _cos_sin(pos_ptr + t * stride_pos, inv_freq_ptr, offs_d, d_mask, DT, COMPILED)
-        slot = tl.load(row_slot_ptr + t)
-        has = slot >= 0
-        slot = tl.maximum(slot, 0)
-        part_row = part_ptr + t * stride_pm
-        if IN_GEMM:
-            part_row += tl.maximum(tl.load(slot_active_ptr + slot), 0).to(tl.int64) * active_stride
+        has, slot, part_row = _token_slot(row_slot_ptr, part_ptr, slot_active_ptr, t, stride_pm, active_stride,
+                                          IN_GEMM)
         if which == 0:
             _heads(q_ptr + t * stride_qt, stride_qh, HQ, h0, part_row, b0, rk0, sc0, slot, has, R, stride_p_split,
                    HALF, c, s, offs_d, d_mask, True, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D, COMPILED)
