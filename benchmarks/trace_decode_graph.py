@@ -176,9 +176,11 @@ def variant(name: str):
         patches.append(mock.patch.object(fused_lora_kernels, "ROPE_HEADS", ROPE_HEADS_VARIANTS[name]))
     if name == "no_gate":   # the default before the seventeenth session: gate/up's product expanded apart
         patches.append(mock.patch.object(overlap, "DECODE_EXTRA_FUSED", frozenset()))
-    if name == "silu_loads_first":
-        from loraplex.ops import fused_lora_kernels
-        patches.append(mock.patch.object(fused_lora_kernels, "SILU_LOADS_FIRST", True))
+    if name in ("silu_loads_first", "no_early"):   # without the early reads (on by default since 2026-12-03),
+        from loraplex.ops import fused_lora_kernels   # which take over LOADS_FIRST's order
+        patches.append(mock.patch.object(fused_lora_kernels, "EARLY_READS", False))
+        if name == "silu_loads_first":
+            patches.append(mock.patch.object(fused_lora_kernels, "SILU_LOADS_FIRST", True))
     if name == "rms_one":   # the split RMSNorm's two launches in one (fused_lora_rms_split.ONE_LAUNCH)
         from loraplex.ops import fused_lora_rms_split
         patches.append(mock.patch.object(fused_lora_rms_split, "ONE_LAUNCH", True))
@@ -353,6 +355,8 @@ VARIANTS = {
     "early_reads": "the LoRA consumers (RoPE, SiLU-and-mul, the split RMSNorm's first launch) reading their rows' "
                    "slots, ranks, scalings and B blocks before the PDL wait (LORAPLEX_LORA_EARLY_READS=on)",
     **{f"early_{k}": f"early_reads in the {k} consumer alone" for k in ("silu", "rope", "rms")},
+    "no_early": "fused without the early reads (LORAPLEX_LORA_EARLY_READS=off; on by default since 2026-12-03, so "
+                "'fused' has them)",
     "rms_one": "the split RMSNorm with a product in one launch, each row's last program normalizing it "
                "(LORAPLEX_LORA_RMS_ONE_LAUNCH=on)",
     "silu_w4": "SiLU-and-mul's programs in 4 warps whatever their columns (silu256+silu_w4: 71 registers a thread, "

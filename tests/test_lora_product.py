@@ -132,6 +132,7 @@ def test_silu_and_mul_expands_the_product(backend, dtype, I, split_k, R, block, 
     if block:
         monkeypatch.setattr(fused_lora_kernels, "SILU_BLOCK", block)
     monkeypatch.setattr(fused_lora_kernels, "SILU_LOADS_FIRST", loads_first)
+    monkeypatch.setattr(fused_lora_kernels, "EARLY_READS", False)   # it takes over LOADS_FIRST's order where on
     T = 7
     gate_up = (torch.randn(T, 2 * I, generator=gen) * 2).to(dtype)
     p = make_product(gen, T, (I, I), dtype, R=R, split_k=split_k, sizes=torch.full((T,), 2.0))
@@ -271,6 +272,11 @@ def test_early_reads_give_the_same_bits(op, R, monkeypatch):
     early = run()
     assert seen[0] is False and all(seen[1:]) is (R <= 32) and len(seen) == 2
     assert not torch.isnan(early).any() and torch.equal(early, plain)
+    if op == "silu" and R <= 32:   # a product whose row slots the forward made (select): never read early
+        selected = p.select(torch.arange(T))
+        assert not selected.early_reads
+        fused.silu_and_mul(gate_up, delta=selected, backend="triton")
+        assert seen[-1] is False
 
 
 @interpreted

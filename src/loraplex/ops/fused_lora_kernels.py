@@ -317,7 +317,7 @@ def _rope_lora_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_ptr, row_
     if EARLY:
         has, slot, part_row = _token_slot(row_slot_ptr, part_ptr, slot_active_ptr, t, stride_pm, active_stride,
                                           IN_GEMM)
-        # k and v have fewer head blocks with GQA; a program past them waits and ends
+        # k and v have fewer head blocks with GQA; a program past them loads and stores nothing of q/k/v
         _rope_early(q_ptr + t * stride_qt, k_ptr + t * stride_kt, v_ptr + t * stride_vt, pos_ptr + t * stride_pos,
                     inv_freq_ptr, part_row, slot, has, b0, b1, b2, rk0, rk1, rk2, sc0, sc1, sc2, R, stride_p_split,
                     stride_p_slice, HQ, HKV, HALF, stride_qh, stride_kh, stride_vh, t, which, h0, ONE_R_TILE, SPLIT_K,
@@ -361,7 +361,7 @@ SILU_LOADS_FIRST = False   # both B blocks loaded before either product (0.992x 
 # that with PDL those loads run while the GEMM before them is finishing; only where one rank tile holds the rank
 # (R <= 32). H200, 2026-12-03 (results/decode_graph_trace_early{,_c}.json, engine_early_*.md): a batch-32 Llama-2-7B
 # decode forward with distinct adapters 0.988-0.990x in paired rounds (SiLU-and-mul's share 0.991x, RoPE's and the
-# RMSNorm's 0.997-0.998x), issue 5's decode step 7.05-7.06 -> 6.96-6.98 ms on one lease, 6.98 -> 6.85-6.91 on another.
+# RMSNorm's 0.997-0.998x), issue 5's decode step 7.05-7.06 -> 6.96-6.98 ms on one lease, 6.95-6.98 -> 6.85-6.91 on another.
 EARLY_READS = env_switch("LORAPLEX_LORA_EARLY_READS", "on", on="on", off="off") == "on"
 EARLY_KERNELS = frozenset({"rms", "silu", "rope"})   # the consumers it changes (benchmarks time them apart)
 # heads per program; 2 and 1 measured 1.000× and 1.011× its decode forward time (H200, 2026-12-02, Llama-2-7B at
@@ -381,10 +381,10 @@ def _tiles(R: int) -> dict:
     return dict(ONE_R_TILE=R <= block_r, BLOCK_R=block_r)
 
 
-def _early(R: int, kernel: str) -> bool:
-    """EARLY_READS for `kernel` where it applies (one rank tile); read at call time, as tests and benchmarks
-    set it."""
-    return EARLY_READS and kernel in EARLY_KERNELS and R <= _block_r(R)
+def _early(R: int, kernel: str, lora=None) -> bool:
+    """EARLY_READS for `kernel` where it applies (one rank tile, a product whose row slots were not made inside
+    the forward: LoraProduct.early_reads); read at call time, as tests and benchmarks set it."""
+    return EARLY_READS and kernel in EARLY_KERNELS and R <= _block_r(R) and getattr(lora, "early_reads", True)
 
 
 def rms_norm(x, weight, eps: float, residual, out, s_out, lora, block: int | None = None) -> None:
@@ -396,7 +396,7 @@ def rms_norm(x, weight, eps: float, residual, out, s_out, lora, block: int | Non
         from . import fused_lora_rms_split   # imports this module's jit helpers
         R = lora.part.shape[3]
         fused_lora_rms_split.rms_norm(x, weight, eps, residual, out, s_out, lora, RMS_SPLIT, _tiles(R),
-                                      _early(R, "rms"))
+                                      _early(R, "rms", lora))
         return
     block = min(_pow2(H), block or RMS_BLOCK)
     p, row_slot, b, _, _, rk, _, _, sc, _, _, R, sp, _, sm = lora.kernel_args()
@@ -416,7 +416,7 @@ def silu_and_mul(gate_up, out, lora, block: int | None = None) -> None:
     p, row_slot, b0, b1, _, rk0, rk1, _, sc0, sc1, _, R, sp, ss, sm = lora.kernel_args()
     args = (gate_up, out, p, row_slot, b0, b1, rk0, rk1, sc0, sc1, R, sp, ss, sm, I, gate_up.stride(0), out.stride(0))
     _SILU((T, -(-I // block)), args, dict(**_tiles(R), SPLIT_K=p.shape[0], BLOCK=block, COMPILED=COMPILED,
-                                          LOADS_FIRST=SILU_LOADS_FIRST, EARLY=_early(R, "silu")),
+                                          LOADS_FIRST=SILU_LOADS_FIRST, EARLY=_early(R, "silu", lora)),
           SILU_WARPS or max(1, min(4, block // 128)), 1)
 
 
@@ -435,5 +435,5 @@ def apply_rope(q, k, v, positions, inv_freq, lora, heads: int | None = None) -> 
             positions.stride(0), lora.slot_active if in_gemm else row_slot, lora.active_stride if in_gemm else 0)
     grid = (T, 3, -(-max(Hq, Hkv) // block_h))
     _ROPE(grid, args, dict(**_tiles(R), SPLIT_K=p.shape[0], BLOCK_H=block_h, BLOCK_D=block_d, COMPILED=COMPILED,
-                           IN_GEMM=in_gemm, EARLY=_early(R, "rope")),
+                           IN_GEMM=in_gemm, EARLY=_early(R, "rope", lora)),
           max(1, min(4, block_h * block_d // 128)), 1)

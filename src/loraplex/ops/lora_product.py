@@ -51,6 +51,9 @@ class LoraProduct:
     row_slot: torch.Tensor
     slot_active: torch.Tensor | None = None   # in-gemm products only (see the module docstring)
     active_count: int = 0
+    # False where row_slot was made inside the forward (select's index_select): the consumers must not read it
+    # before their PDL wait (fused_lora_kernels.EARLY_READS; ops/pdl.py's early reads)
+    early_reads: bool = True
 
     @property
     def active_stride(self) -> int:
@@ -79,12 +82,12 @@ class LoraProduct:
         """The product of these rows only (the final norm's logits rows)."""
         if self.slot_active is None:
             return LoraProduct(self.part.index_select(2, rows), self.lora_b, self.ranks, self.scalings,
-                               self.row_slot.index_select(0, rows))
+                               self.row_slot.index_select(0, rows), early_reads=False)
         cols = self._columns().index_select(0, rows)
         S, R = self.part.shape[1], self.part.shape[3]
         part = torch.as_strided(cols, (1, S, cols.shape[0], R), (0, R, cols.stride(0), 1))
         return LoraProduct(part, self.lora_b, self.ranks, self.scalings, self.row_slot.index_select(0, rows),
-                           self.slot_active, self.active_count)
+                           self.slot_active, self.active_count, early_reads=False)
 
     def check(self, rows: int, widths: tuple[int, ...], like: torch.Tensor, like_name: str, name: str,
               in_gemm: bool = False) -> None:

@@ -67,8 +67,9 @@ def rms_norm_shrink(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residu
     part = torch.empty((chunks, len(lora_a), T, R), dtype=torch.float32, device=x.device)
     if T:
         with _on(x.device):
-            sumsq = fused_lora_rms_split.sums(x, residual, s, delta, block,
-                                              fused_lora_kernels._tiles(delta.part.shape[3]))
+            R = delta.part.shape[3]   # launch 1 as fused_lora_kernels.rms_norm runs it (early reads too): its bits
+            sumsq = fused_lora_rms_split.sums(x, residual, s, delta, block, fused_lora_kernels._tiles(R),
+                                              fused_lora_kernels._early(R, "rms", delta))
             rms_shrink_kernels.scale_shrink(s, weight, out, sumsq, eps, block, row_slot, lora_a, ranks, part)
     _bump_version(out)
     return out, s, part
