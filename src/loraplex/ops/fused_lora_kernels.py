@@ -361,7 +361,8 @@ SILU_LOADS_FIRST = False   # both B blocks loaded before either product (0.992x 
 # that with PDL those loads run while the GEMM before them is finishing; only where one rank tile holds the rank
 # (R <= 32). H200, 2026-12-03 (results/decode_graph_trace_early{,_c}.json, engine_early_*.md): a batch-32 Llama-2-7B
 # decode forward with distinct adapters 0.988-0.990x in paired rounds (SiLU-and-mul's share 0.991x, RoPE's and the
-# RMSNorm's 0.997-0.998x), issue 5's decode step 7.05-7.06 -> 6.96-6.98 ms on one lease, 6.95-6.98 -> 6.85-6.91 on another.
+# RMSNorm's 0.997-0.998x), issue 5's decode step 7.05-7.06 -> 6.96-6.98 ms on one lease, 6.95-6.98 -> 6.85-6.91
+# on another.
 EARLY_READS = env_switch("LORAPLEX_LORA_EARLY_READS", "on", on="on", off="off") == "on"
 EARLY_KERNELS = frozenset({"rms", "silu", "rope"})   # the consumers it changes (benchmarks time them apart)
 # heads per program; 2 and 1 measured 1.000× and 1.011× its decode forward time (H200, 2026-12-02, Llama-2-7B at

@@ -14,8 +14,8 @@ serialization: its programs may be placed on SMs while the kernel before it is s
 at its first instruction (`griddepcontrol.wait`: every prerequisite grid complete and its writes visible)
 before reading or writing anything; it then lets the next kernel launch (`griddepcontrol.launch_dependents`).
 So what overlaps is the launch and the placing of programs and, where a kernel reads early (below), those
-reads: every other load and store follows the wait, so no ordering the model relies on changes (including a buffer the caching allocator
-hands from one kernel's input to the next one's output).
+reads: every other load and store follows the wait, so no ordering the model relies on changes (including a
+buffer the caching allocator hands from one kernel's input to the next one's output).
 
 Early reads (LORAPLEX_LORA_EARLY_READS, fused_lora_kernels.py's consumers): a kernel may read, before its wait,
 what no kernel of a forward writes: the batch's rows' slots (written by copies before the forward's first
