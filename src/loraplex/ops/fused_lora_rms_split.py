@@ -172,18 +172,31 @@ def chunking(H: int, block: int) -> tuple[int, int]:
     return block, -(-H // block)
 
 
-def sums(x, residual, s_out, lora, block: int, tiles: dict, early: bool = False) -> torch.Tensor:
-    """Launch 1 (see above): s written, and the fp32 `[T, chunks]` sums of squares returned."""
+def _launch1(x, residual, s_out, lora, block: int, tiles: dict, early: bool, norm: tuple | None) -> torch.Tensor:
+    """Launch 1, or with `norm` = (weight, out, eps) both steps in one launch (ONE_LAUNCH); returns the fp32
+    `[T, chunks]` sums of squares."""
     T, H = x.shape
     block, chunks = chunking(H, block)
     p, row_slot, b, _, _, rk, _, _, sc, _, _, R, sp, _, sm = lora.kernel_args()
     r = residual if residual is not None else x
     sumsq = torch.empty((T, chunks), dtype=torch.float32, device=x.device)
-    _SUMS((T, chunks), (x, r, s_out, sumsq, p, row_slot, b, rk, sc, R, sp, sm, H, x.stride(0), r.stride(0),
-                        s_out.stride(0), chunks),
-          dict(HAS_RESIDUAL=residual is not None, **tiles, SPLIT_K=p.shape[0], BLOCK=block, COMPILED=COMPILED,
-               EARLY=early and tiles["ONE_R_TILE"]), max(1, min(4, block // 128)), 1)
+    consts = dict(HAS_RESIDUAL=residual is not None, **tiles, SPLIT_K=p.shape[0], BLOCK=block, COMPILED=COMPILED,
+                  EARLY=early and tiles["ONE_R_TILE"])
+    warps = max(1, min(4, block // 128))
+    if norm is None:
+        _SUMS((T, chunks), (x, r, s_out, sumsq, p, row_slot, b, rk, sc, R, sp, sm, H, x.stride(0), r.stride(0),
+                            s_out.stride(0), chunks), consts, warps, 1)
+    else:
+        weight, out, eps = norm
+        _ONE((T, chunks), (x, r, s_out, sumsq, p, row_slot, b, rk, sc, weight, out, _counters(x.device, T), R, sp, sm,
+                           H, _inv(H), float(eps), x.stride(0), r.stride(0), s_out.stride(0), out.stride(0), chunks),
+             dict(consts, BLOCK_C=_pow2(chunks), ROW_BLOCK=min(_pow2(H), ROW_BLOCK)), warps, 1)
     return sumsq
+
+
+def sums(x, residual, s_out, lora, block: int, tiles: dict, early: bool = False) -> torch.Tensor:
+    """Launch 1 (see above): s written, and the fp32 `[T, chunks]` sums of squares returned."""
+    return _launch1(x, residual, s_out, lora, block, tiles, early, None)
 
 
 def rms_norm(x, weight, eps: float, residual, out, s_out, lora, block: int, tiles: dict, early: bool = False) -> None:
@@ -191,15 +204,7 @@ def rms_norm(x, weight, eps: float, residual, out, s_out, lora, block: int, tile
     `tiles`: the rank-tile constexprs (ONE_R_TILE, BLOCK_R); `early`: launch 1's early reads (one rank tile)."""
     T, H = x.shape
     if ONE_LAUNCH:
-        block, chunks = chunking(H, block)
-        p, row_slot, b, _, _, rk, _, _, sc, _, _, R, sp, _, sm = lora.kernel_args()
-        r = residual if residual is not None else x
-        sumsq = torch.empty((T, chunks), dtype=torch.float32, device=x.device)
-        _ONE((T, chunks), (x, r, s_out, sumsq, p, row_slot, b, rk, sc, weight, out, _counters(x.device, T), R, sp, sm,
-                           H, _inv(H), float(eps), x.stride(0), r.stride(0), s_out.stride(0), out.stride(0), chunks),
-             dict(HAS_RESIDUAL=residual is not None, **tiles, SPLIT_K=p.shape[0], BLOCK=block,
-                  BLOCK_C=_pow2(chunks), ROW_BLOCK=min(_pow2(H), ROW_BLOCK), COMPILED=COMPILED,
-                  EARLY=early and tiles["ONE_R_TILE"]), max(1, min(4, block // 128)), 1)
+        _launch1(x, residual, s_out, lora, block, tiles, early, (weight, out, eps))
         return
     sumsq = sums(x, residual, s_out, lora, block, tiles, early)
     block, chunks = chunking(H, block)
