@@ -488,6 +488,31 @@ def test_lora_kernel_warmup_launches_every_variant_and_changes_nothing(overlap_m
     assert bool((pool.ranks == 3).all())
 
 
+def test_warm_up_compiles_the_silu_tile_consumer_when_on(monkeypatch):
+    """LORAPLEX_LORA_SILU_TILES=on: start-up also launches SiLU-and-mul's tile consumer (ops/silu_lora_tiles.py)
+    for both tile heights and every K-split count, on layers 0-3 (the per-layer views' alignments); off, never."""
+    from loraplex.adapters import AdapterPool
+    from loraplex.engine.warmup import compile_lora_kernels
+    from loraplex.models import ModelConfig
+    from loraplex.ops import fused, silu_lora_tiles
+    from model_fixtures import hf_config
+    config = ModelConfig.from_dict(hf_config("llama-gqa-llama3rope").to_dict())
+    pool = AdapterPool(config, num_slots=2, max_rank=4, dtype=torch.float32, device="cpu")
+    tiles = []
+    real = fused.silu_and_mul
+    monkeypatch.setattr(fused, "silu_and_mul", lambda *a, **kw: tiles.append(
+        (kw["delta"].tiles.block_m, kw["delta"].part.shape[0]) if kw["delta"].tiles is not None else None)
+        or real(*a, **kw))
+    for setting in ("off", "on"):
+        monkeypatch.setattr(silu_lora_tiles, "SETTING", setting)
+        tiles.clear()
+        compile_lora_kernels(config, pool, torch.float32)
+        found = sorted(t for t in tiles if t is not None)
+        layers = min(4, config.num_hidden_layers)
+        assert found == ([(m, s) for m in (16, 64) for s in (1, 2, 4, 8) for _ in range(layers)]
+                         if setting == "on" else [])
+
+
 @pytest.mark.parametrize("graphs, setting", [(True, None), (False, None), (True, "0"), (True, "adaptive")])
 def test_eager_forwards_run_with_adapter_loads_stepping_aside(served, graphs, setting, monkeypatch):
     """With decode graphs, each eager forward is a `busy` stretch of adapters/priority.py (loads get the

@@ -86,6 +86,20 @@ def test_graphs_and_eager_agree_with_lora_inside_the_skinny_gemm(served, monkeyp
     assert rows and max(rows) <= skinny_gemm.DECODE_MAX_ROWS
 
 
+def test_graphs_and_eager_agree_with_silu_expanding_prompt_tiles(served, monkeypatch):
+    """LORAPLEX_LORA_SILU_TILES=on (ops/silu_lora_tiles.py): steps of more than 32 rows leave gate/up's product
+    to SiLU-and-mul, which expands it over the batch's work tiles, captured (mixed graphs) and eager: the same
+    tokens both ways, and transformers + PEFT's."""
+    from loraplex.ops import silu_lora_tiles, silu_lora_tiles_kernels
+    monkeypatch.setattr(silu_lora_tiles, "SETTING", "on")
+    rows = []
+    real = silu_lora_tiles_kernels.silu_and_mul
+    monkeypatch.setattr(silu_lora_tiles_kernels, "silu_and_mul",
+                        lambda gu, out, lora: rows.append(gu.shape[0]) or real(gu, out, lora))
+    _graphs_and_eager_agree(served, 27, lambda llm, eager: None)
+    assert rows and min(rows) > 32
+
+
 def test_prompts_admitted_beside_a_step_in_flight_replay_mixed_graphs(served):
     """overlap_admissions: a request arriving while decodes run joins the step queued ahead, whose mixed graph
     takes the decodes' tokens from the sample of the step in flight (its first rows) and the prompt's from

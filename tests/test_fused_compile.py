@@ -180,6 +180,26 @@ def silu_lora(dtype: str, arch: int) -> None:
         assert "div.rn.f32" in ptx, f"{what}: the division must be IEEE"
 
 
+def silu_lora_tiles(dtype: str, arch: int) -> None:
+    """SiLU-and-mul expanding gate/up's product over the work tiles (ops/silu_lora_tiles_kernels.py), both tile
+    heights, one and two rank tiles, at the precision the launcher picks for the dtype."""
+    from loraplex.ops import silu_lora_tiles_kernels as k
+    precision = "split" if dtype == "bf16" else "tf32x3"
+    for block_m, block_r, one_r, split_k in ((64, 16, True, 1), (16, 16, True, 4), (64, 32, False, 2)):
+        types = dict(gu_ptr="*" + dtype, out_ptr="*" + dtype, b0="*" + dtype, b1="*" + dtype, rk0="*i32", rk1="*i32",
+                     sc0="*fp32", sc1="*fp32", sorted_rows_ptr="*i32", work_slot_ptr="*i32", work_start_ptr="*i32",
+                     work_end_ptr="*i32", **LORA_POINTERS)
+        ptx = _compile(k._silu_and_mul_lora_tiles_kernel, types,
+                       dict(SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=k.BLOCK_N, BLOCK_R=block_r, ONE_R_TILE=one_r,
+                            PRECISION=precision, COMPILED=True), arch, k.NUM_WARPS,
+                       divisible=("I", "stride_gu", "stride_out", "stride_pm", "stride_p_split", "stride_p_slice"))
+        what = f"silu_and_mul_lora_tiles {dtype} sm_{arch} BLOCK_M={block_m} BLOCK_R={block_r} SPLIT_K={split_k}"
+        _no_approx(ptx, what)
+        assert "div.rn.f32" in ptx, f"{what}: the division must be IEEE"
+        if dtype != "fp32":
+            assert "mma" in ptx, f"{what}: no tensor-core product"
+
+
 def rope_lora(dtype: str, arch: int) -> None:
     from loraplex.ops import fused_lora_kernels as k
     # (positions, SPLIT_K, BLOCK_R, ONE_R_TILE, BLOCK_H, BLOCK_D): D=128 heads ROPE_HEADS at a time; D=64
@@ -312,6 +332,7 @@ def skinny_gemm(dtype: str, arch: int) -> None:
 
 KERNELS = {"rms_norm": rms_norm, "silu_and_mul": silu, "rope": rope, "rms_norm_lora": rms_norm_lora,
            "rms_norm_lora_split": rms_norm_lora_split, "silu_and_mul_lora": silu_lora, "rope_lora": rope_lora,
+           "silu_lora_tiles": silu_lora_tiles,
            "silu_shrink": silu_shrink, "rms_shrink": rms_shrink, "lora_loads": lora_loads,
            "skinny_gemm": skinny_gemm}
 

@@ -126,11 +126,15 @@ def _assert_as_close_as_transformers(setup, plan, tokens, ours) -> None:
         assert ours_err <= 2 * hf_err + 2e-3, (i, adapter, ours_err, hf_err)
 
 
-@pytest.mark.parametrize("tiles", ["picked", 16])
+@pytest.mark.parametrize("tiles", ["picked", 16, "silu"])
 def test_mixed_bf16_batch_matches_transformers_peft(setup, tiles, monkeypatch):
     """`tiles` 16: the batch's LoRA in 16-row tiles whatever `LoraBatch.pick_block_m` says (it picks them
-    for eager mixed steps whose decode rows outweigh their prompts': long prompt segments in small tiles)."""
-    if tiles != "picked":
+    for eager mixed steps whose decode rows outweigh their prompts': long prompt segments in small tiles).
+    "silu": gate/up's product expanded by SiLU-and-mul over the tiles (LORAPLEX_LORA_SILU_TILES=on)."""
+    if tiles == "silu":
+        from loraplex.ops import silu_lora_tiles
+        monkeypatch.setattr(silu_lora_tiles, "SETTING", "on")
+    elif tiles != "picked":
         from loraplex.ops.batch import LoraBatch
         monkeypatch.setattr(LoraBatch, "pick_block_m", staticmethod(lambda lens, slots: tiles))
     rng = random.Random(0)
@@ -277,17 +281,27 @@ def test_decode_graph_replays_new_batches(setup, overlap_mode, monkeypatch):
             assert (out[:n] - eager).abs().max().item() <= 2e-2 * scale, n
 
 
-def test_mixed_graph_replays_new_batches(setup):
+@pytest.mark.parametrize("room, silu_tiles", [(64, False), (160, True)])
+def test_mixed_graph_replays_new_batches(setup, room, silu_tiles, monkeypatch):
     """A mixed-step graph (engine/cuda_graphs.py): captured once on a `for_graph` batch with room for 64
     prompt tokens beside 16 sequences, replayed with other mixes of prompt chunks (with or without a
     cached prefix) and decodes, adapters and none: each replay's logits equal an eager forward's up to bf16
-    rounding (the padded rows change cuBLAS's GEMM and the LoRA tiling)."""
+    rounding (the padded rows change cuBLAS's GEMM and the LoRA tiling). `silu_tiles`: with room for 160 prompt
+    tokens, captured past overlap.SHRINK_MAX_ROWS, gate/up's product expanded by SiLU over the tiles."""
     rng = random.Random(4)
     kv = KVCache(setup.config, 1400, BLOCK, dtype=torch.bfloat16, device="cuda")
     kv.data.normal_()
     graph_batch = ForwardBatch.for_graph(16, 1024, block_size=BLOCK, num_blocks=kv.num_blocks,
                                          vocab_size=setup.config.vocab_size, num_adapter_slots=4, device="cuda",
-                                         max_prompt_tokens=64)
+                                         max_prompt_tokens=room)
+    calls = []
+    if silu_tiles:   # captured at 176 rows: past overlap.SHRINK_MAX_ROWS, the path that leaves gate/up to SiLU
+        from loraplex.ops import silu_lora_tiles, silu_lora_tiles_kernels
+        monkeypatch.setattr(silu_lora_tiles, "SETTING", "on")
+        real = silu_lora_tiles_kernels.silu_and_mul
+        monkeypatch.setattr(silu_lora_tiles_kernels, "silu_and_mul",
+                            lambda gu, out, lora: calls.append(torch.cuda.is_current_stream_capturing())
+                            or real(gu, out, lora))
 
     def mixed_chunks(decodes: int, prompts: list[int]) -> list[SequenceChunk]:
         news = [1] * decodes + prompts
@@ -305,6 +319,7 @@ def test_mixed_graph_replays_new_batches(setup):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = setup.ours(graph_batch, kv, setup.pool)
+    assert any(calls) == silu_tiles
     for decodes, prompts in ((15, [40]), (3, [20, 30, 2]), (0, [64]), (10, []), (12, [5, 9])):
         chunks = mixed_chunks(decodes, prompts)
         graph_batch.update_(chunks)

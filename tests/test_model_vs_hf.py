@@ -293,6 +293,32 @@ def test_lora_stored_before_the_gemm_matches_too(setup, store_first, monkeypatch
     assert not store_first or per_forward > 0
 
 
+@pytest.mark.parametrize("plan", ["every-row-an-adapter", "rows-without"])
+def test_gate_up_product_expanded_by_silu_tiles_matches_too(setup, plan, monkeypatch):
+    """LORAPLEX_LORA_SILU_TILES=on, eager forwards of more than 32 rows through the interpreter: gate/up's GEMM and
+    shrink only, SiLU-and-mul expanding the product over the batch's work tiles (ops/silu_lora_tiles.py); with
+    rows without an adapter its row-block programs run too."""
+    from loraplex import ops
+    from loraplex.ops import silu_lora_tiles, silu_lora_tiles_kernels
+    if not ops.triton_interpreted():
+        pytest.skip("needs TRITON_INTERPRET=1 (no CUDA): tests/test_model_gpu.py runs it for real")
+    # TEXT, and WINDOW's intermediate size 80 (not a multiple of the 64-column block); biases do not reach it
+    if setup.variant not in (TEXT, WINDOW) or (setup.variant == WINDOW and plan == "rows-without"):
+        pytest.skip("two configurations cover it (~7 s each here)")
+    monkeypatch.setattr(silu_lora_tiles, "SETTING", "on")
+    calls = []
+    real = silu_lora_tiles_kernels.silu_and_mul
+    monkeypatch.setattr(silu_lora_tiles_kernels, "silu_and_mul",
+                        lambda gu, out, lora: calls.append(lora.tiles.all_rows_have_adapters) or real(gu, out, lora))
+    setup.model.backend = "triton"
+    try:
+        check_mixed_batch(setup, PLAN if plan == "rows-without" else [
+            ("all-r8", 0, 14), ("attn-r4", 9, 12), ("mlp-patterned", 21, 1), ("all-r8", 6, 8)])
+    finally:
+        setup.model.backend = None
+    assert calls == [plan != "rows-without"] * 2 * setup.config.num_hidden_layers   # two forwards
+
+
 def _fused_path_calls(monkeypatch) -> dict[str, list[int]]:
     """"fused" on, and the rows of each call of its "full" (linear_with_lora_delta) and "fused"
     (linear_with_lora_product) paths, in call order."""

@@ -18,7 +18,7 @@ import torch
 
 from ..adapters.pool import AdapterPool
 from ..models.config import ModelConfig
-from ..ops import LoraBatch, fused, overlap, sgmv
+from ..ops import LoraBatch, fused, overlap, sgmv, silu_lora_tiles
 from ..ops.batch import LARGE_BLOCK_M, SMALL_BLOCK_M
 from ..ops.lora_delta import LoraDelta
 from ..ops.lora_in_gemm import expand_in_gemm
@@ -59,6 +59,8 @@ def compile_lora_kernels(config: ModelConfig, pool: AdapterPool, dtype: torch.dt
                     launches += _compile_silu_shrink(x, y, a, b, ranks, scalings, batch, base, n_tiles)
         if overlap.mode() == "fused":
             launches += _compile_consumers(config, pool, dtype)
+        if silu_lora_tiles.enabled():
+            launches += _compile_silu_tiles(config, pool, dtype)
     finally:
         pool.ranks[:, :, 0] = saved
     if device.type == "cuda":
@@ -193,6 +195,22 @@ def _compile_consumers(config: ModelConfig, pool: AdapterPool, dtype: torch.dtyp
             fused.apply_rope(q, k, torch.zeros(rows, dtype=torch.int32, device=device), inv_freq, v=v,
                              delta=product(("q_proj", "k_proj", "v_proj")))
             launches += 1
+    return launches
+
+
+def _compile_silu_tiles(config: ModelConfig, pool: AdapterPool, dtype: torch.dtype) -> int:
+    """LORAPLEX_LORA_SILU_TILES=on (ops/silu_lora_tiles.py): SiLU-and-mul expanding gate/up's product over the work
+    tiles, for both tile heights and every K-split count the shrink can pick, on a tile of slot 0 (rank 0 here)."""
+    device, launches = pool.device, 0
+    for block_m, layer, split_k in itertools.product((SMALL_BLOCK_M, LARGE_BLOCK_M),
+                                                     range(min(4, config.num_hidden_layers)), (1, 2, 4, 8)):
+        batch = LoraBatch.from_lengths([block_m], [0], device, block_m=block_m)
+        _, b, ranks, scalings = pool.stacks(layer, ("gate_proj", "up_proj"))
+        part = torch.zeros(split_k, 2, block_m, pool.max_rank, dtype=torch.float32, device=device)
+        product = LoraProduct(part, tuple(b), tuple(ranks), tuple(scalings), batch.row_slot, tiles=batch)
+        fused.silu_and_mul(torch.zeros(block_m, 2 * config.intermediate_size, dtype=dtype, device=device),
+                           delta=product)
+        launches += 1
     return launches
 
 

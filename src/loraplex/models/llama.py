@@ -19,7 +19,7 @@ from torch import nn
 
 from ..adapters.active_area import ActiveArea
 from ..adapters.pool import AdapterPool
-from ..ops import add_lora, api, overlap, resolve_backend, skinny_lora
+from ..ops import add_lora, api, overlap, resolve_backend, silu_lora_tiles, skinny_lora
 from ..ops.attention import paged_attention, store_kv
 from ..ops.attention_shrink import decode_attention_shrink
 from ..ops.fused import apply_rope, rms_norm, silu_and_mul
@@ -140,6 +140,14 @@ class DecoderLayer(nn.Module):
                                                       side=lora_path.endswith("-side"))
             if lora_path == "shrink-side":
                 return overlap.linear_with_lora(x, weight, bias, a, b, batch.lora, ranks, scalings), None
+            if projs == GATE_UP and lora_path in ("direct", "stored") and silu_lora_tiles.enabled():
+                # only the shrink: SiLU-and-mul expands the product over the same work tiles (ops/silu_lora_tiles.py)
+                y = base_linear(x, weight, bias)
+                cfg = api.sgmv.config_for(batch.lora.block_m)
+                part = api.sgmv.new_partials(x, a, batch.lora, cfg)
+                api.sgmv.shrink_into(part, x, a, ranks, batch.lora, cfg)
+                return y, LoraProduct(part, tuple(b), tuple(ranks), tuple(scalings), batch.lora.row_slot,
+                                      tiles=batch.lora)
             if lora_path == "stored" and bias is None:   # the expand first, the GEMM adds to it (ops/stored_lora.py)
                 return linear_with_lora_stored(x, weight, a, b, batch.lora, ranks, scalings), None
             y = base_linear(x, weight, bias)

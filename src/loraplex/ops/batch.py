@@ -127,6 +127,11 @@ class LoraBatch:
     def device(self) -> torch.device:
         return self._buffer.device
 
+    @property
+    def all_rows_have_adapters(self) -> bool:
+        """Does every row have an adapter, whatever `update_` writes later? (never for a capacity batch)"""
+        return self._capacity is None and self.group_bounds[-1] == self.num_rows
+
     @classmethod
     def from_lengths(cls, seg_lens: Sequence[int], slot_ids: Sequence[int],
                      device: torch.device | str | None = None, *, block_m: int | None = None) -> "LoraBatch":

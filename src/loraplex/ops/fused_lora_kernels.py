@@ -410,6 +410,10 @@ def rms_norm(x, weight, eps: float, residual, out, s_out, lora, block: int | Non
 
 def silu_and_mul(gate_up, out, lora, block: int | None = None) -> None:
     """`fused_kernels.silu_and_mul` on gate/up plus the LoraProduct `lora` (two slices)."""
+    if lora.tiles is not None:   # prompt rows: their product expanded tile by tile
+        from . import silu_lora_tiles_kernels
+        silu_lora_tiles_kernels.silu_and_mul(gate_up, out, lora)
+        return
     T, I = out.shape
     if T == 0:
         return

@@ -54,6 +54,9 @@ class LoraProduct:
     # False where row_slot was made inside the forward (select's index_select): the consumers must not read it
     # before their PDL wait (fused_lora_kernels.EARLY_READS; ops/pdl.py's early reads)
     early_reads: bool = True
+    # The LoraBatch whose work tiles `part` was shrunk over, where SiLU-and-mul expands the product tile by tile
+    # (ops/silu_lora_tiles.py: prompts); None: row by row
+    tiles: object = None
 
     @property
     def active_stride(self) -> int:
@@ -136,6 +139,10 @@ class LoraProduct:
                                  f"[slots={b.shape[0]}], got {_desc(rk)} and {_desc(sc)}")
         if len(got) > MAX_SLICES:
             raise ValueError(f"{name} has {len(got)} slices; at most {MAX_SLICES}")
+        if self.tiles is not None and (self.tiles.num_rows != rows or self.tiles.device != like.device
+                                       or self.slot_active is not None):
+            raise ValueError(f"{name}.tiles must be a LoraBatch of T={rows} rows on {like.device} (not with an "
+                             f"in-gemm product), got {self.tiles.num_rows} rows on {self.tiles.device}")
 
     def dense(self) -> torch.Tensor:
         """The fp32 `[T, ΣN]` product, by the loop of the module docstring (rows without an adapter: 0).

@@ -1,0 +1,116 @@
+"""gate/up's LoRA in prompt steps: the expand then SiLU-and-mul, against SiLU-and-mul expanding the tiles (GPU probe).
+
+Issue 5's mixed steps carry 7–9 ms of LoRA GPU time each; gate/up's expand is a read-modify-write of the GEMM's
+[rows, 22016] output that SiLU-and-mul then reads again. ops/silu_lora_tiles.py leaves the product to SiLU-and-mul
+(LORAPLEX_LORA_SILU_TILES=on). Per Llama-2-7B layer, CUDA-graph replays over rotating inputs past the L2:
+- `default`: the shrink, the tile expand into gate_up, SiLU-and-mul;
+- `tiles_n<block>_w<warps>`: the shrink, then the tile consumer with those settings;
+- floors: the shrink alone, plain SiLU-and-mul alone (no LoRA), and the bytes SiLU-and-mul moves at the copy
+  bandwidth.
+Cases: `mixed` (six 300-token prompts and 20 decode rows, each its own rank-16 adapter: 64-row tiles), `mixed16`
+(three 391-token prompts and 29 decode rows: the engine's mixed steps that take 16-row tiles), `prompts` (six
+320-token prompts). Each variant's output is checked against the default's (bf16 rounding apart).
+
+    python benchmarks/probe_silu_tiles.py --out benchmarks/results/probe_silu_tiles.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_lora_ops import copy_bandwidth_gbs, graphed, time_us  # noqa: E402
+
+from loraplex.ops import fused, sgmv, silu_lora_tiles_kernels  # noqa: E402
+from loraplex.ops.batch import LoraBatch  # noqa: E402
+from loraplex.ops.lora_product import LoraProduct  # noqa: E402
+
+RANK, K, I, ROTATIONS, LAYERS = 16, 4096, 11008, 3, 32
+CASES = {"mixed": [300] * 6 + [1] * 20, "mixed16": [391] * 3 + [1] * 29, "prompts": [320] * 6}
+VARIANTS = [(64, 4), (128, 4), (128, 8), (64, 2), (32, 2)]
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--variants", default=",".join(f"{n}x{w}" for n, w in VARIANTS), help="BLOCK_NxWARPS, ...")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    variants = [tuple(map(int, v.split("x"))) for v in args.variants.split(",")]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bf = dict(dtype=torch.bfloat16, device="cuda")
+    copy_gbs = copy_bandwidth_gbs()
+    rows_out = []
+    for case in args.cases.split(","):
+        seg_lens = CASES[case]
+        slots = len(seg_lens)
+        batch = LoraBatch.from_lengths(seg_lens, list(range(slots)), "cuda")
+        T = sum(seg_lens)
+        cfg = sgmv.config_for(batch.block_m)
+        xs = [torch.randn(T, K, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(ROTATIONS)]
+        ys = [torch.randn(T, 2 * I, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(ROTATIONS)]
+        outs = [torch.empty(T, I, **bf) for _ in range(ROTATIONS)]
+        a = [(torch.randn(slots, RANK, K, generator=gen, device="cuda") * K ** -0.5).to(**bf) for _ in range(2)]
+        b = [(torch.randn(slots, I, RANK, generator=gen, device="cuda") * RANK ** -0.5).to(**bf) for _ in range(2)]
+        ranks = [torch.full((slots,), RANK, dtype=torch.int32, device="cuda") for _ in range(2)]
+        scalings = [torch.rand(slots, generator=gen, device="cuda") + 0.5 for _ in range(2)]
+        parts = [sgmv.new_partials(x, a, batch, cfg) for x in xs]
+        products = [LoraProduct(p, tuple(b), tuple(ranks), tuple(scalings), batch.row_slot, tiles=batch)
+                    for p in parts]
+
+        def shrink(i):
+            sgmv.shrink_into(parts[i], xs[i], a, ranks, batch, cfg)
+
+        def default(i):
+            shrink(i)
+            sgmv.expand_from(ys[i], parts[i], b, ranks, scalings, batch, 0, cfg)
+            fused.silu_and_mul(ys[i], out=outs[i])
+
+        def tiles(i, block_n, warps):
+            shrink(i)
+            silu_lora_tiles_kernels.NUM_WARPS = warps
+            silu_lora_tiles_kernels.silu_and_mul(ys[i], outs[i], products[i], block_n)
+
+        def timed(fn) -> float:
+            return time_us([graphed(lambda i=i: fn(i)) for i in range(ROTATIONS)])
+
+        row = dict(case=case, rows=T, block_m=batch.block_m, split_k=parts[0].shape[0],
+                   shrink_us=timed(shrink), silu_us=timed(lambda i: fused.silu_and_mul(ys[i], out=outs[i])),
+                   default_us=timed(default))
+        row["silu_floor_us"] = T * 3 * I * 2 / copy_gbs / 1e3   # gate/up read, out written
+        # the check: one pass from fresh copies of the same gate_up
+        y0 = ys[0].clone()
+        shrink(0)
+        sgmv.expand_from(ys[0], parts[0], b, ranks, scalings, batch, 0, cfg)
+        want = fused.silu_and_mul(ys[0]).float()
+        ys[0].copy_(y0)
+        for block_n, warps in variants:
+            name = f"tiles_n{block_n}_w{warps}"
+            row[f"{name}_us"] = timed(lambda i, n=block_n, w=warps: tiles(i, n, w))
+            ys[0].copy_(y0)
+            tiles(0, block_n, warps)
+            got = outs[0].float()
+            err = ((got - want).norm() / want.norm()).item()
+            row[f"{name}_rel_err"] = err
+            row[f"{name}_same_bits"] = (got == want).float().mean().item()
+            if not err < 1e-2:
+                raise SystemExit(f"{case} {name}: output differs from the default's by {err:.2e}")
+        silu_lora_tiles_kernels.NUM_WARPS = 4
+        best = min((k for k in row if k.startswith("tiles_") and k.endswith("_us")), key=row.get)
+        row.update(best=best, saved_per_step_ms=(row["default_us"] - row[best]) * LAYERS / 1e3)
+        rows_out.append(row)
+        print(json.dumps(row), flush=True)
+    result = dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                  torch=torch.__version__, rank=RANK, copy_gbs=copy_gbs, rows=rows_out)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
