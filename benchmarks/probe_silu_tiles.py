@@ -4,7 +4,7 @@ Issue 5's mixed steps carry 7–9 ms of LoRA GPU time each; gate/up's expand is 
 [rows, 22016] output that SiLU-and-mul then reads again. ops/silu_lora_tiles.py leaves the product to SiLU-and-mul
 (LORAPLEX_LORA_SILU_TILES=on). Per Llama-2-7B layer, CUDA-graph replays over rotating inputs past the L2:
 - `default`: the shrink, the tile expand into gate_up, SiLU-and-mul;
-- `tiles_n<block>_w<warps>`: the shrink, then the tile consumer with those settings;
+- `tiles_<variant>`: the shrink, then the tile consumer with those settings (VARIANTS);
 - floors: the shrink alone, plain SiLU-and-mul alone (no LoRA), and the bytes SiLU-and-mul moves at the copy
   bandwidth.
 Cases: `mixed` (six 300-token prompts and 20 decode rows, each its own rank-16 adapter: 64-row tiles), `mixed16`
@@ -32,16 +32,24 @@ from loraplex.ops.lora_product import LoraProduct  # noqa: E402
 
 RANK, K, I, ROTATIONS, LAYERS = 16, 4096, 11008, 3, 32
 CASES = {"mixed": [300] * 6 + [1] * 20, "mixed16": [391] * 3 + [1] * 29, "prompts": [320] * 6}
-VARIANTS = [(64, 4), (128, 4), (128, 8), (64, 2), (32, 2)]
+# "<BLOCK_N>x<warps>[-nopf][-pps<programs an SM>]": silu_lora_tiles_kernels' settings (-nopf: PREFETCH off)
+VARIANTS = ["64x4", "64x4-nopf", "64x4-pps8", "64x4-pps2", "32x4", "128x8", "32x2-pps8"]
+
+
+def settings(variant: str) -> dict:
+    head, *opts = variant.split("-")
+    block_n, warps = map(int, head.split("x"))
+    pps = next((float(o[3:]) for o in opts if o.startswith("pps")), 4.0)
+    return dict(BLOCK_N=block_n, NUM_WARPS=warps, PREFETCH="nopf" not in opts, PROGRAMS_PER_SM=pps)
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default=",".join(CASES))
-    ap.add_argument("--variants", default=",".join(f"{n}x{w}" for n, w in VARIANTS), help="BLOCK_NxWARPS, ...")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated (see VARIANTS)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    variants = [tuple(map(int, v.split("x"))) for v in args.variants.split(",")]
+    variants = args.variants.split(",")
     gen = torch.Generator(device="cuda").manual_seed(0)
     bf = dict(dtype=torch.bfloat16, device="cuda")
     copy_gbs = copy_bandwidth_gbs()
@@ -71,10 +79,11 @@ def main(argv=None) -> dict:
             sgmv.expand_from(ys[i], parts[i], b, ranks, scalings, batch, 0, cfg)
             fused.silu_and_mul(ys[i], out=outs[i])
 
-        def tiles(i, block_n, warps):
+        def tiles(i, variant):
             shrink(i)
-            silu_lora_tiles_kernels.NUM_WARPS = warps
-            silu_lora_tiles_kernels.silu_and_mul(ys[i], outs[i], products[i], block_n)
+            for k, v in settings(variant).items():
+                setattr(silu_lora_tiles_kernels, k, v)
+            silu_lora_tiles_kernels.silu_and_mul(ys[i], outs[i], products[i])
 
         def timed(fn) -> float:
             return time_us([graphed(lambda i=i: fn(i)) for i in range(ROTATIONS)])
@@ -89,18 +98,20 @@ def main(argv=None) -> dict:
         sgmv.expand_from(ys[0], parts[0], b, ranks, scalings, batch, 0, cfg)
         want = fused.silu_and_mul(ys[0]).float()
         ys[0].copy_(y0)
-        for block_n, warps in variants:
-            name = f"tiles_n{block_n}_w{warps}"
-            row[f"{name}_us"] = timed(lambda i, n=block_n, w=warps: tiles(i, n, w))
+        defaults = {k: getattr(silu_lora_tiles_kernels, k) for k in settings(variants[0])}
+        for variant in variants:
+            name = f"tiles_{variant}"
+            row[f"{name}_us"] = timed(lambda i, v=variant: tiles(i, v))
             ys[0].copy_(y0)
-            tiles(0, block_n, warps)
+            tiles(0, variant)
             got = outs[0].float()
             err = ((got - want).norm() / want.norm()).item()
             row[f"{name}_rel_err"] = err
             row[f"{name}_same_bits"] = (got == want).float().mean().item()
             if not err < 1e-2:
                 raise SystemExit(f"{case} {name}: output differs from the default's by {err:.2e}")
-        silu_lora_tiles_kernels.NUM_WARPS = 4
+        for k, v in defaults.items():
+            setattr(silu_lora_tiles_kernels, k, v)
         best = min((k for k in row if k.startswith("tiles_") and k.endswith("_us")), key=row.get)
         row.update(best=best, saved_per_step_ms=(row["default_us"] - row[best]) * LAYERS / 1e3)
         rows_out.append(row)

@@ -86,13 +86,17 @@ def test_matches_float64_loop(dtype, seg_lens, block_m, popularity, R, none_frac
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_gives_the_bits_of_the_expand_then_silu(dtype):
+@pytest.mark.parametrize("programs_per_sm, prefetch", [(4.0, True), (1e-3, True), (1e-3, False)])
+def test_gives_the_bits_of_the_expand_then_silu(dtype, programs_per_sm, prefetch, monkeypatch):
     """The same product (the tile expand's dot, split and precision) and the same rounding: the same bits as
     sgmv.expand_from into gate_up followed by SiLU-and-mul. 64-row tiles: the 16-row config's expand takes its
-    one-row tiles row by row (KernelConfig.expand_rowwise), another summation order."""
+    one-row tiles row by row (KernelConfig.expand_rowwise), another summation order. A small program target
+    leaves one program a tile, whose loop then takes several column steps (the last one partial)."""
+    monkeypatch.setattr(silu_lora_tiles_kernels, "PROGRAMS_PER_SM", programs_per_sm)
+    monkeypatch.setattr(silu_lora_tiles_kernels, "PREFETCH", prefetch)
     block_m = 64
     rng = np.random.default_rng(stable_seed("silu-tiles-bits", str(dtype), block_m))
-    case = make_case(rng, seg_lens=[37, 1, 1, 66, 2], popularity="distinct", K=40, Ns=(80, 80), R=16,
+    case = make_case(rng, seg_lens=[37, 1, 1, 66, 2], popularity="distinct", K=40, Ns=(150, 150), R=16,
                      ranks="mixed", dtype=dtype, device=DEVICE, none_frac=0.2)
     batch = case.batch(block_m=block_m)
     product = _product(case, batch)
