@@ -32,18 +32,15 @@ from loraplex.ops.lora_product import LoraProduct  # noqa: E402
 
 RANK, K, I, ROTATIONS, LAYERS = 16, 4096, 11008, 3, 32
 CASES = {"mixed": [300] * 6 + [1] * 20, "mixed16": [391] * 3 + [1] * 29, "prompts": [320] * 6}
-# "<BLOCK_N>x<warps>[-nopf][-pps<programs an SM>][-outer]": silu_lora_tiles_kernels' settings (-nopf: PREFETCH
-# off; -outer: PRODUCT "outer", the product on the CUDA cores)
-VARIANTS = ["64x4", "64x4-outer", "32x4-outer", "64x8-outer", "128x8-outer", "64x4-outer-pps8", "64x4-outer-nopf",
-            "32x2-outer-pps8"]
+# "<BLOCK_N>x<warps>[-nopf][-pps<programs an SM>]": silu_lora_tiles_kernels' settings (-nopf: PREFETCH off)
+VARIANTS = ["64x4", "64x4-nopf", "64x4-pps8", "64x4-pps2", "32x4", "128x8", "32x2-pps8"]
 
 
 def settings(variant: str) -> dict:
     head, *opts = variant.split("-")
     block_n, warps = map(int, head.split("x"))
     pps = next((float(o[3:]) for o in opts if o.startswith("pps")), 4.0)
-    return dict(BLOCK_N=block_n, NUM_WARPS=warps, PREFETCH="nopf" not in opts, PROGRAMS_PER_SM=pps,
-                PRODUCT="outer" if "outer" in opts else "dot")
+    return dict(BLOCK_N=block_n, NUM_WARPS=warps, PREFETCH="nopf" not in opts, PROGRAMS_PER_SM=pps)
 
 
 def main(argv=None) -> dict:

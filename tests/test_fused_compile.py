@@ -185,23 +185,19 @@ def silu_lora_tiles(dtype: str, arch: int) -> None:
     heights, one and two rank tiles, at the precision the launcher picks for the dtype."""
     from loraplex.ops import silu_lora_tiles_kernels as k
     precision = "split" if dtype == "bf16" else "tf32x3"
-    for block_m, block_r, one_r, split_k, prefetch, outer in ((64, 16, True, 1, True, False),
-                                                              (16, 16, True, 4, True, False),
-                                                              (64, 32, False, 2, True, False),
-                                                              (64, 16, True, 2, False, False),
-                                                              (64, 16, True, 2, True, True)):
+    for block_m, block_r, one_r, split_k, prefetch in ((64, 16, True, 1, True), (16, 16, True, 4, True),
+                                                       (64, 32, False, 2, True), (64, 16, True, 2, False)):
         types = dict(gu_ptr="*" + dtype, out_ptr="*" + dtype, b0="*" + dtype, b1="*" + dtype, rk0="*i32", rk1="*i32",
                      sc0="*fp32", sc1="*fp32", sorted_rows_ptr="*i32", work_slot_ptr="*i32", work_start_ptr="*i32",
                      work_end_ptr="*i32", **LORA_POINTERS)
         ptx = _compile(k._silu_and_mul_lora_tiles_kernel, types,
                        dict(SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=k.BLOCK_N, BLOCK_R=block_r, ONE_R_TILE=one_r,
-                            PRECISION=precision, PREFETCH=prefetch, OUTER=outer, COMPILED=True), arch,
-                       k.NUM_WARPS,
+                            PRECISION=precision, PREFETCH=prefetch, COMPILED=True), arch, k.NUM_WARPS,
                        divisible=("I", "stride_gu", "stride_out", "stride_pm", "stride_p_split", "stride_p_slice"))
         what = f"silu_and_mul_lora_tiles {dtype} sm_{arch} BLOCK_M={block_m} BLOCK_R={block_r} SPLIT_K={split_k}"
         _no_approx(ptx, what)
         assert "div.rn.f32" in ptx, f"{what}: the division must be IEEE"
-        if dtype != "fp32" and not outer:
+        if dtype != "fp32":
             assert "mma" in ptx, f"{what}: no tensor-core product"
 
 

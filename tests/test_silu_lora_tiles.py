@@ -63,10 +63,7 @@ def _oracle(case, T: int) -> torch.Tensor:
     ([70, 5, 1, 1, 33], 16, "skewed", 8, 0.4),            # rows without an adapter between them
     ([50, 3, 20], 64, "uniform", 48, 0.0),                # two rank tiles (R > 32)
 ])
-@pytest.mark.parametrize("product", ["dot", "outer"])
-def test_matches_float64_loop(dtype, seg_lens, block_m, popularity, R, none_frac, product, monkeypatch):
-    """Both products (silu_lora_tiles_kernels.PRODUCT; "outer" runs only with one rank tile, R <= 32)."""
-    monkeypatch.setattr(silu_lora_tiles_kernels, "PRODUCT", product)
+def test_matches_float64_loop(dtype, seg_lens, block_m, popularity, R, none_frac):
     rng = np.random.default_rng(stable_seed("silu-tiles", str(dtype), seg_lens, block_m, R))
     I = 72   # not a multiple of the 64-column block
     case = make_case(rng, seg_lens=seg_lens, popularity=popularity, K=40, Ns=(I, I), R=R, ranks="mixed",

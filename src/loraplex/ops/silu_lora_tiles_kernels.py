@@ -29,7 +29,6 @@ def _config(raw: str) -> tuple[int, int]:
 BLOCK_N, NUM_WARPS = _config(os.environ.get("LORAPLEX_LORA_SILU_TILES_CONFIG", "64x4"))   # benchmarks set them
 PROGRAMS_PER_SM = 4.0   # the grid's target (read at call time, as the two above)
 PREFETCH = True
-PRODUCT = "dot"   # or "outer" (one rank tile): the product on the CUDA cores (see _summed)
 
 
 @triton.jit
@@ -46,19 +45,11 @@ def _slice_setup(part, b_ptr, rank_ptr, scale_ptr, slot, rows, m_mask, I, R, str
 @triton.jit
 def _summed(x, part, b_base, rank, scale, v, offs_r, r_mask, rows, m_mask, offs_n, n_mask, R, stride_p_split,
             stride_pm, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-            ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr, OUTER: tl.constexpr, DT: tl.constexpr,
-            COMPILED: tl.constexpr):
+            ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr, DT: tl.constexpr, COMPILED: tl.constexpr):
     """x (fp32 [BLOCK_M, BLOCK_N]) plus the slice's product on these columns, rounded to DT as the expand's
-    `(y_old + acc * scale).to(dtype)`; OUTER (one rank tile): the product as BLOCK_R outer products in fp32
-    (Σ_r in order r = 0, 1, ...), else the tile expand's tensor-core product (its bits)."""
+    `(y_old + acc * scale).to(dtype)`, the product the tile expand's (its bits)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if OUTER:   # on the CUDA cores, rank by rank: no tensor-core layouts to convert gate/up to and back
-        for r in tl.static_range(BLOCK_R):
-            v_r = tl.sum(tl.where(offs_r[None, :] == r, v, 0.0), axis=1)   # v's column r (zero past the rank)
-            in_rank = tl.full((BLOCK_N,), r, tl.int32) < rank   # B past the rank is not this adapter's
-            b_r = tl.load(b_base + offs_n * R + r, mask=n_mask & in_rank, other=0.0).to(tl.float32)
-            acc += v_r[:, None] * b_r[None, :]
-    elif ONE_R_TILE:   # v stays in registers over the column loop
+    if ONE_R_TILE:   # v stays in registers over the column loop
         acc = _dot_v_b(v, _load_b(b_base, offs_n, n_mask, offs_r, r_mask, R), acc, PRECISION)
     else:
         for r0 in range(0, rank, BLOCK_R):
@@ -74,7 +65,7 @@ def _silu_and_mul_lora_tiles_kernel(gu_ptr, out_ptr, part_ptr, sorted_rows_ptr, 
                                     stride_p_slice, stride_pm, T, I, num_work, n_per_prog, stride_gu, stride_out,
                                     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                     BLOCK_R: tl.constexpr, ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr,
-                                    PREFETCH: tl.constexpr, OUTER: tl.constexpr, COMPILED: tl.constexpr):
+                                    PREFETCH: tl.constexpr, COMPILED: tl.constexpr):
     """See ops/silu_lora_tiles.py. Program (w, chunk) covers columns [chunk · n_per_prog, + n_per_prog) of I,
     BLOCK_N at a time; PREFETCH: each step's gate and up blocks are loaded a step ahead (Triton pipelines a
     loop's loads only where they feed a dot)."""
@@ -115,11 +106,11 @@ def _silu_and_mul_lora_tiles_kernel(gu_ptr, out_ptr, part_ptr, sorted_rows_ptr, 
                 g = tl.load(gu_rows + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
                 u = tl.load(gu_rows + (I + offs_n)[None, :], mask=mask, other=0.0).to(tl.float32)
             g = _summed(g, part_ptr, b_g, rank_g, scale_g, v_g, offs_r, rm_g, rows, m_mask, offs_n, n_mask, R,
-                        stride_p_split, stride_pm, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION, OUTER,
-                        DT, COMPILED)
+                        stride_p_split, stride_pm, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION, DT,
+                        COMPILED)
             u = _summed(u, part_u, b_u, rank_u, scale_u, v_u, offs_r, rm_u, rows, m_mask, offs_n, n_mask, R,
-                        stride_p_split, stride_pm, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION, OUTER,
-                        DT, COMPILED)
+                        stride_p_split, stride_pm, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION, DT,
+                        COMPILED)
             tl.store(out_rows + offs_n[None, :], _silu_mul(g, u, DT, COMPILED).to(DT), mask=mask)
     else:
         rows = ((w - num_work) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -163,6 +154,5 @@ def silu_and_mul(gate_up, out, lora, block_n: int | None = None) -> None:
             *lora.lora_b, *lora.ranks, *lora.scalings, R, p.stride(0), p.stride(1), p.stride(2), T, I,
             batch.num_work, n_per_prog, gate_up.stride(0), out.stride(0))
     consts = dict(SPLIT_K=p.shape[0], BLOCK_M=batch.block_m, BLOCK_N=block_n, BLOCK_R=block_r,
-                  ONE_R_TILE=R <= block_r, PRECISION=precision, PREFETCH=PREFETCH,
-                  OUTER=PRODUCT == "outer" and R <= block_r, COMPILED=COMPILED)
+                  ONE_R_TILE=R <= block_r, PRECISION=precision, PREFETCH=PREFETCH, COMPILED=COMPILED)
     _TILES((batch.num_work + free, -(-I // n_per_prog)), args, consts, NUM_WARPS, 1)
