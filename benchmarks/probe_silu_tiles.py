@@ -32,20 +32,15 @@ from loraplex.ops.lora_product import LoraProduct  # noqa: E402
 
 RANK, K, I, ROTATIONS, LAYERS = 16, 4096, 11008, 3, 32
 CASES = {"mixed": [300] * 6 + [1] * 20, "mixed16": [391] * 3 + [1] * 29, "prompts": [320] * 6}
-# "<BLOCK_N>x<warps>[-nopf][-pps<programs an SM>]": MODE "tiles" with those settings (-nopf: PREFETCH off);
-# "rows:<columns>:<row chunk>:<rows a step>:<warps>": MODE "rows"
-VARIANTS = ["64x4", "32x2-pps8", "rows:256:16:2:4", "rows:128:16:2:4", "rows:256:16:1:4", "rows:256:16:4:4",
-            "rows:512:16:2:8", "rows:256:64:4:8", "rows:128:64:2:4", "rows:128:16:1:4", "rows:128:8:1:4"]
+# "<BLOCK_N>x<warps>[-nopf][-pps<programs an SM>]": silu_lora_tiles_kernels' settings (-nopf: PREFETCH off)
+VARIANTS = ["64x4", "64x4-nopf", "64x4-pps8", "64x4-pps2", "32x4", "128x8", "32x2-pps8"]
 
 
 def settings(variant: str) -> dict:
-    if variant.startswith("rows:"):
-        block, chunk, step, warps = map(int, variant.split(":")[1:])
-        return dict(MODE="rows", ROWS_BLOCK=block, ROW_CHUNK=chunk, ROWS_STEP=step, ROWS_WARPS=warps)
     head, *opts = variant.split("-")
     block_n, warps = map(int, head.split("x"))
     pps = next((float(o[3:]) for o in opts if o.startswith("pps")), 4.0)
-    return dict(MODE="tiles", BLOCK_N=block_n, NUM_WARPS=warps, PREFETCH="nopf" not in opts, PROGRAMS_PER_SM=pps)
+    return dict(BLOCK_N=block_n, NUM_WARPS=warps, PREFETCH="nopf" not in opts, PROGRAMS_PER_SM=pps)
 
 
 def main(argv=None) -> dict:

@@ -199,15 +199,6 @@ def silu_lora_tiles(dtype: str, arch: int) -> None:
         assert "div.rn.f32" in ptx, f"{what}: the division must be IEEE"
         if dtype != "fp32":
             assert "mma" in ptx, f"{what}: no tensor-core product"
-    # MODE "rows"
-    for block, chunk, step in ((256, 16, 2), (128, 64, 1)):
-        ptx = _compile(k._silu_and_mul_lora_rows_kernel, types,
-                       dict(SPLIT_K=2, BLOCK_M=64, BLOCK=block, BLOCK_R=16, ROW_CHUNK=chunk, STEP=step, COMPILED=True),
-                       arch, k.ROWS_WARPS, divisible=("I", "R", "stride_gu", "stride_out", "stride_pm",
-                                                      "stride_p_split", "stride_p_slice"))
-        what = f"silu_and_mul_lora_rows {dtype} sm_{arch} BLOCK={block} ROW_CHUNK={chunk} STEP={step}"
-        _no_approx(ptx, what)
-        assert "div.rn.f32" in ptx, f"{what}: the division must be IEEE"
 
 
 def rope_lora(dtype: str, arch: int) -> None:

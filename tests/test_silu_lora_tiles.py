@@ -63,10 +63,7 @@ def _oracle(case, T: int) -> torch.Tensor:
     ([70, 5, 1, 1, 33], 16, "skewed", 8, 0.4),            # rows without an adapter between them
     ([50, 3, 20], 64, "uniform", 48, 0.0),                # two rank tiles (R > 32)
 ])
-@pytest.mark.parametrize("mode", ["rows", "tiles"])
-def test_matches_float64_loop(dtype, seg_lens, block_m, popularity, R, none_frac, mode, monkeypatch):
-    """Both kernels (silu_lora_tiles_kernels.MODE; "rows" takes only a rank of one tile: R = 48 runs "tiles")."""
-    monkeypatch.setattr(silu_lora_tiles_kernels, "MODE", mode)
+def test_matches_float64_loop(dtype, seg_lens, block_m, popularity, R, none_frac):
     rng = np.random.default_rng(stable_seed("silu-tiles", str(dtype), seg_lens, block_m, R))
     I = 72   # not a multiple of the 64-column block
     case = make_case(rng, seg_lens=seg_lens, popularity=popularity, K=40, Ns=(I, I), R=R, ranks="mixed",
@@ -95,7 +92,6 @@ def test_gives_the_bits_of_the_expand_then_silu(dtype, programs_per_sm, prefetch
     sgmv.expand_from into gate_up followed by SiLU-and-mul. 64-row tiles: the 16-row config's expand takes its
     one-row tiles row by row (KernelConfig.expand_rowwise), another summation order. A small program target
     leaves one program a tile, whose loop then takes several column steps (the last one partial)."""
-    monkeypatch.setattr(silu_lora_tiles_kernels, "MODE", "tiles")
     monkeypatch.setattr(silu_lora_tiles_kernels, "PROGRAMS_PER_SM", programs_per_sm)
     monkeypatch.setattr(silu_lora_tiles_kernels, "PREFETCH", prefetch)
     block_m = 64
@@ -109,23 +105,6 @@ def test_gives_the_bits_of_the_expand_then_silu(dtype, programs_per_sm, prefetch
     sgmv.expand_from(y, product.part, case.lora_b, case.ranks, case.scalings, batch, 0,
                      sgmv.config_for(block_m))
     assert torch.equal(out, fused.silu_and_mul(y, backend="triton"))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("block, chunk, step", [(256, 16, 2), (64, 64, 1), (128, 16, 4), (32, 64, 8)])
-def test_rows_mode_gives_the_bits_of_the_decode_consumer(dtype, block, chunk, step, monkeypatch):
-    """MODE "rows" sums each row's product as the row-by-row consumer of decode steps does
-    (fused_lora_kernels.silu_and_mul, a LoraProduct without tiles): the same bits, for row chunks and steps that
-    do and do not divide the tiles' rows, columns blocks that do not divide I, rows without an adapter."""
-    for name, value in (("MODE", "rows"), ("ROWS_BLOCK", block), ("ROW_CHUNK", chunk), ("ROWS_STEP", step)):
-        monkeypatch.setattr(silu_lora_tiles_kernels, name, value)
-    rng = np.random.default_rng(stable_seed("silu-rows-bits", str(dtype), block, chunk, step))
-    case = make_case(rng, seg_lens=[37, 1, 1, 70, 3], popularity="distinct", K=40, Ns=(150, 150), R=16,
-                     ranks="mixed", dtype=dtype, device=DEVICE, none_frac=0.2)
-    product = _product(case, case.batch(block_m=64))
-    out = _tiles_consumer(case.y0, product)
-    rowwise = LoraProduct(product.part, product.lora_b, product.ranks, product.scalings, product.row_slot)
-    assert torch.equal(out, fused.silu_and_mul(case.y0, delta=rowwise, backend="triton"))
 
 
 def test_capacity_batch_covers_its_padding_rows():

@@ -30,10 +30,14 @@ Only RoPE's kernel takes them (q/k/v's product; `check(..., in_gemm=True)`); `de
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .checks import _desc
+
+if TYPE_CHECKING:
+    from .batch import LoraBatch
 
 MAX_SLICES = 3   # q/k/v is the widest consumer
 
@@ -56,7 +60,7 @@ class LoraProduct:
     early_reads: bool = True
     # The LoraBatch whose work tiles `part` was shrunk over, where SiLU-and-mul expands the product tile by tile
     # (ops/silu_lora_tiles.py: prompts); None: row by row
-    tiles: object = None
+    tiles: "LoraBatch | None" = None
 
     @property
     def active_stride(self) -> int:

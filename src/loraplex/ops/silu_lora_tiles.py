@@ -7,7 +7,7 @@ tile's product and stores `silu(gate) · up`. A LoraProduct that carries the bat
 takes this kernel (fused_lora_kernels.silu_and_mul dispatches); the decode consumers expand row by row,
 where each row has its own adapter, and a tile would read B once per row anyway.
 
-Programs `(w, n)`, `n` a block of BLOCK_N columns of I:
+Programs `(w, chunk)`, each over a chunk of I's columns, BLOCK_N at a time:
 - `w < num_work`: the batch's work tile w, rows `sorted_rows[work_start[w]:work_end[w]]` of slot
   `work_slot[w]` (tiles of one adapter's rows, the shrink's and expand's); per slice i (gate, up) of rank
   `rank_i = min(ranks_i[slot], R)`, in fp32:
@@ -22,6 +22,15 @@ Programs `(w, n)`, `n` a block of BLOCK_N columns of I:
   them all, and those with no such row load only their slots.
 
 then `out[m, n] = round(round(silu(gate)) · up)` (fused_kernels._silu_mul), as `fused.silu_and_mul`.
+
+Measured slower, so off (LORAPLEX_LORA_SILU_TILES=on to use it). On an H200 (2026-12-03, benchmarks/results/
+probe_silu_tiles.md: Llama-2-7B's gate/up, rank 16, each sequence its own adapter, per layer in CUDA graphs) the
+shrink and this kernel took 195–392 µs where the shrink, the expand and SiLU-and-mul take 120–136 (1,820–1,920
+rows; 122 against 99 µs on 16-row tiles). Its programs hold both slices' tiles and products (245 registers at
+64 columns and 4 warps: two programs an SM), and each column step waits for its gate and up blocks, their two
+tensor-core products and their conversion to the products' layout in turn: the expand's latency-bound step,
+twice, with fewer programs to hide it. Products on the CUDA cores (outer products over the rank, or each
+row's sum as the decode consumers take it) measured slower still (309–535 µs) and were removed.
 """
 from __future__ import annotations
 

@@ -10,8 +10,7 @@ import triton.language as tl
 from .fused_kernels import COMPILED, _round, _silu_mul
 from .launch import Launcher
 from .pdl import pdl_start
-from .sgmv_kernels import _dot_v_b, _load_b, _load_rank_block, _load_v
-
+from .sgmv_kernels import _dot_v_b, _load_b, _load_v
 
 
 def _config(raw: str) -> tuple[int, int]:
@@ -29,10 +28,6 @@ def _config(raw: str) -> tuple[int, int]:
 BLOCK_N, NUM_WARPS = _config(os.environ.get("LORAPLEX_LORA_SILU_TILES_CONFIG", "64x4"))   # benchmarks set them
 PROGRAMS_PER_SM = 4.0   # the grid's target (read at call time, as the two above)
 PREFETCH = True
-# MODE "rows" (where the rank fits one tile): _silu_and_mul_lora_rows_kernel, with these settings; "tiles": the
-# tensor-core kernel above
-MODE = "rows"
-ROWS_BLOCK, ROW_CHUNK, ROWS_STEP, ROWS_WARPS = 256, 16, 2, 4
 
 
 @triton.jit
@@ -131,80 +126,7 @@ def _silu_and_mul_lora_tiles_kernel(gu_ptr, out_ptr, part_ptr, sorted_rows_ptr, 
                 tl.store(out_rows + offs_n[None, :], _silu_mul(g, u, DT, COMPILED).to(DT), mask=mask)
 
 
-@triton.jit
-def _rows_v(part_ptr, rows, m_mask, offs_r, rank, stride_p_split, stride_pm, SPLIT_K: tl.constexpr):
-    """[STEP, BLOCK_R]: Σ over the K splits of these rows' partials, zero past the rank."""
-    mask = m_mask[:, None] & (offs_r < rank)[None, :]
-    ptrs = part_ptr + rows[:, None] * stride_pm + offs_r[None, :]
-    v = tl.load(ptrs, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT_K):
-        v += tl.load(ptrs + tl.full((), s, tl.int64) * stride_p_split, mask=mask, other=0.0)
-    return v
-
-
-@triton.jit(do_not_specialize=["T", "num_work"])
-def _silu_and_mul_lora_rows_kernel(gu_ptr, out_ptr, part_ptr, sorted_rows_ptr, work_slot_ptr, work_start_ptr,
-                                   work_end_ptr, row_slot_ptr, b0, b1, rk0, rk1, sc0, sc1, R, stride_p_split,
-                                   stride_p_slice, stride_pm, T, I, num_work, stride_gu, stride_out,
-                                   SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
-                                   BLOCK_R: tl.constexpr, ROW_CHUNK: tl.constexpr, STEP: tl.constexpr,
-                                   COMPILED: tl.constexpr):
-    """MODE "rows" (one rank tile): program (w, column block, row chunk) loads its tile's B blocks once
-    ([BLOCK, BLOCK_R] per slice, 16 bytes at a time) and walks ROW_CHUNK of the tile's rows STEP at a time,
-    summing each row's product on the CUDA cores as the decode consumer (fused_lora_kernels.py) does: no
-    tensor-core layouts, few registers, many programs."""
-    pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
-    w = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < I
-    chunk0 = tl.program_id(2) * ROW_CHUNK
-    steps = tl.arange(0, STEP)
-    DT = out_ptr.dtype.element_ty
-    if w < num_work:
-        slot = tl.load(work_slot_ptr + w)
-        safe = tl.maximum(slot, 0)
-        start = tl.load(work_start_ptr + w) + chunk0
-        end = tl.where(slot >= 0, tl.minimum(tl.load(work_end_ptr + w), start + ROW_CHUNK), 0)
-        rank_g = tl.where(slot >= 0, tl.minimum(tl.load(rk0 + safe), R), 0)
-        rank_u = tl.where(slot >= 0, tl.minimum(tl.load(rk1 + safe), R), 0)
-        scale_g = tl.load(sc0 + safe)
-        scale_u = tl.load(sc1 + safe)
-        offs_r = tl.arange(0, BLOCK_R)
-        b_cols = offs[:, None] * R + offs_r[None, :]
-        bg = _load_rank_block(b0 + safe.to(tl.int64) * I * R + b_cols, mask[:, None], offs_r[None, :],
-                              (offs_r < rank_g)[None, :], rank_g, R).to(tl.float32)
-        bu = _load_rank_block(b1 + safe.to(tl.int64) * I * R + b_cols, mask[:, None], offs_r[None, :],
-                              (offs_r < rank_u)[None, :], rank_u, R).to(tl.float32)
-        for i in range(start, end, STEP):
-            m_mask = i + steps < end
-            rows = tl.load(sorted_rows_ptr + i + steps, mask=m_mask, other=0).to(tl.int64)
-            mask2 = m_mask[:, None] & mask[None, :]
-            gu = gu_ptr + rows[:, None] * stride_gu + offs[None, :]
-            g = tl.load(gu, mask=mask2, other=0.0).to(tl.float32)
-            u = tl.load(gu + I, mask=mask2, other=0.0).to(tl.float32)
-            vg = _rows_v(part_ptr, rows, m_mask, offs_r, rank_g, stride_p_split, stride_pm, SPLIT_K)
-            vu = _rows_v(part_ptr + stride_p_slice, rows, m_mask, offs_r, rank_u, stride_p_split, stride_pm, SPLIT_K)
-            g = _round(g + tl.sum(bg[None, :, :] * vg[:, None, :], axis=2) * scale_g, DT, COMPILED)
-            u = _round(u + tl.sum(bu[None, :, :] * vu[:, None, :], axis=2) * scale_u, DT, COMPILED)
-            tl.store(out_ptr + rows[:, None] * stride_out + offs[None, :], _silu_mul(g, u, DT, COMPILED).to(DT),
-                     mask=mask2)
-    else:
-        base = (w - num_work) * BLOCK_M + chunk0
-        end = tl.minimum(base + ROW_CHUNK, T)
-        for i in range(base, end, STEP):
-            rows = (i + steps).to(tl.int64)
-            m_mask = rows < end
-            m_mask &= tl.load(row_slot_ptr + rows, mask=m_mask, other=0) < 0
-            mask2 = m_mask[:, None] & mask[None, :]
-            gu = gu_ptr + rows[:, None] * stride_gu + offs[None, :]
-            g = tl.load(gu, mask=mask2, other=0.0).to(tl.float32)
-            u = tl.load(gu + I, mask=mask2, other=0.0).to(tl.float32)
-            tl.store(out_ptr + rows[:, None] * stride_out + offs[None, :], _silu_mul(g, u, DT, COMPILED).to(DT),
-                     mask=mask2)
-
-
 _TILES = Launcher(_silu_and_mul_lora_tiles_kernel)
-_ROWS = Launcher(_silu_and_mul_lora_rows_kernel)
 
 
 def silu_and_mul(gate_up, out, lora, block_n: int | None = None) -> None:
@@ -220,15 +142,6 @@ def silu_and_mul(gate_up, out, lora, block_n: int | None = None) -> None:
     block_r = _block_r(R)
     free = 0 if batch.all_rows_have_adapters else -(-T // batch.block_m)
     p = lora.part
-    if MODE == "rows" and R <= block_r:
-        chunk = min(ROW_CHUNK, batch.block_m)
-        args = (gate_up, out, p, batch.sorted_rows, batch.work_slot, batch.work_start, batch.work_end, lora.row_slot,
-                *lora.lora_b, *lora.ranks, *lora.scalings, R, p.stride(0), p.stride(1), p.stride(2), T, I,
-                batch.num_work, gate_up.stride(0), out.stride(0))
-        consts = dict(SPLIT_K=p.shape[0], BLOCK_M=batch.block_m, BLOCK=ROWS_BLOCK, BLOCK_R=block_r, ROW_CHUNK=chunk,
-                      STEP=min(ROWS_STEP, chunk), COMPILED=COMPILED)
-        _ROWS((batch.num_work + free, -(-I // ROWS_BLOCK), -(-batch.block_m // chunk)), args, consts, ROWS_WARPS, 1)
-        return
     # the expand's precision (sgmv.expand_from, adding into gate_up)
     precision = config_for(batch.block_m).expand_precision or \
         ("split" if gate_up.dtype == torch.bfloat16 else "tf32x3")
