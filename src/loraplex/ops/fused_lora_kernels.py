@@ -248,7 +248,7 @@ def _store_heads(p1, HALF, x1, x2, c, s, mask, rotate, has, COMPILED: tl.constex
 
 @triton.jit
 def _rope_early(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_row, slot, has, b0, b1, b2, rk0, rk1, rk2, sc0, sc1,
-                sc2, R, stride_p_split, stride_p_slice, HQ, HKV, HALF, stride_qh, stride_kh, stride_vh, t, which, h0,
+                sc2, R, stride_p_split, stride_p_slice, HQ, HKV, HALF, stride_qh, stride_kh, stride_vh, which, h0,
                 ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
                 BLOCK_D: tl.constexpr, COMPILED: tl.constexpr):
     """`_heads` for q, k or v (`which`) with the slice's rank, scaling and both halves' B blocks read first, then
@@ -320,7 +320,7 @@ def _rope_lora_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_ptr, row_
         # k and v have fewer head blocks with GQA; a program past them loads and stores nothing of q/k/v
         _rope_early(q_ptr + t * stride_qt, k_ptr + t * stride_kt, v_ptr + t * stride_vt, pos_ptr + t * stride_pos,
                     inv_freq_ptr, part_row, slot, has, b0, b1, b2, rk0, rk1, rk2, sc0, sc1, sc2, R, stride_p_split,
-                    stride_p_slice, HQ, HKV, HALF, stride_qh, stride_kh, stride_vh, t, which, h0, ONE_R_TILE, SPLIT_K,
+                    stride_p_slice, HQ, HKV, HALF, stride_qh, stride_kh, stride_vh, which, h0, ONE_R_TILE, SPLIT_K,
                     BLOCK_R, BLOCK_H, BLOCK_D, COMPILED)
     elif h0 < tl.where(which == 0, HQ, HKV):   # k and v have fewer head blocks with GQA
         DT = q_ptr.dtype.element_ty
