@@ -181,6 +181,9 @@ def variant(name: str):
         patches.append(mock.patch.object(fused_lora_kernels, "EARLY_READS", False))
         if name == "silu_loads_first":
             patches.append(mock.patch.object(fused_lora_kernels, "SILU_LOADS_FIRST", True))
+    if name in RMS_SPLIT_VARIANTS:   # columns per program of the split RMSNorm (fused_lora_kernels.RMS_SPLIT, 512)
+        from loraplex.ops import fused_lora_kernels
+        patches.append(mock.patch.object(fused_lora_kernels, "RMS_SPLIT", RMS_SPLIT_VARIANTS[name]))
     if name == "rms_one":   # the split RMSNorm's two launches in one (fused_lora_rms_split.ONE_LAUNCH)
         from loraplex.ops import fused_lora_rms_split
         patches.append(mock.patch.object(fused_lora_rms_split, "ONE_LAUNCH", True))
@@ -309,6 +312,7 @@ SILU_TOO = {"boundary_od1024_silu"}
 PRODUCT_VARIANTS["boundary_od1024_silu"] = (QKV_O_DOWN, 1024, True)
 
 ROPE_HEADS_VARIANTS = {"rope_heads2": 2, "rope_heads1": 1, "rope_heads8": 8}
+RMS_SPLIT_VARIANTS = {"rms_split256": 256, "rms_split128": 128}
 # columns per SiLU-and-mul program (fused_lora_kernels.SILU_BLOCK, 512): matters where gate/up's product is left
 # to it ("all_split512+silu256")
 EARLY_VARIANTS = {"early_reads": frozenset({"rms", "silu", "rope"}), "early_silu": frozenset({"silu"}),
@@ -347,6 +351,8 @@ VARIANTS = {
     "o_in_attention_late": "o_in_attention with A's tile loaded after the key walk (LORA_PREFETCH_A off)",
     "o_in_attention_silu": "o_in_attention with down's shrink inside SiLU-and-mul too",
     **{name: f"fused with {h} head(s) per RoPE program (4 today)" for name, h in ROPE_HEADS_VARIANTS.items()},
+    **{name: f"fused with the split RMSNorm over {c}-column programs (512 today)"
+       for name, c in RMS_SPLIT_VARIANTS.items()},
     "no_gate": "fused without gate/up's product left to SiLU-and-mul at decode (overlap.DECODE_EXTRA_FUSED empty: "
                "the default before the seventeenth session)",
     "silu_w8": "SiLU-and-mul's programs in 8 warps where it expands gate/up's product (fused_lora_kernels.SILU_WARPS)",
