@@ -142,12 +142,8 @@ class DecoderLayer(nn.Module):
                 return overlap.linear_with_lora(x, weight, bias, a, b, batch.lora, ranks, scalings), None
             if projs == GATE_UP and lora_path in ("direct", "stored") and silu_lora_tiles.enabled():
                 # only the shrink: SiLU-and-mul expands the product over the same work tiles (ops/silu_lora_tiles.py)
-                y = base_linear(x, weight, bias)
-                cfg = api.sgmv.config_for(batch.lora.block_m)
-                part = api.sgmv.new_partials(x, a, batch.lora, cfg)
-                api.sgmv.shrink_into(part, x, a, ranks, batch.lora, cfg)
-                return y, LoraProduct(part, tuple(b), tuple(ranks), tuple(scalings), batch.lora.row_slot,
-                                      tiles=batch.lora)
+                return overlap.linear_with_lora_product(x, weight, bias, a, b, batch.lora, ranks, scalings,
+                                                        side=False, tiles=True)
             if lora_path == "stored" and bias is None:   # the expand first, the GEMM adds to it (ops/stored_lora.py)
                 return linear_with_lora_stored(x, weight, a, b, batch.lora, ranks, scalings), None
             y = base_linear(x, weight, bias)

@@ -382,10 +382,10 @@ def _tiles(R: int) -> dict:
     return dict(ONE_R_TILE=R <= block_r, BLOCK_R=block_r)
 
 
-def _early(R: int, kernel: str, lora=None) -> bool:
+def _early(R: int, kernel: str, lora) -> bool:
     """EARLY_READS for `kernel` where it applies (one rank tile, a product whose row slots were not made inside
     the forward: LoraProduct.early_reads); read at call time, as tests and benchmarks set it."""
-    return EARLY_READS and kernel in EARLY_KERNELS and R <= _block_r(R) and getattr(lora, "early_reads", True)
+    return EARLY_READS and kernel in EARLY_KERNELS and R <= _block_r(R) and lora.early_reads
 
 
 def rms_norm(x, weight, eps: float, residual, out, s_out, lora, block: int | None = None) -> None:

@@ -276,14 +276,16 @@ def linear_with_lora_delta(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
 def linear_with_lora_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                              lora_a: list[torch.Tensor], lora_b: list[torch.Tensor], batch: LoraBatch,
                              ranks: list[torch.Tensor], scalings: list[torch.Tensor], *,
-                             side: bool) -> tuple[torch.Tensor, LoraProduct]:
+                             side: bool, tiles: bool = False) -> tuple[torch.Tensor, LoraProduct]:
     """"fused": `(base_linear(x, weight, bias), product)`, the product the shrink of the slices left for the
-    consumer to expand (ops/lora_product.py). `side`: the shrink on a side stream (capture only)."""
+    consumer to expand (ops/lora_product.py). `side`: the shrink on a side stream (capture only). `tiles`: the
+    product carries the batch, for a consumer that expands it over the work tiles (ops/silu_lora_tiles.py)."""
     from . import sgmv
     cfg = config_for(batch.block_m)
     part = sgmv.new_partials(x, lora_a, batch, cfg)
     y = _beside_gemm(x, weight, bias, side, lambda: sgmv.shrink_into(part, x, lora_a, ranks, batch, cfg))
-    return y, LoraProduct(part, tuple(lora_b), tuple(ranks), tuple(scalings), batch.row_slot)
+    return y, LoraProduct(part, tuple(lora_b), tuple(ranks), tuple(scalings), batch.row_slot,
+                          tiles=batch if tiles else None)
 
 
 def linear_with_lora_expand(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, part: torch.Tensor,
