@@ -212,6 +212,8 @@ def variant(name: str):
         patches.append(carveout(16))
     if name == "one_stream":
         patches.append(mock.patch.object(overlap, "_usable_side", lambda device: None))
+    if name in ("shrink_after", "shrink_before", "shrink_side"):   # where the "fused" projections' shrink runs
+        patches.append(mock.patch.object(overlap, "SHRINK_ORDER", name.split("_")[1]))
     env = {"full": "full", "shrink": "shrink", "off": "off"}.get(name)
     old = os.environ.get("LORAPLEX_LORA_OVERLAP")
     if env:
@@ -387,6 +389,13 @@ VARIANTS = {
     "noexpand": "fused without expand kernels (timing only; RoPE still expands q/k/v)",
     "nolora": "fused without shrink and expand kernels: the consumers' cost and the fills (timing only)",
     "one_stream": "fused with the LoRA kernels on the main stream (no side stream)",
+    "shrink_after": "fused with the fused projections' shrink on the main stream right after the GEMM, releasing the "
+                    "consumer first and waiting for the GEMM last (LORAPLEX_LORA_SHRINK_ORDER=after, the default "
+                    "since 2026-12-03: 'fused' is this)",
+    "shrink_side": "fused with the fused projections' shrink on the side stream beside the GEMM "
+                   "(LORAPLEX_LORA_SHRINK_ORDER=side, the default before 2026-12-03)",
+    "shrink_before": "fused with the fused projections' shrink on the main stream before the GEMM "
+                     "(LORAPLEX_LORA_SHRINK_ORDER=before)",
     "full": "LORAPLEX_LORA_OVERLAP=full",
     "shrink": "LORAPLEX_LORA_OVERLAP=shrink",
     "off": "LORAPLEX_LORA_OVERLAP=off (plain order)",

@@ -33,10 +33,13 @@ def shrink(dtype: str, block_m: int) -> None:
     types = {"x_": "*" + dtype, "part_": "*fp32", "sorted_": "*i32", "work_": "*i32", "a": "*" + dtype, "rk": "*i32"}
     # ROWWISE: sgmv_kernels._shrink_tile_rows for tiles of a few rows (1) or every tile (2); ROWS_PREFETCH: its loads a
     # step ahead
-    for num_slices, block_r, rowwise, prefetch in ((1, 16, 0, False), (1, 16, 1, False), (3, 32, 2, False),
-                                                   (3, 16, 1, True)):
+    # AFTER_GEMM: launched after the GEMM over the same x (ops/overlap.py's "after" shrink order)
+    for num_slices, block_r, rowwise, prefetch, after in ((1, 16, 0, False, False), (1, 16, 1, False, False),
+                                                          (3, 32, 2, False, False), (3, 16, 1, True, False),
+                                                          (3, 16, 1, True, True)):
         consts = dict(NUM_SLICES=num_slices, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=cfg.shrink_block_k,
-                      PRECISION="tf32x3" if dtype == "fp32" else "tf32", ROWWISE=rowwise, ROWS_PREFETCH=prefetch)
+                      PRECISION="tf32x3" if dtype == "fp32" else "tf32", ROWWISE=rowwise, ROWS_PREFETCH=prefetch,
+                      AFTER_GEMM=after)
         _compile(sgmv._sgmv_shrink_kernel, types, consts, cfg.shrink_warps, cfg.shrink_stages)
 
 

@@ -188,7 +188,7 @@ def test_lora_inside_the_gemms_matches_transformers_peft(setup):
 
 
 @pytest.mark.parametrize("overlap_mode", ["full", "fused", "shrink", "off", "fused+o_in_attention", "fused+gemm_stream",
-                                          "shrink+gemm_stream"])
+                                          "shrink+gemm_stream", "fused+after"])
 def test_decode_graph_replays_new_batches(setup, overlap_mode, monkeypatch):
     """Capture one decode forward on a `for_graph` batch, rewrite the batch with other sequences,
     lengths and adapters (and fewer of them), replay: each replay equals an eager forward. The capture
@@ -197,13 +197,18 @@ def test_decode_graph_replays_new_batches(setup, overlap_mode, monkeypatch):
     its input (a LoraProduct), in eager forwards too; "shrink": the shrink) or after it ("off");
     ops/overlap.py. "+o_in_attention": models/llama.O_SHRINK_IN_ATTENTION at 32 rows (fewer rows of 32 heads,
     or GQA's 8 kv heads, split the context: then the plain path). "+gemm_stream": LORAPLEX_GRAPH_PRIORITY=gemm,
-    each GEMM beside LoRA kernels captured on a stream of its own (the same GEMM as eager's: the same bits)."""
+    each GEMM beside LoRA kernels captured on a stream of its own (the same GEMM as eager's: the same bits).
+    "+after": LORAPLEX_LORA_SHRINK_ORDER=after, the fused projections' shrink on the main stream after the GEMM
+    (every projection of an 8-row decode forward is fused: no side stream)."""
     from loraplex.models import llama
     from loraplex.ops import attention_shrink, overlap
     rows = 8
     parts = []
     gemm_stream = overlap_mode.endswith("+gemm_stream")
     overlap_mode = overlap_mode.removesuffix("+gemm_stream")
+    after = overlap_mode.endswith("+after")
+    overlap_mode = overlap_mode.removesuffix("+after")
+    monkeypatch.setattr(overlap, "SHRINK_ORDER", "after" if after else "side")
     monkeypatch.setenv("LORAPLEX_GRAPH_PRIORITY", "gemm" if gemm_stream else "high")
     gemm_priorities = []   # the priority of the stream each GEMM into a main-stream buffer ran on
     real_linear_into = overlap._linear_into
@@ -247,7 +252,7 @@ def test_decode_graph_replays_new_batches(setup, overlap_mode, monkeypatch):
     eager_sides = list(product_sides)
     with torch.cuda.graph(graph):
         out = setup.ours(graph_batch, kv, setup.pool)
-    assert bool(overlap._SIDE_STREAMS) == (overlap_mode != "off")
+    assert bool(overlap._SIDE_STREAMS) == (overlap_mode != "off" and not after)
     # "+gemm_stream": each GEMM beside LoRA kernels (4 a layer) ran on a stream above the default priority (0)
     assert len(gemm_priorities) == (4 * setup.config.num_hidden_layers if gemm_stream else 0)
     assert all(p < 0 for p in gemm_priorities)

@@ -259,6 +259,32 @@ def test_triton_kernels_in_the_interpreter_match_too(setup, overlap_mode, fused_
     assert set(split_calls) <= {rms_split}
 
 
+@pytest.mark.parametrize("order", ["after", "side", "before"])
+def test_fused_shrinks_in_each_order_match_too(setup, order, monkeypatch):
+    """ops/overlap.py's LORAPLEX_LORA_SHRINK_ORDER: the fused projections' shrink after the GEMM (the default; its
+    kernel's AFTER_GEMM variant: with PDL it releases the consumer first and waits last, nothing in the
+    interpreter), beside it ("side": before it in eager forwards) or before it; the same products as
+    transformers + PEFT through the interpreter."""
+    if setup.variant != BIASED:
+        pytest.skip("one configuration (biased q/k/v before RoPE's product) covers the order (~10 s a run here)")
+    from loraplex.ops import overlap, sgmv
+    monkeypatch.setattr(overlap, "SHRINK_ORDER", order)
+    monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", "fused")
+    afters, products = [], []
+    real, real_product = sgmv.shrink_into, overlap.linear_with_lora_product
+    monkeypatch.setattr(sgmv, "shrink_into", lambda *a, **kw: afters.append(kw.get("after_gemm", False))
+                        or real(*a, **kw))
+    monkeypatch.setattr(overlap, "linear_with_lora_product", lambda *a, **kw: products.append(1)
+                        or real_product(*a, **kw))
+    setup.model.backend = "triton"
+    try:
+        check_mixed_batch(setup, [("all-r8", 0, 6), ("attn-r4", 4, 1), (None, 3, 5)])
+    finally:
+        setup.model.backend = None
+    # every fused projection's shrink (and only those) after its GEMM
+    assert products and afters.count(True) == (len(products) if order == "after" else 0), afters
+
+
 @pytest.mark.parametrize("store_first", [True, False])
 def test_lora_stored_before_the_gemm_matches_too(setup, store_first, monkeypatch):
     """Eager forwards of more than 32 rows, every row with an adapter, through the interpreter: with

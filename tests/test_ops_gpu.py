@@ -228,7 +228,7 @@ def test_lora_delta_beside_the_gemm(dtype, side):
     y, lora_delta = overlap.linear_with_lora_delta(case.x, weight, None, case.lora_a, case.lora_b, case.batch(),
                                                    case.ranks, case.scalings, side=side)
     torch.cuda.synchronize()
-    base = torch.nn.functional.linear(case.x, weight)
+    base = overlap.base_linear(case.x, weight, None)   # the projections' GEMM (skinny_gemm's at 32 rows)
     assert torch.equal(y, base)
     without = torch.tensor(case.slot_ids, device="cuda") < 0
     assert without.any() and torch.equal(lora_delta.row_slot < 0, without)
@@ -242,18 +242,21 @@ def test_lora_delta_beside_the_gemm(dtype, side):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("side", [False, True, "gemm"])
+@pytest.mark.parametrize("side", [False, True, "gemm", "after"])
 @pytest.mark.parametrize("Ns", [(4096, 4096, 4099), (11008, 11011)])
 def test_lora_product_beside_the_gemm(dtype, side, Ns, monkeypatch):
-    """ops/overlap.py's "fused" path at 7B widths (q/k/v, gate/up slices), the shrink on one stream or on
-    the side stream (forked eagerly here; the model forks only while capturing), "gemm": and the GEMM on a
-    highest-priority stream of its own (LORAPLEX_GRAPH_PRIORITY=gemm): y is the plain GEMM bit for bit,
-    each row carries its segment's slot, and the product the consumers expand (`dense()`) matches the
-    float64 loop; rows without an adapter get exactly 0."""
+    """ops/overlap.py's "fused" path at 7B widths (q/k/v, gate/up slices), the shrink (LORAPLEX_LORA_SHRINK_ORDER
+    "side") on one stream or on the side stream (forked eagerly here; the model forks only while capturing),
+    "gemm": and the GEMM on a highest-priority stream of its own (LORAPLEX_GRAPH_PRIORITY=gemm); "after" (the
+    default order): the shrink on the current stream after the GEMM, its programs beside the GEMM's (PDL), side
+    stream or not: y is the plain GEMM bit for bit, each row carries its segment's slot, and the product the
+    consumers expand (`dense()`) matches the float64 loop; rows without an adapter get exactly 0."""
     from loraplex.ops import overlap
     monkeypatch.setattr(overlap, "_SIDE_STREAMS", {})
+    monkeypatch.setattr(overlap, "SHRINK_ORDER", "after" if side == "after" else "side")
     gemm_stream = side == "gemm"
     monkeypatch.setenv("LORAPLEX_GRAPH_PRIORITY", "gemm" if gemm_stream else "high")
+    after = side == "after"
     side = bool(side)
     gemm_priorities = []   # the priority of the stream each GEMM into a main-stream buffer ran on
     real_linear_into = overlap._linear_into
@@ -268,10 +271,12 @@ def test_lora_product_beside_the_gemm(dtype, side, Ns, monkeypatch):
     y, product = overlap.linear_with_lora_product(case.x, weight, None, case.lora_a, case.lora_b, case.batch(),
                                                   case.ranks, case.scalings, side=side)
     torch.cuda.synchronize()
-    assert bool(overlap._SIDE_STREAMS) == side, "side=True forks to the side stream"
+    assert bool(overlap._SIDE_STREAMS) == (side and not after), "side=True forks to the side stream (\"side\" order)"
     # "gemm": the GEMM ran on a stream of a higher priority than the default (0) one
     assert len(gemm_priorities) == gemm_stream and all(p < 0 for p in gemm_priorities)
-    assert torch.equal(y, torch.nn.functional.linear(case.x, weight))
+    # the projections' GEMM (skinny_gemm's Triton kernel at 32 rows since 2026-12-02; F.linear before, which this
+    # compared with until 2026-12-03)
+    assert torch.equal(y, overlap.base_linear(case.x, weight, None))
     assert product.row_slot.tolist() == np.repeat(case.slot_ids, case.seg_lens).tolist()
     dense = product.dense()
     want = add_lora_f64(torch.zeros_like(dense), case.x, case.lora_a, case.lora_b, case.ranks, case.scalings,

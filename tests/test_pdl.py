@@ -69,7 +69,7 @@ def test_kernels_wait_before_any_memory_access_with_pdl_on(forced):
     parts = ("fused", "attention") if forced else ("fused",)
     procs = [subprocess.Popen([sys.executable, __file__, "on" if forced else "off", part], env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for part in parts]
-    checked = early = 0
+    checked = early = after = 0
     for proc in procs:
         out, err = proc.communicate(timeout=900)
         assert proc.returncode == 0, err[-3000:]
@@ -77,8 +77,10 @@ def test_kernels_wait_before_any_memory_access_with_pdl_on(forced):
         assert counts, out[-2000:]
         checked += int(counts[-1].split()[1])
         early += int(counts[-1].split()[3])
+        after += int(counts[-1].split()[5])
     assert checked >= (100 if forced else 30), checked
     assert early >= (4 if forced else 0), early   # the LoRA consumers' EARLY variants (test_fused_compile.py)
+    assert after >= (1 if forced else 0), after   # the shrink's AFTER_GEMM variant (compile_kernels.shrink)
 
 
 @pytest.mark.gpu
@@ -111,13 +113,23 @@ def test_launches_carry_the_programmatic_attribute_and_keep_their_results():
     assert torch.equal(captured, eager)
 
 
-def _check_ptx(ptx: str, forced: bool, seen: list, early: bool = False) -> None:
+def _check_ptx(ptx: str, forced: bool, seen: list, early: bool = False, after_gemm: bool = False) -> None:
     """`early`: a kernel compiled with EARLY (ops/pdl.py's early reads): global loads, and nothing else that
-    touches memory, before the wait, and at least one of them (else the variant would be pointless)."""
+    touches memory, before the wait, and at least one of them (else the variant would be pointless).
+    `after_gemm`: the shrink's AFTER_GEMM variant (ops/pdl.py's pdl_release / pdl_wait_last): it releases its
+    dependents before its first memory access and waits after its last."""
     lines = [line.strip() for line in ptx.splitlines()]
     waits = [i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait")]
     if not forced:
         assert not waits and "griddepcontrol" not in ptx
+    elif after_gemm:
+        memory = [i for i, line in enumerate(lines) if MEMORY_OP.match(line)]
+        releases = [i for i, line in enumerate(lines) if line.startswith("griddepcontrol.launch_dependents")]
+        assert memory and waits and releases
+        assert releases[0] < memory[0], "the AFTER_GEMM shrink touches memory before it releases its dependents"
+        assert waits[-1] > memory[-1], "the AFTER_GEMM shrink touches memory after its last wait"
+        seen.append(3)
+        return
     else:
         assert waits and any(line.startswith("griddepcontrol.launch_dependents") for line in lines)
         memory = [i for i, line in enumerate(lines) if MEMORY_OP.match(line)]
@@ -135,12 +147,13 @@ def _check_ptx(ptx: str, forced: bool, seen: list, early: bool = False) -> None:
 EARLY_LOAD = re.compile(r"^(@!?%p\d+\s+)?ld\.global\.")
 
 
-def _is_early(src) -> bool:
-    """Is a compile's EARLY constexpr true (an ASTSource's constants, keyed by name or by (index,))?"""
+def _is_early(src, flag: str = "EARLY") -> bool:
+    """Is a compile's EARLY (or other `flag`) constexpr true (an ASTSource's constants, keyed by name or by
+    (index,))?"""
     names = src.fn.arg_names
     for key, value in getattr(src, "constants", {}).items():
         name = key if isinstance(key, str) else names[key[0]] if len(key) == 1 else None
-        if name == "EARLY" and value:
+        if name == flag and value:
             return True
     return False
 
@@ -156,7 +169,8 @@ if __name__ == "__main__":
 
     def checked_compile(*args, **kwargs):
         compiled = real_compile(*args, **kwargs)
-        _check_ptx(compiled.asm["ptx"], forced, seen, early=_is_early(args[0]))
+        _check_ptx(compiled.asm["ptx"], forced, seen, early=_is_early(args[0]),
+                   after_gemm=_is_early(args[0], "AFTER_GEMM"))
         return compiled
 
     triton.compile = checked_compile
@@ -172,4 +186,4 @@ if __name__ == "__main__":
     else:
         for kind in test_attention_compile.KINDS:
             test_attention_compile.compile_kind(90, "bf16", kind)
-    print("checked", len(seen), "early", seen.count(2))
+    print("checked", len(seen), "early", seen.count(2), "after_gemm", seen.count(3))

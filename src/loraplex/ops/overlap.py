@@ -23,10 +23,12 @@ Captured forwards of more rows, up to SHRINK_MAX_ROWS, run only the shrink besid
 expand after it, into y (bit-identical to the plain order).
 
 "fused" (the default) goes one step further for the projections in fused_projections(): only the shrink
-runs beside the GEMM, and the consumer expands each row's product itself as it loads the row
-(`LoraProduct`, ops/lora_product.py): one LoRA launch instead of two (shrink, expand).
+runs, and the consumer expands each row's product itself as it loads the row (`LoraProduct`,
+ops/lora_product.py): one LoRA launch instead of two (shrink, expand). By default (SHRINK_ORDER "after") that
+shrink runs on the main stream right after the GEMM, its programs beside the GEMM's (PDL), so that the
+consumer depends on one stream only and is placed early, as after a plain GEMM:
 
-    side:  part = shrink(x, A[slot]) ──> consumer(y + scaling · part @ B[slot]ᵀ, row by row)
+    main:  y = x @ Wᵀ ──> part = shrink(x, A[slot]) ──> consumer(y + scaling · part @ B[slot]ᵀ, row by row)
 
 The other projections take "full"'s way in the same forward.
 
@@ -111,6 +113,19 @@ EXPAND_GEMM_FIRST = True
 # kernels keep their stream's priority (PyTorch instantiates graphs with cudaGraphInstantiateFlagUseNodePriority),
 # and where CTAs of both streams wait for SMs the block scheduler places the higher priority's first.
 SIDE_STREAM_PRIORITY = 0
+# Where a "fused" projection's shrink runs (LORAPLEX_LORA_SHRINK_ORDER; linear_with_lora_product): "after" (the
+# default; also "on"/"1": on the current stream right after the GEMM; with PDL the shrink's programs release the
+# consumer first and wait for the grids before them last, sgmv_kernels' AFTER_GEMM, so they run beside the GEMM's
+# and the consumer's programs are placed, and read their B blocks early, while both run, as after a plain GEMM),
+# "side" (also "off"/"0", the order before 2026-12-03: a side stream beside the GEMM while capturing, the current
+# one before it in eager forwards; the consumer then depends on both streams and is launched only once the side
+# stream's shrink has completed) or "before" (the current stream, before the GEMM). The shrink computes the same
+# bits in each. H200, 2026-12-03 (Llama-2-7B, distinct adapters): batch-32 decode forwards in CUDA graphs 0.970x
+# "side"'s time ("before" 1.039x; paired rounds, results/decode_graph_trace_shrink_order.json); issue 5's engine
+# benchmark, alternating processes (results/engine_order_{a,b}_*.md): decode step 6.75-6.79 against 6.93-6.99 ms,
+# distinct/backbone median 0.857 (7 processes) against 0.846 (6).
+SHRINK_ORDERS = ("after", "side", "before")
+SHRINK_ORDER = env_switch("LORAPLEX_LORA_SHRINK_ORDER", "after", on="after", off="side", others=("before",))
 # Kernel settings of the "full" path, per tile height, where they differ from sgmv.CONFIGS (tuned for
 # the kernels alone): benchmarks/sweep_overlap_configs.py found none better (results/overlap_sweep.json).
 CONFIGS: dict = {}
@@ -273,17 +288,31 @@ def linear_with_lora_delta(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     return _beside_gemm(x, weight, bias, side, work), LoraDelta(values, batch.row_slot)
 
 
+def shrink_order() -> str:
+    """SHRINK_ORDER, checked (tests and benchmarks set it)."""
+    if SHRINK_ORDER not in SHRINK_ORDERS:
+        raise ValueError(f"LORAPLEX_LORA_SHRINK_ORDER must be one of {SHRINK_ORDERS}, got {SHRINK_ORDER!r}")
+    return SHRINK_ORDER
+
+
 def linear_with_lora_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                              lora_a: list[torch.Tensor], lora_b: list[torch.Tensor], batch: LoraBatch,
                              ranks: list[torch.Tensor], scalings: list[torch.Tensor], *,
                              side: bool, tiles: bool = False) -> tuple[torch.Tensor, LoraProduct]:
     """"fused": `(base_linear(x, weight, bias), product)`, the product the shrink of the slices left for the
-    consumer to expand (ops/lora_product.py). `side`: the shrink on a side stream (capture only). `tiles`: the
-    product carries the batch, for a consumer that expands it over the work tiles (ops/silu_lora_tiles.py)."""
+    consumer to expand (ops/lora_product.py). `side`: the shrink on a side stream (capture only), unless
+    SHRINK_ORDER puts it on the current stream ("after" the GEMM, "before" it). `tiles`: the product carries the
+    batch, for a consumer that expands it over the work tiles (ops/silu_lora_tiles.py)."""
     from . import sgmv
     cfg = config_for(batch.block_m)
     part = sgmv.new_partials(x, lora_a, batch, cfg)
-    y = _beside_gemm(x, weight, bias, side, lambda: sgmv.shrink_into(part, x, lora_a, ranks, batch, cfg))
+    order = shrink_order()
+    if order == "after":
+        y = base_linear(x, weight, bias)
+        sgmv.shrink_into(part, x, lora_a, ranks, batch, cfg, after_gemm=True)
+    else:
+        y = _beside_gemm(x, weight, bias, side and order == "side",
+                         lambda: sgmv.shrink_into(part, x, lora_a, ranks, batch, cfg))
     return y, LoraProduct(part, tuple(lora_b), tuple(ranks), tuple(scalings), batch.row_slot,
                           tiles=batch if tiles else None)
 

@@ -24,6 +24,18 @@ batch reads). Its first statement is then `pdl_start(True)`, which waits for not
 `pdl_deferred_start(True)` after those loads and before any other memory access (tests/test_pdl.py checks the
 PTX: loads only before the wait). With PDL the loads run while the kernel before is finishing.
 
+Late wait (sgmv_kernels' shrink with AFTER_GEMM: ops/overlap.py's SHRINK_ORDER "after", the default): a fused
+projection's shrink is launched right after its GEMM, which reads the same x, and releases the next kernel first
+(`pdl_release`) and waits for the grids before it last (`pdl_wait_last`), so that its programs run beside the
+GEMM's and the consumer's programs are placed while both run. Before its wait it reads x and the pool's A and
+stores its partials. That is safe because x was written by a kernel before the GEMM, and the GEMM released the
+shrink only after its own wait, for which that kernel had completed; the only grid that may still run is the GEMM,
+which reads x and its weight and writes its output, none of which the shrink writes (its partials are a live
+tensor of their own). The consumer waits for the shrink's grid to complete, and the shrink completes only after
+its wait, for the GEMM: so the consumer finds the GEMM's output complete too. Every program of the shrink waits,
+whether it had work or not (tests/test_pdl.py checks the PTX: the release before any memory access, the wait
+after the last).
+
 Every Triton kernel of the package calls `pdl_start()` first, and ops/launch.py's Launcher launches them with
 `launch_pdl` when PDL is on; kernels of PyTorch's own (cuBLAS, copies, sampling) keep the plain order, which
 the wait also honours (their grids complete before a dependent one is released). Off, in Triton's
@@ -74,6 +86,14 @@ if _interpreting():
     def pdl_deferred_start(deferred=False):
         """Nothing (see pdl_start)."""
         return None
+
+    def pdl_release(on=False):
+        """Nothing (see pdl_start)."""
+        return None
+
+    def pdl_wait_last(on=False):
+        """Nothing (see pdl_start)."""
+        return None
 else:
     @triton.jit
     def pdl_start(DEFER: tl.constexpr = False):
@@ -89,3 +109,17 @@ else:
         if PDL and DEFERRED:
             gdc_wait()
             gdc_launch_dependents()
+
+    @triton.jit
+    def pdl_release(ON: tl.constexpr):
+        """With PDL and ON: let the next kernel launch now, before this one waits (`pdl_wait_last`). The next
+        kernel's own wait still waits for this grid to complete, so it sees this grid's writes and, as this grid
+        completes only after its wait, every earlier grid's."""
+        if PDL and ON:
+            gdc_launch_dependents()
+
+    @triton.jit
+    def pdl_wait_last(ON: tl.constexpr):
+        """With PDL and ON: wait for the grids before this one, as a kernel's last statement (see `pdl_release`)."""
+        if PDL and ON:
+            gdc_wait()

@@ -278,8 +278,9 @@ def choose_n_chunks(num_programs: int, N: int, device: torch.device, cfg: Kernel
 
 
 def shrink_into(part: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], ranks: list[torch.Tensor],
-                batch, cfg: KernelConfig) -> None:
-    """Launch shrink writing `part[split, slice, row, :rank]` (fp32 `[split_k, slices, T, R]`)."""
+                batch, cfg: KernelConfig, *, after_gemm: bool = False) -> None:
+    """Launch shrink writing `part[split, slice, row, :rank]` (fp32 `[split_k, slices, T, R]`). `after_gemm`: launched
+    right after a GEMM over the same x, the shrink's programs may run beside it (the kernel's AFTER_GEMM)."""
     num_slices = len(lora_a)
     split_k = part.shape[0]
     _, R, K = lora_a[0].shape
@@ -297,7 +298,8 @@ def shrink_into(part: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],
             part.stride(0), part.stride(1), part.stride(2))
     _SHRINK(grid, args, dict(NUM_SLICES=num_slices, BLOCK_M=batch.block_m, BLOCK_R=block_r,
                              BLOCK_K=cfg.shrink_block_k, PRECISION=precision,
-                             ROWWISE=cfg.shrink_rowwise if block_r <= 32 else 0, ROWS_PREFETCH=cfg.rows_prefetch),
+                             ROWWISE=cfg.shrink_rowwise if block_r <= 32 else 0, ROWS_PREFETCH=cfg.rows_prefetch,
+                             AFTER_GEMM=after_gemm),
             cfg.shrink_warps, cfg.shrink_stages)
 
 

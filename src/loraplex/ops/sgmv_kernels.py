@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from ..env_switch import env_switch
-from .pdl import pdl_start
+from .pdl import pdl_release, pdl_start, pdl_wait_last
 
 # The row-wise kernels (`_shrink_tile_rows`, `_expand_tile_rows`) take tiles of at most this many rows; larger
 # ones keep the tile product, where the rows run side by side rather than one after another.
@@ -124,9 +124,16 @@ def _sgmv_shrink_kernel(
         K, k_per_split, r_tiles, R,
         stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_p_split, stride_p_slice, stride_pm,
         NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-        PRECISION: tl.constexpr, ROWWISE: tl.constexpr, ROWS_PREFETCH: tl.constexpr):
-    """part[split, i, rows, :rank_i] = x[rows, split's K range] @ A_i[slot, :rank_i, same range]ᵀ."""
-    pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
+        PRECISION: tl.constexpr, ROWWISE: tl.constexpr, ROWS_PREFETCH: tl.constexpr, AFTER_GEMM: tl.constexpr):
+    """part[split, i, rows, :rank_i] = x[rows, split's K range] @ A_i[slot, :rank_i, same range]ᵀ.
+    AFTER_GEMM (launched right after the GEMM that reads the same x, ops/overlap.py's "after" shrink order): with
+    PDL, release the next kernel first and wait for the grids before this one last, so that the programs run
+    beside the GEMM's (x was complete before the GEMM released this grid) and the next kernel, whose wait is for
+    this grid, also finds the GEMM complete."""
+    # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first; AFTER_GEMM: release the next first
+    # and wait last
+    pdl_start(AFTER_GEMM)
+    pdl_release(AFTER_GEMM)
     split = tl.program_id(1)
     work, sl, r_tile = _program_work(NUM_SLICES, r_tiles)   # programs that share x rows run side by side
     slot = tl.load(work_slot_ptr + work)
@@ -155,6 +162,7 @@ def _sgmv_shrink_kernel(
                 _shrink_slice(x_ptr, a3, rk3, part, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
                               stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
                               BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, ROWWISE, ROWS_PREFETCH)
+    pdl_wait_last(AFTER_GEMM)   # every program, work or none: the grid completes after the GEMM
 
 
 @triton.jit
