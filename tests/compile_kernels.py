@@ -36,7 +36,7 @@ def shrink(dtype: str, block_m: int) -> None:
     # AFTER_GEMM: launched after the GEMM over the same x (ops/overlap.py's "after" shrink order)
     for num_slices, block_r, rowwise, prefetch, after in ((1, 16, 0, False, False), (1, 16, 1, False, False),
                                                           (3, 32, 2, False, False), (3, 16, 1, True, False),
-                                                          (3, 16, 1, True, True)):
+                                                          (3, 16, 1, True, True), (1, 16, 0, False, True)):
         consts = dict(NUM_SLICES=num_slices, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=cfg.shrink_block_k,
                       PRECISION="tf32x3" if dtype == "fp32" else "tf32", ROWWISE=rowwise, ROWS_PREFETCH=prefetch,
                       AFTER_GEMM=after)

@@ -188,27 +188,29 @@ def test_lora_inside_the_gemms_matches_transformers_peft(setup):
 
 
 @pytest.mark.parametrize("overlap_mode", ["full", "fused", "shrink", "off", "fused+o_in_attention", "fused+gemm_stream",
-                                          "shrink+gemm_stream", "fused+after"])
+                                          "shrink+gemm_stream", "fused+side"])
 def test_decode_graph_replays_new_batches(setup, overlap_mode, monkeypatch):
-    """Capture one decode forward on a `for_graph` batch, rewrite the batch with other sequences,
-    lengths and adapters (and fewer of them), replay: each replay equals an eager forward. The capture
-    runs the LoRA kernels on a side stream beside each GEMM ("full": both, their product added by the
-    next op, in eager forwards too; "fused": the shrink, its product expanded by the next op as it loads
-    its input (a LoraProduct), in eager forwards too; "shrink": the shrink) or after it ("off");
-    ops/overlap.py. "+o_in_attention": models/llama.O_SHRINK_IN_ATTENTION at 32 rows (fewer rows of 32 heads,
-    or GQA's 8 kv heads, split the context: then the plain path). "+gemm_stream": LORAPLEX_GRAPH_PRIORITY=gemm,
-    each GEMM beside LoRA kernels captured on a stream of its own (the same GEMM as eager's: the same bits).
-    "+after": LORAPLEX_LORA_SHRINK_ORDER=after, the fused projections' shrink on the main stream after the GEMM
-    (every projection of an 8-row decode forward is fused: no side stream)."""
+    """Capture one decode forward on a `for_graph` batch, rewrite the batch with other sequences, lengths and adapters
+    (and fewer of them), replay: each replay equals an eager forward. The capture runs the LoRA kernels beside
+    each GEMM ("full": both on a side stream, their product added by the next op, in eager forwards too; "fused":
+    the shrink, by default on the main stream right after the GEMM with its programs beside the GEMM's
+    (LORAPLEX_LORA_SHRINK_ORDER=after; "+side": on a side stream), its product expanded by the next op as it loads
+    its input (a LoraProduct), in eager forwards too; "shrink": the shrink on a side stream) or after it ("off");
+    ops/overlap.py. "+o_in_attention": models/llama.O_SHRINK_IN_ATTENTION at 32 rows (fewer rows of 32 heads, or
+    GQA's 8 kv heads, split the context: then the plain path). "+gemm_stream": LORAPLEX_GRAPH_PRIORITY=gemm, each
+    GEMM beside LoRA kernels captured on a stream of its own (the same GEMM as eager's: the same bits; with the
+    shrink on a side stream, as "+side")."""
     from loraplex.models import llama
     from loraplex.ops import attention_shrink, overlap
     rows = 8
     parts = []
     gemm_stream = overlap_mode.endswith("+gemm_stream")
     overlap_mode = overlap_mode.removesuffix("+gemm_stream")
-    after = overlap_mode.endswith("+after")
-    overlap_mode = overlap_mode.removesuffix("+after")
-    monkeypatch.setattr(overlap, "SHRINK_ORDER", "after" if after else "side")
+    side_order = overlap_mode.endswith("+side") or gemm_stream
+    overlap_mode = overlap_mode.removesuffix("+side")
+    monkeypatch.setattr(overlap, "SHRINK_ORDER", "side" if side_order else "after")
+    # every projection of an 8-row decode forward is fused: with the shrink after the GEMM no side stream is used
+    after = overlap_mode == "fused" and not side_order and rows == 8
     monkeypatch.setenv("LORAPLEX_GRAPH_PRIORITY", "gemm" if gemm_stream else "high")
     gemm_priorities = []   # the priority of the stream each GEMM into a main-stream buffer ran on
     real_linear_into = overlap._linear_into

@@ -667,3 +667,26 @@ def test_vector_loads_switch_picks_the_rank_mask():
     bad = subprocess.run([sys.executable, "-c", probe], env=dict(os.environ, LORAPLEX_LORA_VECTOR_LOADS="wide"),
                          capture_output=True, text=True)
     assert bad.returncode != 0 and "LORAPLEX_LORA_VECTOR_LOADS='wide'" in bad.stderr
+
+
+def test_the_shrink_goes_after_the_gemm_only_with_pdl_and_the_triton_gemm(monkeypatch):
+    """overlap.shrink_order: "after" (the default) only where PDL is on and the projection's GEMM is skinny_gemm's
+    Triton kernel, which releases the shrink only after its own wait (ops/pdl.py); elsewhere (cuBLAS's GEMMs of more
+    rows or other dtypes, GPUs without PDL) the side stream. The other orders as set; an unknown one is refused."""
+    from loraplex.ops import overlap, pdl, skinny_gemm
+    import triton.language as tl
+    w = torch.randn(64, 32)
+    few, many = torch.randn(8, 32), torch.randn(skinny_gemm.DECODE_MAX_ROWS + 1, 32)
+    monkeypatch.setattr(skinny_gemm, "takes", lambda dtype, device: True)   # as on a GPU with 16-bit weights
+    assert overlap.SHRINK_ORDER == "after"
+    for on, rows, want in ((True, few, "after"), (True, many, "side"), (False, few, "side")):
+        monkeypatch.setattr(pdl, "PDL", tl.constexpr(on))
+        assert overlap.shrink_order(rows, w) == want, (on, rows.shape)
+    monkeypatch.setattr(skinny_gemm, "takes", lambda dtype, device: False)   # cuBLAS at any rows
+    assert overlap.shrink_order(few, w) == "side"
+    for order in ("side", "before"):
+        monkeypatch.setattr(overlap, "SHRINK_ORDER", order)
+        assert overlap.shrink_order(few, w) == order
+    monkeypatch.setattr(overlap, "SHRINK_ORDER", "sideways")
+    with pytest.raises(ValueError, match="LORAPLEX_LORA_SHRINK_ORDER.*sideways"):
+        overlap.shrink_order(few, w)

@@ -128,6 +128,13 @@ def _check_ptx(ptx: str, forced: bool, seen: list, early: bool = False, after_ge
         assert memory and waits and releases
         assert releases[0] < memory[0], "the AFTER_GEMM shrink touches memory before it releases its dependents"
         assert waits[-1] > memory[-1], "the AFTER_GEMM shrink touches memory after its last wait"
+        # and no program leaves without it: every return follows the last wait, and no branch before it jumps past it
+        exits = [i for i, line in enumerate(lines) if re.match(r"^(@!?%p\d+\s+)?(ret|exit)\b", line)]
+        assert exits and all(i > waits[-1] for i in exits), "an AFTER_GEMM shrink program may leave without waiting"
+        labels = {line[:-1]: i for i, line in enumerate(lines) if line.endswith(":")}
+        skips = [line for i, line in enumerate(lines[:waits[-1]]) if re.match(r"^(@!?%p\d+\s+)?bra", line)
+                 and labels.get(line.rstrip(";").split()[-1], -1) > waits[-1]]
+        assert not skips, f"a branch jumps past the AFTER_GEMM shrink's last wait: {skips[0]}"
         seen.append(3)
         return
     else:

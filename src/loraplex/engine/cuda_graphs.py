@@ -179,9 +179,11 @@ class StepGraphs:
 
     @staticmethod
     def _priority(lora: bool | str | tuple[str, int], rows: int) -> int:
-        """The capture stream's priority (ops/stream_priority.py): raised only where the forward runs LoRA
-        kernels on the side stream, the other graphs (no adapter, LoRA inside the GEMMs, too many rows) have
-        nothing to order and would only pay the longer waits between high-priority kernels."""
+        """The capture stream's priority (ops/stream_priority.py): raised only where the forward's LoRA path is
+        a side-stream one, the other graphs (no adapter, LoRA inside the GEMMs, too many rows) have nothing to
+        order and would only pay the longer waits between high-priority kernels. (Decode graphs of 5–32 rows keep
+        it as measured, although with the shrink after the GEMM, ops/overlap.py's SHRINK_ORDER, none of their
+        kernels runs on the side stream: the default priority there is not measured.)"""
         side = bool(lora) and not isinstance(lora, tuple) and overlap.lora_path(rows, capturing=True).endswith("-side")
         return stream_priority.capture_priority() if side else 0
 

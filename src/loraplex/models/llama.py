@@ -307,7 +307,8 @@ class LlamaForCausalLM(nn.Module):
         `overlap.MAX_ROWS` rows), "delta-side" (the same, the LoRA kernels on a side stream beside the
         GEMMs, while a CUDA graph is captured), "product" / "product-side" (as "delta", but only the
         shrink runs and the next op expands it: LORAPLEX_LORA_OVERLAP=fused, for the projections in
-        `overlap.fused_projections`; the others as "delta") or "shrink-side" (only the
+        `overlap.fused_projections`, the shrink where `overlap.shrink_order` puts it, by default right after the
+        GEMM on the same stream; the others as "delta") or "shrink-side" (only the
         shrink beside, in captured forwards of up to `overlap.SHRINK_MAX_ROWS` rows), or "gemm-lora" (each
         projection's shrink and expand inside its GEMM's launch, ops/skinny_lora.py: LORAPLEX_SKINNY_LORA=on,
         forwards of up to 32 rows; projections it does not fit as "direct").

@@ -29,8 +29,9 @@ except ImportError:  # older Triton: no knobs module, and no direct launches eit
     knobs = None
 
 FAST_TRITON_VERSIONS = ("3.6.",)
-# every kernel of the package starts with ops/pdl.py's pdl_start(), so with PDL on each is launched with CUDA's
-# programmatic stream serialization (the compiled kernel's metadata carries it into direct launches too)
+# every kernel of the package starts with ops/pdl.py's pdl_start() (or, with its early reads or late wait, the helpers
+# beside it), so with PDL on each is launched with CUDA's programmatic stream serialization (the compiled kernel's
+# metadata carries it into direct launches too)
 _PDL_OPTIONS = {"launch_pdl": True} if pdl.PDL else {}
 _INT32 = range(-2**31, 2**31)
 

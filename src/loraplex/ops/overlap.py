@@ -113,17 +113,20 @@ EXPAND_GEMM_FIRST = True
 # kernels keep their stream's priority (PyTorch instantiates graphs with cudaGraphInstantiateFlagUseNodePriority),
 # and where CTAs of both streams wait for SMs the block scheduler places the higher priority's first.
 SIDE_STREAM_PRIORITY = 0
-# Where a "fused" projection's shrink runs (LORAPLEX_LORA_SHRINK_ORDER; linear_with_lora_product): "after" (the
-# default; also "on"/"1": on the current stream right after the GEMM; with PDL the shrink's programs release the
-# consumer first and wait for the grids before them last, sgmv_kernels' AFTER_GEMM, so they run beside the GEMM's
-# and the consumer's programs are placed, and read their B blocks early, while both run, as after a plain GEMM),
-# "side" (also "off"/"0", the order before 2026-12-03: a side stream beside the GEMM while capturing, the current
-# one before it in eager forwards; the consumer then depends on both streams and is launched only once the side
-# stream's shrink has completed) or "before" (the current stream, before the GEMM). The shrink computes the same
-# bits in each. H200, 2026-12-03 (Llama-2-7B, distinct adapters): batch-32 decode forwards in CUDA graphs 0.970x
-# "side"'s time ("before" 1.039x; paired rounds, results/decode_graph_trace_shrink_order.json); issue 5's engine
-# benchmark, alternating processes (results/engine_order_{a,b}_*.md): decode step 6.75-6.79 against 6.93-6.99 ms,
-# distinct/backbone median 0.857 (7 processes) against 0.846 (6).
+# Where a "fused" projection's shrink runs (LORAPLEX_LORA_SHRINK_ORDER; linear_with_lora_product):
+# - "after" (the default; also "on"/"1"): on the current stream right after the GEMM. With PDL the shrink's programs
+#   release the consumer first and wait for the grids before them last (sgmv_kernels' AFTER_GEMM), so they run
+#   beside the GEMM's, and the consumer's programs are placed, and read their B blocks early, while both run, as
+#   after a plain GEMM. Only where PDL is on and the GEMM is skinny_gemm's Triton kernel (decode forwards of up to
+#   32 rows; `shrink_order`): elsewhere "side".
+# - "side" (also "off"/"0"; the order before 2026-12-03): a side stream beside the GEMM while capturing, the current
+#   stream before it in eager forwards. The consumer then depends on both streams and is launched only once the
+#   side stream's shrink has completed.
+# - "before": the current stream, before the GEMM.
+# The shrink computes the same bits in each. H200, 2026-12-03 (Llama-2-7B, distinct adapters): batch-32 decode
+# forwards in CUDA graphs 0.970x "side"'s time ("before" 1.039x; paired rounds, results/decode_graph_trace_shrink_
+# order.json); issue 5's engine benchmark, alternating processes (results/engine_order_{a,b}_*.md): decode step
+# 6.75-6.79 against 6.93-6.99 ms, distinct/backbone median 0.857 (7 processes) against 0.846 (6).
 SHRINK_ORDERS = ("after", "side", "before")
 SHRINK_ORDER = env_switch("LORAPLEX_LORA_SHRINK_ORDER", "after", on="after", off="side", others=("before",))
 # Kernel settings of the "full" path, per tile height, where they differ from sgmv.CONFIGS (tuned for
@@ -145,7 +148,8 @@ def mode() -> str:
 
 
 def enabled(rows: int) -> bool:
-    """Does a captured forward of `rows` rows run LoRA kernels on a side stream?"""
+    """Does a captured forward of `rows` rows run LoRA kernels beside its GEMMs (on a side stream, or, for the
+    fused projections' shrink, by default after the GEMM on the same stream: `shrink_order`)?"""
     return rows <= SHRINK_MAX_ROWS and mode() != "off"
 
 
@@ -288,11 +292,21 @@ def linear_with_lora_delta(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     return _beside_gemm(x, weight, bias, side, work), LoraDelta(values, batch.row_slot)
 
 
-def shrink_order() -> str:
-    """SHRINK_ORDER, checked (tests and benchmarks set it)."""
+def shrink_order(x: torch.Tensor, weight: torch.Tensor) -> str:
+    """SHRINK_ORDER (checked: tests and benchmarks set it) for a fused projection of x by weight: "after" only where
+    it pays and its late wait is safe, with PDL on and the GEMM skinny_gemm's Triton kernel, which releases the
+    shrink only after its own wait (ops/pdl.py); elsewhere (cuBLAS's GEMMs, GPUs without PDL, where the shrink
+    after the GEMM could not run beside it) "side"."""
     if SHRINK_ORDER not in SHRINK_ORDERS:
         raise ValueError(f"LORAPLEX_LORA_SHRINK_ORDER must be one of {SHRINK_ORDERS}, got {SHRINK_ORDER!r}")
+    if SHRINK_ORDER == "after" and not _after_applies(x, weight):
+        return "side"
     return SHRINK_ORDER
+
+
+def _after_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    from . import pdl, skinny_gemm
+    return bool(pdl.PDL) and skinny_gemm.takes_input(x, weight)
 
 
 def linear_with_lora_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -301,12 +315,12 @@ def linear_with_lora_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.
                              side: bool, tiles: bool = False) -> tuple[torch.Tensor, LoraProduct]:
     """"fused": `(base_linear(x, weight, bias), product)`, the product the shrink of the slices left for the
     consumer to expand (ops/lora_product.py). `side`: the shrink on a side stream (capture only), unless
-    SHRINK_ORDER puts it on the current stream ("after" the GEMM, "before" it). `tiles`: the product carries the
+    `shrink_order` puts it on the current stream ("after" the GEMM, "before" it). `tiles`: the product carries the
     batch, for a consumer that expands it over the work tiles (ops/silu_lora_tiles.py)."""
     from . import sgmv
     cfg = config_for(batch.block_m)
     part = sgmv.new_partials(x, lora_a, batch, cfg)
-    order = shrink_order()
+    order = shrink_order(x, weight)
     if order == "after":
         y = base_linear(x, weight, bias)
         sgmv.shrink_into(part, x, lora_a, ranks, batch, cfg, after_gemm=True)

@@ -13,9 +13,10 @@ kept by CUDA graph capture as programmatic edges) a kernel is launched with CUDA
 serialization: its programs may be placed on SMs while the kernel before it is still finishing, and each waits
 at its first instruction (`griddepcontrol.wait`: every prerequisite grid complete and its writes visible)
 before reading or writing anything; it then lets the next kernel launch (`griddepcontrol.launch_dependents`).
-So what overlaps is the launch and the placing of programs and, where a kernel reads early (below), those
-reads: every other load and store follows the wait, so no ordering the model relies on changes (including a
-buffer the caching allocator hands from one kernel's input to the next one's output).
+So what overlaps is the launch and the placing of programs and, where a kernel reads early or waits late (the
+two exceptions below), those accesses: every other load and store follows the wait, so no ordering the model
+relies on changes (including a buffer the caching allocator hands from one kernel's input to the next one's
+output).
 
 Early reads (LORAPLEX_LORA_EARLY_READS, fused_lora_kernels.py's consumers): a kernel may read, before its wait,
 what no kernel of a forward writes: the batch's rows' slots (written by copies before the forward's first
@@ -26,15 +27,15 @@ PTX: loads only before the wait). With PDL the loads run while the kernel before
 
 Late wait (sgmv_kernels' shrink with AFTER_GEMM: ops/overlap.py's SHRINK_ORDER "after", the default): a fused
 projection's shrink is launched right after its GEMM, which reads the same x, and releases the next kernel first
-(`pdl_release`) and waits for the grids before it last (`pdl_wait_last`), so that its programs run beside the
-GEMM's and the consumer's programs are placed while both run. Before its wait it reads x and the pool's A and
-stores its partials. That is safe because x was written by a kernel before the GEMM, and the GEMM released the
-shrink only after its own wait, for which that kernel had completed; the only grid that may still run is the GEMM,
-which reads x and its weight and writes its output, none of which the shrink writes (its partials are a live
-tensor of their own). The consumer waits for the shrink's grid to complete, and the shrink completes only after
-its wait, for the GEMM: so the consumer finds the GEMM's output complete too. Every program of the shrink waits,
-whether it had work or not (tests/test_pdl.py checks the PTX: the release before any memory access, the wait
-after the last).
+(`pdl_release`) and waits for the grids before it last (`pdl_wait_last`), so that its programs run beside the GEMM's
+and the consumer's programs are placed while both run. Before its wait it reads x and the pool's A and stores its
+partials. That is safe because x was written by a kernel before the GEMM, and the GEMM (skinny_gemm's Triton kernel:
+ops/overlap.py's `shrink_order` takes "after" only where that kernel is the GEMM and PDL is on) released the shrink
+only after its own wait, for which that kernel had completed; the only grid that may still run is the GEMM, which
+reads x and its weight and writes its output, none of which the shrink writes (its partials are a live tensor of
+their own). The consumer waits for the shrink's grid to complete, and the shrink completes only after its wait, for
+the GEMM: so the consumer finds the GEMM's output complete too. Every program of the shrink waits, whether it had
+work or not (tests/test_pdl.py checks the PTX: the release before any memory access, the wait after the last).
 
 Every Triton kernel of the package calls `pdl_start()` first, and ops/launch.py's Launcher launches them with
 `launch_pdl` when PDL is on; kernels of PyTorch's own (cuBLAS, copies, sampling) keep the plain order, which

@@ -126,10 +126,10 @@ def _sgmv_shrink_kernel(
         NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
         PRECISION: tl.constexpr, ROWWISE: tl.constexpr, ROWS_PREFETCH: tl.constexpr, AFTER_GEMM: tl.constexpr):
     """part[split, i, rows, :rank_i] = x[rows, split's K range] @ A_i[slot, :rank_i, same range]ᵀ.
-    AFTER_GEMM (launched right after the GEMM that reads the same x, ops/overlap.py's "after" shrink order): with
-    PDL, release the next kernel first and wait for the grids before this one last, so that the programs run
-    beside the GEMM's (x was complete before the GEMM released this grid) and the next kernel, whose wait is for
-    this grid, also finds the GEMM complete."""
+    AFTER_GEMM (launched right after skinny_gemm's kernel over the same x, ops/overlap.py's "after" shrink order):
+    with PDL, release the next kernel first and wait for the grids before this one last, so that the programs run
+    beside the GEMM's (x was complete before the GEMM, after its own wait, released this grid) and the next kernel,
+    whose wait is for this grid, also finds the GEMM complete (ops/pdl.py)."""
     # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first; AFTER_GEMM: release the next first
     # and wait last
     pdl_start(AFTER_GEMM)

@@ -190,6 +190,11 @@ def linear_into(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: to
         torch.addmm(bias, x, weight.t(), out=y)
 
 
+def takes_input(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Does `linear(x, weight)` run skinny_linear's kernel (rather than F.linear)?"""
+    return _skinny_ok(x, weight)
+
+
 def _skinny_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Does `linear` take skinny_linear for x (see its docstring)?"""
     if x.dim() != 2 or not 0 < x.shape[0] <= DECODE_MAX_ROWS or weight.dtype != x.dtype:
