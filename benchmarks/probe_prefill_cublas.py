@@ -95,7 +95,7 @@ class Design:
         self.parts = [sgmv.new_partials(x, t["a"], self.batch, self.cfg) for x in t["xs"]]
         self.ns = [b.shape[1] for b in t["b"]]
         per_prompts = len(self.prompts) * len(self.ns)   # one cuBLAS call a segment and slice
-        self.launches = {"default": 3, "stored": 4, "cublas_expand": 4 + per_prompts + bool(decodes),
+        self.launches = {"default": 3, "stored": 3, "cublas_expand": 4 + per_prompts + bool(decodes),
                          "cublas_store": 4 + per_prompts + bool(decodes)}[name]
 
     def run(self, i: int) -> torch.Tensor:

@@ -209,8 +209,10 @@ def test_decode_graph_replays_new_batches(setup, overlap_mode, monkeypatch):
     side_order = overlap_mode.endswith("+side") or gemm_stream
     overlap_mode = overlap_mode.removesuffix("+side")
     monkeypatch.setattr(overlap, "SHRINK_ORDER", "side" if side_order else "after")
-    # every projection of an 8-row decode forward is fused: with the shrink after the GEMM no side stream is used
-    after = overlap_mode == "fused" and not side_order and rows == 8
+    # every projection of an 8-row decode forward is fused: with the shrink after the GEMM (where PDL is on:
+    # overlap.shrink_order) no side stream is used
+    from loraplex.ops import pdl
+    after = overlap_mode == "fused" and not side_order and bool(pdl.PDL)
     monkeypatch.setenv("LORAPLEX_GRAPH_PRIORITY", "gemm" if gemm_stream else "high")
     gemm_priorities = []   # the priority of the stream each GEMM into a main-stream buffer ran on
     real_linear_into = overlap._linear_into
