@@ -31,7 +31,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from loraplex import ops  # noqa: E402
-from loraplex.ops import attention_kernels as ak  # noqa: E402
+from loraplex.ops.attention import kernels as ak  # noqa: E402
 
 HEAD_SHAPES = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128)}  # Hq, Hkv, head_dim
 DECODE_BATCHES = [1, 8, 32, 128]

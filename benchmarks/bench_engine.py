@@ -41,8 +41,13 @@ from bench_model import adapter_bytes, kv_bytes, weight_bytes  # noqa: E402
 from loraplex import SamplingParams  # noqa: E402
 from loraplex.config import EngineConfig  # noqa: E402
 from loraplex.engine import Engine  # noqa: E402
-from loraplex.ops import (fused_lora_kernels, fused_lora_rms_split, overlap, pdl, sgmv, sgmv_kernels,  # noqa: E402
-                          skinny_gemm)
+from loraplex.ops import pdl
+from loraplex.ops.fused import lora_kernels as fused_lora_kernels
+from loraplex.ops.fused import rms_split as fused_lora_rms_split
+from loraplex.ops.lora import overlap
+from loraplex.ops.lora import sgmv
+from loraplex.ops.lora import sgmv_kernels
+from loraplex.ops.gemm import skinny as skinny_gemm
 
 RANK = 16
 OUTPUT_TOKENS = 128

@@ -31,7 +31,7 @@ from bench_model import BLOCK, RANK, adapter_bytes, capture, fill_pool, kv_bytes
 
 from loraplex.adapters import AdapterPool  # noqa: E402
 from loraplex.models import ForwardBatch, KVCache, SequenceChunk, dummy_model  # noqa: E402
-from loraplex.ops import overlap  # noqa: E402
+from loraplex.ops.lora import overlap  # noqa: E402
 
 MODES = ("off", "shrink", "full", "fused")
 

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_lora_ops import copy_bandwidth_gbs, time_us  # noqa: E402
 
-from loraplex.ops.skinny_gemm import SkinnyConfig, launched_config, skinny_linear  # noqa: E402
+from loraplex.ops.gemm.skinny import SkinnyConfig, launched_config, skinny_linear  # noqa: E402
 
 # Llama-2-7B: name -> (N, K) of the weight
 SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008),

@@ -24,9 +24,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_lora_ops import copy_bandwidth_gbs, time_us  # noqa: E402
 
-from loraplex.ops import sgmv, skinny_lora  # noqa: E402
-from loraplex.ops.batch import LoraBatch  # noqa: E402
-from loraplex.ops.skinny_gemm import skinny_linear  # noqa: E402
+from loraplex.ops.lora import sgmv
+from loraplex.ops.gemm import skinny_lora  # noqa: E402
+from loraplex.ops.lora.batch import LoraBatch  # noqa: E402
+from loraplex.ops.gemm.skinny import skinny_linear  # noqa: E402
 
 # name -> (K, slice widths)
 SHAPES = {"qkv": (4096, (4096, 4096, 4096)), "o": (4096, (4096,)), "gate_up": (4096, (11008, 11008)),

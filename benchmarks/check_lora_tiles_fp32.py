@@ -21,7 +21,7 @@ from bench_model import BLOCK, RANK, fill_pool, tables  # noqa: E402
 
 from loraplex.adapters import AdapterPool  # noqa: E402
 from loraplex.models import ForwardBatch, KVCache, SequenceChunk, dummy_model  # noqa: E402
-from loraplex.ops.batch import LoraBatch  # noqa: E402
+from loraplex.ops.lora.batch import LoraBatch  # noqa: E402
 
 
 def main(argv=None) -> dict:

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_lora_ops import ROTATIONS, copy_bandwidth_gbs, graphed, time_us  # noqa: E402
 
 from loraplex import ops  # noqa: E402
-from loraplex.ops import sgmv  # noqa: E402
+from loraplex.ops.lora import sgmv  # noqa: E402
 
 GROUPS = {"qkv": (4096, (4096, 4096, 4096)), "o": (4096, (4096,)), "gate_up": (4096, (11008, 11008)),
           "down": (11008, (4096,))}

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_lora_ops import copy_bandwidth_gbs, graphed, time_us  # noqa: E402
 from loraplex import ops  # noqa: E402
-from loraplex.ops import attention_kernels as ak  # noqa: E402
+from loraplex.ops.attention import kernels as ak  # noqa: E402
 
 PAGE = 16
 DEVICE, DTYPE = "cuda", torch.bfloat16  # --smoke: "cpu", float16 (Triton's interpreter)

@@ -43,8 +43,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_lora_ops import copy_bandwidth_gbs, time_us  # noqa: E402
 
-from loraplex.ops import overlap, sgmv  # noqa: E402
-from loraplex.ops.batch import LoraBatch  # noqa: E402
+from loraplex.ops.lora import overlap
+from loraplex.ops.lora import sgmv  # noqa: E402
+from loraplex.ops.lora.batch import LoraBatch  # noqa: E402
 
 R = 16
 DEV, DTYPE = "cuda", torch.bfloat16

@@ -36,8 +36,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_lora_ops import copy_bandwidth_gbs, graphed, time_us  # noqa: E402
 
-from loraplex.ops import sgmv  # noqa: E402
-from loraplex.ops.batch import LoraBatch  # noqa: E402
+from loraplex.ops.lora import sgmv  # noqa: E402
+from loraplex.ops.lora.batch import LoraBatch  # noqa: E402
 
 RANK = 16
 ROTATIONS = 3

@@ -34,8 +34,8 @@ from bench_model import BLOCK, RANK, fill_pool, tables  # noqa: E402
 
 from loraplex.adapters import AdapterPool  # noqa: E402
 from loraplex.models import ForwardBatch, KVCache, SequenceChunk, dummy_model  # noqa: E402
-from loraplex.ops import sgmv  # noqa: E402
-from loraplex.ops.batch import LoraBatch  # noqa: E402
+from loraplex.ops.lora import sgmv  # noqa: E402
+from loraplex.ops.lora.batch import LoraBatch  # noqa: E402
 
 CASES = {"prompts6": ([320] * 6, 0), "mixed20": ([320] * 5, 20), "prompt2048": ([2048], 0)}
 # Changes to sgmv.PREFILL_DEFAULT (prefetch, 64 columns, 4 programs per SM since 2026-12-02); the last is PREFILL_PLAIN.

@@ -26,9 +26,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_lora_ops import copy_bandwidth_gbs, graphed, time_us  # noqa: E402
 
-from loraplex.ops import fused, sgmv, silu_lora_tiles_kernels  # noqa: E402
-from loraplex.ops.batch import LoraBatch  # noqa: E402
-from loraplex.ops.lora_product import LoraProduct  # noqa: E402
+from loraplex.ops.fused import api as fused
+from loraplex.ops.lora import sgmv
+from loraplex.ops.fused import silu_lora_tiles_kernels  # noqa: E402
+from loraplex.ops.lora.batch import LoraBatch  # noqa: E402
+from loraplex.ops.lora.product import LoraProduct  # noqa: E402
 
 RANK, K, I, ROTATIONS, LAYERS = 16, 4096, 11008, 3, 32
 CASES = {"mixed": [300] * 6 + [1] * 20, "mixed16": [391] * 3 + [1] * 29, "prompts": [320] * 6}

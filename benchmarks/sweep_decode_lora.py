@@ -25,7 +25,8 @@ from bench_model import RANK, fill_pool  # noqa: E402
 from loraplex.adapters import AdapterPool  # noqa: E402
 from loraplex.models import ForwardBatch, SequenceChunk  # noqa: E402
 from loraplex.models.presets import preset_config  # noqa: E402
-from loraplex.ops import add_lora, sgmv  # noqa: E402
+from loraplex.ops import add_lora
+from loraplex.ops.lora import sgmv  # noqa: E402
 
 CALLS = [(("q_proj", "k_proj", "v_proj"), "hidden"), (("o_proj",), "hidden"), (("gate_proj", "up_proj"), "hidden"),
          (("down_proj",), "intermediate")]

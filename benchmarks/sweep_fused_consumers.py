@@ -36,8 +36,8 @@ from bench_model import BLOCK, RANK, capture, fill_pool, tables  # noqa: E402
 
 from loraplex.adapters import AdapterPool  # noqa: E402
 from loraplex.models import ForwardBatch, KVCache, SequenceChunk, dummy_model  # noqa: E402
-from loraplex.ops import fused_lora_kernels as consumers  # noqa: E402
-from loraplex.ops import overlap  # noqa: E402
+from loraplex.ops.fused import lora_kernels as consumers  # noqa: E402
+from loraplex.ops.lora import overlap  # noqa: E402
 
 CASES = ((32, "distinct"), (32, "shared"), (1, "distinct"), (64, "distinct"), (128, "distinct"))
 KNOBS = {"tiles": ("RMS_BLOCK", "SILU_BLOCK", "ROPE_HEADS"), "projections": ("FUSED_PROJECTIONS",),

@@ -19,7 +19,7 @@ import torch
 
 from bench_lora_ops import ROTATIONS, Pool, _empty_kernel, graphed, time_us
 from loraplex import ops
-from loraplex.ops import sgmv
+from loraplex.ops.lora import sgmv
 from loraplex.workloads import popularity_slots
 
 CASES = [  # (K, N, regime, batch, popularity)
@@ -47,7 +47,7 @@ def expand_variants(base):
 
 def host_overheads(pool, gen) -> dict:
     """µs of host time per eager call (GPU work is tiny here, so the host is the bottleneck)."""
-    from loraplex.ops.checks import check_batch, check_slices, check_x, check_y
+    from loraplex.ops.lora.checks import check_batch, check_slices, check_x, check_y
     x = torch.randn(16, 4096, device="cuda").bfloat16()
     y = torch.randn(16, 4096, device="cuda").bfloat16()
     batch = ops.LoraBatch.from_lengths([1] * 16, list(range(16)), "cuda")

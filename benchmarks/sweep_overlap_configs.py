@@ -33,7 +33,8 @@ from bench_model import BLOCK, RANK, capture, fill_pool, tables  # noqa: E402
 
 from loraplex.adapters import AdapterPool  # noqa: E402
 from loraplex.models import ForwardBatch, KVCache, SequenceChunk, dummy_model  # noqa: E402
-from loraplex.ops import overlap, sgmv  # noqa: E402
+from loraplex.ops.lora import overlap
+from loraplex.ops.lora import sgmv  # noqa: E402
 
 CASES = ((32, "distinct"), (32, "shared"), (1, "distinct"))
 

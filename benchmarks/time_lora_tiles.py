@@ -30,7 +30,7 @@ from bench_model import BLOCK, RANK, capture, fill_pool, tables  # noqa: E402
 
 from loraplex.adapters import AdapterPool  # noqa: E402
 from loraplex.models import ForwardBatch, KVCache, SequenceChunk, dummy_model  # noqa: E402
-from loraplex.ops.batch import LoraBatch  # noqa: E402
+from loraplex.ops.lora.batch import LoraBatch  # noqa: E402
 
 # (decode rows, prompt lengths): eager mixed steps as the engine makes them (prompt chunks over
 # cuda_graph_max_prompt_tokens, or batches over cuda_graph_max_batch), and prefill alone

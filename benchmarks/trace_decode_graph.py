@@ -34,7 +34,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_lora_ops import time_us  # noqa: E402
 from bench_model import RANK, capture, decode_setup  # noqa: E402
 
-from loraplex.ops import overlap, pdl, sgmv, stream_priority  # noqa: E402
+from loraplex.ops import pdl
+from loraplex.ops.lora import overlap
+from loraplex.ops.lora import sgmv
+from loraplex.ops.lora import stream_priority  # noqa: E402
 
 
 def kind_of(name: str) -> str:
@@ -153,7 +156,7 @@ def variant(name: str):
         from loraplex.models import llama
         patches.append(mock.patch.object(llama, "DOWN_SHRINK_IN_SILU", False))
     if name in PRODUCT_VARIANTS:   # more projections' products expanded by their consumers (ops/lora_product.py)
-        from loraplex.ops import fused_lora_kernels
+        from loraplex.ops.fused import lora_kernels as fused_lora_kernels
         from loraplex.models import llama
         projs, rms_split, boundaries = PRODUCT_VARIANTS[name]
         patches.append(mock.patch.object(overlap, "FUSED_PROJECTIONS", frozenset(projs)))
@@ -163,7 +166,7 @@ def variant(name: str):
         patches.append(mock.patch.object(llama, "FUSED_BOUNDARIES", boundaries))
     if name in ("o_in_attention", "o_in_attention_late", "o_in_attention_silu"):
         from loraplex.models import llama
-        from loraplex.ops import attention_kernels
+        from loraplex.ops.attention import kernels as attention_kernels
         patches.append(mock.patch.object(llama, "O_SHRINK_IN_ATTENTION", True))
         # as measured (thirteenth session): o's product not left to the RMSNorm, where the attention's shrink is off
         patches.append(mock.patch.object(overlap, "FUSED_PROJECTIONS", frozenset({"q_proj"})))
@@ -172,38 +175,38 @@ def variant(name: str):
         if name == "o_in_attention_silu":
             patches.append(mock.patch.object(llama, "DOWN_SHRINK_IN_SILU", True))
     if name in ROPE_HEADS_VARIANTS:   # heads per RoPE program (fused_lora_kernels.ROPE_HEADS, 4): more programs
-        from loraplex.ops import fused_lora_kernels
+        from loraplex.ops.fused import lora_kernels as fused_lora_kernels
         patches.append(mock.patch.object(fused_lora_kernels, "ROPE_HEADS", ROPE_HEADS_VARIANTS[name]))
     if name == "no_gate":   # the default before the seventeenth session: gate/up's product expanded apart
         patches.append(mock.patch.object(overlap, "DECODE_EXTRA_FUSED", frozenset()))
     if name in ("silu_loads_first", "no_early"):   # without the early reads (on by default since 2026-12-03),
-        from loraplex.ops import fused_lora_kernels   # which take over LOADS_FIRST's order
+        from loraplex.ops.fused import lora_kernels as fused_lora_kernels   # which take over LOADS_FIRST's order
         patches.append(mock.patch.object(fused_lora_kernels, "EARLY_READS", False))
         if name == "silu_loads_first":
             patches.append(mock.patch.object(fused_lora_kernels, "SILU_LOADS_FIRST", True))
     if name in RMS_SPLIT_VARIANTS:   # columns per program of the split RMSNorm (fused_lora_kernels.RMS_SPLIT, 512)
-        from loraplex.ops import fused_lora_kernels
+        from loraplex.ops.fused import lora_kernels as fused_lora_kernels
         patches.append(mock.patch.object(fused_lora_kernels, "RMS_SPLIT", RMS_SPLIT_VARIANTS[name]))
     if name == "rms_one":   # the split RMSNorm's two launches in one (fused_lora_rms_split.ONE_LAUNCH)
-        from loraplex.ops import fused_lora_rms_split
+        from loraplex.ops.fused import rms_split as fused_lora_rms_split
         patches.append(mock.patch.object(fused_lora_rms_split, "ONE_LAUNCH", True))
     if name in EARLY_VARIANTS:   # ops/pdl.py's early reads in the LoRA consumers (all, or one of them)
-        from loraplex.ops import fused_lora_kernels
+        from loraplex.ops.fused import lora_kernels as fused_lora_kernels
         patches.append(mock.patch.object(fused_lora_kernels, "EARLY_READS", True))
         patches.append(mock.patch.object(fused_lora_kernels, "EARLY_KERNELS", EARLY_VARIANTS[name]))
     if name in ("silu_w4", "silu_w8"):
-        from loraplex.ops import fused_lora_kernels
+        from loraplex.ops.fused import lora_kernels as fused_lora_kernels
         patches.append(mock.patch.object(fused_lora_kernels, "SILU_WARPS", int(name[-1])))
     if name in ("skinny", "cublas"):   # the projections' GEMMs by ops/skinny_gemm.py (the default since the
-        from loraplex.ops import skinny_gemm   # eighteenth session) or by cuBLAS (F.linear)
+        from loraplex.ops.gemm import skinny as skinny_gemm   # eighteenth session) or by cuBLAS (F.linear)
         patches.append(mock.patch.object(skinny_gemm, "SETTING", "on" if name == "skinny" else "off"))
     if name == "skinny_lora":   # each projection's shrink and expand inside its GEMM's launch (ops/skinny_lora.py)
-        from loraplex.ops import skinny_lora
+        from loraplex.ops.gemm import skinny_lora
         patches.append(mock.patch.object(skinny_lora, "SETTING", "on"))
     if name in KERNEL_VARIANTS:   # the decode config's kernel settings (sgmv.CONFIGS[16])
         patches.append(kernel_settings(KERNEL_VARIANTS[name]))
     if name in SILU_BLOCK_VARIANTS:   # columns per SiLU-and-mul program where it expands gate/up's product
-        from loraplex.ops import fused_lora_kernels
+        from loraplex.ops.fused import lora_kernels as fused_lora_kernels
         patches.append(mock.patch.object(fused_lora_kernels, "SILU_BLOCK", SILU_BLOCK_VARIANTS[name]))
     if name in PRIORITY_VARIANTS:
         patches.append(mock.patch.object(overlap, "SIDE_STREAM_PRIORITY", PRIORITY_VARIANTS[name][0]))

@@ -12,7 +12,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from loraplex.ops import lora_in_gemm, sgmv
+from loraplex.ops.lora import lora_in_gemm
+from loraplex.ops.lora import sgmv
 
 TARGET = GPUTarget("cuda", 90, 32)
 

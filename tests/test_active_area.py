@@ -13,7 +13,7 @@ from loraplex.adapters.synthetic import read_synthetic, synthetic_spec
 from loraplex.models import dummy_model
 from loraplex.models.config import PROJECTIONS, ModelConfig
 from loraplex.ops import LoraBatch
-from loraplex.ops.lora_in_gemm import expand_in_gemm
+from loraplex.ops.lora.lora_in_gemm import expand_in_gemm
 
 interpreted = pytest.mark.skipif(not ops.triton_interpreted(), reason="needs TRITON_INTERPRET=1 (no CUDA)")
 CONFIG = ModelConfig(model_type="llama", hidden_size=32, intermediate_size=48, num_hidden_layers=2,

@@ -88,7 +88,7 @@ def compile_kind(arch: int, dtype: str, kind: str) -> int:
     """Compile every listed variant of one kernel family with the launchers' settings; returns how many."""
     import torch
 
-    from loraplex.ops import attention_kernels as ak
+    from loraplex.ops.attention import kernels as ak
 
     tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     prefill_variants = FP32_PREFILL_VARIANTS if dtype == "fp32" else PREFILL_VARIANTS

@@ -12,8 +12,8 @@ import torch
 from test_attention import BACKENDS, DECODE, TOL, _case, interpreted, make_case, max_err, stable_seed
 
 from loraplex import ops
-from loraplex.ops import attention_kernels as ak
-from loraplex.ops.attention_shrink import MAX_RANK, decode_attention_shrink
+from loraplex.ops.attention import kernels as ak
+from loraplex.ops.attention.attention_shrink import MAX_RANK, decode_attention_shrink
 
 
 def shrink_f64(out: torch.Tensor, lora_a: torch.Tensor, ranks: torch.Tensor, row_slot: torch.Tensor,

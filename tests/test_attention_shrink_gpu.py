@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from loraplex import ops
-from loraplex.ops import attention_kernels as ak
-from loraplex.ops.attention_shrink import decode_attention_shrink
+from loraplex.ops.attention import kernels as ak
+from loraplex.ops.attention.attention_shrink import decode_attention_shrink
 
 from test_attention import make_case, stable_seed
 

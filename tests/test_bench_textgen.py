@@ -19,7 +19,7 @@ from loraplex.bench.ceiling import StepBytes, simulate_ceiling
 from loraplex.bench.run_hf import batches
 from loraplex.bench.workload import BenchRequest, Workload, make_workload
 from loraplex.cli import main
-from loraplex.ops import sgmv
+from loraplex.ops.lora import sgmv
 
 
 def test_punica_lengths_and_popularities():

@@ -388,7 +388,7 @@ def test_in_gemm_warmup_launches_each_count_and_changes_nothing(monkeypatch):
     from loraplex.adapters import AdapterPool
     from loraplex.engine import warmup
     from loraplex.models import ModelConfig
-    from loraplex.ops import fused
+    from loraplex.ops.fused import api as fused
     from model_fixtures import hf_config
     config = ModelConfig.from_dict(hf_config("llama-gqa-llama3rope").to_dict())
     pool = AdapterPool(config, num_slots=4, max_rank=4, dtype=torch.float32, device="cpu")
@@ -424,7 +424,7 @@ def test_lora_kernel_warmup_includes_the_stored_expand_where_it_is_on(monkeypatc
     import dataclasses
 
     from loraplex.engine import warmup
-    from loraplex.ops import sgmv
+    from loraplex.ops.lora import sgmv
     if not os.environ.get("LORAPLEX_LORA_PREFILL"):
         assert not any(stored for *_, stored in warmup._variants())   # off by default
     monkeypatch.setitem(sgmv.CONFIGS, 64, dataclasses.replace(sgmv.CONFIGS[64], store_first=True))
@@ -443,7 +443,9 @@ def test_lora_kernel_warmup_launches_every_variant_and_changes_nothing(overlap_m
     from loraplex.adapters import AdapterPool
     from loraplex.engine.warmup import compile_lora_kernels
     from loraplex.models import ModelConfig
-    from loraplex.ops import fused, overlap, sgmv
+    from loraplex.ops.fused import api as fused
+    from loraplex.ops.lora import overlap
+    from loraplex.ops.lora import sgmv
     from model_fixtures import hf_config
     monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", overlap_mode)
     if fused_projs == "all":
@@ -494,7 +496,8 @@ def test_warm_up_compiles_the_silu_tile_consumer_when_on(monkeypatch):
     from loraplex.adapters import AdapterPool
     from loraplex.engine.warmup import compile_lora_kernels
     from loraplex.models import ModelConfig
-    from loraplex.ops import fused, silu_lora_tiles
+    from loraplex.ops.fused import api as fused
+    from loraplex.ops.fused import silu_lora_tiles
     from model_fixtures import hf_config
     config = ModelConfig.from_dict(hf_config("llama-gqa-llama3rope").to_dict())
     pool = AdapterPool(config, num_slots=2, max_rank=4, dtype=torch.float32, device="cpu")

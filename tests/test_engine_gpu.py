@@ -62,7 +62,7 @@ def test_graphs_and_eager_agree_with_the_skinny_gemm_in_fp32(served, monkeypatch
     """LORAPLEX_SKINNY_GEMM=on: the fp32 projections of steps of up to 32 rows through ops/skinny_gemm.py (its
     tuned tiles cut to the GPU's shared memory by fit_config), captured and eager: the same tokens both ways,
     and transformers + PEFT's ("auto", the default, leaves fp32 to cuBLAS)."""
-    from loraplex.ops import skinny_gemm
+    from loraplex.ops.gemm import skinny as skinny_gemm
     monkeypatch.setattr(skinny_gemm, "SETTING", "on")
     rows = []
     real = skinny_gemm.skinny_linear
@@ -75,7 +75,8 @@ def test_graphs_and_eager_agree_with_lora_inside_the_skinny_gemm(served, monkeyp
     """LORAPLEX_SKINNY_LORA=on (ops/skinny_lora.py, with LORAPLEX_SKINNY_GEMM=on for these fp32 models): steps of up
     to 32 rows run each projection's GEMM, shrink and expand in one launch, captured and eager: the same tokens
     both ways, and transformers + PEFT's."""
-    from loraplex.ops import skinny_gemm, skinny_lora
+    from loraplex.ops.gemm import skinny as skinny_gemm
+    from loraplex.ops.gemm import skinny_lora
     monkeypatch.setattr(skinny_gemm, "SETTING", "on")
     monkeypatch.setattr(skinny_lora, "SETTING", "on")
     rows = []
@@ -90,7 +91,8 @@ def test_graphs_and_eager_agree_with_silu_expanding_prompt_tiles(served, monkeyp
     """LORAPLEX_LORA_SILU_TILES=on (ops/silu_lora_tiles.py): steps of more than 32 rows leave gate/up's product
     to SiLU-and-mul, which expands it over the batch's work tiles, captured (mixed graphs) and eager: the same
     tokens both ways, and transformers + PEFT's."""
-    from loraplex.ops import silu_lora_tiles, silu_lora_tiles_kernels
+    from loraplex.ops.fused import silu_lora_tiles
+    from loraplex.ops.fused import silu_lora_tiles_kernels
     monkeypatch.setattr(silu_lora_tiles, "SETTING", "on")
     rows = []
     real = silu_lora_tiles_kernels.silu_and_mul
@@ -134,7 +136,7 @@ def test_row_wise_decode_graphs_give_the_same_tokens(served, monkeypatch):
     with the row-wise LoRA kernels (ops/sgmv.py); tokens equal the eager run's and transformers + PEFT's."""
     import dataclasses
 
-    from loraplex.ops import sgmv
+    from loraplex.ops.lora import sgmv
     monkeypatch.setattr(sgmv, "ROWWISE_AUTO", True)
     monkeypatch.setitem(sgmv.CONFIGS, 16, dataclasses.replace(sgmv.CONFIGS[16], shrink_rowwise=0, expand_rowwise=0))
     captured = set()   # the row-wise modes of the LoRA kernels captured into graphs (not the warm-up's)

@@ -67,7 +67,7 @@ def _no_approx(ptx: str, what: str) -> None:
 
 
 def rms_norm(dtype: str, arch: int) -> None:
-    from loraplex.ops import fused_kernels as fk
+    from loraplex.ops.fused import kernels as fk
     # (residual, LoRA delta, weight dtype, BLOCK, ONE_PASS): one pass at Llama widths and a small tile,
     # the tiled loop; with and without a delta (ops/overlap.py: a LoraDelta, taken only by rows with a slot).
     variants = ((True, False, dtype, 8192, True), (False, False, dtype, 128, True), (True, True, dtype, 8192, True),
@@ -86,7 +86,7 @@ def rms_norm(dtype: str, arch: int) -> None:
 
 
 def silu(dtype: str, arch: int) -> None:
-    from loraplex.ops import fused_kernels as fk
+    from loraplex.ops.fused import kernels as fk
     for block, has_delta in ((128, False), (1024, False), (1024, True)):
         types = dict(gu_ptr="*" + dtype, d_ptr="*fp32" if has_delta else "*" + dtype, out_ptr="*" + dtype,
                      rows_ptr="*i32" if has_delta else "*" + dtype)
@@ -98,7 +98,7 @@ def silu(dtype: str, arch: int) -> None:
 
 
 def rope(dtype: str, arch: int) -> None:
-    from loraplex.ops import fused_kernels as fk
+    from loraplex.ops.fused import kernels as fk
     for pos, block_h, block_d, has_delta in (("i64", 16, 64, False), ("i32", 1, 32, False), ("i64", 16, 64, True)):
         ptx = _compile(fk._rope_kernel, dict(q_ptr="*" + dtype, k_ptr="*" + dtype, v_ptr="*" + dtype,
                                              d_ptr="*fp32" if has_delta else "*" + dtype, pos_ptr="*" + pos,
@@ -123,7 +123,7 @@ LORA_POINTERS = dict(part_ptr="*fp32", row_slot_ptr="*i32")   # the shrink's par
 
 
 def rms_norm_lora(dtype: str, arch: int) -> None:
-    from loraplex.ops import fused_lora_kernels as k
+    from loraplex.ops.fused import lora_kernels as k
     # (residual, SPLIT_K, BLOCK_R, ONE_R_TILE, BLOCK, weight dtype)
     variants = ((True, 8, 16, True, k.RMS_BLOCK, dtype), (False, 1, 32, False, 64, dtype),
                 (True, 2, 8, True, 128, "fp32"))
@@ -140,7 +140,7 @@ def rms_norm_lora(dtype: str, arch: int) -> None:
 
 
 def rms_norm_lora_split(dtype: str, arch: int) -> None:
-    from loraplex.ops import fused_lora_rms_split as k
+    from loraplex.ops.fused import rms_split as k
     types = dict(x_ptr="*" + dtype, r_ptr="*" + dtype, s_ptr="*" + dtype, sumsq_ptr="*fp32", b_ptr="*" + dtype,
                  rank_ptr="*i32", scale_ptr="*fp32", **LORA_POINTERS)
     for early in (False, True):   # EARLY: fused_lora_kernels.EARLY_READS (ops/pdl.py's early reads)
@@ -163,7 +163,7 @@ def rms_norm_lora_split(dtype: str, arch: int) -> None:
 
 
 def silu_lora(dtype: str, arch: int) -> None:
-    from loraplex.ops import fused_lora_kernels as k
+    from loraplex.ops.fused import lora_kernels as k
     # (SPLIT_K, BLOCK_R, ONE_R_TILE, BLOCK, LOADS_FIRST, EARLY); EARLY: EARLY_READS (ops/pdl.py's early reads)
     for split_k, block_r, one_r, block, first, early in ((8, 16, True, k.SILU_BLOCK, False, False),
                                                          (2, 32, False, 64, False, False),
@@ -183,7 +183,7 @@ def silu_lora(dtype: str, arch: int) -> None:
 def silu_lora_tiles(dtype: str, arch: int) -> None:
     """SiLU-and-mul expanding gate/up's product over the work tiles (ops/silu_lora_tiles_kernels.py), both tile
     heights, one and two rank tiles, at the precision the launcher picks for the dtype."""
-    from loraplex.ops import silu_lora_tiles_kernels as k
+    from loraplex.ops.fused import silu_lora_tiles_kernels as k
     precision = "split" if dtype == "bf16" else "tf32x3"
     for block_m, block_r, one_r, split_k, prefetch in ((64, 16, True, 1, True), (16, 16, True, 4, True),
                                                        (64, 32, False, 2, True), (64, 16, True, 2, False)):
@@ -202,7 +202,7 @@ def silu_lora_tiles(dtype: str, arch: int) -> None:
 
 
 def rope_lora(dtype: str, arch: int) -> None:
-    from loraplex.ops import fused_lora_kernels as k
+    from loraplex.ops.fused import lora_kernels as k
     # (positions, SPLIT_K, BLOCK_R, ONE_R_TILE, BLOCK_H, BLOCK_D): D=128 heads ROPE_HEADS at a time; D=64
     # one head per program, two rank tiles.
     # IN_GEMM: part is a GEMM's 16-bit shrink columns, offset by the row's active index (lora_product.py)
@@ -229,7 +229,7 @@ def rope_lora(dtype: str, arch: int) -> None:
 
 def silu_shrink(dtype: str, arch: int) -> None:
     """SiLU-and-mul computing down's shrink (ops/silu_shrink_kernels.py), as models/llama.py launches it."""
-    from loraplex.ops import silu_shrink_kernels as k
+    from loraplex.ops.fused import silu_shrink_kernels as k
     types = dict(gu_ptr="*" + dtype, d_ptr="*fp32", rows_ptr="*i32", out_ptr="*" + dtype, slot_ptr="*i32",
                  a_ptr="*" + dtype, rank_ptr="*i32", part_ptr="*fp32")
     ptx = _compile(k._silu_and_mul_shrink_kernel, types,
@@ -240,7 +240,7 @@ def silu_shrink(dtype: str, arch: int) -> None:
 
 def rms_shrink(dtype: str, arch: int) -> None:
     """The split RMSNorm's scaling step computing the next projection's shrink (ops/rms_shrink_kernels.py)."""
-    from loraplex.ops import rms_shrink_kernels as k
+    from loraplex.ops.fused import rms_shrink_kernels as k
     types = dict(s_ptr="*" + dtype, w_ptr="*" + dtype, out_ptr="*" + dtype, sumsq_ptr="*fp32", slot_ptr="*i32",
                  a0="*" + dtype, a1="*" + dtype, a2="*" + dtype, rk0="*i32", rk1="*i32", rk2="*i32",
                  part_ptr="*fp32")
@@ -256,7 +256,7 @@ def rms_shrink(dtype: str, arch: int) -> None:
 def _vector_b_loads(ptx: str, dtype: str, what: str, rope: bool = False) -> None:
     """A 16-bit B block read 16 bytes at a time (sgmv_kernels._load_rank_block): no 2-byte global loads are left.
     `rope`: RoPE's kernel, whose B tiles keep the exact mask unless LORAPLEX_LORA_VECTOR_LOADS=on."""
-    from loraplex.ops import sgmv_kernels
+    from loraplex.ops.lora import sgmv_kernels
     if dtype == "fp32" or not sgmv_kernels.VECTOR_LOADS:
         return
     scalar = len(re.findall(r"ld\.global(?:\.nc)?\.b16", ptx))
@@ -269,7 +269,9 @@ def _vector_b_loads(ptx: str, dtype: str, what: str, rope: bool = False) -> None
 def lora_loads(dtype: str, arch: int) -> None:
     """The decode step's LoRA readers at Llama-2-7B's shapes, ints specialized as a launch does (R = 16, widths
     and row strides multiples of 16, unit column strides 1): their B blocks compile to 16-byte loads."""
-    from loraplex.ops import fused_lora_kernels as k, fused_lora_rms_split as ks, sgmv_kernels
+    from loraplex.ops.fused import lora_kernels as k
+    from loraplex.ops.fused import rms_split as ks
+    from loraplex.ops.lora import sgmv_kernels
     div = ("R", "I", "H", "HALF", "n0", "n1", "n2", "n3", "c0", "c1", "c2", "c3", "n_per_prog", "stride_pm",
            "stride_p_split", "stride_p_slice", "stride_gu", "stride_out", "stride_x", "stride_r", "stride_s",
            "stride_ym", "stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh")
@@ -311,8 +313,8 @@ def skinny_gemm(dtype: str, arch: int) -> None:
     (the split's partials and counter): 16-bit w through tensor-core MMAs, pipelined with asynchronous copies;
     and the shared memory each config takes within skinny_gemm.shared_bytes, the bound fit_config keeps under
     the GPU's."""
-    from loraplex.ops.skinny_gemm import SkinnyConfig, shared_bytes
-    from loraplex.ops.skinny_gemm_kernels import _skinny_gemm_kernel as k
+    from loraplex.ops.gemm.skinny import SkinnyConfig, shared_bytes
+    from loraplex.ops.gemm.kernels import _skinny_gemm_kernel as k
     for split, block_m, block_n, block_k, stages in ((1, 32, 64, 128, 4), (4, 64, 128, 128, 3), (1, 16, 64, 256, 4),
                                                      (1, 32, 128, 64, 2)):
         ptx = _compile(k, dict(x_ptr="*" + dtype, w_ptr="*" + dtype, bias_ptr="*" + dtype, y_ptr="*" + dtype,

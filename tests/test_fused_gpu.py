@@ -14,8 +14,9 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from loraplex import ops
-from loraplex.ops import fused, fused_kernels
-from loraplex.ops.lora_delta import LoraDelta
+from loraplex.ops.fused import api as fused
+from loraplex.ops.fused import kernels as fused_kernels
+from loraplex.ops.lora.delta import LoraDelta
 
 from lora_cases import stable_seed
 from test_fused_ops import (ROPE_REL, assert_ulps, hf_rms_norm, hf_rope, hf_silu_and_mul, qkv_views, random_positions,

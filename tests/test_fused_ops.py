@@ -17,8 +17,9 @@ from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from loraplex import ops
-from loraplex.ops import fused, fused_kernels
-from loraplex.ops.lora_delta import LoraDelta
+from loraplex.ops.fused import api as fused
+from loraplex.ops.fused import kernels as fused_kernels
+from loraplex.ops.lora.delta import LoraDelta
 
 from lora_cases import stable_seed
 

@@ -84,7 +84,7 @@ def test_eager_decode_steps_choose_as_their_graphs_would(auto, monkeypatch):
     from types import SimpleNamespace
 
     from loraplex.engine.model_runner import ModelRunner
-    from loraplex.ops import sgmv
+    from loraplex.ops.lora import sgmv
     monkeypatch.setattr(sgmv, "ROWWISE_AUTO", auto)
 
     def mode(chunks, max_rank=16):
@@ -138,7 +138,7 @@ def test_capture_priority_only_where_lora_kernels_run_beside(scheme, monkeypatch
     forward runs LoRA kernels on the side stream (overlap.lora_path "...-side": up to SHRINK_MAX_ROWS rows);
     graphs without adapters, with LoRA inside the GEMMs, or of more rows have nothing to order."""
     from loraplex.engine.cuda_graphs import StepGraphs
-    from loraplex.ops import overlap
+    from loraplex.ops.lora import overlap
     monkeypatch.setenv("LORAPLEX_GRAPH_PRIORITY", scheme)
     monkeypatch.delenv("LORAPLEX_LORA_OVERLAP", raising=False)
     high = -5 if scheme == "high" else 0

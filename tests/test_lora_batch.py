@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from loraplex.ops import LoraBatch
-from loraplex.ops.batch import LARGE_BLOCK_M, SMALL_BLOCK_M
+from loraplex.ops.lora.batch import LARGE_BLOCK_M, SMALL_BLOCK_M
 
 
 def _tiles(batch):

@@ -8,7 +8,7 @@ import torch
 
 from loraplex import ops
 from loraplex.ops import LoraBatch
-from loraplex.ops.lora_in_gemm import expand_in_gemm, shrink_columns
+from loraplex.ops.lora.lora_in_gemm import expand_in_gemm, shrink_columns
 
 from lora_cases import stable_seed
 

@@ -14,8 +14,10 @@ import pytest
 import torch
 
 from loraplex import ops
-from loraplex.ops import LoraBatch, fused, fused_lora_kernels
-from loraplex.ops.lora_product import LoraProduct
+from loraplex.ops import LoraBatch
+from loraplex.ops.fused import api as fused
+from loraplex.ops.fused import lora_kernels as fused_lora_kernels
+from loraplex.ops.lora.product import LoraProduct
 
 from lora_cases import make_case, stable_seed
 from oracle import add_lora_f64
@@ -192,7 +194,7 @@ def test_rms_norm_in_one_launch_gives_the_two_launches_bits(residual, H, split, 
     """fused_lora_rms_split.ONE_LAUNCH (each row's last program normalizes it after counting itself in): the
     bits of the two launches (held to the float64 loop above), twice in a row (the counters reset), with
     the counters at zero after; early: with EARLY_READS."""
-    from loraplex.ops import fused_lora_rms_split
+    from loraplex.ops.fused import rms_split as fused_lora_rms_split
     gen = torch.Generator().manual_seed(stable_seed("rms-one-launch", residual, H, split, R, early))
     monkeypatch.setattr(fused_lora_kernels, "RMS_SPLIT", split)
     monkeypatch.setattr(fused_lora_kernels, "EARLY_READS", early)
@@ -219,7 +221,7 @@ def test_early_reads_give_the_same_bits(op, R, monkeypatch):
     ranks, scalings and B blocks read first): the consumers give the bits they give without it, which the tests
     above hold to the float64 loop. It applies where one rank tile holds the rank (R=40: two tiles, not
     taken); the launches' EARLY constexpr is checked, so the case cannot pass by not taking the path."""
-    from loraplex.ops import fused_lora_rms_split
+    from loraplex.ops.fused import rms_split as fused_lora_rms_split
     gen = torch.Generator().manual_seed(stable_seed("early-reads", op, R))
     T, dtype = 9, torch.float16
     seen = []
@@ -285,7 +287,7 @@ def test_early_reads_give_the_same_bits(op, R, monkeypatch):
 def test_linear_with_lora_product_leaves_the_shrink_for_the_next_op(dtype, regime):
     """ops/overlap.py's "fused" path on one stream: y is the plain GEMM, and the product's dense form is
     add_lora's delta (rows without an adapter, and slices of rank 0, exactly 0)."""
-    from loraplex.ops import overlap
+    from loraplex.ops.lora import overlap
     rng = np.random.default_rng(stable_seed("product", str(dtype), regime))
     lens = [1] * 9 if regime == "decode" else [int(n) for n in rng.integers(1, 30, 5)]
     case = make_case(rng, seg_lens=lens, popularity="skewed", K=64, Ns=(48, 16, 16), R=16, ranks="mixed",

@@ -8,8 +8,9 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from loraplex.ops import fused, fused_lora_kernels
-from loraplex.ops.lora_product import LoraProduct
+from loraplex.ops.fused import api as fused
+from loraplex.ops.fused import lora_kernels as fused_lora_kernels
+from loraplex.ops.lora.product import LoraProduct
 
 from test_fused_gpu import CUDA, RMS_TOL, SILU_TOL, _gen
 from test_lora_product import delta_f64
@@ -252,7 +253,7 @@ def test_cuda_graph_of_the_lora_product_consumers(dtype, early, one_launch, monk
     buffers: each replay gives the eager kernels' bits. `early`: fused_lora_kernels.EARLY_READS (ops/pdl.py's
     early reads, with PDL where the GPU has it); `one_launch`: fused_lora_rms_split.ONE_LAUNCH (its row counters
     reset by each replay)."""
-    from loraplex.ops import fused_lora_rms_split
+    from loraplex.ops.fused import rms_split as fused_lora_rms_split
     monkeypatch.setattr(fused_lora_kernels, "EARLY_READS", early)
     monkeypatch.setattr(fused_lora_rms_split, "ONE_LAUNCH", one_launch)
     monkeypatch.setattr(fused_lora_kernels, "RMS_SPLIT", 512)   # the default: the split launch reads early
@@ -314,7 +315,7 @@ def test_rms_norm_with_rows_over_several_programs(dtype, split, one_launch, monk
     gives the same bits (the chunks' sums are added in a fixed order). `one_launch`: fused_lora_rms_split.
     ONE_LAUNCH (the row's last program normalizes it), whose bits are the two launches' and which leaves its
     row counters at zero."""
-    from loraplex.ops import fused_lora_rms_split
+    from loraplex.ops.fused import rms_split as fused_lora_rms_split
     monkeypatch.setattr(fused_lora_kernels, "RMS_SPLIT", split)
     gen = _gen("lora-rms-split", str(dtype), split)
     T, H = LORA_T, LORA_H

@@ -132,10 +132,10 @@ def test_mixed_bf16_batch_matches_transformers_peft(setup, tiles, monkeypatch):
     for eager mixed steps whose decode rows outweigh their prompts': long prompt segments in small tiles).
     "silu": gate/up's product expanded by SiLU-and-mul over the tiles (LORAPLEX_LORA_SILU_TILES=on)."""
     if tiles == "silu":
-        from loraplex.ops import silu_lora_tiles
+        from loraplex.ops.fused import silu_lora_tiles
         monkeypatch.setattr(silu_lora_tiles, "SETTING", "on")
     elif tiles != "picked":
-        from loraplex.ops.batch import LoraBatch
+        from loraplex.ops.lora.batch import LoraBatch
         monkeypatch.setattr(LoraBatch, "pick_block_m", staticmethod(lambda lens, slots: tiles))
     rng = random.Random(0)
     # (adapter, cached prefix, new tokens): long and short prefills, chunks over prefixes, decodes
@@ -201,7 +201,8 @@ def test_decode_graph_replays_new_batches(setup, overlap_mode, monkeypatch):
     GEMM beside LoRA kernels captured on a stream of its own (the same GEMM as eager's: the same bits; with the
     shrink on a side stream, as "+side")."""
     from loraplex.models import llama
-    from loraplex.ops import attention_shrink, overlap
+    from loraplex.ops.attention import attention_shrink
+    from loraplex.ops.lora import overlap
     rows = 8
     parts = []
     gemm_stream = overlap_mode.endswith("+gemm_stream")
@@ -305,7 +306,8 @@ def test_mixed_graph_replays_new_batches(setup, room, silu_tiles, monkeypatch):
                                          max_prompt_tokens=room)
     calls = []
     if silu_tiles:   # captured at 176 rows: past overlap.SHRINK_MAX_ROWS, the path that leaves gate/up to SiLU
-        from loraplex.ops import silu_lora_tiles, silu_lora_tiles_kernels
+        from loraplex.ops.fused import silu_lora_tiles
+        from loraplex.ops.fused import silu_lora_tiles_kernels
         monkeypatch.setattr(silu_lora_tiles, "SETTING", "on")
         real = silu_lora_tiles_kernels.silu_and_mul
         monkeypatch.setattr(silu_lora_tiles_kernels, "silu_and_mul",

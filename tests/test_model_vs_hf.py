@@ -214,7 +214,8 @@ def test_triton_kernels_in_the_interpreter_match_too(setup, overlap_mode, fused_
     if setup.variant not in ((TEXT,) if off_by_default else (BIASED, MHA)):
         pytest.skip("the configurations named above cover each case (each run takes ~10 s here)")
     from loraplex.models import llama
-    from loraplex.ops import overlap, rms_shrink
+    from loraplex.ops.lora import overlap
+    from loraplex.ops.fused import rms_shrink
     monkeypatch.setattr(llama, "DOWN_SHRINK_IN_SILU", down_in_silu)
     monkeypatch.setattr(llama, "FUSED_BOUNDARIES", boundaries)
     boundary_calls = []
@@ -226,7 +227,8 @@ def test_triton_kernels_in_the_interpreter_match_too(setup, overlap_mode, fused_
     monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", overlap_mode)
     if fused_projs:
         monkeypatch.setattr(overlap, "FUSED_PROJECTIONS", frozenset(fused_projs))
-    from loraplex.ops import fused_lora_kernels, fused_lora_rms_split
+    from loraplex.ops.fused import lora_kernels as fused_lora_kernels
+    from loraplex.ops.fused import rms_split as fused_lora_rms_split
     if rms_split is None:
         rms_split = fused_lora_kernels.RMS_SPLIT
     monkeypatch.setattr(fused_lora_kernels, "RMS_SPLIT", rms_split)
@@ -267,7 +269,8 @@ def test_fused_shrinks_in_each_order_match_too(setup, order, monkeypatch):
     transformers + PEFT through the interpreter."""
     if setup.variant != BIASED:
         pytest.skip("one configuration (biased q/k/v before RoPE's product) covers the order (~10 s a run here)")
-    from loraplex.ops import overlap, sgmv
+    from loraplex.ops.lora import overlap
+    from loraplex.ops.lora import sgmv
     monkeypatch.setattr(overlap, "SHRINK_ORDER", order)
     # "after" needs PDL and the Triton GEMM (overlap.shrink_order; neither in the interpreter): its path all the same
     monkeypatch.setattr(overlap, "_after_applies", lambda x, weight: True)
@@ -294,7 +297,7 @@ def test_lora_stored_before_the_gemm_matches_too(setup, store_first, monkeypatch
     (ops/stored_lora.py); without it the expand adds after the GEMM. Both forwards (36 and 35 rows) take it."""
     from loraplex import ops
     from loraplex.models import llama
-    from loraplex.ops import sgmv
+    from loraplex.ops.lora import sgmv
     if not ops.triton_interpreted():
         pytest.skip("needs TRITON_INTERPRET=1 (no CUDA): tests/test_model_gpu.py runs it for real")
     # store_first on TEXT (q/k/v's three slices stored too) and BIASED (biased q/k/v left to the plain path);
@@ -327,7 +330,8 @@ def test_gate_up_product_expanded_by_silu_tiles_matches_too(setup, plan, monkeyp
     shrink only, SiLU-and-mul expanding the product over the batch's work tiles (ops/silu_lora_tiles.py); with
     rows without an adapter its row-block programs run too."""
     from loraplex import ops
-    from loraplex.ops import silu_lora_tiles, silu_lora_tiles_kernels
+    from loraplex.ops.fused import silu_lora_tiles
+    from loraplex.ops.fused import silu_lora_tiles_kernels
     if not ops.triton_interpreted():
         pytest.skip("needs TRITON_INTERPRET=1 (no CUDA): tests/test_model_gpu.py runs it for real")
     # TEXT, and WINDOW's intermediate size 80 (not a multiple of the 64-column block); biases do not reach it
@@ -350,7 +354,7 @@ def test_gate_up_product_expanded_by_silu_tiles_matches_too(setup, plan, monkeyp
 def _fused_path_calls(monkeypatch) -> dict[str, list[int]]:
     """"fused" on, and the rows of each call of its "full" (linear_with_lora_delta) and "fused"
     (linear_with_lora_product) paths, in call order."""
-    from loraplex.ops import overlap
+    from loraplex.ops.lora import overlap
     monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", "fused")
     calls = {"full": [], "fused": []}
     for mode, name in (("full", "linear_with_lora_delta"), ("fused", "linear_with_lora_product")):
@@ -366,7 +370,7 @@ def test_decode_forwards_of_few_rows_leave_only_the_qkv_product(setup, monkeypat
     fused projection's, however few its rows (here 4). The logits still match transformers + PEFT."""
     if setup.variant != TEXT:
         pytest.skip("one configuration covers it (each run takes ~10 s here)")
-    from loraplex.ops import overlap
+    from loraplex.ops.lora import overlap
     assert overlap.fused_projections(overlap.FUSED_MIN_ROWS - 1, decode=True) == {"q_proj"}
     assert overlap.fused_projections(overlap.FUSED_MIN_ROWS, decode=True) >= overlap.FUSED_PROJECTIONS > {"q_proj"}
     assert overlap.fused_projections(1, decode=False) == overlap.FUSED_PROJECTIONS
@@ -388,7 +392,7 @@ def test_decode_forwards_of_up_to_32_rows_leave_gate_up_to_silu(setup, monkeypat
     logits still match transformers + PEFT."""
     if setup.variant != TEXT:
         pytest.skip("one configuration covers it (each run takes ~10 s here)")
-    from loraplex.ops import overlap
+    from loraplex.ops.lora import overlap
     assert overlap.DECODE_EXTRA_FUSED == {"gate_proj"} and overlap.DECODE_EXTRA_MAX_ROWS == 32
     assert overlap.fused_projections(6, decode=True) == overlap.FUSED_PROJECTIONS | {"gate_proj"}
     assert overlap.fused_projections(32, decode=True) == overlap.FUSED_PROJECTIONS | {"gate_proj"}
@@ -416,7 +420,7 @@ def test_skinny_gemm_projections_match_too(setup, monkeypatch):
         pytest.skip("an opt-in path: one configuration covers it (~4 s here)")
     if setup.config.head_dim & (setup.config.head_dim - 1):
         pytest.skip("the Triton attention kernels take power-of-two head sizes")
-    from loraplex.ops import skinny_gemm
+    from loraplex.ops.gemm import skinny as skinny_gemm
     monkeypatch.setattr(skinny_gemm, "SETTING", "on")
     rows = []
     real = skinny_gemm.skinny_linear
@@ -439,8 +443,9 @@ def test_lora_inside_the_skinny_gemm_matches_too(setup, monkeypatch):
     shrink and expand in one launch (in the interpreter; 16-column tiles, so that the tiny models' slices fit them),
     a mixed forward of 9 rows and a decode forward of 6, with adapters of different ranks and targets and a row
     without one; one configuration has q/k/v biases. The logits still match transformers + PEFT."""
-    from loraplex.ops import skinny_gemm, skinny_lora
-    from loraplex.ops.skinny_gemm import SkinnyConfig
+    from loraplex.ops.gemm import skinny as skinny_gemm
+    from loraplex.ops.gemm import skinny_lora
+    from loraplex.ops.gemm.skinny import SkinnyConfig
     # BIASED: HAS_BIAS (q/k/v) and the biasless projections, K a multiple of 32; WINDOW: down's K = 80, which is
     # not (EVEN_K and SHRINK_EVEN_K false). TEXT reaches nothing else (BIASED's shapes without the biases).
     if setup.variant not in (BIASED, WINDOW):
@@ -469,7 +474,7 @@ def test_eager_decode_steps_choose_the_fused_projections_their_graph_would():
     """A decode step of n sequences replays the graph of the smallest bucket that holds it (engine/cuda_graphs.py):
     eager, it leaves the same products to their consumers as that graph does (so the two compute alike)."""
     from loraplex.engine.cuda_graphs import graph_buckets
-    from loraplex.ops import overlap
+    from loraplex.ops.lora import overlap
     for max_batch in range(1, 70):
         buckets = graph_buckets(max_batch)
         for n in range(1, max_batch + 1):
@@ -484,7 +489,8 @@ def test_o_shrink_in_the_attention_kernel_matches_too(setup, overlap_mode, monke
     sequence one row), whose attention kernel computes o's shrink (ops/attention_shrink.py) and o's GEMM has
     only the expand beside it; the first (prompt chunks) takes the plain path."""
     from loraplex.models import llama
-    from loraplex.ops import attention_shrink, overlap
+    from loraplex.ops.attention import attention_shrink
+    from loraplex.ops.lora import overlap
     if setup.config.head_dim & (setup.config.head_dim - 1):
         pytest.skip("the Triton attention kernels take power-of-two head sizes")
     # Each mode on one configuration: at 4 decode rows o is not a fused projection in either (so both take the

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from loraplex import ops
-from loraplex.ops import sgmv, sgmv_kernels
-from loraplex.ops.lora_delta import LoraDelta
+from loraplex.ops.lora import sgmv
+from loraplex.ops.lora import sgmv_kernels
+from loraplex.ops.lora.delta import LoraDelta
 from loraplex.workloads import POPULARITIES
 
 from lora_cases import make_case, rel_err, stable_seed
@@ -519,7 +520,7 @@ def test_linear_with_lora_delta_leaves_the_product_for_the_next_op(dtype, regime
     """ops/overlap.py's "full" path on one stream: y is the plain GEMM; y + delta is add_lora's sum;
     the delta (a LoraDelta) is exactly 0 in slices of rank 0 and not written in rows without an adapter,
     which its row_slot marks -1 (its dense view: 0)."""
-    from loraplex.ops import overlap
+    from loraplex.ops.lora import overlap
     rng = np.random.default_rng(stable_seed("delta", str(dtype), regime))
     case = make_case(rng, seg_lens=_lens(regime, rng, 9), popularity="skewed", K=64, Ns=(48, 16, 16), R=16,
                      ranks="mixed", dtype=dtype, none_frac=0.3)
@@ -550,7 +551,7 @@ def test_lora_overlap_setting(value, mode, monkeypatch):
     """LORAPLEX_LORA_OVERLAP (ops/overlap.py): by default ("fused") forwards of up to MAX_ROWS rows leave
     each LoRA product to the next op, and captured ones run the LoRA kernels on a side stream; captured
     forwards of up to SHRINK_MAX_ROWS run the shrink there."""
-    from loraplex.ops import overlap
+    from loraplex.ops.lora import overlap
     if value is None:
         monkeypatch.delenv("LORAPLEX_LORA_OVERLAP", raising=False)
     else:
@@ -567,7 +568,7 @@ def test_lora_overlap_setting(value, mode, monkeypatch):
 def test_lora_path_by_rows_and_capture(mode, monkeypatch):
     """The measured policy (ops/overlap.py): captured forwards put both LoRA kernels beside the GEMM up to
     MAX_ROWS rows, the shrink up to SHRINK_MAX_ROWS, neither beyond; eager ones never use a side stream."""
-    from loraplex.ops import overlap
+    from loraplex.ops.lora import overlap
     monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", mode)
     small, middle, large = 1, overlap.MAX_ROWS + 1, overlap.SHRINK_MAX_ROWS + 1
     want = {"full": {(small, True): "delta-side", (small, False): "delta", (middle, True): "shrink-side",
@@ -584,7 +585,7 @@ def test_lora_path_by_rows_and_capture(mode, monkeypatch):
 
 
 def test_lora_overlap_setting_refuses_a_bad_value(monkeypatch):
-    from loraplex.ops import overlap
+    from loraplex.ops.lora import overlap
     monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", "sideways")
     with pytest.raises(ValueError, match="LORAPLEX_LORA_OVERLAP='sideways': expected fused"):
         overlap.mode()
@@ -598,7 +599,8 @@ def test_graph_priority_setting(value, scheme, monkeypatch):
     stream by default (-5: PyTorch clamps it to its highest pool); "gemm" captures at the default priority and
     gives the GEMMs beside LoRA kernels a high-priority stream; the side stream keeps the lowest; a bad value
     names itself."""
-    from loraplex.ops import overlap, stream_priority
+    from loraplex.ops.lora import overlap
+    from loraplex.ops.lora import stream_priority
     if value is None:
         monkeypatch.delenv("LORAPLEX_GRAPH_PRIORITY", raising=False)
     else:
@@ -618,7 +620,7 @@ def test_linear_into_is_f_linear(dtype, with_bias, layout):
     """The "gemm" scheme's GEMM into a buffer allocated on the main stream (overlap._linear_into) computes
     F.linear's bits: the same addmm / mm, whatever x's strides (q/k/v's views are slices). (On the GPU:
     tests/test_model_gpu.py's "+gemm_stream" replays against eager forwards.)"""
-    from loraplex.ops import overlap
+    from loraplex.ops.lora import overlap
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(5, 128, generator=gen).to(dtype)
     x = {"contiguous": x[:, :64].contiguous(), "column slice": x[:, 32:96],
@@ -633,7 +635,7 @@ def test_linear_into_is_f_linear(dtype, with_bias, layout):
 def test_side_stream_that_is_the_captured_stream_falls_back_and_says_so(monkeypatch, caplog):
     """overlap._usable_side: where PyTorch's stream pool handed the capture the side stream itself, the LoRA
     kernels run in the plain order (None), with one warning, not one per projection."""
-    from loraplex.ops import overlap
+    from loraplex.ops.lora import overlap
     same, other = object(), object()
     monkeypatch.setattr(overlap, "_warned_same_stream", False)
     monkeypatch.setattr(overlap, "_side_stream", lambda device: same)
@@ -673,7 +675,9 @@ def test_the_shrink_goes_after_the_gemm_only_with_pdl_and_the_triton_gemm(monkey
     """overlap.shrink_order: "after" (the default) only where PDL is on and the projection's GEMM is skinny_gemm's
     Triton kernel, which releases the shrink only after its own wait (ops/pdl.py); elsewhere (cuBLAS's GEMMs of more
     rows or other dtypes, GPUs without PDL) the side stream. The other orders as set; an unknown one is refused."""
-    from loraplex.ops import overlap, pdl, skinny_gemm
+    from loraplex.ops import pdl
+    from loraplex.ops.lora import overlap
+    from loraplex.ops.gemm import skinny as skinny_gemm
     import triton.language as tl
     w = torch.randn(64, 32)
     few, many = torch.randn(8, 32), torch.randn(skinny_gemm.DECODE_MAX_ROWS + 1, 32)

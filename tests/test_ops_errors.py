@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from loraplex import ops
-from loraplex.ops import api
+from loraplex.ops.lora import api
 
 META = "meta"
 S, R, K, N, T = 4, 8, 32, 24, 6

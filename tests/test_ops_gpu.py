@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from loraplex import ops
-from loraplex.ops import sgmv
+from loraplex.ops.lora import sgmv
 from loraplex.workloads import POPULARITIES
 
 from lora_cases import make_case, rel_err, stable_seed
@@ -217,7 +217,7 @@ def test_lora_delta_beside_the_gemm(dtype, side):
     """ops/overlap.py's "full" path, at 7B widths (q/k/v slices), on one stream and on the side stream:
     y is the plain GEMM, y + delta matches the float64 loop; the delta (a LoraDelta, not zero-filled)
     marks rows without an adapter -1 and holds exact zeros in the rank-0 slices of rows with one."""
-    from loraplex.ops import overlap
+    from loraplex.ops.lora import overlap
     rng = np.random.default_rng(stable_seed("delta-gpu", str(dtype), side))
     case = make_case(rng, seg_lens=[1] * 32, popularity="distinct", K=4096, Ns=(4096, 1024, 1024), R=16,
                      dtype=dtype, device="cuda", none_frac=0.2, ranks="mixed")
@@ -251,7 +251,8 @@ def test_lora_product_beside_the_gemm(dtype, side, Ns, monkeypatch):
     default order): the shrink on the current stream after the GEMM, its programs beside the GEMM's (PDL), side
     stream or not: y is the plain GEMM bit for bit, each row carries its segment's slot, and the product the
     consumers expand (`dense()`) matches the float64 loop; rows without an adapter get exactly 0."""
-    from loraplex.ops import overlap, pdl
+    from loraplex.ops import pdl
+    from loraplex.ops.lora import overlap
     if side == "after" and not pdl.PDL:
         pytest.skip("the shrink goes after the GEMM only with PDL (overlap.shrink_order): elsewhere the side stream")
     monkeypatch.setattr(overlap, "_SIDE_STREAMS", {})

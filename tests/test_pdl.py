@@ -31,8 +31,8 @@ def _kernels():
 
     import loraplex.ops as ops
     found = {}
-    for info in pkgutil.iter_modules(ops.__path__):
-        module = importlib.import_module(f"loraplex.ops.{info.name}")
+    for info in pkgutil.walk_packages(ops.__path__, "loraplex.ops."):
+        module = importlib.import_module(info.name)
         for name, obj in vars(module).items():
             if name.endswith("_kernel") and hasattr(obj, "fn") and obj.fn.__module__ == module.__name__:
                 found[f"{info.name}.{name}"] = obj
@@ -90,7 +90,7 @@ def test_launches_carry_the_programmatic_attribute_and_keep_their_results():
     chain of dependent launches (each reading the one before's output) in a CUDA graph gives eager's bits."""
     import torch
 
-    from loraplex.ops import skinny_gemm
+    from loraplex.ops.gemm import skinny as skinny_gemm
     x = torch.randn(8, 512, device="cuda").bfloat16()
     ws = [(torch.randn(512, 512, device="cuda") / 23).bfloat16() for _ in range(6)]
 

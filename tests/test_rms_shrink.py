@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from loraplex import ops
-from loraplex.ops import fused, fused_lora_kernels
-from loraplex.ops.rms_shrink import rms_norm_shrink
+from loraplex.ops.fused import api as fused
+from loraplex.ops.fused import lora_kernels as fused_lora_kernels
+from loraplex.ops.fused.rms_shrink import rms_norm_shrink
 
 from lora_cases import stable_seed
 from test_fused_ops import rows_with_scales

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.ops import fused, fused_lora_kernels
-from loraplex.ops.rms_shrink import rms_norm_shrink
+from loraplex.ops.fused import api as fused
+from loraplex.ops.fused import lora_kernels as fused_lora_kernels
+from loraplex.ops.fused.rms_shrink import rms_norm_shrink
 
 from test_lora_product import make_product
 

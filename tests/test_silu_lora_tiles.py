@@ -10,8 +10,11 @@ import pytest
 import torch
 
 from loraplex import ops
-from loraplex.ops import LoraBatch, fused, sgmv, silu_lora_tiles_kernels
-from loraplex.ops.lora_product import LoraProduct
+from loraplex.ops import LoraBatch
+from loraplex.ops.fused import api as fused
+from loraplex.ops.lora import sgmv
+from loraplex.ops.fused import silu_lora_tiles_kernels
+from loraplex.ops.lora.product import LoraProduct
 from lora_cases import make_case, stable_seed
 from oracle import add_lora_f64
 

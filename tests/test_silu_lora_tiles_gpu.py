@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from loraplex.ops import LoraBatch, fused, sgmv
+from loraplex.ops import LoraBatch
+from loraplex.ops.fused import api as fused
+from loraplex.ops.lora import sgmv
 from lora_cases import make_case
 from test_silu_lora_tiles import _oracle, _product, _tiles_consumer
 
@@ -58,7 +60,7 @@ def test_graph_replay_on_a_capacity_batch_gives_the_eager_bits():
     out = torch.empty(T, 11008, dtype=torch.bfloat16, device="cuda")
     cfg = sgmv.config_for(64)
     part = sgmv.new_partials(case.x, case.lora_a, batch, cfg)
-    from loraplex.ops.lora_product import LoraProduct
+    from loraplex.ops.lora.product import LoraProduct
     product = LoraProduct(part, tuple(case.lora_b), tuple(case.ranks), tuple(case.scalings), batch.row_slot,
                           tiles=batch)
 

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from loraplex import ops
-from loraplex.ops import fused, silu_shrink_kernels
-from loraplex.ops.lora_delta import LoraDelta
-from loraplex.ops.silu_shrink import silu_and_mul_shrink
+from loraplex.ops.fused import api as fused
+from loraplex.ops.fused import silu_shrink_kernels
+from loraplex.ops.lora.delta import LoraDelta
+from loraplex.ops.fused.silu_shrink import silu_and_mul_shrink
 
 from lora_cases import stable_seed
 

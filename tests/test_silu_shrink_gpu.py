@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.ops import fused
-from loraplex.ops.lora_delta import LoraDelta
-from loraplex.ops.silu_shrink import silu_and_mul_shrink
+from loraplex.ops.fused import api as fused
+from loraplex.ops.lora.delta import LoraDelta
+from loraplex.ops.fused.silu_shrink import silu_and_mul_shrink
 
 pytestmark = pytest.mark.gpu
 CUDA = "cuda"

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from loraplex import ops
-from loraplex.ops import skinny_gemm
-from loraplex.ops.skinny_gemm import SkinnyConfig, skinny_linear
+from loraplex.ops.gemm import skinny as skinny_gemm
+from loraplex.ops.gemm.skinny import SkinnyConfig, skinny_linear
 
 interpreted = pytest.mark.skipif(not ops.triton_interpreted(), reason="needs TRITON_INTERPRET=1 (no CUDA)")
 

@@ -8,9 +8,9 @@ import torch
 
 from lora_cases import make_case, rel_err, stable_seed
 from loraplex import ops
-from loraplex.ops import skinny_lora
-from loraplex.ops.batch import LoraBatch
-from loraplex.ops.skinny_gemm import SkinnyConfig
+from loraplex.ops.gemm import skinny_lora
+from loraplex.ops.lora.batch import LoraBatch
+from loraplex.ops.gemm.skinny import SkinnyConfig
 
 interpreted = pytest.mark.skipif(not ops.triton_interpreted(), reason="needs TRITON_INTERPRET=1 (no CUDA)")
 SMALL = SkinnyConfig(block_n=16, block_k=32, stages=1)
@@ -63,7 +63,7 @@ def test_matches_float64_loop(dtype, Ns, popularity, rows, with_bias):
 def test_rows_without_adapters_get_the_gemm_alone_and_counters_reset():
     """Rows without an adapter equal skinny_gemm's GEMM bit for bit; after a launch the counters are 0 again, and a
     second launch gives the same bits (K even in the shrink's steps here: 256)."""
-    from loraplex.ops import skinny_gemm
+    from loraplex.ops.gemm import skinny as skinny_gemm
     rng = np.random.default_rng(stable_seed("skinny-lora-none"))
     case, w, bias = _case(rng, 12, (32, 16), "distinct", torch.float32, K=256, none_frac=0.5)
     first = _run(case, w, bias, SMALL)
@@ -134,7 +134,7 @@ def test_warmup_launches_every_projection_variant(monkeypatch):
     from loraplex.adapters import AdapterPool
     from loraplex.engine.warmup import compile_skinny_lora
     from loraplex.models.config import ModelConfig
-    from loraplex.ops import skinny_gemm
+    from loraplex.ops.gemm import skinny as skinny_gemm
     config = ModelConfig(model_type="llama", hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=64, name_or_path="tiny")
     pool = AdapterPool(config, 3, 16, torch.float32, "cpu")

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from loraplex.ops import LoraBatch, sgmv, stored_lora
+from loraplex.ops import LoraBatch
+from loraplex.ops.lora import sgmv
+from loraplex.ops.lora import stored_lora
 from lora_cases import make_case, stable_seed
 from oracle import add_lora_f64
 

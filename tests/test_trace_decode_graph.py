@@ -42,7 +42,8 @@ def test_timeline_splits_time_into_alone_beside_and_idle(probe):
 def test_product_variants_patch_and_restore_the_settings(probe):
     """The variants that leave more products to their consumers set overlap.FUSED_PROJECTIONS and
     fused_lora_kernels.RMS_SPLIT only inside, and every variant has its description."""
-    from loraplex.ops import fused_lora_kernels, overlap
+    from loraplex.ops.fused import lora_kernels as fused_lora_kernels
+    from loraplex.ops.lora import overlap
     before = (overlap.FUSED_PROJECTIONS, fused_lora_kernels.RMS_SPLIT, overlap.FUSED_MIN_ROWS)
     with probe.variant("od_split1024"):
         assert overlap.FUSED_PROJECTIONS == {"q_proj", "o_proj", "down_proj"} and fused_lora_kernels.RMS_SPLIT == 1024
@@ -66,14 +67,14 @@ def test_product_variants_patch_and_restore_the_settings(probe):
         with probe.variant(name):
             assert "gate_proj" not in overlap.fused_projections(32, decode=True), name
     assert "gate_proj" in overlap.fused_projections(32, decode=True)   # today's default
-    from loraplex.ops import skinny_gemm
+    from loraplex.ops.gemm import skinny as skinny_gemm
     setting = skinny_gemm.SETTING
     with probe.variant("backbone+skinny"):
         assert skinny_gemm.SETTING == "on"
     with probe.variant("backbone+cublas"):
         assert skinny_gemm.SETTING == "off"
     assert skinny_gemm.SETTING == setting
-    from loraplex.ops import attention_kernels
+    from loraplex.ops.attention import kernels as attention_kernels
     with probe.variant("o_in_attention_late"):
         assert llama.O_SHRINK_IN_ATTENTION and not attention_kernels.LORA_PREFETCH_A
     assert attention_kernels.LORA_PREFETCH_A
@@ -106,7 +107,9 @@ def test_variants_compose_with_plus_and_priorities_follow_the_engine(probe, monk
     (overlap.capture_priority, the default one without adapters) unless a priority variant sets the scheme;
     unknown names are refused by name."""
     from loraplex.models import llama
-    from loraplex.ops import fused_lora_kernels, overlap, stream_priority
+    from loraplex.ops.fused import lora_kernels as fused_lora_kernels
+    from loraplex.ops.lora import overlap
+    from loraplex.ops.lora import stream_priority
     monkeypatch.delenv("LORAPLEX_GRAPH_PRIORITY", raising=False)
     with probe.variant("graph_default+rope_heads2+o_in_attention"):
         assert fused_lora_kernels.ROPE_HEADS == 2 and llama.O_SHRINK_IN_ATTENTION

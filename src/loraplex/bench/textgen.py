@@ -20,7 +20,12 @@ import time
 import torch
 
 from ..config import EngineConfig
-from ..ops import overlap, pdl, sgmv, sgmv_kernels, skinny_gemm, stream_priority
+from ..ops import pdl
+from ..ops.lora import overlap
+from ..ops.lora import sgmv
+from ..ops.lora import sgmv_kernels
+from ..ops.gemm import skinny as skinny_gemm
+from ..ops.lora import stream_priority
 from .ceiling import StepBytes, copy_bandwidth_gbs, run_ceiling_tokens_per_s, simulate_ceiling
 from .schedule import simulate_schedule
 from .report import markdown, plot, ratios
@@ -83,7 +88,7 @@ def cpu_copy_bandwidth_gbs(size: int = 1 << 26, reps: int = 5) -> float:
 def _rms_split() -> int | None:
     """fused_lora_kernels.RMS_SPLIT (None without Triton: the "product" paths need it)."""
     try:
-        from ..ops import fused_lora_kernels
+        from ..ops.fused import lora_kernels as fused_lora_kernels
     except ImportError:
         return None
     return fused_lora_kernels.RMS_SPLIT

@@ -33,7 +33,9 @@ from ..adapters.pool import AdapterPool
 from ..models.forward_batch import ForwardBatch, SequenceChunk
 from ..models.kv_cache import KVCache
 from ..models.llama import LlamaForCausalLM
-from ..ops import overlap, sgmv, stream_priority
+from ..ops.lora import overlap
+from ..ops.lora import sgmv
+from ..ops.lora import stream_priority
 
 log = logging.getLogger("loraplex.engine")
 

@@ -18,7 +18,9 @@ from ..models import dummy_model, load_model
 from ..models.forward_batch import ForwardBatch, SequenceChunk
 from ..models.kv_cache import KVCache
 from ..models.llama import LlamaForCausalLM
-from ..ops import overlap, sgmv, stream_priority
+from ..ops.lora import overlap
+from ..ops.lora import sgmv
+from ..ops.lora import stream_priority
 from ..sampling import PendingSample, Sampler, SamplingParams
 from .cuda_graphs import StepGraphs, gemm_count_for
 from .scheduler import ScheduledChunk

@@ -18,12 +18,16 @@ import torch
 
 from ..adapters.pool import AdapterPool
 from ..models.config import ModelConfig
-from ..ops import LoraBatch, fused, overlap, sgmv, silu_lora_tiles
-from ..ops.batch import LARGE_BLOCK_M, SMALL_BLOCK_M
-from ..ops.lora_delta import LoraDelta
-from ..ops.lora_in_gemm import expand_in_gemm
-from ..ops.lora_product import LoraProduct
-from ..ops.silu_shrink import silu_and_mul_shrink
+from ..ops import LoraBatch
+from ..ops.fused import api as fused
+from ..ops.lora import overlap
+from ..ops.lora import sgmv
+from ..ops.fused import silu_lora_tiles
+from ..ops.lora.batch import LARGE_BLOCK_M, SMALL_BLOCK_M
+from ..ops.lora.delta import LoraDelta
+from ..ops.lora.lora_in_gemm import expand_in_gemm
+from ..ops.lora.product import LoraProduct
+from ..ops.fused.silu_shrink import silu_and_mul_shrink
 
 log = logging.getLogger("loraplex.engine")
 
@@ -74,7 +78,8 @@ def compile_skinny_lora(config: ModelConfig, pool: AdapterPool, dtype: torch.dty
     17-32 rows, with 16-row work tiles and 64-row ones (many rows of one adapter), with the model's biases, on a
     slot of rank 0 (nothing of it is read) and a weight of zero stride (the kernel a real weight compiles: its row
     stride is only known to be divisible by 16); returns the number of launches."""
-    from ..ops import skinny_gemm, skinny_lora
+    from ..ops.gemm import skinny as skinny_gemm
+    from ..ops.gemm import skinny_lora
     if not skinny_lora.used_for(1, dtype, pool.device):
         return 0
     device, start, launches = pool.device, time.perf_counter(), 0

@@ -15,9 +15,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..ops import LoraBatch, overlap
-from ..ops.batch import SMALL_BLOCK_M
-from ..ops.batch import aligned_views, pad_parts
+from ..ops import LoraBatch
+from ..ops.lora import overlap
+from ..ops.lora.batch import SMALL_BLOCK_M
+from ..ops.lora.batch import aligned_views, pad_parts
 
 
 @dataclass

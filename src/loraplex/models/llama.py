@@ -19,17 +19,21 @@ from torch import nn
 
 from ..adapters.active_area import ActiveArea
 from ..adapters.pool import AdapterPool
-from ..ops import add_lora, api, overlap, resolve_backend, silu_lora_tiles, skinny_lora
-from ..ops.attention import paged_attention, store_kv
-from ..ops.attention_shrink import decode_attention_shrink
-from ..ops.fused import apply_rope, rms_norm, silu_and_mul
-from ..ops.lora_delta import LoraDelta
-from ..ops.lora_in_gemm import expand_in_gemm
-from ..ops.lora_product import LoraProduct
-from ..ops.rms_shrink import rms_norm_shrink
-from ..ops.silu_shrink import silu_and_mul_shrink
-from ..ops.skinny_gemm import linear as base_linear   # a Triton GEMM for few rows on GPUs, else F.linear
-from ..ops.stored_lora import applies as stored_lora_applies, linear_with_lora_stored
+from ..ops import add_lora, resolve_backend
+from ..ops.lora import api
+from ..ops.lora import overlap
+from ..ops.fused import silu_lora_tiles
+from ..ops.gemm import skinny_lora
+from ..ops.attention.paged import paged_attention, store_kv
+from ..ops.attention.attention_shrink import decode_attention_shrink
+from ..ops.fused.api import apply_rope, rms_norm, silu_and_mul
+from ..ops.lora.delta import LoraDelta
+from ..ops.lora.lora_in_gemm import expand_in_gemm
+from ..ops.lora.product import LoraProduct
+from ..ops.fused.rms_shrink import rms_norm_shrink
+from ..ops.fused.silu_shrink import silu_and_mul_shrink
+from ..ops.gemm.skinny import linear as base_linear   # a Triton GEMM for few rows on GPUs, else F.linear
+from ..ops.lora.stored_lora import applies as stored_lora_applies, linear_with_lora_stored
 from .config import ModelConfig
 from .forward_batch import ForwardBatch
 from .kv_cache import KVCache
@@ -211,7 +215,7 @@ class DecoderLayer(nn.Module):
 
 def _rms_split() -> int:
     """fused_lora_kernels.RMS_SPLIT (imported here: the "product" paths run on Triton only)."""
-    from ..ops import fused_lora_kernels
+    from ..ops.fused import lora_kernels as fused_lora_kernels
     return fused_lora_kernels.RMS_SPLIT
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..ops.attention import TRITON_HEAD_DIMS
+from ..ops.attention.paged import TRITON_HEAD_DIMS
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
 from .presets import preset_config

@@ -52,8 +52,8 @@ import triton
 import triton.language as tl
 
 from .attention_shrink_kernels import o_shrink_epilogue, o_shrink_finish, o_shrink_prefetch
-from .launch import Launcher
-from .pdl import pdl_start
+from ..launch import Launcher
+from ..pdl import pdl_start
 
 LOG2E = 1.4426950408889634
 # Running maxima start finite: a row whose first tiles are all masked (sliding window) then gets

@@ -21,17 +21,18 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .api import _bump_version, _on, resolve_backend
-from .checks import FLOAT_DTYPES, _desc
-from .lora_delta import LoraDelta
-from .lora_product import LoraProduct
+from ..lora.api import _bump_version, _on, resolve_backend
+from ..lora.checks import FLOAT_DTYPES, _desc
+from ..lora.delta import LoraDelta
+from ..lora.product import LoraProduct
 
 try:  # as in api.py: without Triton the reference path runs
     import triton  # noqa: F401
 except ImportError:  # pragma: no cover - triton is a dependency on Linux
     fused_kernels = None
 else:
-    from . import fused_kernels, fused_lora_kernels
+    from . import kernels as fused_kernels
+    from . import lora_kernels as fused_lora_kernels
 
 # ---------------------------------------------------------------------------------------------
 # Argument checks

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from .api import _bump_version, _on, resolve_backend
-from .checks import _desc, check_shrink_inputs
-from .fused import check_rms_args, rms_norm
-from .lora_product import LoraProduct
+from ..lora.api import _bump_version, _on, resolve_backend
+from ..lora.checks import _desc, check_shrink_inputs
+from .api import check_rms_args, rms_norm
+from ..lora.product import LoraProduct
 
 
 def _check_next(lora_a, ranks, row_slot, T: int, H: int, like: torch.Tensor) -> None:
@@ -60,7 +60,9 @@ def rms_norm_shrink(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residu
                 keep = torch.arange(R, device=x.device)[None, :] < rk[slots].clamp(max=R)[:, None]
                 part[0, i, has] = torch.where(keep, v, 0.0)
         return out, s, part
-    from . import fused_lora_kernels, fused_lora_rms_split, rms_shrink_kernels
+    from . import lora_kernels as fused_lora_kernels
+    from . import rms_split as fused_lora_rms_split
+    from . import rms_shrink_kernels
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     s = torch.empty((T, H), dtype=x.dtype, device=x.device)
     block, chunks = fused_lora_rms_split.chunking(H, block)

@@ -21,14 +21,14 @@ import math
 
 import torch
 
-from .api import _bump_version, _on, resolve_backend
+from ..lora.api import _bump_version, _on, resolve_backend
 
 try:  # the kernels need Triton; without it resolve_backend only ever returns "reference"
     import triton  # noqa: F401
 except ImportError:  # pragma: no cover - triton is a dependency on Linux
     attention_kernels = None
 else:
-    from . import attention_kernels
+    from . import kernels as attention_kernels
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Head sizes the Triton kernels are built for (tl.arange needs a power of two; tl.dot at least 16).

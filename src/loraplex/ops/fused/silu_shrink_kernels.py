@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused_kernels import COMPILED, _add_delta, _pow2, _silu_mul, _takes_delta
-from .launch import Launcher
-from .pdl import pdl_start
+from .kernels import COMPILED, _add_delta, _pow2, _silu_mul, _takes_delta
+from ..launch import Launcher
+from ..pdl import pdl_start
 
 BLOCK = 512     # columns per program: the shrink's K split is I / BLOCK (22 at Llama-2-7B's 11,008)
 BLOCK_R = 16    # rank columns per step

@@ -16,10 +16,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .fused_kernels import COMPILED, _inv, _pow2, _round
-from .fused_lora_rms_split import _scale_step
-from .launch import Launcher
-from .pdl import pdl_start
+from .kernels import COMPILED, _inv, _pow2, _round
+from .rms_split import _scale_step
+from ..launch import Launcher
+from ..pdl import pdl_start
 
 MAX_SLICES = 3   # q/k/v
 

@@ -32,8 +32,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .launch import Launcher
-from .pdl import pdl_start
+from ..launch import Launcher
+from ..pdl import pdl_start
 
 # ---------------------------------------------------------------------------------------------
 # Helpers

@@ -31,8 +31,8 @@ from . import sgmv
 from .sgmv_kernels import _expand_tile, _program_work
 from .batch import LoraBatch
 from .checks import _desc
-from .launch import Launcher
-from .pdl import pdl_start
+from ..launch import Launcher
+from ..pdl import pdl_start
 
 MAX_SLICES = 3
 

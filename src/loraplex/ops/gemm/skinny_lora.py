@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import torch
 
-from ..env_switch import env_switch
-from . import skinny_gemm
-from .batch import LoraBatch
-from .skinny_gemm import SkinnyConfig
+from ...env_switch import env_switch
+from . import skinny as skinny_gemm
+from ..lora.batch import LoraBatch
+from .skinny import SkinnyConfig
 
 SETTING = env_switch("LORAPLEX_SKINNY_LORA", "off", on="on", off="off")
 MAX_ROWS = skinny_gemm.MAX_ROWS
@@ -95,7 +95,7 @@ def lora_programs(tiles: int, config: SkinnyConfig, block_m: int, x: torch.Tenso
     after another."""
     if not x.is_cuda:
         return 1
-    from .sgmv import _sm_count   # (sgmv imports Triton: only where the kernel runs)
+    from ..lora.sgmv import _sm_count   # (sgmv imports Triton: only where the kernel runs)
     limit = skinny_gemm._shared_limit(x.device.index)
     per_sm = max(1, min(4, limit // max(1, skinny_gemm.shared_bytes(config, block_m, x.element_size()))))
     sms = _sm_count(x.device.index)
@@ -181,7 +181,7 @@ def skinny_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                   BLOCK_R=block_r, SHRINK_BLOCK_K=step,
                   CHUNK=max(1, 64 // block_r), PARTS=parts)
     if not _KERNEL:
-        from .launch import Launcher
+        from ..launch import Launcher
         from .skinny_lora_kernels import _skinny_lora_kernel
         _KERNEL.append(Launcher(_skinny_lora_kernel))
     _KERNEL[0]((programs + tiles,), args, consts, config.warps, config.stages)

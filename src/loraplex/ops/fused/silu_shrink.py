@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from .api import _bump_version, _on, resolve_backend
-from .checks import _desc, check_shrink_inputs
-from .fused import _delta, _float_rows, _kernel_delta, silu_and_mul
-from .lora_delta import LoraDelta
+from ..lora.api import _bump_version, _on, resolve_backend
+from ..lora.checks import _desc, check_shrink_inputs
+from .api import _delta, _float_rows, _kernel_delta, silu_and_mul
+from ..lora.delta import LoraDelta
 
 
 def silu_and_mul_shrink(gate_up: torch.Tensor, lora_a: torch.Tensor, ranks: torch.Tensor, row_slot: torch.Tensor, *,

@@ -2,7 +2,7 @@
 kernels the SMs take first at replay, LORAPLEX_GRAPH_PRIORITY."""
 from __future__ import annotations
 
-from ..env_switch import env_switch
+from ...env_switch import env_switch
 
 PRIORITY_SCHEMES = ("high", "gemm", "default")
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .pdl import pdl_start
+from ..pdl import pdl_start
 
 
 @triton.jit

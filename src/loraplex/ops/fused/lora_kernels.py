@@ -17,11 +17,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..env_switch import env_switch
-from .fused_kernels import COMPILED, _cos_sin, _inv, _norm_output, _pow2, _rotate, _round, _rstd, _silu_mul
-from .launch import Launcher
-from .sgmv_kernels import VECTOR_LOADS_SETTING, _load_rank_block, _rank_block_exact
-from .pdl import pdl_deferred_start, pdl_start
+from ...env_switch import env_switch
+from .kernels import COMPILED, _cos_sin, _inv, _norm_output, _pow2, _rotate, _round, _rstd, _silu_mul
+from ..launch import Launcher
+from ..lora.sgmv_kernels import VECTOR_LOADS_SETTING, _load_rank_block, _rank_block_exact
+from ..pdl import pdl_deferred_start, pdl_start
 
 # RoPE's [heads, half head, rank] tiles: LORAPLEX_LORA_VECTOR_LOADS=no-rope keeps the exact mask there alone
 _load_rank_block_2d = _rank_block_exact if VECTOR_LOADS_SETTING == "no-rope" else _load_rank_block
@@ -394,7 +394,7 @@ def rms_norm(x, weight, eps: float, residual, out, s_out, lora, block: int | Non
     if T == 0:
         return
     if RMS_SPLIT:
-        from . import fused_lora_rms_split   # imports this module's jit helpers
+        from . import rms_split as fused_lora_rms_split   # imports this module's jit helpers
         R = lora.part.shape[3]
         fused_lora_rms_split.rms_norm(x, weight, eps, residual, out, s_out, lora, RMS_SPLIT, _tiles(R),
                                       _early(R, "rms", lora))

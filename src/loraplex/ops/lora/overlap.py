@@ -47,13 +47,13 @@ from typing import Callable
 
 import torch
 
-from ..env_switch import env_switch
-from . import skinny_lora
+from ...env_switch import env_switch
+from ..gemm import skinny_lora
 from .batch import LoraBatch
-from .lora_delta import LoraDelta
-from .lora_product import LoraProduct
+from .delta import LoraDelta
+from .product import LoraProduct
 # the projections' GEMM: ops/skinny_gemm's kernel for few rows on GPUs (LORAPLEX_SKINNY_GEMM), else F.linear
-from .skinny_gemm import linear as base_linear, linear_into as _linear_into
+from ..gemm.skinny import linear as base_linear, linear_into as _linear_into
 from .stream_priority import gemm_stream_priority
 
 log = logging.getLogger("loraplex.ops")
@@ -305,7 +305,8 @@ def shrink_order(x: torch.Tensor, weight: torch.Tensor) -> str:
 
 
 def _after_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    from . import pdl, skinny_gemm
+    from .. import pdl
+    from ..gemm import skinny as skinny_gemm
     return bool(pdl.PDL) and skinny_gemm.takes_input(x, weight)
 
 

@@ -7,10 +7,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused_kernels import COMPILED, _round, _silu_mul
-from .launch import Launcher
-from .pdl import pdl_start
-from .sgmv_kernels import _dot_v_b, _load_b, _load_v
+from .kernels import COMPILED, _round, _silu_mul
+from ..launch import Launcher
+from ..pdl import pdl_start
+from ..lora.sgmv_kernels import _dot_v_b, _load_b, _load_v
 
 
 def _config(raw: str) -> tuple[int, int]:
@@ -132,7 +132,7 @@ _TILES = Launcher(_silu_and_mul_lora_tiles_kernel)
 def silu_and_mul(gate_up, out, lora, block_n: int | None = None) -> None:
     """`out = silu(gate + delta_0) · (up + delta_1)` over `lora.tiles`' work tiles (ops/silu_lora_tiles.py); `lora`
     a two-slice LoraProduct whose `part` the shrink wrote over the same batch (arguments checked by the caller)."""
-    from .sgmv import _block_r, _num_sms, config_for
+    from ..lora.sgmv import _block_r, _num_sms, config_for
     batch = lora.tiles
     T, I = out.shape
     if T == 0:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from ..env_switch import env_switch
+from ...env_switch import env_switch
 
 MAX_ROWS = 64
 DECODE_MAX_ROWS = 32   # `linear` takes skinny_linear for forwards of at most this many rows
@@ -225,7 +225,7 @@ def _capable(cuda_index: int | None) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _interpreted() -> bool:
-    from .api import triton_interpreted   # fixed at import (TRITON_INTERPRET)
+    from ..lora.api import triton_interpreted   # fixed at import (TRITON_INTERPRET)
     return triton_interpreted()
 
 
@@ -278,8 +278,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   EVEN_K=K % config.block_k == 0, IEEE=x.dtype == torch.float32, BLOCK_M=block_m,
                   BLOCK_N=config.block_n, BLOCK_K=config.block_k)
     if not _KERNEL:
-        from .launch import Launcher
-        from .skinny_gemm_kernels import _skinny_gemm_kernel
+        from ..launch import Launcher
+        from .kernels import _skinny_gemm_kernel
         _KERNEL.append(Launcher(_skinny_gemm_kernel))
     _KERNEL[0]((tiles, split), args, consts, config.warps, config.stages)
     return out

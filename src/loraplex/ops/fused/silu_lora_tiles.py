@@ -34,7 +34,7 @@ row's sum as the decode consumers take it) measured slower still (309–535 µs)
 """
 from __future__ import annotations
 
-from ..env_switch import env_switch
+from ...env_switch import env_switch
 
 # LORAPLEX_LORA_SILU_TILES: "on" leaves gate/up's product to this kernel in the forwards that expand after each
 # GEMM (models/llama.py's "direct" and "stored" paths: prompts, eager or captured).

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from .api import _bump_version, _on, resolve_backend
-from .attention import _check_head_dim_for_triton, check_attention_args, checked_paged_attention
-from .checks import check_shrink_inputs
+from ..lora.api import _bump_version, _on, resolve_backend
+from .paged import _check_head_dim_for_triton, check_attention_args, checked_paged_attention
+from ..lora.checks import check_shrink_inputs
 
 MAX_RANK = 64   # the epilogue holds a [R, D] tile of A per head
 
@@ -50,7 +50,7 @@ def decode_attention_shrink(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         checked_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start, backend="reference",
                                 **kwargs)
         return out, _reference_part(out, lora_a, ranks, row_slot, k_cache.shape[2])
-    from . import attention_kernels as ak
+    from . import kernels as ak
     _check_head_dim_for_triton(D)
     Hkv = k_cache.shape[2]
     if ak.plan_decode(S, Hkv, max_seq_len, sliding_window, dev, ak.decode_config(D, q.dtype))[0] > 1:

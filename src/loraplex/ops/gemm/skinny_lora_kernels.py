@@ -30,7 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .pdl import pdl_start
+from ..pdl import pdl_start
 
 
 @triton.jit

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .launch import Launcher
+from ..launch import Launcher
 from .sgmv_kernels import ROWWISE_MAX_ROWS, _sgmv_expand_kernel, _sgmv_shrink_kernel
 
 MAX_SLICES = 4

@@ -30,7 +30,7 @@ import torch
 
 from . import sgmv
 from .batch import LoraBatch
-from .skinny_gemm import DECODE_MAX_ROWS
+from ..gemm.skinny import DECODE_MAX_ROWS
 
 
 def applies(batch: LoraBatch) -> bool:

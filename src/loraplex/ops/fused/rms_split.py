@@ -26,12 +26,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..env_switch import env_switch
-from .fused_kernels import COMPILED, _inv, _norm_output, _pow2, _round, _rstd
-from .fused_lora_kernels import _product, _slot_of, _v
-from .sgmv_kernels import _load_rank_block
-from .launch import Launcher
-from .pdl import pdl_deferred_start, pdl_start
+from ...env_switch import env_switch
+from .kernels import COMPILED, _inv, _norm_output, _pow2, _round, _rstd
+from .lora_kernels import _product, _slot_of, _v
+from ..lora.sgmv_kernels import _load_rank_block
+from ..launch import Launcher
+from ..pdl import pdl_deferred_start, pdl_start
 
 
 @triton.jit

@@ -9,8 +9,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..env_switch import env_switch
-from .pdl import pdl_release, pdl_start, pdl_wait_last
+from ...env_switch import env_switch
+from ..pdl import pdl_release, pdl_start, pdl_wait_last
 
 # The row-wise kernels (`_shrink_tile_rows`, `_expand_tile_rows`) take tiles of at most this many rows; larger
 # ones keep the tile product, where the rows run side by side rather than one after another.
