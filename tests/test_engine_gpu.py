@@ -71,37 +71,6 @@ def test_graphs_and_eager_agree_with_the_skinny_gemm_in_fp32(served, monkeypatch
     assert rows and max(rows) <= skinny_gemm.DECODE_MAX_ROWS
 
 
-def test_graphs_and_eager_agree_with_lora_inside_the_skinny_gemm(served, monkeypatch):
-    """LORAPLEX_SKINNY_LORA=on (ops/skinny_lora.py, with LORAPLEX_SKINNY_GEMM=on for these fp32 models): steps of up
-    to 32 rows run each projection's GEMM, shrink and expand in one launch, captured and eager: the same tokens
-    both ways, and transformers + PEFT's."""
-    from loraplex.ops.gemm import skinny as skinny_gemm
-    from loraplex.ops.gemm import skinny_lora
-    monkeypatch.setattr(skinny_gemm, "SETTING", "on")
-    monkeypatch.setattr(skinny_lora, "SETTING", "on")
-    rows = []
-    real = skinny_lora.skinny_lora_linear
-    monkeypatch.setattr(skinny_lora, "skinny_lora_linear",
-                        lambda x, *a, **kw: rows.append(x.shape[0]) or real(x, *a, **kw))
-    _graphs_and_eager_agree(served, 25, lambda llm, eager: None)
-    assert rows and max(rows) <= skinny_gemm.DECODE_MAX_ROWS
-
-
-def test_graphs_and_eager_agree_with_silu_expanding_prompt_tiles(served, monkeypatch):
-    """LORAPLEX_LORA_SILU_TILES=on (ops/silu_lora_tiles.py): steps of more than 32 rows leave gate/up's product
-    to SiLU-and-mul, which expands it over the batch's work tiles, captured (mixed graphs) and eager: the same
-    tokens both ways, and transformers + PEFT's."""
-    from loraplex.ops.fused import silu_lora_tiles
-    from loraplex.ops.fused import silu_lora_tiles_kernels
-    monkeypatch.setattr(silu_lora_tiles, "SETTING", "on")
-    rows = []
-    real = silu_lora_tiles_kernels.silu_and_mul
-    monkeypatch.setattr(silu_lora_tiles_kernels, "silu_and_mul",
-                        lambda gu, out, lora: rows.append(gu.shape[0]) or real(gu, out, lora))
-    _graphs_and_eager_agree(served, 27, lambda llm, eager: None)
-    assert rows and max(rows) > 32   # (start-up's warm-up launches it on 16- and 64-row tiles too)
-
-
 def test_prompts_admitted_beside_a_step_in_flight_replay_mixed_graphs(served):
     """overlap_admissions: a request arriving while decodes run joins the step queued ahead, whose mixed graph
     takes the decodes' tokens from the sample of the step in flight (its first rows) and the prompt's from
@@ -129,49 +98,6 @@ def test_prompts_admitted_beside_a_step_in_flight_replay_mixed_graphs(served):
     assert outs["first"] == oracle.greedy([7, 8, 9], "qv-r4", 30)
     for i, prompt in enumerate(prompts):
         assert outs[f"r{i}"] == oracle.greedy(prompt, names[i % 4], 8), (i, names[i % 4])
-
-
-def test_row_wise_decode_graphs_give_the_same_tokens(served, monkeypatch):
-    """LORAPLEX_LORA_ROWWISE=auto: decode steps whose adapters make only small tiles replay graphs captured
-    with the row-wise LoRA kernels (ops/sgmv.py); tokens equal the eager run's and transformers + PEFT's."""
-    import dataclasses
-
-    from loraplex.ops.lora import sgmv
-    monkeypatch.setattr(sgmv, "ROWWISE_AUTO", True)
-    monkeypatch.setitem(sgmv.CONFIGS, 16, dataclasses.replace(sgmv.CONFIGS[16], shrink_rowwise=0, expand_rowwise=0))
-    captured = set()   # the row-wise modes of the LoRA kernels captured into graphs (not the warm-up's)
-
-    def recording(real, cfg_at):
-        def launch(*args, **kwargs):
-            if torch.cuda.is_current_stream_capturing():
-                captured.add(args[cfg_at].expand_rowwise)
-            return real(*args, **kwargs)
-        return launch
-    monkeypatch.setattr(sgmv, "shrink_into", recording(sgmv.shrink_into, 5))   # (part, x, a, ranks, batch, cfg)
-    monkeypatch.setattr(sgmv, "expand_from", recording(sgmv.expand_from, 7))   # (y, part, b, rk, sc, batch, off, cfg)
-    _, adapters, oracle = served
-    names = [None, *adapters]
-    prompts = random_prompts(12, VOCAB, (4, 50), seed=23)
-    which = [names[i % len(names)] for i in range(len(prompts))]
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    with make_llm(served) as llm:
-        assert llm.engine.runner.graphs.rows_variant
-        out = [o.token_ids for o in llm.generate(prompts, params, adapter=which)]
-        # (no local reference to the graphs: it would keep their memory from the eager engine below)
-        assert llm.engine.runner.graphs.rows_replays > 0
-        assert captured == {0, 2}, captured   # both variants captured, each with its own kernels
-    with make_llm(served, enforce_eager=True) as llm:
-        assert out == [o.token_ids for o in llm.generate(prompts, params, adapter=which)]
-    assert all(o == oracle.greedy(p, a, 16) for p, a, o in zip(prompts, which, out))
-
-
-def test_lora_inside_the_gemms_gives_the_same_tokens(served):
-    """EngineConfig.lora_in_gemm: decode steps with few enough distinct adapters replay graphs whose GEMMs also
-    compute the active adapters' shrinks (engine/cuda_graphs.py "gemm" variants); tokens equal the eager
-    engine's (the same path, eager) and transformers + PEFT's."""
-    def check(llm, eager):
-        assert eager or llm.engine.runner.graphs.gemm_replays > 0
-    _graphs_and_eager_agree(served, 29, check, lora_in_gemm=len(served[1]))
 
 
 def test_seeded_sampling_is_the_same_with_graphs_and_eager(served):

@@ -242,11 +242,11 @@ def test_block_table_stride_is_always_a_multiple_of_the_alignment(context):
 
 
 def test_batches_a_decode_graph_could_hold_take_its_tile_height():
-    """Up to overlap.MAX_ROWS rows a built batch uses the 16-row LoRA tiles of graph batches even when
+    """Up to DECODE_MAX_ROWS rows a built batch uses the 16-row LoRA tiles of graph batches even when
     one adapter has more rows (so eager and replayed forwards run the same kernel settings)."""
-    from loraplex.ops.lora import overlap
+    from loraplex.models.lora_plan import DECODE_MAX_ROWS
     from loraplex.ops.lora.batch import LARGE_BLOCK_M, SMALL_BLOCK_M
-    rows = overlap.MAX_ROWS
+    rows = DECODE_MAX_ROWS
     shared = [SequenceChunk([1], 0, [i], 0) for i in range(rows)]
     assert build(shared, slots=1).lora.block_m == SMALL_BLOCK_M
     blocks = -(-rows // BS)

@@ -57,94 +57,15 @@ def test_without_mixed_graphs_only_decodes_replay():
     assert shapes.key_for(decode(7) + [prompt(2)]) is None
 
 
-@pytest.mark.parametrize("auto", [False, True])
-def test_which_lora_variant_replays(auto):
-    """No adapter: the graph without LoRA; LORAPLEX_LORA_ROWWISE=auto: decode steps whose adapters make only
-    small tiles (sgmv.rows_fit) replay the "rows" graph, others and mixed steps the plain one."""
-    from loraplex.engine.cuda_graphs import StepGraphs
-    graphs = StepGraphs.__new__(StepGraphs)   # no CUDA here: only the host-side choice
-    graphs.pool, graphs.rows_variant = object(), auto
-
-    def with_slots(chunks, slots):
-        return [SequenceChunk(c.token_ids, c.num_cached, c.block_table, s) for c, s in zip(chunks, slots)]
-    rows = "rows" if auto else True
-    assert graphs.lora_variant(with_slots(decode(3), [-1, -1, -1]), (4, 0)) is False
-    assert graphs.lora_variant(with_slots(decode(6), [0, 1, 2, 3, 4, -1]), (8, 0)) == rows
-    assert graphs.lora_variant(with_slots(decode(5), [7] * 4 + [-1]), (8, 0)) == rows
-    assert graphs.lora_variant(with_slots(decode(5), [7] * 5), (8, 0)) is True      # a 5-row tile
-    assert graphs.lora_variant(with_slots(decode(2) + [prompt(20)], [0, 1, 2]), (16, 32)) is True   # mixed
-    graphs.pool = None
-    assert graphs.lora_variant(with_slots(decode(2), [0, 1]), (2, 0)) is False
-
-
-@pytest.mark.parametrize("auto", [False, True])
-def test_eager_decode_steps_choose_as_their_graphs_would(auto, monkeypatch):
-    """With LORAPLEX_LORA_ROWWISE=auto an eager decode step whose adapters fit runs the row-wise kernels
-    (sgmv.decode_rowwise(2)); prompt chunks, a 5-row adapter or ranks above 32 keep the tile product."""
-    from types import SimpleNamespace
-
-    from loraplex.engine.model_runner import ModelRunner
-    from loraplex.ops.lora import sgmv
-    monkeypatch.setattr(sgmv, "ROWWISE_AUTO", auto)
-
-    def mode(chunks, max_rank=16):
-        runner = SimpleNamespace(adapters=SimpleNamespace(pool=SimpleNamespace(max_rank=max_rank)))
-        with ModelRunner._rowwise(runner, chunks):
-            return sgmv.config_for(16).expand_rowwise
-
-    def with_slots(chunks, slots):
-        return [SequenceChunk(c.token_ids, c.num_cached, c.block_table, s) for c, s in zip(chunks, slots)]
-    base = sgmv.config_for(16).expand_rowwise
-    assert mode(with_slots(decode(4), [0, 1, 2, -1])) == (2 if auto else base)
-    assert mode(with_slots(decode(4), [0, 1, 2, -1]), max_rank=64) == base
-    assert mode(with_slots(decode(5), [3] * 5)) == base
-    assert mode(with_slots(decode(1) + [prompt(9)], [0, 1])) == base
-
-
-def test_gemm_counts_and_the_in_gemm_variant():
-    """EngineConfig.lora_in_gemm: decode graphs per count of active adapters (1, 2, 4, ... and the most a
-    shape can meet); a decode step whose adapters the runner put in the area replays the smallest count that
-    holds them; mixed steps, and steps without adapters, do not."""
-    from types import SimpleNamespace
-
-    from loraplex.engine.cuda_graphs import StepGraphs, gemm_count_for, gemm_counts
-    assert gemm_counts(1, 32) == [1]
-    assert gemm_counts(8, 32) == [1, 2, 4, 8]
-    assert gemm_counts(48, 32) == [1, 2, 4, 8, 16, 32]
-    assert gemm_counts(48, 24) == [1, 2, 4, 8, 16, 24]
-    assert gemm_counts(6, 4) == [1, 2, 4]
-    assert gemm_counts(4, 0) == []
-    assert [gemm_count_for(n, 48, 24) for n in (1, 3, 9, 17, 24, 25)] == [1, 4, 16, 24, 24, None]
-    assert gemm_count_for(5, 8, 32) == 8 and gemm_count_for(9, 8, 32) is None
-    graphs = StepGraphs.__new__(StepGraphs)   # no CUDA here: only the host-side choice
-    graphs.pool, graphs.rows_variant, graphs.area = object(), False, SimpleNamespace(capacity=24)
-
-    def with_slots(chunks, slots):
-        return [SequenceChunk(c.token_ids, c.num_cached, c.block_table, s) for c, s in zip(chunks, slots)]
-    step = with_slots(decode(6), [0, 1, 2, 0, -1, 5])
-    assert graphs.lora_variant(step, (8, 0), in_gemm=4) == ("gemm", 4)
-    assert graphs.lora_variant(step, (8, 0), in_gemm=3) == ("gemm", 4)
-    assert graphs.lora_variant(step, (8, 0)) is True                       # the runner did not update the area
-    assert graphs.lora_variant(with_slots(decode(20), list(range(20))), (32, 0), in_gemm=20) == ("gemm", 24)
-    assert graphs.lora_variant(with_slots(decode(2) + [prompt(9)], [0, 1, 2]), (16, 16), in_gemm=3) is True
-    assert graphs.lora_variant(with_slots(decode(3), [-1] * 3), (4, 0), in_gemm=None) is False
-    graphs.area = None
-    assert graphs.lora_variant(step, (8, 0), in_gemm=4) is True
-
-
-@pytest.mark.parametrize("scheme", ["high", "gemm", "default"])
-def test_capture_priority_only_where_lora_kernels_run_beside(scheme, monkeypatch):
-    """StepGraphs._priority: a graph is captured above the default priority only under "high" and only where its
-    forward runs LoRA kernels on the side stream (overlap.lora_path "...-side": up to SHRINK_MAX_ROWS rows);
-    graphs without adapters, with LoRA inside the GEMMs, or of more rows have nothing to order."""
-    from loraplex.engine.cuda_graphs import StepGraphs
+def test_capture_priority_only_where_lora_kernels_run_beside():
+    """LlamaForCausalLM.graph_stream_priority: a graph is captured above the default priority only where its forward
+    runs LoRA kernels on the side stream (up to lora_plan.BESIDE_MAX_ROWS rows), so that the GEMMs go first; graphs
+    without adapters, or of more rows, have nothing to order."""
+    from loraplex.models.llama import LlamaForCausalLM
+    from loraplex.models.lora_plan import BESIDE_MAX_ROWS
     from loraplex.ops.lora import overlap
-    monkeypatch.setenv("LORAPLEX_GRAPH_PRIORITY", scheme)
-    monkeypatch.delenv("LORAPLEX_LORA_OVERLAP", raising=False)
-    high = -5 if scheme == "high" else 0
-    assert StepGraphs._priority(True, 32) == StepGraphs._priority("rows", 8) == high
-    assert StepGraphs._priority(True, overlap.SHRINK_MAX_ROWS) == high          # mixed: shrink beside the GEMM
-    assert StepGraphs._priority(True, overlap.SHRINK_MAX_ROWS + 1) == 0         # plain order, one stream
-    assert StepGraphs._priority(False, 32) == StepGraphs._priority(("gemm", 4), 32) == 0
-    monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", "off")
-    assert StepGraphs._priority(True, 32) == 0
+    priority = LlamaForCausalLM.graph_stream_priority
+    assert overlap.CAPTURE_PRIORITY < overlap.SIDE_STREAM_PRIORITY == 0
+    assert priority(None, 32, True) == priority(None, BESIDE_MAX_ROWS, True) == overlap.CAPTURE_PRIORITY
+    assert priority(None, BESIDE_MAX_ROWS + 1, True) == 0         # plain order, one stream
+    assert priority(None, 32, False) == 0

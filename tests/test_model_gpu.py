@@ -126,15 +126,11 @@ def _assert_as_close_as_transformers(setup, plan, tokens, ours) -> None:
         assert ours_err <= 2 * hf_err + 2e-3, (i, adapter, ours_err, hf_err)
 
 
-@pytest.mark.parametrize("tiles", ["picked", 16, "silu"])
+@pytest.mark.parametrize("tiles", ["picked", 16])
 def test_mixed_bf16_batch_matches_transformers_peft(setup, tiles, monkeypatch):
     """`tiles` 16: the batch's LoRA in 16-row tiles whatever `LoraBatch.pick_block_m` says (it picks them
-    for eager mixed steps whose decode rows outweigh their prompts': long prompt segments in small tiles).
-    "silu": gate/up's product expanded by SiLU-and-mul over the tiles (LORAPLEX_LORA_SILU_TILES=on)."""
-    if tiles == "silu":
-        from loraplex.ops.fused import silu_lora_tiles
-        monkeypatch.setattr(silu_lora_tiles, "SETTING", "on")
-    elif tiles != "picked":
+    for eager mixed steps whose decode rows outweigh their prompts': long prompt segments in small tiles)."""
+    if tiles != "picked":
         from loraplex.ops.lora.batch import LoraBatch
         monkeypatch.setattr(LoraBatch, "pick_block_m", staticmethod(lambda lens, slots: tiles))
     rng = random.Random(0)
@@ -153,87 +149,21 @@ def test_mixed_bf16_batch_matches_transformers_peft(setup, tiles, monkeypatch):
     _assert_as_close_as_transformers(setup, plan, tokens, ours)
 
 
-def test_lora_inside_the_gemms_matches_transformers_peft(setup):
-    """The same mixed batch with an ActiveArea attached (adapters/active_area.py): the shrink inside each
-    projection's GEMM and ops/lora_in_gemm.py's expand (Triton), eager and replayed from a CUDA graph."""
-    from loraplex.adapters.active_area import ActiveArea
-    rng = random.Random(5)
-    plan = [("all-r16", 0, 40), ("attn-r8", 200, 1), (None, 300, 1), ("mlp-r4", 100, 1), ("all-r16", 50, 1),
-            ("mlp-r4", 0, 17)]
-    tokens = [[rng.randrange(setup.config.vocab_size) for _ in range(c + n)] for _, c, n in plan]
-    used = sorted({setup.slots[a] for a, _, _ in plan if a is not None})
-    area = ActiveArea(setup.ours, setup.pool, capacity=len(used))
-    area.update(used)
-    setup.ours.active_area = area
-    try:
-        kv = KVCache(setup.config, 128, BLOCK, dtype=torch.bfloat16, device="cuda")
-        kv.data.fill_(float("nan"))
-        tables = _tables(rng, kv.num_blocks, [len(t) for t in tokens])
-        _run(setup, kv, [SequenceChunk(t[:c], 0, tab, setup.slots[a], needs_logits=False)
-                         for (a, c, _), t, tab in zip(plan, tokens, tables) if c > 0])
-        chunks = [SequenceChunk(t[c:], c, tab, setup.slots[a]) for (a, c, _), t, tab in zip(plan, tokens, tables)]
-        batch = ForwardBatch.build(chunks, block_size=BLOCK, num_blocks=kv.num_blocks,
-                                   vocab_size=setup.config.vocab_size, device="cuda")
-        with setup.ours.lora_in_gemm():
-            assert setup.ours._lora_path(batch, setup.pool) == "in-gemm"
-            ours = setup.ours(batch, kv, setup.pool).clone()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                replayed = setup.ours(batch, kv, setup.pool)
-        graph.replay()
-        assert torch.equal(replayed, ours)
-    finally:
-        setup.ours.active_area = None
-    _assert_as_close_as_transformers(setup, plan, tokens, ours)
-
-
-@pytest.mark.parametrize("overlap_mode", ["full", "fused", "shrink", "off", "fused+o_in_attention", "fused+gemm_stream",
-                                          "shrink+gemm_stream", "fused+side"])
-def test_decode_graph_replays_new_batches(setup, overlap_mode, monkeypatch):
+@pytest.mark.parametrize("rows, order", [(8, "auto"), (8, "side"), (3, "auto")])
+def test_decode_graph_replays_new_batches(setup, rows, order, monkeypatch):
     """Capture one decode forward on a `for_graph` batch, rewrite the batch with other sequences, lengths and adapters
-    (and fewer of them), replay: each replay equals an eager forward. The capture runs the LoRA kernels beside
-    each GEMM ("full": both on a side stream, their product added by the next op, in eager forwards too; "fused":
-    the shrink, by default on the main stream right after the GEMM with its programs beside the GEMM's
-    (LORAPLEX_LORA_SHRINK_ORDER=after; "+side": on a side stream), its product expanded by the next op as it loads
-    its input (a LoraProduct), in eager forwards too; "shrink": the shrink on a side stream) or after it ("off");
-    ops/overlap.py. "+o_in_attention": models/llama.O_SHRINK_IN_ATTENTION at 32 rows (fewer rows of 32 heads, or
-    GQA's 8 kv heads, split the context: then the plain path). "+gemm_stream": LORAPLEX_GRAPH_PRIORITY=gemm, each
-    GEMM beside LoRA kernels captured on a stream of its own (the same GEMM as eager's: the same bits; with the
-    shrink on a side stream, as "+side")."""
-    from loraplex.models import llama
-    from loraplex.ops.attention import attention_shrink
-    from loraplex.ops.lora import overlap
-    rows = 8
-    parts = []
-    gemm_stream = overlap_mode.endswith("+gemm_stream")
-    overlap_mode = overlap_mode.removesuffix("+gemm_stream")
-    side_order = overlap_mode.endswith("+side") or gemm_stream
-    overlap_mode = overlap_mode.removesuffix("+side")
-    monkeypatch.setattr(overlap, "SHRINK_ORDER", "side" if side_order else "after")
-    # every projection of an 8-row decode forward is fused: with the shrink after the GEMM (where PDL is on:
-    # overlap.shrink_order) no side stream is used
+    (and fewer of them), replay: each replay equals an eager forward. The capture takes the LoRA plan's "decode" kind
+    (models/lora_plan.py): at 8 rows every projection leaves its product for the next op to expand, the shrink right
+    after the GEMM where PDL is on (ops/lora/overlap.py's shrink_order; "side": on a side stream beside the GEMM, as
+    without PDL); at 3 rows only q/k/v's, the others expanded beside their GEMMs on the side stream."""
+    from loraplex.models.lora_plan import expand_in_consumer
     from loraplex.ops import pdl
-    after = overlap_mode == "fused" and not side_order and bool(pdl.PDL)
-    monkeypatch.setenv("LORAPLEX_GRAPH_PRIORITY", "gemm" if gemm_stream else "high")
-    gemm_priorities = []   # the priority of the stream each GEMM into a main-stream buffer ran on
-    real_linear_into = overlap._linear_into
-    monkeypatch.setattr(overlap, "_linear_into", lambda *a: gemm_priorities.append(
-        torch.cuda.current_stream().priority) or real_linear_into(*a))
-    o_in_attention = overlap_mode == "fused+o_in_attention"
-    if o_in_attention:
-        overlap_mode, rows = "fused", 32
-        monkeypatch.setattr(llama, "O_SHRINK_IN_ATTENTION", True)
-        # not where o's product is left to the RMSNorm (a fused projection by default): q/k/v's alone, as before
-        monkeypatch.setattr(overlap, "FUSED_PROJECTIONS", frozenset({"q_proj"}))
-
-        def attention(*a, **kw):
-            got = attention_shrink.decode_attention_shrink(*a, **kw)
-            parts.append(got[1])
-            return got
-        monkeypatch.setattr(llama, "decode_attention_shrink", attention)
-    monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", overlap_mode)
+    from loraplex.ops.lora import overlap
+    if order == "side":
+        monkeypatch.setattr(overlap, "shrink_order", lambda x, weight: "side")
+    after = order == "auto" and bool(pdl.PDL)
     monkeypatch.setattr(overlap, "_SIDE_STREAMS", {})
-    product_sides = []   # `side` of each linear_with_lora_product call: the "fused" path, and only it
+    product_sides = []   # `side` of each linear_with_lora_product call
     real = overlap.linear_with_lora_product
     monkeypatch.setattr(overlap, "linear_with_lora_product",
                         lambda *a, **kw: product_sides.append(kw["side"]) or real(*a, **kw))
@@ -257,22 +187,13 @@ def test_decode_graph_replays_new_batches(setup, overlap_mode, monkeypatch):
     eager_sides = list(product_sides)
     with torch.cuda.graph(graph):
         out = setup.ours(graph_batch, kv, setup.pool)
-    assert bool(overlap._SIDE_STREAMS) == (overlap_mode != "off" and not after)
-    # "+gemm_stream": each GEMM beside LoRA kernels (4 a layer) ran on a stream above the default priority (0)
-    assert len(gemm_priorities) == (4 * setup.config.num_hidden_layers if gemm_stream else 0)
-    assert all(p < 0 for p in gemm_priorities)
+    # the side stream only while capturing, and only where some LoRA kernel runs beside a GEMM
+    everything_after = after and len(expand_in_consumer(rows, decode=True)) == 4
+    assert bool(overlap._SIDE_STREAMS) == (not everything_after)
     captured_sides = product_sides[len(eager_sides):]
-    if overlap_mode == "fused":   # fused_projections a layer (decode rows); the side stream only while capturing
-        per_forward = len(overlap.fused_projections(rows, decode=True)) * setup.config.num_hidden_layers
-        assert eager_sides == [False] * per_forward and per_forward > 0
-        assert captured_sides == [True] * per_forward
-    else:
-        assert not product_sides
-    if o_in_attention:   # Llama-2-7B's 32 kv heads × 32 rows fill an H200 without splits: the epilogue in the capture
-        assert len(parts) == 2 * setup.config.num_hidden_layers   # the warm-up's forward and the captured one
-        assert all((p is not None) == (setup.config.num_key_value_heads == 32) for p in parts)
-    else:
-        assert not parts
+    per_forward = len(expand_in_consumer(rows, decode=True)) * setup.config.num_hidden_layers
+    assert eager_sides == [False] * per_forward and per_forward > 0
+    assert captured_sides == [True] * per_forward
     for n in (rows, 3, rows, 1):
         chunks = decode_chunks(n)
         graph_batch.update_(chunks)
@@ -291,29 +212,19 @@ def test_decode_graph_replays_new_batches(setup, overlap_mode, monkeypatch):
             assert (out[:n] - eager).abs().max().item() <= 2e-2 * scale, n
 
 
-@pytest.mark.parametrize("room, silu_tiles", [(64, False), (160, True)])
-def test_mixed_graph_replays_new_batches(setup, room, silu_tiles, monkeypatch):
+@pytest.mark.parametrize("room", [64, 160])
+def test_mixed_graph_replays_new_batches(setup, room):
     """A mixed-step graph (engine/cuda_graphs.py): captured once on a `for_graph` batch with room for 64
     prompt tokens beside 16 sequences, replayed with other mixes of prompt chunks (with or without a
     cached prefix) and decodes, adapters and none: each replay's logits equal an eager forward's up to bf16
-    rounding (the padded rows change cuBLAS's GEMM and the LoRA tiling). `silu_tiles`: with room for 160 prompt
-    tokens, captured past overlap.SHRINK_MAX_ROWS, gate/up's product expanded by SiLU over the tiles."""
+    rounding (the padded rows change cuBLAS's GEMM and the LoRA tiling). With room for 64 prompt tokens the graph
+    runs the LoRA plan's "beside" kind (the shrink on a side stream beside each GEMM), with 160 its "tiles" kind."""
     rng = random.Random(4)
     kv = KVCache(setup.config, 1400, BLOCK, dtype=torch.bfloat16, device="cuda")
     kv.data.normal_()
     graph_batch = ForwardBatch.for_graph(16, 1024, block_size=BLOCK, num_blocks=kv.num_blocks,
                                          vocab_size=setup.config.vocab_size, num_adapter_slots=4, device="cuda",
                                          max_prompt_tokens=room)
-    calls = []
-    if silu_tiles:   # captured at 176 rows: past overlap.SHRINK_MAX_ROWS, the path that leaves gate/up to SiLU
-        from loraplex.ops.fused import silu_lora_tiles
-        from loraplex.ops.fused import silu_lora_tiles_kernels
-        monkeypatch.setattr(silu_lora_tiles, "SETTING", "on")
-        real = silu_lora_tiles_kernels.silu_and_mul
-        monkeypatch.setattr(silu_lora_tiles_kernels, "silu_and_mul",
-                            lambda gu, out, lora: calls.append(torch.cuda.is_current_stream_capturing())
-                            or real(gu, out, lora))
-
     def mixed_chunks(decodes: int, prompts: list[int]) -> list[SequenceChunk]:
         news = [1] * decodes + prompts
         cached = [rng.randrange(1, 900) if n == 1 or rng.random() < 0.5 else 0 for n in news]
@@ -330,7 +241,6 @@ def test_mixed_graph_replays_new_batches(setup, room, silu_tiles, monkeypatch):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = setup.ours(graph_batch, kv, setup.pool)
-    assert any(calls) == silu_tiles
     for decodes, prompts in ((15, [40]), (3, [20, 30, 2]), (0, [64]), (10, []), (12, [5, 9])):
         chunks = mixed_chunks(decodes, prompts)
         graph_batch.update_(chunks)
@@ -349,13 +259,10 @@ def test_mixed_graph_replays_new_batches(setup, room, silu_tiles, monkeypatch):
         assert (out[:n] - eager).abs().max().item() <= 2e-2 * scale, (decodes, prompts)
 
 
-@pytest.mark.parametrize("overlap_mode", ["full", "fused"])
-def test_decode_graph_of_one_shared_adapter_replays_the_eager_bits(setup, overlap_mode, monkeypatch):
+def test_decode_graph_of_one_shared_adapter_replays_the_eager_bits(setup):
     """32 decode rows on one adapter: an eager batch would pick 64-row LoRA tiles by its own rule, but
-    batches of up to overlap.MAX_ROWS rows take the graphs' 16-row tiles, so the replay (LoRA beside the
-    GEMMs: "full", the product added by the next op; "fused", expanded by it) and the eager forward give
-    the same bits."""
-    monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", overlap_mode)
+    batches of up to lora_plan.DECODE_MAX_ROWS rows take the graphs' 16-row tiles, so the replay and the eager
+    forward give the same bits."""
     rng = random.Random(3)
     kv = KVCache(setup.config, 1100, BLOCK, dtype=torch.bfloat16, device="cuda")
     kv.data.normal_()

@@ -73,7 +73,7 @@ def test_dtype_auto_follows_the_config_and_an_override_wins(base, tmp_path):
         cfg[key] = name
         (folder / "config.json").write_text(json.dumps(cfg))
         model = load_model(folder)
-        assert model.dtype == dtype and model.layers[0].qkv_proj.dtype == dtype
+        assert model.dtype == dtype and model.layers[0].qkv_proj.weight.dtype == dtype
         assert model.inv_freq.dtype == torch.float32
     assert load_model(folder, dtype="bfloat16").norm.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="dtype must be"):

@@ -92,14 +92,6 @@ class EngineConfig:
                                      "max_cpu_adapters + adapter_loader_threads adapters of max_lora_rank on "
                                      "every projection take, at most 8 GiB and a quarter of the host's memory; "
                                      "a number: at most that many GiB of it; 0: none."})
-    lora_in_gemm: int = field(default=0, metadata={
-        "group": "adapters", "help": "Decode steps with at most this many distinct adapters compute their LoRA "
-                                     "shrink inside the projections' GEMMs, from a copy of those adapters' A "
-                                     "weights kept below the base weights (this many adapters' worth of GPU "
-                                     "memory); 0 (the default) keeps the SGMV kernels: on an H200 this took a "
-                                     "batch-32 decode step 0.13 ms less but mixed steps 3.7 ms more, no "
-                                     "gain overall."})
-
     enforce_eager: bool = field(default=False, metadata={
         "group": "execution", "help": "Run every step eagerly, capturing no CUDA graphs."})
     cuda_graph_max_batch: int = field(default=256, metadata={
@@ -129,10 +121,6 @@ class EngineConfig:
         _check_int("max_cpu_adapters", self.max_cpu_adapters, 0)
         _check_int("cuda_graph_max_prompt_tokens", self.cuda_graph_max_prompt_tokens, 0)
         _check_int("admission_lookahead", self.admission_lookahead, 0)
-        _check_int("lora_in_gemm", self.lora_in_gemm, 0)
-        if self.lora_in_gemm > self.max_gpu_adapters:
-            raise ValueError(f"EngineConfig.lora_in_gemm ({self.lora_in_gemm}) must be at most max_gpu_adapters "
-                             f"({self.max_gpu_adapters}): a step never holds more distinct adapters than that")
         _check_int("seed", self.seed, 0)
         for name in ("max_model_len", "num_kv_blocks", "dummy_layers"):
             if getattr(self, name) is not None:

@@ -10,21 +10,16 @@ from typing import Sequence as Seq
 import torch
 
 from ..adapters import AdapterCache
-from ..adapters import priority as host_priority
-from ..adapters.active_area import ActiveArea
 from ..adapters.priority import HOST_PRIORITY
 from ..config import EngineConfig
 from ..models import dummy_model, load_model
 from ..models.forward_batch import ForwardBatch, SequenceChunk
 from ..models.kv_cache import KVCache
 from ..models.llama import LlamaForCausalLM
-from ..ops.lora import overlap
-from ..ops.lora import sgmv
-from ..ops.lora import stream_priority
 from ..sampling import PendingSample, Sampler, SamplingParams
-from .cuda_graphs import StepGraphs, gemm_count_for
+from ..models.warmup import compile_lora_kernels
+from .cuda_graphs import StepGraphs
 from .scheduler import ScheduledChunk
-from .warmup import compile_in_gemm, compile_lora_kernels, compile_skinny_lora
 
 log = logging.getLogger("loraplex.engine")
 
@@ -64,13 +59,6 @@ class ModelRunner:
                                      dtype=self.model.dtype, device=self.device,
                                      loader_threads=config.adapter_loader_threads)
         self.sampler = Sampler(self.device, seed=config.seed)
-        # before the KV cache is sized (its memory counts) and graphs are captured (they keep its addresses)
-        self.area: ActiveArea | None = None
-        if config.lora_in_gemm:
-            self.area = ActiveArea(self.model, self.adapters.pool, config.lora_in_gemm)
-            self.model.active_area = self.area
-            log.info("LoRA shrink inside the GEMMs for decode steps of up to %d distinct adapters: %.2f GiB",
-                     config.lora_in_gemm, self.area.nbytes / 2**30)
         self.kv = KVCache(c, self._num_kv_blocks(), config.block_size, dtype=self.model.dtype, device=self.device)
         log.info(self.kv.describe())
         capacity = self.kv.num_blocks * self.kv.block_size
@@ -78,12 +66,8 @@ class ModelRunner:
             log.warning("max_model_len %d lowered to the KV cache's %d tokens", self.max_model_len, capacity)
             self.max_model_len = capacity
         self.graphs: StepGraphs | None = None
-        host_priority.mode(), overlap.mode(), stream_priority.priority_scheme()   # a bad setting fails here, not later
         if self.device.type == "cuda":
             compile_lora_kernels(c, self.adapters.pool, self.model.dtype)
-            compile_skinny_lora(c, self.adapters.pool, self.model.dtype)
-            if self.area is not None:
-                compile_in_gemm(c, self.adapters.pool, self.model.dtype, self.area.capacity)
         if self.device.type == "cuda" and not config.enforce_eager:
             torch.cuda.set_device(self.device)   # capture on our GPU
             self.graphs = StepGraphs(self.model, self.kv, self.adapters.pool, max_seq_len=self.max_model_len,
@@ -132,7 +116,7 @@ class ModelRunner:
             raise ValueError(f"no GPU memory left for the KV cache: {total / 2**30:.1f} GiB × "
                              f"gpu_memory_utilization {cfg.gpu_memory_utilization} leaves {budget / 2**30:.2f} GiB "
                              f"after weights, adapter pool ({self.adapters.pool.nbytes / 2**30:.2f} GiB) and "
-                             f"activations ({activations / 2**30:.2f} GiB); lower max_gpu_adapters, lora_in_gemm "
+                             f"activations ({activations / 2**30:.2f} GiB); lower max_gpu_adapters "
                              f"or max_num_batched_tokens, or raise gpu_memory_utilization")
         return blocks
 
@@ -179,45 +163,19 @@ class ModelRunner:
         # everything on our GPU's current stream, whichever device the calling thread has current
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             span = GpuSpan() if self.device.type == "cuda" else None
-            in_gemm = self._update_area(batch_chunks)
             if graph is not None:
-                logits = self.graphs.run(batch_chunks, inputs, key=graph, in_gemm=in_gemm)
+                logits = self.graphs.run(batch_chunks, inputs, key=graph)
             else:
                 # Host-bound (~1,500 launches from Python): adapter loads step aside meanwhile, where
                 # graphed steps leave them host time. Without graphs every step is eager, and
                 # loads would only crawl at the checkpoints' bound, so they keep running.
-                when = host_priority.mode()
-                yield_loads = self.graphs is not None and (when == "always" or when == "adaptive" and not loads_urgent)
-                # at the GEMM width a graph would use, so that eager steps and replays compute alike
-                in_gemm_mode = contextlib.nullcontext() if in_gemm is None else \
-                    self.model.lora_in_gemm(gemm_count_for(in_gemm, self.area.capacity, self.area.capacity))
-                with HOST_PRIORITY.busy() if yield_loads else contextlib.nullcontext(), self._rowwise(batch_chunks), \
-                        in_gemm_mode:
+                with HOST_PRIORITY.busy() if self.graphs is not None else contextlib.nullcontext():
                     logits = self._run_eager(batch_chunks, inputs)
             sampled = [c.seq for c in chunks if c.needs_logits]
             pending = self.sampler.launch(logits, [s.params for s in sampled], [s.generator for s in sampled])
             if span is not None:
                 span.end.record()
         return pending, graph, span
-
-    def _update_area(self, chunks: list[SequenceChunk]) -> int | None:
-        """EngineConfig.lora_in_gemm: for a decode step with adapters, at most that many distinct ones, make
-        them the active area's (copying the A rows of those that enter, on this stream, after the steps
-        queued before) and return their count: the step takes the in-gemm path. None otherwise."""
-        if self.area is None or any(len(c.token_ids) != 1 for c in chunks):
-            return None
-        slots = {c.adapter_slot for c in chunks if c.adapter_slot >= 0}
-        if not slots or len(slots) > self.area.capacity:
-            return None
-        return self.area.update(sorted(slots))
-
-    def _rowwise(self, chunks: list[SequenceChunk]):
-        """LORAPLEX_LORA_ROWWISE=auto: an eager decode step runs the row-wise LoRA kernels where its graph
-        would (engine/cuda_graphs.py), so that graphs and eager steps compute alike."""
-        if (sgmv.ROWWISE_AUTO and self.adapters.pool.max_rank <= 32 and all(len(c.token_ids) == 1 for c in chunks)
-                and sgmv.rows_fit(c.adapter_slot for c in chunks)):
-            return sgmv.decode_rowwise(2)
-        return contextlib.nullcontext()
 
     def _run_eager(self, chunks: list[SequenceChunk], inputs=None) -> torch.Tensor:
         c = self.model.config
@@ -237,7 +195,6 @@ class ModelRunner:
         self.adapters.close()
         self.graphs = None
         self.kv = None
-        self.area = None
         self.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

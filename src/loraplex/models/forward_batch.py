@@ -16,9 +16,8 @@ import numpy as np
 import torch
 
 from ..ops import LoraBatch
-from ..ops.lora import overlap
-from ..ops.lora.batch import SMALL_BLOCK_M
-from ..ops.lora.batch import aligned_views, pad_parts
+from ..ops.lora.batch import SMALL_BLOCK_M, aligned_views, pad_parts
+from .lora_plan import DECODE_MAX_ROWS
 
 
 @dataclass
@@ -64,9 +63,9 @@ class ForwardBatch:
         parts = [host["ids"], host["positions"], host["slot_mapping"], host["query_start"], host["seq_lens"],
                  host["tables"].ravel(), host["logits_rows"]]
         # Batches that could be a decode graph's take its tile height, so that an eager forward of them
-        # runs the LoRA kernels with the settings a replay uses and gives the same bits (ops/overlap.py).
+        # runs the LoRA kernels with the settings a replay uses and gives the same bits (models/lora_plan.py).
         lora_parts, lora_plan = LoraBatch.host_parts(
-            lens.tolist(), slots, block_m=SMALL_BLOCK_M if lens.sum() <= overlap.MAX_ROWS else None)
+            lens.tolist(), slots, block_m=SMALL_BLOCK_M if lens.sum() <= DECODE_MAX_ROWS else None)
         # One host-to-device copy for everything, the LoraBatch's arrays included, each array
         # 16-byte aligned (kernels are compiled per alignment of their pointer arguments).
         buffer = torch.from_numpy(np.concatenate(pad_parts(parts + lora_parts)).astype(np.int32))

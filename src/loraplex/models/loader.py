@@ -68,17 +68,14 @@ def weight_targets(model: LlamaForCausalLM) -> dict[str, tuple[torch.Tensor, int
         p = f"model.layers.{i}."
         targets[p + "input_layernorm.weight"] = (layer.input_layernorm, 0)
         targets[p + "post_attention_layernorm.weight"] = (layer.post_attention_layernorm, 0)
-        parts = [("self_attn.q_proj", layer.qkv_proj, layer.qkv_bias, 0),
-                 ("self_attn.k_proj", layer.qkv_proj, layer.qkv_bias, q),
-                 ("self_attn.v_proj", layer.qkv_proj, layer.qkv_bias, q + kv),
-                 ("self_attn.o_proj", layer.o_proj, layer.o_bias, 0),
-                 ("mlp.gate_proj", layer.gate_up_proj, layer.gate_up_bias, 0),
-                 ("mlp.up_proj", layer.gate_up_proj, layer.gate_up_bias, inter),
-                 ("mlp.down_proj", layer.down_proj, layer.down_bias, 0)]
-        for name, weight, bias, row in parts:
-            targets[f"{p}{name}.weight"] = (weight, row)
-            if bias is not None:
-                targets[f"{p}{name}.bias"] = (bias, row)
+        parts = [("self_attn.q_proj", layer.qkv_proj, 0), ("self_attn.k_proj", layer.qkv_proj, q),
+                 ("self_attn.v_proj", layer.qkv_proj, q + kv), ("self_attn.o_proj", layer.o_proj, 0),
+                 ("mlp.gate_proj", layer.gate_up_proj, 0), ("mlp.up_proj", layer.gate_up_proj, inter),
+                 ("mlp.down_proj", layer.down_proj, 0)]
+        for name, proj, row in parts:
+            targets[f"{p}{name}.weight"] = (proj.weight, row)
+            if proj.bias is not None:
+                targets[f"{p}{name}.bias"] = (proj.bias, row)
     return targets
 
 
