@@ -2,8 +2,6 @@
 output for a request whatever else runs with it (other adapters, chunked prefill, preemption)."""
 from __future__ import annotations
 
-import os
-
 import time
 
 import pytest
@@ -46,53 +44,23 @@ def test_greedy_equals_transformers_peft_generate(served):
         assert any(oracle.greedy(p, name, 12) != oracle.greedy(p, None, 12) for p in prompts)
 
 
-@pytest.mark.parametrize("capacity", [2, 4])
-def test_lora_inside_the_gemms_gives_transformers_peft_tokens(served, capacity, monkeypatch):
-    """EngineConfig.lora_in_gemm: decode steps with at most that many distinct adapters keep them in the active
-    area and compute their shrink inside the GEMMs (the model's in-gemm path); more adapters, and prompt
-    steps, take the usual path. Tokens equal transformers + PEFT's either way."""
-    from loraplex.engine.cuda_graphs import gemm_count_for
-    from loraplex.models import llama
-    base, adapters, oracle = served
-    steps = []
-    real = llama.LlamaForCausalLM.forward
-
-    def forward(model, batch, kv, pool=None):
-        steps.append((model._in_gemm_count, len(batch.lora.group_slots), batch.max_query_len))
-        return real(model, batch, kv, pool)
-    monkeypatch.setattr(llama.LlamaForCausalLM, "forward", forward)
-    names = [None, *adapters]
-    assert len(adapters) == 3
-    prompts = random_prompts(9, VOCAB, (3, 40), seed=11)
-    with make_llm(served, lora_in_gemm=capacity) as llm:
-        assert llm.engine.runner.area.capacity == capacity
-        # two distinct adapters at most (every decode step fits the area), then all three together
-        for which in ([names[i % 3] for i in range(len(prompts))], [names[i % 4] for i in range(len(prompts))]):
-            outs = llm.generate(prompts, SamplingParams(max_tokens=10, **GREEDY), adapter=which)
-            for prompt, adapter, out in zip(prompts, which, outs):
-                assert out.token_ids == oracle.greedy(prompt, adapter, 10), (adapter, len(prompt))
-    in_gemm = [s for s in steps if s[0] is not None]
-    assert in_gemm, "no step took the in-gemm path"
-    # at the width a graph would use: the smallest of 1, 2, 4, … capacity that holds the step's adapters
-    assert all(count == gemm_count_for(used, capacity, capacity) and q == 1 for count, used, q in in_gemm)
-    # decode steps with adapters that did not take it: more distinct adapters than the area holds
-    assert all(used > capacity for count, used, q in steps if count is None and q == 1 and used)
-    assert any(q > 1 for _, _, q in steps)   # prompt steps ran (on the usual path)
-
-
-def _alone(served, prompts, which, max_tokens):
-    with make_llm(served) as llm:
-        return [llm.generate([p], SamplingParams(max_tokens=max_tokens, **GREEDY), adapter=a, use_tqdm=False)[0]
-                .token_ids for p, a in zip(prompts, which)]
-
-
-@pytest.mark.parametrize("setting", ["batched", "chunked", "preempted", "preempted-lookahead", "one-adapter-slot"])
-def test_same_output_alone_and_in_any_batch(served, setting):
+@pytest.fixture(scope="module")
+def alone(served):
+    """Ten requests of various adapters, each run alone in the engine: (prompts, adapters, 16 greedy tokens each)."""
     _, adapters, _ = served
     names = [None, *adapters]
     prompts = random_prompts(10, VOCAB, (5, 60), seed=2)
     which = [names[(3 * i) % len(names)] for i in range(len(prompts))]
-    alone = _alone(served, prompts, which, 16)
+    with make_llm(served) as llm:
+        tokens = [llm.generate([p], SamplingParams(max_tokens=16, **GREEDY), adapter=a, use_tqdm=False)[0]
+                  .token_ids for p, a in zip(prompts, which)]
+    return prompts, which, tokens
+
+
+@pytest.mark.parametrize("setting", ["batched", "chunked", "preempted", "preempted-lookahead", "one-adapter-slot"])
+def test_same_output_alone_and_in_any_batch(served, alone, setting):
+    _, adapters, _ = served
+    prompts, which, alone = alone
     settings = {
         "batched": {},
         "chunked": dict(max_num_batched_tokens=16, max_num_seqs=4),     # prompts spread over many steps
@@ -329,10 +297,6 @@ def test_engine_config_errors_name_the_field():
         EngineConfig(model="dummy:llama-2-7b", cuda_graph_max_prompt_tokens=-1)
     with pytest.raises(ValueError, match="adapter_loader_threads must be an integer >= 1, got 0"):
         EngineConfig(model="dummy:llama-2-7b", adapter_loader_threads=0)
-    with pytest.raises(ValueError, match=r"lora_in_gemm \(9\) must be at most max_gpu_adapters \(8\)"):
-        EngineConfig(model="dummy:llama-2-7b", lora_in_gemm=9)
-    with pytest.raises(ValueError, match="lora_in_gemm must be an integer >= 0, got -1"):
-        EngineConfig(model="dummy:llama-2-7b", lora_in_gemm=-1)
 
 
 def test_removing_an_adapter_ends_only_its_queued_requests(served):
@@ -381,150 +345,12 @@ def test_stop_token_text_is_not_in_the_output(tmp_path):
     assert cut.text == llm.tokenizer.decode(full.token_ids[:first], skip_special_tokens=True)
 
 
-def test_in_gemm_warmup_launches_each_count_and_changes_nothing(monkeypatch):
-    """EngineConfig.lora_in_gemm: per count of active adapters (1 … capacity) and layer of the first four, the
-    in-gemm expand of o, gate/up and down and RoPE's in-gemm product for q/k/v (and once more on 64-row
-    tiles), on slots of rank 0; outputs stay as they were, and so do the pool's ranks."""
-    from loraplex.adapters import AdapterPool
-    from loraplex.engine import warmup
-    from loraplex.models import ModelConfig
-    from loraplex.ops.fused import api as fused
-    from model_fixtures import hf_config
-    config = ModelConfig.from_dict(hf_config("llama-gqa-llama3rope").to_dict())
-    pool = AdapterPool(config, num_slots=4, max_rank=4, dtype=torch.float32, device="cpu")
-    pool.ranks.random_(1, 5)
-    before = pool.ranks.clone()
-    expands, ropes = [], []
-    real = warmup.expand_in_gemm
-
-    def expand(y_ext, n_base, b, ranks, scalings, batch, slot_active):
-        expands.append((y_ext.shape[0], y_ext.shape[1] - n_base, len(b), batch.num_work, batch.block_m,
-                        sum(int(r.abs().sum()) for r in ranks)))
-        y_ext.fill_(1.5)
-        out = real(y_ext, n_base, b, ranks, scalings, batch, slot_active, backend="reference")
-        assert torch.equal(y_ext, torch.full_like(y_ext, 1.5))   # rank 0: nothing added
-        return out
-    monkeypatch.setattr(warmup, "expand_in_gemm", expand)
-    real_rope = fused.apply_rope
-    monkeypatch.setattr(fused, "apply_rope", lambda *a, **kw: ropes.append(kw["delta"]) or real_rope(*a, **kw))
-    layers = min(4, config.num_hidden_layers)
-    assert warmup.compile_in_gemm(config, pool, torch.float32, 3) == (3 + 1) * layers * 4
-    assert torch.equal(pool.ranks, before)
-    assert len(expands) == (3 + 1) * layers * 3 and len(ropes) == (3 + 1) * layers
-    assert {e[3] for e in expands if e[4] == 16} == {1, 2, 3} and all(e[5] == 0 for e in expands)
-    assert {e[4] for e in expands} == {16, 64}
-    # each count's GEMM width: the base columns and `count` adapters' shrink columns (slices × max rank 4)
-    assert all(extra == rows * slices * 4 for rows, extra, slices, _, block_m, _ in expands if block_m == 16)
-    assert {p.active_count for p in ropes} == {1, 2, 3} and all(p.slot_active is not None for p in ropes)
-
-
-def test_lora_kernel_warmup_includes_the_stored_expand_where_it_is_on(monkeypatch):
-    """With KernelConfig.store_first (LORAPLEX_LORA_PREFILL=store) eager prompt steps store the expand's
-    product in the model's dtype (ops/stored_lora.py): a variant of its own, compiled at start-up too."""
-    import dataclasses
-
-    from loraplex.engine import warmup
-    from loraplex.ops.lora import sgmv
-    if not os.environ.get("LORAPLEX_LORA_PREFILL"):
-        assert not any(stored for *_, stored in warmup._variants())   # off by default
-    monkeypatch.setitem(sgmv.CONFIGS, 64, dataclasses.replace(sgmv.CONFIGS[64], store_first=True))
-    stored = [(block_m, cfg, accumulate) for block_m, cfg, accumulate, s in warmup._variants() if s]
-    assert stored == [(64, sgmv.CONFIGS[64], False)]
-
-
-@pytest.mark.parametrize("overlap_mode, fused_projs", [("full", None), ("fused", None), ("fused", "all"),
-                                                       ("off", None)])
-def test_lora_kernel_warmup_launches_every_variant_and_changes_nothing(overlap_mode, fused_projs, monkeypatch):
-    """Every (tile height, K splits, N chunk class) after the GEMMs; with the LoRA products beside them
-    (ops/overlap.py "full", and "fused", the default) the same again into fp32 buffers, which eager
-    forwards of up to overlap.MAX_ROWS rows launch too; with "fused" also the ops that expand the
-    products of overlap.FUSED_PROJECTIONS (by default q/k/v's, o's and down's: RoPE and RMSNorm), once per
-    K-split count the shrink can pick there (ops/lora_product.py)."""
-    from loraplex.adapters import AdapterPool
-    from loraplex.engine.warmup import compile_lora_kernels
-    from loraplex.models import ModelConfig
-    from loraplex.ops.fused import api as fused
-    from loraplex.ops.lora import overlap
-    from loraplex.ops.lora import sgmv
-    from model_fixtures import hf_config
-    monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", overlap_mode)
-    if fused_projs == "all":
-        monkeypatch.setattr(overlap, "FUSED_PROJECTIONS", frozenset({"q_proj", "o_proj", "gate_proj", "down_proj"}))
-    config = ModelConfig.from_dict(hf_config("llama-gqa-llama3rope").to_dict())
-    pool = AdapterPool(config, num_slots=2, max_rank=4, dtype=torch.float32, device="cpu")
-    pool.ranks.fill_(3)
-    stores, products = [], []
-    real = sgmv.add_lora
-    monkeypatch.setattr(sgmv, "add_lora", lambda *a, **kw: stores.append(not kw["accumulate"]) or real(*a, **kw))
-    for name in ("rms_norm", "silu_and_mul", "apply_rope"):
-        op = getattr(fused, name)
-        monkeypatch.setattr(fused, name, lambda *a, _op=op, _name=name, **kw: products.append(
-            (_name, kw["delta"].part.shape[0])) or _op(*a, **kw))
-    from loraplex.engine import warmup
-    from loraplex.models import llama
-    monkeypatch.setattr(llama, "DOWN_SHRINK_IN_SILU", True)   # off by default; its variants are warmed when on
-    silu_shrinks = []   # down's shrink in SiLU-and-mul and its expands (models/llama.py), per fp32-product variant
-    real_silu = warmup._compile_silu_shrink
-    monkeypatch.setattr(warmup, "_compile_silu_shrink",
-                        lambda *a: silu_shrinks.append(real_silu(*a)) or silu_shrinks[-1])
-    launches = compile_lora_kernels(config, pool, torch.float32)
-    beside = overlap_mode in ("full", "fused")   # both launch the fp32-product expand
-    assert launches == len(stores) + len(products) + sum(silu_shrinks)
-    assert len(stores) >= 2 * 2 * 4 * 4 * (2 if beside else 1)
-    # once per layer (0-3) and fp32-product variant (16- and 64-row tiles), unless gate/up is a fused projection
-    assert len(silu_shrinks) == (2 * min(4, config.num_hidden_layers) if beside and fused_projs != "all" else 0)
-    assert sum(stores) == (len(stores) // 2 if beside else 0)
-    if overlap_mode == "fused":
-        # each op once per layer (0-3), split count and row count (1 and 16)
-        splits, calls = {s for _, s in products}, 2 * min(4, config.num_hidden_layers)
-        # the consumers of the fused projections' products (by default q/k/v's and o's and down's, and gate/up's
-        # in decode forwards of 5 to 32 rows: overlap.DECODE_EXTRA_FUSED)
-        fused_any = overlap.FUSED_PROJECTIONS | overlap.DECODE_EXTRA_FUSED
-        ops_used = [op for op, projs in (("rms_norm", {"o_proj", "down_proj"}), ("silu_and_mul", {"gate_proj"}),
-                                         ("apply_rope", {"q_proj"})) if projs & fused_any]
-        assert ops_used == ["rms_norm", "silu_and_mul", "apply_rope"]
-        assert fused_projs == "all" or "gate_proj" not in overlap.FUSED_PROJECTIONS   # by default, from the decode set
-        assert splits and sorted(products) == sorted((n, s) for n in ops_used for s in splits for _ in range(calls))
-    else:
-        assert not products
-    assert bool((pool.ranks == 3).all())
-
-
-def test_warm_up_compiles_the_silu_tile_consumer_when_on(monkeypatch):
-    """LORAPLEX_LORA_SILU_TILES=on: start-up also launches SiLU-and-mul's tile consumer (ops/silu_lora_tiles.py)
-    for both tile heights and every K-split count, on layers 0-3 (the per-layer views' alignments); off, never."""
-    from loraplex.adapters import AdapterPool
-    from loraplex.engine.warmup import compile_lora_kernels
-    from loraplex.models import ModelConfig
-    from loraplex.ops.fused import api as fused
-    from loraplex.ops.fused import silu_lora_tiles
-    from model_fixtures import hf_config
-    config = ModelConfig.from_dict(hf_config("llama-gqa-llama3rope").to_dict())
-    pool = AdapterPool(config, num_slots=2, max_rank=4, dtype=torch.float32, device="cpu")
-    tiles = []
-    real = fused.silu_and_mul
-    monkeypatch.setattr(fused, "silu_and_mul", lambda *a, **kw: tiles.append(
-        (kw["delta"].tiles.block_m, kw["delta"].part.shape[0]) if kw["delta"].tiles is not None else None)
-        or real(*a, **kw))
-    for setting in ("off", "on"):
-        monkeypatch.setattr(silu_lora_tiles, "SETTING", setting)
-        tiles.clear()
-        compile_lora_kernels(config, pool, torch.float32)
-        found = sorted(t for t in tiles if t is not None)
-        layers = min(4, config.num_hidden_layers)
-        assert found == ([(m, s) for m in (16, 64) for s in (1, 2, 4, 8) for _ in range(layers)]
-                         if setting == "on" else [])
-
-
-@pytest.mark.parametrize("graphs, setting", [(True, None), (False, None), (True, "0"), (True, "adaptive")])
-def test_eager_forwards_run_with_adapter_loads_stepping_aside(served, graphs, setting, monkeypatch):
+@pytest.mark.parametrize("graphs", [True, False])
+def test_eager_forwards_run_with_adapter_loads_stepping_aside(served, graphs):
     """With decode graphs, each eager forward is a `busy` stretch of adapters/priority.py (loads get the
     graphed steps' host time instead); without graphs (the CPU, enforce_eager) every step is eager, so
-    loads are never held back; nor with LORAPLEX_HOST_PRIORITY=0. With `adaptive`, only in steps
-    where no request that fits waits for its adapter."""
+    loads are never held back."""
     from loraplex.adapters.priority import HOST_PRIORITY
-    if setting is not None:
-        monkeypatch.setenv("LORAPLEX_HOST_PRIORITY", setting)
 
     class NoGraph:   # an engine with graphs whose steps all run eager (as steps that fit no graph do)
         class shapes:
@@ -533,13 +359,13 @@ def test_eager_forwards_run_with_adapter_loads_stepping_aside(served, graphs, se
                 return None
 
     llm = make_llm(served)
-    runner, seen = llm.engine.runner, []
+    runner, busy = llm.engine.runner, []
     if graphs:
         runner.graphs = NoGraph()
     run_eager = runner._run_eager
 
     def recording(*args, **kwargs):
-        seen.append((HOST_PRIORITY.is_busy, llm.engine.scheduler.waiting_on_adapters))
+        busy.append(HOST_PRIORITY.is_busy)
         return run_eager(*args, **kwargs)
 
     runner._run_eager = recording
@@ -548,12 +374,7 @@ def test_eager_forwards_run_with_adapter_loads_stepping_aside(served, graphs, se
     finally:
         runner.graphs = None
         llm.close()
-    busy = [b for b, _ in seen]
-    if setting == "adaptive":
-        assert all(b == (not waiting) for b, waiting in seen), seen
-        assert any(waiting for _, waiting in seen), "no step waited for an adapter: the test shows nothing"
-    else:
-        assert seen and set(busy) == {graphs and setting is None}
+    assert busy and set(busy) == {graphs}
     assert not HOST_PRIORITY.is_busy
 
 
@@ -573,7 +394,7 @@ def test_steps_run_by_the_graph_shapes_choose_and_are_counted(served):
         shapes = GraphShapes.make(16, runner.max_model_len, 64)
 
         @staticmethod
-        def run(chunks, inputs=None, *, key, in_gemm=None):
+        def run(chunks, inputs=None, *, key):
             keys.append(key)
             fed_from_device.append(0 if inputs is None else len(inputs[1]))
             c = runner.model.config
@@ -650,13 +471,3 @@ def test_the_engine_freezes_its_heap_out_of_full_collections_until_closed(served
     assert gc_heap._holders == holders
     if holders == 0:   # the last engine that froze has closed: the heap is the collector's again
         assert gc.get_freeze_count() == 0 and collectable(module)
-
-
-@pytest.mark.parametrize("name, value", [("LORAPLEX_HOST_PRIORITY", "adaptiv"), ("LORAPLEX_LORA_OVERLAP", "sideways")])
-def test_a_bad_engine_setting_fails_at_start_up(name, value, tmp_path, monkeypatch):
-    """Settings read in every step are checked when the engine starts, with the variable named."""
-    from model_fixtures import make_hf_model
-    folder = make_hf_model(tmp_path / "m", "llama-text", seed=5)
-    monkeypatch.setenv(name, value)
-    with pytest.raises(ValueError, match=f"{name}='{value}'"):
-        LLM(str(folder), dtype="float32", device="cpu", num_kv_blocks=64, block_size=8)

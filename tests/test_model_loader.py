@@ -38,11 +38,11 @@ def test_loads_every_weight_where_transformers_has_it(base):
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     layer = ours.layers[1]
     p = "model.layers.1."
-    assert torch.equal(layer.qkv_proj[:q], theirs[p + "self_attn.q_proj.weight"])
-    assert torch.equal(layer.qkv_proj[q:q + kv], theirs[p + "self_attn.k_proj.weight"])
-    assert torch.equal(layer.qkv_proj[q + kv:], theirs[p + "self_attn.v_proj.weight"])
-    assert torch.equal(layer.gate_up_proj[:c.intermediate_size], theirs[p + "mlp.gate_proj.weight"])
-    assert torch.equal(layer.gate_up_proj[c.intermediate_size:], theirs[p + "mlp.up_proj.weight"])
+    assert torch.equal(layer.qkv_proj.weight[:q], theirs[p + "self_attn.q_proj.weight"])
+    assert torch.equal(layer.qkv_proj.weight[q:q + kv], theirs[p + "self_attn.k_proj.weight"])
+    assert torch.equal(layer.qkv_proj.weight[q + kv:], theirs[p + "self_attn.v_proj.weight"])
+    assert torch.equal(layer.gate_up_proj.weight[:c.intermediate_size], theirs[p + "mlp.gate_proj.weight"])
+    assert torch.equal(layer.gate_up_proj.weight[c.intermediate_size:], theirs[p + "mlp.up_proj.weight"])
     assert torch.equal(ours.lm_head, theirs["lm_head.weight"])
     assert torch.equal(ours.embed_tokens, theirs["model.embed_tokens.weight"])
     assert ours.inv_freq.dtype == torch.float32

@@ -25,7 +25,8 @@ WAITING, RUNNING, FINISHED = SequenceStatus.WAITING, SequenceStatus.RUNNING, Seq
 
 # ---- helpers ---------------------------------------------------------------------------------------
 class FakeAdapters:
-    """The scheduler's view of the adapter cache: acquire_if_resident / release / want.
+    """The scheduler's view of the adapter cache: acquire_if_resident / release / want, and the queries
+    `would_admit` makes (in / error / is_resident).
 
     Residency is set by the test (`make_resident`, `evict`), or, with `load_steps`, an adapter
     wanted becomes resident that many `tick()`s later once a slot is free or held by an adapter
@@ -73,6 +74,15 @@ class FakeAdapters:
         for name in self.wanted:
             self.prefetched.append(name)
             self._start_load(name)
+
+    def __contains__(self, name: str) -> bool:
+        return True   # every name is registered
+
+    def error(self, name: str) -> str | None:
+        return "corrupt" if name in self.failed else None
+
+    def is_resident(self, name: str) -> bool:
+        return name in self.slot_of
 
     # what tests call
     def make_resident(self, name: str) -> bool:
@@ -285,6 +295,30 @@ def test_admitting_beside_queued_decodes_takes_their_budget_and_the_seats_of_tho
     assert ids(sched.running) == ["d0", "d1", "d2", "w0"] and ids(sched.waiting) == ["w1"]
     assert sched.blocks.num_free == 64 - 3 - 4   # d0..d2 hold their 4 prompt tokens' block each, w0 its 14
     assert sched.admit_beside(num_decodes=16, leaving=3, now=8.0).chunks == []   # no budget left
+
+
+def test_would_admit_answers_as_schedule_would_without_pinning_or_taking_blocks():
+    """Scheduler.would_admit (the engine asks it before queuing decodes without scheduling): True where
+    schedule() would admit the first request it reaches, or end one whose adapter failed."""
+    ad = FakeAdapters(resident=["hot"], failed=["bad"])
+    sched = make_scheduler(num_blocks=16, block_size=4, adapters=ad, max_num_seqs=2, max_queue_skip_ms=1000)
+    a = make_seq("a", 8, arrival=0.0, max_tokens=20)
+    sched.add(a)
+    step(sched, now=0.0)
+    assert not sched.would_admit(now=1.0)                     # nothing waits
+    sched.add(make_seq("cold", 4, arrival=1.0, adapter="cold"))
+    assert not sched.would_admit(now=1.5)                     # passed over while its adapter loads
+    sched.add(make_seq("hot", 16, arrival=1.2, adapter="hot"))
+    assert sched.would_admit(now=1.5)                         # 4 blocks of the 14 free (1 kept back)
+    assert not sched.would_admit(extra_blocks=10, now=1.5)    # not beside 10 more
+    assert not sched.would_admit(now=2.5)                     # cold has aged: it holds the queue
+    assert ad.pins["hot"] == 0 and sched.blocks.num_free == 14
+    assert chunk_ids(sched.schedule(now=1.5)) == ["a", "hot"]
+    sched.add(make_seq("bad", 2, arrival=1.3, adapter="bad"))
+    assert not sched.would_admit(now=1.6)                     # every seat taken
+    sched.finish(a)
+    assert sched.would_admit(now=1.6)                         # schedule() would end bad
+    assert [s.request_id for s in sched.schedule(now=1.6).failed] == ["bad"]
 
 
 # ---- block accounting ----------------------------------------------------------------------------------
@@ -842,8 +876,7 @@ def test_waiting_on_adapters_is_false_when_the_kv_memory_has_no_room_for_the_req
 def test_admission_lookahead_keeps_room_for_the_running_sequences_to_grow(lookahead, admitted):
     """12 blocks of 4 tokens (1 kept back): with a lookahead of 8 tokens, a (8 tokens) and b (16) each
     reserve 2 blocks of growth, so c (8 tokens, 2 blocks) does not fit beside them (2 + 4 > 12 - 6 - 1);
-    admitted by its tokens now, it does. The engine's own check (`fits`, before it queues a decode
-    step without scheduling) says the same."""
+    admitted by its tokens now, it does. `fits` (which `would_admit` asks) says the same."""
     sched = make_scheduler(num_blocks=12, block_size=4, admission_lookahead=64)
     assert sched.watermark == 1
     for rid, prompt in (("a", 8), ("b", 16), ("c", 8)):

@@ -55,8 +55,6 @@ class AdapterPool:
         self._stacks: dict[tuple, tuple[list, list, list, list]] = {}
         self.ranks = torch.zeros(L, len(PROJECTIONS), S, dtype=torch.int32, device=self.device)
         self.scalings = torch.zeros(L, len(PROJECTIONS), S, dtype=torch.float32, device=self.device)
-        # bumped by each write: copies of a slot's weights elsewhere (adapters/active_area.py) know when to redo
-        self.versions = [0] * S
 
     @property
     def nbytes(self) -> int:
@@ -98,7 +96,6 @@ class AdapterPool:
         """
         self._check_slot(slot)
         self.check_fits(adapter.spec.max_rank, adapter.name)
-        self.versions[slot] += 1
         L, R = self.model.num_hidden_layers, self.max_rank
         ranks = [[0] * len(PROJECTIONS) for _ in range(L)]
         scalings = [[0.0] * len(PROJECTIONS) for _ in range(L)]

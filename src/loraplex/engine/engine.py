@@ -9,8 +9,6 @@ import time
 from pathlib import Path
 from typing import Sequence as Seq
 
-import torch
-
 from ..adapters import AdapterError
 from ..config import EngineConfig
 from ..sampling import SamplingParams
@@ -19,9 +17,10 @@ from .gc_heap import freeze_heap, release_heap
 from .model_runner import ModelRunner
 from .outputs import RequestOutput, make_output
 from .requests import prompt_token_ids, stop_reason
-from .scheduler import ScheduledChunk, Scheduler, is_decode
+from .scheduler import Scheduler
 from .sequence import FinishReason, Sequence, SequenceStatus
-from .step_info import Launched, StepInfo
+from .step_info import StepInfo
+from .step_pipeline import Launched, StepPipeline
 
 log = logging.getLogger("loraplex.engine")
 
@@ -42,7 +41,7 @@ class Engine:
         self.eos_token_ids = frozenset(eos)
         self._requests: dict[str, Sequence] = {}
         self.last_step: StepInfo | None = None
-        self._inflight: Launched | None = None   # a step queued on the GPU, not yet postprocessed
+        self.pipeline = StepPipeline(config, self.runner, self.scheduler, self.blocks)
         self.stats = {"steps": 0, "graph_steps": 0, "mixed_graph_steps": 0, "overlapped_steps": 0,
                       "overlapped_admissions": 0,   # steps queued ahead that admitted prompts
                       "tokens_prefilled": 0, "tokens_generated": 0}
@@ -131,117 +130,41 @@ class Engine:
 
     # ---- one step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one step and postprocess it; an output for every request that progressed.
+        """Run one step: schedule → run → postprocess. An output for every request that progressed.
 
-        Steps overlap: when the step just launched is all decodes (or last prompt chunks), the next
-        step is queued on the GPU before this one's tokens reach the host, its decodes' inputs taken
-        from this step's sample on the device, beside the prompts of requests admitted now
-        (`overlap_admissions`). The host then postprocesses while the GPU runs, so a step costs its
-        GPU time.
-        """
+        The GPU runs one step ahead where it can: the step after this one is queued before this one's
+        tokens reach the host, and the next call takes it instead of scheduling (`StepPipeline`)."""
         start = time.perf_counter()
         self.last_step = None   # stays None when nothing ran (callers may then wait a little)
-        outputs: list[RequestOutput] = []
-        current, self._inflight = self._inflight, None
-        continued = current is not None and any(c.seq.status is SequenceStatus.RUNNING for c in current.chunks)
-        if not continued:
-            plan = self.scheduler.schedule()
-            for seq in plan.failed:
-                self._finish(seq, FinishReason.ERROR)
-                outputs.append(make_output(seq))
-            if not plan.chunks:
-                return outputs
-            current = self._launch(plan.chunks)
-        queued = self._inflight = self._continue(current)
-        if continued or (queued is not None and queued.admitted):
-            # schedule() was not called, or the queued step admitted requests since: loads follow the queue
-            self.scheduler.plan_adapter_loads()
-        if continued:
-            self.scheduler.note_step(0)
-        for seq in queued.failed if queued is not None else ():   # their adapter failed when admitted
-            self._finish(seq, FinishReason.ERROR)
-            outputs.append(make_output(seq))
-        outputs += self._postprocess(current)
-        chunks = current.chunks
-        self.stats["steps"] += 1
-        self.stats["graph_steps"] += int(current.graph is not None)
-        self.stats["mixed_graph_steps"] += int(current.graph is not None and current.graph[1] > 0)
-        self.stats["overlapped_steps"] += int(self._inflight is not None)
-        names = {c.seq.adapter for c in chunks}
-        self.last_step = StepInfo(len(chunks), sum(c.num_tokens for c in chunks),
-                                  tuple(sorted(names, key=lambda a: (a is not None, a or ""))),
-                                  is_decode(chunks), current.graph is not None,
-                                  time.perf_counter() - start, current.span,
-                                  sum(c.start + c.num_tokens for c in chunks))
+        current, outputs = self._schedule()                        # what runs now, launched
+        if current is None:
+            return outputs
+        outputs += self._fail(self.pipeline.queue_next(current))   # the GPU goes on to the next step
+        outputs += self._postprocess(current)                      # while the host reads this one's tokens
+        self._record(current, time.perf_counter() - start)
         return outputs
 
-    def _launch(self, chunks: list[ScheduledChunk], inputs=None) -> "Launched":
-        pending, graph, span = self.runner.launch(chunks, inputs, loads_urgent=self.scheduler.waiting_on_adapters)
-        return Launched(chunks, pending, graph, span)
+    def _schedule(self) -> tuple[Launched | None, list[RequestOutput]]:
+        """The step that runs now, launched: the one queued ahead during the last step, else the scheduler's
+        next (None when there is nothing to run); and the outputs of requests whose adapter failed."""
+        current = self.pipeline.take()
+        if current is not None:
+            return current, []
+        plan = self.scheduler.schedule()
+        failed = self._fail(plan.failed)
+        return (self.pipeline.launch(plan.chunks) if plan.chunks else None), failed
 
-    def _continue(self, current: "Launched") -> "Launched | None":
-        """Queue the next step of `current`'s sequences now, if the scheduler would run their decodes
-        next: every chunk ends its sequence, every running sequence is in it, and the KV blocks for one
-        more token each are free (no preemption happens here). Waiting requests the scheduler admits
-        now join it (`Scheduler.admit_beside`), unless `overlap_admissions` is off: then a step that
-        could admit one is left to `schedule`."""
-        if not all(c.needs_logits for c in current.chunks):
-            return None
-        in_step = {id(c.seq) for c in current.chunks}
-        if any(id(s) not in in_step for s in self.scheduler.running):
-            return None  # a running prompt got no budget this step: the scheduler must see it next
-        rows, chunks, leaving = [], [], 0
-        for row, c in enumerate(current.chunks):
-            seq = c.seq
-            if seq.status is not SequenceStatus.RUNNING:
-                continue
-            # sequences that end by length with this token are left out (their row would be wasted)
-            if seq.num_output_tokens + 1 >= seq.params.max_tokens or seq.num_tokens + 1 >= self.max_model_len:
-                leaving += 1
-                continue
-            rows.append(row)
-            chunks.append(ScheduledChunk(seq, 1, start=seq.num_tokens, needs_logits=True))
-        if not chunks:
-            return None
-        need = sum(self.blocks.missing(c.seq, c.start + 1) for c in chunks)
-        if need > self.blocks.num_free:
-            return None
-        beside = self.config.overlap_admissions
-        if not beside and self._admissible_waiting(need):
-            return None
-        for c in chunks:
-            self.blocks.grow(c.seq, c.start + 1)
-        admitted = self.scheduler.admit_beside(len(chunks), leaving) if beside else None
-        if admitted is not None:
-            self.stats["overlapped_admissions"] += bool(admitted.chunks)
-            chunks += admitted.chunks   # after the decodes: the sampled tokens feed the first len(rows) rows
-        index = torch.tensor(rows, dtype=torch.long).to(self.runner.device, non_blocking=True)
-        launched = self._launch(chunks, (current.pending.tokens, index))
-        if admitted is not None:
-            launched.admitted, launched.failed = bool(admitted.chunks), admitted.failed
-        return launched
+    def _record(self, current: Launched, seconds: float) -> None:
+        graph, queued = current.graph, self.pipeline.queued
+        self.stats["steps"] += 1
+        self.stats["graph_steps"] += int(graph is not None)
+        self.stats["mixed_graph_steps"] += int(graph is not None and graph[1] > 0)
+        self.stats["overlapped_steps"] += int(queued is not None)
+        self.stats["overlapped_admissions"] += int(queued is not None and queued.admitted)
+        self.last_step = StepInfo.of(current.chunks, graph is not None, seconds, current.span)
 
-    def _admissible_waiting(self, extra_blocks: int = 0) -> bool:
-        """Would the scheduler admit a waiting request now? (Then it runs next, not a continuation.)
-        Mirrors its rules: adapters not on the GPU are skipped until aged; the first request it
-        reaches must fit in the free KV blocks (after `extra_blocks` for the continuation; `Scheduler.fits`)."""
-        sched, now = self.scheduler, time.monotonic()
-        if not sched.waiting or len(sched.running) >= self.config.max_num_seqs:
-            return False
-        if not sched.may_admit(now, self.config.max_num_batched_tokens - len(sched.running)):
-            return False  # the latency/throughput setting holds new prompts back for now
-        for seq in sched.waiting:
-            if seq.adapter is not None:
-                if seq.adapter not in self.adapters or self.adapters.error(seq.adapter) is not None:
-                    return True   # the scheduler fails it at once
-                if not self.adapters.is_resident(seq.adapter):
-                    if now - seq.times.arrival >= self.config.max_queue_skip_ms / 1000:
-                        return False  # aged: it blocks the queue until its adapter lands
-                    continue
-            return sched.fits(seq, extra_blocks)
-        return False
-
-    def _postprocess(self, launched: "Launched") -> list[RequestOutput]:
+    def _postprocess(self, launched: Launched) -> list[RequestOutput]:
+        """Read the step's sample; cache its chunks, append each sampled token and end what stops."""
         sampled = launched.pending.result()
         now = time.monotonic()
         outputs, row = [], -1
@@ -273,6 +196,12 @@ class Engine:
             outputs.append(make_output(seq))
         return outputs
 
+    def _fail(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """End requests whose adapter failed to load (their `error` says why)."""
+        for seq in seqs:
+            self._finish(seq, FinishReason.ERROR)
+        return [make_output(seq) for seq in seqs]
+
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status is not SequenceStatus.FINISHED:
             self.scheduler.finish(seq)
@@ -282,7 +211,7 @@ class Engine:
 
     def close(self) -> None:
         """Stop the adapter threads and give the GPU memory back."""
-        self._inflight = None
+        self.pipeline.clear()
         self.runner.close()
         if self._frozen:   # the last engine to close unfreezes: cycles among its objects may be collected
             release_heap()

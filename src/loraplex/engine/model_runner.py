@@ -142,16 +142,14 @@ class ModelRunner:
         del kv, batch, logits
 
     # ---- one step ---------------------------------------------------------------------------------
-    def launch(self, chunks: Seq[ScheduledChunk], inputs: tuple[torch.Tensor, torch.Tensor] | None = None, *,
-               loads_urgent: bool = False) -> tuple[PendingSample, tuple[int, int] | None, "GpuSpan | None"]:
+    def launch(self, chunks: Seq[ScheduledChunk], inputs: tuple[torch.Tensor, torch.Tensor] | None = None
+               ) -> tuple[PendingSample, tuple[int, int] | None, "GpuSpan | None"]:
         """Queue one step: the sample of the chunks that need logits (in their order), the shape
         (sequences, prompt tokens) of the CUDA graph that runs it (None when it runs eagerly), and its
         GpuSpan on CUDA (None on the CPU).
         `inputs` = (device token ids, index): the first len(index) chunks are one-token decodes whose token
         is `ids[index[i]]`, sampled by a step still in flight (their host value is not known yet); any
-        after them feed their own tokens (prompts admitted beside).
-        `loads_urgent`: requests wait for adapter loads to be admitted (see adapters/priority.py's
-        adaptive mode)."""
+        after them feed their own tokens (prompts admitted beside)."""
         from_device = 0 if inputs is None else len(inputs[1])
         if any(c.num_tokens != 1 for c in chunks[:from_device]):
             raise ValueError("chunks fed from a step in flight must be one-token decodes, and come first")

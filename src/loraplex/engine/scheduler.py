@@ -14,8 +14,10 @@ arrival) gives its blocks back and waits to be recomputed; its tokens so far are
 output is the same as if it had never been preempted. Recomputing costs a whole context, so each
 preemption makes admission more careful for a while: a request is admitted only if the running
 sequences keep room to grow `lookahead` tokens each beside it (`note_step`, `growth_reserve`), at most
-`admission_lookahead` (default 256; 0 turns it off). On the paper's unlimited-batch run (H200, 2026-12-01,
-benchmarks/NOTES.md) it halved the preemptions (180 → 90) and the mean batch grew (144 → 162 sequences).
+`admission_lookahead` (default 256; 0 turns it off).
+
+The engine queues some steps without `schedule` (engine/step_pipeline.py): it asks `would_admit` whether
+a waiting request would go first, and admits requests into such a step with `admit_beside`.
 """
 from __future__ import annotations
 
@@ -61,7 +63,6 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
-
 
 
 class Scheduler:
@@ -194,10 +195,31 @@ class Scheduler:
             reserve += self._growth(seq)
         return budget
 
+    def would_admit(self, extra_blocks: int = 0, now: float | None = None) -> bool:
+        """Would `schedule` admit a waiting request now, with `extra_blocks` of the free KV blocks taken? `_admit`'s
+        rules, without pinning anything: a seat and `may_admit`; requests whose adapter is not on the GPU are passed
+        over until aged (then nothing is admitted); the first one reached must fit (`fits`). A request whose
+        adapter failed counts: `schedule` would end it."""
+        now = time.monotonic() if now is None else now
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return False
+        if not self.may_admit(now, self.config.max_num_batched_tokens - len(self.running)):
+            return False
+        skip_after = self.config.max_queue_skip_ms / 1000
+        for seq in self.waiting:
+            if seq.adapter is not None:
+                if seq.adapter not in self.adapters or self.adapters.error(seq.adapter) is not None:
+                    return True
+                if not self.adapters.is_resident(seq.adapter):
+                    if now - seq.times.arrival >= skip_after:
+                        return False
+                    continue
+            return self.fits(seq, extra_blocks)
+        return False
+
     def fits(self, seq: Sequence, extra_blocks: int = 0, reserve: int | None = None) -> bool:
         """Do all of its tokens fit in the free KV blocks (less `extra_blocks`) now, beside the watermark
-        and the `reserve` of the running sequences' growth (`growth_reserve()` unless given), if others run?
-        The engine asks it too, before it queues a decode step without scheduling (engine.py)."""
+        and the `reserve` of the running sequences' growth (`growth_reserve()` unless given), if others run?"""
         need = self.blocks.blocks_for(seq.num_tokens)
         free = self.blocks.num_free - extra_blocks
         if not self.running:
@@ -210,12 +232,12 @@ class Scheduler:
         return sum(self._growth(s) for s in self.running) if self.lookahead >= 1 else 0
 
     # The lookahead's rise per preemption and fall per step without one: chosen on the scheduler alone
-    # (benchmarks/simulate_schedule.py; NOTES.md); measured with admission_lookahead = 256 on an H200.
+    # (benchmarks/simulate_schedule.py).
     LOOKAHEAD_UP = 128.0
     LOOKAHEAD_DECAY = 1.0
 
     def note_step(self, preemptions: int) -> None:
-        """One engine step ran (`schedule` calls it; so does the engine for a step it queues without
+        """One engine step ran (`schedule` calls it; so does the engine for a step it queued without
         scheduling) with this many preemptions: the lookahead rises or decays."""
         if preemptions:
             raised = self.lookahead + self.LOOKAHEAD_UP * preemptions

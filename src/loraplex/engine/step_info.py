@@ -1,22 +1,10 @@
-"""What a step launched and what it ran: the engine's records of its steps (for overlap, metrics, benchmarks)."""
+"""What a step ran: the engine's record of its last step (for metrics and benchmarks)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from ..sampling import PendingSample
 from .model_runner import GpuSpan
-from .scheduler import ScheduledChunk
-from .sequence import Sequence
-
-
-@dataclass
-class Launched:
-    chunks: list[ScheduledChunk]
-    pending: PendingSample
-    graph: tuple[int, int] | None   # the CUDA graph's (sequences, prompt tokens); None: eager
-    span: GpuSpan | None            # its GPU time (CUDA only)
-    admitted: bool = False          # queued ahead with prompts admitted beside its decodes
-    failed: list[Sequence] = field(default_factory=list)   # requests that admission failed (adapter errors)
+from .scheduler import ScheduledChunk, is_decode
 
 
 @dataclass
@@ -41,3 +29,11 @@ class StepInfo:
     def num_adapters(self) -> int:
         """Distinct adapters in the step (the base model not counted)."""
         return sum(a is not None for a in self.adapters)
+
+    @classmethod
+    def of(cls, chunks: list[ScheduledChunk], graphed: bool, seconds: float, span: GpuSpan | None) -> StepInfo:
+        """The record of a step that ran `chunks`."""
+        names = {c.seq.adapter for c in chunks}
+        return cls(len(chunks), sum(c.num_tokens for c in chunks),
+                   tuple(sorted(names, key=lambda a: (a is not None, a or ""))), is_decode(chunks), graphed,
+                   seconds, span, sum(c.start + c.num_tokens for c in chunks))
