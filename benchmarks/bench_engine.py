@@ -1,13 +1,13 @@
 """End-to-end engine benchmark on the GPU: Llama-2-7B shapes, dummy weights, bf16, rank-16
 adapters on all seven projections.
 
-Workload: `--requests` prompts of 128–512 random tokens, 128 output tokens each (ignore_eos),
-all submitted at once; `max_num_seqs` of 32 and 256. Three variants on the same prompts:
+Workload: `--waves` × max_num_seqs prompts of 128–512 random tokens, 128 output tokens each (ignore_eos),
+all submitted at once; `max_num_seqs` of 32 and 256 (`--batches`). Three variants on the same prompts:
 - backbone: no adapters;
 - distinct: request i uses adapter i mod max_num_seqs, so every full batch has all-distinct adapters;
 - shared: every request uses one adapter.
 Adapters are synthetic (no files) and made resident before timing, so the runs measure serving,
-not loading. Each variant runs with CUDA graphs and with `enforce_eager`.
+not loading. Each variant runs with CUDA graphs, and at `--eager-batches` also with `enforce_eager`.
 
 Reported per run: output tokens/s over the whole run, the median wall time of full-batch decode
 steps (schedule + forward + sample + postprocess), and beside them the memory floor of such a
@@ -18,15 +18,15 @@ measured in the same run.
 alike), and reports each variant's median-throughput run beside all N throughputs. The full-batch decode
 steps' GPU span (inputs, forward, sampling on the GPU) is reported beside their wall time.
 
-    python benchmarks/bench_engine.py --repeats 3 --out benchmarks/results/engine.json --md benchmarks/results/engine.md
+    python benchmarks/bench_engine.py --batches 32,256 --repeats 3 \
+        --out benchmarks/results/engine.json --md benchmarks/results/engine.md
+    python benchmarks/bench_engine.py --batches 32 --modes graphs --variants backbone,distinct --repeats 3
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
-import os
 import statistics
 import sys
 import time
@@ -38,16 +38,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_lora_ops import copy_bandwidth_gbs  # noqa: E402
 from bench_model import adapter_bytes, kv_bytes, weight_bytes  # noqa: E402
 
-from loraplex import SamplingParams  # noqa: E402
+from loraplex import SamplingParams, envs  # noqa: E402
 from loraplex.config import EngineConfig  # noqa: E402
 from loraplex.engine import Engine  # noqa: E402
-from loraplex.ops import pdl
-from loraplex.ops.fused import lora_kernels as fused_lora_kernels
-from loraplex.ops.fused import rms_split as fused_lora_rms_split
-from loraplex.ops.lora import overlap
-from loraplex.ops.lora import sgmv
-from loraplex.ops.lora import sgmv_kernels
-from loraplex.ops.gemm import skinny as skinny_gemm
 
 RANK = 16
 OUTPUT_TOKENS = 128
@@ -59,42 +52,22 @@ def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, vocab, (L,), generator=gen).tolist() for L in lens]
 
 
-def _timing_eager_launches(engine: Engine) -> list[float]:
-    """From now on, the host seconds of each eager launch (`ModelRunner.launch` returning no graph: the whole
-    forward and sampling queued from Python) are appended to the list returned; `del engine.runner.launch` ends it."""
-    host: list[float] = []
-    real = engine.runner.launch
-
-    def launch(*args, **kwargs):
-        t0 = time.perf_counter()
-        out = real(*args, **kwargs)
-        if out[1] is None:
-            host.append(time.perf_counter() - t0)
-        return out
-    engine.runner.launch = launch
-    return host
-
-
 def run(engine: Engine, work: list[list[int]], adapters: list[str | None]) -> dict:
     params = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
     engine.stats["overlapped_steps"] = 0
     torch.cuda.synchronize()
-    eager_host = _timing_eager_launches(engine)
     start = time.perf_counter()
     for i, (p, a) in enumerate(zip(work, adapters)):
         engine.add_request(f"r{i}", p, params, a)
     steps, out_tokens, contexts = [], 0, []
-    try:
-        while engine.has_unfinished():
-            outs = engine.step()
-            info = engine.last_step
-            out_tokens += sum(len(o.new_token_ids) for o in outs)
-            if info is not None:
-                steps.append(info)
-                if info.decode and info.num_seqs == engine.config.max_num_seqs:
-                    contexts.append(sum(s.num_tokens for s in engine.scheduler.running))
-    finally:
-        del engine.runner.launch   # the class's own again
+    while engine.has_unfinished():
+        outs = engine.step()
+        info = engine.last_step
+        out_tokens += sum(len(o.new_token_ids) for o in outs)
+        if info is not None:
+            steps.append(info)
+            if info.decode and info.num_seqs == engine.config.max_num_seqs:
+                contexts.append(info.context_tokens)
     seconds = time.perf_counter() - start
     kinds = {"decode": [s for s in steps if s.decode], "mixed": [s for s in steps if not s.decode and s.num_seqs > 1],
              "prefill": [s for s in steps if not s.decode and s.num_seqs == 1]}
@@ -115,10 +88,7 @@ def run(engine: Engine, work: list[list[int]], adapters: list[str | None]) -> di
                 prefill_step_ms=1e3 * statistics.median([s.seconds for s in steps if not s.decode] or [0]),
                 prefill_gpu_ms=1e3 * statistics.median(prompt_gpu) if prompt_gpu else None,
                 prompt_steps_seconds=round(sum(s.seconds for s in steps if not s.decode), 4),
-                prompt_steps_gpu_seconds=round(sum(prompt_gpu), 4) if prompt_gpu else None,
-                # host time queueing the eager forwards (more than their GPU span: the GPU waited for the host)
-                eager_launch_host_ms=1e3 * statistics.median(eager_host) if eager_host else None,
-                eager_launches_host_seconds=round(sum(eager_host), 4))
+                prompt_steps_gpu_seconds=round(sum(prompt_gpu), 4) if prompt_gpu else None)
 
 
 def main(argv=None) -> None:
@@ -132,21 +102,11 @@ def main(argv=None) -> None:
     ap.add_argument("--variants", default="backbone,distinct,shared")
     ap.add_argument("--repeats", type=int, default=1,
                     help="measured runs per variant, interleaved across variants; each row is the median-tokens/s run")
-    ap.add_argument("--prefill", default=None,
-                    help="LORAPLEX_LORA_PREFILL values, ';'-separated (an empty one: the default): each adapter "
-                         "variant runs once per value, in the same engine (default: the environment's value only)")
     ap.add_argument("--out")
     ap.add_argument("--md")
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
-    prefills = [v.strip() for v in args.prefill.split(";")] if args.prefill is not None else \
-        [os.environ.get("LORAPLEX_LORA_PREFILL", "")]
-    try:
-        prefill_configs = {v: dataclasses.replace(sgmv.PREFILL_DEFAULT, **sgmv._prefill_options(v)) for v in prefills}
-    except ValueError as e:
-        ap.error(str(e))
-    start_config = sgmv.CONFIGS[64]
     copy_gbs = copy_bandwidth_gbs()
     rows, first = [], True
     for B in map(int, args.batches.split(",")):
@@ -168,14 +128,11 @@ def main(argv=None) -> None:
                 engine.adapters.wait_resident(f"a{i}", timeout=600)
             model = engine.runner.model
             work = prompts(args.waves * B, model.config.vocab_size)
-            # (adapters, prompt tiles' expand options): the backbone runs no LoRA kernels, so once
-            variants = [(v, p) for v in args.variants.split(",")
-                        for p in (prefills[:1] if v == "backbone" else prefills)]
-            runs: dict[tuple[str, str], list[dict]] = {v: [] for v in variants}
+            variants = args.variants.split(",")
+            runs: dict[str, list[dict]] = {v: [] for v in variants}
             # interleaved, and each round in a rotated order, so that drift over the call hits every variant alike
             for repeat in range(args.repeats):
-                for variant, prefill in variants[repeat % len(variants):] + variants[:repeat % len(variants)]:
-                    sgmv.CONFIGS[64] = prefill_configs[prefill]   # eager prompt steps read it at each launch
+                for variant in variants[repeat % len(variants):] + variants[:repeat % len(variants)]:
                     adapters = {"backbone": [None] * len(work), "shared": ["a0"] * len(work),
                                 "distinct": [f"a{i % B}" for i in range(len(work))]}[variant]
                     if repeat == 0:
@@ -184,18 +141,16 @@ def main(argv=None) -> None:
                         n = len(work) if first else B
                         run(engine, work[:n], adapters[:n])
                         first = False
-                    runs[variant, prefill].append(run(engine, work, adapters))
-            sgmv.CONFIGS[64] = start_config
-            for variant, prefill in variants:
-                ordered = sorted(runs[variant, prefill], key=lambda r: r["tokens_per_s"])
+                    runs[variant].append(run(engine, work, adapters))
+            for variant in variants:
+                ordered = sorted(runs[variant], key=lambda r: r["tokens_per_s"])
                 res = ordered[(len(ordered) - 1) // 2]   # the median run (the lower middle of an even count)
                 used = {"backbone": 0, "shared": 1, "distinct": B}[variant]
                 ctx = res["mean_full_context"] or 0
                 floor_ms = (weight_bytes(model, B) + kv_bytes(model, int(ctx * B)) +
                             used * adapter_bytes(model)) / (copy_gbs * 1e9) * 1e3
-                row = dict(batch=B, mode=mode, variant=variant, prefill=None if variant == "backbone" else prefill,
-                           setup_s=setup_s, floor_ms=floor_ms,
-                           repeats_tokens_per_s=[round(r["tokens_per_s"], 1) for r in runs[variant, prefill]], **res)
+                row = dict(batch=B, mode=mode, variant=variant, setup_s=setup_s, floor_ms=floor_ms,
+                           repeats_tokens_per_s=[round(r["tokens_per_s"], 1) for r in runs[variant]], **res)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             engine.close()
@@ -203,17 +158,7 @@ def main(argv=None) -> None:
             torch.cuda.empty_cache()
     result = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,
                   preset=args.preset, layers=args.layers, rank=RANK, output_tokens=OUTPUT_TOKENS, repeats=args.repeats,
-                  prefills=prefills,   # the LORAPLEX_LORA_PREFILL values the adapter rows ran with (changes to:)
-                  prefill_default=sgmv.describe_prefill(sgmv.PREFILL_DEFAULT),   # before 2026-12-02 (no key): plain
-                  prefill_configs={v: sgmv.describe_prefill(c) for v, c in prefill_configs.items()},
-                  vector_loads=sgmv_kernels.VECTOR_LOADS,   # LORAPLEX_LORA_VECTOR_LOADS (no key before: off)
-                  vector_loads_setting=sgmv_kernels.VECTOR_LOADS_SETTING,   # no key before the seventeenth session
-                  decode_extra_fused=sorted(overlap.DECODE_EXTRA_FUSED),    # no key before the seventeenth session: []
-                  skinny_gemm=skinny_gemm.SETTING,   # LORAPLEX_SKINNY_GEMM (no key before the seventeenth session: off)
-                  pdl=bool(pdl.PDL),   # LORAPLEX_PDL in effect (no key before the eighteenth session: off)
-                  # LORAPLEX_LORA_EARLY_READS and LORAPLEX_LORA_RMS_ONE_LAUNCH (no keys before 2026-12-03: off)
-                  early_reads=fused_lora_kernels.EARLY_READS, rms_one_launch=fused_lora_rms_split.ONE_LAUNCH,
-                  skinny_configs={f"{n},{k}": c.__dict__ for (n, k), c in skinny_gemm.CONFIGS.items()},
+                  settings=envs.snapshot(),   # the LORAPLEX_* settings the run had
                   copy_gbs=copy_gbs, rows=rows)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
@@ -240,8 +185,7 @@ def markdown(res: dict) -> str:
         rel = r["tokens_per_s"] / base[(r["batch"], r["mode"])] if (r["batch"], r["mode"]) in base else float("nan")
         steps = (f"{step:.2f} | {gpu:.2f} | " if gpu else f"{step:.2f} | – | ") if step else "– | – | "
         floor = f"{r['floor_ms']:.2f} | {step / r['floor_ms']:.2f}× | " if step else "– | – | "
-        name = r["variant"] + (f" [{r['prefill'] or 'default'}]" if len(res.get("prefills", [])) > 1
-                               and r["variant"] != "backbone" else "")
+        name = r["variant"]
         prompt_gpu = f"{r['prefill_gpu_ms']:.1f}" if r.get("prefill_gpu_ms") else "–"
         lines.append(f"| {r['batch']} | {r['mode']} | {name} | {r['tokens_per_s']:.0f} | {rel:.3f} | "
                      f"{steps}{floor}{r['prefill_step_ms']:.1f} | {prompt_gpu} | {r['graph_steps']}/{r['steps']} |")

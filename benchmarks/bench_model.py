@@ -9,15 +9,13 @@ forward must read — weights (the embedding only for the batch's rows), the key
 of the context, each used adapter once — divided by the copy bandwidth measured in the same
 run.
 
-`--in-gemm` adds the distinct and shared variants with LoRA's shrink inside each projection's GEMM
-(adapters/active_area.py attached to the model, capacity the largest batch; ops/lora_in_gemm.py's expand).
-
 Prefill: 8 sequences of 512 tokens from empty caches, backbone and distinct adapters, beside
 the FLOP floor: the forward's matrix FLOPs (dense layers over all tokens, causal attention,
 LoRA) divided by the bf16 GEMM throughput measured in the same run.
 
     python benchmarks/bench_model.py --out benchmarks/results/model_forward.json \\
         --md benchmarks/results/model_forward.md
+    python benchmarks/bench_model.py --layers 2 --batches 1,8      # a quick check of the set-up
 """
 from __future__ import annotations
 
@@ -32,8 +30,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_lora_ops import copy_bandwidth_gbs, time_us  # noqa: E402
 
+from loraplex import envs  # noqa: E402
 from loraplex.adapters import AdapterPool  # noqa: E402
-from loraplex.adapters.active_area import ActiveArea  # noqa: E402
 from loraplex.models import PROJECTIONS, ForwardBatch, KVCache, SequenceChunk, dummy_model  # noqa: E402
 
 RANK = 16
@@ -48,13 +46,12 @@ def gemm_tflops() -> float:
     return 2 * n ** 3 / us / 1e6
 
 
-def capture(fn, stream: torch.cuda.Stream | None = None):
-    """Capture fn in a CUDA graph after a warm-up call: (replay, the output tensor it rewrites). `stream`: the
-    capture stream (its priority is the kernels' at replay), else PyTorch's."""
+def capture(fn):
+    """Capture fn in a CUDA graph after a warm-up call: (replay, the output tensor it rewrites)."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
+    with torch.cuda.graph(graph):
         out = fn()
     return graph.replay, out
 
@@ -75,8 +72,8 @@ def fill_pool(pool: AdapterPool, gen: torch.Generator) -> None:
     for layer in range(pool.model.num_hidden_layers):
         for proj in PROJECTIONS:
             a, b = pool.lora_a[layer][proj], pool.lora_b[layer][proj]
-            a.copy_(torch.randn(a.shape, generator=gen, device="cuda") * a.shape[2] ** -0.5)
-            b.copy_(torch.randn(b.shape, generator=gen, device="cuda") * 0.01)
+            a.copy_(torch.randn(a.shape, generator=gen, device=a.device) * a.shape[2] ** -0.5)
+            b.copy_(torch.randn(b.shape, generator=gen, device=b.device) * 0.01)
     pool.ranks.fill_(RANK)
     pool.scalings.fill_(2.0)
 
@@ -104,26 +101,6 @@ def tables(num_seqs: int, blocks_each: int, offset: int, gen: torch.Generator) -
     return [order[i * blocks_each:(i + 1) * blocks_each] for i in range(num_seqs)]
 
 
-def decode_setup(batch: int, context: int):
-    """(model, KV cache, adapter pool, ForwardBatch): a random Llama-2-7B (bf16, CUDA), `batch` sequences at
-    `context` tokens each decoding one, each its own pool slot of a rank-RANK adapter on every projection,
-    pages scattered. Seeded: the same inputs every run."""
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    cpu_gen = torch.Generator().manual_seed(0)
-    model = dummy_model("llama-2-7b", dtype="bfloat16", device="cuda")
-    c = model.config
-    ctx_blocks = -(-context // BLOCK)
-    kv = KVCache(c, batch * ctx_blocks, BLOCK, dtype=torch.bfloat16, device="cuda")
-    kv.data.normal_(0, 1, generator=gen)
-    pool = AdapterPool(c, num_slots=batch, max_rank=RANK, dtype=torch.bfloat16, device="cuda")
-    fill_pool(pool, gen)
-    tokens = torch.randint(0, c.vocab_size, (batch,), generator=cpu_gen).tolist()
-    chunks = [SequenceChunk([t], context - 1, tab, s)
-              for t, tab, s in zip(tokens, tables(batch, ctx_blocks, 0, cpu_gen), range(batch))]
-    fb = ForwardBatch.build(chunks, block_size=BLOCK, num_blocks=kv.num_blocks, vocab_size=c.vocab_size, device="cuda")
-    return model, kv, pool, fb
-
-
 def matmul_flops(model, tokens: int, logits_rows: int, seq_len: int, num_seqs: int, lora: bool) -> float:
     c = model.config
     dense = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n
@@ -144,7 +121,6 @@ def main(argv=None) -> dict:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--prefill", default="8x512")
     ap.add_argument("--profile", type=Path, help="write per-kernel GPU time of decode forwards (torch.profiler) here")
-    ap.add_argument("--in-gemm", action="store_true", help="also time the LoRA shrink inside the GEMMs (ActiveArea)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--md", type=Path)
     args = ap.parse_args(argv)
@@ -162,9 +138,6 @@ def main(argv=None) -> dict:
     kv.data.normal_(0, 1, generator=gen)
     pool = AdapterPool(c, num_slots=max(max(batches), n_pre), max_rank=RANK, dtype=torch.bfloat16, device="cuda")
     fill_pool(pool, gen)
-    # before any capture: the area moves each projection's weight into a larger tensor (same values)
-    area = ActiveArea(model, pool, capacity=max(batches)) if args.in_gemm else None
-    model.active_area = area
     copy_gbs, tflops = copy_bandwidth_gbs(), gemm_tflops()
     print(f"{torch.cuda.get_device_name()}: copy {copy_gbs:.0f} GB/s, bf16 GEMM {tflops:.0f} TFLOP/s; "
           f"{c.name_or_path} × {c.num_hidden_layers} layers; {kv.describe()}; {pool.describe()}", flush=True)
@@ -177,19 +150,11 @@ def main(argv=None) -> dict:
     for B in batches:
         tabs = tables(B, ctx_blocks, 0, cpu_gen)
         tokens = torch.randint(0, c.vocab_size, (B,), generator=cpu_gen).tolist()
-        variants = ("backbone", "distinct", "shared") + (("distinct-in-gemm", "shared-in-gemm") if area else ())
-        for variant in variants:
-            slots = {"backbone": [-1] * B, "distinct": list(range(B)), "shared": [0] * B}[variant.split("-")[0]]
+        for variant in ("backbone", "distinct", "shared"):
+            slots = {"backbone": [-1] * B, "distinct": list(range(B)), "shared": [0] * B}[variant]
             batch = build([SequenceChunk([t], args.context - 1, tab, s) for t, tab, s in zip(tokens, tabs, slots)])
             use_pool = None if variant == "backbone" else pool
-            if variant.endswith("in-gemm"):
-                count = area.update(slots)
-
-                def fn():
-                    with model.lora_in_gemm(count):
-                        return model(batch, kv, use_pool)
-            else:
-                fn = lambda: model(batch, kv, use_pool)  # noqa: E731
+            fn = lambda: model(batch, kv, use_pool)  # noqa: E731
             eager_logits = fn().clone()
             replay, graph_logits = capture(fn)
             with torch.inference_mode():  # the forward's outputs are inference tensors
@@ -199,7 +164,7 @@ def main(argv=None) -> dict:
             graph_error = (graph_logits - eager_logits).abs().max().item()
             us_graph = time_us([replay])
             us_eager = time_us([fn], reps=5)
-            adapters = {"backbone": 0, "distinct": B, "shared": 1}[variant.split("-")[0]]
+            adapters = {"backbone": 0, "distinct": B, "shared": 1}[variant]
             nbytes = weight_bytes(model, B) + kv_bytes(model, B * args.context) + adapters * adapter_bytes(model)
             floor_us = nbytes / copy_gbs / 1e3
             row = dict(kind="decode", batch=B, context=args.context, variant=variant, graph_us=us_graph,
@@ -210,7 +175,7 @@ def main(argv=None) -> dict:
             print(f"decode B={B:4d} {variant:9s} graph {us_graph:8.0f} µs  eager {us_eager:8.0f} µs  "
                   f"floor {floor_us:7.0f} µs  ({100 * row['of_floor']:.0f}% of floor)", flush=True)
             del replay, graph_logits
-            if args.profile and variant in ("distinct", "distinct-in-gemm") and B in (1, max(batches)):
+            if args.profile and variant == "distinct" and B in (1, max(batches)):
                 profiles.append(kernel_profile(fn, f"decode B={B} {variant} adapters, context {args.context}"))
         torch.cuda.empty_cache()
 
@@ -234,7 +199,7 @@ def main(argv=None) -> dict:
         args.profile.write_text("\n\n".join(profiles))
     import triton
     result = dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                  torch=torch.__version__, triton=triton.__version__, preset=args.preset,
+                  torch=torch.__version__, triton=triton.__version__, settings=envs.snapshot(), preset=args.preset,
                   layers=c.num_hidden_layers, rank=RANK, block_size=BLOCK, copy_gbs=copy_gbs, gemm_tflops=tflops,
                   weight_bytes=weight_bytes(model, 0), adapter_bytes=adapter_bytes(model), rows=rows)
     if args.out:

@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_lora_ops import copy_bandwidth_gbs, time_us  # noqa: E402
 
+from loraplex import envs  # noqa: E402
 from loraplex.ops.gemm.skinny import SkinnyConfig, launched_config, skinny_linear  # noqa: E402
 
 # Llama-2-7B: name -> (N, K) of the weight
@@ -118,7 +119,8 @@ def main(argv=None) -> None:
     copy_gbs = 1.0 if SMOKE else copy_bandwidth_gbs()
     result = dict(gpu="cpu (smoke run)" if SMOKE else torch.cuda.get_device_name(),
                   date=datetime.date.today().isoformat(), torch=torch.__version__,
-                  triton=__import__("triton").__version__, copy_gbs=copy_gbs, shapes={}, layer={})
+                  triton=__import__("triton").__version__, settings=envs.snapshot(), copy_gbs=copy_gbs, shapes={},
+                  layer={})
     weights = {}
     for name, (N, K) in SHAPES.items():
         copies = max(2, -(-ROTATION_BYTES // (N * K * 2)))

@@ -1,12 +1,10 @@
 #!/usr/bin/env bash
 # Fetch (here, where pip reaches an index) the wheels that `loraplex serve` and bench_serving.py need
-# on the device machine, whose image lacks them (/work/.library/device/KINDS.md lists what it has):
-# the versions CI tests with, for CPython 3.12 on x86-64. Packages the image already holds (anyio,
-# click, h11, httpx, idna, typing-extensions, annotated-doc) are left out: two copies would clash.
+# on a GPU machine without a package index whose image lacks them: the versions CI tests with, for
+# CPython 3.12 on x86-64. Packages such an image already holds (anyio, click, h11, httpx, idna,
+# typing-extensions, annotated-doc) are left out: two copies would clash.
 #   bash benchmarks/fetch_device_wheels.sh      # writes .whl/ (git-ignored through .git/info/exclude)
-# Then, on the device (carry: [".whl"]):
-#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-#       .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD/src
+# Carry .whl/ to the GPU machine: the gpu_*.sh launchers install what it holds (gpu_common.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude

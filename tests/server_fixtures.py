@@ -1,9 +1,12 @@
-"""A tiny text model with PEFT adapters and a chat template, and a real uvicorn server on 127.0.0.1
-running in a thread of the test process."""
+"""A tiny text model with PEFT adapters and a chat template, and a real server on 127.0.0.1: uvicorn
+in a thread of the test process (`ServerThread`), or `loraplex serve` in its own (`ServeProcess`)."""
 from __future__ import annotations
 
+import os
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -88,6 +91,48 @@ class ServerThread:
             time.sleep(0.02)
         raise AssertionError(f"not idle: {self.state.in_flight} in flight, {core.num_unfinished} in the engine, "
                              f"{core.blocks.num_blocks - core.blocks.num_free} KV blocks used")
+
+
+class ServeProcess:
+    """`loraplex serve --model base ...` in a process of its own, listening on a free port; `.url` as
+    ServerThread's. `prelude`: Python run in that process before the command (to inject faults)."""
+
+    def __init__(self, base: Path, *flags: str, lora: dict[str, Path] | None = None, prelude: str = "",
+                 engine: dict | None = None) -> None:
+        args = ["serve", "--model", str(base), "--port", "0", "--log-level", "warning", *flags]
+        for key, value in (SERVER_ENGINE if engine is None else engine).items():
+            args += [f"--{key.replace('_', '-')}", str(value)]
+        for name, path in (lora or {}).items():
+            args += ["--lora", f"{name}={path}"]
+        code = prelude + "\nimport sys\nfrom loraplex.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+        self.proc = subprocess.Popen([sys.executable, "-c", code, *args], stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.lines: list[str] = []
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            if "serving" in line and "http://" in line:
+                self.url = line.split(" at ")[-1].split(" ")[0].rstrip("/").removesuffix("/v1")
+                break
+        else:
+            self.proc.wait(timeout=30)
+            raise RuntimeError("loraplex serve did not start:\n" + "".join(self.lines))
+        # keep reading, so a chatty server never blocks on a full pipe
+        self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True)
+        self._reader.start()
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def wait(self, timeout: float = 60) -> int:
+        code = self.proc.wait(timeout=timeout)
+        self._reader.join(timeout=10)
+        return code
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
 
 
 # ---- pytest fixtures (import them into a test module) ------------------------------------------

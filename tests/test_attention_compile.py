@@ -29,8 +29,7 @@ def _signature(kernel, dtype: str, constexprs: dict, overrides: dict | None = No
     """Triton signature by argument name: tensors of the model's dtype, fp32 partials, int32 metadata."""
     overrides = overrides or {}
     types = {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, "k_cache_ptr": dtype, "v_cache_ptr": dtype,
-             "out_ptr": dtype, "part_o_ptr": "fp32", "part_ml_ptr": "fp32", "qk_scale": "fp32",
-             "lora_a_ptr": dtype, "lora_part_ptr": "fp32"}
+             "out_ptr": dtype, "part_o_ptr": "fp32", "part_ml_ptr": "fp32", "qk_scale": "fp32"}
     sig = {}
     for name in kernel.arg_names:
         if name in constexprs:
@@ -135,12 +134,6 @@ def compile_kind(arch: int, dtype: str, kind: str) -> int:
         for split in (False, True) if dtype != "fp32" else ():
             consts = with_ones(ak._decode_kernel, ak.decode_constexprs(4, 128, PAGE, split, tdtype, cfg))
             build(ak._decode_kernel, consts, cfg.num_warps, cfg.num_stages, partials(split))
-        # with the o shrink's epilogue (ops/attention_shrink.py; one split only): Llama-2-7B's MHA (A's tile
-        # loaded before the key walk or after it), Llama-3-8B's G = 4, at ranks 16 and 64
-        for G, lora_r, prefetch in ((1, 16, True), (1, 16, False), (1, 64, True), (4, 16, True), (4, 64, True)) \
-                if dtype != "fp32" else ():
-            build(ak._decode_kernel, ak.decode_constexprs(G, 128, PAGE, False, tdtype, cfg, lora_r, prefetch),
-                  cfg.num_warps, cfg.num_stages, partials(False))
         for D in HEAD_DIMS:
             for splits_pad in (2, 64):
                 build(ak._decode_reduce_kernel, dict(HEAD_DIM=D, SPLITS_PAD=splits_pad), ak.REDUCE_WARPS, 1)

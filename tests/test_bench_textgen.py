@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -15,11 +14,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from server_fixtures import make_text_model
 
+from loraplex import envs
 from loraplex.bench.ceiling import StepBytes, simulate_ceiling
 from loraplex.bench.run_hf import batches
 from loraplex.bench.workload import BenchRequest, Workload, make_workload
 from loraplex.cli import main
-from loraplex.ops.lora import sgmv
 
 
 def test_punica_lengths_and_popularities():
@@ -72,16 +71,13 @@ def test_bench_command_writes_a_report_from_every_system(tmp_path):
     code = main(["bench", "--model", str(base), "--device", "cpu", "--requests", "6", "--baseline-requests", "4",
                  "--popularity", "distinct,identical", "--max-batch", "3,unlimited", "--lengths", "punica",
                  "--max-len", "24", "--rank", "4", "--gpu-adapters", "9", "--loader-threads", "3", "--preload-adapters",
-                 "--admission-lookahead", "0", "--lora-in-gemm", "2", "--no-overlap-admissions", "--cpu-adapters", "1",
+                 "--admission-lookahead", "0", "--no-overlap-admissions", "--cpu-adapters", "1",
                  "--out-dir", str(out), "--name", "smoke", "--quiet"])
     assert code == 0
     result = json.loads((out / "smoke.json").read_text())
     assert result["loader_threads"] == 3 and result["gpu_adapters"] == 9 and result["admission_lookahead"] == 0
-    assert result["lora_in_gemm"] == 2 and result["overlap_admissions"] is False and result["cpu_adapters"] == 1
-    assert result["lora_rows"] == (os.environ.get("LORAPLEX_LORA_ROWS") or "n512 at rank <= 16")   # as the kernels ran
-    assert result["lora_prefill"] == (sgmv.describe_prefill(sgmv.CONFIGS[64]) if os.environ.get("LORAPLEX_LORA_PREFILL")
-                                      else "prefetch,n64,epps4,ew4,nostore,norows")   # the prompt tiles' default
-    assert result["lora_vector_loads"] is (os.environ.get("LORAPLEX_LORA_VECTOR_LOADS", "on") != "off")
+    assert result["overlap_admissions"] is False and result["cpu_adapters"] == 1
+    assert result["settings"] == envs.snapshot()   # the LORAPLEX_* settings the run had
     systems = {(r["system"], r["popularity"], str(r["max_batch"]), r["requests"]) for r in result["rows"]}
     for pop in ("distinct", "identical"):
         for n in (4, 6):
@@ -227,8 +223,6 @@ def test_bench_command_refuses_bad_settings(tmp_path, capsys):
         main(["bench", "--cpu-adapters", "-1", "--device", "cpu"])
     with pytest.raises(SystemExit, match="--admission-lookahead must be at least 0, got -1"):
         main(["bench", "--admission-lookahead", "-1", "--device", "cpu"])
-    with pytest.raises(SystemExit, match="--lora-in-gemm must be at least 0, got -2"):
-        main(["bench", "--lora-in-gemm", "-2", "--device", "cpu"])
     with pytest.raises(SystemExit, match="--baseline-requests"):
         main(["bench", "--requests", "5", "--baseline-requests", "9", "--device", "cpu"])
 

@@ -1,8 +1,10 @@
 """The `loraplex` command: flags built from the settings dataclasses, `serve`'s hand-off to the server,
-`generate` end to end on a tiny model, and the README's first command (`op-demo`)."""
+`generate` end to end on a tiny model, one grammar for --model and --lora in every command, `convert`,
+and `op-demo`."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 import types
@@ -58,11 +60,15 @@ def test_every_setting_has_a_help_sentence_and_a_group(cls):
         assert f.metadata.get("group") in GROUPS, f"{cls.__name__}.{f.name}"
 
 
-def test_serve_help_has_a_flag_for_every_setting_in_its_group(capsys):
+def _help(capsys, *argv: str) -> str:
     with pytest.raises(SystemExit) as exit_:
-        main(["serve", "--help"])
+        main(list(argv))
     assert exit_.value.code == 0
-    out = capsys.readouterr().out
+    return capsys.readouterr().out
+
+
+def test_serve_help_all_has_a_flag_for_every_setting_in_its_group(capsys):
+    out = _help(capsys, "serve", "--help-all")
     sections = {}  # group → its lines of help
     for block in out.split("\n\n"):
         title = block.split("\n", 1)[0]
@@ -79,6 +85,33 @@ def test_serve_help_has_a_flag_for_every_setting_in_its_group(capsys):
     assert "default: 127.0.0.1." in _flat(sections["server"])
     assert "--lora NAME=DIR" in sections["adapters"] and "--packed FILE" in sections["adapters"]
     assert "dummy:<preset>" in out and "llama-3-8b" in out           # the presets are listed
+
+
+def test_serve_help_is_short_and_leaves_the_tuning_flags_to_help_all(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    out = _help(capsys, "serve", "--help")
+    advanced = [f for cls in SETTINGS for f in dataclasses.fields(cls) if f.metadata.get("advanced")]
+    assert advanced and f"--help-all                Show this help with every flag ({len(advanced)} more)." in out
+    for f in dataclasses.fields(EngineConfig) + dataclasses.fields(ServerSettings):
+        assert (f"  {_flag(f)} " in out or f"  {_flag(f)}\n" in out or f"  {_flag(f)}, " in out) != \
+            bool(f.metadata.get("advanced")), f.name
+    assert len(out.splitlines()) <= 110, len(out.splitlines())
+    assert out.startswith("usage: loraplex serve [--model DIR] [--lora NAME=DIR ...]")
+    assert len(_help(capsys, "generate", "--help").splitlines()) <= 90
+
+
+# Run history has no place in a flag's help: measurements, GPUs, dates, "the paper's run".
+_ANECDOTE = re.compile(r"H100|H200|A100|\d[\d,.]* ?(tokens/s|tok/s|ms\b)|\d{4}-\d{2}-\d{2}|\bpaper\b|"
+                       r"\bmeasured\b|\btook\b|halved|\.py\b")
+
+
+def test_no_flag_help_tells_a_benchmark_story(capsys):
+    for cls in SETTINGS:
+        for f in dataclasses.fields(cls):
+            assert not _ANECDOTE.search(f.metadata["help"]), f"{cls.__name__}.{f.name}: {f.metadata['help']!r}"
+    for command in ("serve", "generate", "demo", "convert", "op-demo"):
+        out = _help(capsys, command, "--help-all" if command in ("serve", "generate") else "--help")
+        assert not _ANECDOTE.search(out), (command, _ANECDOTE.search(out))
 
 
 # ---- serve: what reaches run_server ----------------------------------------------------------------
@@ -273,7 +306,7 @@ def test_generate_prints_what_the_llm_makes_with_the_adapter(text_model, capsys)
     assert texts["ad"][0] != texts[None][0], "the adapter should change this model's text"
     assert main(_generate(folder, "--lora", f"ad={adapter}", "--adapter", "ad", PROMPTS[0])) == 0
     assert capsys.readouterr().out == texts["ad"][0] + "\n"
-    assert main(_generate(folder, "--lora", f"ad={adapter}", PROMPTS[0])) == 0   # registered, not used
+    assert main(_generate(folder, PROMPTS[0], "--lora", f"ad={adapter}")) == 0   # registered, not used
     assert capsys.readouterr().out == texts[None][0] + "\n"
 
 
@@ -299,6 +332,119 @@ def test_generate_refuses_a_bad_adapter_folder(text_model, capsys, tmp_path):
     assert err.startswith("error: ") and str(missing) in err
     empty = tmp_path / "empty"
     empty.mkdir()   # a folder, but no adapter: the engine's AdapterError
-    assert main(_generate(folder, "--lora", f"x={empty}", "hi")) == 2
+    assert main(_generate(folder, "--lora", f"x={empty}", "--", "hi")) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and str(empty) in err and "Traceback" not in err
+
+
+# ---- one grammar in every command: --model for the base, --lora repeated or listed ----------------------
+def _parse(*argv: str):
+    from loraplex.cli import build_parser
+    return build_parser().parse_args(list(argv))
+
+
+def _model(args) -> str:
+    return getattr(args, "model", None) or vars(args).get("engine.model")
+
+
+LORA_COMMANDS = {   # the arguments each command needs beside --lora
+    "serve": [], "demo": [], "convert": ["--model", "M", "--out", "O"], "generate": ["prompt"],
+}
+
+
+@pytest.mark.parametrize("command", sorted(LORA_COMMANDS))
+def test_every_command_takes_lora_repeated_or_listed(command):
+    extra = LORA_COMMANDS[command]
+    pairs = [("a", "/x"), ("b", "/y"), ("c", "/z")]
+    for lora in (["--lora", "a=/x", "--lora", "b=/y", "--lora", "c=/z"],
+                 ["--lora", "a=/x", "b=/y", "c=/z"],
+                 ["--lora", "a=/x", "b=/y", "--lora", "c=/z"]):
+        args = _parse(command, *extra, *lora)
+        assert args.lora == pairs, (command, lora)
+    if command == "generate":   # a prompt after listed --lora values: after --, or a clear error
+        args = _parse("generate", "--lora", "a=/x", "b=/y", "--", "hello")
+        assert args.lora == pairs[:2] and args.prompts == ["hello"]
+
+
+def test_a_prompt_swallowed_by_lora_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--lora", "a=/x", "hello"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--lora" in err and "expected NAME=DIR, got 'hello'" in err and "put -- before it" in err
+
+
+@pytest.mark.parametrize("command, extra", [("serve", []), ("generate", ["p"]), ("demo", []), ("bench", []),
+                                            ("convert", ["--lora", "a=/x", "--out", "O"])])
+def test_every_command_takes_the_base_model_as_model(command, extra):
+    assert _model(_parse(command, "--model", "/models/base", *extra)) == "/models/base"
+
+
+def test_convert_keeps_base_as_a_deprecated_alias(capsys):
+    args = _parse("convert", "--base", "/models/base", "--lora", "a=/x", "--out", "O")
+    assert args.model == "/models/base"
+    assert "--base is deprecated; use --model" in capsys.readouterr().err
+
+
+def test_serve_takes_adapter_roots_and_packed_files_listed_too(fake_server, tmp_path):
+    roots = [tmp_path / "r1", tmp_path / "r2"]
+    packs = [tmp_path / "p1", tmp_path / "p2"]
+    for d in roots + packs:
+        d.mkdir()
+    assert main(["serve", "--model", "m", "--device", "cpu", "--adapter-root", *map(str, roots),
+                 "--packed", *map(str, packs)]) == 7
+    [(_, settings, _, packed)] = fake_server
+    assert settings.adapter_roots == roots and packed == packs
+
+
+def test_convert_packs_every_lora_given_either_way(text_model, tmp_path, capsys):
+    """`--lora a=X --lora b=Y` once packed only b (argparse kept the last flag) and exited 0."""
+    from loraplex.adapters import PackedFile
+    from loraplex.models import ModelConfig
+
+    folder, adapter, _ = text_model
+    parent = tmp_path / "many"
+    parent.mkdir()
+    for name in ("c", "d"):
+        (parent / name).symlink_to(adapter, target_is_directory=True)
+    cases = {"repeated": ["--lora", f"a={adapter}", "--lora", f"b={adapter}"],
+             "listed": ["--lora", f"a={adapter}", f"b={adapter}"],
+             "dirs": ["--lora-dir", str(parent), "--lora", f"a={adapter}"]}
+    for case, loras in cases.items():
+        out = tmp_path / case
+        assert main(["convert", "--model", str(folder), *loras, "--out", str(out), "--quiet"]) == 0, case
+        packed = PackedFile(out / "adapters.safetensors", ModelConfig.from_pretrained(folder))
+        expected = ["a", "b"] if case != "dirs" else ["a", "c", "d"]
+        assert sorted(s.name for s in packed.specs) == expected, case
+    capsys.readouterr()
+    assert main(["convert", "--lora", f"a={adapter}", "--out", str(tmp_path / "none")]) == 2
+    assert "--model" in capsys.readouterr().err
+
+
+# ---- the demo model: one name and one dtype rule, however it is given ----------------------------------
+def test_serve_names_the_demo_model_alike_with_or_without_model(fake_server, tmp_path):
+    from loraplex.demo.assets import demo_adapters, demo_model_dir
+
+    assert main(["serve", "--device", "cpu"]) == 7
+    assert main(["serve", "--device", "cpu", "--model", str(demo_model_dir())]) == 7
+    assert main(["serve", "--device", "cpu", "--model", str(demo_model_dir()), "--served-model-name", "tiny"]) == 7
+    assert main(["serve", "--device", "cpu", "--model", str(tmp_path)]) == 7
+    (c1, s1, a1, _), (c2, s2, a2, _), (_, s3, _, _), (c4, s4, _, _) = fake_server
+    assert s1.served_model_name == s2.served_model_name == "loraplex-demo" and s3.served_model_name == "tiny"
+    assert s4.served_model_name is None                     # the server names it after the folder
+    assert c1.dtype == c2.dtype == c4.dtype == "float32"    # dtype auto on the CPU, whatever the model
+    assert a1 == demo_adapters() and a2 == {}               # the demo's adapters come only without --model
+
+
+def test_dtype_auto_is_float32_on_the_cpu_and_the_checkpoints_on_a_gpu():
+    assert EngineConfig(model="m", device="cpu").dtype == "float32"
+    assert EngineConfig(model="m", device="cpu", dtype="bfloat16").dtype == "bfloat16"
+    assert EngineConfig(model="m", device="cuda").dtype == "auto"   # the checkpoint's, read when it loads
+
+
+# ---- a rank above the pool's limit --------------------------------------------------------------------
+def test_a_rank_above_max_lora_rank_names_the_flag(capsys):
+    assert main(["generate", "--device", "cpu", "--max-lora-rank", "8", "def "]) == 2   # the demo's are rank 16
+    err = capsys.readouterr().err
+    assert "\nerror: adapter " in err and "has rank 16, above the pool's max_lora_rank=8" in err
+    assert "--max-lora-rank" in err and "Traceback" not in err

@@ -135,6 +135,16 @@ def test_serve_without_a_model_serves_the_demo(tmp_path):
             assert r.usage.completion_tokens > 0
             texts[name] = r.choices[0].text
         assert len(set(texts.values())) >= 4, texts
+        # the chat template the demo model ships renders (a tokenizer that failed to load once made this
+        # "this model has no chat template")
+        stream = client.chat.completions.create(model="fortune", messages=[{"role": "user", "content": "Hi"}],
+                                                max_tokens=8, temperature=0, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        # on a CPU server an adapter in a slot is in the "cpu" tier, not "gpu"
+        listed = {a["id"]: a for a in httpx.get(f"http://127.0.0.1:{port}/v1/adapters").json()["data"]}
+        assert listed["fortune"]["tier"] == "cpu" and listed["fortune"]["resident"] is True, listed["fortune"]
+        assert all(a["tier"] in ("cpu", "disk", "reading", "loading") for a in listed.values()), listed
+        assert "(float32)" in log.read_text()   # dtype auto on the CPU
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

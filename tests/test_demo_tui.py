@@ -1,11 +1,13 @@
 """`loraplex demo`'s terminal UI, headless, over a real AsyncEngine on a tiny model: every pane streams the
 text its own adapter makes (equal to the offline engine's greedy text, so the panes are not mixed up), the
 panes share the engine's steps, a pane whose request fails shows the error while the others finish, the
-keys work; and the command's flags."""
+keys work, --once exits; the plain-text mode for pipes; and the command's flags."""
 from __future__ import annotations
 
 import argparse
 import asyncio
+import io
+import json
 import time
 from types import SimpleNamespace
 
@@ -15,8 +17,9 @@ from server_fixtures import SERVER_ENGINE, make_text_model
 from loraplex import LLM, SamplingParams
 from loraplex.cli import CommandError
 from loraplex.config import EngineConfig
-from loraplex.demo import assets
+from loraplex.demo import assets, demo_command
 from loraplex.demo.demo_command import add_demo_parser, demo_cmd
+from loraplex.demo.streams import run_plain
 from loraplex.demo.tui import DemoApp, PaneSpec, StepMonitor, printable
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.engine import StepInfo
@@ -131,6 +134,48 @@ def test_pause_resume_and_restart_keys(engine):
     asyncio.run(run())
 
 
+def test_once_exits_when_every_stream_has_ended(engine, reference):
+    async_engine, monitor = engine
+    app = DemoApp(async_engine, PANES[:2], greedy(), loop_forever=False, monitor=monitor, refresh_s=0.05,
+                  exit_when_done=True)
+
+    async def run() -> None:
+        async with app.run_test(size=(120, 30)) as pilot:
+            await _until(pilot, lambda: not app.is_running)
+        assert app.return_code == 0 and app.finished
+        for i, spec in enumerate(PANES[:2]):
+            assert app.streams[i].status == "done"
+            line = app.describe(i)
+            assert line.startswith(f"{spec.title} · adapter {spec.adapter or 'base'} · {MAX_TOKENS} tokens · ")
+            assert line.endswith(f"length: {json.dumps(spec.prompt + reference[spec.adapter], ensure_ascii=False)}")
+
+    asyncio.run(run())
+
+
+def test_plain_mode_prints_a_line_per_stream_and_a_summary(engine, reference):
+    async_engine, monitor = engine
+    panes = [*PANES, PaneSpec("ghost", "no-such-adapter", "Hello")]
+    out = io.StringIO()
+    assert asyncio.run(run_plain(async_engine, panes, greedy(), monitor=monitor, out=out)) == 1   # ghost failed
+    lines = out.getvalue().splitlines()
+    assert len(lines) == len(panes) + 1 and "\x1b" not in out.getvalue()
+    for spec in PANES:
+        [line] = [ln for ln in lines if ln.startswith(f"{spec.title} · ")]
+        assert line.endswith(f"length: {json.dumps(spec.prompt + reference[spec.adapter], ensure_ascii=False)}")
+        assert f"· {MAX_TOKENS} tokens · " in line
+    [ghost] = [ln for ln in lines if ln.startswith("ghost · ")]
+    assert "error: " in ghost and "no-such-adapter" in ghost
+    assert lines[-1].startswith(f"all streams: {MAX_TOKENS * len(PANES)} tokens in ")
+    assert "in one step together: " in lines[-1]
+
+
+def test_plain_text_escapes_newlines_and_escape_codes():
+    from loraplex.demo.streams import describe_generation
+    line = describe_generation(PaneSpec("p", "a", "x"), "\x1b[31mred\nline", 3, 1.0, "stop", None)
+    assert line == 'p · adapter a · 3 tokens · 3.0 tok/s · stop: "x\\u001b[31mred\\nline"'
+    assert "\n" not in line and "\x1b" not in line
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="loraplex")
     add_demo_parser(parser.add_subparsers(dest="command", required=True))
@@ -140,13 +185,14 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def test_demo_flags():
     args = _parse(["demo"])
     assert (args.model, args.lora, args.prompt, args.max_tokens, args.temperature, args.top_p, args.device,
-            args.dtype, args.once) == (None, None, None, 128, 0.8, 0.95, None, None, False)
+            args.dtype, args.once, args.plain) == (None, None, None, 128, 0.8, 0.95, None, None, False, False)
     assert args.func.__name__ == "demo_cmd"
     args = _parse(["demo", "--model", "m", "--lora", "a=/x", "--lora", "b=/y", "--prompt", "Hi",
                    "--max-tokens", "7", "--temperature", "0", "--top-p", "0.5", "--device", "cpu",
-                   "--dtype", "float32", "--once"])
+                   "--dtype", "float32", "--once", "--plain"])
     assert (args.model, args.lora, args.prompt, args.max_tokens, args.temperature, args.top_p, args.device,
-            args.dtype, args.once) == ("m", [("a", "/x"), ("b", "/y")], "Hi", 7, 0.0, 0.5, "cpu", "float32", True)
+            args.dtype, args.once, args.plain) == ("m", [("a", "/x"), ("b", "/y")], "Hi", 7, 0.0, 0.5, "cpu",
+                                                   "float32", True, True)
     for bad in (["demo", "--lora", "nodir"], ["demo", "--dtype", "int8"], ["demo", "--max-tokens", "x"]):
         with pytest.raises(SystemExit):
             _parse(bad)
@@ -174,6 +220,7 @@ def test_step_monitor_counts_steps_not_idle_ticks():
 
 def _run_cmd(argv: list[str], monkeypatch) -> list:
     shown = []
+    monkeypatch.setattr(demo_command, "_is_terminal", lambda: True)   # pytest's stdout is not a terminal
     monkeypatch.setattr(DemoApp, "run", lambda app: shown.append((app.panes, app.params, app.loop_forever)))
     assert demo_cmd(_parse(argv)) == 0
     return shown
@@ -187,6 +234,16 @@ def test_demo_cmd_builds_the_engine_and_the_panes(model, monkeypatch):
     assert panes == [PaneSpec("base model", None, "Hi"), PaneSpec("poet", "poet", "Hi"),
                      PaneSpec("coder", "coder", "Hi")]
     assert (params.max_tokens, params.temperature, params.top_p, loop) == (5, 0.8, 0.95, False)
+
+
+def test_demo_cmd_prints_plain_text_when_not_on_a_terminal(model, monkeypatch, capsys):
+    base, adapters = model
+    monkeypatch.setattr(DemoApp, "run", lambda app: pytest.fail("the terminal UI ran in a pipe"))
+    assert demo_cmd(_parse(["demo", "--model", str(base), "--lora", f"poet={adapters['poet']}", "--prompt", "Hi",
+                            "--once", "--device", "cpu", "--max-tokens", "3"])) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split(" · ")[0] for ln in lines[:-1]] in (["base model", "poet"], ["poet", "base model"])
+    assert lines[-1].startswith("all streams: ")
 
 
 def test_demo_cmd_refusals(tmp_path, monkeypatch):

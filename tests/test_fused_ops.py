@@ -497,7 +497,7 @@ def test_good_arguments_pass_the_checks():
 
 
 # ---------------------------------------------------------------------------------------------
-# LoRA deltas (ops/overlap.py leaves a projection's fp32 LoRA product for its consumer to add).
+# LoRA deltas (ops/lora/overlap.py leaves a projection's fp32 LoRA product for its consumer to add).
 # Documented semantics: the op runs on `(t.float() + delta)` rounded to t's dtype. Both backends
 # must give, bit for bit, what they give on that sum computed here; t itself is never written.
 
@@ -579,7 +579,7 @@ def _lora_delta(gen, t: torch.Tensor) -> tuple[LoraDelta, torch.Tensor]:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("residual, max_block", [(True, 8192), (False, 64)])
 def test_lora_delta_reaches_only_rows_with_an_adapter(backend, dtype, residual, max_block, monkeypatch):
-    """A LoraDelta (ops/lora_delta.py, the "full" path's product, not zero-filled): each consumer runs on
+    """A LoraDelta (ops/lora/delta.py, not zero-filled): each consumer runs on
     round(t + delta) in rows with an adapter and on t, bit for bit, in the others, whose delta values
     (here NaN) are never read."""
     gen = torch.Generator().manual_seed(stable_seed("lora-delta", str(dtype), residual, max_block))

@@ -62,24 +62,6 @@ def test_busy_nests_and_ends_on_errors():
     assert not hp.is_busy
 
 
-@pytest.mark.parametrize("value, mode", [(None, "always"), ("1", "always"), ("0", "off"), ("off", "off"),
-                                         ("adaptive", "adaptive"), ("Adaptive", "adaptive")])
-def test_the_engine_setting(value, mode, monkeypatch):
-    from loraplex.adapters import priority
-    if value is None:
-        monkeypatch.delenv("LORAPLEX_HOST_PRIORITY", raising=False)
-    else:
-        monkeypatch.setenv("LORAPLEX_HOST_PRIORITY", value)
-    assert priority.mode() == mode
-
-
-def test_the_engine_setting_refuses_a_bad_value(monkeypatch):
-    from loraplex.adapters import priority
-    monkeypatch.setenv("LORAPLEX_HOST_PRIORITY", "adaptiv")
-    with pytest.raises(ValueError, match="LORAPLEX_HOST_PRIORITY='adaptiv': expected always"):
-        priority.mode()
-
-
 def test_max_wait_must_be_positive():
     with pytest.raises(ValueError, match="max_wait_s"):
         HostPriority(max_wait_s=0)

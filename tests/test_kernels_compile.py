@@ -24,12 +24,3 @@ def test_kernel_compiles_for_sm90(kind, dtype, block_m):
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
-
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-@pytest.mark.parametrize("block_m", [16, 64])
-def test_in_gemm_expand_compiles_for_sm90(dtype, block_m):
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    script = Path(__file__).with_name("compile_kernels.py")
-    proc = subprocess.run([sys.executable, str(script), "in_gemm", dtype, str(block_m)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,5 +1,7 @@
 """The direct launcher's key: exactly the properties Triton specializes a kernel on."""
+import pytest
 import torch
+import triton
 from triton.backends.nvidia.compiler import CUDABackend
 from triton._C.libtriton import native_specialize_impl
 
@@ -31,3 +33,16 @@ def test_plain_key_separates_what_triton_keeps_of_an_unspecialized_int():
 
 def test_default_hooks_do_not_count_as_installed():
     assert not launch._hooks_installed()
+
+
+@pytest.mark.parametrize("value, enabled", [(None, None), ("auto", None), ("on", True), ("1", True), ("off", False),
+                                            ("0", False)])
+def test_fast_launch_setting(value, enabled, monkeypatch):
+    """LORAPLEX_FAST_LAUNCH (envs.py): auto (the default) takes direct launches with the Triton versions they were
+    checked against; on and off force them."""
+    if value is None:
+        monkeypatch.delenv("LORAPLEX_FAST_LAUNCH", raising=False)
+    else:
+        monkeypatch.setenv("LORAPLEX_FAST_LAUNCH", value)
+    auto = triton.__version__.startswith(launch.FAST_TRITON_VERSIONS)
+    assert launch._fast_enabled() is (auto if enabled is None else enabled)

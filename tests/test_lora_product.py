@@ -1,13 +1,15 @@
-"""A LoRA product left unexpanded for the next op (ops/lora_product.py), on the CPU.
+"""A LoRA product left unexpanded for the next op (ops/lora/product.py), on the CPU.
 
 The consumers (rms_norm, silu_and_mul, apply_rope with `delta=LoraProduct`) are held to a float64
-loop of lora_product.py's documented semantics: each row with an adapter takes
+loop of product.py's documented semantics: each row with an adapter takes
 `scaling · Σ_r (Σ_split part[split, slice, row, r]) · B[slot, n, r]`, rounded once onto the input;
 rows without an adapter keep their bits. The partials of rows without an adapter, the partials past
 each slot's rank and B's columns past it are NaN: reading any of them would show. The Triton
 consumers run in Triton's interpreter; tests/test_fused_gpu.py runs them compiled.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -93,21 +95,21 @@ def assert_close_ulps(out: torch.Tensor, want: torch.Tensor, what: str, slack: t
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("residual, H, block, R, split", [(True, 200, None, 16, 0), (False, 200, None, 16, 0),
-                                                         (True, 96, 32, 16, 0), (True, 96, None, 40, 0),
-                                                         (True, 200, None, 16, 64), (False, 96, None, 40, 32)])
-def test_rms_norm_expands_the_product(backend, dtype, residual, H, block, R, split, monkeypatch):
-    """R=40: two rank tiles; block=32: the row walked in several tiles; split: each row over programs of
-    `split` columns (fused_lora_rms_split.py)."""
-    gen = torch.Generator().manual_seed(stable_seed("rms-product", str(dtype), residual, H, block, R, split))
-    monkeypatch.setattr(fused_lora_kernels, "RMS_SPLIT", split)
+@pytest.mark.parametrize("residual, H, R, split, early", [(True, 200, 16, None, True), (False, 200, 16, None, False),
+                                                          (True, 96, 16, 32, True), (True, 96, 40, None, True),
+                                                          (True, 200, 16, 64, False), (False, 96, 40, 32, True)])
+def test_rms_norm_expands_the_product(backend, dtype, residual, H, R, split, early, monkeypatch):
+    """R=40: two rank tiles; split: each row over programs of `split` columns (rms_split.py; None: the default
+    RMS_SPLIT, one chunk at these widths); early: the product's early reads (ops/pdl.py) where one rank tile
+    holds the rank, else the plain loads."""
+    gen = torch.Generator().manual_seed(stable_seed("rms-product", str(dtype), residual, H, R, split))
+    if split:
+        monkeypatch.setattr(fused_lora_kernels, "RMS_SPLIT", split)
     T = 9
     x = rows_with_scales(gen, T, H, dtype, large=False)
     r = rows_with_scales(gen, T, H, dtype, large=False) if residual else None
     w = (1 + 0.3 * torch.randn(H, generator=gen)).to(dtype)
-    p = make_product(gen, T, (H,), dtype, R=R, sizes=x.float().abs().mean(1))
-    if block:
-        monkeypatch.setattr(fused_lora_kernels, "RMS_BLOCK", block)
+    p = dataclasses.replace(make_product(gen, T, (H,), dtype, R=R, sizes=x.float().abs().mean(1)), early_reads=early)
     x_in = x.clone()
     out, s = fused.rms_norm(x, w, 1e-6, residual=r, delta=p, backend=backend)
     want, want_s = fused.rms_norm(plus_f64(x, p), w, 1e-6, residual=r, backend="reference")
@@ -117,27 +119,25 @@ def test_rms_norm_expands_the_product(backend, dtype, residual, H, block, R, spl
     keep = p.row_slot < 0
     plain, plain_s = fused.rms_norm(x, w, 1e-6, residual=r, backend=backend)
     assert torch.equal(s[keep], plain_s[keep])   # rows without an adapter take nothing, not even +0
-    if block is None and not split:   # the plain kernel sums the squares in one tile too: the same bits
+    if split is None:   # one chunk: the plain kernel sums the squares in one tile too, the same bits
         assert torch.equal(out[keep], plain[keep])
     assert not torch.equal(out[~keep], plain[~keep])   # the product counted
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("I, split_k, R, block, loads_first", [(300, 3, 16, None, False), (40, 1, 40, None, False),
-                                                               (300, 2, 16, 64, False), (300, 3, 16, None, True)])
-def test_silu_and_mul_expands_the_product(backend, dtype, I, split_k, R, block, loads_first, monkeypatch):
+@pytest.mark.parametrize("I, split_k, R, block, early", [(300, 3, 16, None, False), (40, 1, 40, None, True),
+                                                         (300, 2, 16, 64, False), (300, 3, 16, None, True)])
+def test_silu_and_mul_expands_the_product(backend, dtype, I, split_k, R, block, early, monkeypatch):
     """R=40: rank columns in two tiles of the consumer's loop; block=64: several column blocks per row;
-    loads_first: fused_lora_kernels.SILU_LOADS_FIRST (both B blocks loaded before either product): the same
-    bits as without."""
+    early: the product's early reads (ops/pdl.py) where one rank tile holds the rank, else the plain loads."""
     gen = torch.Generator().manual_seed(stable_seed("silu-product", str(dtype), I, split_k, R, block))
     if block:
         monkeypatch.setattr(fused_lora_kernels, "SILU_BLOCK", block)
-    monkeypatch.setattr(fused_lora_kernels, "SILU_LOADS_FIRST", loads_first)
-    monkeypatch.setattr(fused_lora_kernels, "EARLY_READS", False)   # it takes over LOADS_FIRST's order where on
     T = 7
     gate_up = (torch.randn(T, 2 * I, generator=gen) * 2).to(dtype)
     p = make_product(gen, T, (I, I), dtype, R=R, split_k=split_k, sizes=torch.full((T,), 2.0))
+    p = dataclasses.replace(p, early_reads=early)
     gate_up_in = gate_up.clone()
     out = fused.silu_and_mul(gate_up, out=torch.full((T, I), float("nan"), dtype=dtype), delta=p, backend=backend)
     assert torch.equal(gate_up, gate_up_in)
@@ -152,9 +152,6 @@ def test_silu_and_mul_expands_the_product(backend, dtype, I, split_k, R, block, 
     keep = p.row_slot < 0
     plain = fused.silu_and_mul(gate_up, backend=backend)
     assert torch.equal(out[keep], plain[keep]) and not torch.equal(out[~keep], plain[~keep])
-    if loads_first:
-        monkeypatch.setattr(fused_lora_kernels, "SILU_LOADS_FIRST", False)
-        assert torch.equal(out, fused.silu_and_mul(gate_up, delta=p, backend=backend))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -188,39 +185,12 @@ def test_rope_expands_the_product_into_q_k_and_v(backend, dtype, Hq, Hkv, D, hea
 
 
 @interpreted
-@pytest.mark.parametrize("residual, H, split, R, early", [(True, 200, 64, 16, False), (False, 96, 32, 40, False),
-                                                          (True, 200, 64, 16, True)])
-def test_rms_norm_in_one_launch_gives_the_two_launches_bits(residual, H, split, R, early, monkeypatch):
-    """fused_lora_rms_split.ONE_LAUNCH (each row's last program normalizes it after counting itself in): the
-    bits of the two launches (held to the float64 loop above), twice in a row (the counters reset), with
-    the counters at zero after; early: with EARLY_READS."""
-    from loraplex.ops.fused import rms_split as fused_lora_rms_split
-    gen = torch.Generator().manual_seed(stable_seed("rms-one-launch", residual, H, split, R, early))
-    monkeypatch.setattr(fused_lora_kernels, "RMS_SPLIT", split)
-    monkeypatch.setattr(fused_lora_kernels, "EARLY_READS", early)
-    T, dtype = 9, torch.float16
-    x = rows_with_scales(gen, T, H, dtype, large=False)
-    r = rows_with_scales(gen, T, H, dtype, large=False) if residual else None
-    w = (1 + 0.3 * torch.randn(H, generator=gen)).to(dtype)
-    p = make_product(gen, T, (H,), dtype, R=R, sizes=x.float().abs().mean(1))
-    two = fused.rms_norm(x, w, 1e-6, residual=r, delta=p, backend="triton")
-    monkeypatch.setattr(fused_lora_rms_split, "ONE_LAUNCH", True)
-    calls = []
-    one_launch = fused_lora_rms_split._ONE
-    monkeypatch.setattr(fused_lora_rms_split, "_ONE", lambda *a: (calls.append(1), one_launch(*a)))
-    for _ in range(2):
-        out, s = fused.rms_norm(x, w, 1e-6, residual=r, delta=p, backend="triton")
-        assert torch.equal(out, two[0]) and torch.equal(s, two[1])
-    assert len(calls) == 2 and not fused_lora_rms_split._COUNTERS[x.device][-1].any()
-
-
-@interpreted
 @pytest.mark.parametrize("op, R", [("silu", 16), ("rope", 16), ("rope_gqa", 8), ("rms_split", 16), ("silu", 40)])
 def test_early_reads_give_the_same_bits(op, R, monkeypatch):
-    """fused_lora_kernels.EARLY_READS (LORAPLEX_LORA_EARLY_READS; ops/pdl.py's early reads: the rows' slots,
-    ranks, scalings and B blocks read first): the consumers give the bits they give without it, which the tests
-    above hold to the float64 loop. It applies where one rank tile holds the rank (R=40: two tiles, not
-    taken); the launches' EARLY constexpr is checked, so the case cannot pass by not taking the path."""
+    """The consumers' early reads (ops/pdl.py: the rows' slots, ranks, scalings and B blocks read first, for a
+    product with `early_reads`) give the bits the plain loads give (a product without it), which the tests above
+    hold to the float64 loop. They apply where one rank tile holds the rank (R=40: two tiles, not taken); the
+    launches' EARLY constexpr is checked, so the case cannot pass by not taking the path."""
     from loraplex.ops.fused import rms_split as fused_lora_rms_split
     gen = torch.Generator().manual_seed(stable_seed("early-reads", op, R))
     T, dtype = 9, torch.float16
@@ -237,7 +207,7 @@ def test_early_reads_give_the_same_bits(op, R, monkeypatch):
         p = make_product(gen, T, (I, I), dtype, R=R, sizes=torch.full((T,), 2.0))
         spy(fused_lora_kernels, "_SILU")
 
-        def run():
+        def run(p):
             return fused.silu_and_mul(gate_up, out=torch.full((T, I), float("nan"), dtype=dtype), delta=p,
                                       backend="triton")
     elif op == "rms_split":
@@ -249,7 +219,7 @@ def test_early_reads_give_the_same_bits(op, R, monkeypatch):
         p = make_product(gen, T, (H,), dtype, R=R, sizes=x.float().abs().mean(1))
         spy(fused_lora_rms_split, "_SUMS")
 
-        def run():
+        def run(p):
             return torch.cat(fused.rms_norm(x, w, 1e-6, residual=r, delta=p, backend="triton"), dim=1)
     else:   # RoPE of q, k and v; rope_gqa: 3 kv heads per 6 query heads, one head per program (k/v past theirs)
         Hq, Hkv, D = (4, 2, 64) if op == "rope" else (6, 3, 32)
@@ -263,15 +233,14 @@ def test_early_reads_give_the_same_bits(op, R, monkeypatch):
         qkv_in = qkv.clone()
         spy(fused_lora_kernels, "_ROPE")
 
-        def run():
+        def run(p):
             qkv.copy_(qkv_in)
             fused.apply_rope(q, k, positions, inv_freq, v=qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D), delta=p,
                              backend="triton")
             return qkv.clone()
-    monkeypatch.setattr(fused_lora_kernels, "EARLY_READS", False)
-    plain = run()
-    monkeypatch.setattr(fused_lora_kernels, "EARLY_READS", True)
-    early = run()
+    assert p.early_reads
+    plain = run(dataclasses.replace(p, early_reads=False))
+    early = run(p)
     assert seen[0] is False and all(seen[1:]) is (R <= 32) and len(seen) == 2
     assert not torch.isnan(early).any() and torch.equal(early, plain)
     if op == "silu" and R <= 32:   # a product whose row slots the forward made (select): never read early
@@ -285,8 +254,8 @@ def test_early_reads_give_the_same_bits(op, R, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("regime", ["decode", "prefill"])
 def test_linear_with_lora_product_leaves_the_shrink_for_the_next_op(dtype, regime):
-    """ops/overlap.py's "fused" path on one stream: y is the plain GEMM, and the product's dense form is
-    add_lora's delta (rows without an adapter, and slices of rank 0, exactly 0)."""
+    """ops/lora/overlap.py's `linear_with_lora_product` on one stream: y is the plain GEMM, and the product's
+    dense form is add_lora's delta (rows without an adapter, and slices of rank 0, exactly 0)."""
     from loraplex.ops.lora import overlap
     rng = np.random.default_rng(stable_seed("product", str(dtype), regime))
     lens = [1] * 9 if regime == "decode" else [int(n) for n in rng.integers(1, 30, 5)]
@@ -371,68 +340,3 @@ def _meta(*shape, dtype=torch.float16):
 def test_a_product_that_does_not_fit_is_refused_by_name(call, match):
     with pytest.raises(ValueError, match=match):
         call()
-
-
-def in_gemm_product(p: LoraProduct, gen: torch.Generator, active_count: int = 4) -> tuple[LoraProduct, LoraProduct]:
-    """`p` as an in-gemm product (the shrink in a GEMM's 16-bit output columns, adapter-major, each slot at a
-    random active index; every other active adapter's columns NaN), and the ordinary product of the same
-    rounded shrink values, which it must equal."""
-    S, T, R = p.part.shape[1:]
-    dtype = p.lora_b[0].dtype
-    num_slots = p.lora_b[0].shape[0]
-    slot_active = torch.randperm(max(num_slots, active_count), generator=gen)[:num_slots].to(torch.int32)
-    slot_active = slot_active % active_count if num_slots > active_count else slot_active
-    v = p.part.sum(0).to(dtype)                                   # [S, T, R], NaN where nothing may be read
-    n_base = 3   # base columns before the shrink's, as in a GEMM's output
-    y_ext = torch.full((T, n_base + active_count * S * R), float("nan"), dtype=dtype)
-    for m, s in enumerate(p.row_slot.tolist()):
-        if s >= 0:
-            start = n_base + int(slot_active[s]) * S * R
-            y_ext[m, start:start + S * R] = v[:, m].reshape(-1)
-    part = torch.as_strided(y_ext, (1, S, T, R), (0, R, y_ext.stride(0), 1), n_base)
-    in_gemm = LoraProduct(part, p.lora_b, p.ranks, p.scalings, p.row_slot, slot_active, active_count)
-    return in_gemm, LoraProduct(v.float()[None], p.lora_b, p.ranks, p.scalings, p.row_slot)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_rope_expands_an_in_gemm_product(backend, dtype):
-    """An in-gemm product (lora_product.py: the row's adapter's shrink columns at its active index) gives
-    what the ordinary product of the same values gives."""
-    gen = torch.Generator().manual_seed(stable_seed("rope-in-gemm", str(dtype)))
-    T, Hq, Hkv, D = 7, 4, 2, 64
-    q, k, qkv = qkv_views(gen, T, Hq, Hkv, D, dtype, "fused")
-    positions = random_positions(gen, T)
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-    inv_freq = LlamaRotaryEmbedding(rope_config(Hq, Hkv, D)).inv_freq
-    p = make_product(gen, T, (Hq * D, Hkv * D, Hkv * D), dtype, split_k=1, sizes=qkv.float().abs().mean(1))
-    in_gemm, plain = in_gemm_product(p, gen)
-    assert torch.equal(in_gemm.dense().nan_to_num(7.0), plain.dense().nan_to_num(7.0))
-    want = plus_f64(qkv, plain)
-    q_want, k_want, _ = views_of(want, T, Hq, Hkv, D, "fused")
-    fused.apply_rope(q_want, k_want, positions, inv_freq, backend="reference")
-    fused.apply_rope(q, k, positions, inv_freq, v=qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D), delta=in_gemm,
-                     backend=backend)
-    assert_close_ulps(qkv, want, "q|k|v")
-
-
-def test_select_keeps_an_in_gemm_products_rows():
-    gen = torch.Generator().manual_seed(4)
-    p, _ = in_gemm_product(make_product(gen, 6, (10, 4, 4), torch.float16, split_k=1), gen, active_count=5)
-    rows = torch.tensor([5, 0, 2])
-    picked = p.select(rows)
-    assert picked.slot_active is p.slot_active and picked.active_count == 5
-    assert torch.equal(picked.dense().nan_to_num(7.0), p.dense()[rows].nan_to_num(7.0))
-
-
-def test_only_rope_takes_an_in_gemm_product():
-    gen = torch.Generator().manual_seed(5)
-    p, _ = in_gemm_product(make_product(gen, 4, (32,), torch.float16, split_k=1), gen)
-    with pytest.raises(ValueError, match="delta is an in-gemm product .* only RoPE's kernel takes those"):
-        fused.rms_norm(torch.zeros(4, 32, dtype=torch.float16), torch.ones(32, dtype=torch.float16), 1e-6, delta=p)
-    p, _ = in_gemm_product(make_product(gen, 4, (16, 8, 8), torch.float16, split_k=1), gen)
-    bad = LoraProduct(p.part.float(), p.lora_b, p.ranks, p.scalings, p.row_slot, p.slot_active, 4)
-    q = torch.zeros(4, 2, 8, dtype=torch.float16)
-    kv = torch.zeros(4, 1, 8, dtype=torch.float16)
-    with pytest.raises(ValueError, match=r"delta.part \(in-gemm\) must be a torch.float16"):
-        fused.apply_rope(q, kv, torch.zeros(4, dtype=torch.int64), torch.ones(4), v=kv, delta=bad)

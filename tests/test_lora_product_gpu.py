@@ -1,6 +1,6 @@
-"""GPU tests (`pytest -m gpu`): the ops that expand a LoraProduct (ops/fused_lora_kernels.py, the "fused"
-LoRA path of ops/overlap.py), compiled, against a float64 loop of ops/lora_product.py's semantics and
-against the plain fused kernels (tests/test_fused_gpu.py) on the same sums.
+"""GPU tests (`pytest -m gpu`): the ops that expand a LoraProduct (ops/fused/lora_kernels.py and rms_split.py,
+the decode LoRA path of ops/lora/overlap.py), compiled, against a float64 loop of ops/lora/product.py's semantics
+and against the plain fused kernels (tests/test_fused_gpu.py) on the same sums.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from test_fused_ops import ROPE_REL, assert_ulps, random_positions, rope_config,
 
 pytestmark = pytest.mark.gpu
 
-# The consumers of a LoraProduct (ops/fused_lora_kernels.py: the "fused" LoRA path of ops/overlap.py),
+# The consumers of a LoraProduct (ops/fused/lora_kernels.py: the decode LoRA path of ops/lora/overlap.py),
 # compiled, at Llama-2-7B widths (H=4096, I=11008, 32 q heads, 32 or 8 kv heads, D=128), with the
 # partials of a split-K shrink (8 splits) and rank-16 stacks: slot 1 has rank 8 (and rank 0 in the last
 # slice: an adapter without that projection), row 1 has no adapter. Everything the kernels must not read
@@ -33,13 +33,15 @@ LORA_DTYPES = [torch.bfloat16, torch.float16]
 # bf16, ~3e-4 in fp16, a few ulps apart only where t and delta cancel), and of silu_and_mul's outputs
 # that may then differ from the plain op on the float64 sums (measured ≤ 4e-4).
 LORA_FLIP_FRAC = 5e-3
-# fused_lora_kernels.EARLY_READS (ops/pdl.py's early reads) off and on: the tests below set it (with it on, the
-# compiled sums contract into FMAs differently: bits may differ from it off, within the same bounds)
+# The consumers' early reads (ops/pdl.py; LoraProduct.early_reads) off and on: the tests below set it (with it on,
+# the compiled sums contract into FMAs differently: bits may differ from it off, within the same bounds)
 EARLY = [pytest.param(False, id="plain"), pytest.param(True, id="early")]
 
 
-def _lora_product(gen: torch.Generator, widths: tuple[int, ...], dtype: torch.dtype, exact: bool) -> LoraProduct:
-    """A LoraProduct on CUDA as the shrink leaves it (see the section's comment). `exact`: every partial,
+def _lora_product(gen: torch.Generator, widths: tuple[int, ...], dtype: torch.dtype, exact: bool,
+                  early: bool = True) -> LoraProduct:
+    """A LoraProduct on CUDA as the shrink leaves it (see the section's comment), read early by the consumers
+    where one rank tile holds the rank if `early` (LoraProduct.early_reads). `exact`: every partial,
     B value and scaling a small dyadic number, so that each product, and each sum of products in any
     order, is exact in fp32 (the kernels' order and `dense()`'s agree to the bit); else Gaussian.
     Either way each delta is about as large as the unit-scale inputs, so sums move most elements."""
@@ -67,11 +69,12 @@ def _lora_product(gen: torch.Generator, widths: tuple[int, ...], dtype: torch.dt
         ranks.append(rk.to(CUDA))
         scalings.append(sc.to(CUDA))
     part[:, :, row_slot < 0] = float("nan")
-    return LoraProduct(part.to(CUDA), tuple(lora_b), tuple(ranks), tuple(scalings), row_slot.to(CUDA))
+    return LoraProduct(part.to(CUDA), tuple(lora_b), tuple(ranks), tuple(scalings), row_slot.to(CUDA),
+                       early_reads=early)
 
 
 def _delta_f64(p: LoraProduct, magnitude: bool = False) -> torch.Tensor:
-    """tests/test_lora_product.py's float64 loop of lora_product.py's docstring, on CUDA."""
+    """tests/test_lora_product.py's float64 loop of product.py's docstring, on CUDA."""
     return delta_f64(p, magnitude).to(CUDA)
 
 
@@ -113,18 +116,17 @@ def _qkv_of(buf: torch.Tensor, Hkv: int) -> tuple[torch.Tensor, torch.Tensor, to
 @pytest.mark.parametrize("dtype", LORA_DTYPES)
 @pytest.mark.parametrize("Hkv", [32, 8])
 @pytest.mark.parametrize("early", EARLY)
-def test_lora_product_consumers_are_the_ops_on_the_exact_sum(dtype, Hkv, early, monkeypatch):
+def test_lora_product_consumers_are_the_ops_on_the_exact_sum(dtype, Hkv, early):
     """Products exact in fp32 (dyadic data): each consumer with a LoraProduct gives, bit for bit, what the
-    plain kernel gives on `round(t + delta)`, delta the float64 loop of lora_product.py's docstring (equal
+    plain kernel gives on `round(t + delta)`, delta the float64 loop of product.py's docstring (equal
     to `dense()` here to the bit); rms_norm's output only to its own tolerance, since the LoRA kernel sums
     the squares tile by tile. Inputs that are only read stay unwritten; the reference backend, fed the
     same product, agrees within the ops' tolerances (RMS_TOL, SILU_TOL, the rope bound)."""
-    monkeypatch.setattr(fused_lora_kernels, "EARLY_READS", early)
     gen = _gen("lora-exact", str(dtype), Hkv)
     T, H, I, Hq, D = LORA_T, LORA_H, LORA_I, LORA_HQ, LORA_D
     w = (1 + 0.3 * torch.randn(H, generator=gen)).to(CUDA, dtype)
 
-    p = _lora_product(gen, (H,), dtype, exact=True)
+    p = _lora_product(gen, (H,), dtype, exact=True, early=early)
     d = _delta_f64(p)
     _check_dense(p, d, exact=True)
     x = torch.randn(T, H, generator=gen).to(CUDA, dtype)
@@ -141,7 +143,7 @@ def test_lora_product_consumers_are_the_ops_on_the_exact_sum(dtype, Hkv, early, 
         assert torch.equal(s, ref_s)
         assert_ulps(out, ref, *RMS_TOL[dtype], what=f"rms_norm vs reference, residual={r is not None}")
 
-    p = _lora_product(gen, (I, I), dtype, exact=True)
+    p = _lora_product(gen, (I, I), dtype, exact=True, early=early)
     d = _delta_f64(p)
     _check_dense(p, d, exact=True)
     gate_up = (torch.randn(T, 2 * I, generator=gen) * torch.tensor([4.0, 1.0]).repeat_interleave(I)).to(CUDA, dtype)
@@ -152,7 +154,7 @@ def test_lora_product_consumers_are_the_ops_on_the_exact_sum(dtype, Hkv, early, 
     ref = fused.silu_and_mul(gate_up, delta=p, backend="reference")
     assert_ulps(out, ref, *SILU_TOL[dtype], what="silu_and_mul vs reference")
 
-    p = _lora_product(gen, (Hq * D, Hkv * D, Hkv * D), dtype, exact=True)
+    p = _lora_product(gen, (Hq * D, Hkv * D, Hkv * D), dtype, exact=True, early=early)
     d = _delta_f64(p)
     _check_dense(p, d, exact=True)
     qkv, (q, k, v), positions, inv_freq = _rope_inputs(gen, Hkv, dtype)
@@ -193,7 +195,7 @@ def _assert_sum(got: torch.Tensor, t: torch.Tensor, p: LoraProduct, what: str) -
 @pytest.mark.parametrize("dtype", LORA_DTYPES)
 @pytest.mark.parametrize("Hkv", [32, 8])
 @pytest.mark.parametrize("early", EARLY)
-def test_lora_product_consumers_match_float64_on_gaussian_data(dtype, Hkv, early, monkeypatch):
+def test_lora_product_consumers_match_float64_on_gaussian_data(dtype, Hkv, early):
     """Gaussian partials, B and scalings (fp32 rounding in every sum): the sums the kernels form (s of
     rms_norm; q, k and v of apply_rope at position 0, where the rotation is the identity) are the float64
     `t + delta` up to the fp32 rounding of the product and the dtype's, and off it rounded once on few
@@ -201,11 +203,10 @@ def test_lora_product_consumers_match_float64_on_gaussian_data(dtype, Hkv, early
     positions apply_rope rotates its own sums as the plain kernel does (bit for bit); silu_and_mul differs
     from the plain op on the float64 sums on few elements only, and not at all on rows without an adapter.
     (The exact-sum test above holds every element to the bit.)"""
-    monkeypatch.setattr(fused_lora_kernels, "EARLY_READS", early)
     gen = _gen("lora-gaussian", str(dtype), Hkv)
     T, H, I, Hq, D = LORA_T, LORA_H, LORA_I, LORA_HQ, LORA_D
 
-    p = _lora_product(gen, (H,), dtype, exact=False)
+    p = _lora_product(gen, (H,), dtype, exact=False, early=early)
     keep = p.row_slot < 0
     d = _delta_f64(p)
     _check_dense(p, d, exact=False)
@@ -217,7 +218,7 @@ def test_lora_product_consumers_match_float64_on_gaussian_data(dtype, Hkv, early
     want, _ = fused.rms_norm(s.clone(), w, 1e-5)
     assert_ulps(out, want, *RMS_TOL[dtype], what="rms_norm of its own sum")
 
-    p = _lora_product(gen, (I, I), dtype, exact=False)
+    p = _lora_product(gen, (I, I), dtype, exact=False, early=early)
     keep = p.row_slot < 0
     d = _delta_f64(p)
     _check_dense(p, d, exact=False)
@@ -228,7 +229,7 @@ def test_lora_product_consumers_match_float64_on_gaussian_data(dtype, Hkv, early
     assert (out != want).float().mean().item() <= LORA_FLIP_FRAC
     assert torch.equal(out[keep], fused.silu_and_mul(gate_up)[keep])
 
-    p = _lora_product(gen, (Hq * D, Hkv * D, Hkv * D), dtype, exact=False)
+    p = _lora_product(gen, (Hq * D, Hkv * D, Hkv * D), dtype, exact=False, early=early)
     keep = p.row_slot < 0
     d = _delta_f64(p)
     _check_dense(p, d, exact=False)
@@ -246,20 +247,15 @@ def test_lora_product_consumers_match_float64_on_gaussian_data(dtype, Hkv, early
 
 
 @pytest.mark.parametrize("dtype", LORA_DTYPES)
-@pytest.mark.parametrize("early, one_launch", [(False, False), (True, False), (True, True)])
-def test_cuda_graph_of_the_lora_product_consumers(dtype, early, one_launch, monkeypatch):
+@pytest.mark.parametrize("early", EARLY)
+def test_cuda_graph_of_the_lora_product_consumers(dtype, early):
     """rms_norm (+ residual), silu_and_mul and apply_rope with LoraProducts, captured once and replayed
     with new inputs, partials and row slots (other adapters, other rows without one) copied into the same
-    buffers: each replay gives the eager kernels' bits. `early`: fused_lora_kernels.EARLY_READS (ops/pdl.py's
-    early reads, with PDL where the GPU has it); `one_launch`: fused_lora_rms_split.ONE_LAUNCH (its row counters
-    reset by each replay)."""
-    from loraplex.ops.fused import rms_split as fused_lora_rms_split
-    monkeypatch.setattr(fused_lora_kernels, "EARLY_READS", early)
-    monkeypatch.setattr(fused_lora_rms_split, "ONE_LAUNCH", one_launch)
-    monkeypatch.setattr(fused_lora_kernels, "RMS_SPLIT", 512)   # the default: the split launch reads early
+    buffers: each replay gives the eager kernels' bits. `early`: the products' early reads (ops/pdl.py, with
+    PDL where the GPU has it)."""
     gen = _gen(str(dtype), "lora-graph")
     T, H, I, Hq, Hkv, D = LORA_T, LORA_H, LORA_I, LORA_HQ, 8, LORA_D
-    products = [_lora_product(gen, widths, dtype, exact=False)
+    products = [_lora_product(gen, widths, dtype, exact=False, early=early)
                 for widths in ((H,), (I, I), (Hq * D, Hkv * D, Hkv * D))]
     w = (1 + 0.3 * torch.randn(H, generator=gen)).to(CUDA, dtype)
     inv_freq = LlamaRotaryEmbedding(rope_config(Hq, Hkv, D, "llama3")).inv_freq.to(CUDA)
@@ -275,7 +271,7 @@ def test_cuda_graph_of_the_lora_product_consumers(dtype, early, one_launch, monk
         return new
 
     def with_parts(p: LoraProduct, part: torch.Tensor, row_slot: torch.Tensor) -> LoraProduct:
-        return LoraProduct(part, p.lora_b, p.ranks, p.scalings, row_slot)
+        return LoraProduct(part, p.lora_b, p.ranks, p.scalings, row_slot, early_reads=early)
 
     def step(x, res, gate_up, qkv, positions, *parts) -> tuple[torch.Tensor, ...]:
         p_rms, p_mlp, p_qkv = (with_parts(p, parts[2 * i], parts[2 * i + 1]) for i, p in enumerate(products))
@@ -307,30 +303,21 @@ def test_cuda_graph_of_the_lora_product_consumers(dtype, early, one_launch, monk
 
 
 @pytest.mark.parametrize("dtype", LORA_DTYPES)
-@pytest.mark.parametrize("split, one_launch", [(256, False), (1024, False), (512, True), (1024, True)])
-def test_rms_norm_with_rows_over_several_programs(dtype, split, one_launch, monkeypatch):
-    """fused_lora_kernels.RMS_SPLIT (fused_lora_rms_split.py: each row over programs of `split` columns,
-    two launches): s is the float64 `x + delta` as in the test above, rows without an adapter keep their
-    bits, out is the plain RMSNorm of s (RMS_TOL: another order of the sum of squares), and a second call
-    gives the same bits (the chunks' sums are added in a fixed order). `one_launch`: fused_lora_rms_split.
-    ONE_LAUNCH (the row's last program normalizes it), whose bits are the two launches' and which leaves its
-    row counters at zero."""
-    from loraplex.ops.fused import rms_split as fused_lora_rms_split
+@pytest.mark.parametrize("split", [256, 512, 1024])
+def test_rms_norm_with_rows_over_several_programs(dtype, split, monkeypatch):
+    """lora_kernels.RMS_SPLIT (rms_split.py: each row over programs of `split` columns, two launches): s is
+    the float64 `x + delta` as in the test above, rows without an adapter keep their bits, out is the plain
+    RMSNorm of s (RMS_TOL: another order of the sum of squares), and a second call gives the same bits (the
+    chunks' sums are added in a fixed order)."""
     monkeypatch.setattr(fused_lora_kernels, "RMS_SPLIT", split)
     gen = _gen("lora-rms-split", str(dtype), split)
     T, H = LORA_T, LORA_H
     p = _lora_product(gen, (H,), dtype, exact=False)
     x = torch.randn(T, H, generator=gen).to(CUDA, dtype)
     w = (1 + 0.3 * torch.randn(H, generator=gen)).to(CUDA, dtype)
-    if one_launch:
-        two = fused.rms_norm(x, w, 1e-5, delta=p)
-        monkeypatch.setattr(fused_lora_rms_split, "ONE_LAUNCH", True)
     out, s = fused.rms_norm(x, w, 1e-5, delta=p)
     again, again_s = fused.rms_norm(x, w, 1e-5, delta=p)
     assert torch.equal(out, again) and torch.equal(s, again_s)
-    if one_launch:
-        assert torch.equal(out, two[0]) and torch.equal(s, two[1])
-        assert not fused_lora_rms_split._COUNTERS[x.device][-1].any()
     _assert_sum(s, x, p, f"rms_norm s over programs of {split} columns")
     keep = p.row_slot < 0
     assert keep.any() and torch.equal(s[keep], x[keep])

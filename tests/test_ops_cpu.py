@@ -3,7 +3,6 @@ interpreter) against the float64 loop of the documented semantics, on fresh rand
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import numpy as np
 import pytest
@@ -84,15 +83,14 @@ def test_multi_slice_unequal_widths_and_ranks(backend, Ns):
 @interpreted
 @pytest.mark.parametrize("split_k", [1, 2, 8])
 @pytest.mark.parametrize("block_m", [16, 64])
-@pytest.mark.parametrize("rowwise", [0, 1, 2])
+@pytest.mark.parametrize("rowwise", [False, True])
 def test_kernel_split_k_and_tile_height(split_k, block_m, rowwise):
     """Split K, 16- and 64-row tiles, tiles of 1–16 rows (the row-wise kernels take those of up to
     sgmv.ROWWISE_MAX_ROWS rows when asked, the others keep the tile product)."""
     rng = np.random.default_rng(split_k * block_m)
     case = make_case(rng, seg_lens=[1, 70, 2, 15], popularity="skewed", K=640, Ns=(32, 16), R=16, ranks="mixed")
     y = case.y0.clone()
-    cfg = sgmv.KernelConfig(split_k=split_k, shrink_block_k=64, n_chunks=2, expand_block_n=16,
-                            shrink_rowwise=rowwise, expand_rowwise=rowwise)
+    cfg = sgmv.KernelConfig(split_k=split_k, shrink_block_k=64, n_chunks=2, expand_block_n=16, rowwise=rowwise)
     sgmv.add_lora(y, case.x, case.lora_a, case.lora_b, case.batch(block_m=block_m), case.ranks, case.scalings,
                   0, cfg)
     assert rel_err(y, case.oracle(), case.y0) <= 1e-5
@@ -101,14 +99,13 @@ def test_kernel_split_k_and_tile_height(split_k, block_m, rowwise):
 @interpreted
 @pytest.mark.parametrize("n_chunks", [1, 2, 5])
 @pytest.mark.parametrize("R", [16, 48, 128])
-@pytest.mark.parametrize("rowwise", [0, 1, 2])
+@pytest.mark.parametrize("rowwise", [False, True])
 def test_expand_n_chunks_and_rank_tiles(n_chunks, R, rowwise):
     """One or several rank tiles (R ≤ 64 or not: the row-wise expand only takes one, R=128 keeps the tile
     product), N cut into chunks of several BLOCK_N steps, a rank tile wider than the rank (R=48)."""
     rng = np.random.default_rng(R + n_chunks)
     case = make_case(rng, seg_lens=[1, 1, 30, 2, 1], popularity="uniform", K=64, Ns=(80, 48), R=R, ranks="mixed")
-    cfg = sgmv.KernelConfig(expand_block_n=16, n_chunks=n_chunks, shrink_block_k=32, shrink_rowwise=rowwise,
-                            expand_rowwise=rowwise)
+    cfg = sgmv.KernelConfig(expand_block_n=16, n_chunks=n_chunks, shrink_block_k=32, rowwise=rowwise)
     for block_m in (16, 64):
         y = case.y0.clone()
         sgmv.add_lora(y, case.x, case.lora_a, case.lora_b, case.batch(block_m=block_m), case.ranks, case.scalings,
@@ -120,8 +117,8 @@ def test_expand_n_chunks_and_rank_tiles(n_chunks, R, rowwise):
 @pytest.mark.parametrize("R", [16, 128])
 @pytest.mark.parametrize("accumulate", [True, False])
 def test_prefetching_tile_expand_gives_the_plain_ones_bits(R, accumulate, monkeypatch):
-    """KernelConfig.tile_prefetch (each step's y tile loaded a step ahead) and tile_stages (the column loop
-    pipelined by Triton): prompts of 1–70 rows in tiles of 16 and 64, N cut into chunks of several BLOCK_N steps
+    """KernelConfig.tile_prefetch (each step's y tile loaded a step ahead; the prompt tiles' config): prompts of
+    1–70 rows in tiles of 16 and 64, N cut into chunks of several BLOCK_N steps
     whose last is partial (83 and 45 columns), one rank tile (R=16) or several (R=128); each path taken
     (counted), the same arithmetic in the same order as the plain tile expand, so the same bits, and the float64
     loop's values (accumulate=False: the products stored into an fp32 buffer, every adapter row's columns
@@ -133,18 +130,15 @@ def test_prefetching_tile_expand_gives_the_plain_ones_bits(R, accumulate, monkey
     expected = case.oracle()
     for block_m in (16, 64):
         outs = []
-        for prefetch, stages in ((False, 0), (True, 0), (True, 3)):
+        for prefetch in (False, True):
             _PATH_CALLS.clear()
-            cfg = sgmv.KernelConfig(expand_block_n=16, n_chunks=2, shrink_block_k=32, tile_prefetch=prefetch,
-                                    tile_stages=stages)
+            cfg = sgmv.KernelConfig(expand_block_n=16, n_chunks=2, shrink_block_k=32, tile_prefetch=prefetch)
             y = case.y0.clone() if accumulate else torch.full(case.y0.shape, float("nan"))
             sgmv.add_lora(y, case.x, case.lora_a, case.lora_b, case.batch(block_m=block_m), case.ranks,
                           case.scalings, 2, cfg, accumulate=accumulate)
-            assert set(_PATH_CALLS) == {f"expand_prefetch{stages or int(prefetch)}"}, _PATH_CALLS
+            assert set(_PATH_CALLS) == {f"expand_prefetch{int(prefetch)}"}, _PATH_CALLS
             outs.append(y)
-        for out in outs[1:]:
-            assert torch.equal(outs[0].nan_to_num(7.0), out.nan_to_num(7.0)), block_m
-        outs = outs[:2]
+        assert torch.equal(outs[0].nan_to_num(7.0), outs[1].nan_to_num(7.0)), block_m
         if accumulate:
             untouched = case.untouched()
             assert torch.equal(outs[1][untouched], case.y0[untouched])
@@ -156,81 +150,44 @@ def test_prefetching_tile_expand_gives_the_plain_ones_bits(R, accumulate, monkey
             assert (written.double() - delta).norm() <= 1e-2 * delta.norm()
 
 
-@pytest.mark.parametrize("value, expected", [
-    ("", {}), ("prefetch", dict(tile_prefetch=True)),
-    ("noprefetch,n128", dict(tile_prefetch=False, expand_block_n=128)),
-    (" N64 , epps4", dict(expand_block_n=64, expand_programs_per_sm=4.0)),
-    ("epps2.5,ew8,", dict(expand_programs_per_sm=2.5, expand_warps=8)),
-    ("rows,rn128", dict(shrink_rowwise=1, expand_rowwise=1, rows_block_n=128)),
-    ("norows", dict(shrink_rowwise=0, expand_rowwise=0)), ("ts3,n32", dict(tile_stages=3, expand_block_n=32))])
-def test_prefill_options(value, expected, monkeypatch):
-    monkeypatch.setenv("LORAPLEX_LORA_PREFILL", value)
-    assert sgmv._prefill_options() == expected
-
-
-def test_prefill_default_and_plain_settings_round_trip():
-    """The prompt tiles' default is the prefetching expand over 64 columns (unless the environment changes it);
-    its description, and "noprefetch,n128,epps2", are LORAPLEX_LORA_PREFILL values that give the configs back."""
-    if not os.environ.get("LORAPLEX_LORA_PREFILL"):
-        assert sgmv.CONFIGS[64] == sgmv.PREFILL_DEFAULT
-    assert sgmv.describe_prefill(sgmv.PREFILL_DEFAULT) == "prefetch,n64,epps4,ew4,nostore,norows"
-    rows = dataclasses.replace(sgmv.PREFILL_DEFAULT, shrink_rowwise=1, expand_rowwise=1, rows_block_n=128,
-                               tile_stages=4)
-    assert sgmv.describe_prefill(rows) == "prefetch,n64,epps4,ew4,nostore,rows,rn128,ts4"
-    for cfg in (sgmv.PREFILL_DEFAULT, sgmv.PREFILL_PLAIN, rows):
-        assert dataclasses.replace(sgmv.PREFILL_PLAIN, **sgmv._prefill_options(sgmv.describe_prefill(cfg))) == cfg
-    assert dataclasses.replace(sgmv.PREFILL_DEFAULT, **sgmv._prefill_options("noprefetch,n128,epps2")) == \
-        sgmv.PREFILL_PLAIN
-
-
-@pytest.mark.parametrize("value", ["n512", "n48", "epps", "epps-1", "epps0", "ew3", "fetch", "prefetch,n", "rn48",
-                                   "rn2048", "rowz", "rn", "ts1", "ts6", "ts"])
-def test_prefill_options_refuse_a_bad_one(value, monkeypatch):
-    monkeypatch.setenv("LORAPLEX_LORA_PREFILL", value)
-    with pytest.raises(ValueError, match="LORAPLEX_LORA_PREFILL=.* is not an option"):
-        sgmv._prefill_options()
-
-
-# The row-wise paths' options: loads a step ahead, and the expand's own column step (wider than a program's
-# share of N here, so its masks matter)
-ROWS_OPTIONS = {"plain": {}, "prefetch": dict(rows_prefetch=True), "prefetch-n64": dict(rows_prefetch=True,
-                                                                                      rows_block_n=64)}
+def test_tuned_configs():
+    """The tuned configs (ops/lora/tuned_h200.json): decode tiles row by row where they hold a few rows, prompt
+    tiles with the y tile a step ahead over 64 columns; other tile heights take the prompt tiles' config."""
+    decode, prompt = sgmv.config_for(16), sgmv.config_for(64)
+    assert decode.rowwise and not decode.tile_prefetch and (decode.shrink_block_k, decode.expand_block_n) == (256, 256)
+    assert prompt.tile_prefetch and not prompt.rowwise and prompt.expand_block_n == 64
+    assert sgmv.config_for(32) is prompt
 
 
 @interpreted
 @pytest.mark.parametrize("split_k", [1, 4])
-@pytest.mark.parametrize("mode", [1, 2])
-@pytest.mark.parametrize("rows", ROWS_OPTIONS)
-def test_rowwise_kernels_on_tiles_of_one_to_six_rows(split_k, mode, rows):
-    """Distinct adapters on segments of 1–6 rows: in mode 1 the tiles of up to ROWWISE_MAX_ROWS rows go row by
-    row and the 5- and 6-row ones through the tile product, in mode 2 all row by row; the shrink's and the
-    expand's modes apart and together."""
+def test_rowwise_kernels_on_tiles_of_one_to_six_rows(split_k):
+    """Distinct adapters on segments of 1–6 rows: the tiles of up to ROWWISE_MAX_ROWS rows go row by row and the
+    5- and 6-row ones through the tile product; the row-wise expand's column step (ROWS_WIDE_BLOCK_N) wider than
+    a program's share of N here, so its masks matter."""
     assert sgmv.ROWWISE_MAX_ROWS == 4
-    rng = np.random.default_rng(stable_seed("rowwise", split_k, mode, rows))
+    rng = np.random.default_rng(stable_seed("rowwise", split_k, 1, "plain"))
     case = make_case(rng, seg_lens=[1, 2, 3, 4, 5, 6, 1, 1], popularity="distinct", K=200, Ns=(72, 40), R=16,
                      ranks="mixed", dtype=torch.float16, y_offset=2, extra_cols=3)
     assert all(s >= 0 for s in case.slot_ids)
     expected = case.oracle()
-    base = dict(split_k=split_k, shrink_block_k=32, expand_block_n=32, n_chunks=2, **ROWS_OPTIONS[rows])
-    for shrink_mode, expand_mode in ((mode, 0), (0, mode), (mode, mode)):
-        cfg = sgmv.KernelConfig(**base, shrink_rowwise=shrink_mode, expand_rowwise=expand_mode)
-        y = case.y0.clone()
-        sgmv.add_lora(y, case.x, case.lora_a, case.lora_b, case.batch(block_m=16), case.ranks, case.scalings, 2, cfg)
-        untouched = case.untouched()
-        assert torch.equal(y[untouched], case.y0[untouched])
-        assert rel_err(y, expected, case.y0) <= TOL[torch.float16], (shrink_mode, expand_mode)
+    cfg = sgmv.KernelConfig(split_k=split_k, shrink_block_k=32, expand_block_n=32, n_chunks=2, rowwise=True)
+    y = case.y0.clone()
+    sgmv.add_lora(y, case.x, case.lora_a, case.lora_b, case.batch(block_m=16), case.ranks, case.scalings, 2, cfg)
+    untouched = case.untouched()
+    assert torch.equal(y[untouched], case.y0[untouched])
+    assert rel_err(y, expected, case.y0) <= TOL[torch.float16]
 
 
 @interpreted
-@pytest.mark.parametrize("mode", [1, 2])
-def test_rowwise_rank_above_stack_width_counts_as_the_width(mode):
-    rng = np.random.default_rng(stable_seed("rowwise-rank", mode))
+def test_rowwise_rank_above_stack_width_counts_as_the_width():
+    rng = np.random.default_rng(stable_seed("rowwise-rank", 1))
     # R=24: the rank tile is 32 wide, so a rank of 29 would reach into the next slot's rows if not clamped
     case = make_case(rng, seg_lens=[1, 3, 1, 9], popularity="distinct", K=64, Ns=(32,), R=24)
     expected = case.oracle()
     case.ranks[0].fill_(24 + 5)
     y = case.y0.clone()
-    cfg = sgmv.KernelConfig(split_k=2, shrink_block_k=16, expand_block_n=16, shrink_rowwise=mode, expand_rowwise=mode)
+    cfg = sgmv.KernelConfig(split_k=2, shrink_block_k=16, expand_block_n=16, rowwise=True)
     sgmv.add_lora(y, case.x, case.lora_a, case.lora_b, case.batch(block_m=16), case.ranks, case.scalings, 0, cfg)
     assert rel_err(y, expected, case.y0) <= 1e-5
 
@@ -256,95 +213,39 @@ _count_expand_rows = _counting("_expand_tile_rows", "expand_rows")
 
 
 def _count_expand_prefetch(*args):
-    """The tile expand, counting its calls by their last argument, PREFETCH (0/False plain, 1/True y a step
-    ahead, 2+ Triton's pipelined loop)."""
+    """The tile expand, counting its calls by their last argument, PREFETCH (False plain, True y a step ahead)."""
     key = f"expand_prefetch{int(getattr(args[-1], 'value', args[-1]))}"
     _PATH_CALLS[key] = _PATH_CALLS.get(key, 0) + 1
     return _REAL_TILES["_expand_tile"](*args)
 
 
 @interpreted
-@pytest.mark.parametrize("mode, expected", [
-    (0, dict(shrink_tile=4, expand_tile=4)),
-    (1, dict(shrink_rows=3, shrink_tile=1, expand_rows=3, expand_tile=1)),
-    (2, dict(shrink_rows=4, expand_rows=4))])
-def test_each_mode_takes_the_path_it_says(mode, expected, monkeypatch):
-    """Tiles of 1, 2, 6 and 1 rows (distinct adapters, one split, one N chunk, one rank tile): mode 0 runs
-    the tile product on all, mode 1 the row-wise path on the three of ≤ ROWWISE_MAX_ROWS rows, mode 2 on all."""
+@pytest.mark.parametrize("rowwise, expected", [
+    (False, dict(shrink_tile=4, expand_tile=4)),
+    (True, dict(shrink_rows=3, shrink_tile=1, expand_rows=3, expand_tile=1))])
+def test_each_config_takes_the_path_it_says(rowwise, expected, monkeypatch):
+    """Tiles of 1, 2, 6 and 1 rows (distinct adapters, one split, one N chunk, one rank tile): without `rowwise`
+    the tile product runs on all, with it the row-wise path on the three of ≤ ROWWISE_MAX_ROWS rows."""
     for name, stand_in in (("_shrink_tile", _count_shrink_tile), ("_shrink_tile_rows", _count_shrink_rows),
                            ("_expand_tile", _count_expand_tile), ("_expand_tile_rows", _count_expand_rows)):
         monkeypatch.setattr(sgmv_kernels, name, stand_in)
     _PATH_CALLS.clear()
-    rng = np.random.default_rng(stable_seed("paths", mode))
+    rng = np.random.default_rng(stable_seed("paths", int(rowwise)))
     case = make_case(rng, seg_lens=[1, 2, 6, 1], popularity="distinct", K=32, Ns=(16,), R=16, ranks="full",
                      dtype=torch.float16)
-    cfg = sgmv.KernelConfig(split_k=1, n_chunks=1, shrink_block_k=32, expand_block_n=16, shrink_rowwise=mode,
-                            expand_rowwise=mode)
+    cfg = sgmv.KernelConfig(split_k=1, n_chunks=1, shrink_block_k=32, expand_block_n=16, rowwise=rowwise)
     y = case.y0.clone()
     sgmv.add_lora(y, case.x, case.lora_a, case.lora_b, case.batch(block_m=16), case.ranks, case.scalings, 0, cfg)
     assert _PATH_CALLS == expected
     assert rel_err(y, case.oracle(), case.y0) <= TOL[torch.float16]
 
 
-def test_decode_rowwise_sets_the_decode_config_inside_only():
-    base16, base64 = sgmv.config_for(16), sgmv.config_for(64)
-    with sgmv.decode_rowwise(2):
-        cfg = sgmv.config_for(16)
-        assert (cfg.shrink_rowwise, cfg.expand_rowwise) == (2, 2)
-        assert dataclasses.replace(cfg, shrink_rowwise=0, expand_rowwise=0) == \
-            dataclasses.replace(base16, shrink_rowwise=0, expand_rowwise=0)   # nothing else changes
-        assert sgmv.config_for(64) == base64
-        with sgmv.decode_rowwise(0):
-            assert sgmv.config_for(16).expand_rowwise == 0
-        assert sgmv.config_for(16).expand_rowwise == 2
-    assert sgmv.config_for(16) == base16
-    with pytest.raises(ValueError, match="row-wise mode"):
-        with sgmv.decode_rowwise(3):
-            pass
-
-
-@pytest.mark.parametrize("slots, fit", [([], True), ([-1, -1], True), ([1, 2, 3], True), ([5] * 4 + [-1] * 9, True),
-                                        ([5] * 5, False), ([0, 1, 0, 1, 0, 1, 0, 1, 1], False)])
-def test_rows_fit(slots, fit):
-    assert sgmv.rows_fit(slots) is fit
-
-
-@pytest.mark.parametrize("value, expected", [("0", 0), ("", 1), ("1", 1), (" 2 ", 2), ("Auto", "auto")])
-def test_rowwise_setting(value, expected, monkeypatch):
-    monkeypatch.setenv("LORAPLEX_LORA_ROWWISE", value)
-    assert sgmv._rowwise_setting() == expected
-
-
-@pytest.mark.parametrize("value, expected", [("", {}), ("prefetch", dict(rows_prefetch=True)),
-                                             (" N512 , prefetch", dict(rows_prefetch=True, rows_block_n=512)),
-                                             ("n16,", dict(rows_block_n=16))])
-def test_rows_options(value, expected, monkeypatch):
-    monkeypatch.setenv("LORAPLEX_LORA_ROWS", value)
-    assert sgmv._rows_options() == expected
-
-
-def test_row_wise_expand_steps_512_columns_at_rank_16_unless_set(monkeypatch):
-    monkeypatch.delenv("LORAPLEX_LORA_ROWS", raising=False)
-    assert sgmv._rows_options() == {}
-    decode = dataclasses.replace(sgmv.CONFIGS[16], expand_rowwise=1, rows_block_n=None)
+def test_row_wise_expand_steps_512_columns_at_rank_16():
+    decode = sgmv.CONFIGS[16]
+    assert decode.rowwise
     assert [sgmv.rows_block_n_for(decode, sgmv._block_r(r)) for r in (4, 16, 32, 64)] == [512, 512, 256, 256]
-    assert sgmv.rows_block_n_for(dataclasses.replace(decode, rows_block_n=128), 16) == 128   # as set
-    tiles_only = dataclasses.replace(decode, expand_rowwise=0)   # the value goes unused: no variant of its own
+    tiles_only = dataclasses.replace(decode, rowwise=False)   # the value goes unused: no variant of its own
     assert sgmv.rows_block_n_for(tiles_only, 16) == tiles_only.expand_block_n
-
-
-@pytest.mark.parametrize("value", ["n500", "n2048", "fetch", "n", "prefetch,n-16"])
-def test_rows_options_refuse_a_bad_one(value, monkeypatch):
-    monkeypatch.setenv("LORAPLEX_LORA_ROWS", value)
-    with pytest.raises(ValueError, match="LORAPLEX_LORA_ROWS=.* is not an option"):
-        sgmv._rows_options()
-
-
-@pytest.mark.parametrize("value", ["yes", "3", "expand", "-1"])
-def test_rowwise_setting_refuses_a_bad_value(value, monkeypatch):
-    monkeypatch.setenv("LORAPLEX_LORA_ROWWISE", value)
-    with pytest.raises(ValueError, match=f"LORAPLEX_LORA_ROWWISE='{value}'"):
-        sgmv._rowwise_setting()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -485,11 +386,10 @@ def test_y_in_xs_storage():
 
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rowwise, rows, R", [(0, "plain", 16), (1, "plain", 16), (2, "plain", 16), (2, "prefetch", 16),
-                                              (0, "plain", 80)])   # 80: two rank tiles (the loop over them)
-def test_expand_can_store_the_product_instead_of_adding_it(dtype, rowwise, rows, R):
+@pytest.mark.parametrize("rowwise, R", [(False, 16), (True, 16), (False, 80)])   # 80: two rank tiles (their loop)
+def test_expand_can_store_the_product_instead_of_adding_it(dtype, rowwise, R):
     """accumulate=False: y is an fp32 buffer; rows with an adapter get scaling · v @ Bᵀ (zeros in slices of
-    rank 0: the buffer is not zero-filled, ops/lora_delta.py), every other element keeps what it held (NaN)."""
+    rank 0: the buffer is not zero-filled, ops/lora/delta.py), every other element keeps what it held (NaN)."""
     rng = np.random.default_rng(stable_seed("store", str(dtype), R))
     case = make_case(rng, seg_lens=[1, 3, 1, 1, 20, 1, 2], popularity="uniform", K=96, Ns=(40, 24), R=R,
                      dtype=dtype, none_frac=0.3, ranks="mixed")
@@ -497,8 +397,7 @@ def test_expand_can_store_the_product_instead_of_adding_it(dtype, rowwise, rows,
     used = next(s for s in case.slot_ids if s >= 0)
     case.ranks[0][used] = 0   # a slot used by rows has a slice of rank 0 (lowering a rank reads less)
     batch = case.batch()
-    cfg = sgmv.KernelConfig(split_k=2, n_chunks=2, expand_block_n=16, shrink_rowwise=rowwise,
-                            expand_rowwise=rowwise, **ROWS_OPTIONS[rows])
+    cfg = sgmv.KernelConfig(split_k=2, n_chunks=2, expand_block_n=16, rowwise=rowwise)
     part = sgmv.new_partials(case.x, case.lora_a, batch, cfg)
     sgmv.shrink_into(part, case.x, case.lora_a, case.ranks, batch, cfg)
     delta = torch.full(case.y0.shape, float("nan"))
@@ -517,9 +416,9 @@ def test_expand_can_store_the_product_instead_of_adding_it(dtype, rowwise, rows,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("regime", ["decode", "prefill"])
 def test_linear_with_lora_delta_leaves_the_product_for_the_next_op(dtype, regime):
-    """ops/overlap.py's "full" path on one stream: y is the plain GEMM; y + delta is add_lora's sum;
-    the delta (a LoraDelta) is exactly 0 in slices of rank 0 and not written in rows without an adapter,
-    which its row_slot marks -1 (its dense view: 0)."""
+    """ops/lora/overlap.py's `linear_with_lora_delta` on one stream: y is the plain GEMM; y + delta is
+    add_lora's sum; the delta (a LoraDelta) is exactly 0 in slices of rank 0 and not written in rows without an
+    adapter, which its row_slot marks -1 (its dense view: 0)."""
     from loraplex.ops.lora import overlap
     rng = np.random.default_rng(stable_seed("delta", str(dtype), regime))
     case = make_case(rng, seg_lens=_lens(regime, rng, 9), popularity="skewed", K=64, Ns=(48, 16, 16), R=16,
@@ -545,93 +444,6 @@ def test_linear_with_lora_delta_leaves_the_product_for_the_next_op(dtype, regime
     assert err <= TOL[dtype], f"rel err {err:.2e}"
 
 
-@pytest.mark.parametrize("value, mode", [(None, "fused"), ("1", "fused"), ("full", "full"), (" Shrink ", "shrink"),
-                                         ("FUSED", "fused"), ("0", "off"), ("off", "off"), ("False", "off")])
-def test_lora_overlap_setting(value, mode, monkeypatch):
-    """LORAPLEX_LORA_OVERLAP (ops/overlap.py): by default ("fused") forwards of up to MAX_ROWS rows leave
-    each LoRA product to the next op, and captured ones run the LoRA kernels on a side stream; captured
-    forwards of up to SHRINK_MAX_ROWS run the shrink there."""
-    from loraplex.ops.lora import overlap
-    if value is None:
-        monkeypatch.delenv("LORAPLEX_LORA_OVERLAP", raising=False)
-    else:
-        monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", value)
-    assert overlap.mode() == mode
-    assert overlap.MAX_ROWS < overlap.SHRINK_MAX_ROWS
-    for rows in (1, overlap.MAX_ROWS, overlap.MAX_ROWS + 1, overlap.SHRINK_MAX_ROWS):
-        assert overlap.enabled(rows) == (mode != "off")
-        assert overlap.uses_delta(rows) == (mode in ("full", "fused") and rows <= overlap.MAX_ROWS)
-    assert not overlap.enabled(overlap.SHRINK_MAX_ROWS + 1) and not overlap.uses_delta(overlap.SHRINK_MAX_ROWS + 1)
-
-
-@pytest.mark.parametrize("mode", ["full", "fused", "shrink", "off"])
-def test_lora_path_by_rows_and_capture(mode, monkeypatch):
-    """The measured policy (ops/overlap.py): captured forwards put both LoRA kernels beside the GEMM up to
-    MAX_ROWS rows, the shrink up to SHRINK_MAX_ROWS, neither beyond; eager ones never use a side stream."""
-    from loraplex.ops.lora import overlap
-    monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", mode)
-    small, middle, large = 1, overlap.MAX_ROWS + 1, overlap.SHRINK_MAX_ROWS + 1
-    want = {"full": {(small, True): "delta-side", (small, False): "delta", (middle, True): "shrink-side",
-                     (middle, False): "direct"},
-            "fused": {(small, True): "product-side", (small, False): "product", (middle, True): "shrink-side",
-                      (middle, False): "direct"},
-            "shrink": {(small, True): "shrink-side", (small, False): "direct", (middle, True): "shrink-side",
-                       (middle, False): "direct"},
-            "off": {(small, True): "direct", (small, False): "direct", (middle, True): "direct",
-                    (middle, False): "direct"}}[mode]
-    for (rows, capturing), path in want.items():
-        assert overlap.lora_path(rows, capturing) == path, (rows, capturing)
-    assert overlap.lora_path(large, True) == overlap.lora_path(large, False) == "direct"
-
-
-def test_lora_overlap_setting_refuses_a_bad_value(monkeypatch):
-    from loraplex.ops.lora import overlap
-    monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", "sideways")
-    with pytest.raises(ValueError, match="LORAPLEX_LORA_OVERLAP='sideways': expected fused"):
-        overlap.mode()
-
-
-@pytest.mark.parametrize("value, scheme", [(None, "high"), ("high", "high"), (" HIGH ", "high"), ("", "high"),
-                                           ("1", "high"), ("default", "default"), ("0", "default"),
-                                           ("off", "default"), ("Gemm", "gemm")])
-def test_graph_priority_setting(value, scheme, monkeypatch):
-    """LORAPLEX_GRAPH_PRIORITY (ops/stream_priority.py): graphs with LoRA kernels are captured on a high-priority
-    stream by default (-5: PyTorch clamps it to its highest pool); "gemm" captures at the default priority and
-    gives the GEMMs beside LoRA kernels a high-priority stream; the side stream keeps the lowest; a bad value
-    names itself."""
-    from loraplex.ops.lora import overlap
-    from loraplex.ops.lora import stream_priority
-    if value is None:
-        monkeypatch.delenv("LORAPLEX_GRAPH_PRIORITY", raising=False)
-    else:
-        monkeypatch.setenv("LORAPLEX_GRAPH_PRIORITY", value)
-    assert stream_priority.priority_scheme() == scheme and overlap.SIDE_STREAM_PRIORITY == 0
-    assert stream_priority.capture_priority() == (-5 if scheme == "high" else 0)
-    assert stream_priority.gemm_stream_priority() == (-5 if scheme == "gemm" else None)
-    monkeypatch.setenv("LORAPLEX_GRAPH_PRIORITY", "urgent")
-    with pytest.raises(ValueError, match=r"LORAPLEX_GRAPH_PRIORITY='urgent': expected high \(or 1\), gemm, or def"):
-        stream_priority.capture_priority()
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("layout", ["contiguous", "column slice", "transposed"])
-def test_linear_into_is_f_linear(dtype, with_bias, layout):
-    """The "gemm" scheme's GEMM into a buffer allocated on the main stream (overlap._linear_into) computes
-    F.linear's bits: the same addmm / mm, whatever x's strides (q/k/v's views are slices). (On the GPU:
-    tests/test_model_gpu.py's "+gemm_stream" replays against eager forwards.)"""
-    from loraplex.ops.lora import overlap
-    gen = torch.Generator().manual_seed(7)
-    x = torch.randn(5, 128, generator=gen).to(dtype)
-    x = {"contiguous": x[:, :64].contiguous(), "column slice": x[:, 32:96],
-         "transposed": x[:, :64].t().contiguous().t()}[layout]
-    weight = torch.randn(48, 64, generator=gen).to(dtype)
-    bias = torch.randn(48, generator=gen).to(dtype) if with_bias else None
-    y = torch.full((5, 48), float("nan"), dtype=dtype)
-    overlap._linear_into(y, x, weight, bias)
-    assert torch.equal(y, torch.nn.functional.linear(x, weight, bias))
-
-
 def test_side_stream_that_is_the_captured_stream_falls_back_and_says_so(monkeypatch, caplog):
     """overlap._usable_side: where PyTorch's stream pool handed the capture the side stream itself, the LoRA
     kernels run in the plain order (None), with one warning, not one per projection."""
@@ -650,31 +462,10 @@ def test_side_stream_that_is_the_captured_stream_falls_back_and_says_so(monkeypa
         "without the overlap"]
 
 
-def test_vector_loads_switch_picks_the_rank_mask():
-    """LORAPLEX_LORA_VECTOR_LOADS (read at import): "no-rope" by default, B read over 16-column steps of the rank
-    except in RoPE's tiles (fused_lora_kernels._product_2d); "on" there too; off, at the rank itself everywhere
-    (the code before, for runs against it); a bad value names the variable."""
-    import subprocess
-    import sys
-    if os.environ.get("LORAPLEX_LORA_VECTOR_LOADS") is None:
-        assert sgmv_kernels.VECTOR_LOADS_SETTING == "no-rope" and sgmv_kernels.VECTOR_LOADS
-        assert sgmv_kernels._load_rank_block is sgmv_kernels._rank_block_vector
-    probe = ("from loraplex.ops import sgmv_kernels as k, fused_lora_kernels as f; "
-             "print(k._load_rank_block.fn.__name__, f._load_rank_block_2d.fn.__name__)")
-    for value, want in (("off", "_rank_block_exact _rank_block_exact"), ("1", "_rank_block_vector _rank_block_vector"),
-                        ("No-Rope", "_rank_block_vector _rank_block_exact")):
-        out = subprocess.run([sys.executable, "-c", probe], env=dict(os.environ, LORAPLEX_LORA_VECTOR_LOADS=value),
-                             capture_output=True, text=True, check=True).stdout
-        assert out.strip() == want, value
-    bad = subprocess.run([sys.executable, "-c", probe], env=dict(os.environ, LORAPLEX_LORA_VECTOR_LOADS="wide"),
-                         capture_output=True, text=True)
-    assert bad.returncode != 0 and "LORAPLEX_LORA_VECTOR_LOADS='wide'" in bad.stderr
-
-
 def test_the_shrink_goes_after_the_gemm_only_with_pdl_and_the_triton_gemm(monkeypatch):
     """overlap.shrink_order: "after" (the default) only where PDL is on and the projection's GEMM is skinny_gemm's
     Triton kernel, which releases the shrink only after its own wait (ops/pdl.py); elsewhere (cuBLAS's GEMMs of more
-    rows or other dtypes, GPUs without PDL) the side stream. The other orders as set; an unknown one is refused."""
+    rows or other dtypes, GPUs without PDL) the side stream."""
     from loraplex.ops import pdl
     from loraplex.ops.lora import overlap
     from loraplex.ops.gemm import skinny as skinny_gemm
@@ -682,15 +473,8 @@ def test_the_shrink_goes_after_the_gemm_only_with_pdl_and_the_triton_gemm(monkey
     w = torch.randn(64, 32)
     few, many = torch.randn(8, 32), torch.randn(skinny_gemm.DECODE_MAX_ROWS + 1, 32)
     monkeypatch.setattr(skinny_gemm, "takes", lambda dtype, device: True)   # as on a GPU with 16-bit weights
-    assert overlap.SHRINK_ORDER == "after"
     for on, rows, want in ((True, few, "after"), (True, many, "side"), (False, few, "side")):
         monkeypatch.setattr(pdl, "PDL", tl.constexpr(on))
         assert overlap.shrink_order(rows, w) == want, (on, rows.shape)
     monkeypatch.setattr(skinny_gemm, "takes", lambda dtype, device: False)   # cuBLAS at any rows
     assert overlap.shrink_order(few, w) == "side"
-    for order in ("side", "before"):
-        monkeypatch.setattr(overlap, "SHRINK_ORDER", order)
-        assert overlap.shrink_order(few, w) == order
-    monkeypatch.setattr(overlap, "SHRINK_ORDER", "sideways")
-    with pytest.raises(ValueError, match="LORAPLEX_LORA_SHRINK_ORDER.*sideways"):
-        overlap.shrink_order(few, w)

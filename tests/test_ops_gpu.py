@@ -74,17 +74,15 @@ def test_forced_split_k(split_k):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("popularity", ["distinct", "uniform", "identical"])
 @pytest.mark.parametrize("Ns", [(4096,), (4096, 4096, 4096), (11008, 11008)])
-@pytest.mark.parametrize("mode, rows", [(1, {}), (2, {}), (1, dict(rows_prefetch=True, rows_block_n=512))])
-def test_rowwise_kernels_match_float64_loop(dtype, popularity, Ns, mode, rows):
-    """The row-wise shrink and expand on Llama-2-7B's decode shapes, with mixed ranks and rows without an
-    adapter: mode 1 (tiles of up to sgmv.ROWWISE_MAX_ROWS rows; "distinct" is all such tiles, "uniform" and
-    "identical" larger ones that keep the tile product), mode 2 (every tile row by row); `rows`: the row-wise
-    paths' loads a step ahead, 512 columns a step."""
-    rng = np.random.default_rng(stable_seed("rowwise", str(dtype), popularity, Ns, mode, sorted(rows)))
+def test_rowwise_kernels_match_float64_loop(dtype, popularity, Ns):
+    """The decode config's row-wise shrink and expand on Llama-2-7B's decode shapes, with mixed ranks and rows
+    without an adapter: tiles of up to sgmv.ROWWISE_MAX_ROWS rows ("distinct" is all such tiles, "uniform" and
+    "identical" larger ones that keep the tile product)."""
+    rng = np.random.default_rng(stable_seed("rowwise", str(dtype), popularity, Ns, 1, []))
     case = make_case(rng, seg_lens=[1] * 160, popularity=popularity, K=11008 if len(Ns) == 1 else 4096, Ns=Ns,
                      R=16, ranks="mixed", dtype=dtype, device="cuda", none_frac=0.1, y_offset=2, extra_cols=3)
-    cfg = sgmv.KernelConfig(shrink_rowwise=mode, expand_rowwise=mode, shrink_block_k=256, expand_block_n=256,
-                            shrink_programs_per_sm=16.0, expand_programs_per_sm=16.0, **rows)
+    cfg = sgmv.config_for(16)
+    assert cfg.rowwise
     y = case.y0.clone()
     sgmv.add_lora(y, case.x, case.lora_a, case.lora_b, case.batch(block_m=16), case.ranks, case.scalings, 2, cfg)
     untouched = case.untouched()
@@ -94,26 +92,16 @@ def test_rowwise_kernels_match_float64_loop(dtype, popularity, Ns, mode, rows):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("Ns", [(4096, 4096, 4099), (11008, 11011)])
-@pytest.mark.parametrize("pair", ["plain+prefetch", "plain:default", "default-prefetch:default", "default:rows",
-                                  "default:rows-rn128", "default:ts3", "default:ts4-n32"])
-def test_prefill_expand_options_match_float64_loop(dtype, Ns, pair):
-    """The large tiles' expand settings (sgmv.PREFILL_PLAIN, the default before 2026-12-02; PREFILL_DEFAULT, the
-    y tile a step ahead over 64 columns; LORAPLEX_LORA_PREFILL changes them) on prompt-sized segments of
-    Llama-2-7B's shapes (and widths 3 past them, so that a step's columns are cut short): the float64 loop's
-    values, and with the y tile loaded a step ahead (or through Triton's pipeliner: "ts") the same columns' bits
-    without it. With the row-wise mode ("rows": tiles of up to ROWWISE_MAX_ROWS rows, here a 1-row and a 3-row
-    segment and a 129-row segment's last row, go row by row) the other tiles' bits are the tile product's.
-    Whatever the environment."""
-    plain, default = sgmv.PREFILL_PLAIN, sgmv.PREFILL_DEFAULT
-    rows = dataclasses.replace(default, shrink_rowwise=1, expand_rowwise=1)
-    base, cfg = {"plain+prefetch": (plain, dataclasses.replace(plain, tile_prefetch=True)),
-                 "plain:default": (plain, default),
-                 "default-prefetch:default": (dataclasses.replace(default, tile_prefetch=False), default),
-                 "default:rows": (dataclasses.replace(default, shrink_rowwise=0, expand_rowwise=0), rows),
-                 "default:rows-rn128": (dataclasses.replace(default, shrink_rowwise=0, expand_rowwise=0),
-                                        dataclasses.replace(rows, rows_block_n=128)),
-                 "default:ts3": (default, dataclasses.replace(default, tile_stages=3)),
-                 "default:ts4-n32": (default, dataclasses.replace(default, tile_stages=4, expand_block_n=32))}[pair]
+@pytest.mark.parametrize("pair", ["noprefetch:default", "default:rows"])
+def test_prefill_expand_matches_float64_loop(dtype, Ns, pair):
+    """The large tiles' config (sgmv.config_for(64): the y tile a step ahead over 64 columns) on prompt-sized
+    segments of Llama-2-7B's shapes (and widths 3 past them, so that a step's columns are cut short): the float64
+    loop's values, and the bits of the same config without the y tile a step ahead. With the row-wise path as
+    well ("rows": tiles of up to ROWWISE_MAX_ROWS rows, here a 1-row and a 3-row segment and a 129-row segment's
+    last row, go row by row) the other tiles' bits are the tile product's."""
+    default = sgmv.config_for(64)
+    base, cfg = {"noprefetch:default": (dataclasses.replace(default, tile_prefetch=False), default),
+                 "default:rows": (default, dataclasses.replace(default, rowwise=True))}[pair]
     rng = np.random.default_rng(stable_seed("prefill-options", str(dtype), Ns, pair))
     case = make_case(rng, seg_lens=[320, 1, 511, 64, 129, 3], popularity="distinct", K=4096, Ns=Ns, R=16,
                      ranks="mixed", dtype=dtype, device="cuda", none_frac=0.2, y_offset=2, extra_cols=3)
@@ -126,7 +114,7 @@ def test_prefill_expand_options_match_float64_loop(dtype, Ns, pair):
     assert torch.equal(outs[1][untouched], case.y0[untouched])
     assert rel_err(outs[1], case.oracle(), case.y0) <= TOL[dtype]
     same = torch.ones(len(case.y0), dtype=torch.bool, device="cuda")   # rows the same path takes in both
-    if cfg.expand_rowwise:
+    if cfg.rowwise:
         start = 0
         for length in case.seg_lens:   # distinct: a segment a slot, cut into tiles of 64 rows
             for tile in range(start, start + length, 64):
@@ -214,9 +202,10 @@ def test_fast_launch_matches_tritons_own_launch():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("side", [False, True])
 def test_lora_delta_beside_the_gemm(dtype, side):
-    """ops/overlap.py's "full" path, at 7B widths (q/k/v slices), on one stream and on the side stream:
-    y is the plain GEMM, y + delta matches the float64 loop; the delta (a LoraDelta, not zero-filled)
+    """ops/lora/overlap.py's `linear_with_lora_delta`, at 7B widths (q/k/v slices), on one stream and on the side
+    stream: y is the plain GEMM, y + delta matches the float64 loop; the delta (a LoraDelta, not zero-filled)
     marks rows without an adapter -1 and holds exact zeros in the rank-0 slices of rows with one."""
+    from loraplex.ops.gemm import skinny as skinny_gemm
     from loraplex.ops.lora import overlap
     rng = np.random.default_rng(stable_seed("delta-gpu", str(dtype), side))
     case = make_case(rng, seg_lens=[1] * 32, popularity="distinct", K=4096, Ns=(4096, 1024, 1024), R=16,
@@ -228,7 +217,7 @@ def test_lora_delta_beside_the_gemm(dtype, side):
     y, lora_delta = overlap.linear_with_lora_delta(case.x, weight, None, case.lora_a, case.lora_b, case.batch(),
                                                    case.ranks, case.scalings, side=side)
     torch.cuda.synchronize()
-    base = overlap.base_linear(case.x, weight, None)   # the projections' GEMM (skinny_gemm's at 32 rows)
+    base = skinny_gemm.linear(case.x, weight, None)   # the projections' GEMM (Triton's at 32 rows)
     assert torch.equal(y, base)
     without = torch.tensor(case.slot_ids, device="cuda") < 0
     assert without.any() and torch.equal(lora_delta.row_slot < 0, without)
@@ -242,29 +231,24 @@ def test_lora_delta_beside_the_gemm(dtype, side):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("side", [False, True, "gemm", "after"])
+@pytest.mark.parametrize("side", [False, True, "after"])
 @pytest.mark.parametrize("Ns", [(4096, 4096, 4099), (11008, 11011)])
 def test_lora_product_beside_the_gemm(dtype, side, Ns, monkeypatch):
-    """ops/overlap.py's "fused" path at 7B widths (q/k/v, gate/up slices), the shrink (LORAPLEX_LORA_SHRINK_ORDER
-    "side") on one stream or on the side stream (forked eagerly here; the model forks only while capturing),
-    "gemm": and the GEMM on a highest-priority stream of its own (LORAPLEX_GRAPH_PRIORITY=gemm); "after" (the
-    default order): the shrink on the current stream after the GEMM, its programs beside the GEMM's (PDL), side
-    stream or not: y is the plain GEMM bit for bit, each row carries its segment's slot, and the product the
-    consumers expand (`dense()`) matches the float64 loop; rows without an adapter get exactly 0."""
+    """ops/lora/overlap.py's `linear_with_lora_product` at 7B widths (q/k/v, gate/up slices), the shrink in the
+    "side" order on one stream or on the side stream (forked eagerly here; the model forks only while capturing);
+    "after" (the order where PDL is on): the shrink on the current stream after the GEMM, its programs beside the
+    GEMM's: y is the plain GEMM bit for bit, each row carries its segment's slot, and the product the consumers
+    expand (`dense()`) matches the float64 loop; rows without an adapter get exactly 0."""
     from loraplex.ops import pdl
+    from loraplex.ops.gemm import skinny as skinny_gemm
     from loraplex.ops.lora import overlap
     if side == "after" and not pdl.PDL:
         pytest.skip("the shrink goes after the GEMM only with PDL (overlap.shrink_order): elsewhere the side stream")
     monkeypatch.setattr(overlap, "_SIDE_STREAMS", {})
-    monkeypatch.setattr(overlap, "SHRINK_ORDER", "after" if side == "after" else "side")
-    gemm_stream = side == "gemm"
-    monkeypatch.setenv("LORAPLEX_GRAPH_PRIORITY", "gemm" if gemm_stream else "high")
     after = side == "after"
+    if not after:
+        monkeypatch.setattr(overlap, "shrink_order", lambda x, weight: "side")
     side = bool(side)
-    gemm_priorities = []   # the priority of the stream each GEMM into a main-stream buffer ran on
-    real_linear_into = overlap._linear_into
-    monkeypatch.setattr(overlap, "_linear_into", lambda *a: gemm_priorities.append(
-        torch.cuda.current_stream().priority) or real_linear_into(*a))
     rng = np.random.default_rng(stable_seed("product-gpu", str(dtype), side, Ns))
     case = make_case(rng, seg_lens=[1] * 32, popularity="distinct", K=4096, Ns=Ns, R=16, ranks="mixed",
                      dtype=dtype, device="cuda", none_frac=0.2)
@@ -275,11 +259,7 @@ def test_lora_product_beside_the_gemm(dtype, side, Ns, monkeypatch):
                                                   case.ranks, case.scalings, side=side)
     torch.cuda.synchronize()
     assert bool(overlap._SIDE_STREAMS) == (side and not after), "side=True forks to the side stream (\"side\" order)"
-    # "gemm": the GEMM ran on a stream of a higher priority than the default (0) one
-    assert len(gemm_priorities) == gemm_stream and all(p < 0 for p in gemm_priorities)
-    # the projections' GEMM (skinny_gemm's Triton kernel at 32 rows since 2026-12-02; F.linear before, which this
-    # compared with until 2026-12-03)
-    assert torch.equal(y, overlap.base_linear(case.x, weight, None))
+    assert torch.equal(y, skinny_gemm.linear(case.x, weight, None))   # the projections' GEMM (Triton's at 32 rows)
     assert product.row_slot.tolist() == np.repeat(case.slot_ids, case.seg_lens).tolist()
     dense = product.dense()
     want = add_lora_f64(torch.zeros_like(dense), case.x, case.lora_a, case.lora_b, case.ranks, case.scalings,

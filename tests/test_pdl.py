@@ -40,15 +40,16 @@ def _kernels():
 
 
 def test_pdl_is_on_by_default_only_with_a_hopper_gpu():
-    assert pdl.SETTING == "on" or os.environ.get("LORAPLEX_PDL")
-    if pdl.SETTING == "off" or not pdl._supported():   # off, or on without an sm_90 GPU (or in the interpreter)
+    from loraplex import envs
+    assert envs.pdl() or os.environ.get("LORAPLEX_PDL")
+    if not envs.pdl() or not pdl._supported():   # off, or on without an sm_90 GPU (or in the interpreter)
         assert not pdl.PDL
     assert launch._PDL_OPTIONS == ({"launch_pdl": True} if pdl.PDL else {})
 
 
 def test_every_kernel_starts_with_pdl_start():
     kernels = _kernels()
-    assert len(kernels) >= 18, sorted(kernels)
+    assert len(kernels) >= 14, sorted(kernels)
     for name, kernel in kernels.items():
         tree = ast.parse(textwrap.dedent(inspect.getsource(kernel.fn)))
         body = tree.body[0].body
@@ -78,7 +79,7 @@ def test_kernels_wait_before_any_memory_access_with_pdl_on(forced):
         checked += int(counts[-1].split()[1])
         early += int(counts[-1].split()[3])
         after += int(counts[-1].split()[5])
-    assert checked >= (100 if forced else 30), checked
+    assert checked >= (90 if forced else 30), checked
     assert early >= (4 if forced else 0), early   # the LoRA consumers' EARLY variants (test_fused_compile.py)
     assert after >= (1 if forced else 0), after   # the shrink's AFTER_GEMM variant (compile_kernels.shrink)
 
@@ -102,7 +103,7 @@ def test_launches_carry_the_programmatic_attribute_and_keep_their_results():
 
     eager = chain()
     launcher = skinny_gemm._KERNEL[0]
-    if launcher.enabled:   # the direct launches' compiled kernels (Triton 3.6, LORAPLEX_FAST_LAUNCH not 0)
+    if launcher.enabled:   # the direct launches' compiled kernels (Triton 3.6, LORAPLEX_FAST_LAUNCH not off)
         assert launcher._compiled and all(k.metadata.launch_pdl for k in launcher._compiled.values())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -176,8 +177,9 @@ if __name__ == "__main__":
 
     def checked_compile(*args, **kwargs):
         compiled = real_compile(*args, **kwargs)
-        _check_ptx(compiled.asm["ptx"], forced, seen, early=_is_early(args[0]),
-                   after_gemm=_is_early(args[0], "AFTER_GEMM"))
+        if args[0].fn.fn.__name__.endswith("_kernel"):   # not a helper compiled alone (test_fused_compile.lora_loads)
+            _check_ptx(compiled.asm["ptx"], forced, seen, early=_is_early(args[0]),
+                       after_gemm=_is_early(args[0], "AFTER_GEMM"))
         return compiled
 
     triton.compile = checked_compile
@@ -188,7 +190,7 @@ if __name__ == "__main__":
         for name, build in test_fused_compile.KERNELS.items():
             build("bf16", 90)
         if forced:
-            for kind in ("shrink", "expand", "in_gemm"):
+            for kind in ("shrink", "expand"):
                 getattr(compile_kernels, kind)("bf16", 16)
     else:
         for kind in test_attention_compile.KINDS:

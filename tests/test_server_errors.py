@@ -85,14 +85,15 @@ def test_unknown_model_route_and_keys(server):
     error_of(post(server, "/v1/completions", GOOD, key=None), 401)
     error_of(post(server, "/v1/completions", GOOD, key="wrong"), 401)
     error_of(httpx.get(server.url + "/v1/models"), 401)
-    error_of(httpx.get(server.url + "/metrics"), 401)
-    error_of(httpx.get(server.url + "/v1/adapters", headers=auth(KEY)), 401)   # management needs the admin key
+    assert httpx.get(server.url + "/metrics").status_code == 200               # open to scrapers by default
+    error_of(httpx.get(server.url + "/v1/adapters", headers=auth(KEY)), 403)   # management needs the admin key
+    error_of(httpx.get(server.url + "/v1/adapters", headers=auth("wrong")), 401)
     assert httpx.get(server.url + "/health").json()["status"] == "ok"          # open, no key
     # the key is checked before the body is even parsed
     error_of(post(server, "/v1/completions", {**GOOD, "n": 99}, key=None), 401)
     error_of(post(server, "/v1/completions", b"{not json", key=None), 401)
     error_of(post(server, "/v1/adapters", {"name": "x", "path": "poet"}, key=None), 401)
-    error_of(httpx.delete(server.url + "/v1/adapters/poet", headers=auth(KEY)), 401)
+    error_of(httpx.delete(server.url + "/v1/adapters/poet", headers=auth(KEY)), 403)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="bad", max_retries=0).models.list()
 
@@ -211,7 +212,8 @@ def test_a_failing_adapter_is_reported_only_to_its_callers(client, server, model
     server.state.cache.register("late-break", broken)
     (broken / "adapter_model.safetensors").write_bytes(b"\x00" * 64)
     r = post(server, "/v1/completions", {**GOOD, "model": "late-break"})
-    assert r.status_code == 500 and "late-break" in r.json()["error"]["message"], r.text
+    assert r.status_code == 424 and "late-break" in r.json()["error"]["message"], r.text
+    assert str(broken) not in r.text and "/tmp" not in r.text   # the adapter named, not the server's paths
     assert client.completions.create(model="poet", prompt="Hi", max_tokens=3).choices[0].text is not None
     assert httpx.delete(server.url + "/v1/adapters/late-break", headers=auth(ADMIN)).status_code == 200
 
@@ -251,7 +253,7 @@ def test_sigterm_finishes_requests_in_flight_and_refuses_new_ones(model, tmp_pat
         thread.join(timeout=60)
         assert box and box[-1] == "data: [DONE]"
         assert '"finish_reason":"length"' in box[-2]
-        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)   # uvicorn re-raises the signal once it has drained
+        assert proc.wait(timeout=60) == 0   # drained: a clean exit, not death by the re-raised signal
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -97,6 +97,21 @@ def test_adapter_label_cap():
     assert m.adapter_label("ad1") == "ad1" and m.adapter_label("ad9") == "other"
 
 
+def test_tenant_counters_and_their_label_cap():
+    m = ServerMetrics(max_tenant_labels=2)
+    for tenant in ("acme", "globex", "initech", "umbrella", None):
+        finish(m, "ad", tenant=tenant, prompt_tokens=3, output_tokens=5)
+    m.request_rejected("ad", 404, tenant="acme")
+    s = scrape(m)
+    assert {lab["tenant"] for lab, _ in s["loraplex_tenant_requests_total"]} == {"acme", "globex", "other", "none"}
+    assert value(s, "loraplex_tenant_requests_total", tenant="other", outcome="stop") == 2
+    assert value(s, "loraplex_tenant_requests_total", tenant="acme", outcome="rejected") == 1
+    assert value(s, "loraplex_tenant_generation_tokens_total", tenant="other") == 10
+    assert value(s, "loraplex_tenant_prompt_tokens_total", tenant="none") == 3
+    with pytest.raises(ValueError, match="max_tenant_labels"):
+        ServerMetrics(max_tenant_labels=-1)
+
+
 def test_adapter_label_is_thread_safe():
     m = ServerMetrics(max_adapter_labels=50)
     seen: list[str] = []

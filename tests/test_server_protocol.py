@@ -11,18 +11,19 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
-from loraplex.sampling import SamplingParams, TokenLogprobs
+from loraplex.sampling import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams, TokenLogprobs
 from loraplex.server.errors import APIError, error_body, install_error_handlers
 from loraplex.server.protocol import (
+    MAX_CHOICES,
     MAX_COMPLETION_LOGPROBS,
+    MAX_MESSAGES,
     MAX_N,
+    MAX_PROMPTS,
     MAX_TOP_LOGPROBS,
     ChatCompletionRequest,
     CompletionRequest,
-    chat_prompt,
-    completion_prompt,
-    sampling_params,
 )
+from loraplex.server.translate import chat_prompt, completion_prompt, completion_prompts, sampling_params
 from loraplex.server.responses import (
     Choice,
     chat_chunk,
@@ -111,8 +112,7 @@ def test_best_of_equal_to_n_is_accepted():
 
 
 @pytest.mark.parametrize("fields, param, words", [
-    ({"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
-    ({"prompt": [[1], [2]]}, "prompt", "one prompt per request"),
+    ({"prompt": ["a"] * 20, "n": 8}, "n", f"more than {MAX_CHOICES} choices"),
     ({"echo": True}, "echo", "not supported"),
     ({"suffix": "tail"}, "suffix", "not supported"),
     ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
@@ -164,6 +164,51 @@ def test_wrong_types_are_one_validation_error(make, fields, loc):
         make(**fields)
     errors = info.value.errors()
     assert len(errors) == 1 and errors[0]["loc"] == loc
+
+
+@pytest.mark.parametrize("fields, loc", [
+    ({"prompt": [True]}, ("prompt",)),                    # a bool is not a token id
+    ({"prompt": [[1, False]]}, ("prompt",)),
+    ({"prompt": ["1", 2]}, ("prompt",)),
+    ({"prompt": [1.0]}, ("prompt",)),
+    ({"stop_token_ids": ["1"]}, ("stop_token_ids", 0)),   # nor is a string
+    ({"stop_token_ids": [True]}, ("stop_token_ids", 0)),
+    ({"stop_token_ids": list(range(MAX_STOP_TOKEN_IDS + 1))}, ("stop_token_ids",)),
+    ({"stop": ["x"] * (MAX_STOP_STRINGS + 1)}, ("stop",)),
+    ({"logit_bias": {str(i): 1 for i in range(MAX_LOGIT_BIAS + 1)}}, ("logit_bias",)),
+    ({"prompt": ["a"] * (MAX_PROMPTS + 1)}, ("prompt",)),
+    ({"n": True}, ("n",)),
+    ({"max_tokens": True}, ("max_tokens",)),
+    ({"seed": False}, ("seed",)),
+])
+def test_lax_inputs_are_refused(fields, loc):
+    with pytest.raises(ValidationError) as info:
+        completion(**fields)
+    errors = info.value.errors()
+    assert len(errors) == 1 and errors[0]["loc"] == loc, errors
+
+
+def test_list_caps_are_inclusive_and_chat_caps_messages():
+    completion(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS)), stop=["x"] * MAX_STOP_STRINGS,
+               logit_bias={str(i): 1 for i in range(MAX_LOGIT_BIAS)}, prompt=["a"] * MAX_PROMPTS)
+    with pytest.raises(ValidationError):
+        chat(messages=[{"role": "user", "content": "x"}] * (MAX_MESSAGES + 1))
+    with pytest.raises(ValidationError):
+        chat(top_logprobs=True, logprobs=True)
+
+
+def test_batches_of_prompts():
+    req = completion(prompt=["a", "b"], n=2)
+    assert req.is_batch and req.prompts == ["a", "b"]
+    assert completion_prompts(req, vocab_size=VOCAB) == ["a", "b"]
+    assert completion_prompts(completion(prompt=[[1, 2], [3]]), vocab_size=VOCAB) == [[1, 2], [3]]
+    assert completion(prompt=[[1, 2]]).prompts == [[1, 2]] and not completion(prompt=[1, 2]).is_batch
+    error = refused(completion_prompts, completion(prompt=[[1], [2, VOCAB]]), vocab_size=VOCAB)
+    assert error.param == "prompt" and "prompt[1][1]" in error.message
+    assert "prompt[1] is empty" in refused(completion_prompts, completion(prompt=["a", ""]), vocab_size=VOCAB).message
+    with pytest.raises(ValueError):
+        completion_prompt(req, vocab_size=VOCAB)
+    completion(prompt=["a"] * MAX_PROMPTS, n=MAX_CHOICES // MAX_PROMPTS)
 
 
 def test_model_is_required():
@@ -240,7 +285,6 @@ def test_max_tokens_below_one(make, fields, param):
     ({"seed": -1}, "seed"),
     ({"seed": 2**64}, "seed"),
     ({"stop": [""]}, "stop"),
-    ({"stop": ["s"] * 17}, "stop"),
 ])
 def test_sampling_params_errors_name_the_request_field(fields, param):
     error = refused(params, completion(**fields))
@@ -332,9 +376,10 @@ def test_chat_prompt_renders_the_template(chat_tokenizer, add_generation_prompt)
 
 def test_chat_prompt_without_template(tokenizer):
     assert tokenizer.chat_template is None
-    for tok in (tokenizer, None):
-        error = refused(chat_prompt, chat(), tok)
-        assert "no chat template" in error.message and "/v1/completions" in error.message
+    error = refused(chat_prompt, chat(), tokenizer)
+    assert "no chat template" in error.message and "/v1/completions" in error.message
+    error = refused(chat_prompt, chat(), None)   # no tokenizer at all: said so, not "no template"
+    assert "no tokenizer" in error.message and "/v1/completions" in error.message
 
 
 def test_chat_prompt_template_errors_are_400(chat_tokenizer):

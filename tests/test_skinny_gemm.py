@@ -222,6 +222,23 @@ def test_tuned_configs_load_from_the_file_the_bench_writes(tmp_path):
         skinny_gemm.load_configs(str(tmp_path / "missing.json"))
 
 
+def test_the_tuned_tiles_ship_as_data_and_a_file_can_replace_them(tmp_path):
+    """TUNED is the bundled tuned_h200.json (notes under "_" keys skipped); LORAPLEX_SKINNY_CONFIGS, read at
+    import, replaces it."""
+    import json
+    import subprocess
+    import sys
+    raw = json.loads(skinny_gemm.TUNED_FILE.read_text())
+    assert {k for k in raw if not k.startswith("_")} == {f"{n},{k}" for n, k in skinny_gemm.TUNED}
+    assert skinny_gemm.TUNED[(4096, 4096)] == SkinnyConfig(block_n=64, block_k=256, stages=4)
+    mine = tmp_path / "tiles.json"
+    mine.write_text('{"_note": "mine", "64,32": {"block_n": 16, "block_k": 32}}')
+    probe = "from loraplex.ops.gemm import skinny; print(sorted(skinny.CONFIGS), len(skinny.TUNED))"
+    out = subprocess.run([sys.executable, "-c", probe], env=dict(os.environ, LORAPLEX_SKINNY_CONFIGS=str(mine)),
+                         capture_output=True, text=True, check=True).stdout
+    assert out.split()[-1] == str(len(skinny_gemm.TUNED)) and "[(64, 32)]" in out
+
+
 def test_linear_takes_the_kernel_only_where_set_and_for_few_rows(monkeypatch):
     """`linear` (the model's projections): F.linear for CPU tensors unless LORAPLEX_SKINNY_GEMM=on in the
     interpreter, and even then only for 1 to DECODE_MAX_ROWS rows; the same values either way."""

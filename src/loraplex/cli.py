@@ -15,7 +15,16 @@ import time
 import typing
 from pathlib import Path
 
-from loraplex.cli_flags import GROUPS, add_dataclass_flags, argument_groups, given
+from loraplex.cli_flags import (
+    GROUPS,
+    REPEATED,
+    HelpFormatter,
+    add_dataclass_flags,
+    add_lora_flag,
+    argument_groups,
+    count_advanced,
+    given,
+)
 
 if typing.TYPE_CHECKING:
     from loraplex import LLM, SamplingParams
@@ -26,7 +35,7 @@ shape (nothing to download; for benchmarks; --dummy-layers N builds fewer layers
 Presets: {presets}."""
 
 
-class _Formatter(argparse.RawDescriptionHelpFormatter):
+class _Formatter(HelpFormatter):
     """Fills in the preset names only when help is printed: listing them imports torch."""
 
     def _format_text(self, text: str) -> str:
@@ -34,6 +43,14 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
             from loraplex.models.presets import PRESETS
             text = text.replace("{presets}", ", ".join(sorted(PRESETS)))
         return super()._format_text(text)
+
+
+class _DeprecatedAlias(argparse.Action):
+    """An old name of a flag (convert's --base, now --model): stores the value, with a warning."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"warning: {option_string} is deprecated; use --{self.dest}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
 
 
 class CommandError(Exception):
@@ -49,7 +66,7 @@ def refused(flags: dict[str, str] | None = None):
     except (ValueError, OSError) as e:
         text = str(e)
         for name, flag in (flags or {}).items():
-            if re.search(rf"\b{re.escape(name)}\b", text):
+            if re.search(rf"\b{re.escape(name)}\b", text) and flag not in text:
                 text += f" [{flag}]"
                 break
         raise CommandError(text) from e
@@ -67,11 +84,12 @@ def _adapters(args: argparse.Namespace) -> dict[str, Path]:
     return adapters
 
 
-DEMO_MODEL_NAME = "loraplex-demo"   # the API name of the shipped demo model
+DEMO_MODEL_NAME = "loraplex-demo"   # the API name of the shipped demo model, however it is given
 
 
 def _with_demo(engine_settings: dict, adapters: dict[str, Path]) -> tuple[dict, dict[str, Path]]:
-    """No --model: the demo model shipped with loraplex, with its adapters beside any --lora given."""
+    """No --model: the demo model shipped with loraplex, with its adapters beside any --lora given.
+    (Its dtype follows EngineConfig's rule, as any model's: float32 on the CPU.)"""
     if "model" in engine_settings:
         return engine_settings, adapters
     from loraplex.demo.assets import DemoModelMissing, demo_adapters, demo_model_dir
@@ -80,11 +98,16 @@ def _with_demo(engine_settings: dict, adapters: dict[str, Path]) -> tuple[dict, 
     except DemoModelMissing as e:
         raise CommandError(f"no --model given, and {e}") from e
     print(f"no --model given: the demo model ({model}) with adapters {', '.join(shipped)}", file=sys.stderr)
-    engine_settings = dict(engine_settings, model=str(model))
-    from loraplex.config import _default_device
-    if "dtype" not in engine_settings and (engine_settings.get("device") or _default_device()) == "cpu":
-        engine_settings["dtype"] = "float32"
-    return engine_settings, {**shipped, **adapters}
+    return dict(engine_settings, model=str(model)), {**shipped, **adapters}
+
+
+def _is_demo_model(model: str | Path) -> bool:
+    """Whether `model` is the folder of the demo model shipped with loraplex."""
+    from loraplex.demo.assets import DATA_DIR
+    try:
+        return Path(model).resolve() == (DATA_DIR / "model").resolve()
+    except (OSError, ValueError):   # not a path at all (dummy:<preset>, odd characters)
+        return False
 
 
 def serve_cmd(args: argparse.Namespace) -> int:
@@ -93,9 +116,9 @@ def serve_cmd(args: argparse.Namespace) -> int:
     from loraplex.server.settings import ServerSettings
 
     server_settings = given(args, "server")
-    if "model" not in given(args, "engine"):
-        server_settings.setdefault("served_model_name", DEMO_MODEL_NAME)
     engine_settings, adapters = _with_demo(given(args, "engine"), _adapters(args))
+    if _is_demo_model(engine_settings["model"]):   # the same name with or without --model
+        server_settings.setdefault("served_model_name", DEMO_MODEL_NAME)
     with refused(args.flag_names):
         config = EngineConfig(**engine_settings)
         settings = ServerSettings(**server_settings)
@@ -229,13 +252,6 @@ def op_demo(args: argparse.Namespace) -> int:
     return 0 if err < 2e-2 else 1
 
 
-def _parse_lora(value: str) -> tuple[str, str]:
-    name, sep, folder = value.partition("=")
-    if not sep or not name or not folder:
-        raise argparse.ArgumentTypeError(f"expected NAME=DIR, got {value!r}")
-    return name, folder
-
-
 def convert_cmd(args: argparse.Namespace) -> int:
     """Validate PEFT adapter folders against a base model and pack them into one safetensors file."""
     from pathlib import Path
@@ -244,6 +260,9 @@ def convert_cmd(args: argparse.Namespace) -> int:
     from loraplex.adapters.packed import DTYPES
     from loraplex.models import ModelConfig
 
+    if args.model is None:
+        print("error: give the base model: --model DIR (its config.json is read)", file=sys.stderr)
+        return 2
     loras = list(args.lora or [])
     for parent in args.lora_dir or []:
         if not Path(parent).is_dir():
@@ -258,7 +277,7 @@ def convert_cmd(args: argparse.Namespace) -> int:
         print("error: give at least one --lora NAME=DIR or --lora-dir DIR", file=sys.stderr)
         return 2
     try:
-        model = ModelConfig.from_pretrained(args.base)
+        model = ModelConfig.from_pretrained(args.model)
         t0 = time.perf_counter()
         path = convert(model, loras, args.out, dtype=None if args.dtype == "auto" else DTYPES[args.dtype],
                        progress=not args.quiet)
@@ -277,33 +296,42 @@ def convert_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve_parser(sub) -> None:
+def _help_all(parser: argparse.ArgumentParser, show_all: bool, hidden: int) -> None:
+    """--help-all: the help with the tuning flags that --help leaves out."""
+    parser.add_argument("--help-all", action="help",
+                        help="Show this help with every flag" + ("." if show_all else f" ({hidden} more)."))
+
+
+def _serve_parser(sub, show_all: bool = False) -> None:
     from loraplex.config import EngineConfig
     from loraplex.server.settings import ServerSettings
 
     serve = sub.add_parser("serve", help="serve a model and its adapters over an OpenAI-compatible HTTP API",
+                           usage="loraplex serve [--model DIR] [--lora NAME=DIR ...] [--packed FILE ...] [options]",
                            description="Serve a base model and many LoRA adapters over an OpenAI-compatible "
                                        "HTTP API;\nevery adapter is a model a client can name.",
                            epilog=_PRESETS_NOTE, formatter_class=_Formatter, allow_abbrev=False)
+    _help_all(serve, show_all, count_advanced(EngineConfig, ServerSettings))
     groups = argument_groups(serve, GROUPS)
-    flags = add_dataclass_flags(serve, groups, EngineConfig, "engine", optional=("model",))
-    flags |= add_dataclass_flags(serve, groups, ServerSettings, "server")
-    groups["adapters"].add_argument("--lora", action="append", type=_parse_lora, metavar="NAME=DIR",
-                                    help="Serve the PEFT adapter folder DIR as model NAME. Repeat the flag for more.")
-    groups["adapters"].add_argument("--packed", action="append", metavar="FILE",
-                                    help="Serve every adapter of a packed file (see loraplex convert). "
-                                         "Repeat the flag for more.")
+    flags = add_dataclass_flags(serve, groups, EngineConfig, "engine", optional=("model",), show_all=show_all)
+    flags |= add_dataclass_flags(serve, groups, ServerSettings, "server", show_all=show_all)
+    add_lora_flag(groups["adapters"], "Serve the PEFT adapter folder DIR as model NAME.")
+    groups["adapters"].add_argument("--packed", action="extend", nargs="+", metavar="FILE",
+                                    help="Serve every adapter of a packed file (see loraplex convert)." + REPEATED)
     serve.set_defaults(func=serve_cmd, flag_names=flags)
 
 
-def _generate_parser(sub) -> None:
+def _generate_parser(sub, show_all: bool = False) -> None:
     from loraplex.config import EngineConfig
 
     gen = sub.add_parser("generate", help="complete prompts offline (no server) and print the text",
+                         usage="loraplex generate PROMPT [PROMPT ...] [--adapter NAME] [--model DIR] "
+                               "[--lora NAME=DIR ...] [options]",
                          description="Complete each PROMPT with the engine (no server) and print the text;\n"
                                      "several prompts run as one batch.",
                          epilog=_PRESETS_NOTE, formatter_class=_Formatter, allow_abbrev=False)
     gen.add_argument("prompts", nargs="+", metavar="PROMPT", help="A prompt (text); several run as one batch.")
+    _help_all(gen, show_all, count_advanced(EngineConfig))
     sampling = gen.add_argument_group("generation")
     sampling.add_argument("--max-tokens", type=int, default=64, metavar="N",
                           help="Most tokens to generate per prompt; default: 64.")
@@ -323,9 +351,8 @@ def _generate_parser(sub) -> None:
     groups = argument_groups(gen, [g for g in GROUPS if g != "server"])
     # --seed is the requests' sampling seed here; the engine's seed (dummy weights) moves to --engine-seed
     flags = add_dataclass_flags(gen, groups, EngineConfig, "engine", rename={"seed": "engine_seed"},
-                                optional=("model",))
-    groups["adapters"].add_argument("--lora", action="append", type=_parse_lora, metavar="NAME=DIR",
-                                    help="Load the PEFT adapter folder DIR as NAME. Repeat the flag for more.")
+                                optional=("model",), show_all=show_all)
+    add_lora_flag(groups["adapters"], "Load the PEFT adapter folder DIR as NAME.", before_positionals=True)
     groups["adapters"].add_argument("--adapter", metavar="NAME",
                                     help="The --lora adapter every prompt runs with; default: none (the base model).")
     gen.set_defaults(func=generate_cmd, flag_names=flags)
@@ -347,28 +374,35 @@ def _bench_cmd(args: argparse.Namespace) -> int:
     return run(args)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser(show_all: bool = False) -> argparse.ArgumentParser:
+    """The `loraplex` command line; `show_all`: the help lists the tuning flags too (--help-all)."""
     from loraplex import __version__
     from loraplex.demo.demo_command import add_demo_parser
 
     parser = argparse.ArgumentParser(prog="loraplex", description="Serve many LoRA adapters of one model.")
     parser.add_argument("--version", action="version", version=f"loraplex {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
-    _serve_parser(sub)
-    _generate_parser(sub)
+    _serve_parser(sub, show_all)
+    _generate_parser(sub, show_all)
     add_demo_parser(sub)
     _bench_parser(sub)
-    conv = sub.add_parser("convert", help="validate PEFT adapters and pack them into one safetensors file")
-    conv.add_argument("--base", required=True, help="the base model's folder (its config.json is read)")
-    conv.add_argument("--lora", nargs="+", type=_parse_lora, metavar="NAME=DIR", help="PEFT adapter folders")
-    conv.add_argument("--lora-dir", nargs="+", metavar="DIR",
-                      help="folders whose subfolders are PEFT adapters, each named after its subfolder")
-    conv.add_argument("--out", required=True, help="output folder; adapters.safetensors is written there")
+    conv = sub.add_parser("convert", help="validate PEFT adapters and pack them into one safetensors file",
+                          usage="loraplex convert --model DIR (--lora NAME=DIR ... | --lora-dir DIR ...) --out DIR "
+                                "[options]", formatter_class=HelpFormatter, allow_abbrev=False)
+    conv.add_argument("--model", metavar="DIR", help="The base model's folder (its config.json is read).")
+    conv.add_argument("--base", dest="model", action=_DeprecatedAlias, help=argparse.SUPPRESS)
+    add_lora_flag(conv, "Pack the PEFT adapter folder DIR as NAME.")
+    conv.add_argument("--lora-dir", action="extend", nargs="+", metavar="DIR",
+                      help="Pack every subfolder of DIR that is a PEFT adapter, named after the subfolder."
+                           + REPEATED)
+    conv.add_argument("--out", required=True, metavar="DIR",
+                      help="Output folder; adapters.safetensors is written there.")
     conv.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                      help="stored precision; auto keeps the sources' (float32 when they differ)")
-    conv.add_argument("--quiet", action="store_true", help="no progress bar or listing")
+                      help="Stored precision; auto keeps the sources' (float32 when they differ).")
+    conv.add_argument("--quiet", action="store_true", help="No progress bar or listing.")
     conv.set_defaults(func=convert_cmd)
-    demo = sub.add_parser("op-demo", help="run the batched multi-LoRA op on a random mixed batch")
+    demo = sub.add_parser("op-demo", help="run the batched multi-LoRA op on a random mixed batch (the kernel "
+                                          "alone; `demo` runs the model)")
     demo.add_argument("--device", default="auto", help="cuda, cpu or auto (default)")
     demo.add_argument("--requests", type=int, default=12, help="requests (segments) in the batch")
     demo.add_argument("--max-len", type=int, default=16, help="longest request in tokens")
@@ -379,7 +413,12 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--iters", type=int, default=10, help="timed calls")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=op_demo)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    show_all = "--help-all" in (sys.argv[1:] if argv is None else argv)
+    args = build_parser(show_all).parse_args(argv)
     try:
         return args.func(args)
     except CommandError as e:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import textwrap
 import types
 import typing
 from pathlib import Path
@@ -17,6 +18,44 @@ GROUPS = ("model", "batching", "memory", "adapters", "execution", "server")
 _METAVARS = {"model": "DIR|dummy:PRESET", "tokenizer": "DIR", "device": "DEVICE", "host": "ADDR",
              "api_key": "KEY", "admin_api_key": "KEY", "adapter_roots": "DIR", "served_model_name": "NAME"}
 _TYPE_METAVARS = {int: "N", float: "NUM", str: "STR", Path: "PATH"}
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Flag and help on one line where they fit, and lines never broken inside a flag's name (--api-key)."""
+
+    def __init__(self, prog: str, **kwargs) -> None:
+        kwargs.setdefault("max_help_position", 28)
+        super().__init__(prog, **kwargs)
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False, break_long_words=False)
+
+
+# Every flag that takes several values (--lora, --adapter-root, ...) takes them both ways:
+# `--lora a=X --lora b=Y` and `--lora a=X b=Y` (argparse's "extend" with nargs="+").
+REPEATED = " Repeat the flag or list several."
+
+
+def parse_lora(value: str) -> tuple[str, str]:
+    """A --lora value: NAME=DIR."""
+    name, sep, folder = value.partition("=")
+    if not sep or not name or not folder:
+        raise argparse.ArgumentTypeError(f"expected NAME=DIR, got {value!r}")
+    return name, folder
+
+
+def add_lora_flag(group, help: str, *, before_positionals: bool = False) -> None:
+    """--lora NAME=DIR, the same grammar in every command. `before_positionals`: the command also takes
+    positional arguments, which a space-separated --lora list would swallow; its error says so."""
+    parse = parse_lora
+    if before_positionals:
+        def parse(value: str) -> tuple[str, str]:
+            try:
+                return parse_lora(value)
+            except argparse.ArgumentTypeError as e:
+                raise argparse.ArgumentTypeError(f"{e}; to give a prompt after --lora values, put -- before "
+                                                 f"it, or put the prompts first") from None
+    group.add_argument("--lora", action="extend", nargs="+", type=parse, metavar="NAME=DIR", help=help + REPEATED)
+
 
 @dataclasses.dataclass(frozen=True)
 class _FlagSpec:
@@ -49,12 +88,14 @@ def _flag_name(name: str, repeated: bool) -> str:
 
 def add_dataclass_flags(parser: argparse.ArgumentParser, groups: dict[str, argparse._ArgumentGroup], cls: type,
                         prefix: str, rename: dict[str, str] | None = None,
-                        optional: tuple[str, ...] = ()) -> dict[str, str]:
+                        optional: tuple[str, ...] = (), show_all: bool = True) -> dict[str, str]:
     """One flag per field of dataclass `cls`, in the group its metadata names, stored as `prefix.field`.
 
     Nothing is stored for a flag the user leaves out, so the dataclass's own default rules; the help
     shows that default. `rename` gives a field another flag (where a command's own flag has its name).
     Fields in `optional` are optional flags even without a default (the command fills them in).
+    Fields whose metadata says "advanced" (tuning knobs) are left out of the help unless `show_all`
+    (`--help-all`); their flags work either way.
     Returns `Cls.field` → flag, to point error messages at the flag.
     """
     hints = typing.get_type_hints(cls)
@@ -69,6 +110,7 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, groups: dict[str, argpa
                     and f.name not in optional)
         if not required and f.default is not None and f.default is not dataclasses.MISSING and spec.kind is not bool:
             text = f"{text.rstrip('.')}; default: {f.default}."
+        hidden = f.metadata.get("advanced", False) and not show_all
         kwargs: dict = {"dest": f"{prefix}.{f.name}", "default": argparse.SUPPRESS, "required": required,
                         "help": text.replace("%", "%%")}
         if spec.kind is bool:
@@ -80,11 +122,18 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, groups: dict[str, argpa
             else:
                 kwargs["metavar"] = _METAVARS.get(f.name, _TYPE_METAVARS.get(spec.kind, "VALUE"))
             if spec.repeated:
-                kwargs["action"] = "append"
-                kwargs["help"] += " Repeat the flag for more."
+                kwargs["action"], kwargs["nargs"] = "extend", "+"
+                kwargs["help"] += REPEATED
+        if hidden:
+            kwargs["help"] = argparse.SUPPRESS
         groups[group].add_argument(flag, **kwargs)
         flags[f"{cls.__name__}.{f.name}"] = flag
     return flags
+
+
+def count_advanced(*classes: type) -> int:
+    """How many flags `--help` leaves out (see add_dataclass_flags)."""
+    return sum(bool(f.metadata.get("advanced")) for cls in classes for f in dataclasses.fields(cls))
 
 
 def given(args: argparse.Namespace, prefix: str) -> dict:

@@ -18,100 +18,98 @@ class EngineConfig:
     """What the engine serves and how. Checked on construction; errors name the field."""
 
     # Each field's metadata holds its "help" (one sentence: meaning, units, what None means) and its
-    # "group"; the `loraplex` command builds its flags from them, so a new field is a new flag.
+    # "group"; the `loraplex` command builds its flags from them, so a new field is a new flag. Tuning
+    # knobs most users leave alone are "advanced": listed by `--help-all`, not `--help`.
     model: str | Path = field(metadata={
-        "group": "model", "help": "The base model: a Hugging Face model folder (config.json + safetensors), "
-                                  "or dummy:<preset> for random weights of a published shape; the commands' default: "
-                                  "the demo model shipped with loraplex, with its adapters."})
+        "group": "model", "help": "A Hugging Face model folder, or dummy:<preset> (random weights of a published "
+                                  "shape); the commands' default: the demo model shipped with loraplex, with its "
+                                  "adapters."})
     tokenizer: str | Path | None = field(default=None, metadata={
         "group": "model", "help": "Folder with the tokenizer files; default: the model folder (dummy models have "
-                                  "none, so their prompts are token ids)."})
+                                  "none)."})
     dtype: str = field(default="auto", metadata={
         "group": "model", "choices": DTYPES,
-        "help": "Precision of weights and activations; auto is the checkpoint's torch_dtype (float32 when it "
-                "names none; bfloat16 for dummy models)."})
+        "help": "Precision of weights and activations; auto: the checkpoint's torch_dtype on a GPU (bfloat16 for "
+                "dummy models, float32 when the checkpoint names none), float32 on the CPU."})
     device: str | None = field(default=None, metadata={
-        "group": "model", "help": "Device to run on (cuda, cuda:N or cpu); default: cuda when available, else cpu."})
+        "group": "model", "help": "cuda, cuda:N or cpu; default: cuda when available, else cpu."})
     dummy_layers: int | None = field(default=None, metadata={
-        "group": "model", "help": "For dummy:<preset> models only: build this many layers instead of the "
-                                  "preset's; default: all of them."})
+        "group": "model", "advanced": True,
+        "help": "Layers to build for a dummy:<preset> model; default: the preset's."})
     seed: int = field(default=0, metadata={
-        "group": "model", "help": "Seed of dummy weights and of sampling for requests that bring no seed."})
+        "group": "model", "help": "Seed of dummy weights, and of sampling for requests that bring no seed."})
 
     max_num_seqs: int = field(default=256, metadata={
-        "group": "batching", "help": "Maximum number of sequences in one engine step (the running batch)."})
+        "group": "batching", "help": "Most sequences in one engine step (the running batch)."})
     max_num_batched_tokens: int = field(default=2048, metadata={
-        "group": "batching", "help": "Maximum number of tokens in one engine step, prefill chunks and decodes "
-                                     "together; at least max_num_seqs."})
+        "group": "batching", "help": "Most tokens in one engine step, prompt chunks and decodes together; at least "
+                                     "max_num_seqs."})
     max_model_len: int | None = field(default=None, metadata={
-        "group": "batching", "help": "Maximum number of tokens per sequence, prompt and output together; "
-                                     "default: the model's max_position_embeddings."})
+        "group": "batching", "help": "Most tokens per sequence, prompt and output together; default: the model's "
+                                     "max_position_embeddings."})
     max_batch_wait_ms: float = field(default=0.0, metadata={
-        "group": "batching", "help": "Milliseconds new prompts may wait for a fuller batch (latency traded for "
-                                     "throughput); 0 starts them at once."})
+        "group": "batching", "advanced": True,
+        "help": "Milliseconds new prompts may wait for a fuller batch; 0 starts them at once."})
     admission_lookahead: int = field(default=256, metadata={
-        "group": "batching", "help": "At most this many tokens of growth (up to each one's max_tokens) the running "
-                                     "sequences keep room for when a request is admitted: each preemption (which "
-                                     "recomputes a whole context) raises the lookahead by 128 tokens, each step "
-                                     "without one lowers it by 1; 0 admits whatever fits now. The default, 256, "
-                                     "halved the preemptions of the paper's unlimited-batch run on an H200."})
+        "group": "batching", "advanced": True,
+        "help": "Most tokens of growth the running sequences keep room for when a request is "
+                "admitted (raised after a preemption, lowered step by step without one); "
+                "0 admits whatever fits now."})
     overlap_admissions: bool = field(default=True, metadata={
-        "group": "batching", "help": "Queue a step that admits new prompts while the step before it still runs, "
-                                     "as decode steps are (their tokens come from that step's sample on the "
-                                     "GPU). On by default: it took the paper's unlimited-batch run on an H200 "
-                                     "from 5,094 to 5,278 tokens/s. Off: such steps are scheduled once the "
-                                     "step before has finished, while the GPU waits."})
+        "group": "batching", "advanced": True,
+        "help": "Queue a step that admits new prompts while the step before it still runs, "
+                "as decode steps are; off: wait for that step to finish."})
     max_queue_skip_ms: float = field(default=2000.0, metadata={
-        "group": "batching", "help": "Milliseconds a waiting request may be overtaken while its adapter loads; "
-                                     "after that nothing later is admitted before it."})
+        "group": "batching", "advanced": True,
+        "help": "Milliseconds a waiting request may be overtaken while its adapter loads."})
 
     block_size: int = field(default=16, metadata={
-        "group": "memory", "help": "Tokens per paged KV-cache block."})
+        "group": "memory", "advanced": True,
+        "help": "Tokens per paged KV-cache block."})
     gpu_memory_utilization: float = field(default=0.90, metadata={
-        "group": "memory", "help": "Share of the GPU's memory, in (0, 1], the engine may use for weights, "
-                                   "adapters and KV cache together."})
+        "group": "memory", "help": "Share of the GPU's memory, in (0, 1], for weights, adapters and KV cache."})
     num_kv_blocks: int | None = field(default=None, metadata={
-        "group": "memory", "help": "A fixed number of KV-cache blocks; default: as many as the memory budget holds."})
+        "group": "memory", "advanced": True,
+        "help": "A fixed number of KV-cache blocks; default: as many as the memory budget holds."})
     cpu_kv_cache_gib: float = field(default=1.0, metadata={
-        "group": "memory", "help": "KV-cache budget in GiB on the CPU, where free memory is not measured."})
+        "group": "memory", "help": "KV-cache size in GiB when running on the CPU."})
 
     max_gpu_adapters: int = field(default=8, metadata={
-        "group": "adapters", "help": "Adapter slots on the GPU, which is the most distinct adapters in one step."})
+        "group": "adapters", "help": "Adapter slots on the device: the most distinct adapters in one step."})
     max_lora_rank: int = field(default=16, metadata={
-        "group": "adapters", "help": "Highest LoRA rank an adapter may have (sets the size of each GPU slot)."})
+        "group": "adapters", "help": "Highest LoRA rank an adapter may have (sets the size of each slot)."})
     max_cpu_adapters: int = field(default=32, metadata={
-        "group": "adapters", "help": "Adapters kept as pinned host copies for fast reloads into GPU slots "
-                                     "(0: none)."})
+        "group": "adapters", "help": "Adapters kept as host-memory copies for fast reloads into slots (0: none)."})
     adapter_loader_threads: int = field(default=2, metadata={
-        "group": "adapters", "help": "Threads that read adapters from disk into host copies (more: faster "
-                                     "loads of many distinct adapters, at the cost of host CPU)."})
+        "group": "adapters", "advanced": True,
+        "help": "Threads that read adapters from disk."})
     adapter_host_reserve_gib: float | None = field(default=None, metadata={
-        "group": "adapters", "help": "Pinned host memory page-locked at start-up for adapter reads, so that the "
-                                     "first loads reuse it instead of page-locking fresh memory beside running "
-                                     "steps (CUDA only; adapters/pinned_reserve.py). Default: what "
-                                     "max_cpu_adapters + adapter_loader_threads adapters of max_lora_rank on "
-                                     "every projection take, at most 8 GiB and a quarter of the host's memory; "
-                                     "a number: at most that many GiB of it; 0: none."})
+        "group": "adapters", "advanced": True,
+        "help": "GiB of pinned host memory set aside at start-up for adapter reads (CUDA only); "
+                "default: what max_cpu_adapters + adapter_loader_threads adapters of "
+                "max_lora_rank take, at most 8 GiB and a quarter of the host's memory."})
     enforce_eager: bool = field(default=False, metadata={
         "group": "execution", "help": "Run every step eagerly, capturing no CUDA graphs."})
     cuda_graph_max_batch: int = field(default=256, metadata={
-        "group": "execution", "help": "Largest decode batch, in sequences, replayed from a CUDA graph; larger "
-                                      "ones run eagerly."})
+        "group": "execution", "advanced": True,
+        "help": "Largest decode batch, in sequences, replayed from a CUDA graph."})
     cuda_graph_max_prompt_tokens: int = field(default=256, metadata={
-        "group": "execution", "help": "Most prompt tokens (chunks of several tokens) in a step replayed from a CUDA "
-                                      "graph beside its decodes; steps with more run eagerly; 0: only pure decode "
-                                      "steps replay graphs."})
+        "group": "execution", "advanced": True,
+        "help": "Most prompt tokens in a step replayed from a CUDA graph; 0: decode steps "
+                "only."})
     freeze_gc_heap: bool = field(default=True, metadata={
-        "group": "execution", "help": "Once started, freeze the objects alive (gc.freeze) so that Python's full "
-                                      "garbage collections skip them: without it they walked the model's and "
-                                      "the adapters' objects for over 200 ms at a time, stalling every "
-                                      "request (engine/gc_heap.py)."})
+        "group": "execution", "advanced": True,
+        "help": "Freeze the objects alive after start-up (gc.freeze), so that Python's full "
+                "garbage collections skip them instead of stalling steps."})
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, Path)) or not str(self.model):
             raise ValueError(f"EngineConfig.model must be a model folder or 'dummy:<preset>', got {self.model!r}")
         if self.device is None:
             self.device = _default_device()
+        if self.dtype == "auto" and str(self.device).startswith("cpu"):
+            # the CPU's bfloat16 and float16 matmuls are slow and round more: the same policy for every model
+            self.dtype = "float32"
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         positive = ["max_num_seqs", "max_num_batched_tokens", "block_size", "max_gpu_adapters", "max_lora_rank",

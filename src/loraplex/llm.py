@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from pathlib import Path
 from typing import Sequence
 
@@ -23,15 +24,28 @@ class LLM:
         outs = llm.generate(["SELECT", "Hi"], SamplingParams(max_tokens=64), adapter=["sql", "chat"])
 
     `engine_settings` are `EngineConfig` fields (max_num_seqs, gpu_memory_utilization, …).
+
+    A context manager: `with LLM(...) as llm:` closes the engine when the block ends. An LLM that is never
+    closed is closed when it is garbage-collected, or else when the interpreter exits, so a script that
+    never calls `close()` still ends cleanly.
     """
 
     def __init__(self, model: str | Path, adapters: dict[str, str | Path] | None = None, **engine_settings) -> None:
         self.engine = Engine(EngineConfig.from_kwargs(model, **engine_settings), adapters)
         self._ids = itertools.count()
+        # Runs once: at close(), when this object is collected, or at exit (weakref.finalize's atexit hook),
+        # whichever comes first. Closing unfreezes the heap the engine froze (engine/gc_heap.py), so that
+        # the interpreter's shutdown collects the kernels' compiled objects like any others; left frozen,
+        # Triton's nanobind objects outlive it and nanobind reports them as leaked.
+        self._finalizer = weakref.finalize(self, Engine.close, self.engine)
 
     def close(self) -> None:
-        """Stop the adapter loader threads (the GPU memory goes with the object)."""
-        self.engine.close()
+        """Stop the adapter loader threads and give the engine's memory back; calling it again does nothing."""
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
 
     def __enter__(self) -> "LLM":
         return self

@@ -15,6 +15,7 @@ import torch
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 64   # per request
 MAX_LOGIT_BIAS = 300       # entries per request (OpenAI's limit)
 LOGIT_BIAS_LIMIT = 100.0   # |bias| at most this (OpenAI's range)
 SEED_LIMIT = 2**63  # seeds are int64-sized so every backend's generator takes them as they are
@@ -129,6 +130,8 @@ class SamplingParams:
     def _normalize_stop_token_ids(ids) -> tuple[int, ...]:
         if not isinstance(ids, Sequence) or isinstance(ids, (str, bytes)):
             raise _bad("stop_token_ids", "must be a list of ints >= 0", ids)
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"SamplingParams.stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
         for t in ids:
             if not _is_int(t) or t < 0:
                 raise _bad("stop_token_ids", "must hold only ints >= 0", ids)

@@ -15,7 +15,8 @@ counts as resident only once its copy has finished, so a load never stalls the r
 GPU slots and CPU copies are each evicted least-recently-used first; a slot pinned by a running
 request is never evicted or overwritten, and one the scheduler wants next is not evicted either
 (its request is about to be admitted). An adapter whose read fails is marked failed, and
-acquiring it raises its error, until it is registered again.
+acquiring it raises its error, for a back-off (1 s, doubling with each failure in a row up to
+60 s; loads.py); then the next request reads it again, so files that come back serve again.
 """
 from __future__ import annotations
 
@@ -106,7 +107,8 @@ class AdapterCache(AdapterLoads):
     def register(self, name: str, folder: str | Path) -> AdapterSpec:
         """Validate a PEFT folder against the served model and the pool (headers only) and add it."""
         self._check_new_name(name)
-        spec = inspect_peft_adapter(folder, self.model, name=name, max_rank=self.pool.max_rank)
+        spec = inspect_peft_adapter(folder, self.model, name=name)
+        self.pool.check_fits(spec.max_rank, name)   # its error names the flag that raises the limit
         self._add(name, spec, partial(read_peft_adapter, spec))
         return spec
 
@@ -170,6 +172,14 @@ class AdapterCache(AdapterLoads):
         with self._lock:
             return self._state(self._get(name))
 
+    def tier(self, name: str) -> str:
+        """Where the adapter's weights are, as the server reports it: its state's value, except that a pool
+        slot is named after the pool's device: "gpu" on a GPU, "cpu" on a CPU (where host copies are too)."""
+        state = self.state(name)
+        if state is AdapterState.GPU and not self._cuda:
+            return self.pool.device.type
+        return state.value
+
     def _state(self, entry: _Entry) -> AdapterState:
         self._poll(entry)
         if entry.error is not None:
@@ -183,6 +193,12 @@ class AdapterCache(AdapterLoads):
     def error(self, name: str) -> str | None:
         with self._lock:
             return self._get(name).error
+
+    def retry_in(self, name: str) -> float:
+        """Seconds until a failed adapter's load is tried again (0 if it has not failed)."""
+        with self._lock:
+            entry = self._get(name)
+            return max(entry.retry_at - time.monotonic(), 0.0) if entry.error is not None else 0.0
 
     # ---- what the scheduler calls -----------------------------------------------------------------
     def is_resident(self, name: str) -> bool:

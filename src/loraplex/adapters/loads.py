@@ -4,6 +4,11 @@
 copies into slots on the copier thread and a side stream, slot eviction, the queue of host copies
 waiting for a slot, and the bookkeeping of reads in flight. Every method runs with the cache's lock
 held, unless it says otherwise; the state lives on the cache (set up in AdapterCache.__init__).
+
+A read or copy that fails marks the adapter failed (requests for it are refused with its error)
+for a back-off: RETRY_BASE_S after the first failure, doubling with each failure in a row up to
+RETRY_MAX_S. Once it has passed, the next look at the adapter clears the error, so the next request
+reads it again: files that vanished or broke and came back serve again, with no re-registration.
 """
 from __future__ import annotations
 
@@ -21,6 +26,9 @@ from .spec import AdapterError, AdapterSpec, LoraAdapter
 log = logging.getLogger("loraplex.adapters")
 
 Reader = Callable[[torch.dtype, bool], LoraAdapter]
+
+RETRY_BASE_S = 1.0    # back-off after an adapter's first failed load
+RETRY_MAX_S = 60.0    # the longest back-off (failures in a row double it)
 
 
 class AdapterState(str, enum.Enum):
@@ -46,6 +54,8 @@ class _Entry:
     requested: bool = False               # prefetch() asked for it on the GPU (until it gets a slot)
     read_ahead: bool = False              # its read in flight is a read-ahead (on the read-ahead thread)
     error: str | None = None
+    failures: int = 0                     # failed loads in a row (reset by a read that succeeds)
+    retry_at: float = 0.0                 # time.monotonic() from which a failed load is tried again
     removed: bool = False                 # unregistered while pinned: goes when the last pin does
     gpu_load_start: float = 0.0           # time.monotonic() when its slot was assigned
     staged_at: float = 0.0                # time.monotonic() when its host copy started waiting for a slot
@@ -54,15 +64,33 @@ class _Entry:
 class AdapterLoads:
     """The tier machinery AdapterCache inherits (see the module docstring)."""
 
+    retry_base_s = RETRY_BASE_S
+    retry_max_s = RETRY_MAX_S
+
     def _get(self, name: str) -> _Entry:
         entry = self._entries.get(name)
         if entry is None or entry.removed:
             raise AdapterError(f"unknown adapter {name!r}")
+        self._retry_if_due(entry)
         return entry
 
     def _usable(self, name: str) -> bool:
         entry = self._entries.get(name)
+        if entry is not None:
+            self._retry_if_due(entry)
         return entry is not None and not entry.removed and entry.error is None
+
+    def _fail(self, entry: _Entry, error: str) -> None:
+        """Its load failed: refused until its back-off has passed (module docstring)."""
+        entry.error, entry.requested = error, False
+        entry.failures += 1
+        entry.retry_at = time.monotonic() + min(self.retry_base_s * 2 ** (entry.failures - 1), self.retry_max_s)
+        self.counters["failures"] += 1
+
+    def _retry_if_due(self, entry: _Entry) -> None:
+        if entry.error is not None and time.monotonic() >= entry.retry_at:
+            log.info("adapter %r: trying its load again (failure %d was: %s)", entry.name, entry.failures, entry.error)
+            entry.error = None
 
     def _wants_gpu(self, entry: _Entry) -> bool:
         return entry.requested or entry.name in self._wanted
@@ -198,8 +226,7 @@ class AdapterLoads:
                 if entry.name not in self._cpu_lru:
                     entry.staged = None
                 self._release_slot(slot)
-                entry.error = f"copy into GPU slot {slot} failed: {type(e).__name__}: {e}"
-                self.counters["failures"] += 1
+                self._fail(entry, f"copy into GPU slot {slot} failed: {type(e).__name__}: {e}")
                 log.error("adapter %r: %s", entry.name, entry.error)
                 self._serve_waiting()
                 self._changed.notify_all()
@@ -230,12 +257,12 @@ class AdapterLoads:
                 self._start_deferred()
                 return
             if error is not None:
-                entry.error, entry.requested = error, False
-                self.counters["failures"] += 1
+                self._fail(entry, error)
                 log.error("adapter %r failed to load: %s", entry.name, error)
                 self._start_deferred()
                 self._changed.notify_all()
                 return
+            entry.failures = 0
             entry.staged = host if self._wants_gpu(entry) else None
             if self.max_cpu_adapters:
                 entry.staged = host

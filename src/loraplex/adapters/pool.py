@@ -85,9 +85,11 @@ class AdapterPool:
         return cached
 
     def check_fits(self, adapter_max_rank: int, name: str) -> None:
+        """Refuse an adapter whose rank is above the slots' size, naming the setting that raises it."""
         if adapter_max_rank > self.max_rank:
             raise AdapterError(f"adapter {name!r} has rank {adapter_max_rank}, above the pool's "
-                               f"max_lora_rank={self.max_rank}")
+                               f"max_lora_rank={self.max_rank}: raise it to at least {adapter_max_rank} with "
+                               f"--max-lora-rank (EngineConfig.max_lora_rank)")
 
     def write(self, slot: int, adapter: LoraAdapter, *, non_blocking: bool = False) -> None:
         """Copy an adapter into `slot` on the current stream; projections it lacks get rank 0.

@@ -9,26 +9,14 @@ streamed in (107 ms against 28 ms with every adapter resident; benchmarks/NOTES.
 So the engine marks such stretches `busy()`, and the loaders call `checkpoint()` between modules (the
 slot copy between layers, one copy call each): while the engine is busy a checkpoint waits until it is
 done, but at most `max_wait_s` each time, so that loads still progress through long runs of eager steps.
-Decode steps replay CUDA graphs and leave their host time to the loaders. LORAPLEX_HOST_PRIORITY=0 turns
-it off (on the H200 it cost 3% at unlimited batch, where loads hold the batch back, and gained 9% at
-batch 32: benchmarks/NOTES.md).
-LORAPLEX_HOST_PRIORITY=adaptive (not yet measured) pauses loads only in steps where no request
-that would fit in the batch waits for its adapter: where loads are what holds the batch back,
-they keep running.
+Decode steps replay CUDA graphs and leave their host time to the loaders. (Without it, on the H200: 9% less
+throughput at batch 32, 3% more at unlimited batch, where loads hold the batch back.)
 """
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-
-from ..env_switch import env_switch
-
-
-def mode() -> str:
-    """When the engine marks its eager forwards busy, from LORAPLEX_HOST_PRIORITY: "always" (the
-    default), "adaptive" (unless requests wait for adapter loads to be admitted) or "off"."""
-    return env_switch("LORAPLEX_HOST_PRIORITY", "1", on="always", off="off", others=("adaptive",))
 
 
 class HostPriority:

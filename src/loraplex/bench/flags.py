@@ -48,9 +48,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--admission-lookahead", type=int, default=None,
                     help="loraplex: EngineConfig.admission_lookahead (default: the engine's; 0 admits whatever "
                          "fits now)")
-    ap.add_argument("--lora-in-gemm", type=int, default=None,
-                    help="loraplex: EngineConfig.lora_in_gemm, the most distinct adapters of a decode step whose "
-                         "shrink runs inside the GEMMs (default: the engine's, 0: off)")
     ap.add_argument("--overlap-admissions", action=argparse.BooleanOptionalAction, default=None,
                     help="loraplex: EngineConfig.overlap_admissions (steps that admit prompts are queued while "
                          "the step before still runs, as decode steps are; default: the engine's, on)")

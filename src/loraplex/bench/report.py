@@ -38,7 +38,7 @@ def ratios(rows: list[dict]) -> list[dict]:
                 out.append(dict(_where(row), versus=other["system"], ratio=row["tokens_per_s"] / other["tokens_per_s"]))
         if row.get("ceiling_tokens_per_s"):
             out.append(dict(_where(row), versus="ceiling", ratio=row["tokens_per_s"] / row["ceiling_tokens_per_s"]))
-        if row.get("ceiling_tokens_per_s_high"):   # (runs since 2026-12-02's eighteenth session)
+        if row.get("ceiling_tokens_per_s_high"):
             out.append(dict(_where(row), versus="ceiling at the higher copy-bandwidth reading",
                             ratio=row["tokens_per_s"] / row["ceiling_tokens_per_s_high"]))
         if row.get("run_ceiling_tokens_per_s"):
@@ -81,11 +81,10 @@ def markdown(result: dict) -> str:
                          f"| {q['popularity']} | {q['max_batch']} | {q['requests']} | {q['versus']} | "
                          f"{q['ratio']:.3f}× |")
     steps = [r for r in result["rows"] if r.get("decode_step_ms") is not None]
-    if steps:   # where each loraplex run's time went (runs before 2026-12-01 did not record it)
+    if steps:   # where each loraplex run's time went
         lines += ["", "Where loraplex's time went: decode steps (every sequence fed one token; overlapped, so "
                   "each costs its GPU time), mixed steps (prompts in them; replayed from CUDA graphs up to "
-                  "cuda_graph_max_prompt_tokens prompt tokens since 2026-12-01's fourth session, eager before and "
-                  "beyond), and the rest (between steps, and "
+                  "cuda_graph_max_prompt_tokens prompt tokens, eager beyond), and the rest (between steps, and "
                   "waits when nothing could run, e.g. for adapter loads):", "",
                   ("| lengths " if merged else "") + "| popularity | max batch | system | decode steps × ms | "
                   "mixed steps × ms | other (s) | mean batch | scheduler alone |",

@@ -24,8 +24,6 @@ def engine_config(model: str, *, max_batch: int | None, rank: int, max_len: int,
                     max_model_len=max_len, max_lora_rank=rank, max_gpu_adapters=max(2 * seqs, 8) if max_batch
                     else seqs, max_cpu_adapters=max(2 * seqs, 8), cuda_graph_max_batch=min(seqs, 256))
     settings.update(overrides)
-    # a sweep's small batches have fewer adapter slots than a --lora-in-gemm meant for its large ones
-    settings["lora_in_gemm"] = min(settings.get("lora_in_gemm", 0), settings["max_gpu_adapters"])
     return EngineConfig(**settings)
 
 

@@ -2,8 +2,7 @@
 the start (no loads), the run's KV memory and settings, host only, no model.
 
 Beside a run's measured mean batch it says how far adapter loads (or anything else outside the scheduler)
-held the batch back: on the H200 the unlimited run of 2026-12-01 averaged 133 sequences where the scheduler
-alone allows 197 (benchmarks/NOTES.md).
+held the batch back (`schedule_mean_batch` in `loraplex bench`'s rows).
 """
 from __future__ import annotations
 

@@ -4,8 +4,13 @@ Every system runs the same requests (see workload.py) in this one process, one a
 GPU memory of each is freed before the next. Results: JSON, a markdown table with ratios, and one bar
 chart per popularity, under --out-dir.
 
-    loraplex bench --model dummy:llama-2-7b --requests 1000 --popularity distinct --max-batch 32,unlimited \
-        --baseline-requests 64 --out-dir benchmarks/results --name textgen_7b
+    loraplex bench --model dummy:llama-2-7b --requests 1000 --popularity distinct --max-batch 32 \
+        --systems loraplex --out-dir out --name b32
+    loraplex bench --requests 32 --lengths fixed --prompt-len 128 --output-len 64 --max-batch 32 \
+        --systems loraplex,loraplex-backbone,hf-peft,hf-backbone,hf-peft-grouped --preload-adapters
+
+A Punica run of 1,000 requests takes ~5 minutes a system on an H200; runs of separate processes merge into
+one report with `python -m loraplex.bench.report` (report.py).
 """
 from __future__ import annotations
 
@@ -13,26 +18,21 @@ import argparse
 import datetime
 import gc
 import json
-import os
 import sys
 import time
 
 import torch
 
+from .. import envs
 from ..config import EngineConfig
-from ..ops import pdl
-from ..ops.lora import overlap
-from ..ops.lora import sgmv
-from ..ops.lora import sgmv_kernels
-from ..ops.gemm import skinny as skinny_gemm
-from ..ops.lora import stream_priority
 from .ceiling import StepBytes, copy_bandwidth_gbs, run_ceiling_tokens_per_s, simulate_ceiling
-from .schedule import simulate_schedule
-from .report import markdown, plot, ratios
 from .flags import HF_SYSTEMS, SYSTEMS, add_arguments  # noqa: F401  (add_arguments: the CLI's import)
+from .report import markdown, plot, ratios
 from .run_hf import add_adapters, load_hf_model, run_hf
 from .run_loraplex import LoraplexSystem, engine_config
+from .schedule import simulate_schedule
 from .workload import POPULARITIES, make_workload
+
 
 def _parse(args) -> tuple[list[str], list[str], list[int | None]]:
     pops = [p.strip() for p in args.popularity.split(",") if p.strip()]
@@ -59,8 +59,6 @@ def _parse(args) -> tuple[list[str], list[str], list[int | None]]:
         raise SystemExit(f"error: --cpu-adapters must be at least 0, got {args.cpu_adapters}")
     if args.admission_lookahead is not None and args.admission_lookahead < 0:
         raise SystemExit(f"error: --admission-lookahead must be at least 0, got {args.admission_lookahead}")
-    if args.lora_in_gemm is not None and args.lora_in_gemm < 0:
-        raise SystemExit(f"error: --lora-in-gemm must be at least 0, got {args.lora_in_gemm}")
     if args.requests < 1:
         raise SystemExit(f"error: --requests must be at least 1, got {args.requests}")
     if args.baseline_requests is not None and not 1 <= args.baseline_requests <= args.requests:
@@ -85,15 +83,6 @@ def cpu_copy_bandwidth_gbs(size: int = 1 << 26, reps: int = 5) -> float:
     return 2 * size / sorted(times)[reps // 2] / 1e9
 
 
-def _rms_split() -> int | None:
-    """fused_lora_kernels.RMS_SPLIT (None without Triton: the "product" paths need it)."""
-    try:
-        from ..ops.fused import lora_kernels as fused_lora_kernels
-    except ImportError:
-        return None
-    return fused_lora_kernels.RMS_SPLIT
-
-
 def run(args: argparse.Namespace) -> int:
     pops, systems, sizes = _parse(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -102,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
     workloads = {p: make_workload(args.requests, p, lengths=args.lengths, max_len=args.max_len, seed=args.seed,
                                   prompt_len=args.prompt_len, output_len=args.output_len) for p in pops}
     n_base = args.baseline_requests or args.requests
+
     def measure_bandwidth() -> float:
         return copy_bandwidth_gbs(device) if device == "cuda" else cpu_copy_bandwidth_gbs()
 
@@ -111,14 +101,15 @@ def run(args: argparse.Namespace) -> int:
 
     def read_bandwidth_again(since: int) -> None:
         """A second copy-bandwidth reading once an engine has freed its memory, kept with the rows it ran
-        (rows[since:]), and each row's ceiling at the higher of the two readings: one low reading (they
-        varied 4,020-4,263 GB/s between H200 leases on 2026-12-02) cannot flatter a ratio to the ceiling."""
+        (rows[since:]), and each row's ceiling at the higher of the two readings: one low reading (readings
+        vary by a few percent between machines of one kind) cannot flatter a ratio to the ceiling."""
         reading = measure_bandwidth()
         readings.append(reading)
         for row in rows[since:]:
             row["bandwidth_after_gbs"] = reading
             if row.get("ceiling_tokens_per_s"):
                 row["ceiling_tokens_per_s_high"] = row["ceiling_tokens_per_s"] * max(reading, bandwidth) / bandwidth
+
     if args.preload_adapters:
         notes.append("loraplex rows: each workload's adapters were put on the GPU before timing, up to the "
                      "number of slots (`preloaded` in the JSON); otherwise they start on disk")
@@ -154,8 +145,6 @@ def run(args: argparse.Namespace) -> int:
                 slots["admission_lookahead"] = args.admission_lookahead
             if args.adapter_host_reserve_gib is not None:
                 slots["adapter_host_reserve_gib"] = args.adapter_host_reserve_gib
-            if args.lora_in_gemm is not None:
-                slots["lora_in_gemm"] = args.lora_in_gemm
             if args.overlap_admissions is not None:
                 slots["overlap_admissions"] = args.overlap_admissions
             config = engine_config(args.model, max_batch=max_batch, rank=args.rank,
@@ -228,31 +217,14 @@ def run(args: argparse.Namespace) -> int:
     result = dict(gpu=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                   date=datetime.date.today().isoformat(), torch=torch.__version__, model=args.model,
                   layers=args.layers, dtype=dtype, rank=args.rank, bandwidth_gbs=bandwidth,
-                  bandwidth_readings_gbs=readings,   # the first, then one after each engine (none before 2026-12-02)
+                  bandwidth_readings_gbs=readings,   # the first, then one after each engine
                   gpu_adapters=args.gpu_adapters, loader_threads=args.loader_threads, cpu_adapters=args.cpu_adapters,
                   admission_lookahead=EngineConfig.admission_lookahead if args.admission_lookahead is None
-                  else args.admission_lookahead, lora_rowwise=os.environ.get("LORAPLEX_LORA_ROWWISE", "1"),
-                  # unset: 512 columns a row-wise expand step at rank 16 (sgmv.rows_block_n_for)
-                  lora_rows=os.environ.get("LORAPLEX_LORA_ROWS") or f"n{sgmv.ROWS_WIDE_BLOCK_N} at rank <= 16",
-                  # the prompt tiles' expand; runs before 2026-12-02's sixteenth session recorded the environment's
-                  # value: None was noprefetch,n128,epps2,ew4 (sgmv.PREFILL_PLAIN)
-                  lora_prefill=sgmv.describe_prefill(sgmv.CONFIGS[64]),
-                  lora_vector_loads=sgmv_kernels.VECTOR_LOADS,   # B read 16 bytes at a time (no key before: False)
-                  lora_in_gemm=EngineConfig.lora_in_gemm if args.lora_in_gemm is None else args.lora_in_gemm,
+                  else args.admission_lookahead,
                   preload_adapters=args.preload_adapters, adapter_host_reserve_gib=args.adapter_host_reserve_gib,
                   overlap_admissions=EngineConfig.overlap_admissions
                   if args.overlap_admissions is None else args.overlap_admissions,
-                  lora_overlap=os.environ.get("LORAPLEX_LORA_OVERLAP"),
-                  host_priority=os.environ.get("LORAPLEX_HOST_PRIORITY"),
-                  graph_priority=stream_priority.priority_scheme(),   # runs before 2026-12-02 had no key: "default"
-                  # runs before the fourteenth session had no keys: ["q_proj"] and 0 (and no fused_min_rows:
-                  # before its last runs, o/down were fused at every row count)
-                  fused_projections=sorted(overlap.FUSED_PROJECTIONS), fused_min_rows=overlap.FUSED_MIN_ROWS,
-                  decode_extra_fused=sorted(overlap.DECODE_EXTRA_FUSED),   # no key before the seventeenth session: []
-                  decode_extra_max_rows=overlap.DECODE_EXTRA_MAX_ROWS,
-                  skinny_gemm=skinny_gemm.SETTING,   # LORAPLEX_SKINNY_GEMM (no key before the seventeenth session: off)
-                  pdl=bool(pdl.PDL),   # LORAPLEX_PDL in effect (no key before the eighteenth session: off)
-                  rms_split=_rms_split(),
+                  settings=envs.snapshot(),   # the LORAPLEX_* settings the run had
                   workload=dict(requests=args.requests, lengths=args.lengths, max_len=args.max_len, seed=args.seed,
                                 prompt_len=args.prompt_len, output_len=args.output_len,
                                 popularity=pops, baseline_requests=n_base),

@@ -3,22 +3,29 @@ through one engine in a terminal UI (demo/tui.py), with the engine's batches sho
 
 Without --model it runs the demo model that ships with loraplex (demo/assets.py) and its adapters, each
 pane with a prompt that shows its adapter off; --model DIR --lora NAME=DIR … runs your own.
+When stdout or stderr is not a terminal (a pipe, CI), or with --plain, it prints plain text instead
+(demo/streams.py: a line per finished generation, then a summary). --once generates once per stream and
+exits, in either mode.
 Heavy imports (torch, textual, the engine) happen inside `demo_cmd`: `loraplex --help` stays fast.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
+
+from loraplex.cli_flags import HelpFormatter, add_lora_flag
 
 DEFAULT_PROMPT = "Once upon a time"   # for a model of your own, when --prompt is not given
 
 
-def _name_dir(value: str) -> tuple[str, str]:
-    name, sep, folder = value.partition("=")
-    if not sep or not name or not folder:
-        raise argparse.ArgumentTypeError(f"expected NAME=DIR, got {value!r}")
-    return name, folder
+def _is_terminal() -> bool:
+    """Whether the terminal UI can draw: stdout and stderr (where Textual writes) are both terminals."""
+    try:
+        return sys.stdout.isatty() and sys.stderr.isatty() and os.environ.get("TERM") != "dumb"
+    except (AttributeError, ValueError):   # replaced or closed streams
+        return False
 
 
 def add_demo_parser(subparsers) -> None:
@@ -28,13 +35,13 @@ def add_demo_parser(subparsers) -> None:
         description="Several panes, each streaming with its own LoRA adapter (and one with the base model),\n"
                     "all generating at once through one engine, so they share every batch. The status bar\n"
                     "shows tokens/s and each step's batch size and adapters. Keys: q quit, r restart, "
-                    "p pause/resume.",
-        formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+                    "p pause/resume.\nIn a pipe or CI (stdout or stderr not a terminal), or with --plain, it "
+                    "prints plain text:\none line per finished generation, then a summary.",
+        formatter_class=HelpFormatter, allow_abbrev=False)
     demo.add_argument("--model", metavar="DIR",
                       help="A Hugging Face model folder; default: the small demo model that ships with loraplex "
                            "and its adapters.")
-    demo.add_argument("--lora", action="append", type=_name_dir, metavar="NAME=DIR",
-                      help="Add a pane for the PEFT adapter folder DIR, named NAME. Repeat the flag for more.")
+    add_lora_flag(demo, "Add a pane for the PEFT adapter folder DIR, named NAME.")
     demo.add_argument("--prompt", metavar="TEXT",
                       help="The prompt of every pane; default: one per adapter that shows it off (the demo "
                            f"model), or {DEFAULT_PROMPT!r}.")
@@ -47,9 +54,12 @@ def add_demo_parser(subparsers) -> None:
     demo.add_argument("--device", metavar="DEVICE",
                       help="cuda, cuda:N or cpu; default: cuda when available, else cpu.")
     demo.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"],
-                      help="Precision; default: float32 on the CPU, the checkpoint's (auto) on a GPU.")
+                      help="Precision; default: auto (the checkpoint's on a GPU, float32 on the CPU).")
     demo.add_argument("--once", action="store_true",
-                      help="Generate once per pane and stop, instead of starting again after each one.")
+                      help="Generate once per pane and exit, instead of starting again after each one.")
+    demo.add_argument("--plain", action="store_true",
+                      help="Print plain text (a line per finished generation) instead of the terminal UI; "
+                           "the default when stdout or stderr is not a terminal.")
     demo.set_defaults(func=demo_cmd)
 
 
@@ -90,28 +100,39 @@ def demo_cmd(args: argparse.Namespace) -> int:
         if not Path(args.model).is_dir():
             raise CommandError(f"--model {args.model}: not a folder")
         model, adapters, prompts = Path(args.model), loras, {}
-    try:
-        from loraplex.demo.tui import DemoApp, StepMonitor
-    except ModuleNotFoundError as e:
-        if e.name and not e.name.startswith("loraplex"):
-            raise CommandError(f"loraplex demo needs the textual package (pip install textual): {e}") from e
-        raise
-    import torch
-
+    plain = args.plain or not _is_terminal()
+    if not plain:
+        try:
+            from loraplex.demo.tui import DemoApp
+        except ModuleNotFoundError as e:
+            if e.name and not e.name.startswith("loraplex"):
+                raise CommandError(f"loraplex demo needs the textual package (pip install textual), or "
+                                   f"--plain: {e}") from e
+            raise
     from loraplex.config import EngineConfig
+    from loraplex.demo.streams import StepMonitor
     from loraplex.engine.async_engine import AsyncEngine
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = args.dtype or ("float32" if device == "cpu" else "auto")
-    print(f"loading {model} and {len(adapters)} adapters on {device} …", file=sys.stderr)
-    monitor = StepMonitor()
+    settings = {k: v for k, v in (("device", args.device), ("dtype", args.dtype)) if v is not None}
     with refused():   # a bad setting, model folder or adapter (AdapterError is a ValueError)
-        engine = AsyncEngine(EngineConfig.from_kwargs(str(model), device=device, dtype=dtype), adapters,
-                             observer=monitor)
+        config = EngineConfig.from_kwargs(str(model), **settings)
+    print(f"loading {model} and {len(adapters)} adapters on {config.device} ({config.dtype}) …", file=sys.stderr)
+    monitor = StepMonitor()
+    with refused():
+        engine = AsyncEngine(config, adapters, observer=monitor)
+    panes = _panes(args, adapters, prompts)
     try:
-        app = DemoApp(engine, _panes(args, adapters, prompts), params, loop_forever=not args.once,
-                      monitor=monitor)
+        if plain:
+            import asyncio
+
+            from loraplex.demo.streams import run_plain
+            return asyncio.run(run_plain(engine, panes, params, loop_forever=not args.once, monitor=monitor))
+        app = DemoApp(engine, panes, params, loop_forever=not args.once, monitor=monitor,
+                      exit_when_done=args.once)
         app.run()
     finally:
         engine.shutdown()
+    if args.once and app.finished:   # the screen is gone: leave each pane's text behind in plain text
+        for i in range(len(panes)):
+            print(app.describe(i))
     return app.return_code or 0

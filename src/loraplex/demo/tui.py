@@ -6,19 +6,18 @@
 
 Each pane streams `engine.generate(...)` as a task on the app's event loop: the requests are in flight together,
 so the engine runs them in the same steps. `StepMonitor`, the engine's observer, records each step under a lock
-on the engine's thread; a timer on the UI thread reads that snapshot ten times a second.
+on the engine's thread; a timer on the UI thread reads that snapshot ten times a second. With
+`exit_when_done`, the app exits once every stream has ended (`loraplex demo --once`).
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import math
-import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import ClassVar
 
 from textual.app import App, ComposeResult
 from textual.containers import Grid, VerticalScroll
@@ -26,69 +25,15 @@ from textual.content import Content
 from textual.widgets import Footer, Static
 
 from ..sampling import SamplingParams
-
-
-class Generator(Protocol):
-    """What the app needs of an engine, as `AsyncEngine` has it: outputs with `.new_text`, `.new_token_ids`,
-    `.finished`, `.finish_reason` and `.error`."""
-    def generate(self, prompt: str, params: SamplingParams | None, adapter: str | None) -> AsyncIterator[Any]: ...
-
-
-@dataclass
-class PaneSpec:
-    title: str
-    adapter: str | None   # None: the base model alone
-    prompt: str
-
-
-@dataclass(frozen=True)
-class StepSnapshot:
-    """The engine's batches as the observer last saw them."""
-    steps: int = 0                            # engine steps that ran
-    batch_size: int = 0                       # sequences in the last step (0 once the engine is idle)
-    adapters: tuple[str | None, ...] = ()     # distinct adapters in the last step (None: base)
-    max_batch_size: int = 0                   # the largest batch so far
-    widest: tuple[str | None, ...] = ()       # the most distinct adapters seen running together
-
-
-def adapter_label(adapter: str | None) -> str:
-    return "base" if adapter is None else adapter
-
-
-# control characters (but newline and tab) would move the terminal's cursor or ring its bell: shown as �
-_CONTROLS = {c: "\ufffd" for c in [*range(0x20), *range(0x7f, 0xa0)] if c not in (0x09, 0x0a)}
-
-
-def printable(text: str) -> str:
-    """`text` as a pane shows it: control characters other than newline and tab become U+FFFD."""
-    return text.translate(_CONTROLS)
-
-
-class StepMonitor:
-    """The engine's observer: call it on the engine's thread after each step; `snapshot()` from any thread.
-    A step's adapters are the ones its StepInfo names."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._snap = StepSnapshot()
-        self._seen = None   # engine thread only: the last StepInfo counted
-
-    def __call__(self, engine) -> None:
-        step = engine.last_step
-        if step is None or step is self._seen:   # a step that waited on an adapter load, or an idle tick
-            if not engine.has_unfinished():      # (which leaves last_step as the last step left it)
-                with self._lock:
-                    self._snap = dataclasses.replace(self._snap, batch_size=0, adapters=())
-            return
-        self._seen, adapters = step, step.adapters
-        with self._lock:
-            s = self._snap
-            self._snap = StepSnapshot(s.steps + 1, step.num_seqs, adapters, max(s.max_batch_size, step.num_seqs),
-                                      adapters if len(adapters) > len(s.widest) else s.widest)
-
-    def snapshot(self) -> StepSnapshot:
-        with self._lock:
-            return self._snap
+from .streams import (  # also imported from here by callers: PaneSpec, StepMonitor, printable
+    Generator,
+    PaneSpec,
+    StepMonitor,
+    StepSnapshot,
+    adapter_label,
+    describe_generation,
+    printable,
+)
 
 
 class RateMeter:
@@ -161,12 +106,13 @@ class DemoApp(App):
 
     def __init__(self, engine: Generator, panes: list[PaneSpec], params: SamplingParams, *,
                  loop_forever: bool = True, monitor: StepMonitor | None = None, pause_s: float = 1.5,
-                 refresh_s: float = 0.1) -> None:
+                 refresh_s: float = 0.1, exit_when_done: bool = False) -> None:
         super().__init__()
         if not panes:
             raise ValueError("DemoApp needs at least one PaneSpec")
         self.engine, self.panes, self.params = engine, list(panes), params
         self.loop_forever, self.monitor = loop_forever, monitor
+        self.exit_when_done = exit_when_done and not loop_forever   # (looping streams never end)
         self.pause_s, self.refresh_s = pause_s, refresh_s
         self.streams = [StreamState() for _ in self.panes]
         self.stats = DemoStats()
@@ -181,6 +127,12 @@ class DemoApp(App):
 
     def pane_footer(self, i: int) -> str:
         return self._boxes[i].border_subtitle or ""
+
+    def describe(self, i: int) -> str:
+        """Pane i's last generation on one line, as `loraplex demo --plain` prints it."""
+        st = self.streams[i]
+        seconds = (st.ended or time.monotonic()) - st.started if st.runs else 0.0
+        return describe_generation(self.panes[i], st.text, st.tokens, seconds, st.finish_reason, st.error)
 
     @property
     def finished(self) -> bool:
@@ -228,6 +180,9 @@ class DemoApp(App):
         self.stats = DemoStats(self._token_rate.add(now, total), total, self._step_rate.add(now, snap.steps),
                                snap, self.paused)
         self._status.update(self.stats.describe(observed=self.monitor is not None))
+        if self.exit_when_done and not self.paused and self.finished:
+            self._timer.stop()
+            self.exit()   # after this refresh: the panes show every stream's last text
 
     # ---- the streams ------------------------------------------------------------------------------
     def _start(self, i: int, resume: bool = False) -> None:

@@ -51,7 +51,8 @@ def load_tokenizer(folder: str | Path) -> Any:
     try:
         from transformers import AutoTokenizer
     except ImportError as e:
-        raise ValueError(f"{path}: loading a tokenizer needs transformers (pip install transformers): {e}") from e
+        raise ValueError(f"{path}: loading a tokenizer needs transformers, a dependency of loraplex that this "
+                         f"environment lacks (reinstall loraplex, or pip install transformers jinja2): {e}") from e
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as e:  # transformers raises many types here (OSError, ValueError, JSON and tokenizers errors)

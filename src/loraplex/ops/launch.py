@@ -11,17 +11,17 @@ later calls hand the arguments to its launcher directly.
 
 Used on CUDA with the Triton versions this was checked against (see FAST_TRITON_VERSIONS);
 anywhere else — the CPU interpreter, launch hooks installed by a profiler, another Triton,
-or LORAPLEX_FAST_LAUNCH=0 — every launch goes through Triton as usual.
+or LORAPLEX_FAST_LAUNCH=off (envs.py) — every launch goes through Triton as usual; LORAPLEX_FAST_LAUNCH=on
+takes direct launches with other Triton versions too.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 from triton.runtime import driver
 
 from . import pdl
+from .. import envs
 
 try:
     from triton import knobs
@@ -37,9 +37,9 @@ _INT32 = range(-2**31, 2**31)
 
 
 def _fast_enabled() -> bool:
-    setting = os.environ.get("LORAPLEX_FAST_LAUNCH")
-    if setting is not None:
-        return setting not in ("0", "false", "no")
+    setting = envs.fast_launch()
+    if setting != "auto":
+        return setting == "on"
     return triton.__version__.startswith(FAST_TRITON_VERSIONS)
 
 

@@ -1,11 +1,8 @@
 """Programmatic dependent launch (PDL) for the Triton kernels: on by default where the GPU has it (compute
-capability 9.0 on, Triton 3.4 on); LORAPLEX_PDL=off turns it off.
+capability 9.0 on, Triton 3.4 on); LORAPLEX_PDL=off turns it off (envs.py).
 
-On an H200 (2026-12-02, nineteenth session; issue 5's engine benchmark at batch 32, each setting its own process,
-benchmarks/results/engine_pdl_store_{off,on}.md) the batch-32 decode step took 5.89 against 5.98 ms for the
-backbone and 7.02 against 7.16 with distinct adapters; with it the GPU tests of decode and mixed graph replays
-against eager, of bf16 batches against transformers + PEFT (pytest_gpu_pdl_2026-12-02.log) and of the engine's
-graph and eager tokens against transformers (pytest_gpu_pdl_engine_2026-12-02.log) passed.
+On an H200 (issue 5's engine benchmark at batch 32) the decode step took 5.89 against 5.98 ms without it for the
+backbone, and 7.02 against 7.16 with distinct adapters.
 
 A decode forward is ~330 short kernels in a row (Llama-2-7B, 32 layers), each waiting for the one before it to
 finish and its memory to be flushed before its first program may start. With PDL (Hopper on, CUDA 12.3 on;
@@ -18,19 +15,19 @@ two exceptions below), those accesses: every other load and store follows the wa
 relies on changes (including a buffer the caching allocator hands from one kernel's input to the next one's
 output).
 
-Early reads (LORAPLEX_LORA_EARLY_READS, fused_lora_kernels.py's consumers): a kernel may read, before its wait,
+Early reads (ops/fused/lora_kernels.py's consumers and rms_split.py's first launch): a kernel may read, before its wait,
 what no kernel of a forward writes: the batch's rows' slots (written by copies before the forward's first
 kernel) and the adapter pool's ranks, scalings and B stacks (written by adapter loads into slots no running
 batch reads). Its first statement is then `pdl_start(True)`, which waits for nothing, and it calls
 `pdl_deferred_start(True)` after those loads and before any other memory access (tests/test_pdl.py checks the
 PTX: loads only before the wait). With PDL the loads run while the kernel before is finishing.
 
-Late wait (sgmv_kernels' shrink with AFTER_GEMM: ops/overlap.py's SHRINK_ORDER "after", the default): a fused
+Late wait (sgmv_kernels' shrink with AFTER_GEMM: ops/lora/overlap.py's "after" order): a fused
 projection's shrink is launched right after its GEMM, which reads the same x, and releases the next kernel first
 (`pdl_release`) and waits for the grids before it last (`pdl_wait_last`), so that its programs run beside the GEMM's
 and the consumer's programs are placed while both run. Before its wait it reads x and the pool's A and stores its
-partials. That is safe because x was written by a kernel before the GEMM, and the GEMM (skinny_gemm's Triton kernel:
-ops/overlap.py's `shrink_order` takes "after" only where that kernel is the GEMM and PDL is on) released the shrink
+partials. That is safe because x was written by a kernel before the GEMM, and the GEMM (ops/gemm/skinny.py's Triton
+kernel: overlap.py's `shrink_order` takes "after" only where that kernel is the GEMM and PDL is on) released the shrink
 only after its own wait, for which that kernel had completed; the only grid that may still run is the GEMM, which
 reads x and its weight and writes its output, none of which the shrink writes (its partials are a live tensor of
 their own). The consumer waits for the shrink's grid to complete, and the shrink completes only after its wait, for
@@ -49,15 +46,13 @@ import os
 import triton
 import triton.language as tl
 
-from ..env_switch import env_switch
+from .. import envs
 
 try:   # Triton 3.4 on
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:
     gdc_launch_dependents = gdc_wait = None
 
-# "on" reads the GPU's compute capability at import (CUDA initialised), where CUDA is available
-SETTING = env_switch("LORAPLEX_PDL", "on", on="on", off="off")
 
 
 def _interpreting() -> bool:
@@ -70,13 +65,13 @@ def _supported() -> bool:
     GPU must have them (the kernels compile with one setting for all)."""
     if gdc_wait is None or _interpreting():
         return False
-    import torch   # (initialises CUDA at import, where LORAPLEX_PDL=on: the default)
+    import torch   # (reads the GPU's compute capability at import, where LORAPLEX_PDL=on: the default)
     return (torch.cuda.is_available() and torch.version.hip is None
             and min(torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())) >= (9, 0))
 
 
 # A compile-time constant of every kernel (Triton keys its cache on the globals a kernel reads).
-PDL = tl.constexpr(SETTING == "on" and _supported())
+PDL = tl.constexpr(envs.pdl() and _supported())
 
 if _interpreting():
     def pdl_start(defer=False):

@@ -1,4 +1,9 @@
-"""`/v1/adapters`: register, list and remove adapters while the server serves.
+"""`/v1/adapters`: register, list and remove adapters while the server serves; and vLLM's
+`POST /v1/load_lora_adapter {"lora_name", "lora_path"}` and `POST /v1/unload_lora_adapter
+{"lora_name"}`, the same operations (same key, same confinement) answered as vLLM does, in text.
+
+A tenant key with `manage_adapters` (tenants.py) manages only the names its `adapters` patterns
+allow: it lists only those, and the others are, to it, adapters that do not exist.
 
 Loads read only inside the operator's `--adapter-root` folders: the path and every file in its
 folder are resolved (symlinks and `..` followed) and must land inside them, else 403. (The check
@@ -18,12 +23,15 @@ from pathlib import Path
 
 import anyio
 from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
 from ..adapters import AdapterError, inspect_peft_adapter, read_peft_adapter
 from ..adapters.spec import check_adapter_name
-from .errors import APIError
+from .errors import APIError, public_text
+from .guards import access_of
 from .state import AdapterRecord, ServerState
+from .tenants import Access
 
 router = APIRouter()
 
@@ -32,6 +40,17 @@ class AdapterLoad(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str
     path: str
+
+
+class LoraAdapterLoad(BaseModel):   # vLLM's body (its other fields, e.g. lora_int_id, are ignored)
+    model_config = ConfigDict(extra="ignore")
+    lora_name: str
+    lora_path: str
+
+
+class LoraAdapterUnload(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    lora_name: str
 
 
 def _state(request: Request) -> ServerState:
@@ -50,6 +69,10 @@ def resolve_inside_roots(path: str, roots: list[Path]) -> Path:
                             "(repeatable) to allow loads from inside DIR", code="adapter_loading_disabled")
     if not path or "\x00" in path:
         raise APIError(400, "the adapter path is empty or invalid", param="path")
+    try:   # a lone surrogate ("\ud800") cannot name a file: Path.resolve() would raise
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, "the adapter path is not valid text (it holds a lone surrogate)", param="path") from None
     given = Path(path)
     candidates = [given] if given.is_absolute() else [root / given for root in roots]
     allowed = False
@@ -76,7 +99,8 @@ def _check_files_inside(folder: Path, roots: list[Path], shown: str) -> None:
     try:
         entries = list(folder.iterdir())
     except OSError as e:
-        raise APIError(400, f"cannot list the adapter folder {shown!r}: {e.strerror}", param="path") from None
+        raise APIError(400, f"cannot list the adapter folder {shown!r}: {public_text(e.strerror or '')}",
+                       param="path") from None
     for entry in entries:
         try:
             target = entry.resolve()
@@ -98,53 +122,107 @@ def _validate_and_register(state: ServerState, name: str, folder: Path) -> None:
 
 @router.get("/v1/adapters")
 async def list_adapters(request: Request) -> dict:
-    state = _state(request)
+    state, access = _state(request), access_of(request)
     data = []
     for name, record in sorted(state.adapters.items()):
-        if name in state.draining or name not in state.cache:
+        if name in state.draining or name not in state.cache or not access.may_use(name):
             continue
         spec = state.cache.spec(name)
         data.append({"id": name, "object": "adapter", "created": record.created, "parent": state.model_name,
-                     "tier": state.cache.state(name).value, "rank": spec.max_rank, "targets": spec.projections,
-                     "source": record.source, "requests_served": record.requests_served,
+                     "tier": state.cache.tier(name),
+                     "resident": state.cache.is_resident(name),   # in a slot: usable by the next step
+                     "rank": spec.max_rank, "targets": spec.projections,
+                     "source": shown_source(state, access, record.source),
+                     "requests_served": record.requests_served,
                      "requests_running": state.in_flight_by_adapter.get(name, 0)})
     return {"object": "list", "data": data}
 
 
-@router.post("/v1/adapters")
-async def load_adapter(request: Request, body: AdapterLoad) -> dict:
-    state = _state(request)
+def shown_source(state: ServerState, access: Access, source: str) -> str:
+    """Where an adapter came from, as this caller may see it: the server's path for the operator's
+    keys; for a tenant's, relative to the adapter root holding it (or just its name)."""
+    if access.tenant is None:
+        return source
+    path = Path(source)
+    for root in state.settings.adapter_roots:
+        if path.is_relative_to(root):
+            return str(path.relative_to(root))
+    return path.name
+
+
+async def register(state: ServerState, access: Access, name: str, path: str) -> Path:
+    """Validate and register the adapter folder `path` (inside the roots) as `name`; the folder."""
     try:
-        check_adapter_name(body.name)
+        check_adapter_name(name)
     except AdapterError as e:
-        raise APIError(400, str(e), param="name") from None
-    if body.name == state.model_name or body.name in state.adapters or body.name in state.cache:
-        what = "is being removed (requests still use it)" if body.name in state.draining else "is already served"
-        raise APIError(409, f"the name {body.name!r} {what}", param="name", code="adapter_exists")
-    folder = resolve_inside_roots(body.path, state.settings.adapter_roots)
+        raise APIError(400, public_text(str(e)), param="name") from None
+    if not access.may_use(name):
+        raise APIError(403, f"this key may not manage adapters named {name!r}", param="name",
+                       code="permission_denied")
+    if name == state.model_name or name in state.adapters or name in state.cache:
+        what = "is being removed (requests still use it)" if name in state.draining else "is already served"
+        raise APIError(409, f"the name {name!r} {what}", param="name", code="adapter_exists")
+    folder = resolve_inside_roots(path, state.settings.adapter_roots)
     start = time.monotonic()
     try:
-        await anyio.to_thread.run_sync(_validate_and_register, state, body.name, folder)
+        await anyio.to_thread.run_sync(_validate_and_register, state, name, folder)
     except AdapterError as e:
-        if body.name in state.cache or "still being unregistered" in str(e):   # a name clash, not a bad folder
-            raise APIError(409, f"the name {body.name!r}: {e}", param="name", code="adapter_exists") from None
-        raise APIError(400, f"adapter {body.name!r} did not load: {e}", param="path", code="invalid_adapter") from None
+        if name in state.cache or "still being unregistered" in str(e):   # a name clash, not a bad folder
+            raise APIError(409, f"the name {name!r}: {public_text(str(e))}", param="name",
+                           code="adapter_exists") from None
+        raise APIError(400, f"adapter {name!r} did not load: {public_text(str(e))}", param="path",
+                       code="invalid_adapter") from None
     state.metrics.adapter_loaded(time.monotonic() - start, "register")
-    state.adapters[body.name] = AdapterRecord(body.name, str(folder), int(time.time()))
-    state.cache.prefetch(body.name)   # warm it up before its first request
+    state.adapters[name] = AdapterRecord(name, str(folder), int(time.time()))
+    state.cache.prefetch(name)   # warm it up before its first request
+    return folder
+
+
+def unregister(state: ServerState, access: Access, name: str) -> None:
+    """Stop serving `name`; it leaves the engine once its last request has ended."""
+    if name not in state.adapters or name in state.draining or not access.may_use(name):
+        raise APIError(404, f"no adapter named {name!r}", param="name", code="adapter_not_found")
+    del state.adapters[name]
+    if state.in_flight_by_adapter.get(name, 0) > 0:
+        state.draining.add(name)   # unregistered by the last of its requests (ServerState.release)
+    else:
+        state.finish_removal(name)
+
+
+@router.post("/v1/adapters")
+async def load_adapter(request: Request, body: AdapterLoad) -> dict:
+    state, access = _state(request), access_of(request)
+    folder = await register(state, access, body.name, body.path)
     spec = state.cache.spec(body.name)
     return {"id": body.name, "object": "adapter", "parent": state.model_name, "rank": spec.max_rank,
-            "targets": spec.projections, "source": str(folder)}
+            "targets": spec.projections, "source": shown_source(state, access, str(folder))}
 
 
 @router.delete("/v1/adapters/{name:path}")   # names may hold "/"
 async def remove_adapter(request: Request, name: str) -> dict:
-    state = _state(request)
-    if name not in state.adapters or name in state.draining:
-        raise APIError(404, f"no adapter named {name!r}", param="name", code="adapter_not_found")
-    del state.adapters[name]
-    if state.in_flight_by_adapter.get(name, 0) > 0:
-        state.draining.add(name)   # unregistered by the last of its requests (ServerState.ended)
-    else:
-        state.finish_removal(name)
+    unregister(_state(request), access_of(request), name)
     return {"id": name, "object": "adapter", "deleted": True}
+
+
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(request: Request, body: LoraAdapterLoad) -> PlainTextResponse:
+    try:
+        await register(_state(request), access_of(request), body.lora_name, body.lora_path)
+    except APIError as e:
+        raise _vllm_params(e) from None
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(request: Request, body: LoraAdapterUnload) -> PlainTextResponse:
+    try:
+        unregister(_state(request), access_of(request), body.lora_name)
+    except APIError as e:
+        raise _vllm_params(e) from None
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+
+def _vllm_params(e: APIError) -> APIError:
+    """The error with the vLLM body's field names."""
+    e.param = {"name": "lora_name", "path": "lora_path"}.get(e.param, e.param)
+    return e

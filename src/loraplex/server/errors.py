@@ -5,7 +5,11 @@ Every error response is::
 
     {"error": {"message": str, "type": str, "param": str | None, "code": str | None}}
 
-with the message cut to `MAX_MESSAGE_CHARS`, so a huge request value is never echoed back in full.
+with the message cut to `MAX_MESSAGE_CHARS`, so a huge request value is never echoed back in full,
+and cleaned (`clean_text`): no terminal escape codes or control characters, no lone surrogates.
+Text from elsewhere (an exception's message) goes through `public_text` first, which also cuts the
+server's absolute paths to their last part: errors name the field and the adapter, not the
+server's filesystem.
 `install_error_handlers(app)` covers `APIError`, FastAPI's request validation errors (400, naming
 the fields at fault but never their values), Starlette's `HTTPException` (unknown route 404, wrong
 method 405, ...) and any other exception (500 "internal server error", logged, no traceback).
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import http
 import logging
+import re
 from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
@@ -34,6 +39,7 @@ _TYPES_BY_STATUS = {
     403: "permission_error",
     404: "not_found_error",
     413: "invalid_request_error",
+    424: "invalid_request_error",   # the request's adapter could not be loaded (its files)
     429: "rate_limit_error",
     503: "service_unavailable",
 }
@@ -46,6 +52,26 @@ def default_error_type(status: int) -> str:
     return "server_error" if status >= 500 else "invalid_request_error"
 
 
+_ESCAPES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-_]|\x9b[0-?]*[ -/]*[@-~]")   # ANSI (colours, cursor)
+_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+# an absolute path of at least two parts (/a/b, C:\\a\\b): kept is its last part
+_PART = r"[^\s'\"/\\:,;()<>\[\]{}|`]"
+_ABSOLUTE_PATH = re.compile(rf"(?<![\w.~/\\-])(?:[A-Za-z]:)?[/\\](?:{_PART}+[/\\])+({_PART}*)")
+
+
+def clean_text(text: str) -> str:
+    """`text` without terminal escape codes and control characters (newlines and tabs stay), and
+    with lone surrogates (which UTF-8 cannot carry) written as escapes."""
+    text = _CONTROLS.sub("", _ESCAPES.sub("", str(text)))
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def public_text(text: str) -> str:
+    """An exception's message fit for a client: `clean_text`, and absolute paths cut to their last
+    part ('/srv/adapters/a/adapter_model.safetensors' → 'adapter_model.safetensors')."""
+    return _ABSOLUTE_PATH.sub(lambda m: m.group(1) or "<path>", clean_text(text))
+
+
 def _shorten(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
@@ -54,9 +80,9 @@ def error_body(status: int, message: str, *, type: str | None = None, param: str
                code: str | None = None) -> dict:
     """The OpenAI error object for `status`; `type` defaults by status."""
     return {"error": {
-        "message": _shorten(str(message), MAX_MESSAGE_CHARS),
+        "message": _shorten(clean_text(message), MAX_MESSAGE_CHARS),
         "type": type if type is not None else default_error_type(status),
-        "param": None if param is None else _shorten(str(param), MAX_PARAM_CHARS),
+        "param": None if param is None else _shorten(clean_text(param), MAX_PARAM_CHARS),
         "code": code,
     }}
 

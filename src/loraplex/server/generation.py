@@ -1,5 +1,9 @@
-"""One completion or chat request through the engine: prepare (model → adapter, prompt → token ids,
-fields → SamplingParams), submit its `n` choices, then answer whole or as server-sent events.
+"""One completion or chat request through the engine: prepare (model → adapter, prompts → token ids,
+fields → SamplingParams), then `Run` submits its choices and gathers their outputs (respond.py
+answers with them, whole or as server-sent events).
+
+A completions request may hold a batch of prompts: each has `n` choices, choice `k * n + j` is
+prompt k's j-th (OpenAI's numbering). Choice i with a seed draws from seed + i.
 
 A client that goes away aborts its engine requests: streaming responses are cancelled by
 Starlette when the client disconnects, and whole responses watch for the disconnect themselves.
@@ -9,27 +13,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass, replace
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import anyio
-from fastapi import Request
 
 from ..adapters import AdapterError
 from ..engine.async_engine import EngineDeadError
 from ..engine.outputs import RequestOutput
 from ..sampling import SEED_LIMIT, SamplingParams
-from . import protocol, responses
-from .errors import APIError, error_body
+from . import translate
+from .errors import APIError, public_text
 from .state import ServerState
+from .tenants import Access
 
 log = logging.getLogger("loraplex.server")
-
-DISCONNECT_POLL_S = 0.25
 
 
 @dataclass
@@ -39,19 +41,27 @@ class Prepared:
     created: int
     model: str                    # the name the client asked for (echoed back)
     adapter: str | None
-    prompt_ids: list[int]
+    prompts: list[list[int]]      # token ids of each prompt
     params: list[SamplingParams]  # one per choice
+    prompt_of: list[int]          # per choice, the index of its prompt
     include_usage: bool
     stream: bool
+    tenant: str | None = None     # the caller's tenant (keys file), for the metrics
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
 
 
-def resolve_model(state: ServerState, model: str) -> str | None:
-    """The adapter a request's `model` names (None: the base model); 404 if it names nothing served."""
-    if model == state.model_name:
-        return None
-    if model in state.adapters and model not in state.draining:
-        return model
-    raise APIError(404, f"the model {model!r} does not exist: GET /v1/models lists the base model and its adapters",
+def resolve_model(state: ServerState, model: str, access: Access) -> str | None:
+    """The adapter a request's `model` names (None: the base model); 404 if it names nothing served,
+    or nothing the caller may use (the same answer: a tenant cannot tell others' adapters exist)."""
+    if access.may_use_model(model, state.model_name):
+        if model == state.model_name:
+            return None
+        if model in state.adapters and model not in state.draining:
+            return model
+    raise APIError(404, f"the model {model!r} does not exist: GET /v1/models lists the models you may use",
                    param="model", code="model_not_found")
 
 
@@ -59,53 +69,91 @@ def _encode(tokenizer, text: str) -> list[int]:
     try:
         return list(tokenizer.encode(text))
     except Exception as e:   # e.g. a lone surrogate the tokenizer cannot take
-        raise APIError(400, f"the prompt could not be tokenized: {type(e).__name__}: {e}", param="prompt") from None
+        raise APIError(400, f"the prompt could not be tokenized: {type(e).__name__}: {public_text(str(e))}",
+                       param="prompt") from None
 
 
-async def prepare(state: ServerState, req, chat: bool) -> Prepared:
-    """Check and translate the request; its `n` engine requests are reserved in `state` (no await
-    comes between the checks and the reservation); on any error here they are released."""
+async def prepare(state: ServerState, req, chat: bool, access: Access) -> Prepared:
+    """Check and translate the request; its engine requests are reserved in `state` (no await comes
+    between the checks and the reservation); on any error here they are released."""
     if not state.accepting:
         raise APIError(503, "the server is shutting down", code="shutting_down")
-    adapter = resolve_model(state, req.model)
-    n = req.n
-    if state.in_flight + n > state.max_in_flight:
+    adapter = resolve_model(state, req.model, access)
+    count = req.n * (1 if chat else len(req.prompts))
+    if state.in_flight + count > state.max_in_flight:
         raise APIError(429, f"the server is at capacity ({state.in_flight} requests in flight); retry shortly",
                        code="queue_full", headers={"Retry-After": "1"})
-    state.reserve(adapter, n)
+    state.reserve(adapter, count)
     try:
-        return await _prepare(state, req, chat, adapter, n)
+        return await _prepare(state, req, chat, adapter, access.tenant)
     except BaseException:
-        for _ in range(n):
+        for _ in range(count):
             state.release(adapter)
         raise
 
 
-async def _prepare(state: ServerState, req, chat: bool, adapter: str | None, n: int) -> Prepared:
+async def _prepare(state: ServerState, req, chat: bool, adapter: str | None, tenant: str | None) -> Prepared:
     tokenizer = state.tokenizer
     if chat:
         # templates and tokenizers run off the event loop: a long prompt must not stall other clients
-        prompt_ids = await anyio.to_thread.run_sync(protocol.chat_prompt, req, tokenizer)
+        prompts = [await anyio.to_thread.run_sync(translate.chat_prompt, req, tokenizer)]
     else:
-        prompt = protocol.completion_prompt(req, vocab_size=state.vocab_size)
-        if isinstance(prompt, str):
-            if tokenizer is None:
-                raise APIError(400, "this model has no tokenizer: send the prompt as a list of token ids",
-                               param="prompt")
-            prompt_ids = await anyio.to_thread.run_sync(_encode, tokenizer, prompt)
-        else:
-            prompt_ids = prompt
-    if not prompt_ids:
-        raise APIError(400, "the prompt is empty", param="messages" if chat else "prompt")
-    params = protocol.sampling_params(req, prompt_len=len(prompt_ids), max_model_len=state.max_model_len,
-                                      vocab_size=state.vocab_size)
-    choices = [params]
-    for i in range(1, n):   # with a seed, choice i draws from seed + i: different and reproducible
-        seed = None if params.seed is None else (params.seed + i) % SEED_LIMIT
-        choices.append(replace(params, seed=seed))
+        prompts = []
+        for prompt in translate.completion_prompts(req, vocab_size=state.vocab_size):
+            if isinstance(prompt, str):
+                if tokenizer is None:
+                    raise APIError(400, "this model has no tokenizer: send the prompt as a list of token ids",
+                                   param="prompt")
+                prompt = await anyio.to_thread.run_sync(_encode, tokenizer, prompt)
+            if not prompt:
+                raise APIError(400, "the prompt is empty", param="prompt")
+            prompts.append(prompt)
+    params, prompt_of = [], []
+    for k, ids in enumerate(prompts):
+        first = translate.sampling_params(req, prompt_len=len(ids), max_model_len=state.max_model_len,
+                                          vocab_size=state.vocab_size)
+        for _ in range(req.n):   # with a seed, choice i draws from seed + i: different and reproducible
+            i = len(params)
+            seed = None if first.seed is None else (first.seed + i) % SEED_LIMIT
+            params.append(replace(first, seed=seed) if i else first)
+            prompt_of.append(k)
     prefix = "chatcmpl" if chat else "cmpl"
-    return Prepared(chat, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), req.model, adapter, prompt_ids,
-                    choices, req.include_usage, bool(req.stream))
+    return Prepared(chat, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), req.model, adapter, prompts, params,
+                    prompt_of, req.include_usage, bool(req.stream), tenant)
+
+
+# ---- what went wrong, as the client should see it ----------------------------------------------
+def adapter_unavailable(state: ServerState, name: str, detail: str) -> APIError:
+    """Its files are missing or broken: the adapter's fault, not the server's (424, naming it)."""
+    retry = state.cache.retry_in(name) if name in state.cache else 0.0
+    reason = public_text(detail.split("failed to load: ", 1)[-1])
+    return APIError(424, f"the adapter {name!r} could not be loaded from its files ({reason[:300]}); the other "
+                         f"models serve as usual, and this one is tried again on a request after "
+                         f"{math.ceil(retry)} s", param="model", code="adapter_unavailable",
+                    headers={"Retry-After": str(max(math.ceil(retry), 1))})
+
+
+def output_error(state: ServerState, prep: Prepared, out: RequestOutput) -> APIError:
+    """The error of an output that finished with "error"."""
+    error = out.error or "unknown error"
+    if prep.adapter is not None and error.startswith(f"adapter {prep.adapter!r} failed to load"):
+        return adapter_unavailable(state, prep.adapter, error)
+    return APIError(500, f"generation failed: {public_text(error)}", code="generation_failed")
+
+
+def submit_error(state: ServerState, prep: Prepared, e: BaseException) -> BaseException:
+    if isinstance(e, APIError) or not isinstance(e, Exception):
+        return e
+    if isinstance(e, EngineDeadError):
+        return APIError(503, "the engine is not running", code="engine_dead")
+    if isinstance(e, AdapterError) and prep.adapter is not None:
+        if prep.adapter not in state.cache:
+            return APIError(404, f"the model {prep.adapter!r} does not exist", param="model", code="model_not_found")
+        if state.cache.error(prep.adapter) is not None or "failed to load" in str(e):
+            return adapter_unavailable(state, prep.adapter, str(e))
+    if isinstance(e, ValueError):
+        return APIError(400, public_text(str(e)))
+    return e
 
 
 # ---- running the choices ----------------------------------------------------------------------
@@ -116,13 +164,14 @@ class Run:
         self.state, self.prep = state, prep
         self.ids: list[str] = []
         self._tasks: list[asyncio.Task] = []
+        self._first: list = []   # an item `first()` took from the queue, handed out first
 
     async def submit(self) -> None:
         """Queue every choice in the engine (all or none); takes over `prepare`'s reservations."""
         state, prep = self.state, self.prep
         try:
             for i, params in enumerate(prep.params):
-                rid = await state.engine.submit(prep.prompt_ids, params, prep.adapter,
+                rid = await state.engine.submit(prep.prompts[prep.prompt_of[i]], params, prep.adapter,
                                                 request_id=f"{prep.request_id}-{i}")
                 self.ids.append(rid)
         except BaseException as e:
@@ -132,26 +181,43 @@ class Run:
             self.ids.clear()
             for _ in prep.params:
                 state.release(prep.adapter)
-            raise _submit_error(state, prep, e) from e
+            raise submit_error(state, prep, e) from e
         self._start_pumps()
 
     def _start_pumps(self) -> None:
         # started at once, not when the response is first read: a client that leaves before then
         # still has its requests aborted by `close()` (the response's background task)
         self._queue: asyncio.Queue = asyncio.Queue()
+        self._remaining = len(self.ids)
         self._tasks = [asyncio.create_task(self._pump(i, rid, self._queue)) for i, rid in enumerate(self.ids)]
+
+    async def _next(self):
+        """The next (index, output), or None when every choice has ended; raises a choice's error."""
+        while self._remaining:
+            item = self._first.pop() if self._first else await self._queue.get()
+            if item is None:
+                self._remaining -= 1
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            return item
+        return None
+
+    async def first(self) -> None:
+        """Wait for the first output (kept for `outputs()`); the APIError instead if it is a failure,
+        so that a stream that cannot start is answered with an error status, not a 200."""
+        item = await self._next()
+        if item is None:
+            return
+        _, out = item
+        if out.finished and out.finish_reason == "error":
+            raise output_error(self.state, self.prep, out)
+        self._first.append(item)
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Every choice's outputs, interleaved as they come; closing this aborts what is unfinished."""
         try:
-            remaining = len(self._tasks)
-            while remaining:
-                item = await self._queue.get()
-                if item is None:
-                    remaining -= 1
-                    continue
-                if isinstance(item, BaseException):
-                    raise item
+            while (item := await self._next()) is not None:
                 yield item
         finally:
             await self.close()
@@ -170,18 +236,19 @@ class Run:
                     last = out
                     queue.put_nowait((index, out))
         except BaseException as e:
-            if not isinstance(e, asyncio.CancelledError):
-                queue.put_nowait(e)
+            if not isinstance(e, asyncio.CancelledError):   # the engine's own failure: its requests get 503
+                dead = self.state.engine.error is not None and not isinstance(e, (APIError, EngineDeadError))
+                queue.put_nowait(EngineDeadError(f"the engine stopped: {e!r}") if dead else e)
             raise
         finally:
             try:
-                self._record(last)
+                self._record(index, last)
             except Exception:   # metrics must never leak a request
                 log.exception("recording a request's metrics")
             self.state.release(self.prep.adapter, served=last is not None and last.finish_reason in ("stop", "length"))
             queue.put_nowait(None)
 
-    def _record(self, out: RequestOutput | None) -> None:
+    def _record(self, index: int, out: RequestOutput | None) -> None:
         outcome = out.finish_reason if out is not None and out.finished else "abort"   # the reader left
         m = out.metrics if out is not None else None
         tokens = out.num_output_tokens if out is not None else 0
@@ -190,111 +257,6 @@ class Run:
             tpot = (m.finished_time - m.first_token_time) / (tokens - 1)
         self.state.metrics.request_finished(
             self.prep.adapter, outcome,
-            prompt_tokens=len(self.prep.prompt_ids), output_tokens=tokens,
+            prompt_tokens=len(self.prep.prompts[self.prep.prompt_of[index]]), output_tokens=tokens,
             ttft_s=m.time_to_first_token if m is not None else None,
-            e2e_s=m.latency if m is not None and out.finished else None, tpot_s=tpot)
-
-
-def _submit_error(state: ServerState, prep: Prepared, e: BaseException) -> BaseException:
-    if isinstance(e, APIError) or not isinstance(e, Exception):
-        return e
-    if isinstance(e, EngineDeadError):
-        return APIError(503, "the engine is not running", code="engine_dead")
-    if isinstance(e, AdapterError) and prep.adapter is not None:
-        if prep.adapter not in state.cache:
-            return APIError(404, f"the model {prep.adapter!r} does not exist", param="model", code="model_not_found")
-        error = state.cache.error(prep.adapter)
-        if error is not None:
-            return APIError(500, f"adapter {prep.adapter!r} failed to load: {error}", code="adapter_load_failed")
-    if isinstance(e, ValueError):
-        return APIError(400, str(e))
-    return e
-
-
-def _failure(out: RequestOutput) -> APIError:
-    return APIError(500, f"generation failed: {out.error or 'unknown error'}", code="generation_failed")
-
-
-# ---- whole responses ----------------------------------------------------------------------------
-async def respond_whole(run: Run, request: Request) -> dict:
-    prep = run.prep
-    finals: dict[int, RequestOutput] = {}
-
-    async def collect() -> None:
-        async with contextlib.aclosing(run.outputs()) as outputs:
-            async for index, out in outputs:
-                if out.finished:
-                    finals[index] = out
-
-    async def client_left() -> None:
-        while not await request.is_disconnected():
-            await asyncio.sleep(DISCONNECT_POLL_S)
-
-    work = asyncio.create_task(collect())
-    watch = asyncio.create_task(client_left())
-    try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not work.done():   # the client left: closing the streams aborts the engine requests
-            work.cancel()
-        await asyncio.gather(work, watch, return_exceptions=True)
-    if work.cancelled():
-        raise APIError(499, "the client closed the request")
-    if work.exception() is not None:
-        e = work.exception()
-        raise APIError(503, "the engine stopped") if isinstance(e, EngineDeadError) else e
-    for out in finals.values():
-        if out.finish_reason == "error":
-            raise _failure(out)
-    choices = [responses.Choice(i, finals[i].text, finals[i].token_ids, finals[i].finish_reason, finals[i].logprobs)
-               for i in sorted(finals)]
-    build = responses.chat_response if prep.chat else responses.completion_response
-    return build(prep.request_id, prep.model, prep.created, choices, len(prep.prompt_ids), run.state.tokenizer)
-
-
-# ---- server-sent events ---------------------------------------------------------------------------
-def _event(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-async def respond_stream(run: Run) -> AsyncIterator[str]:
-    prep, tokenizer = run.prep, run.state.tokenizer
-    sent_chars = [0] * len(run.ids)
-    completion_tokens = 0
-    try:
-        if prep.chat:
-            for i in range(len(run.ids)):
-                yield _event(responses.chat_chunk(prep.request_id, prep.model, prep.created, i, role="assistant",
-                                                 content=""))
-        async with contextlib.aclosing(run.outputs()) as outputs:
-            async for index, out in outputs:
-                if out.finished and out.finish_reason == "error":
-                    yield _event(_failure(out).body())
-                    break
-                new_lp = None
-                if out.logprobs is not None and out.new_token_ids:
-                    new_lp = out.logprobs[len(out.logprobs) - len(out.new_token_ids):]
-                if out.finished:
-                    completion_tokens += out.num_output_tokens
-                if not out.new_text and not out.finished and not new_lp:
-                    continue
-                reason = out.finish_reason if out.finished else None
-                if prep.chat:
-                    chunk = responses.chat_chunk(prep.request_id, prep.model, prep.created, index,
-                                                content=out.new_text or None,
-                                                finish_reason=reason, logprobs=new_lp, tokenizer=tokenizer)
-                else:
-                    chunk = responses.completion_chunk(prep.request_id, prep.model, prep.created, index, out.new_text,
-                                                      reason, logprobs=new_lp, tokenizer=tokenizer,
-                                                      text_offset=sent_chars[index])
-                sent_chars[index] += len(out.new_text)
-                yield _event(chunk)
-            else:
-                if prep.include_usage:
-                    name = "chat.completion.chunk" if prep.chat else "text_completion"
-                    yield _event(responses.usage_chunk(prep.request_id, prep.model, prep.created, name,
-                                                      len(prep.prompt_ids), completion_tokens))
-    except EngineDeadError:
-        yield _event(error_body(503, "the engine stopped", code="engine_dead"))
-    yield "data: [DONE]\n\n"
+            e2e_s=m.latency if m is not None and out.finished else None, tpot_s=tpot, tenant=self.prep.tenant)

@@ -1,41 +1,110 @@
-"""What every request passes before a route runs, in this order: the API keys (401), then the
+"""What every request passes before a route runs, in this order: the API keys (401, 403), then the
 body-size limit (413). Both act before the body is parsed, so an unauthenticated client learns
-nothing about what a valid request looks like."""
+nothing about what a valid request looks like.
+
+Routes by the key they need (`Authenticator`):
+- open: `/health`, `/version`, `/docs`, `/openapi.json`; `/metrics` too unless
+  `--metrics-require-key` (then: the admin key, `--api-key`, or a tenant with `metrics`);
+- management (`/v1/adapters…`, `/v1/load_lora_adapter`, `/v1/unload_lora_adapter`): the admin key
+  (`--admin-api-key`, else `--api-key`), or a tenant key with `manage_adapters`;
+- everything else: `--api-key`, the admin key, or a tenant key (`--api-keys FILE`, tenants.py).
+A route is open where none of the keys it could take is set. The caller's `Access` (what it may
+use) rides in the ASGI scope under `ACCESS_SCOPE_KEY` (read it with `access_of(request)`).
+"""
 from __future__ import annotations
 
 import hmac
 
 from .errors import APIError, error_response
+from .tenants import FULL, USE_ALL, Access, KeyRing
 
-
-OPEN_PATHS = ("/health",)
+OPEN_PATHS = ("/health", "/version", "/docs", "/docs/oauth2-redirect", "/openapi.json")
+METRICS_PATH = "/metrics"
 ADMIN_PREFIX = "/v1/adapters"
+ADMIN_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+ACCESS_SCOPE_KEY = "loraplex.access"
+
+
+def route_kind(path: str) -> str:
+    """"open", "metrics", "manage" or "use": which keys a path takes."""
+    if path in OPEN_PATHS:
+        return "open"
+    if path == METRICS_PATH:
+        return "metrics"
+    if path == ADMIN_PREFIX or path.startswith(ADMIN_PREFIX + "/") or path in ADMIN_PATHS:
+        return "manage"
+    return "use"
+
+
+def access_of(request) -> Access:
+    return request.scope.get(ACCESS_SCOPE_KEY, FULL)
+
+
+class Authenticator:
+    """Who a bearer key is, for one kind of route (module docstring); APIError 401/403 if refused."""
+
+    def __init__(self, api_key: str | None, admin_key: str | None, keyring: KeyRing | None = None,
+                 metrics_require_key: bool = False) -> None:
+        self.api_key, self.admin_key, self.keyring = api_key, admin_key, keyring
+        self.metrics_require_key = metrics_require_key
+
+    def access(self, authorization: str | None, kind: str) -> Access:
+        if self._is_open(kind):
+            return FULL
+        what = "admin" if kind == "manage" and self.keyring is None else "API"
+        token = _bearer(authorization)
+        if token is None:
+            raise APIError(401, f"missing {what} key: send 'Authorization: Bearer <key>'", code="missing_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+        access = self._identify(token)
+        if access is None:
+            raise APIError(401, f"invalid {what} key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        if kind == "manage" and not access.manage:
+            raise APIError(403, "this key may not manage adapters", code="permission_denied")
+        if kind == "metrics" and not access.metrics:
+            raise APIError(403, "this key may not read the metrics", code="permission_denied")
+        return access
+
+    def _is_open(self, kind: str) -> bool:
+        if kind == "open":
+            return True
+        if kind == "metrics":
+            return not self.metrics_require_key or (self.keyring is None and self.admin_key is None)
+        if self.keyring is not None:
+            return False
+        return (self.admin_key if kind == "manage" else self.api_key) is None
+
+    def _identify(self, token: str) -> Access | None:
+        if _matches(token, self.admin_key):
+            return FULL
+        if _matches(token, self.api_key):
+            return USE_ALL
+        return self.keyring.lookup(token) if self.keyring is not None else None
+
+
+def _matches(token: str, expected: str | None) -> bool:
+    # constant time: no guessing a key by timing
+    return expected is not None and hmac.compare_digest(token.encode("utf-8", "surrogateescape"),
+                                                        expected.encode("utf-8", "surrogateescape"))
 
 
 class Guard:
-    """ASGI middleware: keys, then a body over `limit` bytes gets 413, whether it announces its
-    length or not (so a huge body costs at most `limit` bytes of memory).
+    """ASGI middleware: keys (`Authenticator`), then a body over `limit` bytes gets 413, whether it
+    announces its length or not (so a huge body costs at most `limit` bytes of memory)."""
 
-    Keys: `/health` is open; `/v1/adapters…` needs `admin_key`; everything else `api_key`.
-    """
-
-    def __init__(self, app, limit: int, api_key: str | None, admin_key: str | None) -> None:
-        self.app, self.limit = app, limit
-        self.api_key, self.admin_key = api_key, admin_key
+    def __init__(self, app, limit: int, auth: Authenticator) -> None:
+        self.app, self.limit, self.auth = app, limit, auth
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path = scope.get("path", "")
-        if path not in OPEN_PATHS:
-            admin = path == ADMIN_PREFIX or path.startswith(ADMIN_PREFIX + "/")
-            try:
-                check_key(_header(scope, b"authorization"), self.admin_key if admin else self.api_key,
-                          "admin" if admin else "API")
-            except APIError as e:
-                await e.response()(scope, receive, send)
-                return
+        try:
+            scope[ACCESS_SCOPE_KEY] = self.auth.access(_header(scope, b"authorization"),
+                                                       route_kind(scope.get("path", "")))
+        except APIError as e:
+            await e.response()(scope, receive, send)
+            return
         message = f"the request body is larger than this server's limit of {self.limit} bytes"
         for key, value in scope.get("headers", ()):
             if key == b"content-length":
@@ -88,15 +157,3 @@ def _bearer(header: str | None) -> str | None:
         return None
     scheme, _, token = header.partition(" ")
     return token.strip() if scheme.lower() == "bearer" else None
-
-
-def check_key(authorization: str | None, expected: str | None, what: str = "API") -> None:
-    """401 unless the `Authorization` header is `Bearer <expected>` (no key set: open)."""
-    if expected is None:
-        return
-    given = _bearer(authorization)
-    if given is None:
-        raise APIError(401, f"missing {what} key: send 'Authorization: Bearer <key>'", code="missing_api_key",
-                       headers={"WWW-Authenticate": "Bearer"})
-    if not hmac.compare_digest(given.encode(), expected.encode()):   # constant time: no guessing by timing
-        raise APIError(401, f"invalid {what} key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})

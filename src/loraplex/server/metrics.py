@@ -1,7 +1,9 @@
 """`ServerMetrics`: the Prometheus series behind `GET /metrics`.
 
 Two families live here:
-- `loraplex_*`: our own counters, histograms and gauges, labelled by adapter (capped, see `adapter_label`);
+- `loraplex_*`: our own counters, histograms and gauges, labelled by adapter (capped, see `adapter_label`),
+  and per-tenant request and token counters (`loraplex_tenant_*`, labelled by the tenant's name in the keys
+  file: "none" for callers with no tenant, "other" past `max_tenant_labels` names);
 - `vllm:*`: the few gauges that the Kubernetes Gateway API Inference Extension scrapes by default from
   vLLM-style servers (queue length, KV cache usage, LoRA affinity), so loraplex drops in behind that gateway.
 
@@ -20,7 +22,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 BASE_LABEL = "base"       # the base model (no adapter)
-OTHER_LABEL = "other"     # every adapter past the label cap
+OTHER_LABEL = "other"     # every adapter (or tenant) past the label cap
+NO_TENANT_LABEL = "none"  # requests with no tenant (--api-key, the admin key, an open server)
 
 OUTCOMES = ("stop", "length", "abort", "error")
 TIERS = ("gpu", "cpu", "disk", "loading", "failed")
@@ -117,10 +120,12 @@ class _LoraInfoCollector:
 class ServerMetrics:
     """Every series the server exports, in one registry (private by default, so several can coexist)."""
 
-    def __init__(self, *, max_adapter_labels: int = 100, registry: CollectorRegistry | None = None) -> None:
-        if isinstance(max_adapter_labels, bool) or not isinstance(max_adapter_labels, int) or max_adapter_labels < 0:
-            raise ValueError(f"max_adapter_labels must be an integer >= 0, got {max_adapter_labels!r}")
-        self.max_adapter_labels = max_adapter_labels
+    def __init__(self, *, max_adapter_labels: int = 100, max_tenant_labels: int = 100,
+                 registry: CollectorRegistry | None = None) -> None:
+        for name, value in (("max_adapter_labels", max_adapter_labels), ("max_tenant_labels", max_tenant_labels)):
+            _check_count(name, value)
+        self.max_adapter_labels, self.max_tenant_labels = max_adapter_labels, max_tenant_labels
+        self._tenants: set[str] = set()        # tenants that keep their own label
         self.registry = registry if registry is not None else CollectorRegistry()
         self._labels_lock = threading.Lock()
         self._named: set[str] = set()          # adapters that keep their own label
@@ -134,6 +139,12 @@ class ServerMetrics:
                                       ["adapter"], registry=r)
         self._generation_tokens = Counter("loraplex_generation_tokens", "Generated tokens of finished requests",
                                           ["adapter"], registry=r)
+        self._tenant_requests = Counter("loraplex_tenant_requests", "Requests by tenant (of --api-keys) and outcome "
+                                        "(stop, length, abort, error, rejected)", ["tenant", "outcome"], registry=r)
+        self._tenant_prompt_tokens = Counter("loraplex_tenant_prompt_tokens", "Prompt tokens of finished requests "
+                                             "by tenant", ["tenant"], registry=r)
+        self._tenant_generation_tokens = Counter("loraplex_tenant_generation_tokens", "Generated tokens of finished "
+                                                 "requests by tenant", ["tenant"], registry=r)
         self._ttft = Histogram("loraplex_time_to_first_token_seconds", "Time from arrival to the first token",
                                ["adapter"], buckets=TTFT_BUCKETS, registry=r)
         self._tpot = Histogram("loraplex_time_per_output_token_seconds", "Mean time between output tokens "
@@ -185,10 +196,23 @@ class ServerMetrics:
                 return adapter
         return OTHER_LABEL
 
+    def tenant_label(self, tenant: str | None) -> str:
+        """"none" for no tenant, the tenant's name for the first `max_tenant_labels` seen, else "other"."""
+        if tenant is None:
+            return NO_TENANT_LABEL
+        with self._labels_lock:
+            if tenant in self._tenants:
+                return tenant
+            if len(self._tenants) < self.max_tenant_labels:
+                self._tenants.add(tenant)
+                return tenant
+        return OTHER_LABEL
+
     # ---- request events (HTTP event loop) ----
 
     def request_finished(self, adapter: str | None, outcome: str, *, prompt_tokens: int, output_tokens: int,
-                         ttft_s: float | None, e2e_s: float | None, tpot_s: float | None) -> None:
+                         ttft_s: float | None, e2e_s: float | None, tpot_s: float | None,
+                         tenant: str | None = None) -> None:
         """One request left the engine. Latencies that were not observed (e.g. no token before an abort)
         are None and are not recorded."""
         if outcome not in OUTCOMES:
@@ -206,8 +230,12 @@ class ServerMetrics:
         for _, value, histogram in timings:
             if value is not None:
                 histogram.labels(label).observe(value)
+        tenant_label = self.tenant_label(tenant)
+        self._tenant_requests.labels(tenant_label, outcome).inc()
+        self._tenant_prompt_tokens.labels(tenant_label).inc(prompt_tokens)
+        self._tenant_generation_tokens.labels(tenant_label).inc(output_tokens)
 
-    def request_rejected(self, adapter: str | None, status: int) -> None:
+    def request_rejected(self, adapter: str | None, status: int, tenant: str | None = None) -> None:
         """A request refused before running (400, 404, 413, 429, ...). A refusal never claims a new adapter
         label: names that only ever appear in refusals (a 404 for a made-up model) count as "other", so
         clients cannot use up the label budget."""
@@ -216,6 +244,7 @@ class ServerMetrics:
         label = self._label(adapter, claim=False)
         self._requests.labels(label, "rejected").inc()
         self._rejected.labels(label, str(status)).inc()
+        self._tenant_requests.labels(self.tenant_label(tenant), "rejected").inc()
 
     def adapter_loaded(self, seconds: float, stage: str) -> None:
         """One adapter finished a load stage."""

@@ -1,31 +1,27 @@
-"""The OpenAI wire format, inbound: request schemas for /v1/completions and /v1/chat/completions,
-and their mapping onto `SamplingParams` (the response builders are in responses.py).
+"""The OpenAI wire format, inbound: request schemas for /v1/completions and /v1/chat/completions
+(their mapping onto the engine's inputs is translate.py; the response builders are responses.py).
 
 Requests (pydantic v2; unknown fields are ignored, field names are OpenAI's):
 - `CompletionRequest`, `ChatCompletionRequest` (with `ChatMessage`, `StreamOptions`). Parsing
   (`Model.model_validate(...)`, or FastAPI's body parsing) raises pydantic's ValidationError for a
   wrong shape or type, and `APIError(400, param=<field>)` for a well-typed request we refuse:
-  several prompts in one request, `n` outside [1, MAX_N], `best_of` != n, `echo`, `suffix`,
-  non-zero presence/frequency penalties, completions `logprobs` outside [0, MAX_COMPLETION_LOGPROBS],
-  chat `top_logprobs` outside [0, MAX_TOP_LOGPROBS] or without `logprobs=true`, non-text content
-  parts, null content outside assistant messages, an empty `messages`, and tools / tool_choice /
-  response_format / functions (their "off" values: null, [], "none", {"type": "text"} are accepted).
+  more than MAX_PROMPTS prompts or MAX_CHOICES choices (prompts × n) in one request, `n` outside
+  [1, MAX_N], `best_of` != n, `echo`, `suffix`, non-zero presence/frequency penalties, completions
+  `logprobs` outside [0, MAX_COMPLETION_LOGPROBS], chat `top_logprobs` outside [0, MAX_TOP_LOGPROBS]
+  or without `logprobs=true`, non-text content parts, null content outside assistant messages, an
+  empty `messages`, and tools / tool_choice / response_format / functions (their "off" values: null,
+  [], "none", {"type": "text"} are accepted).
+  Token ids are JSON integers only (`true`, `"1"` or `1.0` are refused, in `prompt` and
+  `stop_token_ids` alike), and integer fields refuse booleans. Lists are capped: `stop` at
+  MAX_STOP_STRINGS strings, `stop_token_ids` at MAX_STOP_TOKEN_IDS, `logit_bias` at MAX_LOGIT_BIAS
+  entries, `messages` at MAX_MESSAGES, a batch `prompt` at MAX_PROMPTS.
   A null `n`, `stream`, `echo`, `logprobs` (chat), `ignore_eos` or `add_generation_prompt` means
-  its default. A one-element prompt list is unwrapped, so `CompletionRequest.prompt` is always
-  a str or a list of token ids. `stream_options` is ignored unless `stream` is true.
+  its default. A one-element prompt list is unwrapped, so `CompletionRequest.prompt` is a str or a
+  list of token ids, or (a batch) a list of several of those; `req.prompts` is always the list.
+  `stream_options` is ignored unless `stream` is true.
   Extensions beyond OpenAI's schema (vLLM's names): `top_k`, `stop_token_ids`, `ignore_eos`, and
   chat's `add_generation_prompt`. Helpers: `req.include_usage` (stream and include_usage),
   `ChatCompletionRequest.requested_max_tokens`, `ChatMessage.text()`.
-- `sampling_params(req, *, prompt_len, max_model_len, vocab_size) -> SamplingParams`: checks the
-  request against the model's context and vocabulary, then builds loraplex's parameters. Null
-  temperature / top_p / top_k mean 1.0 / 1.0 / off. A null max_tokens (chat's default; allowed
-  in completions too) means the rest of the context. Chat takes `max_completion_tokens` or
-  `max_tokens` (both set and different: 400). Every problem, SamplingParams' own ValueErrors
-  included, is an `APIError(400, param=<the request field>)`.
-- `completion_prompt(req, *, vocab_size) -> str | list[int]`: the prompt, token ids checked.
-- `chat_prompt(req, tokenizer) -> list[int]`: the messages through the tokenizer's chat template
-  (text parts of a message are joined with "\\n"; role "developer" is given to the template as
-  "system", which open models' templates know).
 """
 from __future__ import annotations
 
@@ -34,7 +30,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
+    Field,
+    Strict,
     ValidationError,
     ValidationInfo,
     WrapValidator,
@@ -43,10 +42,13 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from loraplex.sampling import SamplingParams
+from loraplex.sampling import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from loraplex.server.errors import APIError
 
 MAX_N = 8
+MAX_PROMPTS = 64      # prompts in one /v1/completions request
+MAX_CHOICES = 128     # prompts × n in one request
+MAX_MESSAGES = 1024   # messages in one chat request
 MAX_COMPLETION_LOGPROBS = 5
 MAX_TOP_LOGPROBS = 20
 _BAD_CHAT_TEMPLATE_CHARS = 300
@@ -67,10 +69,21 @@ def _one_error(expected: str) -> WrapValidator:
     return WrapValidator(validate)
 
 
+def _not_bool(value: Any) -> Any:
+    if isinstance(value, bool):   # pydantic would read true as 1
+        raise PydanticCustomError("int_type", "Input should be an integer, not a boolean")
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_not_bool)]
+TokenId = Annotated[int, Strict()]   # a JSON integer: not true, "1" or 1.0
+TokenIds = list[TokenId]
 PromptField = Annotated[
-    str | list[int] | list[str] | list[list[int]],
-    _one_error("a string, a list of token ids, or a list holding one of those")]
-StopField = Annotated[str | list[str] | None, _one_error("a string or a list of strings")]
+    str | TokenIds | Annotated[list[str], Field(max_length=MAX_PROMPTS)]
+    | Annotated[list[TokenIds], Field(max_length=MAX_PROMPTS)],
+    _one_error(f"a string, a list of token ids (integers), or a list of up to {MAX_PROMPTS} of those")]
+StopField = Annotated[str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None,
+                      _one_error(f"a string or a list of up to {MAX_STOP_STRINGS} strings")]
 ContentField = Annotated[str | list[dict[str, Any]] | None,
                          _one_error("a string, a list of content parts, or null")]
 
@@ -98,14 +111,14 @@ class _Request(BaseModel):
     model: str
     temperature: float | None = 1.0
     top_p: float | None = 1.0
-    top_k: int | None = None  # extension
-    n: int = 1
+    top_k: Int | None = None  # extension
+    n: Int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: StopField = None
-    stop_token_ids: list[int] | None = None  # extension
-    seed: int | None = None
-    logit_bias: dict[str, float] | None = None
+    stop_token_ids: Annotated[TokenIds, Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None  # extension
+    seed: Int | None = None
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None
@@ -131,14 +144,15 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    """POST /v1/completions. After parsing, `prompt` is one str or one list of token ids."""
+    """POST /v1/completions. After parsing, `prompt` is one str or one list of token ids, or a
+    batch: a list of several of those (`prompts` is the list either way)."""
 
     prompt: PromptField
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: Int | None = 16
+    logprobs: Int | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int | None = None
 
     @field_validator("echo", mode="before")
     @classmethod
@@ -148,11 +162,11 @@ class CompletionRequest(_Request):
     @model_validator(mode="after")
     def _check(self) -> CompletionRequest:
         self._check_common()
-        if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
-            # A list of strings or of token-id lists is a batch; one request is one prompt here.
-            if len(self.prompt) != 1:
-                raise _refuse("prompt", f"send one prompt per request (got a list of {len(self.prompt)})")
+        if self.is_batch and len(self.prompt) == 1:
             self.prompt = self.prompt[0]
+        if len(self.prompts) * self.n > MAX_CHOICES:
+            raise _refuse("n", f"{len(self.prompts)} prompts × n={self.n} is more than {MAX_CHOICES} choices "
+                               f"in one request; split the batch")
         if self.echo:
             raise _refuse("echo", "echo is not supported")
         if self.suffix:
@@ -162,6 +176,15 @@ class CompletionRequest(_Request):
         if self.best_of is not None and self.best_of != self.n:
             raise _refuse("best_of", f"best_of is not supported unless it equals n ({self.n}), got {self.best_of}")
         return self
+
+    @property
+    def is_batch(self) -> bool:
+        """`prompt` is a list of prompts (strings or token-id lists)."""
+        return isinstance(self.prompt, list) and bool(self.prompt) and not isinstance(self.prompt[0], int)
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        return list(self.prompt) if self.is_batch else [self.prompt]
 
 
 class ChatMessage(BaseModel):
@@ -183,11 +206,11 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Request):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)]
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     add_generation_prompt: bool = True  # extension
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -248,142 +271,3 @@ class ChatCompletionRequest(_Request):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-
-# ---- request → engine ---------------------------------------------------------------------------
-
-def _check_server_int(name: str, value: Any, minimum: int) -> None:
-    # These come from the server, not the client: a bad one is a bug, not a 400.
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-
-
-def _check_token_id(param: str, token_id: int, vocab_size: int, where: str) -> None:
-    if not 0 <= token_id < vocab_size:
-        raise _refuse(param, f"{where} is token id {token_id}, which is not in the vocabulary [0, {vocab_size})")
-
-
-def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
-    if bias is None:
-        return None
-    parsed: dict[int, float] = {}
-    for key, value in bias.items():
-        # Strict: "1e3", " 7" or "0x10" are not token ids, even if int() would take some of them.
-        if not _INT_KEY.fullmatch(key):
-            raise _refuse("logit_bias", f"logit_bias keys must be token ids (integers), got {key[:40]!r}")
-        token_id = int(key)
-        _check_token_id("logit_bias", token_id, vocab_size, f"logit_bias key {token_id}")
-        parsed[token_id] = value
-    return parsed
-
-
-def _sampling_error(error: ValueError, renames: dict[str, str]) -> APIError:
-    """A SamplingParams ValueError ("SamplingParams.<name> ...") as a 400 naming the request field."""
-    message = str(error)
-    match = _SAMPLING_FIELD.search(message)
-    if match is None:
-        return APIError(400, message)
-    param = renames.get(match.group(1), match.group(1))
-    # "SamplingParams.max_tokens must be ..." -> "max_completion_tokens must be ..."
-    return APIError(400, message[:match.start()] + param + message[match.end():], param=param)
-
-
-def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, prompt_len: int, max_model_len: int,
-                    vocab_size: int) -> SamplingParams:
-    """loraplex's SamplingParams for `req`, whose prompt is `prompt_len` tokens; APIError(400) if refused."""
-    _check_server_int("prompt_len", prompt_len, 0)
-    _check_server_int("max_model_len", max_model_len, 1)
-    _check_server_int("vocab_size", vocab_size, 1)
-    chat = isinstance(req, ChatCompletionRequest)
-    if not chat and not isinstance(req, CompletionRequest):
-        raise ValueError(f"req must be a CompletionRequest or ChatCompletionRequest, got {type(req).__name__}")
-
-    prompt_param = "messages" if chat else "prompt"
-    if prompt_len >= max_model_len:
-        raise _refuse(prompt_param, f"This model's maximum context length is {max_model_len} tokens; "
-                                    f"the prompt has {prompt_len}, which leaves no room for the completion")
-
-    if chat:
-        max_tokens = req.requested_max_tokens
-        max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    else:
-        max_tokens, max_param = req.max_tokens, "max_tokens"
-    if max_tokens is None:
-        max_tokens = max_model_len - prompt_len  # the rest of the context
-    elif max_tokens < 1:
-        raise _refuse(max_param, f"{max_param} must be at least 1, got {max_tokens}")
-    elif prompt_len + max_tokens > max_model_len:
-        raise _refuse(max_param, f"This model's maximum context length is {max_model_len} tokens; the prompt "
-                                 f"has {prompt_len} and {max_param} asks for {max_tokens} more "
-                                 f"({prompt_len + max_tokens} in all)")
-
-    if chat:
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        logprobs_param = "top_logprobs" if req.top_logprobs else "logprobs"
-    else:
-        logprobs, logprobs_param = req.logprobs, "logprobs"
-
-    stop_token_ids = list(req.stop_token_ids or ())
-    for i, token_id in enumerate(stop_token_ids):
-        _check_token_id("stop_token_ids", token_id, vocab_size, f"stop_token_ids[{i}]")
-    bias = _logit_bias(req.logit_bias, vocab_size)
-
-    kwargs: dict[str, Any] = {
-        "max_tokens": max_tokens,
-        "temperature": 1.0 if req.temperature is None else req.temperature,
-        "top_p": 1.0 if req.top_p is None else req.top_p,
-        "top_k": -1 if req.top_k is None else req.top_k,
-        "seed": req.seed,
-        "stop": req.stop,
-        "stop_token_ids": stop_token_ids,
-        "ignore_eos": req.ignore_eos,
-        "logprobs": logprobs,
-        "logit_bias": bias,
-    }
-    try:
-        params = SamplingParams(**kwargs)
-        params.check_vocab(vocab_size)
-    except ValueError as e:
-        raise _sampling_error(e, {"max_tokens": max_param, "logprobs": logprobs_param}) from None
-    return params
-
-
-def completion_prompt(req: CompletionRequest, *, vocab_size: int) -> str | list[int]:
-    """The request's one prompt: text, or token ids each in [0, vocab_size)."""
-    _check_server_int("vocab_size", vocab_size, 1)
-    prompt = req.prompt
-    if isinstance(prompt, str):
-        if not prompt:
-            raise _refuse("prompt", "prompt is empty")
-        return prompt
-    if not prompt:
-        raise _refuse("prompt", "prompt is empty")
-    for i, token_id in enumerate(prompt):
-        _check_token_id("prompt", token_id, vocab_size, f"prompt[{i}]")
-    return list(prompt)
-
-
-def chat_prompt(req: ChatCompletionRequest, tokenizer: Any) -> list[int]:
-    """The token ids of `req.messages` rendered by the tokenizer's chat template."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise _refuse("messages", "this model has no chat template (its tokenizer_config.json has no "
-                                  "chat_template); use /v1/completions")
-    conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in req.messages]
-    try:
-        rendered = tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=req.add_generation_prompt, tokenize=True)
-    except Exception as e:  # noqa: BLE001 -- jinja errors, raise_exception(...), a TypeError on odd content
-        # Templates check the conversation (roles alternating, a system message first, ...):
-        # their complaints are about the request, not the server.
-        detail = str(e) or type(e).__name__
-        raise _refuse("messages", f"the chat template refused the messages: "
-                                  f"{detail[:_BAD_CHAT_TEMPLATE_CHARS]}") from None
-    # transformers returns a list of ids, or (v5) a BatchEncoding holding them.
-    ids = rendered["input_ids"] if not isinstance(rendered, list) else rendered
-    if ids and isinstance(ids[0], list):
-        ids = ids[0]
-    ids = [int(t) for t in ids]
-    if not ids:
-        raise _refuse("messages", "the chat template rendered an empty prompt")
-    return ids

@@ -1,11 +1,18 @@
 """`loraplex serve`: load the engine and its adapters, then serve the app with uvicorn until
 SIGINT/SIGTERM, which stop new requests and let those in flight finish (up to
-`graceful_shutdown_s`) before the engine shuts down.
+`graceful_shutdown_s`) before the engine shuts down. SIGHUP reloads the keys file (--api-keys).
+
+Exit status: 0 after a drained shutdown (uvicorn would re-raise the signal, so the process would
+die by it: 143; we do not let it), 1 if the engine failed (the server then stops at once, so an
+orchestrator restarts it rather than leave it answering 503), 2 for a bad start (flags, adapters,
+keys file).
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import signal
 import socket
 import sys
 import time
@@ -30,7 +37,9 @@ def build_state(config: EngineConfig, settings: ServerSettings, adapters: dict[s
     from ..engine.engine import Engine
     from .metrics import ServerMetrics
     from .state import ServerState, default_model_name
+    from .tenants import KeyRing
 
+    keyring = KeyRing(settings.api_keys) if settings.api_keys is not None else None   # before the model loads
     engine = Engine(config)
     try:
         sources: dict[str, str] = {}
@@ -52,7 +61,7 @@ def build_state(config: EngineConfig, settings: ServerSettings, adapters: dict[s
         engine.close()
         raise
     state = ServerState(AsyncEngine(config, engine=engine), settings,
-                        ServerMetrics(max_adapter_labels=settings.max_adapter_labels), model_name)
+                        ServerMetrics(max_adapter_labels=settings.max_adapter_labels), model_name, keyring=keyring)
     state.register_existing(sources)
     return state
 
@@ -69,12 +78,17 @@ def run_server(config: EngineConfig, settings: ServerSettings, *, adapters: dict
         return 1
     start = time.monotonic()
     _say(f"loading {config.model} on {config.device} ({config.dtype}) …")
+    rings: list = []   # a SIGHUP asks for a reload from now: while the model loads, it must not kill the server
+    previous_hup = _on_sighup(rings) if settings.api_keys is not None else None
     try:
         state = build_state(config, settings, adapters, packed)
-    except (AdapterError, ValueError, OSError) as e:
+    except (AdapterError, ValueError, OSError) as e:   # KeysFileError is a ValueError
         sock.close()
+        _restore_sighup(previous_hup)
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if state.keyring is not None:
+        rings.append(state.keyring)
     host, port = sock.getsockname()[:2]
     names = sorted(state.adapters)
     shown = ", ".join(names[:8]) + (f", … ({len(names)} in all)" if len(names) > 8 else "")
@@ -83,12 +97,14 @@ def run_server(config: EngineConfig, settings: ServerSettings, *, adapters: dict
     async def lifespan(app):
         _say(f"serving {state.model_name}" + (f" with {len(names)} adapter(s): {shown}" if names else " (no adapters)")
              + f" at http://{host}:{port}/v1 (ready in {time.monotonic() - start:.1f} s)")
+        watch = asyncio.create_task(_watch(state, server))
         try:
             yield
         finally:
+            watch.cancel()
             state.accepting = False
             state.engine.shutdown()
-            _say("stopped")
+            _say("stopped" if state.engine.error is None else f"stopped: the engine failed ({state.engine.error!r})")
 
     app = create_app(state, lifespan=lifespan)
     uv_config = uvicorn.Config(app, log_level=settings.log_level,
@@ -100,7 +116,40 @@ def run_server(config: EngineConfig, settings: ServerSettings, *, adapters: dict
     finally:
         sock.close()
         state.engine.shutdown()   # (again, harmlessly): a second Ctrl-C skips the lifespan's shutdown
+        _restore_sighup(previous_hup)
     return 0 if state.engine.error is None else 1
+
+
+WATCH_S = 0.5
+
+
+async def _watch(state, server: uvicorn.Server) -> None:
+    """Every WATCH_S while serving: a reload a SIGHUP asked for; and once the engine has failed,
+    stop serving (the process then exits 1: run_server)."""
+    while state.engine.error is None:
+        if state.keyring is not None:
+            state.keyring.check()
+        await asyncio.sleep(WATCH_S)
+    log.error("the engine failed (%r): shutting the server down", state.engine.error)
+    state.accepting = False
+    server.should_exit = True
+
+
+def _on_sighup(rings: list):
+    """SIGHUP asks each KeyRing in `rings` for a reload (done by its next check: a signal handler
+    takes no lock); returns the handler it replaced (None where there is no SIGHUP)."""
+    if not hasattr(signal, "SIGHUP"):
+        return None
+
+    def on_hup(sig, frame) -> None:
+        for ring in rings:
+            ring.request_reload()
+    return signal.signal(signal.SIGHUP, on_hup)
+
+
+def _restore_sighup(previous) -> None:
+    if previous is not None:
+        signal.signal(signal.SIGHUP, previous)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -125,3 +174,8 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:
         self.loraplex_state.accepting = False
         super().handle_exit(sig, frame)
+        # uvicorn re-raises the signals it caught once it has drained, so the process would die by
+        # SIGTERM (143) after a clean shutdown, and an engine failure could not show as exit 1
+        captured = getattr(self, "_captured_signals", None)   # (uvicorn >= 0.29.1)
+        if captured is not None:
+            captured.clear()

@@ -29,22 +29,32 @@ class ServerSettings:
         "group": "adapters", "help": "Folders inside which adapters may be loaded at run time "
                                     "(POST /v1/adapters); default: none (no run-time loads)."})
     served_model_name: str | None = field(default=None, metadata={
-        "group": "server", "help": "The base model's name in the API; default: the model folder's name."})
+        "group": "server", "help": "The base model's name in the API; default: the model folder's name "
+                                  "(loraplex-demo for the demo model shipped with loraplex)."})
     max_waiting_requests: int = field(default=1024, metadata={
         "group": "server", "help": "Requests that may queue beyond the running batch; past that the server "
                                   "answers 429."})
     max_body_bytes: int = field(default=4 * 1024 * 1024, metadata={
         "group": "server", "help": "Largest request body in bytes (at least 1024); larger ones get 413."})
     max_adapter_labels: int = field(default=100, metadata={
-        "group": "server", "help": "Distinct adapter labels in /metrics; requests for the others count as "
-                                  "'other'."})
+        "group": "server", "advanced": True,
+        "help": "Distinct adapter labels in /metrics; requests for the others count as "
+                "'other'."})
     graceful_shutdown_s: float = field(default=60.0, metadata={
         "group": "server", "help": "Seconds requests in flight may take to finish after SIGTERM."})
     synthetic_adapters: int = field(default=0, metadata={
-        "group": "server", "help": "Also serve this many random adapters named syn-0, syn-1, … of rank "
-                                  "--max-lora-rank on every projection (for benchmarks: no files needed)."})
+        "group": "server", "advanced": True,
+        "help": "Also serve this many random adapters named syn-0, syn-1, … of rank "
+                "--max-lora-rank on every projection (for benchmarks: no files needed)."})
     log_level: str = field(default="info", metadata={
         "group": "server", "choices": LOG_LEVELS, "help": "Log level of the server (uvicorn's)."})
+    api_keys: Path | None = field(default=None, metadata={
+        "group": "server", "help": "A JSON (or YAML) file of tenants: their keys, the adapters each may use, "
+                                  "whether it may manage adapters (docs/server.md); reloaded on SIGHUP and when "
+                                  "it changes. Works beside --api-key."})
+    metrics_require_key: bool = field(default=False, metadata={
+        "group": "server", "help": "Make /metrics need a key (the admin key, --api-key, or a tenant allowed "
+                                  "'metrics'); default: open, for Prometheus scrapers."})
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -62,6 +72,13 @@ class ServerSettings:
                 raise ValueError(f"ServerSettings.adapter_roots: {root} is not a folder")
             roots.append(path.resolve())
         self.adapter_roots = roots
+        if self.api_keys is not None:
+            keys = Path(self.api_keys).expanduser()
+            if not keys.is_file():
+                raise ValueError(f"ServerSettings.api_keys: {self.api_keys} is not a file")
+            self.api_keys = keys
+        if not isinstance(self.metrics_require_key, bool):
+            raise ValueError(f"ServerSettings.metrics_require_key must be a bool, got {self.metrics_require_key!r}")
         for name, minimum in (("max_waiting_requests", 0), ("max_body_bytes", 1024), ("max_adapter_labels", 1),
                               ("synthetic_adapters", 0)):
             value = getattr(self, name)

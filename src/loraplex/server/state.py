@@ -17,6 +17,7 @@ from ..engine.async_engine import AsyncEngine
 from ..engine.engine import Engine
 from .metrics import EngineSnapshot, ServerMetrics
 from .settings import ServerSettings
+from .tenants import Access, KeyRing
 
 log = logging.getLogger("loraplex.server")
 
@@ -43,6 +44,7 @@ class ServerState:
     in_flight: int = 0                                # engine requests submitted by the server, not yet ended
     in_flight_by_adapter: Counter = field(default_factory=Counter)
     accepting: bool = True                            # False once shutdown has begun
+    keyring: KeyRing | None = None                    # --api-keys: the tenants' keys
 
     def __post_init__(self) -> None:
         self._last_snapshot = 0.0
@@ -74,6 +76,10 @@ class ServerState:
     def max_in_flight(self) -> int:
         """Requests running plus the bounded queue behind them; past it, new requests get 429."""
         return self.core.config.max_num_seqs + self.settings.max_waiting_requests
+
+    def visible_adapters(self, access: Access) -> list[str]:
+        """The adapters served now that `access` may use, sorted (what /v1/models lists)."""
+        return [name for name in sorted(self.adapters) if name not in self.draining and access.may_use(name)]
 
     def register_existing(self, source_by_name: dict[str, str]) -> None:
         now = int(time.time())

@@ -1,4 +1,4 @@
-"""Triton kernels for paged attention and their launch code (semantics: see `attention.py`).
+"""Triton kernels for paged attention and their launch code (semantics: see paged.py).
 
 - `_store_kv_kernel`: one program per new token (and group of kv heads) copies its k and v rows
   into their cache slot; slot < 0 (a padding row) is skipped. One launch for both tensors.
@@ -51,7 +51,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_shrink_kernels import o_shrink_epilogue, o_shrink_finish, o_shrink_prefetch
 from ..launch import Launcher
 from ..pdl import pdl_start
 
@@ -220,14 +219,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ml
                    block_tables_ptr, seq_lens_ptr, query_start_ptr,
                    qk_scale, window, chunk, num_q_heads, num_splits, ml_stride,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt,
-                   lora_a_ptr, lora_rank_ptr, lora_slot_ptr, lora_part_ptr, lora_r, stride_la_slot, stride_la_r,
-                   stride_lp_split, stride_lp_m,
                    G: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   PAGE: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, LORA_SHRINK: tl.constexpr,
-                   LORA_PREFETCH: tl.constexpr, BLOCK_R: tl.constexpr):
+                   PAGE: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
     """The one query row of sequence program_id(0), G heads of kv head program_id(1), over keys
-    [lo + split * chunk, lo + (split + 1) * chunk) ∩ [lo, seq_len) of split program_id(2). LORA_SHRINK (one
-    split only): also the o projection's shrink over those heads' columns (attention_shrink_kernels.py)."""
+    [lo + split * chunk, lo + (split + 1) * chunk) ∩ [lo, seq_len) of split program_id(2)."""
     pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
     s = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -249,9 +244,6 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ml
         bt_row = block_tables_ptr + s.to(tl.int64) * stride_bt
         k_head = k_cache_ptr + kvh * stride_kh
         v_head = v_cache_ptr + kvh * stride_kh
-        if LORA_PREFETCH:
-            lora_a = o_shrink_prefetch(offs_d, row, kvh, lora_a_ptr, lora_rank_ptr, lora_slot_ptr, lora_r,
-                                       stride_la_slot, stride_la_r, HEAD_DIM, BLOCK_R)
         m_i = tl.full([M], NEG_BIG, tl.float32)
         l_i = tl.zeros([M], tl.float32)
         acc = tl.zeros([M, HEAD_DIM], tl.float32)
@@ -267,14 +259,6 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ml
             o = acc * (1.0 / l_i)[:, None]
             tl.store(out_ptr + row * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                      o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
-            if LORA_PREFETCH:
-                o_shrink_finish(o.to(out_ptr.dtype.element_ty).to(tl.float32), lora_a, offs_m, row, kvh,
-                                lora_rank_ptr, lora_slot_ptr, lora_part_ptr, lora_r, stride_lp_split, stride_lp_m,
-                                BLOCK_R)
-            elif LORA_SHRINK:
-                o_shrink_epilogue(o.to(out_ptr.dtype.element_ty).to(tl.float32), offs_m, offs_d, row, kvh,
-                                  lora_a_ptr, lora_rank_ptr, lora_slot_ptr, lora_part_ptr, lora_r, stride_la_slot,
-                                  stride_la_r, stride_lp_split, stride_lp_m, G, HEAD_DIM, BLOCK_R)
 
 
 @triton.jit
@@ -305,7 +289,7 @@ def _decode_reduce_kernel(part_o_ptr, part_ml_ptr, out_ptr, seq_lens_ptr, query_
 
 
 # ---------------------------------------------------------------------------------------------
-# Launchers. Arguments arrive validated (see attention.py); these only pick tiles and launch.
+# Launchers. Arguments arrive validated (see paged.py); these only pick tiles and launch.
 
 
 @dataclass(frozen=True)
@@ -446,28 +430,16 @@ def plan_decode(num_seqs: int, num_kv_heads: int, max_seq_len: int, window: int,
     return (splits, chunk) if splits > 1 else (1, UNSPLIT_CHUNK)
 
 
-# With the o shrink's epilogue and one head per program (G = 1), load the head's A tile before the key walk (its
-# latency then hides behind the walk) rather than after it: the epilogue took 1.028× today's decode forward time
-# this way and 1.040× the other (H200, 2026-12-02, results/decode_graph_trace_oattn.json; the epilogue is off).
-LORA_PREFETCH_A = True
-
-
-def decode_constexprs(G: int, D: int, page: int, split: bool, dtype: torch.dtype, cfg: DecodeConfig,
-                      lora_r: int = 0, prefetch: bool | None = None) -> dict:
-    """The decode kernel's compile-time parameters (also used by the ahead-of-time compile test); `lora_r` > 0:
-    with the o shrink's epilogue for adapters of up to that rank (`prefetch`: LORA_PREFETCH_A if None)."""
-    prefetch = LORA_PREFETCH_A if prefetch is None else prefetch
+def decode_constexprs(G: int, D: int, page: int, split: bool, dtype: torch.dtype, cfg: DecodeConfig) -> dict:
+    """The decode kernel's compile-time parameters (also used by the ahead-of-time compile test)."""
     return dict(G=G, M=max(16, _pow2(G)), BLOCK_N=cfg.block_n, HEAD_DIM=D, PAGE=page, SPLIT=split,
-                PRECISION=_precision(dtype), LORA_SHRINK=lora_r > 0, LORA_PREFETCH=lora_r > 0 and G == 1 and prefetch,
-                BLOCK_R=max(16, _pow2(lora_r)))
+                PRECISION=_precision(dtype))
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
            seq_lens: torch.Tensor, query_start: torch.Tensor, out: torch.Tensor, *, max_seq_len: int, scale: float,
-           window: int, num_splits: int | None = None, cfg: DecodeConfig | None = None, lora=None) -> bool:
-    """Attention rows of every one-row sequence (others are `prefill`'s): split as `plan_decode` says.
-    `lora`: (A [slots, R, Hq·D], ranks, row_slot, part [Hkv, 1, T, R]) for the o shrink's epilogue, which runs
-    only without splits; returns whether it ran."""
+           window: int, num_splits: int | None = None, cfg: DecodeConfig | None = None) -> None:
+    """Attention rows of every one-row sequence (others are `prefill`'s): split as `plan_decode` says."""
     T, Hq, D = q.shape
     page, Hkv = k_cache.shape[1], k_cache.shape[2]
     S = block_tables.shape[0]
@@ -476,25 +448,18 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
     splits, chunk = plan_decode(S, Hkv, max_seq_len, window, q.device, cfg, num_splits)
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
                k_cache.stride(2), block_tables.stride(0))
-    shrink = lora is not None and splits == 1
-    if shrink:
-        a, ranks, row_slot, part = lora
-        lora_args = (a, ranks, row_slot, part, a.shape[1], a.stride(0), a.stride(1), part.stride(0), part.stride(2))
-    else:   # unused pointers: out's
-        lora_args = (out, seq_lens, seq_lens, out, 0, 0, 0, 0, 0)
-    consts = decode_constexprs(G, D, page, splits > 1, q.dtype, cfg, lora[0].shape[1] if shrink else 0)
+    consts = decode_constexprs(G, D, page, splits > 1, q.dtype, cfg)
     if splits == 1:  # no partials: the program writes out itself (the partial pointers are unused)
         args = (q, k_cache, v_cache, out, out, out, block_tables, seq_lens, query_start, scale * LOG2E, window,
-                chunk, Hq, 1, 0, *strides, *lora_args)
+                chunk, Hq, 1, 0, *strides)
         _DECODE((S, Hkv, 1), args, consts, cfg.num_warps, cfg.num_stages)
-        return shrink
+        return
     n_part = S * Hq * splits
     buf = torch.empty(n_part * (D + 2), dtype=torch.float32, device=q.device)  # one allocation: acc, then max, sum
     part_o, part_ml = buf[:n_part * D], buf[n_part * D:]
     args = (q, k_cache, v_cache, out, part_o, part_ml, block_tables, seq_lens, query_start, scale * LOG2E, window,
-            chunk, Hq, splits, n_part, *strides, *lora_args)
+            chunk, Hq, splits, n_part, *strides)
     _DECODE((S, Hkv, splits), args, consts, cfg.num_warps, cfg.num_stages)
     args = (part_o, part_ml, out, seq_lens, query_start, window, chunk, Hq, splits, n_part, out.stride(0),
             out.stride(1))
     _REDUCE((S, Hq), args, dict(HEAD_DIM=D, SPLITS_PAD=_pow2(splits)), REDUCE_WARPS, 1)
-    return False

@@ -6,8 +6,8 @@ Each op reproduces Hugging Face transformers' Llama/Mistral/Qwen2 numerics: the 
 rounding to the model dtype wherever transformers' separate PyTorch ops round (a 16-bit PyTorch op
 computes in fp32 and rounds once). The reference backend runs transformers' op sequence in PyTorch
 (the CPU path, and the oracle of the kernels): on the same device it gives transformers' bits. The
-Triton kernels (fused_kernels.py) follow the same order in fp32 registers; where they can differ is
-documented per op.
+Triton kernels (kernels.py; lora_kernels.py where a LoRA product is expanded) follow the same order in
+fp32 registers; where they can differ is documented per op.
 
 Backends as for the LoRA ops (`resolve_backend`): Triton for CUDA tensors, the reference otherwise;
 `backend="triton" | "reference"` or LORAPLEX_OPS_BACKEND forces one. Bad arguments raise ValueError
@@ -69,13 +69,11 @@ def _writable(t: torch.Tensor, name: str) -> None:
                          f"it is written")
 
 
-def _delta(delta, name: str, rows: int, widths: tuple[int, ...], like: torch.Tensor, like_name: str,
-           in_gemm: bool = False) -> None:
-    """A LoRA delta (ops/overlap.py makes them): a contiguous float32 `[rows, Σwidths]` on `like`'s
-    device, a LoraDelta of one, or a LoraProduct whose slices are `widths` wide (an in-gemm one only where
-    `in_gemm`)."""
+def _delta(delta, name: str, rows: int, widths: tuple[int, ...], like: torch.Tensor, like_name: str) -> None:
+    """A LoRA delta (ops/lora/overlap.py makes them): a contiguous float32 `[rows, Σwidths]` on `like`'s
+    device, a LoraDelta of one, or a LoraProduct whose slices are `widths` wide."""
     if isinstance(delta, LoraProduct):
-        delta.check(rows, widths, like, like_name, name, in_gemm)
+        delta.check(rows, widths, like, like_name, name)
         return
     if isinstance(delta, LoraDelta):
         delta.check(rows, sum(widths), like, like_name, name)
@@ -96,7 +94,7 @@ def _dense(delta: torch.Tensor | LoraDelta | LoraProduct) -> tuple[torch.Tensor,
 
 
 def _kernel_delta(delta: torch.Tensor | LoraDelta | None) -> dict:
-    """fused_kernels' delta arguments: the fp32 buffer, and the rows that take it (a LoraDelta's)."""
+    """kernels.py's delta arguments: the fp32 buffer, and the rows that take it (a LoraDelta's)."""
     if isinstance(delta, LoraDelta):
         return dict(delta=delta.values, delta_rows=delta.row_slot)
     return dict(delta=delta)
@@ -125,11 +123,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: tor
     `x [T, H]` (last dimension contiguous; T may be 0), `weight [H]` (float16, bfloat16 or
     float32), `eps` ≥ 0. With `residual=None`, s is x itself (no copy). With `residual [T, H]`
     (x's dtype), `s = residual + x` rounded to x's dtype, as transformers' `residual + hidden_states`.
-    With `delta` (contiguous float32 `[T, H]`, a LoRA delta that ops/overlap.py left for this op),
+    With `delta` (contiguous float32 `[T, H]`, a LoRA delta that ops/lora/overlap.py left for this op),
     x is first replaced by `(x.float() + delta)` rounded to x's dtype, the sum the LoRA expand
-    would have written into x; s is then a new tensor even without a residual. A LoraDelta (ops/
-    lora_delta.py) is such a delta whose rows without an adapter take nothing. `delta` may also be a
-    one-slice LoraProduct (ops/lora_product.py): the kernel expands each row's product as it loads
+    would have written into x; s is then a new tensor even without a residual. A LoraDelta (ops/lora/
+    delta.py) is such a delta whose rows without an adapter take nothing. `delta` may also be a
+    one-slice LoraProduct (ops/lora/product.py): the kernel expands each row's product as it loads
     the row (rows without an adapter take nothing).
 
         v = s.float()
@@ -159,7 +157,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: tor
 
 
 def check_rms_args(x, weight, eps, residual, delta) -> None:
-    """`rms_norm`'s argument checks (ops/rms_shrink.py runs them too)."""
+    """`rms_norm`'s argument checks."""
     _float_rows(x, "x", "[T, H]", 2)
     T, H = x.shape
     if H == 0:
@@ -202,7 +200,7 @@ def silu_and_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None,
 
     `gate_up [T, 2·I]` (last dimension contiguous): gate is columns `:I`, up columns `I:`.
     `out [T, I]`, gate_up's dtype, last dimension contiguous (it may be `gate_up[:, :I]`).
-    `delta` (contiguous float32 `[T, 2·I]`, a LoRA delta left by ops/overlap.py): gate and up are
+    `delta` (contiguous float32 `[T, 2·I]`, a LoRA delta left by ops/lora/overlap.py): gate and up are
     first `(gate_up.float() + delta)` rounded to the dtype (gate_up is only written where `out` lies in it);
     a LoraDelta's rows without an adapter take nothing.
     `delta` may also be a two-slice (gate, up) LoraProduct, expanded by the kernel as it loads.
@@ -269,7 +267,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_fr
     q and k must not overlap each other.
 
     With `delta` (contiguous float32 `[T, (Hq + 2·Hkv)·D]`, a fused q/k/v LoRA delta left by
-    ops/overlap.py, laid out q | k | v per token) and `v [T, Hkv, D]` (q's dtype): q, k and v
+    ops/lora/overlap.py, laid out q | k | v per token) and `v [T, Hkv, D]` (q's dtype): q, k and v
     first become `(t.float() + their delta)` rounded to the dtype, in place; then q and k rotate.
     v must not overlap q or k; a LoraDelta's rows without an adapter take nothing. `delta` may also be a
     three-slice (q, k, v) LoraProduct: one program per
@@ -303,7 +301,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_fr
         if v.dtype != q.dtype or tuple(v.shape) != tuple(k.shape):
             raise ValueError(f"v must be {q.dtype} [T={T}, Hkv={k.shape[1]}, D={D}] as k, got {_desc(v)}")
         _writable(v, "v")
-        _delta(delta, "delta", T, (q.shape[1] * D, k.shape[1] * D, k.shape[1] * D), q, "q", in_gemm=True)
+        _delta(delta, "delta", T, (q.shape[1] * D, k.shape[1] * D, k.shape[1] * D), q, "q")
     elif v is not None:
         raise ValueError("v is only taken with a delta")
     if resolve_backend(backend, q.device) == "reference":

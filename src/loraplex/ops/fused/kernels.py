@@ -1,4 +1,4 @@
-"""Triton kernels for the small fused elementwise ops of the Llama-family forward (see fused.py).
+"""Triton kernels for the small fused elementwise ops of the Llama-family forward (see api.py).
 
 Each kernel repeats, in fp32 registers, the op order of Hugging Face transformers and rounds
 to the model dtype wherever transformers' separate PyTorch ops round (a 16-bit op computes
@@ -70,7 +70,7 @@ def _mul(a, b, COMPILED: tl.constexpr):
 
 @triton.jit
 def _takes_delta(rows_ptr, row, HAS_ROWS: tl.constexpr):
-    """Does this row take its delta? With HAS_ROWS (a LoraDelta, ops/lora_delta.py) only a row with an
+    """Does this row take its delta? With HAS_ROWS (a LoraDelta, ops/lora/delta.py) only a row with an
     adapter (`row_slot[row]` ≥ 0): the expand wrote no other; else every row."""
     if HAS_ROWS:
         take = tl.load(rows_ptr + row) >= 0
@@ -81,7 +81,7 @@ def _takes_delta(rows_ptr, row, HAS_ROWS: tl.constexpr):
 
 @triton.jit
 def _add_delta(v, d_row, offs, mask, take, DT, HAS_DELTA: tl.constexpr, COMPILED: tl.constexpr):
-    """v + an fp32 LoRA delta, rounded to DT, as the expand's in-place add rounds (ops/overlap.py); v as it
+    """v + an fp32 LoRA delta, rounded to DT, as the expand's in-place add rounds (ops/lora/overlap.py); v as it
     is where the row does not `take` its delta. The delta is loaded either way (whatever an unwritten row
     holds is discarded): a load masked by `take` would wait for the row's slot (~1 µs more per RMSNorm at
     decode on an H200)."""
@@ -292,7 +292,7 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, d_ptr, rows_ptr, pos_ptr, inv_freq_ptr, HQ
 
 
 # ---------------------------------------------------------------------------------------------
-# Launchers. Arguments arrive validated (fused.py); these pick tile sizes and launch. T = 0
+# Launchers. Arguments arrive validated (api.py); these pick tile sizes and launch. T = 0
 # launches nothing.
 
 INTERPRETED = type(_rms_norm_kernel).__name__ == "InterpretedFunction"

@@ -1,30 +1,26 @@
-"""Triton consumers of a `LoraProduct` (lora_product.py): RMSNorm, SiLU-and-mul and RoPE that expand a
-projection's LoRA product for each row as they load the row, then run the op of fused_kernels.py on
-the sum, rounded as there.
+"""Triton consumers of a `LoraProduct` (ops/lora/product.py): RMSNorm, SiLU-and-mul and RoPE that expand a
+projection's LoRA product for each row as they load the row, then run the op of kernels.py on the sum,
+rounded as there.
 
-For a row with slot s ≥ 0, slice i, column n of the slice (lora_product.py's loop, in fp32):
+For a row with slot s ≥ 0, slice i, column n of the slice (product.py's loop, in fp32):
 
     delta = scalings_i[s] * Σ_{r < rank} (Σ_split part[split, i, row, r]) * B_i[s, n, r]
     x     = round(x + delta)                  # to x's dtype, as the in-place expand would round
 
 and x untouched for rows with s = -1. Each program sums the splits and reads the B columns it needs:
 the expand's bytes spread over the consumer's grid, so RoPE and SiLU-and-mul run one program per
-(token, head block) and (token, column block); RMSNorm keeps one program per row (it needs the whole
-row's sum of squares) and walks the row in tiles.
+(token, head block) and (token, column block); RMSNorm, which needs the whole row's sum of squares, cuts
+each row into chunks over two launches (rms_split.py).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from ...env_switch import env_switch
-from .kernels import COMPILED, _cos_sin, _inv, _norm_output, _pow2, _rotate, _round, _rstd, _silu_mul
+from .kernels import COMPILED, _cos_sin, _pow2, _rotate, _round, _silu_mul
 from ..launch import Launcher
-from ..lora.sgmv_kernels import VECTOR_LOADS_SETTING, _load_rank_block, _rank_block_exact
+from ..lora.sgmv_kernels import _load_rank_block, _load_rank_block_exact
 from ..pdl import pdl_deferred_start, pdl_start
-
-# RoPE's [heads, half head, rank] tiles: LORAPLEX_LORA_VECTOR_LOADS=no-rope keeps the exact mask there alone
-_load_rank_block_2d = _rank_block_exact if VECTOR_LOADS_SETTING == "no-rope" else _load_rank_block
 
 
 @triton.jit
@@ -42,7 +38,7 @@ def _v(part_row, r0, rank, stride_p_split, SPLIT_K: tl.constexpr, BLOCK_R: tl.co
     """Σ over the K splits of the shrink's fp32 partials, rank columns r0..r0+BLOCK_R."""
     offs_r = r0 + tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
-    v = tl.load(part_row + offs_r, mask=r_mask, other=0.0).to(tl.float32)   # (16-bit when in-gemm)
+    v = tl.load(part_row + offs_r, mask=r_mask, other=0.0).to(tl.float32)
     for s in tl.static_range(1, SPLIT_K):
         v += tl.load(part_row + tl.full((), s, tl.int64) * stride_p_split + offs_r, mask=r_mask, other=0.0)
     return v, offs_r, r_mask
@@ -72,60 +68,20 @@ def _product(part_row, b_slot, rank, scale, cols, mask, R, stride_p_split, v, of
 def _product_2d(part_row, b_slot, rank, scale, cols, mask, R, stride_p_split, v, offs_r, r_mask,
                 ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
                 BLOCK_D: tl.constexpr):
-    """`_product` over a [BLOCK_H, BLOCK_D] tile of columns (heads × half a head)."""
+    """`_product` over a [BLOCK_H, BLOCK_D] tile of columns (heads × half a head), B read at the rank itself
+    (`_load_rank_block_exact`)."""
     if ONE_R_TILE:
-        b = _load_rank_block_2d(b_slot + cols[:, :, None] * R + offs_r[None, None, :], mask[:, :, None],
+        b = _load_rank_block_exact(b_slot + cols[:, :, None] * R + offs_r[None, None, :], mask[:, :, None],
                                 offs_r[None, None, :], r_mask[None, None, :], rank, R)
         acc = tl.sum(b.to(tl.float32) * v[None, None, :], axis=2)
     else:
         acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
         for r0 in range(0, rank, BLOCK_R):
             v_r, offs_rr, r_mask_r = _v(part_row, r0, rank, stride_p_split, SPLIT_K, BLOCK_R)
-            b = _load_rank_block_2d(b_slot + cols[:, :, None] * R + offs_rr[None, None, :], mask[:, :, None],
+            b = _load_rank_block_exact(b_slot + cols[:, :, None] * R + offs_rr[None, None, :], mask[:, :, None],
                                     offs_rr[None, None, :], r_mask_r[None, None, :], rank, R)
             acc += tl.sum(b.to(tl.float32) * v_r[None, None, :], axis=2)
     return acc * scale
-
-
-# ---------------------------------------------------------------------------------------------
-# RMSNorm (+ residual add) of o's and down's output
-
-
-@triton.jit
-def _rms_norm_lora_kernel(x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, part_ptr, row_slot_ptr, b_ptr, rank_ptr, scale_ptr,
-                          R, stride_p_split, stride_pm, H, inv_h, eps, stride_x, stride_r, stride_out, stride_s,
-                          HAS_RESIDUAL: tl.constexpr, ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr,
-                          BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, COMPILED: tl.constexpr):
-    """One program per row: s = round(x + delta) (+ residual, rounded), stored; out = weight · normalize(s)."""
-    pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
-    row = tl.program_id(0).to(tl.int64)
-    DT = x_ptr.dtype.element_ty
-    has, slot, rank, scale = _slot_of(row_slot_ptr, row, rank_ptr, scale_ptr, R)
-    b_slot = b_ptr + slot.to(tl.int64) * H * R
-    part_row = part_ptr + row * stride_pm
-    x_row, r_row = x_ptr + row * stride_x, r_ptr + row * stride_r
-    s_row, out_row = s_ptr + row * stride_s, out_ptr + row * stride_out
-    offs = tl.arange(0, BLOCK)
-    # The row's shrink output, loaded once (one rank tile; rows without an adapter: rank 0, nothing read).
-    lv, offs_r, r_mask = _v(part_row, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for c in range(0, H, BLOCK):
-        mask = c + offs < H
-        v = tl.load(x_row + c + offs, mask=mask, other=0.0).to(tl.float32)
-        if has:
-            d = _product(part_row, b_slot, rank, scale, c + offs, mask, R, stride_p_split, lv, offs_r, r_mask,
-                         ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK)
-            v = _round(v + d, DT, COMPILED)
-        if HAS_RESIDUAL:
-            v = _round(tl.load(r_row + c + offs, mask=mask, other=0.0).to(tl.float32) + v, DT, COMPILED)
-        tl.store(s_row + c + offs, v.to(DT), mask=mask)
-        acc += v * v
-    rstd = _rstd(tl.sum(acc, axis=0), inv_h, eps, COMPILED)
-    tl.debug_barrier()   # s, stored above by this program's threads, is read back by others below
-    for c in range(0, H, BLOCK):
-        mask = c + offs < H
-        v = tl.load(s_row + c + offs, mask=mask, other=0.0).to(tl.float32)
-        _norm_output(v, rstd, w_ptr, out_row, c + offs, mask, COMPILED)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,13 +92,10 @@ def _rms_norm_lora_kernel(x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, part_ptr, row_slo
 def _silu_and_mul_lora_kernel(gu_ptr, out_ptr, part_ptr, row_slot_ptr, b0, b1, rk0, rk1, sc0, sc1, R,
                               stride_p_split, stride_p_slice, stride_pm, I, stride_gu, stride_out,
                               ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                              BLOCK: tl.constexpr, COMPILED: tl.constexpr, LOADS_FIRST: tl.constexpr,
-                              EARLY: tl.constexpr):
+                              BLOCK: tl.constexpr, COMPILED: tl.constexpr, EARLY: tl.constexpr):
     """Program (row, column block): gate and up take their slice's product, then out = silu(gate) · up.
-    LOADS_FIRST (one rank tile): both slices' B blocks are loaded before either product is summed (compiled
-    in program order, the up block's loads otherwise wait for the gate's product: sm_90 PTX).
     EARLY (one rank tile): the row's slot, ranks, scalings and both B blocks are read before the PDL wait
-    (ops/pdl.py's early reads), gate/up and the partials after it; the same sums as LOADS_FIRST's."""
+    (ops/pdl.py's early reads), gate/up and the partials after it; the same sums."""
     pdl_start(EARLY)   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first (EARLY: below)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -179,23 +132,12 @@ def _silu_and_mul_lora_kernel(gu_ptr, out_ptr, part_ptr, row_slot_ptr, b0, b1, r
             part_u = part_g + stride_p_slice
             b_g = b0 + slot.to(tl.int64) * I * R
             b_u = b1 + slot.to(tl.int64) * I * R
-            if LOADS_FIRST and ONE_R_TILE:   # the same sums as _product's, its loads issued first
-                offs_r = tl.arange(0, BLOCK_R)
-                bg = _load_rank_block(b_g + offs[:, None] * R + offs_r[None, :], mask[:, None], offs_r[None, :],
-                                      (offs_r < rank_g)[None, :], rank_g, R)
-                bu = _load_rank_block(b_u + offs[:, None] * R + offs_r[None, :], mask[:, None], offs_r[None, :],
-                                      (offs_r < rank_u)[None, :], rank_u, R)
-                vg, _, _ = _v(part_g, 0, rank_g, stride_p_split, SPLIT_K, BLOCK_R)
-                vu, _, _ = _v(part_u, 0, rank_u, stride_p_split, SPLIT_K, BLOCK_R)
-                dg = tl.sum(bg.to(tl.float32) * vg[None, :], axis=1) * scale_g
-                du = tl.sum(bu.to(tl.float32) * vu[None, :], axis=1) * scale_u
-            else:
-                vg, offs_r, rm_g = _v(part_g, 0, rank_g, stride_p_split, SPLIT_K, BLOCK_R)
-                vu, _, rm_u = _v(part_u, 0, rank_u, stride_p_split, SPLIT_K, BLOCK_R)
-                dg = _product(part_g, b_g, rank_g, scale_g, offs, mask, R, stride_p_split, vg, offs_r, rm_g, ONE_R_TILE,
-                              SPLIT_K, BLOCK_R, BLOCK)
-                du = _product(part_u, b_u, rank_u, scale_u, offs, mask, R, stride_p_split, vu, offs_r, rm_u, ONE_R_TILE,
-                              SPLIT_K, BLOCK_R, BLOCK)
+            vg, offs_r, rm_g = _v(part_g, 0, rank_g, stride_p_split, SPLIT_K, BLOCK_R)
+            vu, _, rm_u = _v(part_u, 0, rank_u, stride_p_split, SPLIT_K, BLOCK_R)
+            dg = _product(part_g, b_g, rank_g, scale_g, offs, mask, R, stride_p_split, vg, offs_r, rm_g, ONE_R_TILE,
+                          SPLIT_K, BLOCK_R, BLOCK)
+            du = _product(part_u, b_u, rank_u, scale_u, offs, mask, R, stride_p_split, vu, offs_r, rm_u, ONE_R_TILE,
+                          SPLIT_K, BLOCK_R, BLOCK)
             g = _round(g + dg, DT, COMPILED)
             u = _round(u + du, DT, COMPILED)
     tl.store(out_ptr + row * stride_out + offs, _silu_mul(g, u, DT, COMPILED).to(DT), mask=mask)
@@ -268,9 +210,9 @@ def _rope_early(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_row, slot, has,
     b_slot = b_ptr + slot.to(tl.int64) * num_heads * 2 * HALF * R
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank   # rank 0 (no adapter): nothing read
-    b1_ = _load_rank_block_2d(b_slot + cols[:, :, None] * R + offs_r[None, None, :], mask[:, :, None],
+    b1_ = _load_rank_block_exact(b_slot + cols[:, :, None] * R + offs_r[None, None, :], mask[:, :, None],
                               offs_r[None, None, :], r_mask[None, None, :], rank, R)
-    b2_ = _load_rank_block_2d(b_slot + (cols + HALF)[:, :, None] * R + offs_r[None, None, :], mask[:, :, None],
+    b2_ = _load_rank_block_exact(b_slot + (cols + HALF)[:, :, None] * R + offs_r[None, None, :], mask[:, :, None],
                               offs_r[None, None, :], r_mask[None, None, :], rank, R)
     pdl_deferred_start(True)
     DT = q_ptr.dtype.element_ty
@@ -288,35 +230,30 @@ def _rope_early(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_row, slot, has,
 
 
 @triton.jit
-def _token_slot(row_slot_ptr, part_ptr, slot_active_ptr, t, stride_pm, active_stride, IN_GEMM: tl.constexpr):
+def _token_slot(row_slot_ptr, part_ptr, t, stride_pm):
     """(has, slot, its partials' row) of token t: slot 0 where it has no adapter (nothing is read)."""
     slot = tl.load(row_slot_ptr + t)
     has = slot >= 0
     slot = tl.maximum(slot, 0)
     part_row = part_ptr + t * stride_pm
-    if IN_GEMM:
-        part_row += tl.maximum(tl.load(slot_active_ptr + slot), 0).to(tl.int64) * active_stride
     return has, slot, part_row
 
 
 @triton.jit
 def _rope_lora_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_ptr, row_slot_ptr, b0, b1, b2, rk0, rk1, rk2,
                       sc0, sc1, sc2, R, stride_p_split, stride_p_slice, stride_pm, HQ, HKV, HALF, stride_qt,
-                      stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_pos, slot_active_ptr,
-                      active_stride, ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, COMPILED: tl.constexpr, IN_GEMM: tl.constexpr,
-                      EARLY: tl.constexpr):
+                      stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_pos, ONE_R_TILE: tl.constexpr,
+                      SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                      COMPILED: tl.constexpr, EARLY: tl.constexpr):
     """Program (token, q|k|v, head block): q/k/v heads take their slice's product; q and k rotate.
-    IN_GEMM: the product's part is a GEMM's shrink columns, the row's adapter's `active_stride` × its
-    active index along (lora_product.py). EARLY (one rank tile): the row's slot, the slice's rank and scaling
-    and its B blocks are read before the PDL wait (ops/pdl.py's early reads; `_rope_early`)."""
+    EARLY (one rank tile): the row's slot, the slice's rank and scaling and its B blocks are read before the PDL
+    wait (ops/pdl.py's early reads; `_rope_early`)."""
     pdl_start(EARLY)   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first (EARLY: below)
     t = tl.program_id(0).to(tl.int64)
     which = tl.program_id(1)
     h0 = tl.program_id(2) * BLOCK_H
     if EARLY:
-        has, slot, part_row = _token_slot(row_slot_ptr, part_ptr, slot_active_ptr, t, stride_pm, active_stride,
-                                          IN_GEMM)
+        has, slot, part_row = _token_slot(row_slot_ptr, part_ptr, t, stride_pm)
         # k and v have fewer head blocks with GQA; a program past them loads and stores nothing of q/k/v
         _rope_early(q_ptr + t * stride_qt, k_ptr + t * stride_kt, v_ptr + t * stride_vt, pos_ptr + t * stride_pos,
                     inv_freq_ptr, part_row, slot, has, b0, b1, b2, rk0, rk1, rk2, sc0, sc1, sc2, R, stride_p_split,
@@ -327,8 +264,7 @@ def _rope_lora_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_ptr, row_
         offs_d = tl.arange(0, BLOCK_D)
         d_mask = offs_d < HALF
         c, s = _cos_sin(pos_ptr + t * stride_pos, inv_freq_ptr, offs_d, d_mask, DT, COMPILED)
-        has, slot, part_row = _token_slot(row_slot_ptr, part_ptr, slot_active_ptr, t, stride_pm, active_stride,
-                                          IN_GEMM)
+        has, slot, part_row = _token_slot(row_slot_ptr, part_ptr, t, stride_pm)
         if which == 0:
             _heads(q_ptr + t * stride_qt, stride_qh, HQ, h0, part_row, b0, rk0, sc0, slot, has, R, stride_p_split,
                    HALF, c, s, offs_d, d_mask, True, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D, COMPILED)
@@ -343,32 +279,14 @@ def _rope_lora_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_ptr, row_
 
 
 # ---------------------------------------------------------------------------------------------
-# Launchers. Arguments arrive validated (fused.py); T = 0 launches nothing.
+# Launchers. Arguments arrive validated (api.py); T = 0 launches nothing.
 
-# Tile settings: benchmarks/sweep_fused_consumers.py on an H200 (results/fused_sweep.json, run on the first
-# version of these kernels; its SILU_BLOCK values did not take effect, so SILU_BLOCK is untuned).
-RMS_BLOCK = 2048    # columns per tile of the row walk (B tile: RMS_BLOCK × BLOCK_R)
-RMS_STAGES = 2      # the row walk's loads pipelined this deep
-RMS_SPLIT = 512     # > 0: each row over programs of this many columns, two launches (fused_lora_rms_split.py, which
-                    # gives its measurements); 0: one program a row
+# Tile settings: benchmarks/sweep_fused_consumers.py on an H200 (SILU_BLOCK untuned). RMSNorm's consumer cuts each
+# row into programs of RMS_SPLIT columns (two launches: rms_split.py); ROPE_HEADS heads per RoPE program (2 and 1
+# measured no faster).
+RMS_SPLIT = 512
 SILU_BLOCK = 512
-SILU_WARPS = 0      # > 0: warps per SiLU-and-mul program; 0: one per 128 columns, at most 4 (148 registers a thread
-                    # at 512 columns, sm_90 ptxas; 76 in 8 warps)
-SILU_LOADS_FIRST = False   # both B blocks loaded before either product (0.992x a batch-32 decode forward: inside the
-                           # rounds' spread, H200, 2026-12-02, results/decode_graph_trace_skinny.json)
-# LORAPLEX_LORA_EARLY_READS (on by default; off: the code before 2026-12-03): the three consumers (RMSNorm's split
-# launch 1) read their rows' slots, ranks, scalings and B blocks before the PDL wait (ops/pdl.py's early reads), so
-# that with PDL those loads run while the GEMM before them is finishing; only where one rank tile holds the rank
-# (R <= 32). H200, 2026-12-03 (results/decode_graph_trace_early{,_c}.json, engine_early_*.md): a batch-32 Llama-2-7B
-# decode forward with distinct adapters 0.988-0.990x in paired rounds (SiLU-and-mul's share 0.991x, RoPE's and the
-# RMSNorm's 0.997-0.998x), issue 5's decode step 7.05-7.06 -> 6.96-6.98 ms on one lease, 6.95-6.98 -> 6.85-6.91
-# on another.
-EARLY_READS = env_switch("LORAPLEX_LORA_EARLY_READS", "on", on="on", off="off") == "on"
-EARLY_KERNELS = frozenset({"rms", "silu", "rope"})   # the consumers it changes (benchmarks time them apart)
-# heads per program; 2 and 1 measured 1.000× and 1.011× its decode forward time (H200, 2026-12-02, Llama-2-7B at
-# batch 32 in CUDA graphs, paired rounds: results/decode_graph_trace_oattn.json)
 ROPE_HEADS = 4
-_RMS = Launcher(_rms_norm_lora_kernel)
 _SILU = Launcher(_silu_and_mul_lora_kernel)
 _ROPE = Launcher(_rope_lora_kernel)
 
@@ -382,47 +300,35 @@ def _tiles(R: int) -> dict:
     return dict(ONE_R_TILE=R <= block_r, BLOCK_R=block_r)
 
 
-def _early(R: int, kernel: str, lora) -> bool:
-    """EARLY_READS for `kernel` where it applies (one rank tile, a product whose row slots were not made inside
-    the forward: LoraProduct.early_reads); read at call time, as tests and benchmarks set it."""
-    return EARLY_READS and kernel in EARLY_KERNELS and R <= _block_r(R) and lora.early_reads
+def _early(R: int, lora) -> bool:
+    """The consumers' early reads (ops/pdl.py), where they apply: one rank tile, and a product whose row slots
+    were not made inside the forward (LoraProduct.early_reads). With PDL their loads run while the GEMM before them
+    is finishing: a batch-32 Llama-2-7B decode forward with distinct adapters took 0.988-0.990× the time (H200)."""
+    return R <= _block_r(R) and lora.early_reads
 
 
 def rms_norm(x, weight, eps: float, residual, out, s_out, lora, block: int | None = None) -> None:
-    """`fused_kernels.rms_norm` on x plus the LoraProduct `lora` (one slice), s always written."""
-    T, H = x.shape
-    if T == 0:
+    """`fused_kernels.rms_norm` on x plus the LoraProduct `lora` (one slice), s always written; each row over
+    programs of `block` columns (None: RMS_SPLIT), rms_split.py's two launches."""
+    if x.shape[0] == 0:
         return
-    if RMS_SPLIT:
-        from . import rms_split as fused_lora_rms_split   # imports this module's jit helpers
-        R = lora.part.shape[3]
-        fused_lora_rms_split.rms_norm(x, weight, eps, residual, out, s_out, lora, RMS_SPLIT, _tiles(R),
-                                      _early(R, "rms", lora))
-        return
-    block = min(_pow2(H), block or RMS_BLOCK)
-    p, row_slot, b, _, _, rk, _, _, sc, _, _, R, sp, _, sm = lora.kernel_args()
-    r = residual if residual is not None else x
-    args = (x, r, weight, out, s_out, p, row_slot, b, rk, sc, R, sp, sm, H, _inv(H), float(eps), x.stride(0),
-            r.stride(0), out.stride(0), s_out.stride(0))
-    consts = dict(HAS_RESIDUAL=residual is not None, **_tiles(R), SPLIT_K=p.shape[0], BLOCK=block, COMPILED=COMPILED)
-    _RMS((T,), args, consts, max(1, min(8, block // 128)), RMS_STAGES)
+    from . import rms_split   # imports this module's jit helpers
+    R = lora.part.shape[3]
+    rms_split.rms_norm(x, weight, eps, residual, out, s_out, lora, block or RMS_SPLIT, _tiles(R), _early(R, lora))
 
 
 def silu_and_mul(gate_up, out, lora, block: int | None = None) -> None:
     """`fused_kernels.silu_and_mul` on gate/up plus the LoraProduct `lora` (two slices)."""
-    if lora.tiles is not None:   # prompt rows: their product expanded tile by tile
-        from . import silu_lora_tiles_kernels
-        silu_lora_tiles_kernels.silu_and_mul(gate_up, out, lora)
-        return
     T, I = out.shape
     if T == 0:
         return
     block = min(_pow2(I), block or SILU_BLOCK)   # read at call time: benchmarks set SILU_BLOCK
     p, row_slot, b0, b1, _, rk0, rk1, _, sc0, sc1, _, R, sp, ss, sm = lora.kernel_args()
     args = (gate_up, out, p, row_slot, b0, b1, rk0, rk1, sc0, sc1, R, sp, ss, sm, I, gate_up.stride(0), out.stride(0))
+    # a warp per 128 columns, at most 4 (148 registers a thread at 512 columns, sm_90)
     _SILU((T, -(-I // block)), args, dict(**_tiles(R), SPLIT_K=p.shape[0], BLOCK=block, COMPILED=COMPILED,
-                                          LOADS_FIRST=SILU_LOADS_FIRST, EARLY=_early(R, "silu", lora)),
-          SILU_WARPS or max(1, min(4, block // 128)), 1)
+                                          EARLY=_early(R, lora)),
+          max(1, min(4, block // 128)), 1)
 
 
 def apply_rope(q, k, v, positions, inv_freq, lora, heads: int | None = None) -> None:
@@ -434,11 +340,10 @@ def apply_rope(q, k, v, positions, inv_freq, lora, heads: int | None = None) -> 
     block_h = min(_pow2(max(Hq, Hkv)), heads or ROPE_HEADS)
     block_d = _pow2(half)
     p, row_slot, b0, b1, b2, rk0, rk1, rk2, sc0, sc1, sc2, R, sp, ss, sm = lora.kernel_args()
-    in_gemm = lora.slot_active is not None
     args = (q, k, v, positions, inv_freq, p, row_slot, b0, b1, b2, rk0, rk1, rk2, sc0, sc1, sc2, R, sp, ss, sm,
             Hq, Hkv, half, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            positions.stride(0), lora.slot_active if in_gemm else row_slot, lora.active_stride if in_gemm else 0)
+            positions.stride(0))
     grid = (T, 3, -(-max(Hq, Hkv) // block_h))
     _ROPE(grid, args, dict(**_tiles(R), SPLIT_K=p.shape[0], BLOCK_H=block_h, BLOCK_D=block_d, COMPILED=COMPILED,
-                           IN_GEMM=in_gemm, EARLY=_early(R, "rope", lora)),
+                           EARLY=_early(R, lora)),
           max(1, min(4, block_h * block_d // 128)), 1)

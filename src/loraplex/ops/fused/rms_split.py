@@ -1,24 +1,17 @@
 """RMSNorm of a projection plus its LoraProduct, each row spread over several programs (two launches).
 
-fused_lora_kernels.py's RMSNorm consumer runs one program per row, because the norm needs the whole row's
-sum of squares; at decode that is one program per sequence, each streaming its adapter's whole B block
-(4,096 × rank values for o and down) in a serial walk (10.6 µs on an H200 at 32 rows, against 2.5 µs for
-the plain RMSNorm). Here the row is cut into chunks of BLOCK columns:
+The norm needs the whole row's sum of squares; one program per row would stream its adapter's whole B block
+(4,096 × rank values for o and down) in a serial walk at decode (10.6 µs on an H200 at 32 rows, against 2.5 µs
+for the plain RMSNorm). Here the row is cut into chunks of BLOCK columns:
 
     1. program (row, chunk): s = round(x + delta) (+ residual, rounded), stored; sumsq[row, chunk] = Σ s²
     2. program (row, chunk): rstd from Σ_chunk sumsq[row, :] (a fixed order: deterministic);
        out = weight · normalize(s) over the chunk
 
-The same sums and roundings as the one-program kernel except the order of the sum of squares (chunk by
-chunk), so outputs agree with it to the rounding of rstd, and every run gives the same bits. With ONE_LAUNCH
-(LORAPLEX_LORA_RMS_ONE_LAUNCH, off) both steps run in one launch: each program of launch 1 counts itself in on its row's
-counter, and the row's last program does step 2 for the whole row (the same sums and roundings); measured
-slower than the two launches (below). Chosen by
-fused_lora_kernels.RMS_SPLIT (0: one program per row), 512 columns by default since the fourteenth session, when
-o's and down's products became "fused" projections (ops/overlap.py fused_projections): a Llama-2-7B
-decode forward at batch 32 in a CUDA graph took 0.985× the time of q/k/v's product alone, 1,024 columns 0.988×,
-2,048 1.021× (H200, 2026-12-02, results/decode_graph_trace_split.json; benchmarks/sweep_fused_consumers.py
---what rms times the kernel alone).
+with delta each row's expanded product (lora_kernels.py's loop), the sums and roundings of fused/kernels.py's
+RMSNorm but the order of the sum of squares (chunk by chunk), and every run gives the same bits. 512 columns
+(lora_kernels.RMS_SPLIT) took a Llama-2-7B decode forward at batch 32 to 0.985× the time of 1,024 columns' 0.988×
+and 2,048's 1.021× (H200; benchmarks/sweep_fused_consumers.py --what rms times the kernel alone).
 """
 from __future__ import annotations
 
@@ -26,7 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ...env_switch import env_switch
 from .kernels import COMPILED, _inv, _norm_output, _pow2, _round, _rstd
 from .lora_kernels import _product, _slot_of, _v
 from ..lora.sgmv_kernels import _load_rank_block
@@ -85,40 +77,10 @@ def _rms_lora_sums_kernel(x_ptr, r_ptr, s_ptr, sumsq_ptr, part_ptr, row_slot_ptr
 
 
 @triton.jit
-def _rms_lora_one_launch_kernel(x_ptr, r_ptr, s_ptr, sumsq_ptr, part_ptr, row_slot_ptr, b_ptr, rank_ptr, scale_ptr,
-                                w_ptr, out_ptr, count_ptr, R, stride_p_split, stride_pm, H, inv_h, eps, stride_x,
-                                stride_r, stride_s, stride_out, CHUNKS, HAS_RESIDUAL: tl.constexpr,
-                                ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                                BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, ROW_BLOCK: tl.constexpr,
-                                COMPILED: tl.constexpr, EARLY: tl.constexpr):
-    """Both launches in one: program (row, chunk) does launch 1's work, then counts itself in on the row's
-    counter; the row's last program (whichever chunk) normalizes the whole row as launch 2 would (the same
-    rstd from the chunks' sums in the same order, the same roundings) and resets the counter for the next
-    launch (and graph replay)."""
-    pdl_start(EARLY)   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first (EARLY: later)
-    _chunk_sums(x_ptr, r_ptr, s_ptr, sumsq_ptr, part_ptr, row_slot_ptr, b_ptr, rank_ptr, scale_ptr, R, stride_p_split,
-                stride_pm, H, stride_x, stride_r, stride_s, CHUNKS, HAS_RESIDUAL, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK,
-                COMPILED, EARLY)
-    row = tl.program_id(0).to(tl.int64)
-    tl.debug_barrier()   # every thread's s and sum stored before the (one-thread, acq_rel) count below
-    done = tl.atomic_add(count_ptr + row, 1)
-    if done == CHUNKS - 1:   # the row's other chunks are stored; read them past L1 (.cg: other SMs wrote them)
-        offs_c = tl.arange(0, BLOCK_C)
-        sums = tl.load(sumsq_ptr + row * CHUNKS + offs_c, mask=offs_c < CHUNKS, other=0.0, cache_modifier=".cg")
-        rstd = _rstd(tl.sum(sums, axis=0), inv_h, eps, COMPILED)
-        for c in range(0, H, ROW_BLOCK):
-            offs = c + tl.arange(0, ROW_BLOCK)
-            mask = offs < H
-            v = tl.load(s_ptr + row * stride_s + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-            _norm_output(v, rstd, w_ptr, out_ptr + row * stride_out, offs, mask, COMPILED)
-        tl.atomic_xchg(count_ptr + row, 0)
-
-
-@triton.jit
 def _scale_step(s_ptr, sumsq_ptr, H, inv_h, eps, stride_s, CHUNKS, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr,
                 COMPILED: tl.constexpr):
     """(row, rstd, the chunk's s values in fp32, columns, mask) of program (row, chunk) of launch 2: rstd from
-    the row's chunks' sums of squares, in a fixed order (rms_shrink_kernels.py's launch 2 starts the same)."""
+    the row's chunks' sums of squares, in a fixed order."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     offs_c = tl.arange(0, BLOCK_C)
@@ -142,28 +104,6 @@ def _rms_scale_kernel(s_ptr, w_ptr, out_ptr, sumsq_ptr, H, inv_h, eps, stride_s,
 
 _SUMS = Launcher(_rms_lora_sums_kernel)
 _SCALE = Launcher(_rms_scale_kernel)
-_ONE = Launcher(_rms_lora_one_launch_kernel)
-
-# Both launches in one (`_rms_lora_one_launch_kernel`: the row's last program normalizes it):
-# LORAPLEX_LORA_RMS_ONE_LAUNCH=on, off by default: a batch-32 Llama-2-7B decode forward with distinct adapters took
-# 1.017x the two launches' time, 1.013x with the early reads (H200, 2026-12-03, results/decode_graph_trace_early_c.json)
-ONE_LAUNCH = env_switch("LORAPLEX_LORA_RMS_ONE_LAUNCH", "off", on="on", off="off") == "on"
-ROW_BLOCK = 4096   # columns a step of the last program's row walk
-_COUNTERS: dict = {}   # device -> the zeroed row counters of one-launch calls, and every smaller one (kept alive:
-                       # CUDA graphs captured their pointers)
-
-
-def _counters(device: torch.device, rows: int) -> torch.Tensor:
-    """At least `rows` zeroed int32 counters on `device`, allocated outside CUDA graph captures (the engine
-    captures each graph after an eager run of the same forward); every call leaves them zero. Calls that share
-    them must not run concurrently on two streams (a forward's RMSNorms run one after another)."""
-    kept = _COUNTERS.setdefault(device, [])
-    if not kept or kept[-1].numel() < rows:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"fused_lora_rms_split: no row counters yet for {rows} rows, and a CUDA graph is being "
-                               f"captured; run the same shape once before capturing")
-        kept.append(torch.zeros(max(256, 1 << (rows - 1).bit_length()), dtype=torch.int32, device=device))
-    return kept[-1]
 
 
 def chunking(H: int, block: int) -> tuple[int, int]:
@@ -172,9 +112,8 @@ def chunking(H: int, block: int) -> tuple[int, int]:
     return block, -(-H // block)
 
 
-def _launch1(x, residual, s_out, lora, block: int, tiles: dict, early: bool, norm: tuple | None) -> torch.Tensor:
-    """Launch 1, or with `norm` = (weight, out, eps) both steps in one launch (ONE_LAUNCH); returns the fp32
-    `[T, chunks]` sums of squares."""
+def sums(x, residual, s_out, lora, block: int, tiles: dict, early: bool = False) -> torch.Tensor:
+    """Launch 1 (see above): s written, and the fp32 `[T, chunks]` sums of squares returned."""
     T, H = x.shape
     block, chunks = chunking(H, block)
     p, row_slot, b, _, _, rk, _, _, sc, _, _, R, sp, _, sm = lora.kernel_args()
@@ -182,30 +121,15 @@ def _launch1(x, residual, s_out, lora, block: int, tiles: dict, early: bool, nor
     sumsq = torch.empty((T, chunks), dtype=torch.float32, device=x.device)
     consts = dict(HAS_RESIDUAL=residual is not None, **tiles, SPLIT_K=p.shape[0], BLOCK=block, COMPILED=COMPILED,
                   EARLY=early and tiles["ONE_R_TILE"])
-    warps = max(1, min(4, block // 128))
-    if norm is None:
-        _SUMS((T, chunks), (x, r, s_out, sumsq, p, row_slot, b, rk, sc, R, sp, sm, H, x.stride(0), r.stride(0),
-                            s_out.stride(0), chunks), consts, warps, 1)
-    else:
-        weight, out, eps = norm
-        _ONE((T, chunks), (x, r, s_out, sumsq, p, row_slot, b, rk, sc, weight, out, _counters(x.device, T), R, sp, sm,
-                           H, _inv(H), float(eps), x.stride(0), r.stride(0), s_out.stride(0), out.stride(0), chunks),
-             dict(consts, BLOCK_C=_pow2(chunks), ROW_BLOCK=min(_pow2(H), ROW_BLOCK)), warps, 1)
+    _SUMS((T, chunks), (x, r, s_out, sumsq, p, row_slot, b, rk, sc, R, sp, sm, H, x.stride(0), r.stride(0),
+                        s_out.stride(0), chunks), consts, max(1, min(4, block // 128)), 1)
     return sumsq
 
 
-def sums(x, residual, s_out, lora, block: int, tiles: dict, early: bool = False) -> torch.Tensor:
-    """Launch 1 (see above): s written, and the fp32 `[T, chunks]` sums of squares returned."""
-    return _launch1(x, residual, s_out, lora, block, tiles, early, None)
-
-
 def rms_norm(x, weight, eps: float, residual, out, s_out, lora, block: int, tiles: dict, early: bool = False) -> None:
-    """fused_lora_kernels.rms_norm's op with each row cut into chunks of `block` columns (see above);
+    """lora_kernels.rms_norm's op with each row cut into chunks of `block` columns (see above);
     `tiles`: the rank-tile constexprs (ONE_R_TILE, BLOCK_R); `early`: launch 1's early reads (one rank tile)."""
     T, H = x.shape
-    if ONE_LAUNCH:
-        _launch1(x, residual, s_out, lora, block, tiles, early, (weight, out, eps))
-        return
     sumsq = sums(x, residual, s_out, lora, block, tiles, early)
     block, chunks = chunking(H, block)
     _SCALE((T, chunks), (s_out, weight, out, sumsq, H, _inv(H), float(eps), s_out.stride(0), out.stride(0), chunks),

@@ -8,7 +8,7 @@ where split s covers k in [s · k_per_split, min((s + 1) · k_per_split, K)), th
 a split, `tl.dot`'s fp32 accumulation order is the MMA's). At decode the
 projection is bound by reading w (a 7B layer's four weights are 404 MB against 2 MB of x and y), and cuBLAS's
 kernels for 32 rows read it at 0.70-0.91 of the copy bandwidth on an H200 (o's and down's with a split-K
-reduce launch after them; benchmarks/NOTES.md, seventeenth session). Here program (n tile, k split) streams a
+reduce launch after them). Here program (n tile, k split) streams a
 [BLOCK_N, K / SPLIT_K] block of w through a pipelined `tl.dot` with xᵀ (w's rows on the MMA's long side, so
 32 rows of x fill a Hopper wgmma's N = 32), and with SPLIT_K > 1 the split that finishes last for its n tile
 (a counter per tile, reset by that program, so graphs replay) sums the fp32 partials in split order and stores

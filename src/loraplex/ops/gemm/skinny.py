@@ -1,17 +1,16 @@
 """`skinny_linear`: y = x @ wᵀ (+ bias) for decode steps of up to MAX_ROWS rows, one Triton launch
-(skinny_gemm_kernels.py states the exact sums); `linear`, the model's projections: skinny_linear for forwards of
+(kernels.py states the exact sums); `linear`, the model's projections: skinny_linear for forwards of
 up to DECODE_MAX_ROWS rows on CUDA GPUs of compute capability 8.0 or more, else F.linear (cuBLAS).
 
-LORAPLEX_SKINNY_GEMM: "auto" (the default: as above, for fp16 and bf16 weights; F.linear for fp32 weights and in
-Triton's interpreter, where the kernel is slow), "on" (fp32 weights too, and in the interpreter: the CPU tests'
-way to run it in the model) or "off" (F.linear everywhere). Launches take fewer stages or smaller tiles where a
-config would need more shared memory than the GPU has (`fit_config`).
+LORAPLEX_SKINNY_GEMM (envs.py, read at import): "auto" (the default: as above, for fp16 and bf16 weights; F.linear
+for fp32 weights and in Triton's interpreter, where the kernel is slow), "on" (fp32 weights too, and in the
+interpreter: the CPU tests' way to run it in the model) or "off" (F.linear everywhere). Launches take fewer stages
+or smaller tiles where a config would need more shared memory than the GPU has (`fit_config`).
 
-Made the default on 2026-12-02 (eighteenth session; H200, Llama-2-7B, batch 32, results/skinny_gemm.md): a
-layer's four projections took 110.3 µs against cuBLAS's 117.6 (floor 94.9), the backbone's decode forward in a
-CUDA graph 0.948× (paired rounds), distinct adapters' 0.968×, and issue 5's engine decode step 6.27 → 5.98 ms
-(backbone) and 7.36 → 7.12 ms (distinct adapters). CONFIGS holds the tiles that benchmarks/bench_skinny_gemm.py
-picked at Llama-2-7B's shapes; other shapes take `pick_config`'s rule, drawn from the same sweep.
+Why the default: on an H200 at batch 32 a Llama-2-7B layer's four projections took 110.3 µs against cuBLAS's 117.6
+(floor 94.9), and the decode forward in a CUDA graph 0.948× cuBLAS's time (0.968× with distinct adapters).
+CONFIGS holds the tiles benchmarks/bench_skinny_gemm.py picked per weight shape (tuned_h200.json, or the file
+LORAPLEX_SKINNY_CONFIGS names); other shapes take `pick_config`'s rule, drawn from the same sweep.
 
 Split-K launches need an fp32 workspace [split, MAX_ROWS, N] and a counter per column tile. Both are allocated on
 the first call for a (device, split, N) and kept, so CUDA graphs capture the same buffers; a first call inside a
@@ -21,17 +20,18 @@ share a workspace must not run concurrently on two streams (a forward's projecti
 from __future__ import annotations
 
 import functools
-import os
+import json
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from ...env_switch import env_switch
+from ... import envs
 
 MAX_ROWS = 64
 DECODE_MAX_ROWS = 32   # `linear` takes skinny_linear for forwards of at most this many rows
-SETTING = env_switch("LORAPLEX_SKINNY_GEMM", "auto", on="on", off="off", others=("auto",))
+SETTING = envs.triton_gemm()   # "auto", "on" or "off"
 _KERNEL = []   # its Launcher, made on first use: Triton is imported only where the kernel runs
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -58,8 +58,8 @@ class SkinnyConfig:
 
 
 def pick_config(n: int, k: int, sms: int) -> SkinnyConfig:
-    """Tiles for a shape the sweep did not time, by what it found at Llama-2-7B's (H200, 2026-12-02, 24 configs,
-    results/skinny_gemm.json): no K split (split launches were slower at every shape), 64-column tiles, and
+    """Tiles for a shape the sweep did not time, by what it found at Llama-2-7B's (H200, 24 configs): no K split
+    (split launches were slower at every shape), 64-column tiles, and
     - at most one tile per SM (o's and down's 4,096 columns: 64 tiles): 256 of K a step in 4 stages, so each of
       the few programs keeps more bytes in flight;
     - more tiles: 128 of K a step, in 3 stages where three programs an SM then hold every tile in one wave
@@ -134,41 +134,32 @@ def _buffers(device: torch.device, split: int, n: int) -> tuple[torch.Tensor, to
     return got
 
 
-def load_configs(path: str) -> dict[tuple[int, int], SkinnyConfig]:
+def load_configs(path: str | Path) -> dict[tuple[int, int], SkinnyConfig]:
     """Tuned configs per weight shape from a JSON file {"N,K": {SkinnyConfig's fields}} (bench_skinny_gemm.py's
-    --configs-out); a malformed file is an error that names it and the entry."""
-    import json
-    from pathlib import Path
+    --configs-out; keys starting with "_" are notes, skipped); a malformed file is an error that names it and the
+    entry."""
     try:
         raw = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
-        raise ValueError(f"LORAPLEX_SKINNY_CONFIGS={path!r}: cannot read it as JSON ({e})") from e
+        raise ValueError(f"LORAPLEX_SKINNY_CONFIGS={str(path)!r}: cannot read it as JSON ({e})") from e
     if not isinstance(raw, dict):
-        raise ValueError(f"LORAPLEX_SKINNY_CONFIGS={path!r}: expected an object of \"N,K\": config entries")
+        raise ValueError(f"LORAPLEX_SKINNY_CONFIGS={str(path)!r}: expected an object of \"N,K\": config entries")
     configs = {}
     for key, fields in raw.items():
+        if key.startswith("_"):
+            continue
         try:
             n, k = (int(v) for v in key.split(","))
             configs[(n, k)] = SkinnyConfig(**fields)
         except (ValueError, TypeError) as e:
-            raise ValueError(f"LORAPLEX_SKINNY_CONFIGS={path!r}: entry {key!r}: {e}") from e
+            raise ValueError(f"LORAPLEX_SKINNY_CONFIGS={str(path)!r}: entry {key!r}: {e}") from e
     return configs
 
 
-# The sweep's fastest tiles at 32 rows per weight shape (N, K) (H200, 2026-12-02, results/skinny_configs.json;
-# they were also the fastest or within 2.3% at 16, 8 and 1 rows). "cuBLAS" below is PyTorch's default BLAS
-# setting; with cublaslt, o took 12.23 µs and down 25.06 (under the kernel), q/k/v and gate/up no less.
-# LORAPLEX_SKINNY_CONFIGS (a file bench_skinny_gemm.py --configs-out wrote) replaces them. Other shapes take
-# `pick_config`.
-TUNED: dict[tuple[int, int], SkinnyConfig] = {
-    (12288, 4096): SkinnyConfig(block_n=128, block_k=128, stages=4),   # Llama-2-7B q/k/v: 26.9 µs, cuBLAS 28.5
-    (4096, 4096): SkinnyConfig(block_n=64, block_k=256, stages=4),     # o: 12.4 µs, cuBLAS 13.1
-    (22016, 4096): SkinnyConfig(block_n=64, block_k=128, stages=3),    # gate/up: 45.2 µs, cuBLAS 48.8
-    (4096, 11008): SkinnyConfig(block_n=64, block_k=256, stages=4),    # down: 26.5 µs, cuBLAS 26.6
-    (32000, 4096): SkinnyConfig(block_n=128, block_k=128, stages=4),   # the LM head: 65.4 µs, cuBLAS 67.8
-}
-CONFIGS: dict[tuple[int, int], SkinnyConfig] = (load_configs(os.environ["LORAPLEX_SKINNY_CONFIGS"])
-                                                 if os.environ.get("LORAPLEX_SKINNY_CONFIGS") else dict(TUNED))
+# The sweep's fastest tiles at 32 rows per weight shape (N, K), bundled; LORAPLEX_SKINNY_CONFIGS replaces them.
+TUNED_FILE = Path(__file__).with_name("tuned_h200.json")
+TUNED: dict[tuple[int, int], SkinnyConfig] = load_configs(TUNED_FILE)
+CONFIGS: dict[tuple[int, int], SkinnyConfig] = load_configs(envs.gemm_configs_path() or TUNED_FILE)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

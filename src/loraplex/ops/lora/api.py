@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
+from ... import envs
 from . import reference
 from .batch import LoraBatch
 from .checks import TensorOrList, check_batch, check_slices, check_v, check_x, check_y
@@ -26,8 +26,8 @@ def triton_interpreted() -> bool:
 
 
 def resolve_backend(backend: str | None, device: torch.device) -> str:
-    """`backend` (or env LORAPLEX_OPS_BACKEND, default "auto") → "triton" or "reference"."""
-    name = backend or os.environ.get("LORAPLEX_OPS_BACKEND", "auto")
+    """`backend` (or LORAPLEX_OPS_BACKEND, default "auto": envs.py) → "triton" or "reference"."""
+    name = backend or envs.ops_backend()
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
     if name == "auto":

@@ -101,7 +101,7 @@ class LoraBatch:
     every segment with an adapter, grouped by slot), and the work tiles `work_slot`,
     `work_start`, `work_end` (each tile is `sorted_rows[work_start:work_end]`, one slot), and
     `row_slot [T]`, each row's slot (-1: none), for ops that add a row's LoRA product themselves
-    (ops/lora_product.py).
+    (ops/lora/product.py).
     Host values: sizes, the tile height `block_m`, the number of tiles the grid covers
     (`num_work`), and the groups (slot and bounds in `sorted_rows`) for the reference path.
     """

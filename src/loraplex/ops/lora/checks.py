@@ -170,21 +170,3 @@ def check_v(v: torch.Tensor, x_rows: int, num_slices: int, rank_dim: int, device
         raise ValueError(f"{name} is on {v.device} but the other tensors are on {device}")
     if v.dtype != torch.float32 or list(v.shape) != want or not v.is_contiguous():
         raise ValueError(f"{name} must be contiguous float32 {want}, got {_desc(v)}")
-
-
-def check_shrink_inputs(lora_a, ranks, row_slot, rows: int, width: int, width_name: str, dtype: torch.dtype,
-                        device: torch.device, index: str = "") -> None:
-    """The arguments of an op that computes a shrink of its own output (ops/silu_shrink.py, attention_shrink.py,
-    rms_shrink.py): `lora_a` a `dtype` `[slots, R, width]` with its last dimension contiguous, `ranks` int32
-    `[slots]` and `row_slot` int32 `[rows]`, all contiguous on `device`; ValueError naming the one at fault
-    (`index`: a slice's, e.g. "[1]", after lora_a and ranks)."""
-    if not isinstance(lora_a, torch.Tensor) or lora_a.dim() != 3 or lora_a.shape[2] != width or \
-            lora_a.dtype != dtype or lora_a.stride(2) != 1 or lora_a.device != device:
-        got = _desc(lora_a) if isinstance(lora_a, torch.Tensor) else type(lora_a).__name__
-        raise ValueError(f"lora_a{index} must be a {dtype} [slots, R, {width_name}={width}] on {device} with its "
-                         f"last dimension contiguous, got {got}")
-    for name, t, n in ((f"ranks{index}", ranks, lora_a.shape[0]), ("row_slot", row_slot, rows)):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != (n,) or \
-                t.device != device or (n > 1 and t.stride(0) != 1):
-            raise ValueError(f"{name} must be a contiguous int32 [{n}] on {device}, got "
-                             f"{_desc(t) if isinstance(t, torch.Tensor) else type(t).__name__}")

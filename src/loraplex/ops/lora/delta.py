@@ -1,11 +1,11 @@
 """`LoraDelta`: a projection's expanded LoRA product in an fp32 buffer of its own, for the op that consumes
-the projection (the "full" way of ops/overlap.py, and "fused"'s projections outside FUSED_PROJECTIONS).
+the projection (ops/lora/overlap.py's `linear_with_lora_delta`).
 
 The expand stores `values[m, c_i + n]` = scalings[i][s] · Σ_r v[r] · lora_b[i][s, n, r] for every row m with
 a slot s = row_slot[m] ≥ 0 (zeros for slices of rank 0), and nothing for rows with s = -1: the buffer is not
 zero-filled (a fill per projection cost ~90 µs of a 7.9 ms Llama-2-7B decode forward at batch 32 on an H200,
-benchmarks/results/decode_graph_trace.json, and, launched first on the side stream, let the GEMM take the SMs
-before the shrink). So the consumer (RMSNorm, SiLU-and-mul, RoPE: ops/fused.py's `delta` arguments) adds
+and, launched first on the side stream, let the GEMM take the SMs before the shrink). So the consumer (RMSNorm,
+SiLU-and-mul, RoPE: ops/fused/api.py's `delta` arguments) adds
 
     x[m] = round(x[m] + values[m])   for rows with row_slot[m] ≥ 0
     x[m]                             untouched for the others (whatever `values[m]` holds is never read)

@@ -1,8 +1,8 @@
 """`LoraProduct`: a projection's LoRA product left unexpanded, for the op that consumes the projection.
 
-The "fused" path of ops/overlap.py runs only the SGMV shrink beside a decode GEMM; the op that reads
-the projection's output next (RMSNorm for o and down, SiLU-and-mul for gate/up, RoPE for q/k/v: the
-`delta` arguments of ops/fused.py) computes each row's expand itself as it loads that row. A
+At decode only the SGMV shrink runs beside the projection's GEMM (overlap.py's `linear_with_lora_product`); the
+op that reads the projection's output next (RMSNorm for o and down, SiLU-and-mul for gate/up, RoPE for q/k/v: the
+`delta` arguments of ops/fused/api.py) computes each row's expand itself as it loads that row. A
 separate expand kernel, its fp32 product buffer and a dependent launch per projection go away, and
 the expand's reads of B spread over the consumer's programs.
 
@@ -16,28 +16,14 @@ and no product at all (not even +0) for rows with s = -1. The shrink (`sgmv.shri
 `part` only for rows with an adapter and only its first rank_i columns: the rest is never read.
 The Triton consumers sum over r in another order than `dense()` (the reference, fp32 matmul), so
 the two agree to fp32 rounding, not to the bit.
-
-In-gemm products (ops/lora_in_gemm.py: the shrink computed by the projection's GEMM into columns below
-its output, adapter-major) carry `slot_active` (int32 `[slots]`: each slot's active index) and
-`active_count` C: `part` is then a `[1, slices, T, R]` view (split stride 0) of active adapter 0's
-columns in the GEMM's 16-bit output, and row m with active index a = slot_active[s] reads its slice i
-`a · slices · R` elements further along the row:
-
-    v[r] = part[0, i, m, r + a · slices · R]          # y_ext[m, N + (a · slices + i) · R + r]
-
-Only RoPE's kernel takes them (q/k/v's product; `check(..., in_gemm=True)`); `dense()` does too.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from .checks import _desc
-
-if TYPE_CHECKING:
-    from .batch import LoraBatch
 
 MAX_SLICES = 3   # q/k/v is the widest consumer
 
@@ -53,25 +39,9 @@ class LoraProduct:
     ranks: tuple[torch.Tensor, ...]
     scalings: tuple[torch.Tensor, ...]
     row_slot: torch.Tensor
-    slot_active: torch.Tensor | None = None   # in-gemm products only (see the module docstring)
-    active_count: int = 0
     # False where row_slot was made inside the forward (select's index_select): the consumers must not read it
-    # before their PDL wait (fused_lora_kernels.EARLY_READS; ops/pdl.py's early reads)
+    # before their PDL wait (ops/pdl.py's early reads)
     early_reads: bool = True
-    # The LoraBatch whose work tiles `part` was shrunk over, where SiLU-and-mul expands the product tile by tile
-    # (ops/silu_lora_tiles.py: prompts); None: row by row
-    tiles: "LoraBatch | None" = None
-
-    @property
-    def active_stride(self) -> int:
-        """Elements from one active adapter's columns to the next's (in-gemm products)."""
-        return self.part.shape[1] * self.part.shape[3]
-
-    def _columns(self) -> torch.Tensor:
-        """In-gemm products: `[T, active_count · slices · R]`, every active adapter's shrink columns."""
-        p = self.part
-        return torch.as_strided(p, (p.shape[2], self.active_count * self.active_stride), (p.stride(2), 1),
-                                p.storage_offset())
 
     @property
     def width(self) -> int:
@@ -87,38 +57,18 @@ class LoraProduct:
 
     def select(self, rows: torch.Tensor) -> "LoraProduct":
         """The product of these rows only (the final norm's logits rows)."""
-        if self.slot_active is None:
-            return LoraProduct(self.part.index_select(2, rows), self.lora_b, self.ranks, self.scalings,
-                               self.row_slot.index_select(0, rows), early_reads=False)
-        cols = self._columns().index_select(0, rows)
-        S, R = self.part.shape[1], self.part.shape[3]
-        part = torch.as_strided(cols, (1, S, cols.shape[0], R), (0, R, cols.stride(0), 1))
-        return LoraProduct(part, self.lora_b, self.ranks, self.scalings, self.row_slot.index_select(0, rows),
-                           self.slot_active, self.active_count, early_reads=False)
+        return LoraProduct(self.part.index_select(2, rows), self.lora_b, self.ranks, self.scalings,
+                           self.row_slot.index_select(0, rows), early_reads=False)
 
-    def check(self, rows: int, widths: tuple[int, ...], like: torch.Tensor, like_name: str, name: str,
-              in_gemm: bool = False) -> None:
-        """Raise ValueError unless this product fits a consumer of `rows` rows and slices `widths` wide
-        (`in_gemm`: a consumer that takes in-gemm products too)."""
+    def check(self, rows: int, widths: tuple[int, ...], like: torch.Tensor, like_name: str, name: str) -> None:
+        """Raise ValueError unless this product fits a consumer of `rows` rows and slices `widths` wide."""
         got = tuple(b.shape[1] for b in self.lora_b)
         if got != tuple(widths):
             raise ValueError(f"{name} expands to slices of widths {got}; {like_name} ({_desc(like)}) needs {widths}")
         if self.part.device != like.device:
             raise ValueError(f"{name} is on {self.part.device} but {like_name} is on {like.device}")
         S, slices, T, R = self.part.shape if self.part.dim() == 4 else (0, -1, -1, -1)
-        if self.slot_active is not None:
-            if not in_gemm:
-                raise ValueError(f"{name} is an in-gemm product (slot_active set); only RoPE's kernel takes those")
-            sa = self.slot_active
-            if sa.dtype != torch.int32 or sa.dim() != 1 or sa.device != like.device or \
-                    (sa.shape[0] > 1 and sa.stride(0) != 1) or self.active_count < 1:
-                raise ValueError(f"{name}.slot_active must be a contiguous int32 [slots] on {like.device} with "
-                                 f"active_count ≥ 1, got {_desc(sa)} and {self.active_count}")
-            if self.part.dtype != like.dtype or S != 1 or slices != len(got) or T != rows or \
-                    self.part.stride(3) != 1 or self.part.stride(1) != R:
-                raise ValueError(f"{name}.part (in-gemm) must be a {like.dtype} [1, {len(got)}, T={rows}, R] view "
-                                 f"with slice stride R, got {_desc(self.part)} strides {self.part.stride()}")
-        elif self.part.dtype != torch.float32 or slices != len(got) or T != rows or S < 1 \
+        if self.part.dtype != torch.float32 or slices != len(got) or T != rows or S < 1 \
                 or self.part.stride(3) != 1:
             raise ValueError(f"{name}.part must be float32 [split_k, {len(got)}, T={rows}, R] with R contiguous, "
                              f"got {_desc(self.part)}")
@@ -143,25 +93,12 @@ class LoraProduct:
                                  f"[slots={b.shape[0]}], got {_desc(rk)} and {_desc(sc)}")
         if len(got) > MAX_SLICES:
             raise ValueError(f"{name} has {len(got)} slices; at most {MAX_SLICES}")
-        if self.tiles is not None and (self.tiles.num_rows != rows or self.tiles.device != like.device
-                                       or self.slot_active is not None):
-            raise ValueError(f"{name}.tiles must be a LoraBatch of T={rows} rows on {like.device} (not with an "
-                             f"in-gemm product), got {self.tiles.num_rows} rows on {self.tiles.device}")
 
     def dense(self) -> torch.Tensor:
         """The fp32 `[T, ΣN]` product, by the loop of the module docstring (rows without an adapter: 0).
         The reference path of the consumers; it reads the slots back to the host."""
         R = self.part.shape[3]
-        if self.slot_active is None:
-            v = self.part.sum(0).float()               # [slices, T, R]
-        else:                                          # each row's own adapter's columns
-            S, cols = self.part.shape[1], self._columns().float()
-            active = self.slot_active.tolist()
-            v = torch.zeros((S, self.rows, R), dtype=torch.float32, device=self.device)
-            for m, s in enumerate(self.row_slot.tolist()):
-                if s >= 0:
-                    start = active[s] * self.active_stride
-                    v[:, m] = cols[m, start:start + S * R].view(S, R)
+        v = self.part.sum(0).float()               # [slices, T, R]
         out = torch.zeros((self.rows, self.width), dtype=torch.float32, device=self.device)
         for m, s in enumerate(self.row_slot.tolist()):
             if s < 0:
@@ -174,7 +111,7 @@ class LoraProduct:
         return out
 
     def kernel_args(self) -> tuple:
-        """Pointers and strides for the consumer kernels (fused_lora_kernels.py), slices padded to
+        """Pointers and strides for the consumer kernels (ops/fused/lora_kernels.py), slices padded to
         MAX_SLICES by repeating the first."""
         pad = MAX_SLICES - len(self.lora_b)
         p = self.part

@@ -16,26 +16,22 @@ Up to `MAX_SLICES` output slices (fused q/k/v, gate/up) share one launch per dir
 each slice's tensors come in as their own kernel arguments so the compiler keeps their
 alignment, and the program picks its slice with a branch.
 
-The kernels are in sgmv_kernels.py. For tiles of a few rows (decode rows with their own adapters) both
-have a row-wise path (`_shrink_tile_rows`, `_expand_tile_rows`: fp32 multiply-and-sum on the CUDA cores,
-no row padded to 16 for the tensor cores), for every tile or for tiles of a few rows (chosen at run time),
-per config (`KernelConfig`; LORAPLEX_LORA_ROWWISE for the decode config, mode 1 by default, see CONFIGS).
+The kernels are in sgmv_kernels.py. For tiles of at most ROWWISE_MAX_ROWS rows (decode rows with their own
+adapters) both have a row-wise path (`_shrink_tile_rows`, `_expand_tile_rows`: fp32 multiply-and-sum on the CUDA
+cores, no row padded to 16 for the tensor cores), chosen per tile at run time where the config asks for it
+(`KernelConfig.rowwise`: the decode config does).
 
-A one-launch variant (each program shrinking over the whole K, then expanding its columns) was
-measured on an H200 and lost 1.1–3.3× to these two launches at every decode batch: without
-split-K each program's K loop is one long latency chain (benchmarks/NOTES.md).
+A one-launch variant (each program shrinking over the whole K, then expanding its columns) lost 1.1–3.3× to
+these two launches at every decode batch on an H200: without split-K each program's K loop is one long latency
+chain (benchmarks/NOTES.md).
 """
 from __future__ import annotations
 
-import collections
-import contextlib
-import contextvars
-import dataclasses
 import functools
+import json
 import math
-import os
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -63,161 +59,27 @@ class KernelConfig:
     split_k: int | None = None  # fixed K splits (a power of two up to MAX_SPLIT_K) instead of the rule above
     n_chunks: int | None = None  # fixed N chunks per slice instead of the rule above
     expand_precision: str | None = None  # None: "split" for bf16 weights, "tf32x3" for fp16 and fp32
-    # Row-wise paths (`_shrink_tile_rows`, `_expand_tile_rows`): 0 never, 1 for tiles of up to ROWWISE_MAX_ROWS
-    # rows, 2 for every tile. The expand's needs the rank in one tile, the shrink's a rank tile of ≤ 32
-    # (wider ones spill registers); elsewhere the tile product runs.
-    shrink_rowwise: int = 0
-    expand_rowwise: int = 0
-    rows_block_n: int | None = None  # the row-wise expand's columns per step (None: `rows_block_n_for`)
-    rows_prefetch: bool = False  # the row-wise paths load each step's weights a step ahead (_expand_tile_rows)
+    # The row-wise paths (`_shrink_tile_rows`, `_expand_tile_rows`) for tiles of up to ROWWISE_MAX_ROWS rows. The
+    # expand's needs the rank in one tile, the shrink's a rank tile of ≤ 32 (wider ones spill registers); elsewhere
+    # the tile product runs.
+    rowwise: bool = False
     tile_prefetch: bool = False  # the tile expand loads each step's y tile a step ahead (_expand_tile)
-    tile_stages: int = 0  # 2 or more: the tile expand's column loop pipelined by Triton instead (overrides prefetch)
-    # Eager forwards whose every row has an adapter: the expand stores into the projection's output, then the
-    # GEMM adds to it (ops/stored_lora.py), instead of the expand's read-modify-write after the GEMM.
-    store_first: bool = False
 
 
 MAX_SPLIT_K = 8
 MAX_PARTIAL_BYTES = 64 << 20  # the partials span every row of x: a few adapter rows in a huge batch split less
 _SHRINK = Launcher(_sgmv_shrink_kernel)
 _EXPAND = Launcher(_sgmv_expand_kernel)
-# Decode-like tiles (16 rows, few of them) are latency-bound: wide K tiles and many programs, so
-# each program's serial loop is short (benchmarks/sweep_decode_lora.py: the 128 add_lora calls of
-# a Llama-2-7B decode step in a CUDA graph, batches 1–256, distinct and shared adapters).
-# Prefill-like tiles (64 rows) stream x and y. Chosen by benchmarks/sweep_lora_configs.py on an H200.
-# LORAPLEX_LORA_ROWWISE: the decode config's row-wise mode for both kernels, "0", "1" (the default) or "2"
-# (KernelConfig), or "auto": decode CUDA graphs captured twice, mode 0 and mode 2, and each step replays the
-# one its adapters fit (`rows_fit`; engine/cuda_graphs.py). Mode 1 measured on the H200 (2026-12-01,
-# benchmarks/results/model_forward_rowwise_*.json): Llama-2-7B decode forwards in CUDA graphs, distinct
-# adapters 8.23 → 7.92 ms at 32 rows and 22.6 → 21.0 ms at 160, shared adapters unchanged (6.87 → 6.85 ms
-# at 32 rows); mode 2 took the 32-row shared forward to 12.2 ms, as every tile then runs rows one by one.
-def _rowwise_setting() -> int | str:
-    raw = os.environ.get("LORAPLEX_LORA_ROWWISE", "1")
-    value = raw.strip().lower() or "1"
-    if value not in ("0", "1", "2", "auto"):
-        raise ValueError(f"LORAPLEX_LORA_ROWWISE={raw!r}: expected 0 (off), 1 (tiles of up to "
-                         f"{ROWWISE_MAX_ROWS.value} rows), 2 (every tile) or auto")
-    return value if value == "auto" else int(value)
-
-
-# LORAPLEX_LORA_ROWS: options of the decode config's row-wise paths, comma-separated: "prefetch" (loads a step
-# ahead, KernelConfig.rows_prefetch) and "n<columns>" (the expand's columns a step, rows_block_n, a power of
-# two from 16 to 1024, for every rank). Unset: no prefetch, and `rows_block_n_for`'s columns.
-def _rows_options() -> dict:
-    raw = os.environ.get("LORAPLEX_LORA_ROWS", "")
-    options = {}
-    for item in (part.strip().lower() for part in raw.split(",")):
-        if item == "prefetch":
-            options["rows_prefetch"] = True
-        elif item[:1] == "n" and item[1:].isdecimal() and int(item[1:]) in (16, 32, 64, 128, 256, 512, 1024):
-            options["rows_block_n"] = int(item[1:])
-        elif item:
-            raise ValueError(f"LORAPLEX_LORA_ROWS={raw!r}: {item!r} is not an option; expected prefetch and/or "
-                             f"n<columns> (a power of two from 16 to 1024), comma-separated")
-    return options
-
-
-# LORAPLEX_LORA_PREFILL: changes to the large tiles' config (prompts), comma-separated: "n<columns>" (the
-# expand's BLOCK_N, a power of two from 16 to 256), "epps<x>" (the expand's programs per SM), "ew<warps>" (its
-# warps: 2, 4 or 8), "prefetch" / "noprefetch" (KernelConfig.tile_prefetch), "store" / "nostore"
-# (KernelConfig.store_first), "rows" / "norows" (row-wise mode 1 for both kernels, or 0: the decode rows of a
-# mixed step, each its own adapter and so a tile of one row, go row by row), "rn<columns>" (the row-wise
-# expand's columns a step, rows_block_n, a power of two from 16 to 1024) and "ts<stages>" (tile_stages, 2 to 5;
-# "ts0": none). Unset: PREFILL_DEFAULT;
-# "noprefetch,n128,epps2" gives PREFILL_PLAIN, the default before 2026-12-02.
-def _prefill_options(raw: str | None = None) -> dict:
-    """The KernelConfig changes a LORAPLEX_LORA_PREFILL value asks for (`raw`; None: the environment's)."""
-    raw = os.environ.get("LORAPLEX_LORA_PREFILL", "") if raw is None else raw
-    options: dict = {}
-    for item in (part.strip().lower() for part in raw.split(",")):
-        if item in ("prefetch", "noprefetch"):
-            options["tile_prefetch"] = item == "prefetch"
-        elif item in ("store", "nostore"):
-            options["store_first"] = item == "store"
-        elif item.startswith("epps") and item[4:].replace(".", "", 1).isdecimal() and float(item[4:]) > 0:
-            options["expand_programs_per_sm"] = float(item[4:])
-        elif item.startswith("ew") and item[2:] in ("2", "4", "8"):
-            options["expand_warps"] = int(item[2:])
-        elif item[:1] == "n" and item[1:].isdecimal() and int(item[1:]) in (16, 32, 64, 128, 256):
-            options["expand_block_n"] = int(item[1:])
-        elif item in ("rows", "norows"):
-            options["shrink_rowwise"] = options["expand_rowwise"] = int(item == "rows")
-        elif item[:2] == "rn" and item[2:].isdecimal() and int(item[2:]) in (16, 32, 64, 128, 256, 512, 1024):
-            options["rows_block_n"] = int(item[2:])
-        elif item[:2] == "ts" and item[2:] in ("0", "2", "3", "4", "5"):
-            options["tile_stages"] = int(item[2:])
-        elif item:
-            raise ValueError(f"LORAPLEX_LORA_PREFILL={raw!r}: {item!r} is not an option; expected n<columns> (16 to "
-                             f"256, a power of two), epps<programs per SM>, ew<2|4|8>, (no)prefetch, (no)store, "
-                             f"(no)rows, rn<columns> (16 to 1024, a power of two) and/or ts<0|2|3|4|5>, "
-                             f"comma-separated")
-    return options
-
-
-def describe_prefill(cfg: KernelConfig) -> str:
-    """`cfg`'s expand settings as a LORAPLEX_LORA_PREFILL value (what bench results record)."""
-    modes = (cfg.shrink_rowwise, cfg.expand_rowwise)
-    # (other row-wise modes have no option; written so that a record still says which ran)
-    rows = {(0, 0): "norows", (1, 1): "rows"}.get(modes, f"rowwise{modes[0]}{modes[1]}")
-    return (f"{'prefetch' if cfg.tile_prefetch else 'noprefetch'},n{cfg.expand_block_n},"
-            f"epps{cfg.expand_programs_per_sm:g},ew{cfg.expand_warps},{'store' if cfg.store_first else 'nostore'},"
-            f"{rows}" + (f",rn{cfg.rows_block_n}" if cfg.rows_block_n is not None else "") +
-            (f",ts{cfg.tile_stages}" if cfg.tile_stages else ""))
-
-
-_SETTING = _rowwise_setting()
-# The large tiles' config before 2026-12-02 (what the prompt options' tests compare against).
-PREFILL_PLAIN = KernelConfig(shrink_block_k=128, expand_block_n=128, expand_programs_per_sm=2.0)
-# Without LORAPLEX_LORA_PREFILL (what probes apply its values to): the y tile a step ahead, 64 columns a step
-# (at 128 the expand spilled registers), 4 programs per SM. On the H200 (2026-12-02) the LoRA kernels of eager 7B prompt
-# forwards took 20% less; the engine's batch-32 runs moved within their spread.
-PREFILL_DEFAULT = dataclasses.replace(PREFILL_PLAIN, tile_prefetch=True, expand_block_n=64,
-                                      expand_programs_per_sm=4.0)
-ROWWISE_AUTO = _SETTING == "auto"
-_DECODE_ROWWISE = 0 if ROWWISE_AUTO else _SETTING
-CONFIGS = {16: KernelConfig(shrink_block_k=256, expand_block_n=256, shrink_programs_per_sm=16.0,
-                            expand_programs_per_sm=16.0, shrink_rowwise=_DECODE_ROWWISE,
-                            expand_rowwise=_DECODE_ROWWISE, **_rows_options()),
-           64: dataclasses.replace(PREFILL_DEFAULT, **_prefill_options())}
-
-
-# A row-wise mode for the decode config while a forward runs (`decode_rowwise`): "auto" graphs capture with it.
-_DECODE_MODE_NOW: contextvars.ContextVar[int | None] = contextvars.ContextVar("decode_rowwise", default=None)
+# The tuned configs per tile height (tuned_h200.json: benchmarks/sweep_lora_configs.py on an H200). Decode-like
+# tiles (16 rows, few of them) are latency-bound: wide K tiles and many programs, so each program's serial loop is
+# short, and tiles of a few rows go row by row. Prefill-like tiles (64 rows) stream x and y: the expand loads each
+# step's y tile a step ahead, 64 columns a step (at 128 it spilled registers). Other heights take the 64 rows' config.
+CONFIGS: dict[int, KernelConfig] = {int(block_m): KernelConfig(**fields) for block_m, fields in json.loads(
+    (Path(__file__).with_name("tuned_h200.json")).read_text()).items() if not block_m.startswith("_")}
 
 
 def config_for(block_m: int) -> KernelConfig:
-    return with_decode_mode(CONFIGS.get(block_m, CONFIGS[64]), block_m)
-
-
-def with_decode_mode(cfg: KernelConfig, block_m: int) -> KernelConfig:
-    """`cfg` (the settings for tiles of `block_m` rows) with the row-wise mode `decode_rowwise` set, if any
-    is and the tiles are the decode config's."""
-    mode = _DECODE_MODE_NOW.get() if block_m == 16 else None
-    return cfg if mode is None else _with_mode(cfg, mode)
-
-
-@functools.cache
-def _with_mode(cfg: KernelConfig, mode: int) -> KernelConfig:
-    return dataclasses.replace(cfg, shrink_rowwise=mode, expand_rowwise=mode)
-
-
-@contextlib.contextmanager
-def decode_rowwise(mode: int) -> Iterator[None]:
-    """The decode config's row-wise mode (0, 1 or 2) for the kernels launched (or captured) inside."""
-    if mode not in (0, 1, 2):
-        raise ValueError(f"row-wise mode must be 0, 1 or 2, got {mode!r}")
-    token = _DECODE_MODE_NOW.set(mode)
-    try:
-        yield
-    finally:
-        _DECODE_MODE_NOW.reset(token)
-
-
-def rows_fit(slots: Iterable[int]) -> bool:
-    """Do decode rows with these adapter slots (one row each; -1 none) make only tiles the row-wise path
-    takes, i.e. no slot with more than ROWWISE_MAX_ROWS rows?"""
-    counts = collections.Counter(s for s in slots if s >= 0)
-    return not counts or max(counts.values()) <= ROWWISE_MAX_ROWS.value
+    return CONFIGS.get(block_m, CONFIGS[64])
 
 
 @functools.lru_cache(maxsize=None)
@@ -240,20 +102,15 @@ def _block_r(R: int) -> int:
     return min(max(16, 1 << (max(R, 1) - 1).bit_length()), 64)
 
 
-# 512 columns a step for ranks up to 16, measured on the H200 (2026-12-01, benchmarks/results/
-# model_forward_rows_*.json, Llama-2-7B decode forwards in CUDA graphs, rank 16): distinct adapters 7.96 →
-# 7.89 ms at 32 rows and 21.34 → 20.92 ms at 160 against 256 columns, shared unchanged ("prefetch" was
-# slower: 21.79 ms at 160). Wider ranks keep expand_block_n: a 512-column tile of rank 32 or 64 would hold
-# 2-4× the weights a step in registers (not measured).
+# The row-wise expand's columns a step for rank tiles of 16 (distinct adapters' decode forwards 0.9-1.9% faster than
+# with 256); a 512-column tile of rank 32 or 64 would hold 2-4× the weights a step in registers.
 ROWS_WIDE_BLOCK_N = 512
 
 
 def rows_block_n_for(cfg: KernelConfig, block_r: int) -> int:
-    """The row-wise expand's columns a step: `cfg.rows_block_n` if set, else ROWS_WIDE_BLOCK_N for rank
-    tiles of 16 and `cfg.expand_block_n` for wider ones."""
-    if cfg.rows_block_n is not None:
-        return cfg.rows_block_n
-    return ROWS_WIDE_BLOCK_N if block_r <= 16 and cfg.expand_rowwise else cfg.expand_block_n
+    """The row-wise expand's columns a step: ROWS_WIDE_BLOCK_N for rank tiles of 16, `cfg.expand_block_n` for
+    wider ones (and where the row-wise path is off: the value then goes unused)."""
+    return ROWS_WIDE_BLOCK_N if block_r <= 16 and cfg.rowwise else cfg.expand_block_n
 
 
 def choose_split_k(num_programs: int, K: int, device: torch.device, cfg: KernelConfig,
@@ -298,8 +155,7 @@ def shrink_into(part: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],
             part.stride(0), part.stride(1), part.stride(2))
     _SHRINK(grid, args, dict(NUM_SLICES=num_slices, BLOCK_M=batch.block_m, BLOCK_R=block_r,
                              BLOCK_K=cfg.shrink_block_k, PRECISION=precision,
-                             ROWWISE=cfg.shrink_rowwise if block_r <= 32 else 0, ROWS_PREFETCH=cfg.rows_prefetch,
-                             AFTER_GEMM=after_gemm),
+                             ROWWISE=cfg.rowwise and block_r <= 32, AFTER_GEMM=after_gemm),
             cfg.shrink_warps, cfg.shrink_stages)
 
 
@@ -307,9 +163,8 @@ def expand_from(y: torch.Tensor, part: torch.Tensor, lora_b: list[torch.Tensor],
                 scalings: list[torch.Tensor], batch, y_offset: int, cfg: KernelConfig, *,
                 accumulate: bool = True) -> None:
     """Launch expand adding `scalings[slot] * Σ_split part @ B[slot]ᵀ` into y's slices; with
-    `accumulate=False`, that product is stored instead, rounded to y's dtype (zeros for slices of rank 0; rows
-    without an adapter are left as they were): y is an fp32 delta buffer (ops/overlap.py) or a projection's
-    output before its GEMM adds to it (ops/stored_lora.py)."""
+    `accumulate=False`, that product is stored instead (zeros for slices of rank 0; rows without an adapter are
+    left as they were): y is an fp32 delta buffer (a LoraDelta, ops/lora/overlap.py)."""
     num_slices = len(lora_b)
     R = lora_b[0].shape[2]
     ns = [b.shape[1] for b in lora_b]
@@ -330,10 +185,8 @@ def expand_from(y: torch.Tensor, part: torch.Tensor, lora_b: list[torch.Tensor],
             n_chunks, n_per_prog, R, y.stride(0), y.stride(1), part.stride(0), part.stride(1), part.stride(2))
     _EXPAND(grid, args, dict(NUM_SLICES=num_slices, SPLIT_K=part.shape[0], BLOCK_M=batch.block_m,
                              BLOCK_N=cfg.expand_block_n, BLOCK_R=block_r, ONE_R_TILE=R <= block_r,
-                             PRECISION=precision, ACCUMULATE=accumulate,
-                             ROWWISE=cfg.expand_rowwise, ROWS_BLOCK_N=rows_block_n_for(cfg, block_r),
-                             ROWS_PREFETCH=cfg.rows_prefetch,
-                             TILE_PREFETCH=cfg.tile_stages if cfg.tile_stages >= 2 else cfg.tile_prefetch),
+                             PRECISION=precision, ACCUMULATE=accumulate, ROWWISE=cfg.rowwise,
+                             ROWS_BLOCK_N=rows_block_n_for(cfg, block_r), TILE_PREFETCH=cfg.tile_prefetch),
             cfg.expand_warps, cfg.expand_stages)
 
 

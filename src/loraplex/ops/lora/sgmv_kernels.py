@@ -1,5 +1,5 @@
 """The SGMV shrink and expand as Triton kernels (`_sgmv_shrink_kernel`, `_sgmv_expand_kernel`) and the per-tile
-functions they branch to; ops/sgmv.py picks their settings and launches them (the semantics are in its docstring).
+functions they branch to; ops/lora/sgmv.py picks their settings and launches them (the semantics are in its docstring).
 
 Triton's interpreter runs a kernel as Python and looks its callees up in this module, so tests that count which
 per-tile path ran patch them here.
@@ -9,7 +9,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...env_switch import env_switch
 from ..pdl import pdl_release, pdl_start, pdl_wait_last
 
 # The row-wise kernels (`_shrink_tile_rows`, `_expand_tile_rows`) take tiles of at most this many rows; larger
@@ -56,12 +55,10 @@ def _shrink_tile(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, start,
 @triton.jit
 def _shrink_tile_rows(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
                       stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
-                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):
+                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """`_shrink_tile` for tiles of a few rows (decode), row by row: a [rank tile, BLOCK_K] block of A times
     the row's x, summed over K in fp32 on the CUDA cores (no tile padded to 16 rows for the tensor cores).
-    A is read once per row; the tile's few rows find it in L2. PREFETCH: each step loads the next step's
-    x and A before it reduces its own (Triton pipelines only loads that feed a tl.dot; without it each step
-    waits for its loads in turn)."""
+    A is read once per row; the tile's few rows find it in L2."""
     rank = tl.minimum(tl.load(rank_ptr + slot), R)  # a rank past R (the stacks' width) is R
     r_first = r_tile * BLOCK_R
     if r_first < rank:
@@ -73,22 +70,11 @@ def _shrink_tile_rows(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, s
             row = tl.load(sorted_rows_ptr + m).to(tl.int64)
             x_row = x_ptr + row * stride_xm
             acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
-            if PREFETCH:
-                k_mask = (k_begin + offs_k) < k_end
-                xk = tl.load(x_row + (k_begin + offs_k) * stride_xk, mask=k_mask, other=0.0)
-                at = tl.load(a_rows + (k_begin + offs_k)[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
             for k in range(k_begin, k_end, BLOCK_K):
-                if PREFETCH:
-                    xk_now, at_now = xk, at
-                    k_next = k + BLOCK_K + offs_k
-                    k_mask = k_next < k_end
-                    xk = tl.load(x_row + k_next * stride_xk, mask=k_mask, other=0.0)
-                    at = tl.load(a_rows + k_next[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-                else:
-                    k_mask = (k + offs_k) < k_end
-                    xk_now = tl.load(x_row + (k + offs_k) * stride_xk, mask=k_mask, other=0.0)
-                    at_now = tl.load(a_rows + (k + offs_k)[None, :], mask=r_mask[:, None] & k_mask[None, :],
-                                     other=0.0)
+                k_mask = (k + offs_k) < k_end
+                xk_now = tl.load(x_row + (k + offs_k) * stride_xk, mask=k_mask, other=0.0)
+                at_now = tl.load(a_rows + (k + offs_k)[None, :], mask=r_mask[:, None] & k_mask[None, :],
+                                 other=0.0)
                 acc += tl.sum(at_now.to(tl.float32) * xk_now.to(tl.float32)[None, :], axis=1)
             tl.store(part_ptr + row * stride_pm + offs_r, acc, mask=r_mask)
 
@@ -97,17 +83,12 @@ def _shrink_tile_rows(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, s
 def _shrink_slice(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
                   stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                  ROWWISE: tl.constexpr, ROWS_PREFETCH: tl.constexpr):
-    # the modes as in _expand_slice; static branches, so that modes 0 and 2 compile one path only
-    if ROWWISE == 2:
-        _shrink_tile_rows(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, start, end, r_tile, k_begin,
-                          k_end, R, stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm, BLOCK_R, BLOCK_K,
-                          ROWS_PREFETCH)
-    elif ROWWISE == 1:
+                  ROWWISE: tl.constexpr):
+    # ROWWISE: row by row for tiles of at most ROWWISE_MAX_ROWS rows (as in _expand_slice); a static branch
+    if ROWWISE:
         if end - start <= ROWWISE_MAX_ROWS:
             _shrink_tile_rows(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, start, end, r_tile, k_begin,
-                              k_end, R, stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm, BLOCK_R, BLOCK_K,
-                              ROWS_PREFETCH)
+                              k_end, R, stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm, BLOCK_R, BLOCK_K)
         else:
             _shrink_tile(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end,
                          R, stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm, BLOCK_M, BLOCK_R, BLOCK_K,
@@ -124,9 +105,9 @@ def _sgmv_shrink_kernel(
         K, k_per_split, r_tiles, R,
         stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_p_split, stride_p_slice, stride_pm,
         NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-        PRECISION: tl.constexpr, ROWWISE: tl.constexpr, ROWS_PREFETCH: tl.constexpr, AFTER_GEMM: tl.constexpr):
+        PRECISION: tl.constexpr, ROWWISE: tl.constexpr, AFTER_GEMM: tl.constexpr):
     """part[split, i, rows, :rank_i] = x[rows, split's K range] @ A_i[slot, :rank_i, same range]ᵀ.
-    AFTER_GEMM (launched right after skinny_gemm's kernel over the same x, ops/overlap.py's "after" shrink order):
+    AFTER_GEMM (launched right after ops/gemm/skinny.py's kernel over the same x: overlap.py's "after" order):
     with PDL, release the next kernel first and wait for the grids before this one last, so that the programs run
     beside the GEMM's (x was complete before the GEMM, after its own wait, released this grid) and the next kernel,
     whose wait is for this grid, also finds the GEMM complete (ops/pdl.py)."""
@@ -146,30 +127,29 @@ def _sgmv_shrink_kernel(
         if sl == 0:
             _shrink_slice(x_ptr, a0, rk0, part, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
                           stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
-                          BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, ROWWISE, ROWS_PREFETCH)
+                          BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, ROWWISE)
         if NUM_SLICES > 1:
             if sl == 1:
                 _shrink_slice(x_ptr, a1, rk1, part, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
                               stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
-                              BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, ROWWISE, ROWS_PREFETCH)
+                              BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, ROWWISE)
         if NUM_SLICES > 2:
             if sl == 2:
                 _shrink_slice(x_ptr, a2, rk2, part, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
                               stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
-                              BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, ROWWISE, ROWS_PREFETCH)
+                              BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, ROWWISE)
         if NUM_SLICES > 3:
             if sl == 3:
                 _shrink_slice(x_ptr, a3, rk3, part, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
                               stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
-                              BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, ROWWISE, ROWS_PREFETCH)
+                              BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, ROWWISE)
     pdl_wait_last(AFTER_GEMM)   # every program, work or none: the grid completes after the GEMM
 
 
 @triton.jit
 def _load_v(part_ptr, rows, m_mask, r0, rank, stride_p_split, stride_pm,
             SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Σ over the K splits of the fp32 partials for these rows and rank columns r0..r0+BLOCK_R (in fp32 also
-    when the partials are a 16-bit GEMM's output: ops/lora_in_gemm.py)."""
+    """Σ over the K splits of the fp32 partials for these rows and rank columns r0..r0+BLOCK_R."""
     offs_r = r0 + tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
     v_mask = m_mask[:, None] & r_mask[None, :]
@@ -186,8 +166,11 @@ def _load_b(b_base, offs_n, n_mask, offs_r, r_mask, R):
     return tl.load(b_base + offs_n[:, None] * R + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
 
 
+# The CUDA-core readers of B (the row-wise expand and the consumers of ops/fused/lora_kernels.py) load it through
+# `_load_rank_block`; the tile expand keeps `_load_b`, whose loads feed the tensor cores through shared memory
+# (16-byte loads there took twice the shared memory a program).
 @triton.jit
-def _rank_block_vector(ptrs, col_mask, offs_r, r_mask, rank, R):
+def _load_rank_block(ptrs, col_mask, offs_r, r_mask, rank, R):
     """A block of B (columns × rank, `offs_r`/`r_mask` broadcast along the last axis), zero past the rank. It
     reads the rank rounded up to 16 (and below R): a mask constant over 16 columns lets Triton load 16 bytes at
     a time where R is a multiple of 16 (it specializes such ints), where a mask at the rank itself compiled
@@ -199,23 +182,10 @@ def _rank_block_vector(ptrs, col_mask, offs_r, r_mask, rank, R):
 
 
 @triton.jit
-def _rank_block_exact(ptrs, col_mask, offs_r, r_mask, rank, R):
-    """The same block read at the rank itself (2-byte loads): the code before 2026-12-02's sixteenth session."""
+def _load_rank_block_exact(ptrs, col_mask, offs_r, r_mask, rank, R):
+    """The same block read at the rank itself (2-byte loads), for RoPE's [heads, half head, rank] tiles: with
+    16-byte loads there RoPE's kernels took 289 µs of a batch-32 Llama-2-7B decode forward against 274-276 (H200)."""
     return tl.load(ptrs, mask=col_mask & r_mask, other=0.0)
-
-
-# The CUDA-core readers of B (the row-wise expand and the consumers of fused_lora_kernels.py) load it through
-# `_load_rank_block`; the tile expand keeps `_load_b`, whose loads feed the tensor cores through shared memory
-# (16-byte loads there took twice the shared memory a program). LORAPLEX_LORA_VECTOR_LOADS=off: the exact mask,
-# for runs against the code before; which function the kernels call is part of their source, so Triton
-# compiles (and caches) each choice apart.
-# "no-rope" (the default): the exact mask in RoPE's [heads, half head, rank] tiles alone (fused_lora_kernels.
-# _product_2d). With 16-byte loads there RoPE's kernels took 289 µs of a batch-32 Llama-2-7B decode forward against
-# 274-276 with the exact mask, while the expand's fell 437 -> 410 and the RMSNorms' 438 -> 402 (H200, 2026-12-02,
-# seventeenth session, results/decode_graph_trace_vector_*.json, _rope_exact.json). "on": 16-byte loads there too.
-VECTOR_LOADS_SETTING = env_switch("LORAPLEX_LORA_VECTOR_LOADS", "no-rope", on="on", off="off", others=("no-rope",))
-VECTOR_LOADS = VECTOR_LOADS_SETTING != "off"
-_load_rank_block = _rank_block_vector if VECTOR_LOADS else _rank_block_exact
 
 
 @triton.jit
@@ -242,8 +212,7 @@ def _dot_v_b(v, b, acc, PRECISION: tl.constexpr):
 @triton.jit
 def _expands(rank, ACCUMULATE: tl.constexpr):
     """Does a tile of this slice's rank write y? Adding, only with a rank; storing (an fp32 delta buffer that
-    is not zero-filled, ops/overlap.py, or a projection's output before its GEMM adds to it, ops/stored_lora.py),
-    always: a slice of rank 0 stores zeros (its loads are all masked)."""
+    is not zero-filled, a LoraDelta), always: a slice of rank 0 stores zeros (its loads are all masked)."""
     if ACCUMULATE:
         writes = rank > 0
     else:
@@ -257,11 +226,9 @@ def _expand_tile(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, s
                  SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                  ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
                  PREFETCH: tl.constexpr):
-    """PREFETCH (KernelConfig.tile_prefetch, tile_stages): 1, each step's y tile is loaded a step ahead; 2 or
-    more, the column loop is Triton's pipelined `tl.range` of that many stages (y's loads become asynchronous
-    copies into shared memory, no register holds the next tile); 0, neither. A prompt's expand streams y in and
-    out (a read-modify-write of BLOCK_M × BLOCK_N values a step), and Triton pipelines a plain loop's loads only
-    where they feed a tl.dot, so with 0 each step waits for its y in turn. The same values in every case."""
+    """PREFETCH (KernelConfig.tile_prefetch): each step's y tile is loaded a step ahead. A prompt's expand streams
+    y in and out (a read-modify-write of BLOCK_M × BLOCK_N values a step), and Triton pipelines a plain loop's
+    loads only where they feed a tl.dot, so without it each step waits for its y in turn. The same values."""
     rank = tl.minimum(tl.load(rank_ptr + slot), R)  # a rank past R (the stacks' width) is R
     n_begin = n_chunk * n_per_prog
     if _expands(rank, ACCUMULATE) & (n_begin < N):
@@ -275,24 +242,24 @@ def _expand_tile(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, s
         if ONE_R_TILE:
             v, offs_r, r_mask = _load_v(part_ptr, rows, m_mask, 0, rank, stride_p_split, stride_pm, SPLIT_K, BLOCK_R)
         cols = tl.arange(0, BLOCK_N)
-        if PREFETCH == 1 and ACCUMULATE:
+        if PREFETCH and ACCUMULATE:
             y_next = tl.load(y_rows + (col0 + n_begin + cols)[None, :] * stride_yn,
                              mask=m_mask[:, None] & ((n_begin + cols) < n_end)[None, :], other=0.0)
         # One program covers n_per_prog columns of y, BLOCK_N at a time; B streams through.
-        for n0 in tl.range(n_begin, n_end, BLOCK_N, num_stages=PREFETCH if PREFETCH >= 2 else None):
+        for n0 in tl.range(n_begin, n_end, BLOCK_N):
             offs_n = n0 + cols
             n_mask = offs_n < n_end
             y_ptrs = y_rows + (col0 + offs_n)[None, :] * stride_yn
             y_mask = m_mask[:, None] & n_mask[None, :]
             if ACCUMULATE:
-                if PREFETCH == 1:
+                if PREFETCH:
                     y_old = y_next.to(tl.float32)
                     later = offs_n + BLOCK_N   # the next step's columns (all masked off after the last step)
                     y_next = tl.load(y_rows + (col0 + later)[None, :] * stride_yn,
                                      mask=m_mask[:, None] & (later < n_end)[None, :], other=0.0)
                 else:  # loaded first, so that its latency hides behind the dot
                     y_old = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
-            else:  # y is an fp32 buffer of LoRA products that a later op adds (ops/overlap.py)
+            else:  # y is an fp32 buffer of LoRA products that a later op adds (a LoraDelta)
                 y_old = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             if ONE_R_TILE:
@@ -309,13 +276,11 @@ def _expand_tile(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, s
 @triton.jit
 def _expand_tile_rows(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, slot, start, end, n_chunk, N,
                       col0, n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R,
-                      SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, ACCUMULATE: tl.constexpr,
-                      PREFETCH: tl.constexpr):
+                      SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, ACCUMULATE: tl.constexpr):
     """`_expand_tile` for tiles of a few rows (decode): row by row, a [BLOCK_N, rank] block of B times the
     row's fp32 v, summed over the rank in fp32 on the CUDA cores. No tensor-core product, so no tile is
     padded to 16 rows, no B tile is transposed through shared memory, and each program holds few
-    registers (more of them in flight per SM). Needs rank ≤ BLOCK_R. PREFETCH: each step loads the next
-    step's B block, and each row its y, before the reduce (Triton pipelines only loads that feed a tl.dot)."""
+    registers (more of them in flight per SM). Needs rank ≤ BLOCK_R."""
     rank = tl.minimum(tl.load(rank_ptr + slot), R)  # a rank past R (the stacks' width) is R
     n_begin = n_chunk * n_per_prog
     if _expands(rank, ACCUMULATE) & (n_begin < N):
@@ -324,32 +289,20 @@ def _expand_tile_rows(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_p
         b_base = b_ptr + slot.to(tl.int64) * N * R
         offs_r = tl.arange(0, BLOCK_R)
         r_mask = offs_r < rank
-        if PREFETCH:
-            offs_first = n_begin + tl.arange(0, BLOCK_N)
-            b_next = _load_b_rows(b_base, offs_first, offs_first < n_end, offs_r, r_mask, rank, R)
         for n0 in range(n_begin, n_end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_mask = offs_n < n_end
-            if PREFETCH:
-                b = b_next.to(tl.float32)
-                b_next = _load_b_rows(b_base, offs_n + BLOCK_N, offs_n + BLOCK_N < n_end, offs_r, r_mask, rank, R)
-            else:
-                b = _load_b_rows(b_base, offs_n, n_mask, offs_r, r_mask, rank, R).to(tl.float32)
+            b = _load_b_rows(b_base, offs_n, n_mask, offs_r, r_mask, rank, R).to(tl.float32)
             for m in range(start, end):
                 row = tl.load(sorted_rows_ptr + m).to(tl.int64)
                 y_ptrs = y_ptr + row * stride_ym + (col0 + offs_n) * stride_yn
-                if PREFETCH and ACCUMULATE:
-                    y_old = tl.load(y_ptrs, mask=n_mask, other=0.0).to(tl.float32)
                 v_ptrs = part_ptr + row * stride_pm + offs_r
                 v = tl.load(v_ptrs, mask=r_mask, other=0.0).to(tl.float32)
                 for s in tl.static_range(1, SPLIT_K):
                     v += tl.load(v_ptrs + tl.full((), s, tl.int64) * stride_p_split, mask=r_mask, other=0.0)
                 acc = tl.sum(b * v[None, :], axis=1) * scale
                 if ACCUMULATE:
-                    if PREFETCH:
-                        acc += y_old
-                    else:
-                        acc += tl.load(y_ptrs, mask=n_mask, other=0.0).to(tl.float32)
+                    acc += tl.load(y_ptrs, mask=n_mask, other=0.0).to(tl.float32)
                 tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
@@ -358,23 +311,18 @@ def _expand_slice(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, 
                   n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R,
                   SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                   ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
-                  ROWWISE: tl.constexpr, ROWS_BLOCK_N: tl.constexpr, ROWS_PREFETCH: tl.constexpr,
-                  TILE_PREFETCH: tl.constexpr):
-    # ROWWISE 1: row by row only for tiles of a few rows (decode rows with their own adapters): a tile's rows
-    # run one after another, so 16 rows sharing an adapter took 9.5 ms per 32-row forward against 6.9 with
-    # the tile product. But one kernel gets the registers of its larger branch (239 against 72 for the
-    # row-wise expand alone, sm_90), so mode 2 (every tile row by row, one path compiled) is kept to measure
-    # what that costs. The row-wise path needs the rank in one tile. (Static branches but the tile size.)
+                  ROWWISE: tl.constexpr, ROWS_BLOCK_N: tl.constexpr, TILE_PREFETCH: tl.constexpr):
+    # ROWWISE: row by row only for tiles of at most ROWWISE_MAX_ROWS rows (decode rows with their own adapters): a
+    # tile's rows run one after another, so 16 rows sharing an adapter took 9.5 ms per 32-row forward against 6.9
+    # with the tile product. The row-wise path needs the rank in one tile. (Static branches but the tile size.)
     rows = False
     if ONE_R_TILE:
-        if ROWWISE == 2:
-            rows = True
-        elif ROWWISE == 1:
+        if ROWWISE:
             rows = end - start <= ROWWISE_MAX_ROWS
     if rows:
         _expand_tile_rows(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, slot, start, end, n_chunk,
                           N, col0, n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R,
-                          SPLIT_K, ROWS_BLOCK_N, BLOCK_R, ACCUMULATE, ROWS_PREFETCH)
+                          SPLIT_K, ROWS_BLOCK_N, BLOCK_R, ACCUMULATE)
     else:
         _expand_tile(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, slot, start, end, n_chunk, N,
                      col0, n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R,
@@ -388,7 +336,7 @@ def _sgmv_expand_kernel(
         n_chunks, n_per_prog, R, stride_ym, stride_yn, stride_p_split, stride_p_slice, stride_pm,
         NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_R: tl.constexpr, ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
-        ROWWISE: tl.constexpr, ROWS_BLOCK_N: tl.constexpr, ROWS_PREFETCH: tl.constexpr, TILE_PREFETCH: tl.constexpr):
+        ROWWISE: tl.constexpr, ROWS_BLOCK_N: tl.constexpr, TILE_PREFETCH: tl.constexpr):
     """y[rows, c_i + n] += sc_i[slot] * (Σ_split part[split, i, rows, :rank]) @ B_i[slot, n, :rank]ᵀ
     (ACCUMULATE), or y[rows, c_i + n] = that product (y an fp32 delta buffer; 0 where rank is 0)."""
     pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
@@ -401,23 +349,22 @@ def _sgmv_expand_kernel(
         if sl == 0:
             _expand_slice(y_ptr, part, b0, rk0, sc0, sorted_rows_ptr, slot, start, end, n_chunk, n0, c0, n_per_prog,
                           stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R,
-                          ONE_R_TILE, PRECISION, ACCUMULATE, ROWWISE, ROWS_BLOCK_N, ROWS_PREFETCH,
-                          TILE_PREFETCH)
+                          ONE_R_TILE, PRECISION, ACCUMULATE, ROWWISE, ROWS_BLOCK_N, TILE_PREFETCH)
         if NUM_SLICES > 1:
             if sl == 1:
                 _expand_slice(y_ptr, part, b1, rk1, sc1, sorted_rows_ptr, slot, start, end, n_chunk, n1, c1,
                               n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M,
                               BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION, ACCUMULATE, ROWWISE, ROWS_BLOCK_N,
-                              ROWS_PREFETCH, TILE_PREFETCH)
+                              TILE_PREFETCH)
         if NUM_SLICES > 2:
             if sl == 2:
                 _expand_slice(y_ptr, part, b2, rk2, sc2, sorted_rows_ptr, slot, start, end, n_chunk, n2, c2,
                               n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M,
                               BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION, ACCUMULATE, ROWWISE, ROWS_BLOCK_N,
-                              ROWS_PREFETCH, TILE_PREFETCH)
+                              TILE_PREFETCH)
         if NUM_SLICES > 3:
             if sl == 3:
                 _expand_slice(y_ptr, part, b3, rk3, sc3, sorted_rows_ptr, slot, start, end, n_chunk, n3, c3,
                               n_per_prog, stride_ym, stride_yn, stride_p_split, stride_pm, R, SPLIT_K, BLOCK_M,
                               BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION, ACCUMULATE, ROWWISE, ROWS_BLOCK_N,
-                              ROWS_PREFETCH, TILE_PREFETCH)
+                              TILE_PREFETCH)

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The other benchmarks the docs cite, by name, in one call while time is left (DEADLINE, default 570 s):
+#   ops           bench_lora_ops.py: add_lora against a loop, gather-BMM and plain matmuls (~5 min on an H200)
+#   attention     bench_attention.py: paged attention against torch SDPA
+#   model         bench_model.py: one decode and prefill forward beside its floors
+#   gemm          bench_skinny_gemm.py: the decode GEMM against cuBLAS, and its tuned tiles (~9 min)
+#   adapter_load  bench_adapter_load.py: disk → host → GPU slot, and 100 adapters through the cache
+#   serving       bench_serving.py against `loraplex serve` (carry .whl/ from fetch_device_wheels.sh)
+#   OUT=$OUT bash benchmarks/gpu_bench.sh model attention
+# ARGS (word-split) go to every benchmark named, e.g. ARGS="--layers 2 --batches 1,8" for a quick model check.
+. "$(dirname "$0")/gpu_common.sh"
+SERVE="loraplex serve --model dummy:llama-2-7b --synthetic-adapters 100 --max-lora-rank 16 --max-gpu-adapters 64"
+for name in "$@"; do
+  [ "$(left)" -gt 30 ] || { echo "== no time left for $name"; continue; }
+  echo "== $name at ${SECONDS}s"
+  case $name in
+    ops) cmd=(benchmarks/bench_lora_ops.py --out "$OUT" --budget-s $(($(left) - 60))) ;;
+    attention) cmd=(benchmarks/bench_attention.py --out "$OUT/attention.json" --md "$OUT/attention.md") ;;
+    model) cmd=(benchmarks/bench_model.py --out "$OUT/model_forward.json" --md "$OUT/model_forward.md") ;;
+    gemm) cmd=(benchmarks/bench_skinny_gemm.py --out "$OUT/skinny_gemm.json" --md "$OUT/skinny_gemm.md"
+               --configs-out "$OUT/skinny_configs.json") ;;
+    adapter_load) cmd=(benchmarks/bench_adapter_load.py --out "$OUT/adapter_load.json" --md "$OUT/adapter_load.md") ;;
+    serving) cmd=(benchmarks/bench_serving.py --launch "$SERVE" --rates 2,4,8,16 --requests 100 --popularity skewed
+                  --lengths punica --max-len 2048 --out "$OUT/serving.json" --md "$OUT/serving.md"
+                  --plot "$OUT/serving.png" --server-log "$OUT/serving_server.log") ;;
+    *) echo "unknown benchmark $name (ops, attention, model, gemm, adapter_load, serving)"; continue ;;
+  esac
+  # shellcheck disable=SC2086
+  timeout "$(left)" python "${cmd[@]}" ${ARGS:-} 2>&1 | grep -v '^{' | tail -40
+done
+finish

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The engine benchmark (benchmarks/bench_engine.py) in one process: backbone, distinct and shared adapters at
+# max_num_seqs 32 and 256 in CUDA graphs (eager too at 32), 3 interleaved runs of each; ~6 minutes on an H200.
+#   OUT=$OUT bash benchmarks/gpu_engine.sh
+#   OUT=$OUT BATCHES=32 MODES=graphs VARIANTS=backbone,distinct bash benchmarks/gpu_engine.sh   # the headline pair
+# NAME (default engine) names the results, $OUT/NAME.json and .md; arguments go to bench_engine.py after these.
+. "$(dirname "$0")/gpu_common.sh"
+NAME=${NAME:-engine}
+timeout "$(left)" python benchmarks/bench_engine.py --batches "${BATCHES:-32,256}" --modes "${MODES:-graphs,eager}" \
+    --variants "${VARIANTS:-backbone,distinct,shared}" --repeats "${REPEATS:-3}" \
+    --out "$OUT/$NAME.json" --md "$OUT/$NAME.md" "$@" 2>&1 | grep -v '^{'
+finish
