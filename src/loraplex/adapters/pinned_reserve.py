@@ -3,8 +3,8 @@
 Every adapter read packs its weights into pinned (page-locked) host chunks (spec.pack_host_adapter), taken from
 PyTorch's caching host allocator. Once the CPU tier is full, each read reuses the chunks an evicted copy gave
 back; until then every chunk is a fresh cudaHostAlloc, which page-locks memory page by page, inside the CUDA
-driver (where it may also hold up the engine's own CUDA calls). On an H200 host (2026-12-02, Llama-2-7B-shaped
-rank-16 adapters, batch 32, distinct adapters; results/startup_loads/) the first 64 reads of a run took 0.24 s
+driver (where it may also hold up the engine's own CUDA calls). On an H200 host (Llama-2-7B-shaped
+rank-16 adapters, batch 32, distinct adapters; docs/design-notes.md) the first 64 reads of a run took 0.24 s
 on average against 0.049 s for the median read of a whole run (0.58 s with four loader threads: the slow part
 does not spread over threads), and a whole run's batches lacked 9,527 rows over 602 steps while they came in,
 all in its first tenth.
@@ -13,8 +13,8 @@ all in its first tenth.
 layer) take, all at once, then frees them: PyTorch keeps freed pinned blocks for later allocations of the same
 size, so the first reads find them ready. It must run after the engine has captured its CUDA graphs: each
 capture (torch.cuda.graph) first hands every cached pinned block back to CUDA (torch._C._host_emptyCache).
-Measured on the H200 (2026-12-02, the first 120 requests of that workload, 4 runs with it and 3 without,
-results/startup_loads/): the start-up page-locked fresh memory ~20 times instead of ~355 (0.04 s of
+Measured on the H200 (the first 120 requests of that workload, 4 runs with it and 3 without,
+docs/design-notes.md): the start-up page-locked fresh memory ~20 times instead of ~355 (0.04 s of
 cudaHostAlloc instead of 2.6-4.5 s), and the one ~120-310 ms decode GPU span of every run (the driver stalling
 the device while it page-locked) went (longest 15-36 ms); throughput +1.1%, inside the spread. The first reads
 were not faster (0.19-0.30 s either way): page-locking is not what slows them.

@@ -4,7 +4,7 @@ An eager forward (a prefill or mixed step) issues ~1,500 kernel launches from Py
 and retaking the GIL. Adapter loads run on threads of the same process and make thousands of small
 torch calls per adapter (read, cast, pin, copy to a slot), so while they run, the engine's thread waits
 for the GIL at nearly every launch. On the H200 this made mixed steps 4× slower while adapters
-streamed in (107 ms against 28 ms with every adapter resident; benchmarks/NOTES.md).
+streamed in (107 ms against 28 ms with every adapter resident; docs/design-notes.md).
 
 So the engine marks such stretches `busy()`, and the loaders call `checkpoint()` between modules (the
 slot copy between layers, one copy call each): while the engine is busy a checkpoint waits until it is

@@ -4,10 +4,10 @@ PyTorch splits a large CPU op (a copy of more than 32K elements) over an OpenMP 
 machine has cores, and every calling thread gets a team of its own. A 7B adapter load makes ~450 such
 copies (packing, casting) on each loader thread, so two or four loaders bring two or four teams of 16
 threads onto a 16-core host, each team spinning between ops, beside the engine's own thread. On the
-H200 host (`benchmarks/results/probe_loads*.json`, no engine running) one reader went from 25 to 44 7B
+H200 host (docs/design-notes.md, no engine running) one reader went from 25 to 44 7B
 reads/s with one core, two from 31–33 to 44, four from 17–19 to 22. (Beside an unlimited-batch engine run,
 the median read went 0.27 → 0.22 s; that run's throughput did not move, because loads were not what
-limited it: benchmarks/NOTES.md.)
+limited it: docs/design-notes.md.)
 
 `torch.set_num_threads` would not do: it also changes the count every thread started later takes
 (the server's and the engine's), so this sets the calling thread's OpenMP team size only, through the

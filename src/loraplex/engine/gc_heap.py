@@ -6,7 +6,7 @@ transformers' modules and the model (~400,000 objects with a tiny model, on this
 registered adapter's spec (a ModuleSpec per layer and projection, 224 for a Llama-2-7B adapter on all
 seven projections: ~228 tracked objects with the spec's own, ~230,000 for 1,000 adapters). With the
 engine's host work stubbed out, 1,000 queued requests on 1,000 adapters saw four full collections of up
-to 208 and 218 ms in two runs of 8–9 s on a 2-core machine (benchmarks/probe_engine_host_steps.py), and
+to 208 and 218 ms in two runs of 8–9 s on a 2-core machine (docs/design-notes.md), and
 the steps they fell into took as long: on the GPU, a stall of the whole batch. What the engine allocates
 per step is freed by reference counting.
 

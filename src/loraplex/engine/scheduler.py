@@ -232,7 +232,7 @@ class Scheduler:
         return sum(self._growth(s) for s in self.running) if self.lookahead >= 1 else 0
 
     # The lookahead's rise per preemption and fall per step without one: chosen on the scheduler alone
-    # (benchmarks/simulate_schedule.py).
+    # (docs/design-notes.md).
     LOOKAHEAD_UP = 128.0
     LOOKAHEAD_DECAY = 1.0
 

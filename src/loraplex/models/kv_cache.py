@@ -15,7 +15,7 @@ import torch
 
 from .config import ModelConfig
 
-# Measured on an H200 (2026-12-01, benchmarks/results/probe_kv_layout.json, the decode kernel in CUDA graphs,
+# Measured on an H200 (docs/design-notes.md, the decode kernel in CUDA graphs,
 # bf16, pages shuffled): token-major reads K/V at 0.85–1.01× the copy bandwidth for Llama-2-7B heads at 32 and
 # 160 sequences, head-major at 0.84–0.99× (160 sequences at context ~512: 318 vs 330 µs); Llama-3-8B (8 kv
 # heads) 0.91 vs 0.92×; prefill alike. So the cache stays token-major.

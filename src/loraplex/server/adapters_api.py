@@ -115,7 +115,8 @@ def _validate_and_register(state: ServerState, name: str, folder: Path) -> None:
     """Runs on a worker thread (reads can take seconds): the folder against the served model,
     every weight read and checked, then registered."""
     cache = state.cache
-    spec = inspect_peft_adapter(folder, cache.model, name=name, max_rank=cache.pool.max_rank)
+    spec = inspect_peft_adapter(folder, cache.model, name=name)
+    cache.pool.check_fits(spec.max_rank, name)   # names --max-lora-rank
     read_peft_adapter(spec, cache.pool.dtype, pin=False)
     cache.register(name, folder)
 

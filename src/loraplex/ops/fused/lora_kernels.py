@@ -281,7 +281,7 @@ def _rope_lora_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_ptr, row_
 # ---------------------------------------------------------------------------------------------
 # Launchers. Arguments arrive validated (api.py); T = 0 launches nothing.
 
-# Tile settings: benchmarks/sweep_fused_consumers.py on an H200 (SILU_BLOCK untuned). RMSNorm's consumer cuts each
+# Tile settings: a sweep of the consumers (docs/design-notes.md) on an H200 (SILU_BLOCK untuned). RMSNorm's consumer cuts each
 # row into programs of RMS_SPLIT columns (two launches: rms_split.py); ROPE_HEADS heads per RoPE program (2 and 1
 # measured no faster).
 RMS_SPLIT = 512

@@ -11,7 +11,7 @@ for the plain RMSNorm). Here the row is cut into chunks of BLOCK columns:
 with delta each row's expanded product (lora_kernels.py's loop), the sums and roundings of fused/kernels.py's
 RMSNorm but the order of the sum of squares (chunk by chunk), and every run gives the same bits. 512 columns
 (lora_kernels.RMS_SPLIT) took a Llama-2-7B decode forward at batch 32 to 0.985× the time of 1,024 columns' 0.988×
-and 2,048's 1.021× (H200; benchmarks/sweep_fused_consumers.py --what rms times the kernel alone).
+and 2,048's 1.021× (H200; a sweep of the consumers (docs/design-notes.md)).
 """
 from __future__ import annotations
 

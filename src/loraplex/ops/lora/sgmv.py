@@ -23,7 +23,7 @@ cores, no row padded to 16 for the tensor cores), chosen per tile at run time wh
 
 A one-launch variant (each program shrinking over the whole K, then expanding its columns) lost 1.1–3.3× to
 these two launches at every decode batch on an H200: without split-K each program's K loop is one long latency
-chain (benchmarks/NOTES.md).
+chain (docs/design-notes.md).
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ MAX_SPLIT_K = 8
 MAX_PARTIAL_BYTES = 64 << 20  # the partials span every row of x: a few adapter rows in a huge batch split less
 _SHRINK = Launcher(_sgmv_shrink_kernel)
 _EXPAND = Launcher(_sgmv_expand_kernel)
-# The tuned configs per tile height (tuned_h200.json: benchmarks/sweep_lora_configs.py on an H200). Decode-like
+# The tuned configs per tile height (tuned_h200.json: a config sweep (docs/design-notes.md) on an H200). Decode-like
 # tiles (16 rows, few of them) are latency-bound: wide K tiles and many programs, so each program's serial loop is
 # short, and tiles of a few rows go row by row. Prefill-like tiles (64 rows) stream x and y: the expand loads each
 # step's y tile a step ahead, 64 columns a step (at 128 it spilled registers). Other heights take the 64 rows' config.
