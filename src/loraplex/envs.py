@@ -21,6 +21,9 @@ tuned configs) call the accessor once then, so those settings must be set before
 |                         |         |                         | Triton versions they were checked against), on, or off  |
 |                         |         |                         | (every launch through Triton: for debugging)            |
 
+Two variables of other tools are read here too: TRITON_INTERPRET (Triton's CPU interpreter, which the kernels
+follow as Triton does: ops/pdl.py) and TERM ("dumb": `loraplex demo` prints plain text, no terminal UI).
+
 Switches (PDL, SKINNY_GEMM, FAST_LAUNCH) also take 1/true/yes for on and 0/false/no for off, in any case and
 with blanks around. A variable set to the empty string counts as unset.
 """
@@ -105,6 +108,16 @@ def gemm_configs_path() -> str | None:
 def fast_launch() -> str:
     """LORAPLEX_FAST_LAUNCH: "auto", "on" or "off" (ops/launch.py)."""
     return get("LORAPLEX_FAST_LAUNCH")
+
+
+def triton_interpret() -> bool:
+    """TRITON_INTERPRET, as Triton reads it when kernels are decorated: its CPU interpreter runs them."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _ON
+
+
+def dumb_terminal() -> bool:
+    """TERM=dumb: the terminal cannot draw a full-screen UI."""
+    return os.environ.get("TERM") == "dumb"
 
 
 def snapshot() -> dict[str, str]:

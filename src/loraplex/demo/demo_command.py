@@ -11,10 +11,10 @@ Heavy imports (torch, textual, the engine) happen inside `demo_cmd`: `loraplex -
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
+from loraplex import envs
 from loraplex.cli_flags import HelpFormatter, add_lora_flag
 
 DEFAULT_PROMPT = "Once upon a time"   # for a model of your own, when --prompt is not given
@@ -23,7 +23,7 @@ DEFAULT_PROMPT = "Once upon a time"   # for a model of your own, when --prompt i
 def _is_terminal() -> bool:
     """Whether the terminal UI can draw: stdout and stderr (where Textual writes) are both terminals."""
     try:
-        return sys.stdout.isatty() and sys.stderr.isatty() and os.environ.get("TERM") != "dumb"
+        return sys.stdout.isatty() and sys.stderr.isatty() and not envs.dumb_terminal()
     except (AttributeError, ValueError):   # replaced or closed streams
         return False
 

@@ -41,8 +41,6 @@ interpreter, and on GPUs before compute capability 9.0, `pdl_start` compiles to 
 """
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
@@ -57,7 +55,7 @@ except ImportError:
 
 def _interpreting() -> bool:
     """Triton's interpreter (TRITON_INTERPRET, read when kernels are decorated, as Triton reads it)."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+    return envs.triton_interpret()
 
 
 def _supported() -> bool:
