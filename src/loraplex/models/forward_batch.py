@@ -9,6 +9,7 @@ tensors.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -17,6 +18,7 @@ import torch
 
 from ..ops import LoraBatch
 from ..ops.lora.batch import SMALL_BLOCK_M, aligned_views, pad_parts
+from ..ops.lora.batch_plan import MAX_MEMBERS
 from .lora_plan import DECODE_MAX_ROWS
 
 
@@ -27,8 +29,9 @@ class SequenceChunk:
     token_ids: Sequence[int]    # the tokens fed this step: a prompt chunk, or the last sampled token
     num_cached: int             # tokens of this sequence already in the KV cache; the chunk starts there
     block_table: Sequence[int]  # the sequence's KV blocks, enough for num_cached + len(token_ids) tokens
-    adapter_slot: int = -1      # its adapter's pool slot, -1 for the base model
+    adapter_slot: int | tuple[int, ...] = -1   # its adapter's pool slot, -1 for the base model; a composition's slots
     needs_logits: bool = True   # False for a prompt chunk that is not the prompt's last
+    adapter_weights: tuple[float, ...] | None = None   # the slots' weights (None: 1.0 each; ops/lora/batch.py)
 
 
 @dataclass
@@ -59,13 +62,13 @@ class ForwardBatch:
               device: torch.device | str = "cpu", num_adapter_slots: int | None = None) -> "ForwardBatch":
         """Check `chunks` against the cache and vocabulary, lay them out, copy them over at once."""
         host = _layout(chunks, block_size, num_blocks, vocab_size, num_adapter_slots)
-        lens, slots = host.pop("lens"), host.pop("slots")
+        lens, slots, weights = host.pop("lens"), host.pop("slots"), host.pop("weights")
         parts = [host["ids"], host["positions"], host["slot_mapping"], host["query_start"], host["seq_lens"],
                  host["tables"].ravel(), host["logits_rows"]]
         # Batches that could be a decode graph's take its tile height, so that an eager forward of them
         # runs the LoRA kernels with the settings a replay uses and gives the same bits (models/lora_plan.py).
         lora_parts, lora_plan = LoraBatch.host_parts(
-            lens.tolist(), slots, block_m=SMALL_BLOCK_M if lens.sum() <= DECODE_MAX_ROWS else None)
+            lens.tolist(), slots, weights=weights, block_m=SMALL_BLOCK_M if lens.sum() <= DECODE_MAX_ROWS else None)
         # One host-to-device copy for everything, the LoraBatch's arrays included, each array
         # 16-byte aligned (kernels are compiled per alignment of their pointer arguments).
         buffer = torch.from_numpy(np.concatenate(pad_parts(parts + lora_parts)).astype(np.int32))
@@ -76,14 +79,15 @@ class ForwardBatch:
         lora = LoraBatch.from_parts(buffer[ours:], lora_plan)
         return cls(*views, lora=lora, num_tokens=int(lens.sum()), max_query_len=int(lens.max()),
                    max_seq_len=int(host["seq_lens"].max()), logits_seqs=host["logits_seqs"],
-                   has_adapters=max(slots) >= 0, block_size=block_size, num_blocks=num_blocks,
+                   has_adapters=lora_plan["max_slot"] >= 0, block_size=block_size, num_blocks=num_blocks,
                    vocab_size=vocab_size)
 
     # ---- CUDA graphs: a batch in fixed buffers, rewritten in place ---------------------------
 
     @classmethod
     def for_graph(cls, max_seqs: int, max_seq_len: int, *, block_size: int, num_blocks: int, vocab_size: int,
-                  num_adapter_slots: int, device: torch.device | str, max_prompt_tokens: int = 0) -> "ForwardBatch":
+                  num_adapter_slots: int, device: torch.device | str, max_prompt_tokens: int = 0,
+                  max_members: int = 1) -> "ForwardBatch":
         """A batch whose tensors, sizes and launch grids stay fixed, so that a forward captured on
         it replays correctly after `update_`.
 
@@ -93,7 +97,8 @@ class ForwardBatch:
         write no KV (slot -1), use no adapter and belong to no sequence, and sequences past the real
         ones have no rows. `max_seq_len` bounds every context the batch will hold (it fixes the
         attention's split-KV plan). `has_adapters` is True: whether LoRA runs is decided by passing a
-        pool, not by the contents.
+        pool, not by the contents. Chunks that combine adapters or weigh one (`adapter_weights`) need
+        `max_members` > 1 (a composed LoraBatch: ops/lora/batch.py).
         """
         _check_positive(max_seqs=max_seqs, max_seq_len=max_seq_len, block_size=block_size,
                         num_blocks=num_blocks, vocab_size=vocab_size, num_adapter_slots=num_adapter_slots)
@@ -105,7 +110,7 @@ class ForwardBatch:
         buffer = torch.zeros(sum(sizes), dtype=torch.int32, device=device)
         views = list(torch.split(buffer, sizes))
         views[5] = views[5].view(max_seqs, max_blocks)
-        lora = LoraBatch.with_capacity(rows, max_seqs, device, num_slots=num_adapter_slots)
+        lora = LoraBatch.with_capacity(rows, max_seqs, device, num_slots=num_adapter_slots, max_members=max_members)
         return cls(*views, lora=lora, num_tokens=rows, max_query_len=max(1, max_prompt_tokens),
                    max_seq_len=max_seq_len, logits_seqs=tuple(range(max_seqs)), has_adapters=True,
                    block_size=block_size, num_blocks=num_blocks, vocab_size=vocab_size, _buffer=buffer,
@@ -123,7 +128,7 @@ class ForwardBatch:
         if not 0 < len(chunks) <= S:
             raise ValueError(f"a graph batch for {S} sequences got {len(chunks)}")
         host = _layout(chunks, self.block_size, self.num_blocks, self.vocab_size, self._num_adapter_slots)
-        lens, slots = host.pop("lens"), host.pop("slots")
+        lens, slots, weights = host.pop("lens"), host.pop("slots"), host.pop("weights")
         prompt = int(lens[lens > 1].sum())
         if prompt > P:
             first = int(np.argmax(lens > 1))
@@ -144,7 +149,7 @@ class ForwardBatch:
                  fill(host["query_start"], S + 1, T), fill(host["seq_lens"], S, 0), tables.ravel(),
                  fill(host["logits_rows"], S, 0)]
         self._buffer.copy_(torch.from_numpy(np.concatenate(parts).astype(np.int32)), non_blocking=True)
-        self.lora.update_(lens.tolist(), slots)
+        self.lora.update_(lens.tolist(), slots, weights)
         self.logits_seqs = host["logits_seqs"]
         return self
 
@@ -205,7 +210,10 @@ def _layout(chunks: Sequence[SequenceChunk], block_size: int, num_blocks: int, v
                          f"{unique[counts > 1][0]} (block {unique[counts > 1][0] // block_size})")
     logits_seqs = tuple(s for s, c in enumerate(chunks) if c.needs_logits)
     logits_rows = query_start[1:][list(logits_seqs)] - 1 if logits_seqs else np.zeros(0, np.int64)
-    return dict(lens=lens, slots=[int(c.adapter_slot) for c in chunks], ids=ids, positions=positions,
+    composed = any(c.adapter_weights is not None or not _is_int(c.adapter_slot) for c in chunks)
+    slots = [c.adapter_slot if _is_int(c.adapter_slot) else list(c.adapter_slot) for c in chunks]
+    weights = [c.adapter_weights for c in chunks] if composed else None
+    return dict(lens=lens, slots=slots, weights=weights, ids=ids, positions=positions,
                 slot_mapping=slot_mapping, query_start=query_start, seq_lens=seq_lens, tables=tables,
                 logits_rows=logits_rows, logits_seqs=logits_seqs)
 
@@ -220,6 +228,7 @@ def _check_plain(chunks: Sequence[SequenceChunk], block_size: int, num_blocks: i
     for c in chunks:
         if type(c) is not SequenceChunk or type(c.num_cached) is not int or not 0 <= c.num_cached < 2**40 \
                 or type(c.needs_logits) is not bool or type(c.adapter_slot) is not int or c.adapter_slot < -1 \
+                or c.adapter_weights is not None \
                 or (num_adapter_slots is not None and c.adapter_slot >= num_adapter_slots) \
                 or type(c.token_ids) not in (list, tuple) or not c.token_ids \
                 or type(c.block_table) not in (list, tuple):
@@ -277,12 +286,29 @@ def _check_chunk(i: int, c: SequenceChunk, block_size: int, num_blocks: int, voc
     if len(bad):
         raise ValueError(f"sequence {i}: block_table[{bad[0]}] = {table[bad[0]]} is outside the cache's "
                          f"{num_blocks} blocks")
-    slot = c.adapter_slot
-    if not _is_int(slot) or slot < -1 or \
-            (num_adapter_slots is not None and slot >= num_adapter_slots):
-        limit = f" below {num_adapter_slots}" if num_adapter_slots is not None else ""
-        raise ValueError(f"sequence {i}: adapter_slot must be -1 or a slot{limit}, got {slot!r}")
+    _check_adapters(i, c, num_adapter_slots)
     return ids.astype(np.int64), table
+
+
+def _check_adapters(i: int, c: SequenceChunk, num_adapter_slots: int | None) -> None:
+    slot, limit = c.adapter_slot, f" below {num_adapter_slots}" if num_adapter_slots is not None else ""
+    in_range = lambda v: _is_int(v) and 0 <= v and (num_adapter_slots is None or v < num_adapter_slots)  # noqa: E731
+    if _is_int(slot):
+        if slot != -1 and not in_range(slot):
+            raise ValueError(f"sequence {i}: adapter_slot must be -1 or a slot{limit}, got {slot!r}")
+        slots = [] if slot == -1 else [slot]
+    else:
+        if not isinstance(slot, (tuple, list)) or not 1 <= len(slot) <= MAX_MEMBERS or \
+                not all(in_range(v) for v in slot) or len(set(slot)) != len(slot):
+            raise ValueError(f"sequence {i}: adapter_slot must be -1, a slot{limit}, or 1 to {MAX_MEMBERS} "
+                             f"distinct slots{limit}, got {slot!r}")
+        slots = list(slot)
+    w = c.adapter_weights
+    if w is not None and (not isinstance(w, (tuple, list)) or len(w) != len(slots) or
+                          not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                                  for v in w)):
+        raise ValueError(f"sequence {i}: adapter_weights must be None or {len(slots)} finite numbers (one per "
+                         f"slot of adapter_slot={slot!r}), got {w!r}")
 
 
 def _is_int(value) -> bool:

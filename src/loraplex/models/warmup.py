@@ -32,18 +32,23 @@ CALLS = ((("q_proj", "k_proj", "v_proj"), "hidden"), (("o_proj",), "attention"),
          (("gate_proj", "up_proj"), "hidden"), (("down_proj",), "intermediate"))
 
 
-def compile_lora_kernels(config: ModelConfig, pool: AdapterPool, dtype: torch.dtype) -> int:
-    """Launch each variant once on a tile whose adapter slot has rank 0 (nothing is computed; the
-    fp32-product variants store zeros into their scratch buffers); returns the number of launches."""
+def compile_lora_kernels(config: ModelConfig, pool: AdapterPool, dtype: torch.dtype, *,
+                         compositions: bool = False) -> int:
+    """Launch each variant once on a tile whose adapter slots have rank 0 (nothing is computed; the
+    fp32-product variants store zeros into their scratch buffers); returns the number of launches.
+    `compositions`: also the variants of batches that combine adapters (ops/lora/batch.py's composed
+    batches: the weighted shrink and the expand of the members after the first)."""
     device = pool.device
     widths = {"hidden": config.hidden_size, "attention": config.num_attention_heads * config.head_dim,
               "intermediate": config.intermediate_size}
     start, launches = time.perf_counter(), 0
-    saved = pool.ranks[:, :, 0].clone()
-    pool.ranks[:, :, 0] = 0   # slot 0 reads nothing, whatever it holds
+    zeroed = 2 if compositions and pool.num_slots > 1 else 1
+    saved = pool.ranks[:, :, :zeroed].clone()
+    pool.ranks[:, :, :zeroed] = 0   # slots 0 (and 1) read nothing, whatever they hold
+    members = [([0], None)] + ([([[0, 1]], [[0.5, 0.5]])] if zeroed == 2 else [])
     try:
-        for block_m, base, accumulate in _variants():
-            batch = LoraBatch.from_lengths([block_m], [0], device, block_m=block_m)
+        for (block_m, base, accumulate), (slots, weights) in itertools.product(_variants(), members):
+            batch = LoraBatch.from_lengths([block_m], slots, device, weights=weights, block_m=block_m)
             # layers 0-3: the per-layer rank and scaling views take every alignment they can take
             for layer, (projs, width) in itertools.product(range(min(4, config.num_hidden_layers)), CALLS):
                 a, b, ranks, scalings = pool.stacks(layer, projs)
@@ -57,7 +62,7 @@ def compile_lora_kernels(config: ModelConfig, pool: AdapterPool, dtype: torch.dt
                     launches += 1
         launches += _compile_consumers(config, pool, dtype)
     finally:
-        pool.ranks[:, :, 0] = saved
+        pool.ranks[:, :, :zeroed] = saved
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     log.info("compiled the LoRA kernels' variants (%d calls) in %.1f s", launches, time.perf_counter() - start)

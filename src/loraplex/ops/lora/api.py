@@ -54,10 +54,17 @@ def _bump_version(y: torch.Tensor) -> None:
         torch.autograd.graph.increment_version(y)
 
 
+def _single_members(batch: LoraBatch, op: str) -> None:
+    if batch.composed:
+        raise ValueError(f"{op} takes batches of one adapter a segment at weight 1; add_lora takes compositions "
+                         f"and weights")
+
+
 def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: TensorOrList, lora_b: TensorOrList, batch: LoraBatch,
              ranks: TensorOrList, scalings: TensorOrList, *, y_offset: int = 0,
              backend: str | None = None) -> torch.Tensor:
-    """Add every segment's LoRA delta to y, in place; returns y.
+    """Add every segment's LoRA delta to y, in place; returns y. A segment may combine adapters with weights
+    (`LoraBatch.from_lengths(..., slot_ids=[[3, 7], 2, -1], weights=[[0.7, 0.3], None, None])`).
 
     `x [T, K]`, `y [T, N_total]`; `lora_a [num_slots, R, K]`, `lora_b [num_slots, N, R]`
     (PEFT's orientation, stacked over slots); `ranks` int32 `[num_slots]` (each slot's real
@@ -66,13 +73,12 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: TensorOrList, lora_b: Ten
     fills y's columns from `y_offset + N_0 + … + N_{i-1}`; rank 0 leaves that slice alone.
 
         for s in range(S):
-            slot = slot_ids[s]
-            if slot < 0: continue
-            r = ranks[slot]; rows = seg_indptr[s]:seg_indptr[s+1]
-            y[rows, y_offset:y_offset+N] += scalings[slot] * (x[rows] @ lora_a[slot, :r].T) @ lora_b[slot, :, :r].T
+            for slot, w in members[s]:     # none for -1; (slot, 1.0) for a plain slot; a composition's pairs
+                r = ranks[slot]; rows = seg_indptr[s]:seg_indptr[s+1]
+                y[rows, y_offset:y_offset+N] += w * scalings[slot] * (x[rows] @ lora_a[slot, :r].T) @ lora_b[slot, :, :r].T
 
     The intermediate is accumulated and kept in fp32. Never synchronises with the host on
-    the Triton path (two launches), so it can be captured in a CUDA graph. A rank above R
+    the Triton path (two launches, three for a composed batch), so it can be captured in a CUDA graph. A rank above R
     counts as R (ranks are validated where they are written, not here). Not differentiable.
     """
     check_x(x)
@@ -98,6 +104,7 @@ def lora_shrink(x: torch.Tensor, lora_a: TensorOrList, batch: LoraBatch, ranks: 
     check_x(x)
     sl, num_slots = check_slices(x, lora_a, None, ranks, None, b_given=False)
     check_batch(batch, x, num_slots)
+    _single_members(batch, "lora_shrink")
     single = isinstance(lora_a, torch.Tensor)
     R = sl.lora_a[0].shape[1]
     if out is None:
@@ -126,6 +133,7 @@ def lora_expand(y: torch.Tensor, v: torch.Tensor, lora_b: TensorOrList, batch: L
     sl, num_slots = check_slices(y, None, lora_b, ranks, scalings, a_given=False)
     check_y(y, y, sl.lora_b, y_offset)
     check_batch(batch, y, num_slots)
+    _single_members(batch, "lora_expand")
     R = sl.lora_b[0].shape[2]
     single = isinstance(lora_b, torch.Tensor)
     check_v(v, y.shape[0], sl.num, R, y.device, single)

@@ -20,6 +20,10 @@ arguments) adds the LoRA as it loads its input. Three launchers, each returning 
 
 - `linear_with_lora`: the shrink beside the GEMM, the expand after it into y (the plain order's bits).
 
+In a composed batch (ops/lora/batch.py) each launcher also adds the members after a row's first with
+`expand_extras` (ops/lora/extras.py): into y after the GEMM and the shrink for a `LoraProduct` (the consumer then
+adds the first member's), into the delta buffer after the first member's expand for a `LoraDelta`.
+
 The side stream is used only while a CUDA graph is captured, where its fork and join cost nothing at
 replay; eager forwards keep one stream (each fork/join costs host time) and compute the same bits.
 """
@@ -106,6 +110,7 @@ def linear_with_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     part = sgmv.new_partials(x, lora_a, batch, cfg)
     y = _beside_gemm(x, weight, bias, True, lambda: sgmv.shrink_into(part, x, lora_a, ranks, batch, cfg))
     sgmv.expand_from(y, part, lora_b, ranks, scalings, batch, 0, cfg)
+    sgmv.expand_extras(y, part, lora_b, ranks, scalings, batch, 0)
     return y
 
 
@@ -123,6 +128,7 @@ def linear_with_lora_delta(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     def work() -> None:
         sgmv.shrink_into(part, x, lora_a, ranks, batch, cfg)
         sgmv.expand_from(values, part, lora_b, ranks, scalings, batch, 0, cfg, accumulate=False)
+        sgmv.expand_extras(values, part, lora_b, ranks, scalings, batch, 0)   # composed batches' other members
 
     return _beside_gemm(x, weight, bias, side, work), LoraDelta(values, batch.row_slot)
 
@@ -141,4 +147,6 @@ def linear_with_lora_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.
         sgmv.shrink_into(part, x, lora_a, ranks, batch, cfg, after_gemm=True)
     else:
         y = _beside_gemm(x, weight, bias, side, lambda: sgmv.shrink_into(part, x, lora_a, ranks, batch, cfg))
+    # A composed batch's members after the first go into y now; the consumer adds the first member's product.
+    sgmv.expand_extras(y, part, lora_b, ranks, scalings, batch, 0)
     return y, LoraProduct(part, tuple(lora_b), tuple(ranks), tuple(scalings), batch.row_slot)

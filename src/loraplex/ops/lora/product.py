@@ -30,7 +30,9 @@ MAX_SLICES = 3   # q/k/v is the widest consumer
 
 @dataclass(frozen=True)
 class LoraProduct:
-    """The shrink's fp32 partials `part [split_k, slices, T, R]` with what expands them: per slice the
+    """The shrink's fp32 partials `part [split_k, slices, E, R]` (E ≥ T: a composed batch's entries after its T
+    rows hold the members after the first, which are not this product's: ops/lora/extras.py) with what expands
+    them: per slice the
     B stack `[slots, N_i, R]`, its ranks (int32 `[slots]`) and scalings (float32 `[slots]`), and
     each row's slot (int32 `[T]`, -1: none)."""
 
@@ -49,7 +51,7 @@ class LoraProduct:
 
     @property
     def rows(self) -> int:
-        return self.part.shape[2]
+        return self.row_slot.shape[0]
 
     @property
     def device(self) -> torch.device:
@@ -68,9 +70,9 @@ class LoraProduct:
         if self.part.device != like.device:
             raise ValueError(f"{name} is on {self.part.device} but {like_name} is on {like.device}")
         S, slices, T, R = self.part.shape if self.part.dim() == 4 else (0, -1, -1, -1)
-        if self.part.dtype != torch.float32 or slices != len(got) or T != rows or S < 1 \
+        if self.part.dtype != torch.float32 or slices != len(got) or T < rows or S < 1 \
                 or self.part.stride(3) != 1:
-            raise ValueError(f"{name}.part must be float32 [split_k, {len(got)}, T={rows}, R] with R contiguous, "
+            raise ValueError(f"{name}.part must be float32 [split_k, {len(got)}, T>={rows}, R] with R contiguous, "
                              f"got {_desc(self.part)}")
         if self.row_slot.dtype != torch.int32 or tuple(self.row_slot.shape) != (rows,) \
                 or (rows > 1 and self.row_slot.stride(0) != 1):

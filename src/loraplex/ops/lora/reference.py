@@ -4,15 +4,14 @@ Semantics, the same for every backend (one slice shown; slice i writes columns
 `y_offset + N_0 + … + N_{i-1}` onward):
 
     for s in range(S):
-        slot = slot_ids[s]
-        if slot < 0: continue
-        r = ranks[slot]; rows = seg_indptr[s]:seg_indptr[s+1]
-        y[rows, y_offset:y_offset+N] += scalings[slot] * (x[rows] @ lora_a[slot, :r].T) @ lora_b[slot, :, :r].T
+        for slot, w in members[s]:            # (slot, weight): one at weight 1.0, or a composition
+            r = ranks[slot]; rows = seg_indptr[s]:seg_indptr[s+1]
+            y[rows, y_offset:y_offset+N] += w * scalings[slot] * (x[rows] @ lora_a[slot, :r].T) @ lora_b[slot, :, :r].T
 
-The intermediate `x @ Aᵀ` is computed and kept in fp32, and y is rounded once, at the end.
-Here the loop runs per slot group (rows of all segments with that slot), which is the same
-sum because segments are disjoint. Reading `ranks` costs a device sync on CUDA tensors, so
-this path is for the CPU and for tests, not for graph capture.
+The intermediate `w · x @ Aᵀ` is computed and kept in fp32 (one row per (row, member) entry: batch.py), and y is
+rounded once, at the end. Here the loop runs per slot group (the entries of all segments with that slot), which is
+the same sum. Reading `ranks` costs a device sync on CUDA tensors, so this path is for the CPU and for tests, not
+for graph capture.
 """
 from __future__ import annotations
 
@@ -22,38 +21,49 @@ from .batch import LoraBatch
 
 
 def _groups(batch: LoraBatch):
-    rows_all = batch.sorted_rows.long()
-    for g, slot in enumerate(batch.group_slots):
-        yield slot, rows_all[batch.group_bounds[g]:batch.group_bounds[g + 1]]
+    """(slot, rows, entries, weights or None) of each of the shrink's slot groups."""
+    rows_all, ents_all = batch.shrink_rows.long(), batch.shrink_entries.long()
+    bounds = batch.shrink_group_bounds
+    for g, slot in enumerate(batch.shrink_group_slots):
+        sel = slice(bounds[g], bounds[g + 1])
+        weights = batch.shrink_weights[sel].float() if batch.composed else None
+        yield slot, rows_all[sel], ents_all[sel], weights
 
 
 def shrink_impl(x: torch.Tensor, lora_a: list[torch.Tensor], ranks: list[torch.Tensor],
                 batch: LoraBatch) -> list[torch.Tensor]:
-    """v_i[rows, :r] = x[rows] @ lora_a_i[slot, :r]ᵀ in fp32; zero elsewhere."""
-    outs = [torch.zeros((x.shape[0], a.shape[1]), dtype=torch.float32, device=x.device) for a in lora_a]
+    """v_i[entry, :r] = weight · x[row] @ lora_a_i[slot, :r]ᵀ in fp32 (`[num_entries, R]`); zero elsewhere."""
+    outs = [torch.zeros((batch.num_entries, a.shape[1]), dtype=torch.float32, device=x.device) for a in lora_a]
     ranks_host = [r.tolist() for r in ranks]
-    for slot, rows in _groups(batch):
+    for slot, rows, ents, weights in _groups(batch):
         xs = x[rows].float()
         for a, v, rk in zip(lora_a, outs, ranks_host):
             r = rk[slot]
             if r > 0:
-                v[rows, :r] = xs @ a[slot, :r].float().T
+                prod = xs @ a[slot, :r].float().T
+                v[ents, :r] = prod if weights is None else prod * weights[:, None]
     return outs
 
 
 def expand_impl(y: torch.Tensor, v: list[torch.Tensor], lora_b: list[torch.Tensor], ranks: list[torch.Tensor],
                 scalings: list[torch.Tensor], batch: LoraBatch, y_offset: int) -> torch.Tensor:
-    """y[rows, cols_i] += scalings_i[slot] * v_i[rows, :r] @ lora_b_i[slot, :, :r]ᵀ, rounded once."""
+    """y[row, cols_i] += Σ_entries of the row scalings_i[slot] * v_i[entry, :r] @ lora_b_i[slot, :, :r]ᵀ, rounded
+    once; rows without an adapter untouched."""
     ranks_host = [r.tolist() for r in ranks]
     scal_host = [s.tolist() for s in scalings]
-    for slot, rows in _groups(batch):
-        col = y_offset
-        for vi, b, rk, sc in zip(v, lora_b, ranks_host, scal_host):
-            n, r = b.shape[1], rk[slot]
-            if r > 0:
-                delta = (vi[rows, :r] @ b[slot, :, :r].float().T) * sc[slot]
-                y[rows, col:col + n] = (y[rows, col:col + n].float() + delta).to(y.dtype)
-            col += n
+    col = y_offset
+    for vi, b, rk, sc in zip(v, lora_b, ranks_host, scal_host):
+        n = b.shape[1]
+        delta = torch.zeros((y.shape[0], n), dtype=torch.float32, device=y.device)
+        touched = torch.zeros(y.shape[0], dtype=torch.bool, device=y.device)
+        for slot, rows, ents, _ in _groups(batch):
+            r = rk[slot]
+            if r > 0:   # a slot's rows are distinct within its group: index_add_ sums members of a row
+                delta.index_add_(0, rows, (vi[ents, :r] @ b[slot, :, :r].float().T) * sc[slot])
+                touched[rows] = True
+        rows = touched.nonzero().squeeze(1)
+        y[rows, col:col + n] = (y[rows, col:col + n].float() + delta[rows]).to(y.dtype)
+        col += n
     return y
 
 

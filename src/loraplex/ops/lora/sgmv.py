@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from ..launch import Launcher
+from .extras import expand_extras
 from .sgmv_kernels import ROWWISE_MAX_ROWS, _sgmv_expand_kernel, _sgmv_shrink_kernel
 
 MAX_SLICES = 4
@@ -136,7 +137,8 @@ def choose_n_chunks(num_programs: int, N: int, device: torch.device, cfg: Kernel
 
 def shrink_into(part: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], ranks: list[torch.Tensor],
                 batch, cfg: KernelConfig, *, after_gemm: bool = False) -> None:
-    """Launch shrink writing `part[split, slice, row, :rank]` (fp32 `[split_k, slices, T, R]`). `after_gemm`: launched
+    """Launch shrink writing `part[split, slice, entry, :rank]` (fp32 `[split_k, slices, batch.num_entries, R]`;
+    entries are rows unless the batch is composed). `after_gemm`: launched
     right after a GEMM over the same x, the shrink's programs may run beside it (the kernel's AFTER_GEMM)."""
     num_slices = len(lora_a)
     split_k = part.shape[0]
@@ -144,18 +146,19 @@ def shrink_into(part: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],
     block_r = _block_r(R)
     r_tiles = _cdiv(R, block_r)
     k_per_split = _cdiv(_cdiv(K, split_k), cfg.shrink_block_k) * cfg.shrink_block_k
-    grid = (batch.num_work * num_slices * r_tiles, split_k)
+    grid = (batch.num_shrink_work * num_slices * r_tiles, split_k)
     if grid[0] == 0:
         return
     pad = MAX_SLICES - num_slices
     precision = "tf32x3" if x.dtype == torch.float32 else "tf32"  # ignored for 16-bit inputs
-    args = (x, part, batch.sorted_rows, batch.work_slot, batch.work_start, batch.work_end,
-            *lora_a, *[lora_a[0]] * pad, *ranks, *[ranks[0]] * pad, K, k_per_split, r_tiles, R,
+    weights = batch.shrink_weights if batch.composed else batch.shrink_rows   # (unread unless COMPOSED)
+    args = (x, part, batch.shrink_rows, batch.shrink_entries, weights, batch.shrink_work_slot,
+            batch.shrink_work_start, batch.shrink_work_end, *lora_a, *[lora_a[0]] * pad, *ranks, *[ranks[0]] * pad, K, k_per_split, r_tiles, R,
             x.stride(0), x.stride(1), lora_a[0].stride(0), lora_a[0].stride(1),
             part.stride(0), part.stride(1), part.stride(2))
     _SHRINK(grid, args, dict(NUM_SLICES=num_slices, BLOCK_M=batch.block_m, BLOCK_R=block_r,
                              BLOCK_K=cfg.shrink_block_k, PRECISION=precision,
-                             ROWWISE=cfg.rowwise and block_r <= 32, AFTER_GEMM=after_gemm),
+                             ROWWISE=cfg.rowwise and block_r <= 32, AFTER_GEMM=after_gemm, COMPOSED=batch.composed),
             cfg.shrink_warps, cfg.shrink_stages)
 
 
@@ -191,19 +194,20 @@ def expand_from(y: torch.Tensor, part: torch.Tensor, lora_b: list[torch.Tensor],
 
 
 def new_partials(x: torch.Tensor, lora_a: list[torch.Tensor], batch, cfg: KernelConfig) -> torch.Tensor:
-    """The shrink's fp32 output `[split_k, slices, T, R]`, split K ways by the rule above."""
-    num_slices, R = len(lora_a), lora_a[0].shape[1]
-    split_k = choose_split_k(batch.num_work * num_slices * _cdiv(R, _block_r(R)), x.shape[1], x.device, cfg,
-                             num_slices * x.shape[0] * R * 4)
-    return torch.empty((split_k, num_slices, x.shape[0], R), dtype=torch.float32, device=x.device)
+    """The shrink's fp32 output `[split_k, slices, batch.num_entries, R]`, split K ways by the rule above."""
+    num_slices, R, E = len(lora_a), lora_a[0].shape[1], batch.num_entries
+    split_k = choose_split_k(batch.num_shrink_work * num_slices * _cdiv(R, _block_r(R)), x.shape[1], x.device, cfg,
+                             num_slices * E * R * 4)
+    return torch.empty((split_k, num_slices, E, R), dtype=torch.float32, device=x.device)
 
 
 def add_lora(y, x, lora_a, lora_b, batch, ranks, scalings, y_offset: int, cfg: KernelConfig | None = None, *,
              accumulate: bool = True):
-    """Shrink into a per-call fp32 partial buffer, then expand into y (two launches); `accumulate` as
-    for `expand_from`."""
+    """Shrink into a per-call fp32 partial buffer, then expand into y (two launches; a third for the members
+    after the first of a composed batch); `accumulate` as for `expand_from`."""
     cfg = cfg or config_for(batch.block_m)
     part = new_partials(x, lora_a, batch, cfg)
     shrink_into(part, x, lora_a, ranks, batch, cfg)
     expand_from(y, part, lora_b, ranks, scalings, batch, y_offset, cfg, accumulate=accumulate)
+    expand_extras(y, part, lora_b, ranks, scalings, batch, y_offset)
     return y

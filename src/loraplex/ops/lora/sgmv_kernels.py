@@ -26,9 +26,12 @@ def _program_work(NUM_SLICES: tl.constexpr, per_slice):
 
 
 @triton.jit
-def _shrink_tile(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
-                 stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
-                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+def _shrink_tile(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, entries_ptr, weights_ptr, slot, start, end, r_tile,
+                 k_begin, k_end, R, stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
+                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                 COMPOSED: tl.constexpr):
+    """COMPOSED: the items are entries (batch.py): x is read at each entry's row, the product scaled by its
+    member's weight and stored at the entry; else rows, stored at the row."""
     rank = tl.minimum(tl.load(rank_ptr + slot), R)  # a rank past R (the stacks' width) is R
     r_first = r_tile * BLOCK_R
     if r_first < rank:
@@ -48,14 +51,19 @@ def _shrink_tile(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, start,
             acc = tl.dot(xt, tl.trans(at), acc, input_precision=PRECISION)
             x_ptrs += BLOCK_K * stride_xk
             a_ptrs += BLOCK_K
-        p_ptrs = part_ptr + rows[:, None] * stride_pm + offs_r[None, :]
+        if COMPOSED:
+            ents = tl.load(entries_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+            acc = acc * tl.load(weights_ptr + offs_m, mask=m_mask, other=0.0)[:, None]
+        else:
+            ents = rows
+        p_ptrs = part_ptr + ents[:, None] * stride_pm + offs_r[None, :]
         tl.store(p_ptrs, acc, mask=m_mask[:, None] & r_mask[None, :])
 
 
 @triton.jit
-def _shrink_tile_rows(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
-                      stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
-                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+def _shrink_tile_rows(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, entries_ptr, weights_ptr, slot, start, end,
+                      r_tile, k_begin, k_end, R, stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
+                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, COMPOSED: tl.constexpr):
     """`_shrink_tile` for tiles of a few rows (decode), row by row: a [rank tile, BLOCK_K] block of A times
     the row's x, summed over K in fp32 on the CUDA cores (no tile padded to 16 rows for the tensor cores).
     A is read once per row; the tile's few rows find it in L2."""
@@ -76,37 +84,43 @@ def _shrink_tile_rows(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, s
                 at_now = tl.load(a_rows + (k + offs_k)[None, :], mask=r_mask[:, None] & k_mask[None, :],
                                  other=0.0)
                 acc += tl.sum(at_now.to(tl.float32) * xk_now.to(tl.float32)[None, :], axis=1)
+            if COMPOSED:
+                acc = acc * tl.load(weights_ptr + m)
+                row = tl.load(entries_ptr + m).to(tl.int64)
             tl.store(part_ptr + row * stride_pm + offs_r, acc, mask=r_mask)
 
 
 @triton.jit
-def _shrink_slice(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
-                  stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
+def _shrink_slice(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, entries_ptr, weights_ptr, slot, start, end,
+                  r_tile, k_begin, k_end, R, stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                  ROWWISE: tl.constexpr):
+                  ROWWISE: tl.constexpr, COMPOSED: tl.constexpr):
     # ROWWISE: row by row for tiles of at most ROWWISE_MAX_ROWS rows (as in _expand_slice); a static branch
     if ROWWISE:
         if end - start <= ROWWISE_MAX_ROWS:
-            _shrink_tile_rows(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, start, end, r_tile, k_begin,
-                              k_end, R, stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm, BLOCK_R, BLOCK_K)
+            _shrink_tile_rows(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, entries_ptr, weights_ptr, slot, start,
+                              end, r_tile, k_begin, k_end, R, stride_xm, stride_xk, stride_a_slot, stride_a_r,
+                              stride_pm, BLOCK_R, BLOCK_K, COMPOSED)
         else:
-            _shrink_tile(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end,
-                         R, stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm, BLOCK_M, BLOCK_R, BLOCK_K,
-                         PRECISION)
+            _shrink_tile(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, entries_ptr, weights_ptr, slot, start, end,
+                         r_tile, k_begin, k_end, R, stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
+                         BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, COMPOSED)
     else:
-        _shrink_tile(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
-                     stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm, BLOCK_M, BLOCK_R, BLOCK_K, PRECISION)
+        _shrink_tile(x_ptr, a_ptr, rank_ptr, part_ptr, sorted_rows_ptr, entries_ptr, weights_ptr, slot, start, end,
+                     r_tile, k_begin, k_end, R, stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
+                     BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, COMPOSED)
 
 
 @triton.jit
 def _sgmv_shrink_kernel(
-        x_ptr, part_ptr, sorted_rows_ptr, work_slot_ptr, work_start_ptr, work_end_ptr,
+        x_ptr, part_ptr, sorted_rows_ptr, entries_ptr, weights_ptr, work_slot_ptr, work_start_ptr, work_end_ptr,
         a0, a1, a2, a3, rk0, rk1, rk2, rk3,
         K, k_per_split, r_tiles, R,
         stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_p_split, stride_p_slice, stride_pm,
         NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-        PRECISION: tl.constexpr, ROWWISE: tl.constexpr, AFTER_GEMM: tl.constexpr):
-    """part[split, i, rows, :rank_i] = x[rows, split's K range] @ A_i[slot, :rank_i, same range]ᵀ.
+        PRECISION: tl.constexpr, ROWWISE: tl.constexpr, AFTER_GEMM: tl.constexpr, COMPOSED: tl.constexpr):
+    """part[split, i, rows, :rank_i] = x[rows, split's K range] @ A_i[slot, :rank_i, same range]ᵀ; COMPOSED:
+    part[split, i, entries, :rank_i] = weights · x[rows of the entries, ...] @ ... (batch.py's entries).
     AFTER_GEMM (launched right after ops/gemm/skinny.py's kernel over the same x: overlap.py's "after" order):
     with PDL, release the next kernel first and wait for the grids before this one last, so that the programs run
     beside the GEMM's (x was complete before the GEMM, after its own wait, released this grid) and the next kernel,
@@ -125,24 +139,28 @@ def _sgmv_shrink_kernel(
         k_end = tl.minimum(k_begin + k_per_split, K)
         part = part_ptr + split.to(tl.int64) * stride_p_split + sl.to(tl.int64) * stride_p_slice
         if sl == 0:
-            _shrink_slice(x_ptr, a0, rk0, part, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
+            _shrink_slice(x_ptr, a0, rk0, part, sorted_rows_ptr, entries_ptr, weights_ptr, slot, start, end,
+                          r_tile, k_begin, k_end, R,
                           stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
-                          BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, ROWWISE)
+                          BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, ROWWISE, COMPOSED)
         if NUM_SLICES > 1:
             if sl == 1:
-                _shrink_slice(x_ptr, a1, rk1, part, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
+                _shrink_slice(x_ptr, a1, rk1, part, sorted_rows_ptr, entries_ptr, weights_ptr, slot, start, end,
+                              r_tile, k_begin, k_end, R,
                               stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
-                              BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, ROWWISE)
+                              BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, ROWWISE, COMPOSED)
         if NUM_SLICES > 2:
             if sl == 2:
-                _shrink_slice(x_ptr, a2, rk2, part, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
+                _shrink_slice(x_ptr, a2, rk2, part, sorted_rows_ptr, entries_ptr, weights_ptr, slot, start, end,
+                              r_tile, k_begin, k_end, R,
                               stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
-                              BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, ROWWISE)
+                              BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, ROWWISE, COMPOSED)
         if NUM_SLICES > 3:
             if sl == 3:
-                _shrink_slice(x_ptr, a3, rk3, part, sorted_rows_ptr, slot, start, end, r_tile, k_begin, k_end, R,
+                _shrink_slice(x_ptr, a3, rk3, part, sorted_rows_ptr, entries_ptr, weights_ptr, slot, start, end,
+                              r_tile, k_begin, k_end, R,
                               stride_xm, stride_xk, stride_a_slot, stride_a_r, stride_pm,
-                              BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, ROWWISE)
+                              BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, ROWWISE, COMPOSED)
     pdl_wait_last(AFTER_GEMM)   # every program, work or none: the grid completes after the GEMM
 
 
