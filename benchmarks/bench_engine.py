@@ -2,10 +2,13 @@
 adapters on all seven projections.
 
 Workload: `--waves` × max_num_seqs prompts of 128–512 random tokens, 128 output tokens each (ignore_eos),
-all submitted at once; `max_num_seqs` of 32 and 256 (`--batches`). Three variants on the same prompts:
+all submitted at once; `max_num_seqs` of 32 and 256 (`--batches`). Variants on the same prompts:
 - backbone: no adapters;
 - distinct: request i uses adapter i mod max_num_seqs, so every full batch has all-distinct adapters;
-- shared: every request uses one adapter.
+- shared: every request uses one adapter;
+- composed (on request): request i combines two rank-16 adapters of its own, {a(2i): 0.7, a(2i+1): 0.3};
+- merged (on request): request i uses a rank-32 adapter of its own (what merging its pair offline builds).
+The composed/merged pair runs in an engine of its own whose pool holds both ranks (R = 32).
 Adapters are synthetic (no files) and made resident before timing, so the runs measure serving,
 not loading. Each variant runs with CUDA graphs, and at `--eager-batches` also with `enforce_eager`.
 
@@ -108,54 +111,13 @@ def main(argv=None) -> None:
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
     copy_gbs = copy_bandwidth_gbs()
-    rows, first = [], True
+    rows = []
     for B in map(int, args.batches.split(",")):
         for mode in args.modes.split(","):
             if mode == "eager" and str(B) not in args.eager_batches.split(","):
                 continue
-            config = EngineConfig(model=f"dummy:{args.preset}", dummy_layers=args.layers, dtype="bfloat16",
-                                  max_num_seqs=B, max_num_batched_tokens=max(2048, B), max_gpu_adapters=B,
-                                  max_lora_rank=RANK, max_cpu_adapters=0, enforce_eager=(mode == "eager"),
-                                  cuda_graph_max_batch=B, max_model_len=1024)
-            t0 = time.perf_counter()
-            engine = Engine(config)
-            setup_s = time.perf_counter() - t0
-            for i in range(B):
-                engine.adapters.register_synthetic(f"a{i}", RANK, seed=i + 1)
-            for i in range(B):
-                engine.adapters.prefetch(f"a{i}")
-            for i in range(B):
-                engine.adapters.wait_resident(f"a{i}", timeout=600)
-            model = engine.runner.model
-            work = prompts(args.waves * B, model.config.vocab_size)
-            variants = args.variants.split(",")
-            runs: dict[str, list[dict]] = {v: [] for v in variants}
-            # interleaved, and each round in a rotated order, so that drift over the call hits every variant alike
-            for repeat in range(args.repeats):
-                for variant in variants[repeat % len(variants):] + variants[:repeat % len(variants)]:
-                    adapters = {"backbone": [None] * len(work), "shared": ["a0"] * len(work),
-                                "distinct": [f"a{i % B}" for i in range(len(work))]}[variant]
-                    if repeat == 0:
-                        # warm-up: the first run sees every step shape (Triton compiles, allocator settles); later
-                        # ones only need the allocator and caches settled
-                        n = len(work) if first else B
-                        run(engine, work[:n], adapters[:n])
-                        first = False
-                    runs[variant].append(run(engine, work, adapters))
-            for variant in variants:
-                ordered = sorted(runs[variant], key=lambda r: r["tokens_per_s"])
-                res = ordered[(len(ordered) - 1) // 2]   # the median run (the lower middle of an even count)
-                used = {"backbone": 0, "shared": 1, "distinct": B}[variant]
-                ctx = res["mean_full_context"] or 0
-                floor_ms = (weight_bytes(model, B) + kv_bytes(model, int(ctx * B)) +
-                            used * adapter_bytes(model)) / (copy_gbs * 1e9) * 1e3
-                row = dict(batch=B, mode=mode, variant=variant, setup_s=setup_s, floor_ms=floor_ms,
-                           repeats_tokens_per_s=[round(r["tokens_per_s"], 1) for r in runs[variant]], **res)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-            engine.close()
-            del engine, model
-            torch.cuda.empty_cache()
+            for variants in _groups(args.variants.split(",")):
+                rows += run_group(args, B, mode, variants, copy_gbs)
     result = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,
                   preset=args.preset, layers=args.layers, rank=RANK, output_tokens=OUTPUT_TOKENS, repeats=args.repeats,
                   settings=envs.snapshot(),   # the LORAPLEX_* settings the run had
@@ -166,6 +128,82 @@ def main(argv=None) -> None:
     print(table)
     if args.md:
         Path(args.md).write_text(table)
+
+
+COMPOSE_VARIANTS = ("composed", "merged")
+_warmed: list[bool] = []   # a run has warmed this process up
+
+
+def _groups(variants: list[str]) -> list[list[str]]:
+    """The variants run in one engine each: the plain ones (rank-16 pool), and the composition pair (a pool of
+    rank-16 members and rank-32 merged adapters, R = 32 wide)."""
+    plain = [v for v in variants if v not in COMPOSE_VARIANTS]
+    compose = [v for v in variants if v in COMPOSE_VARIANTS]
+    return [g for g in (plain, compose) if g]
+
+
+def _adapter(variant: str, i: int, B: int):
+    """Request i's adapter: none, one shared, its own (distinct), two of its own combined (composed: rank-16 members
+    at 0.7 / 0.3), or its own rank-32 adapter (merged: what combining those two offline would build)."""
+    if variant == "composed":
+        return {f"a{2 * (i % B)}": 0.7, f"a{2 * (i % B) + 1}": 0.3}
+    return {"backbone": None, "shared": "a0", "distinct": f"a{i % B}", "merged": f"m{i % B}"}[variant]
+
+
+def _engine(args, B: int, mode: str, compose: bool) -> tuple[Engine, float]:
+    """An engine with its adapters resident: B rank-16 ones, or for the composition pair 2B rank-16 members and
+    B rank-32 merged ones in a pool R = 32 wide."""
+    config = EngineConfig(model=f"dummy:{args.preset}", dummy_layers=args.layers, dtype="bfloat16",
+                          max_num_seqs=B, max_num_batched_tokens=max(2048, B), max_gpu_adapters=3 * B if compose else B,
+                          max_lora_rank=2 * RANK if compose else RANK, max_cpu_adapters=0,
+                          enforce_eager=(mode == "eager"), cuda_graph_max_batch=B, max_model_len=1024)
+    t0 = time.perf_counter()
+    engine = Engine(config)
+    setup_s = time.perf_counter() - t0
+    names = [(f"a{i}", RANK) for i in range(2 * B if compose else B)] + \
+        ([(f"m{i}", 2 * RANK) for i in range(B)] if compose else [])
+    for i, (name, rank) in enumerate(names):
+        engine.adapters.register_synthetic(name, rank, seed=i + 1)
+    for name, _ in names:
+        engine.adapters.prefetch(name)
+    for name, _ in names:
+        engine.adapters.wait_resident(name, timeout=600)
+    return engine, setup_s
+
+
+def run_group(args, B: int, mode: str, variants: list[str], copy_gbs: float) -> list[dict]:
+    """Each variant `--repeats` times in one engine, interleaved; a row per variant (its median run)."""
+    engine, setup_s = _engine(args, B, mode, variants[0] in COMPOSE_VARIANTS)
+    model = engine.runner.model
+    work = prompts(args.waves * B, model.config.vocab_size)
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
+    # interleaved, and each round in a rotated order, so that drift over the call hits every variant alike
+    for repeat in range(args.repeats):
+        for variant in variants[repeat % len(variants):] + variants[:repeat % len(variants)]:
+            adapters = [_adapter(variant, i, B) for i in range(len(work))]
+            if repeat == 0:
+                # warm-up: the process's first run sees every step shape (Triton compiles, allocator settles); later
+                # ones only need the allocator and caches settled
+                n = len(work) if not _warmed else B
+                run(engine, work[:n], adapters[:n])
+                _warmed.append(True)
+            runs[variant].append(run(engine, work, adapters))
+    rows = []
+    for variant in variants:
+        ordered = sorted(runs[variant], key=lambda r: r["tokens_per_s"])
+        res = ordered[(len(ordered) - 1) // 2]   # the median run (the lower middle of an even count)
+        used = {"backbone": 0, "shared": 1, "distinct": B, "composed": 2 * B, "merged": 2 * B}[variant]
+        ctx = res["mean_full_context"] or 0
+        floor_ms = (weight_bytes(model, B) + kv_bytes(model, int(ctx * B)) +
+                    used * adapter_bytes(model)) / (copy_gbs * 1e9) * 1e3   # (merged: rank 32 = 2 × rank 16)
+        row = dict(batch=B, mode=mode, variant=variant, setup_s=setup_s, floor_ms=floor_ms,
+                   repeats_tokens_per_s=[round(r["tokens_per_s"], 1) for r in runs[variant]], **res)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    engine.close()
+    del engine, model
+    torch.cuda.empty_cache()
+    return rows
 
 
 def markdown(res: dict) -> str:
