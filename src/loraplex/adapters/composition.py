@@ -64,10 +64,14 @@ class Composition:
                 raise ValueError(f"{field}: adapter names must be non-empty strings, got {name!r}")
             if isinstance(weight, bool) or not isinstance(weight, (int, float)):
                 raise ValueError(f"{field}[{name!r}]: the weight must be a number, got {weight!r}")
-            if not math.isfinite(float(weight)):
-                raise ValueError(f"{field}[{name!r}]: the weight must be finite, got {weight!r}")
-            if float(weight) != 0.0:
-                members.append((name, float(weight)))
+            try:
+                value_f = float(weight)
+            except OverflowError:   # an int past float's range
+                value_f = math.inf
+            if not math.isfinite(value_f):
+                raise ValueError(f"{field}[{name!r}]: the weight must be finite, got {weight!r:.40}")
+            if value_f != 0.0:
+                members.append((name, value_f))
         if len(value) > MAX_MEMBERS:
             raise ValueError(f"{field} combines {len(value)} adapters; at most {MAX_MEMBERS}")
         return cls(tuple(members)) if members else None
