@@ -153,3 +153,87 @@ def test_the_engine_reserves_pinned_memory_after_capturing_its_graphs(served):
                     for i in range(count)]
             assert all(b.is_pinned() for h in held for b in h.buffers)
             assert (torch.cuda.host_memory_stats()["num_host_alloc"] > before) == fresh, gib
+
+
+# ---- requests that combine adapters (issue 42) ----------------------------------------------------------
+def _record_variants(monkeypatch) -> list[str]:
+    """The graph variant of each replay (engine/cuda_graphs.py's lora_variant), in order."""
+    from loraplex.engine import cuda_graphs
+    seen: list[str] = []
+    real = cuda_graphs.lora_variant
+    monkeypatch.setattr(cuda_graphs, "lora_variant", lambda chunks: seen.append(real(chunks)) or seen[-1])
+    return seen
+
+
+def test_compositions_replay_their_graph_variant_and_match_peft_cat(served, monkeypatch):
+    """Compositions (negative weights, a weighted adapter alone, rsLoRA) beside single adapters and the base model,
+    with CUDA graphs and eagerly (fp32): the same tokens both ways, and transformers + PEFT's with the adapter
+    `add_weighted_adapter(..., combination_type="cat")` makes; steps with a composition replay the composed
+    variant, the engine captures three variants per shape."""
+    from composition_fixtures import REQUESTS, CatOracle, as_key
+    base, adapters, _ = served
+    oracle = CatOracle(base, adapters)
+    prompts = random_prompts(12, VOCAB, (4, 50), seed=51)
+    which = [REQUESTS[i % len(REQUESTS)] for i in range(len(prompts))]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    seen = _record_variants(monkeypatch)
+    results = {}
+    for eager in (False, True):
+        with make_llm(served, enforce_eager=eager) as llm:
+            graphs = llm.engine.runner.graphs
+            if not eager:
+                assert graphs.variants == ["base", "lora", "composed"]
+                assert len(graphs._graphs) == 3 * len(graphs.shapes.all())
+            results[eager] = [o.token_ids for o in llm.generate(prompts, params, adapter=which)]
+            assert (llm.engine.stats["graph_steps"] > 0) != eager
+            assert all(llm.engine.adapters.pins(n) == 0 for n in adapters)
+    assert "composed" in seen, seen
+    assert results[False] == results[True]
+    for prompt, adapter, out in zip(prompts, which, results[False]):
+        assert out == oracle.greedy(prompt, as_key(adapter), 16), adapter
+
+
+def test_steps_without_compositions_replay_the_plain_graphs(served, monkeypatch):
+    """Single-adapter and base-model steps replay the graphs they replayed before compositions existed (the plain
+    LoRA variant), whatever the engine allows; with max_adapters_per_request=1 no composed graph is captured."""
+    _, adapters, oracle = served
+    names = [None, *adapters]
+    prompts = random_prompts(8, VOCAB, (4, 40), seed=52)
+    which = [names[i % len(names)] for i in range(len(prompts))]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    seen = _record_variants(monkeypatch)
+    for limit in (4, 1):
+        with make_llm(served, max_adapters_per_request=limit) as llm:
+            graphs = llm.engine.runner.graphs
+            assert graphs.variants == (["base", "lora", "composed"] if limit > 1 else ["base", "lora"])
+            outs = llm.generate(prompts, params, adapter=which)
+        assert [o.token_ids for o in outs] == [oracle.greedy(p, a, 8) for p, a in zip(prompts, which)]
+    assert "lora" in seen and set(seen) <= {"base", "lora"}, seen
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_compositions_in_bf16_are_as_close_to_peft_as_transformers_in_bf16(served, monkeypatch, eager):
+    """bf16 through the Triton kernels (graph replays and eager steps: prompts, then decodes): each token's top
+    logprobs are as close to PEFT cat's in fp32 as transformers + PEFT's own bf16 forward is (twice its error,
+    plus 0.02 nats), the tokens ours, the rule of test_model_gpu.py's bf16 checks."""
+    from composition_fixtures import REQUESTS, CatOracle, as_key
+    base, adapters, _ = served
+    exact, rounded = CatOracle(base, adapters), CatOracle(base, adapters, dtype=torch.bfloat16)
+    mixes = [r for r in REQUESTS if isinstance(r, dict)]
+    prompts = random_prompts(2 * len(mixes), VOCAB, (4, 40), seed=53)
+    which = [mixes[i % len(mixes)] for i in range(len(prompts))]
+    seen = _record_variants(monkeypatch)
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=20, ignore_eos=True)
+    with make_llm(served, dtype="bfloat16", enforce_eager=eager) as llm:
+        outs = llm.generate(prompts, params, adapter=which)
+    assert ("composed" in seen) != eager, seen
+    for prompt, adapter, out in zip(prompts, which, outs):
+        tokens, key = prompt + out.token_ids, as_key(adapter)
+        truth = torch.log_softmax(exact.logits(tokens, key).double(), dim=-1)
+        theirs = torch.log_softmax(rounded.logits(tokens, key).double(), dim=-1)
+        for i, lp in enumerate(out.logprobs):
+            row = len(prompt) - 1 + i
+            ids = [t for t, _ in lp.top]
+            ours_err = max(abs(v - truth[row, t].item()) for t, v in lp.top)
+            hf_err = (theirs[row, ids] - truth[row, ids]).abs().max().item()
+            assert ours_err <= 2 * hf_err + 0.02, (adapter, i, ours_err, hf_err)

@@ -468,13 +468,13 @@ def test_a_request_whose_adapter_is_not_resident_waits_and_others_go_ahead():
     assert ids(sched.waiting) == ["cold"] and cold.block_table == []
     assert "cold" in ad.prefetched, "the skipped request's adapter must start loading"
     assert ad.pins == Counter({"hot": 1})
-    assert hot.adapter_slot == ad.slot_of["hot"] and base.adapter_slot == -1
+    assert hot.adapter_slots == (ad.slot_of["hot"],) and base.adapter_slots == ()
     out = step(sched, now=3.1)
     assert chunk_ids(out) == ["hot", "base"]    # still not resident: still waiting
     ad.make_resident("cold")
     out = step(sched, now=3.2)
     assert chunk_ids(out) == ["hot", "base", "cold"]
-    assert cold.status is RUNNING and cold.adapter_slot == ad.slot_of["cold"]
+    assert cold.status is RUNNING and cold.adapter_slots == (ad.slot_of["cold"],)
     run_to_completion(sched, [cold, hot, base], now=4.0)
     ad.assert_balanced()
     assert ad.acquired == Counter({"hot": 1, "cold": 1})
@@ -519,7 +519,7 @@ def test_a_failed_adapter_fails_its_request_and_the_rest_go_on():
     assert ids(out.failed) == ["bad"]
     assert bad.error and "corrupt" in bad.error
     assert chunk_ids(out) == ["first", "ok"]
-    assert bad not in sched.running and bad.block_table == [] and bad.adapter_slot == -1
+    assert bad not in sched.running and bad.block_table == [] and bad.adapter_slots == ()
     assert ad.pins["bad"] == 0
     for seq in out.failed:     # what the engine does: Engine._finish(seq, ERROR) → Scheduler.finish(seq)
         sched.finish(seq)
@@ -547,7 +547,7 @@ def test_an_adapter_acquired_for_a_request_that_does_not_fit_is_released():
         out = step(sched, now=2.0 + i)
         assert chunk_ids(out) == ["runner"]
         assert ad.pins["a"] == 0 and ad.acquired["a"] == ad.released["a"] == i + 1
-        assert big.adapter_slot == -1 and big.status is WAITING
+        assert big.adapter_slots == () and big.status is WAITING
     run_to_completion(sched, [runner, big], now=5.0)
     assert big.status is FINISHED
     ad.assert_balanced()
@@ -659,6 +659,8 @@ def test_a_large_oldest_request_is_not_overtaken_by_smaller_ones():
 
 # ---- randomized: invariants after every step -----------------------------------------------------------------
 ADAPTER_NAMES = [None, "a", "b", "c", "d"]
+# requests that combine adapters (each member pinned); drawn only where the fake's slots can hold all members
+COMPOSITIONS = [{"a": 0.5, "b": -1.0}, {"c": 2.0}, {"b": 1.0, "c": 0.3, "d": 1.0}]
 
 
 def _check_step(sched: Scheduler, ad: FakeAdapters, out: SchedulerOutput, before: dict, seqs: list[Sequence]) -> None:
@@ -691,7 +693,7 @@ def _check_step(sched: Scheduler, ad: FakeAdapters, out: SchedulerOutput, before
         assert all(id(s) in was_running for s in chunk_seqs), "admitted in a step that preempted"
     for v in out.preempted:
         assert v.status is WAITING and v in sched.waiting and v.block_table == [] and v.num_cached == 0
-        assert v.adapter_slot == -1
+        assert v.adapter_slots == ()
         for s in sched.running:
             assert s.times.arrival <= v.times.arrival, f"{v} preempted while newer {s} kept running"
     # running sequences not scheduled hold exactly their cached tokens' blocks
@@ -702,15 +704,12 @@ def _check_step(sched: Scheduler, ad: FakeAdapters, out: SchedulerOutput, before
     arrivals = [s.times.arrival for s in sched.waiting]
     assert arrivals == sorted(arrivals), "waiting is not in arrival order"
     for s in sched.waiting:
-        assert s.status is WAITING and s.num_cached == 0 and s.block_table == [] and s.adapter_slot == -1
-    # pins: exactly one per running request with an adapter, on the slot it uses
-    using = Counter(s.adapter for s in sched.running if s.adapter is not None)
+        assert s.status is WAITING and s.num_cached == 0 and s.block_table == [] and s.adapter_slots == ()
+    # pins: exactly one per running request and adapter it uses (every member of a composition), on its slot
+    using = Counter(name for s in sched.running for name in s.adapter_names)
     assert +ad.pins == using, f"pins {dict(+ad.pins)} != running uses {dict(using)}"
     for s in sched.running:
-        if s.adapter is not None:
-            assert s.adapter_slot == ad.slot_of[s.adapter]
-        else:
-            assert s.adapter_slot == -1
+        assert s.adapter_slots == tuple(ad.slot_of[name] for name in s.adapter_names)
     if ad.num_slots is not None:
         assert len(using) <= ad.num_slots
     # tokens are never lost
@@ -741,8 +740,9 @@ def _random_run(seed: int) -> Counter:
         while len(seqs) < n_requests and rng.random() < 0.4:
             prompt = rng.randint(1, min(capacity - 1, 40))
             max_tokens = rng.randint(1, min(capacity - prompt, 12))   # the engine's max_model_len ≤ capacity
-            seq = make_seq(f"r{len(seqs)}", prompt, arrival=now + len(seqs) * 1e-7,
-                           adapter=rng.choice(ADAPTER_NAMES), max_tokens=max_tokens)
+            adapter = rng.choice(ADAPTER_NAMES + [c for c in COMPOSITIONS if len(c) <= ad.num_slots])
+            seq = make_seq(f"r{len(seqs)}", prompt, arrival=now + len(seqs) * 1e-7, adapter=adapter,
+                           max_tokens=max_tokens)
             seqs.append(seq)
             sched.add(seq)
         if rng.random() < 0.03:   # an abort, of a running or a waiting request
@@ -759,8 +759,9 @@ def _random_run(seed: int) -> Counter:
         _check_step(sched, ad, out, before, seqs)
         assert not out.failed
         stats["preemptions"] += len(out.preempted)
+        stats["composed_admitted"] += sum(len(c.seq.adapter_names) > 1 and c.start == 0 for c in out.chunks)
         stats["chunked"] += sum(1 for c in out.chunks if not c.needs_logits)
-        stats["skipped"] += sum(1 for s in sched.waiting if s.adapter is not None and s.adapter not in ad.slot_of)
+        stats["skipped"] += sum(1 for s in sched.waiting if any(n not in ad.slot_of for n in s.adapter_names))
         postprocess(sched, out, token=rng.randrange(100))
         check_blocks(sched, seqs)
     else:
@@ -786,6 +787,7 @@ def test_random_workloads_keep_every_invariant(group):
             raise AssertionError(f"seed {seed}: {e}") from e
     # the workloads must actually exercise what the invariants guard
     assert totals["preemptions"] > 0 and totals["chunked"] > 0 and totals["skipped"] > 0, totals
+    assert totals["composed_admitted"] > 0, totals
     assert totals["aborted_running"] + totals["aborted_waiting"] > 0, totals
 
 
@@ -811,9 +813,9 @@ def test_many_distinct_adapters_load_each_adapter_once():
         sched.add(s)
 
     def on_step(out) -> None:
-        pinned = {s.adapter for s in sched.running}
+        pinned = {n for s in sched.running for n in s.adapter_names}
         assert len(ad.wanted) <= 4 - len(pinned), "wanted more adapters than the free slots"
-        waiting = list(dict.fromkeys(s.adapter for s in sched.waiting if s.adapter not in pinned))
+        waiting = list(dict.fromkeys(n for s in sched.waiting for n in s.adapter_names if n not in pinned))
         assert ad.wanted + ad.read_ahead == waiting[:len(ad.wanted) + len(ad.read_ahead)], "not in queue order"
         assert len(ad.read_ahead) <= 3
         ad.tick()

@@ -28,6 +28,7 @@ from loraplex.cli_flags import (
 
 if typing.TYPE_CHECKING:
     from loraplex import LLM, SamplingParams
+    from loraplex.adapters.composition import Composition
 
 _PRESETS_NOTE = """\
 --model takes a Hugging Face model folder, or dummy:<preset> for random weights of a published
@@ -154,9 +155,7 @@ def generate_cmd(args: argparse.Namespace) -> int:
     with refused():
         params = SamplingParams(**_sampling_settings(args))
     engine_settings, adapters = _with_demo(given(args, "engine"), _adapters(args))
-    if args.adapter is not None and args.adapter not in adapters:
-        raise CommandError(f"--adapter {args.adapter}: not among the --lora names "
-                           f"({', '.join(adapters) or 'none given'})")
+    adapter = _generate_adapter(args.adapter or [], adapters)
     with refused(args.flag_names):   # checked before the model loads: a bad setting costs no time
         config = EngineConfig(**engine_settings)
     if config.is_dummy and config.tokenizer is None:
@@ -166,8 +165,8 @@ def generate_cmd(args: argparse.Namespace) -> int:
         llm = LLM(engine_settings.pop("model"), adapters=adapters, **engine_settings)
     with llm, refused():             # a prompt the engine refuses: too long, ...
         if args.stream:
-            return _stream(llm, args.prompts[0], params, args.adapter)
-        outputs = llm.generate(args.prompts, params, adapter=args.adapter)
+            return _stream(llm, args.prompts[0], params, adapter)
+        outputs = llm.generate(args.prompts, params, adapter=adapter)
     status = 0
     for i, (prompt, out) in enumerate(zip(args.prompts, outputs)):
         if len(args.prompts) > 1:
@@ -181,7 +180,31 @@ def generate_cmd(args: argparse.Namespace) -> int:
     return status
 
 
-def _stream(llm: LLM, prompt: str, params: SamplingParams, adapter: str | None) -> int:
+def _parse_adapter(value: str) -> tuple[str, float]:
+    """An --adapter value of generate: NAME (weight 1) or NAME=WEIGHT."""
+    name, sep, weight = value.partition("=")
+    try:
+        if not name or (sep and not weight):
+            raise ValueError
+        return name, float(weight) if sep else 1.0
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected NAME or NAME=WEIGHT, got {value!r}") from None
+
+
+def _generate_adapter(pairs: list[tuple[str, float]], adapters: dict[str, Path]) -> str | Composition | None:
+    """The adapter every prompt of generate runs with, from its --adapter values: None (the base model), a name
+    (one adapter at weight 1), or a composition of up to 4 weighted adapters; each must be a --lora name."""
+    from loraplex.adapters.composition import Composition
+
+    for name, _ in pairs:
+        if name not in adapters:
+            raise CommandError(f"--adapter {name}: not among the --lora names ({', '.join(adapters) or 'none given'})")
+    with refused():   # a name given twice, more than 4 adapters, a weight that is not finite
+        composition = Composition.from_pairs(pairs, "--adapter")
+    return None if composition is None else composition.single or composition
+
+
+def _stream(llm: LLM, prompt: str, params: SamplingParams, adapter: str | Composition | None) -> int:
     """Print the text of one request as the engine makes it."""
     engine = llm.engine
     engine.add_request("cli-stream", prompt, params, adapter)
@@ -325,7 +348,7 @@ def _generate_parser(sub, show_all: bool = False) -> None:
     from loraplex.config import EngineConfig
 
     gen = sub.add_parser("generate", help="complete prompts offline (no server) and print the text",
-                         usage="loraplex generate PROMPT [PROMPT ...] [--adapter NAME] [--model DIR] "
+                         usage="loraplex generate PROMPT [PROMPT ...] [--adapter NAME[=WEIGHT] ...] [--model DIR] "
                                "[--lora NAME=DIR ...] [options]",
                          description="Complete each PROMPT with the engine (no server) and print the text;\n"
                                      "several prompts run as one batch.",
@@ -353,8 +376,10 @@ def _generate_parser(sub, show_all: bool = False) -> None:
     flags = add_dataclass_flags(gen, groups, EngineConfig, "engine", rename={"seed": "engine_seed"},
                                 optional=("model",), show_all=show_all)
     add_lora_flag(groups["adapters"], "Load the PEFT adapter folder DIR as NAME.", before_positionals=True)
-    groups["adapters"].add_argument("--adapter", metavar="NAME",
-                                    help="The --lora adapter every prompt runs with; default: none (the base model).")
+    groups["adapters"].add_argument("--adapter", action="append", type=_parse_adapter, metavar="NAME[=WEIGHT]",
+                                    help="The --lora adapter every prompt runs with; default: none (the base model). "
+                                         "Repeat it to combine up to 4 adapters, each LoRA scaled by its WEIGHT "
+                                         "(default 1): --adapter sql=0.7 --adapter formal=0.3."),
     gen.set_defaults(func=generate_cmd, flag_names=flags)
 
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+# adapters/composition.py's MAX_MEMBERS (the LoRA kernels' lanes), not imported: this module stays free of torch
+MAX_ADAPTERS_PER_REQUEST = 4
 
 
 def _default_device() -> str:
@@ -80,6 +82,10 @@ class EngineConfig:
         "group": "adapters", "help": "Highest LoRA rank an adapter may have (sets the size of each slot)."})
     max_cpu_adapters: int = field(default=32, metadata={
         "group": "adapters", "help": "Adapters kept as host-memory copies for fast reloads into slots (0: none)."})
+    max_adapters_per_request: int = field(default=4, metadata={
+        "group": "adapters", "advanced": True,
+        "help": "Most adapters one request may combine, each with a weight (1 to 4); 1 refuses "
+                "compositions and weights, and captures no CUDA graphs for them."})
     adapter_loader_threads: int = field(default=2, metadata={
         "group": "adapters", "advanced": True,
         "help": "Threads that read adapters from disk."})
@@ -117,6 +123,10 @@ class EngineConfig:
         for name in positive:
             _check_int(name, getattr(self, name), 1)
         _check_int("max_cpu_adapters", self.max_cpu_adapters, 0)
+        _check_int("max_adapters_per_request", self.max_adapters_per_request, 1)
+        if self.max_adapters_per_request > MAX_ADAPTERS_PER_REQUEST:
+            raise ValueError(f"EngineConfig.max_adapters_per_request must be at most {MAX_ADAPTERS_PER_REQUEST}, "
+                             f"got {self.max_adapters_per_request}")
         _check_int("cuda_graph_max_prompt_tokens", self.cuda_graph_max_prompt_tokens, 0)
         _check_int("admission_lookahead", self.admission_lookahead, 0)
         _check_int("seed", self.seed, 0)

@@ -5,10 +5,11 @@ import itertools
 import time
 import weakref
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from tqdm.auto import tqdm
 
+from .adapters.composition import AdapterRef, Composition
 from .config import EngineConfig
 from .engine.engine import Engine
 from .engine.outputs import RequestOutput
@@ -18,10 +19,11 @@ Prompt = str | Sequence[int]
 
 
 class LLM:
-    """Many prompts, each with its own adapter (or none), through one engine.
+    """Many prompts, each with its own adapter, several adapters with weights, or none, through one engine.
 
         llm = LLM("path/to/llama", adapters={"sql": "adapters/sql", "chat": "adapters/chat"})
         outs = llm.generate(["SELECT", "Hi"], SamplingParams(max_tokens=64), adapter=["sql", "chat"])
+        outs = llm.generate(["SELECT"], adapter={"sql": 0.7, "chat": 0.3})   # both adapters, weighted
 
     `engine_settings` are `EngineConfig` fields (max_num_seqs, gpu_memory_utilization, …).
 
@@ -58,16 +60,19 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams |
-                 Sequence[SamplingParams] | None = None, adapter: str | None | Sequence[str | None] = None, *,
+                 Sequence[SamplingParams] | None = None, adapter: AdapterRef | Sequence[AdapterRef] = None, *,
                  use_tqdm: bool | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in the prompts' order. A prompt is a string or a
-        list of token ids. `sampling_params` and `adapter` are one for all, or one per prompt."""
+        list of token ids. `sampling_params` and `adapter` are one for all, or a list with one per prompt. An
+        adapter is a name (an adapter, or a composition named with `engine.add_composition`), a {name: weight}
+        mapping of up to 4 adapters whose weighted LoRAs add up (PEFT's `add_weighted_adapter(...,
+        combination_type="cat")`), a `Composition`, or None for the base model."""
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and
                                         isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         params = self._per_prompt(sampling_params, len(prompts), "sampling_params", SamplingParams)
-        adapters = self._per_prompt(adapter, len(prompts), "adapter", str)
+        adapters = self._per_prompt(adapter, len(prompts), "adapter", (str, Mapping, Composition))
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         submitted = []
         try:
@@ -98,11 +103,12 @@ class LLM:
         return [done[rid] for rid in ids]
 
     @staticmethod
-    def _per_prompt(value, n: int, name: str, kind: type) -> list:
+    def _per_prompt(value, n: int, name: str, kind: type | tuple[type, ...]) -> list:
         if value is None or isinstance(value, kind):
             return [value] * n
         if not isinstance(value, Sequence):
-            raise ValueError(f"{name} must be a {kind.__name__}, None, or a list with one per prompt")
+            kinds = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+            raise ValueError(f"{name} must be a {kinds}, None, or a list with one per prompt")
         if len(value) != n:
             raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
         return list(value)

@@ -1,7 +1,7 @@
 """`AsyncEngine`: the engine on its own thread, for asyncio callers (the HTTP server).
 
     engine = AsyncEngine(EngineConfig(...), adapters={...})
-    async for out in engine.generate("Hello", SamplingParams(max_tokens=32), adapter="chat"):
+    async for out in engine.generate("Hello", SamplingParams(max_tokens=32), adapter={"chat": 0.7, "formal": 0.3}):
         print(out.new_text, end="")
 
 Submissions and aborts are queued to the worker thread, which applies them between steps;
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Callable, Sequence
 
+from ..adapters.composition import AdapterRef, Composition
 from ..config import EngineConfig
 from ..sampling import SamplingParams
 from .engine import Engine
@@ -54,8 +55,10 @@ class AsyncEngine:
 
     # ---- caller side (any event loop) -----------------------------------------------------------
     async def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                     adapter: str | None = None, request_id: str | None = None) -> str:
-        """Queue a request and return its id; raises (ValueError / AdapterError) if it is refused."""
+                     adapter: AdapterRef = None, request_id: str | None = None) -> str:
+        """Queue a request and return its id; raises (ValueError / AdapterError) if it is refused. `adapter` as
+        `Engine.add_request` takes it: a name (an adapter or a named composition), a {name: weight} mapping, a
+        Composition, or None."""
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future = loop.create_future()
         with self._lock:  # the worker's final drain takes the lock: nothing queued here is ever lost
@@ -104,7 +107,7 @@ class AsyncEngine:
                 self.abort(request_id)
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                       adapter: str | None = None, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       adapter: AdapterRef = None, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         request_id = await self.submit(prompt, params, adapter, request_id)
         async with contextlib.aclosing(self.stream(request_id)) as outputs:  # leaving early aborts at once
             async for out in outputs:
@@ -140,6 +143,24 @@ class AsyncEngine:
         if isinstance(box[0], BaseException):
             raise box[0]
         return box[1]
+
+    # Named compositions and adapter removal, applied between steps on the worker thread (`run_on_engine`: these
+    # block the caller until then; from a coroutine, call them in a thread). Errors are the engine's.
+    def add_composition(self, name: str, composition: Composition, timeout: float | None = 60.0) -> None:
+        """`Engine.add_composition`: name a composition of registered adapters."""
+        self.run_on_engine(lambda engine: engine.add_composition(name, composition), timeout)
+
+    def remove_composition(self, name: str, timeout: float | None = 60.0) -> None:
+        """`Engine.remove_composition`."""
+        self.run_on_engine(lambda engine: engine.remove_composition(name), timeout)
+
+    def remove_adapter(self, name: str, timeout: float | None = 60.0) -> None:
+        """`Engine.remove_adapter`: refused (AdapterError) while a named composition uses the adapter."""
+        self.run_on_engine(lambda engine: engine.remove_adapter(name), timeout)
+
+    def compositions(self) -> dict[str, Composition]:
+        """The named compositions now (read directly: safe from any thread, never waits for a step)."""
+        return self.engine.compositions()
 
     def shutdown(self) -> None:
         """Stop the worker; open streams end with EngineDeadError, queued submissions are refused.

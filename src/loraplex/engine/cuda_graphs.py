@@ -1,5 +1,6 @@
 """CUDA graphs of the step forward: decode steps per batch-size bucket, and mixed steps (decodes
-beside prompt chunks) per bucket of sequences and of prompt tokens, each with and without LoRA.
+beside prompt chunks) per bucket of sequences and of prompt tokens, each in up to three variants:
+without LoRA, with one adapter per sequence, and with compositions (sequences that combine adapters).
 
 A step launches hundreds of small kernels (about 1,500 for a Llama-2-7B forward with adapters);
 replaying a captured graph removes their host cost. Eager, a mixed step of 31 decodes and a
@@ -8,8 +9,13 @@ replaying a captured graph removes their host cost. Eager, a mixed step of 31 de
 
 Each graph reads a `ForwardBatch.for_graph` batch (fixed buffers, rewritten in place by
 `update_`, the `LoraBatch` included), so one capture serves every step that fits its bucket: rows
-and sequences past the real ones write no KV and use no adapter. Steps where no sequence has an
-adapter replay a graph captured without the LoRA launches. Every graph writes its logits into one
+and sequences past the real ones write no KV and use no adapter. The variant is chosen per step
+(`lora_variant`): steps where no sequence has an adapter replay a graph captured without the LoRA
+launches; steps where every sequence has one adapter at weight 1 (or none) replay the plain LoRA
+graph, as they did before compositions existed; a step with any composition (several adapters, or a
+weight other than 1) replays a graph whose batch takes up to `max_members` adapters a sequence
+(`ForwardBatch.for_graph(..., max_members=...)`), captured only where the engine allows compositions
+(`EngineConfig.max_adapters_per_request` > 1). Every graph writes its logits into one
 shared buffer, so graphs cost no logits memory each (replays run one at a time, in stream order,
 and the sampler reads the logits before the next replay is queued).
 """
@@ -30,6 +36,21 @@ from ..models.llama import LlamaForCausalLM
 log = logging.getLogger("loraplex.engine")
 
 PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512)
+
+# The graph variants, by what the step's sequences use (lora_variant)
+BASE, LORA, COMPOSED = "base", "lora", "composed"
+
+
+def lora_variant(chunks: Sequence[SequenceChunk]) -> str:
+    """COMPOSED if a chunk combines adapters or weighs its adapter (a tuple of slots, or weights given), else LORA
+    if a chunk uses an adapter, else BASE."""
+    variant = BASE
+    for c in chunks:
+        if c.adapter_weights is not None or type(c.adapter_slot) is not int:
+            return COMPOSED
+        if c.adapter_slot >= 0:
+            variant = LORA
+    return variant
 
 
 def graph_buckets(max_batch: int) -> list[int]:
@@ -95,11 +116,14 @@ class _Graph:
 
 class StepGraphs:
     def __init__(self, model: LlamaForCausalLM, kv: KVCache, pool: AdapterPool | None, *, max_batch: int,
-                 max_seq_len: int, max_prompt_tokens: int = 0) -> None:
+                 max_seq_len: int, max_prompt_tokens: int = 0, max_members: int = 1) -> None:
         self.model, self.kv, self.pool = model, kv, pool
         self.shapes = GraphShapes.make(max_batch, max_seq_len, max_prompt_tokens)
-        # (sequences, prompt tokens, LoRA): LoRA False for steps where no sequence has an adapter
-        self._graphs: dict[tuple[int, int, bool], _Graph] = {}
+        # the variants captured for every shape: COMPOSED where a request may combine adapters (max_members > 1)
+        self.variants = [BASE] if pool is None else [BASE, LORA] + ([COMPOSED] if max_members > 1 else [])
+        self.max_members = max_members
+        # (sequences, prompt tokens, variant)
+        self._graphs: dict[tuple[int, int, str], _Graph] = {}
         self._memory = torch.cuda.graph_pool_handle()
         # One warm-up and capture stream per priority, reused by every graph: cuBLAS keeps a workspace (32 MiB on
         # sm90) per stream it has run on, so a stream per graph would pin one each; the warm-up on the capture
@@ -110,21 +134,24 @@ class StepGraphs:
     def capture(self) -> None:
         start = time.perf_counter()
         for seqs, prompt in self.shapes.all():
-            for lora in (False, True) if self.pool is not None else (False,):
-                self._graphs[(seqs, prompt, lora)] = self._capture(seqs, prompt, lora)
+            for variant in self.variants:
+                self._graphs[(seqs, prompt, variant)] = self._capture(seqs, prompt, variant)
         torch.cuda.synchronize()
         sh = self.shapes
-        log.info("captured %d CUDA graphs (decode batches %s; mixed: sequences %s × prompt tokens %s) in %.1f s",
-                 len(self._graphs), sh.buckets, sh.mixed_seqs, sh.mixed_prompts, time.perf_counter() - start)
+        log.info("captured %d CUDA graphs (decode batches %s; mixed: sequences %s × prompt tokens %s; variants %s) "
+                 "in %.1f s", len(self._graphs), sh.buckets, sh.mixed_seqs, sh.mixed_prompts,
+                 ", ".join(self.variants), time.perf_counter() - start)
 
-    def _capture(self, seqs: int, prompt: int, lora: bool) -> _Graph:
+    def _capture(self, seqs: int, prompt: int, variant: str) -> _Graph:
         c = self.model.config
         batch = ForwardBatch.for_graph(seqs, self.shapes.max_seq_len, block_size=self.kv.block_size,
                                        num_blocks=self.kv.num_blocks, vocab_size=c.vocab_size,
                                        num_adapter_slots=self.pool.num_slots if self.pool else 1,
-                                       device=self.kv.device, max_prompt_tokens=prompt)
+                                       device=self.kv.device, max_prompt_tokens=prompt,
+                                       max_members=self.max_members if variant == COMPOSED else 1)
         # One real row (into KV block 0, which no sequence holds yet) so every kernel runs while capturing.
         batch.update_([SequenceChunk([0], 0, [0])])
+        lora = variant != BASE
         pool = self.pool if lora else None
         device = self.kv.device
         # its kernels keep the stream's priority at replay
@@ -149,11 +176,14 @@ class StepGraphs:
         buffer: read it before the next replay). With `inputs` = (device ids, index), the first
         len(index) chunks are one-token decodes and chunk i's token is `ids[index[i]]` instead of its
         own (prompt chunks may follow them). `key`: the graph, as `shapes.key_for(chunks)` chose it
-        (the batch's `update_` refuses chunks it cannot hold)."""
+        (the batch's `update_` refuses chunks it cannot hold). The variant is the chunks' (`lora_variant`)."""
         if inputs is not None and any(len(c.token_ids) != 1 for c in chunks[:len(inputs[1])]):
             raise ValueError("device-side inputs feed one-token decode chunks, which come first")
-        lora = self.pool is not None and any(c.adapter_slot >= 0 for c in chunks)
-        g = self._graphs[(*key, lora)]
+        variant = lora_variant(chunks) if self.pool is not None else BASE
+        if variant not in self.variants:
+            raise ValueError(f"no CUDA graphs of compositions were captured (max_members={self.max_members}): "
+                             f"run this step eagerly")
+        g = self._graphs[(*key, variant)]
         g.batch.update_(chunks)
         if inputs is not None:   # rows 0 .. len(index) - 1: the decodes fed from the step in flight
             with torch.inference_mode():

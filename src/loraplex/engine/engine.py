@@ -10,9 +10,11 @@ from pathlib import Path
 from typing import Sequence as Seq
 
 from ..adapters import AdapterError
+from ..adapters.composition import AdapterRef, Composition
 from ..config import EngineConfig
 from ..sampling import SamplingParams
 from .block_manager import BlockManager
+from .compositions import NamedCompositions
 from .gc_heap import freeze_heap, release_heap
 from .model_runner import ModelRunner
 from .outputs import RequestOutput, make_output
@@ -40,6 +42,7 @@ class Engine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self._requests: dict[str, Sequence] = {}
+        self._compositions = NamedCompositions(config, self.adapters)
         self.last_step: StepInfo | None = None
         self.pipeline = StepPipeline(config, self.runner, self.scheduler, self.blocks)
         self.stats = {"steps": 0, "graph_steps": 0, "mixed_graph_steps": 0, "overlapped_steps": 0,
@@ -73,15 +76,40 @@ class Engine:
     # ---- adapters ---------------------------------------------------------------------------------
     def add_adapter(self, name: str, path: str | Path) -> None:
         """Register a PEFT adapter folder (validated now; its weights load when first used)."""
+        if name in self._compositions:
+            raise AdapterError(f"adapter name {name!r} is already registered (a composition)")
         self.adapters.register(name, path)
 
     def remove_adapter(self, name: str) -> None:
+        """Unregister an adapter (requests already running with it finish). Refused while a named composition
+        uses it: remove those first."""
+        users = self._compositions.using(name)
+        if users:
+            raise AdapterError(f"adapter {name!r} is a member of the composition(s) {', '.join(users)}: "
+                               f"remove them first")
         self.adapters.unregister(name)
+
+    def add_composition(self, name: str, composition: Composition) -> None:
+        """Name a composition of registered adapters (a recipe: no weights are copied); requests then use the name
+        as an adapter's. Refuses a name already used by an adapter or a composition, and members that are not
+        registered adapters."""
+        self._compositions.add(name, composition)
+
+    def remove_composition(self, name: str) -> None:
+        """Forget a named composition; requests already using it go on with it."""
+        self._compositions.remove(name)
+
+    def compositions(self) -> dict[str, Composition]:
+        """The named compositions (a copy; safe to call from any thread)."""
+        return self._compositions.snapshot()
 
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
-                    adapter: str | None = None) -> Sequence:
-        """Queue a request; every problem with it is a ValueError now, never a failure later."""
+                    adapter: AdapterRef = None) -> Sequence:
+        """Queue a request; every problem with it is a ValueError now, never a failure later. `adapter`: an
+        adapter's name, a named composition's, a {name: weight} mapping of up to 4 adapters (a Composition), or
+        None for the base model. A malformed or too large composition is a ValueError, an unknown member or one that
+        failed to load an AdapterError naming it (`NamedCompositions.resolve`)."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self._requests:
@@ -94,14 +122,9 @@ class Engine:
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens; this engine serves at most "
                              f"{self.max_model_len} tokens per sequence (max_model_len), output included")
-        if adapter is not None:
-            if not isinstance(adapter, str) or adapter not in self.adapters:
-                known = ", ".join(self.adapters.names()[:20]) or "none"
-                raise AdapterError(f"unknown adapter {adapter!r} (registered: {known})")
-            if self.adapters.error(adapter) is not None:
-                raise AdapterError(f"adapter {adapter!r} failed to load: {self.adapters.error(adapter)}")
-            # its load is ordered by the scheduler's plan (queue order, into free slots), from the next step
-        seq = Sequence(request_id, token_ids, params, adapter=adapter, prompt=text_prompt)
+        # its loads are ordered by the scheduler's plan (queue order, into free slots), from the next step
+        composition, label = self._compositions.resolve(adapter)
+        seq = Sequence(request_id, token_ids, params, adapter=composition, prompt=text_prompt, adapter_label=label)
         if params.seed is not None:
             seq.generator = self.runner.new_generator(params.seed)
         if self.tokenizer is not None:

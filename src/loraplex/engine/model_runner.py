@@ -20,6 +20,7 @@ from ..sampling import PendingSample, Sampler, SamplingParams
 from ..models.warmup import compile_lora_kernels
 from .cuda_graphs import StepGraphs
 from .scheduler import ScheduledChunk
+from .sequence import Sequence
 
 log = logging.getLogger("loraplex.engine")
 
@@ -41,6 +42,19 @@ class GpuSpan:
         """Waits for the step's end on the GPU if it has not come yet."""
         self.end.synchronize()
         return self.start.elapsed_time(self.end) / 1e3
+
+
+def chunk_adapters(seq: Sequence) -> tuple[int | tuple[int, ...], tuple[float, ...] | None]:
+    """A running sequence's `SequenceChunk.adapter_slot` and `adapter_weights`: (-1, None) for the base model, (its
+    slot, None) for one adapter at weight 1 (what plain single-adapter batches and their CUDA graphs take), else
+    (every member's slot, every member's weight) in the composition's order."""
+    slots = seq.adapter_slots
+    if not slots:
+        return -1, None
+    weights = seq.adapter.weights
+    if len(slots) == 1 and weights[0] == 1.0:
+        return slots[0], None
+    return slots, weights
 
 
 class ModelRunner:
@@ -67,13 +81,14 @@ class ModelRunner:
             self.max_model_len = capacity
         self.graphs: StepGraphs | None = None
         if self.device.type == "cuda":
-            compile_lora_kernels(c, self.adapters.pool, self.model.dtype)
+            compile_lora_kernels(c, self.adapters.pool, self.model.dtype, compositions=self._max_members > 1)
         if self.device.type == "cuda" and not config.enforce_eager:
             torch.cuda.set_device(self.device)   # capture on our GPU
             self.graphs = StepGraphs(self.model, self.kv, self.adapters.pool, max_seq_len=self.max_model_len,
                                      max_batch=self.graph_batch,
                                      max_prompt_tokens=min(config.cuda_graph_max_prompt_tokens,
-                                                           config.max_num_batched_tokens))
+                                                           config.max_num_batched_tokens),
+                                     max_members=self._max_members)
             self.graphs.capture()
         # after the captures: each hands PyTorch's cached pinned blocks back to CUDA (adapters/pinned_reserve.py)
         self.adapters.reserve_host_memory(config.adapter_host_reserve_gib)   # nothing off CUDA
@@ -88,6 +103,11 @@ class ModelRunner:
         if cfg.dummy_layers is not None:
             raise ValueError("EngineConfig.dummy_layers applies to 'dummy:<preset>' models only")
         return load_model(cfg.model, dtype=cfg.dtype, device=self.device)
+
+    @property
+    def _max_members(self) -> int:
+        """Most adapters one sequence of a step combines: the requests' limit, within the GPU slots."""
+        return min(self.config.max_adapters_per_request, self.adapters.pool.num_slots)
 
     def _num_kv_blocks(self) -> int:
         cfg, c = self.config, self.model.config
@@ -128,14 +148,18 @@ class ModelRunner:
         lens = [tokens // seqs + (1 if i < tokens % seqs else 0) for i in range(seqs)]
         blocks_each = [-(-n // cfg.block_size) for n in lens]
         kv = KVCache(c, sum(blocks_each), cfg.block_size, dtype=self.model.dtype, device=self.device)
+        # every sequence with as many adapters as a request may combine: the LoRA path's largest temporaries
+        members = self._max_members
+        lora = dict(adapter_slot=0) if members == 1 else \
+            dict(adapter_slot=tuple(range(members)), adapter_weights=(0.5,) * members)
         chunks, start = [], 0
         for i, n in enumerate(lens):
-            chunks.append(SequenceChunk([1] * n, 0, list(range(start, start + blocks_each[i])), adapter_slot=0))
+            chunks.append(SequenceChunk([1] * n, 0, list(range(start, start + blocks_each[i])), **lora))
             start += blocks_each[i]
         batch = ForwardBatch.build(chunks, block_size=kv.block_size, num_blocks=kv.num_blocks,
                                    vocab_size=c.vocab_size, device=self.device,
                                    num_adapter_slots=self.adapters.pool.num_slots)
-        # (slot 0 holds no adapter yet: its rank is 0, so the LoRA launches run but read no weights)
+        # (no slot holds an adapter yet: their ranks are 0, so the LoRA launches run but read no weights)
         with torch.cuda.device(self.device):
             logits = self.model(batch, kv, self.adapters.pool)
             self.sampler(logits, [SamplingParams(top_p=0.9, top_k=50)] * len(lens), [None] * len(lens))
@@ -156,7 +180,8 @@ class ModelRunner:
         batch_chunks = []
         for i, c in enumerate(chunks):
             ids = [0] if i < from_device else c.seq.token_ids[c.start:c.start + c.num_tokens]
-            batch_chunks.append(SequenceChunk(ids, c.start, c.seq.block_table, c.seq.adapter_slot, c.needs_logits))
+            slot, weights = chunk_adapters(c.seq)
+            batch_chunks.append(SequenceChunk(ids, c.start, c.seq.block_table, slot, c.needs_logits, weights))
         graph = self.graphs.shapes.key_for(batch_chunks) if self.graphs is not None else None
         # everything on our GPU's current stream, whichever device the calling thread has current
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():

@@ -29,7 +29,8 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    adapter: str | None
+    adapter: str | None               # what the request named: an adapter, a named composition, or a composition's
+                                      # string form ("{sql: 0.7, formal: 0.3}"); None for the base model
     text: str                         # the output text so far (cut before a stop string)
     token_ids: list[int]              # the output token ids so far
     new_text: str                     # text not reported before (streaming); never part of a stop string
@@ -40,6 +41,7 @@ class RequestOutput:
     error: str | None
     logprobs: list[TokenLogprobs] | None
     metrics: RequestMetrics = field(repr=False)
+    adapters: tuple[str, ...] = ()    # the adapters it ran with (a composition's members); empty for the base model
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -62,8 +64,9 @@ def make_output(seq: Sequence) -> RequestOutput:
         new_text, text = "", ""
     t = seq.times
     return RequestOutput(
-        request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids, adapter=seq.adapter,
+        request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids, adapter=seq.adapter_label,
         text=text, token_ids=token_ids, new_text=new_text, new_token_ids=new_ids, finished=finished,
         finish_reason=seq.finish_reason.value if seq.finish_reason else None, stop_reason=seq.stop_reason,
         error=seq.error, logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-        metrics=RequestMetrics(t.arrival, t.first_scheduled, t.first_token, t.finished, seq.num_preemptions))
+        metrics=RequestMetrics(t.arrival, t.first_scheduled, t.first_token, t.finished, seq.num_preemptions),
+        adapters=seq.adapter_names)

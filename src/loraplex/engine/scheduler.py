@@ -7,7 +7,9 @@ Each step packs, under a token budget and a cap on running sequences:
    skipped, so others go ahead meanwhile, while its adapter loads (`plan_adapter_loads`); once
    it has waited `max_queue_skip_ms` it is skipped no more: nothing behind it is admitted until it runs
    (aging), so no request starves behind a popular adapter. Distinct adapters per step are
-   bounded by the GPU slots because every running request pins its adapter's slot.
+   bounded by the GPU slots because every running request pins its adapters' slots: a request that
+   combines several adapters (adapters/composition.py) is admitted only once all of them are on the
+   GPU, and pins all of them or none.
 
 When a running sequence needs a KV block and none is free, the newest running sequence (by
 arrival) gives its blocks back and waits to be recomputed; its tokens so far are kept, so its
@@ -24,12 +26,13 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..adapters import AdapterCache, AdapterError
 from ..config import EngineConfig
 from .block_manager import BlockManager
-from .sequence import Sequence, SequenceStatus
+from .sequence import FinishReason, Sequence, SequenceStatus
 
 log = logging.getLogger("loraplex.engine")
 
@@ -99,7 +102,7 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
             if seq.adapter is not None:
-                self.plan_adapter_loads()   # withdraw its load now: the engine may not step again soon
+                self.plan_adapter_loads()   # withdraw its loads now: the engine may not step again soon
         seq.status = SequenceStatus.FINISHED
 
     # ---- one step -------------------------------------------------------------------------------
@@ -164,29 +167,26 @@ class Scheduler:
             if budget == 0 or len(self.running) - seats_freed >= self.config.max_num_seqs:
                 break
             aged = now - seq.times.arrival >= skip_after
-            slot = -1
-            if seq.adapter is not None:
-                try:
-                    slot = self.adapters.acquire_if_resident(seq.adapter)
-                except AdapterError as e:  # its load failed: this request ends (engine), the others go on
-                    seq.error = str(e)
-                    out.failed.append(seq)
-                    continue
-                if slot is None:   # loading: others go ahead, unless it has waited too long
-                    # the load holds the batch back only if the KV memory has room for the request
-                    self.waiting_on_adapters = self.waiting_on_adapters or self.fits(seq, reserve=reserve)
-                    if aged:
-                        break
-                    continue
+            try:
+                slots = self._pin(seq)
+            except AdapterError as e:  # a load failed: this request ends (engine), the others go on
+                seq.error = str(e)
+                out.failed.append(seq)
+                continue
+            if slots is None:   # loading: others go ahead, unless it has waited too long
+                # the load holds the batch back only if the KV memory has room for the request
+                self.waiting_on_adapters = self.waiting_on_adapters or self.fits(seq, reserve=reserve)
+                if aged:
+                    break
+                continue
             # The whole of its tokens must fit now, or admitting it would only preempt someone soon.
             if not self.fits(seq, reserve=reserve):
-                if slot >= 0:
-                    self.adapters.release(seq.adapter)
+                self._unpin(seq.adapter_names)
                 break  # first come, first served for memory too
             n = min(seq.num_uncached, budget)
             self.blocks.grow(seq, seq.num_cached + n)
             self.waiting.remove(seq)
-            seq.status, seq.adapter_slot = SequenceStatus.RUNNING, slot
+            seq.status, seq.adapter_slots = SequenceStatus.RUNNING, slots
             if seq.times.first_scheduled is None:
                 seq.times.first_scheduled = now
             self.running.append(seq)
@@ -197,9 +197,9 @@ class Scheduler:
 
     def would_admit(self, extra_blocks: int = 0, now: float | None = None) -> bool:
         """Would `schedule` admit a waiting request now, with `extra_blocks` of the free KV blocks taken? `_admit`'s
-        rules, without pinning anything: a seat and `may_admit`; requests whose adapter is not on the GPU are passed
-        over until aged (then nothing is admitted); the first one reached must fit (`fits`). A request whose
-        adapter failed counts: `schedule` would end it."""
+        rules, without pinning anything: a seat and `may_admit`; requests with an adapter not on the GPU are passed
+        over until aged (then nothing is admitted); the first one reached must fit (`fits`). A request with an
+        adapter that failed (or is gone) counts: `schedule` would end it."""
         now = time.monotonic() if now is None else now
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return False
@@ -207,13 +207,13 @@ class Scheduler:
             return False
         skip_after = self.config.max_queue_skip_ms / 1000
         for seq in self.waiting:
-            if seq.adapter is not None:
-                if seq.adapter not in self.adapters or self.adapters.error(seq.adapter) is not None:
-                    return True
-                if not self.adapters.is_resident(seq.adapter):
-                    if now - seq.times.arrival >= skip_after:
-                        return False
-                    continue
+            names = seq.adapter_names
+            if any(name not in self.adapters or self.adapters.error(name) is not None for name in names):
+                return True
+            if not all(self.adapters.is_resident(name) for name in names):
+                if now - seq.times.arrival >= skip_after:
+                    return False
+                continue
             return self.fits(seq, extra_blocks)
         return False
 
@@ -267,10 +267,10 @@ class Scheduler:
         return len(queued) >= seats or sum(s.num_uncached for s in queued) >= budget
 
     def plan_adapter_loads(self) -> None:
-        """Tell the adapter cache what the waiting requests need, in queue order: on the GPU, the
-        adapters of as many of them as the slots the running requests leave free; on the host
-        (read ahead from disk), those of the requests after them, as many as the CPU tier holds.
-        The engine calls it every step.
+        """Tell the adapter cache what the waiting requests need, in queue order (every adapter of a
+        request that combines several): on the GPU, as many as the slots the running requests leave
+        free; on the host (read ahead from disk), those of the requests after them, as many as the CPU
+        tier holds. The engine calls it every step.
 
         Wanting more than the free slots would make the later requests' loads evict the adapters of
         the earlier ones (least recently used) before those are admitted: under many distinct
@@ -281,7 +281,7 @@ class Scheduler:
         if not self.waiting:
             self.adapters.want([], 0)
             return
-        pinned = {seq.adapter for seq in self.running if seq.adapter is not None}
+        pinned = {name for seq in self.running for name in seq.adapter_names}
         free = max(self.config.max_gpu_adapters - len(pinned), 0)
         # every host copy lands in the CPU tier: wishes and read-ahead together must fit in it, or the
         # read-ahead would evict its own copies before they are used (the cache caps it so)
@@ -290,12 +290,24 @@ class Scheduler:
         for i, seq in enumerate(self.waiting):
             if len(names) >= ahead or i >= self.PLAN_SCAN:
                 break
-            if seq.adapter is not None and seq.adapter not in pinned:
-                names[seq.adapter] = None
+            for name in seq.adapter_names:
+                if name not in pinned:
+                    names[name] = None
         self.adapters.want(list(names), free)
 
     # ---- internals ------------------------------------------------------------------------------
+    # A cluster replica's hook (cluster/replica_engine.py): called with a running sequence about to be preempted;
+    # True takes it away instead: its blocks and adapter pins are freed and it ends as MIGRATED (it moves to
+    # another replica, which recomputes it). None (the default): preemption as usual.
+    migrate: Callable[[Sequence], bool] | None = None
+
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        if self.migrate is not None and self.migrate(seq):
+            self.running.remove(seq)
+            self._release(seq)
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.MIGRATED
+            log.debug("migrated %s (recomputed on another replica)", seq.request_id)
+            return
         self.num_recomputed_tokens += seq.num_cached
         self.running.remove(seq)
         self._release(seq)
@@ -308,9 +320,31 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         self.blocks.free(seq)
-        if seq.adapter_slot >= 0:
-            self.adapters.release(seq.adapter)
-            seq.adapter_slot = -1
+        if seq.adapter_slots:
+            self._unpin(seq.adapter_names)
+            seq.adapter_slots = ()
+
+    def _pin(self, seq: Sequence) -> tuple[int, ...] | None:
+        """Pin the slots of all of its adapters (() for the base model), or none: None while one is not on the GPU
+        yet. Raises AdapterError (naming the adapter) if one failed to load or is gone, pinning nothing."""
+        slots: list[int] = []
+        try:
+            for name in seq.adapter_names:
+                slot = self.adapters.acquire_if_resident(name)
+                if slot is None:
+                    break
+                slots.append(slot)
+            else:
+                return tuple(slots)
+        except AdapterError:
+            self._unpin(seq.adapter_names[:len(slots)])
+            raise
+        self._unpin(seq.adapter_names[:len(slots)])
+        return None
+
+    def _unpin(self, names: tuple[str, ...]) -> None:
+        for name in names:
+            self.adapters.release(name)
 
     def _enqueue(self, seq: Sequence) -> None:
         keys = [s.times.arrival for s in self.waiting]

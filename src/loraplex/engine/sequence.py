@@ -8,12 +8,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..adapters.composition import AdapterRef, Composition
 from ..sampling import SamplingParams, TokenLogprobs
 
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"    # no KV blocks (new, or preempted and to be recomputed)
-    RUNNING = "running"    # holds KV blocks and, if it has an adapter, a pinned adapter slot
+    RUNNING = "running"    # holds KV blocks and a pinned slot for each of its adapters
     FINISHED = "finished"
 
 
@@ -21,7 +22,8 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"          # eos, a stop token or a stop string
     LENGTH = "length"      # max_tokens or the model's length limit
     ABORT = "abort"        # aborted by the caller
-    ERROR = "error"        # its adapter failed to load, or the model produced NaN
+    ERROR = "error"        # one of its adapters failed to load, or the model produced NaN
+    MIGRATED = "migrated"  # taken off a cluster replica short of KV memory, to go on elsewhere (cluster/)
 
 
 @dataclass
@@ -37,14 +39,18 @@ class Sequence:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    adapter: str | None = None
+    # its adapters with their weights (a name or a {name: weight} mapping given here is parsed); None: the base model
+    adapter: AdapterRef = None
     prompt: str | None = None
     generator: torch.Generator | None = None   # the request's own, when it brings a seed
     text: object | None = None                 # its OutputText (detokenizer), when the engine has a tokenizer
     token_ids: list[int] = field(default_factory=list)   # prompt + output
     num_cached: int = 0                        # tokens whose keys and values are in the KV cache
     block_table: list[int] = field(default_factory=list)
-    adapter_slot: int = -1                     # valid while RUNNING with an adapter
+    adapter_slots: tuple[int, ...] = ()        # each member's pool slot, in the composition's order; pinned
+                                               # while RUNNING, () otherwise
+    # what the request named: an adapter, a named composition, or (default) the composition's string form
+    adapter_label: str | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None       # the stop string or token id that ended it
@@ -57,8 +63,16 @@ class Sequence:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        self.adapter = Composition.parse(self.adapter)
+        if self.adapter_label is None and self.adapter is not None:
+            self.adapter_label = str(self.adapter)
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
+
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        """Its adapters' names (empty for the base model)."""
+        return () if self.adapter is None else self.adapter.names
 
     @property
     def num_tokens(self) -> int:
@@ -82,5 +96,5 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     def __repr__(self) -> str:
-        return (f"Sequence({self.request_id!r}, {self.status.value}, adapter={self.adapter!r}, "
+        return (f"Sequence({self.request_id!r}, {self.status.value}, adapter={self.adapter_label!r}, "
                 f"tokens={self.num_tokens}, cached={self.num_cached}, blocks={len(self.block_table)})")

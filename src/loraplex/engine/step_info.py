@@ -12,7 +12,8 @@ class StepInfo:
     """What the last step ran (for metrics and benchmarks)."""
     num_seqs: int
     num_tokens: int
-    adapters: tuple[str | None, ...]   # the step's distinct adapters (None: sequences on the base model first)
+    adapters: tuple[str | None, ...]   # the step's distinct adapters, compositions' members each (None: sequences
+                                       # on the base model, first)
     decode: bool           # every sequence fed one token
     graphed: bool          # replayed a CUDA graph
     seconds: float         # wall time of the whole step: schedule, run, sample, postprocess
@@ -33,7 +34,7 @@ class StepInfo:
     @classmethod
     def of(cls, chunks: list[ScheduledChunk], graphed: bool, seconds: float, span: GpuSpan | None) -> StepInfo:
         """The record of a step that ran `chunks`."""
-        names = {c.seq.adapter for c in chunks}
+        names = {name for c in chunks for name in (c.seq.adapter_names or (None,))}
         return cls(len(chunks), sum(c.num_tokens for c in chunks),
                    tuple(sorted(names, key=lambda a: (a is not None, a or ""))), is_decode(chunks), graphed,
                    seconds, span, sum(c.start + c.num_tokens for c in chunks))

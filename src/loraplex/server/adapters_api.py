@@ -2,6 +2,13 @@
 `POST /v1/load_lora_adapter {"lora_name", "lora_path"}` and `POST /v1/unload_lora_adapter
 {"lora_name"}`, the same operations (same key, same confinement) answered as vLLM does, in text.
 
+Named compositions: `POST /v1/adapters {"name", "compose": {adapter: weight}}` registers a recipe
+(no weights copied: the kernels combine the members per request) that clients then use as
+`model`; it is listed by `/v1/models` and `GET /v1/adapters` with its `compose`, and
+`DELETE /v1/adapters/{name}` (or vLLM's unload) removes it. Requests already running with it go
+on. Removing an adapter that a composition uses is refused (409, naming the compositions): remove
+those first. Adapters and compositions share one namespace.
+
 A tenant key with `manage_adapters` (tenants.py) manages only the names its `adapters` patterns
 allow: it lists only those, and the others are, to it, adapters that do not exist.
 
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 from fastapi import APIRouter, Request
@@ -28,18 +36,27 @@ from pydantic import BaseModel, ConfigDict
 
 from ..adapters import AdapterError, inspect_peft_adapter, read_peft_adapter
 from ..adapters.spec import check_adapter_name
+from .compositions_api import (
+    check_unused,
+    composition_entry,
+    register_composition,
+    remove_composition,
+    visible_compositions,
+)
 from .errors import APIError, public_text
 from .guards import access_of
 from .state import AdapterRecord, ServerState
+from .targets import may_use_composition
 from .tenants import Access
 
 router = APIRouter()
 
 
-class AdapterLoad(BaseModel):
+class AdapterLoad(BaseModel):   # an adapter folder (`path`), or a named composition (`compose`)
     model_config = ConfigDict(extra="forbid")
     name: str
-    path: str
+    path: str | None = None
+    compose: dict[str, Any] | None = None
 
 
 class LoraAdapterLoad(BaseModel):   # vLLM's body (its other fields, e.g. lora_int_id, are ignored)
@@ -136,6 +153,7 @@ async def list_adapters(request: Request) -> dict:
                      "source": shown_source(state, access, record.source),
                      "requests_served": record.requests_served,
                      "requests_running": state.in_flight_by_adapter.get(name, 0)})
+    data += [composition_entry(state, record) for record in visible_compositions(state, access)]
     return {"object": "list", "data": data}
 
 
@@ -151,8 +169,8 @@ def shown_source(state: ServerState, access: Access, source: str) -> str:
     return path.name
 
 
-async def register(state: ServerState, access: Access, name: str, path: str) -> Path:
-    """Validate and register the adapter folder `path` (inside the roots) as `name`; the folder."""
+def _check_new_name(state: ServerState, access: Access, name: str) -> None:
+    """A name this key may give to a new adapter or composition: allowed (400), its own (403), free (409)."""
     try:
         check_adapter_name(name)
     except AdapterError as e:
@@ -160,9 +178,14 @@ async def register(state: ServerState, access: Access, name: str, path: str) -> 
     if not access.may_use(name):
         raise APIError(403, f"this key may not manage adapters named {name!r}", param="name",
                        code="permission_denied")
-    if name == state.model_name or name in state.adapters or name in state.cache:
+    if name == state.model_name or name in state.adapters or name in state.cache or name in state.compositions:
         what = "is being removed (requests still use it)" if name in state.draining else "is already served"
         raise APIError(409, f"the name {name!r} {what}", param="name", code="adapter_exists")
+
+
+async def register(state: ServerState, access: Access, name: str, path: str) -> Path:
+    """Validate and register the adapter folder `path` (inside the roots) as `name`; the folder."""
+    _check_new_name(state, access, name)
     folder = resolve_inside_roots(path, state.settings.adapter_roots)
     start = time.monotonic()
     try:
@@ -179,20 +202,38 @@ async def register(state: ServerState, access: Access, name: str, path: str) -> 
     return folder
 
 
-def unregister(state: ServerState, access: Access, name: str) -> None:
-    """Stop serving `name`; it leaves the engine once its last request has ended."""
+async def unregister(state: ServerState, access: Access, name: str) -> str:
+    """Stop serving `name`, an adapter (it leaves the engine once its last request has ended) or a named
+    composition; what it was ("adapter" or "composition")."""
+    record = state.compositions.get(name)
+    if record is not None and may_use_composition(access, name, record.composition):
+        await remove_composition(state, record)
+        return "composition"
     if name not in state.adapters or name in state.draining or not access.may_use(name):
         raise APIError(404, f"no adapter named {name!r}", param="name", code="adapter_not_found")
+    check_unused(state, access, name)
     del state.adapters[name]
     if state.in_flight_by_adapter.get(name, 0) > 0:
         state.draining.add(name)   # unregistered by the last of its requests (ServerState.release)
     else:
         state.finish_removal(name)
+    return "adapter"
 
 
 @router.post("/v1/adapters")
 async def load_adapter(request: Request, body: AdapterLoad) -> dict:
     state, access = _state(request), access_of(request)
+    if body.compose is not None:
+        if body.path is not None:
+            raise APIError(400, "send path (an adapter folder) or compose (a composition of adapters), not both",
+                           param="compose")
+        _check_new_name(state, access, body.name)
+        composition = await register_composition(state, access, body.name, body.compose)
+        return {"id": body.name, "object": "composition", "parent": state.model_name,
+                "compose": dict(composition.members)}
+    if body.path is None:
+        raise APIError(400, "path (an adapter folder) or compose (a composition of adapters) is required",
+                       param="path")
     folder = await register(state, access, body.name, body.path)
     spec = state.cache.spec(body.name)
     return {"id": body.name, "object": "adapter", "parent": state.model_name, "rank": spec.max_rank,
@@ -201,8 +242,8 @@ async def load_adapter(request: Request, body: AdapterLoad) -> dict:
 
 @router.delete("/v1/adapters/{name:path}")   # names may hold "/"
 async def remove_adapter(request: Request, name: str) -> dict:
-    unregister(_state(request), access_of(request), name)
-    return {"id": name, "object": "adapter", "deleted": True}
+    kind = await unregister(_state(request), access_of(request), name)
+    return {"id": name, "object": kind, "deleted": True}
 
 
 @router.post("/v1/load_lora_adapter")
@@ -217,7 +258,7 @@ async def load_lora_adapter(request: Request, body: LoraAdapterLoad) -> PlainTex
 @router.post("/v1/unload_lora_adapter")
 async def unload_lora_adapter(request: Request, body: LoraAdapterUnload) -> PlainTextResponse:
     try:
-        unregister(_state(request), access_of(request), body.lora_name)
+        await unregister(_state(request), access_of(request), body.lora_name)
     except APIError as e:
         raise _vllm_params(e) from None
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

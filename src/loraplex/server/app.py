@@ -16,12 +16,14 @@ from starlette.background import BackgroundTask
 
 from .. import __version__
 from .adapters_api import router as adapters_router
+from .compositions_api import composition_models
 from .errors import APIError, install_error_handlers
 from .generation import Run, prepare
 from .guards import Authenticator, Guard, access_of
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .respond import respond_stream, respond_whole, start_stream
 from .state import ServerState
+from .targets import requested_label
 
 log = logging.getLogger("loraplex.server")
 
@@ -68,6 +70,7 @@ def create_app(state: ServerState, *, lifespan=None) -> FastAPI:
             data.append({"id": name, "object": "model", "created": state.adapters[name].created,
                          "owned_by": "loraplex", "root": name, "parent": state.model_name,
                          "max_model_len": state.max_model_len})
+        data += composition_models(state, access)   # named compositions, with their members in `compose`
         return {"object": "list", "data": data}
 
     @app.get("/v1/models/{model_id:path}")
@@ -91,7 +94,7 @@ def create_app(state: ServerState, *, lifespan=None) -> FastAPI:
 
 async def _generate(state: ServerState, request: Request, body, chat: bool) -> Response:
     access = access_of(request)
-    adapter = None if body.model == state.model_name else body.model
+    adapter = requested_label(state, body)
     try:
         prep = await prepare(state, body, chat, access)
         run = Run(state, prep)

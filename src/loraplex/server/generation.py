@@ -1,6 +1,6 @@
-"""One completion or chat request through the engine: prepare (model → adapter, prompts → token ids,
-fields → SamplingParams), then `Run` submits its choices and gathers their outputs (respond.py
-answers with them, whole or as server-sent events).
+"""One completion or chat request through the engine: prepare (model and adapters → what it runs
+on, targets.py; prompts → token ids; fields → SamplingParams), then `Run` submits its choices and
+gathers their outputs (respond.py answers with them, whole or as server-sent events).
 
 A completions request may hold a batch of prompts: each has `n` choices, choice `k * n + j` is
 prompt k's j-th (OpenAI's numbering). Choice i with a seed draws from seed + i.
@@ -29,6 +29,7 @@ from ..sampling import SEED_LIMIT, SamplingParams
 from . import translate
 from .errors import APIError, public_text
 from .state import ServerState
+from .targets import Target, resolve
 from .tenants import Access
 
 log = logging.getLogger("loraplex.server")
@@ -40,7 +41,7 @@ class Prepared:
     request_id: str
     created: int
     model: str                    # the name the client asked for (echoed back)
-    adapter: str | None
+    target: Target
     prompts: list[list[int]]      # token ids of each prompt
     params: list[SamplingParams]  # one per choice
     prompt_of: list[int]          # per choice, the index of its prompt
@@ -51,18 +52,6 @@ class Prepared:
     @property
     def prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
-
-
-def resolve_model(state: ServerState, model: str, access: Access) -> str | None:
-    """The adapter a request's `model` names (None: the base model); 404 if it names nothing served,
-    or nothing the caller may use (the same answer: a tenant cannot tell others' adapters exist)."""
-    if access.may_use_model(model, state.model_name):
-        if model == state.model_name:
-            return None
-        if model in state.adapters and model not in state.draining:
-            return model
-    raise APIError(404, f"the model {model!r} does not exist: GET /v1/models lists the models you may use",
-                   param="model", code="model_not_found")
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -78,21 +67,21 @@ async def prepare(state: ServerState, req, chat: bool, access: Access) -> Prepar
     between the checks and the reservation); on any error here they are released."""
     if not state.accepting:
         raise APIError(503, "the server is shutting down", code="shutting_down")
-    adapter = resolve_model(state, req.model, access)
+    target = resolve(state, req, access)
     count = req.n * (1 if chat else len(req.prompts))
     if state.in_flight + count > state.max_in_flight:
         raise APIError(429, f"the server is at capacity ({state.in_flight} requests in flight); retry shortly",
                        code="queue_full", headers={"Retry-After": "1"})
-    state.reserve(adapter, count)
+    state.reserve(target.members, count)
     try:
-        return await _prepare(state, req, chat, adapter, access.tenant)
+        return await _prepare(state, req, chat, target, access.tenant)
     except BaseException:
         for _ in range(count):
-            state.release(adapter)
+            state.release(target.members)
         raise
 
 
-async def _prepare(state: ServerState, req, chat: bool, adapter: str | None, tenant: str | None) -> Prepared:
+async def _prepare(state: ServerState, req, chat: bool, target: Target, tenant: str | None) -> Prepared:
     tokenizer = state.tokenizer
     if chat:
         # templates and tokenizers run off the event loop: a long prompt must not stall other clients
@@ -118,26 +107,32 @@ async def _prepare(state: ServerState, req, chat: bool, adapter: str | None, ten
             params.append(replace(first, seed=seed) if i else first)
             prompt_of.append(k)
     prefix = "chatcmpl" if chat else "cmpl"
-    return Prepared(chat, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), req.model, adapter, prompts, params,
+    return Prepared(chat, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), req.model, target, prompts, params,
                     prompt_of, req.include_usage, bool(req.stream), tenant)
 
 
 # ---- what went wrong, as the client should see it ----------------------------------------------
-def adapter_unavailable(state: ServerState, name: str, detail: str) -> APIError:
+def adapter_unavailable(state: ServerState, name: str, detail: str, param: str = "model") -> APIError:
     """Its files are missing or broken: the adapter's fault, not the server's (424, naming it)."""
     retry = state.cache.retry_in(name) if name in state.cache else 0.0
     reason = public_text(detail.split("failed to load: ", 1)[-1])
     return APIError(424, f"the adapter {name!r} could not be loaded from its files ({reason[:300]}); the other "
                          f"models serve as usual, and this one is tried again on a request after "
-                         f"{math.ceil(retry)} s", param="model", code="adapter_unavailable",
+                         f"{math.ceil(retry)} s", param=param, code="adapter_unavailable",
                     headers={"Retry-After": str(max(math.ceil(retry), 1))})
+
+
+def _failed_member(target: Target, error: str) -> str | None:
+    """The member an engine error says failed to load."""
+    return next((m for m in target.members if f"adapter {m!r} failed to load" in error), None)
 
 
 def output_error(state: ServerState, prep: Prepared, out: RequestOutput) -> APIError:
     """The error of an output that finished with "error"."""
     error = out.error or "unknown error"
-    if prep.adapter is not None and error.startswith(f"adapter {prep.adapter!r} failed to load"):
-        return adapter_unavailable(state, prep.adapter, error)
+    failed = _failed_member(prep.target, error)
+    if failed is not None:
+        return adapter_unavailable(state, failed, error, prep.target.param)
     return APIError(500, f"generation failed: {public_text(error)}", code="generation_failed")
 
 
@@ -146,11 +141,16 @@ def submit_error(state: ServerState, prep: Prepared, e: BaseException) -> BaseEx
         return e
     if isinstance(e, EngineDeadError):
         return APIError(503, "the engine is not running", code="engine_dead")
-    if isinstance(e, AdapterError) and prep.adapter is not None:
-        if prep.adapter not in state.cache:
-            return APIError(404, f"the model {prep.adapter!r} does not exist", param="model", code="model_not_found")
-        if state.cache.error(prep.adapter) is not None or "failed to load" in str(e):
-            return adapter_unavailable(state, prep.adapter, str(e))
+    target = prep.target
+    if isinstance(e, AdapterError) and target.members:
+        gone = next((m for m in target.members if m not in state.cache), None)
+        if gone is not None:   # removed between the checks and the engine
+            return APIError(404, f"the model {gone!r} does not exist", param=target.param, code="model_not_found")
+        failed = _failed_member(target, str(e)) or next(
+            (m for m in target.members if state.cache.error(m) is not None), None)
+        if failed is not None:
+            return adapter_unavailable(state, failed, str(e), target.param)
+        return APIError(400, public_text(str(e)), param=target.param)
     if isinstance(e, ValueError):
         return APIError(400, public_text(str(e)))
     return e
@@ -171,7 +171,7 @@ class Run:
         state, prep = self.state, self.prep
         try:
             for i, params in enumerate(prep.params):
-                rid = await state.engine.submit(prep.prompts[prep.prompt_of[i]], params, prep.adapter,
+                rid = await state.engine.submit(prep.prompts[prep.prompt_of[i]], params, prep.target.adapter,
                                                 request_id=f"{prep.request_id}-{i}")
                 self.ids.append(rid)
         except BaseException as e:
@@ -180,7 +180,7 @@ class Run:
                     state.engine.cancel(rid)
             self.ids.clear()
             for _ in prep.params:
-                state.release(prep.adapter)
+                state.release(prep.target.members)
             raise submit_error(state, prep, e) from e
         self._start_pumps()
 
@@ -245,7 +245,8 @@ class Run:
                 self._record(index, last)
             except Exception:   # metrics must never leak a request
                 log.exception("recording a request's metrics")
-            self.state.release(self.prep.adapter, served=last is not None and last.finish_reason in ("stop", "length"))
+            self.state.release(self.prep.target.members,
+                               served=last is not None and last.finish_reason in ("stop", "length"))
             queue.put_nowait(None)
 
     def _record(self, index: int, out: RequestOutput | None) -> None:
@@ -256,7 +257,8 @@ class Run:
         if m is not None and m.finished_time is not None and m.first_token_time is not None and tokens > 1:
             tpot = (m.finished_time - m.first_token_time) / (tokens - 1)
         self.state.metrics.request_finished(
-            self.prep.adapter, outcome,
+            self.prep.target.label, outcome,
             prompt_tokens=len(self.prep.prompts[self.prep.prompt_of[index]]), output_tokens=tokens,
             ttft_s=m.time_to_first_token if m is not None else None,
-            e2e_s=m.latency if m is not None and out.finished else None, tpot_s=tpot, tenant=self.prep.tenant)
+            e2e_s=m.latency if m is not None and out.finished else None, tpot_s=tpot, tenant=self.prep.tenant,
+            members=self.prep.target.members)

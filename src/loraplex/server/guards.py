@@ -1,6 +1,8 @@
 """What every request passes before a route runs, in this order: the API keys (401, 403), then the
 body-size limit (413). Both act before the body is parsed, so an unauthenticated client learns
-nothing about what a valid request looks like.
+nothing about what a valid request looks like. Last, a body that names one adapter twice in its
+`adapters` or `compose` object gets 400 (`COMPOSING_PATHS`; only the raw body shows it: JSON
+parsers keep the last of duplicated keys).
 
 Routes by the key they need (`Authenticator`):
 - open: `/health`, `/version`, `/docs`, `/openapi.json`; `/metrics` too unless
@@ -16,6 +18,7 @@ from __future__ import annotations
 import hmac
 
 from .errors import APIError, error_response
+from .protocol import duplicated_member
 from .tenants import FULL, USE_ALL, Access, KeyRing
 
 OPEN_PATHS = ("/health", "/version", "/docs", "/docs/oauth2-redirect", "/openapi.json")
@@ -23,6 +26,7 @@ METRICS_PATH = "/metrics"
 ADMIN_PREFIX = "/v1/adapters"
 ADMIN_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 ACCESS_SCOPE_KEY = "loraplex.access"
+COMPOSING_PATHS = ("/v1/completions", "/v1/chat/completions", ADMIN_PREFIX)   # bodies that may compose adapters
 
 
 def route_kind(path: str) -> str:
@@ -131,6 +135,13 @@ class Guard:
             if not msg.get("more_body", False):
                 break
         body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request")
+        if scope.get("method") == "POST" and scope.get("path") in COMPOSING_PATHS:
+            duplicate = duplicated_member(body)
+            if duplicate is not None:
+                field, name = duplicate
+                await error_response(400, f"{field}: the adapter {name!r} is given twice", param=field)(
+                    scope, receive, send)
+                return
         replayed = False
 
         async def replay():

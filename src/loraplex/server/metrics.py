@@ -1,8 +1,10 @@
 """`ServerMetrics`: the Prometheus series behind `GET /metrics`.
 
 Two families live here:
-- `loraplex_*`: our own counters, histograms and gauges, labelled by adapter (capped, see `adapter_label`),
-  and per-tenant request and token counters (`loraplex_tenant_*`, labelled by the tenant's name in the keys
+- `loraplex_*`: our own counters, histograms and gauges, labelled by what a request named (an adapter, a named
+  composition, "composed" for the `adapters` field, "base"; capped, see `adapter_label`); requests by each adapter
+  they ran with (`loraplex_adapter_requests_total`: a composed request counts once for each member); and per-tenant
+  request and token counters (`loraplex_tenant_*`, labelled by the tenant's name in the keys
   file: "none" for callers with no tenant, "other" past `max_tenant_labels` names);
 - `vllm:*`: the few gauges that the Kubernetes Gateway API Inference Extension scrapes by default from
   vLLM-style servers (queue length, KV cache usage, LoRA affinity), so loraplex drops in behind that gateway.
@@ -24,6 +26,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 BASE_LABEL = "base"       # the base model (no adapter)
 OTHER_LABEL = "other"     # every adapter (or tenant) past the label cap
 NO_TENANT_LABEL = "none"  # requests with no tenant (--api-key, the admin key, an open server)
+COMPOSED_LABEL = "composed"   # requests composing adapters with the `adapters` field (by member: adapter_requests)
 
 OUTCOMES = ("stop", "length", "abort", "error")
 TIERS = ("gpu", "cpu", "disk", "loading", "failed")
@@ -133,6 +136,9 @@ class ServerMetrics:
 
         self._requests = Counter("loraplex_requests", "Requests by adapter and outcome "
                                  "(stop, length, abort, error, rejected)", ["adapter", "outcome"], registry=r)
+        self._adapter_requests = Counter("loraplex_adapter_requests", "Requests by each adapter they ran with and "
+                                         "outcome: a composed request counts once for each member; base-model "
+                                         "requests are not counted", ["adapter", "outcome"], registry=r)
         self._rejected = Counter("loraplex_requests_rejected", "Requests refused before running, by HTTP status",
                                  ["adapter", "status"], registry=r)
         self._prompt_tokens = Counter("loraplex_prompt_tokens", "Prompt tokens of finished requests",
@@ -188,6 +194,8 @@ class ServerMetrics:
     def _label(self, adapter: str | None, *, claim: bool) -> str:
         if not adapter:
             return BASE_LABEL
+        if adapter == COMPOSED_LABEL:   # any mix of adapters: one label, never a label per mix
+            return COMPOSED_LABEL
         with self._labels_lock:
             if adapter in self._named:
                 return adapter
@@ -212,9 +220,11 @@ class ServerMetrics:
 
     def request_finished(self, adapter: str | None, outcome: str, *, prompt_tokens: int, output_tokens: int,
                          ttft_s: float | None, e2e_s: float | None, tpot_s: float | None,
-                         tenant: str | None = None) -> None:
-        """One request left the engine. Latencies that were not observed (e.g. no token before an abort)
-        are None and are not recorded."""
+                         tenant: str | None = None, members: tuple[str, ...] | None = None) -> None:
+        """One request left the engine. `adapter`: what it named (an adapter, a named composition, COMPOSED_LABEL,
+        or None for the base model); `members`: the adapters it ran with (default: `adapter` alone), each counted
+        once in `loraplex_adapter_requests_total`. Latencies that were not observed (e.g. no token before an
+        abort) are None and are not recorded."""
         if outcome not in OUTCOMES:
             raise ValueError(f"outcome must be one of {OUTCOMES}, got {outcome!r}")
         _check_count("prompt_tokens", prompt_tokens)
@@ -223,8 +233,12 @@ class ServerMetrics:
         for what, value, _ in timings:
             if value is not None:
                 _check_seconds(what, value)
+        if members is None:
+            members = (adapter,) if adapter and adapter != COMPOSED_LABEL else ()
         label = self.adapter_label(adapter)
         self._requests.labels(label, outcome).inc()
+        for member in members:
+            self._adapter_requests.labels(self.adapter_label(member), outcome).inc()
         self._prompt_tokens.labels(label).inc(prompt_tokens)
         self._generation_tokens.labels(label).inc(output_tokens)
         for _, value, histogram in timings:

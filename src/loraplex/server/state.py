@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..adapters import AdapterCache
+from ..adapters.composition import Composition
 from ..engine.async_engine import AsyncEngine
 from ..engine.engine import Engine
 from .metrics import EngineSnapshot, ServerMetrics
@@ -33,6 +34,15 @@ class AdapterRecord:
 
 
 @dataclass
+class CompositionRecord:
+    """A named composition (POST /v1/adapters {"name", "compose"}): a recipe, no weights."""
+    name: str
+    composition: Composition
+    created: int         # unix seconds
+    registering: bool = True   # until the engine has it (a delete waits for that)
+
+
+@dataclass
 class ServerState:
     engine: AsyncEngine
     settings: ServerSettings
@@ -41,8 +51,9 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     adapters: dict[str, AdapterRecord] = field(default_factory=dict)   # served now, by name
     draining: set[str] = field(default_factory=set)  # deleted, unregistered once their requests end
+    compositions: dict[str, CompositionRecord] = field(default_factory=dict)   # named compositions served now
     in_flight: int = 0                                # engine requests submitted by the server, not yet ended
-    in_flight_by_adapter: Counter = field(default_factory=Counter)
+    in_flight_by_adapter: Counter = field(default_factory=Counter)   # by adapter: each member of a composition
     accepting: bool = True                            # False once shutdown has begun
     keyring: KeyRing | None = None                    # --api-keys: the tenants' keys
 
@@ -87,18 +98,21 @@ class ServerState:
             self.adapters[name] = AdapterRecord(name, source, now)
 
     # ---- requests in flight -----------------------------------------------------------------------
-    def reserve(self, adapter: str | None, count: int) -> None:
+    def reserve(self, adapters: str | tuple[str, ...] | None, count: int) -> None:
         """Count `count` engine requests in flight, before any await: the 429 bound and adapter
-        removal both see a request from the moment it is accepted, not once it reaches the engine."""
+        removal both see a request from the moment it is accepted, not once it reaches the engine.
+        `adapters`: the adapter, or a composition's members (each counted), or None."""
         self.in_flight += count
-        if adapter is not None:
+        for adapter in _names(adapters):
             self.in_flight_by_adapter[adapter] += count
 
-    def release(self, adapter: str | None, served: bool = False) -> None:
+    def release(self, adapters: str | tuple[str, ...] | None, served: bool = False) -> None:
         """One reserved engine request is over (`served`: it finished with stop or length)."""
         self.in_flight -= 1
-        if adapter is None:
-            return
+        for adapter in _names(adapters):
+            self._release_one(adapter, served)
+
+    def _release_one(self, adapter: str, served: bool) -> None:
         self.in_flight_by_adapter[adapter] -= 1
         record = self.adapters.get(adapter)
         if record is not None and served:
@@ -132,11 +146,15 @@ class ServerState:
             self.metrics.adapter_loaded(seconds, stage)
 
 
+def _names(adapters: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    return () if adapters is None else (adapters,) if isinstance(adapters, str) else adapters
+
+
 def snapshot(engine: Engine) -> EngineSnapshot:
     """The engine's state for the gauges; read on its own thread."""
     scheduler = engine.scheduler
-    running = sorted({s.adapter for s in scheduler.running if s.adapter is not None})
-    waiting = sorted({s.adapter for s in scheduler.waiting if s.adapter is not None})
+    running = sorted({name for s in scheduler.running for name in s.adapter_names})   # each member
+    waiting = sorted({name for s in scheduler.waiting for name in s.adapter_names})
     tiers = engine.adapters.counts_by_state()
     by_tier = {"gpu": tiers.get("gpu", 0), "cpu": tiers.get("cpu", 0),
                "disk": tiers.get("disk", 0) + tiers.get("reading", 0),

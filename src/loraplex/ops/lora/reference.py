@@ -58,8 +58,8 @@ def expand_impl(y: torch.Tensor, v: list[torch.Tensor], lora_b: list[torch.Tenso
         touched = torch.zeros(y.shape[0], dtype=torch.bool, device=y.device)
         for slot, rows, ents, _ in _groups(batch):
             r = rk[slot]
-            if r > 0:   # a slot's rows are distinct within its group: index_add_ sums members of a row
-                delta.index_add_(0, rows, (vi[ents, :r] @ b[slot, :, :r].float().T) * sc[slot])
+            if r > 0:   # a slot's rows are distinct within its group, so this adds each once
+                delta[rows] += (vi[ents, :r] @ b[slot, :, :r].float().T) * sc[slot]
                 touched[rows] = True
         rows = touched.nonzero().squeeze(1)
         y[rows, col:col + n] = (y[rows, col:col + n].float() + delta[rows]).to(y.dtype)
