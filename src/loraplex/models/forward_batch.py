@@ -293,12 +293,12 @@ def _check_chunk(i: int, c: SequenceChunk, block_size: int, num_blocks: int, voc
 def _check_adapters(i: int, c: SequenceChunk, num_adapter_slots: int | None) -> None:
     slot, limit = c.adapter_slot, f" below {num_adapter_slots}" if num_adapter_slots is not None else ""
     in_range = lambda v: _is_int(v) and 0 <= v and (num_adapter_slots is None or v < num_adapter_slots)  # noqa: E731
-    if _is_int(slot):
-        if slot != -1 and not in_range(slot):
+    if _is_int(slot) or not isinstance(slot, (tuple, list)):
+        if not _is_int(slot) or (slot != -1 and not in_range(slot)):
             raise ValueError(f"sequence {i}: adapter_slot must be -1 or a slot{limit}, got {slot!r}")
         slots = [] if slot == -1 else [slot]
     else:
-        if not isinstance(slot, (tuple, list)) or not 1 <= len(slot) <= MAX_MEMBERS or \
+        if not 1 <= len(slot) <= MAX_MEMBERS or \
                 not all(in_range(v) for v in slot) or len(set(slot)) != len(slot):
             raise ValueError(f"sequence {i}: adapter_slot must be -1, a slot{limit}, or 1 to {MAX_MEMBERS} "
                              f"distinct slots{limit}, got {slot!r}")

@@ -14,6 +14,7 @@ row costs what a tile would.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -24,8 +25,11 @@ from ..launch import Launcher
 from ..pdl import pdl_start
 
 MAX_SLICES = 4
-BLOCK_N = 128
-PROGRAMS_PER_SM = 4
+# The decode tiles' tuned settings (tuned_h200.json's 16-row config: many short programs, each a short chain of
+# loads). On an H100, 4 programs an SM over 128-column steps made a composed batch's op 1.29× the time of the same
+# entries as plain rows (benchmarks/results/compose_ops_h100.md); these are not yet measured here.
+BLOCK_N = 256
+PROGRAMS_PER_SM = 16
 
 
 @triton.jit
@@ -99,8 +103,16 @@ def _expand_extras_kernel(y_ptr, part_ptr, extra_slot_ptr, b0, b1, b2, b3, rk0, 
 _EXTRAS = Launcher(_expand_extras_kernel)
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    # a property query costs host time every eager launch: cached; the CPU (interpreter) pretends to a small GPU
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def expand_extras(y: torch.Tensor, part: torch.Tensor, lora_b: list[torch.Tensor], ranks: list[torch.Tensor],
