@@ -127,6 +127,12 @@ def serve_cmd(args: argparse.Namespace) -> int:
     for path in packed:
         if not path.exists():
             raise CommandError(f"--packed {path}: no such file or folder")
+    if args.replicas is not None:   # several engines under Ray Serve (loraplex/cluster); Ray is imported only then
+        from loraplex.cluster.command import serve_replicas
+        with refused():
+            return serve_replicas(args, engine_settings, server_settings, adapters, packed)
+    if any(flag is not None for flag in (args.ray_address, args.router_queue, args.routing_policy)):
+        raise CommandError("--ray-address, --router-queue and --routing-policy go with --replicas N")
     try:
         from loraplex.server.serve import run_server
     except ModuleNotFoundError as e:
@@ -341,6 +347,15 @@ def _serve_parser(sub, show_all: bool = False) -> None:
     add_lora_flag(groups["adapters"], "Serve the PEFT adapter folder DIR as model NAME.")
     groups["adapters"].add_argument("--packed", action="extend", nargs="+", metavar="FILE",
                                     help="Serve every adapter of a packed file (see loraplex convert)." + REPEATED)
+    cluster = serve.add_argument_group("replicas (Ray Serve: pip install 'loraplex[cluster]')")
+    cluster.add_argument("--replicas", type=int, metavar="N",
+                         help="Serve N engine replicas, one per GPU; default: 1.")
+    cluster.add_argument("--ray-address", metavar="ADDR",
+                         help="The Ray cluster to join; default: local or new.")
+    cluster.add_argument("--router-queue", type=int, metavar="N",
+                         help="Requests waiting for room before 429; default: 64.")
+    cluster.add_argument("--routing-policy", choices=("consolidate", "least_loaded", "round_robin"), metavar="NAME",
+                         help="consolidate (default), least_loaded, round_robin.")
     serve.set_defaults(func=serve_cmd, flag_names=flags)
 
 
