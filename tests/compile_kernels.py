@@ -29,14 +29,29 @@ def _compile(kernel, pointer_types: dict, constexprs: dict, num_warps: int, num_
 
 def shrink(dtype: str, block_m: int) -> None:
     cfg = sgmv.config_for(block_m)
-    types = {"x_": "*" + dtype, "part_": "*fp32", "sorted_": "*i32", "work_": "*i32", "a": "*" + dtype, "rk": "*i32"}
+    types = {"x_": "*" + dtype, "part_": "*fp32", "sorted_": "*i32", "entries_": "*i32", "weights_": "*fp32",
+             "work_": "*i32", "a": "*" + dtype, "rk": "*i32"}
     # ROWWISE: sgmv_kernels._shrink_tile_rows for tiles of up to ROWWISE_MAX_ROWS rows (rank tiles of ≤ 32)
     # AFTER_GEMM: launched after the GEMM over the same x (ops/lora/overlap.py's "after" order)
-    for num_slices, block_r, rowwise, after in ((1, 16, False, False), (1, 16, True, False), (3, 32, True, False),
-                                                (3, 16, True, True), (1, 16, False, True)):
+    # COMPOSED: a composed batch's weighted entries (ops/lora/batch.py)
+    for num_slices, block_r, rowwise, after, composed in (
+            (1, 16, False, False, False), (1, 16, True, False, False), (3, 32, True, False, False),
+            (3, 16, True, True, False), (1, 16, False, True, False), (3, 16, True, True, True),
+            (1, 16, False, False, True)):
         consts = dict(NUM_SLICES=num_slices, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=cfg.shrink_block_k,
-                      PRECISION="tf32x3" if dtype == "fp32" else "tf32", ROWWISE=rowwise, AFTER_GEMM=after)
+                      PRECISION="tf32x3" if dtype == "fp32" else "tf32", ROWWISE=rowwise, AFTER_GEMM=after,
+                      COMPOSED=composed)
         _compile(sgmv._sgmv_shrink_kernel, types, consts, cfg.shrink_warps, cfg.shrink_stages)
+
+
+def extras(dtype: str, block_m: int) -> None:
+    """ops/lora/extras.py's expand of a composed batch's members after the first (into y, or an fp32 delta)."""
+    from loraplex.ops.lora import extras as ex
+    for y_type in (dtype, "fp32"):
+        types = {"y_": "*" + y_type, "part_": "*fp32", "extra_slot": "*i32", "b": "*" + dtype, "rk": "*i32",
+                 "sc": "*fp32"}
+        consts = dict(NUM_SLICES=3, SPLIT_K=2, BLOCK_N=ex.BLOCK_N, BLOCK_R=16)
+        _compile(ex._expand_extras_kernel, types, consts, 4, 1)
 
 
 def expand(dtype: str, block_m: int) -> None:
@@ -62,5 +77,5 @@ def expand(dtype: str, block_m: int) -> None:
 
 if __name__ == "__main__":
     kind, dtype, block_m = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    {"shrink": shrink, "expand": expand}[kind](dtype, block_m)
+    {"shrink": shrink, "expand": expand, "extras": extras}[kind](dtype, block_m)
     print("compiled", kind, dtype, block_m)
