@@ -30,7 +30,7 @@ from ..adapters.composition import AdapterRef, Composition
 from ..engine.async_engine import EngineDeadError
 from ..engine.compositions import NamedCompositions
 from ..engine.outputs import RequestOutput
-from ..engine.requests import prompt_token_ids
+from ..engine.requests import check_request
 from ..sampling import SamplingParams
 from ..server.errors import APIError
 from .cluster_adapters import ClusterCore
@@ -157,17 +157,9 @@ class ClusterEngine:
     def _new_request(self, prompt, params, adapter, request_id) -> ClusterRequest:
         """Engine.add_request's checks, against the replicas' model and the cluster's adapters."""
         core = self.engine
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        params.check_vocab(core.model_config.vocab_size)
-        text, ids = prompt_token_ids(prompt, core.tokenizer, core.model_config.vocab_size)
-        if len(ids) >= core.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; this engine serves at most {core.max_model_len} "
-                             f"tokens per sequence (max_model_len), output included")
+        params, text, ids = check_request(prompt, params, core.tokenizer, core.model_config.vocab_size,
+                                          core.max_model_len)
         composition, label = self.named.resolve(adapter)
-        if params.stop and core.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this engine has none (use stop_token_ids)")
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
             while request_id in self._requests:

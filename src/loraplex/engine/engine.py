@@ -18,7 +18,7 @@ from .compositions import NamedCompositions
 from .gc_heap import freeze_heap, release_heap
 from .model_runner import ModelRunner
 from .outputs import RequestOutput, make_output
-from .requests import prompt_token_ids, stop_reason
+from .requests import check_request, stop_reason
 from .scheduler import Scheduler
 from .sequence import FinishReason, Sequence, SequenceStatus
 from .step_info import StepInfo
@@ -114,14 +114,8 @@ class Engine:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already running")
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        params.check_vocab(self.model_config.vocab_size)
-        text_prompt, token_ids = prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size)
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(token_ids)} tokens; this engine serves at most "
-                             f"{self.max_model_len} tokens per sequence (max_model_len), output included")
+        params, text_prompt, token_ids = check_request(prompt, params, self.tokenizer, self.model_config.vocab_size,
+                                                       self.max_model_len)
         # its loads are ordered by the scheduler's plan (queue order, into free slots), from the next step
         composition, label = self._compositions.resolve(adapter)
         seq = Sequence(request_id, token_ids, params, adapter=composition, prompt=text_prompt, adapter_label=label)
@@ -130,8 +124,6 @@ class Engine:
         if self.tokenizer is not None:
             from .detokenizer import OutputText
             seq.text = OutputText(self.tokenizer, token_ids, params.stop, params.skip_special_tokens)
-        elif params.stop:
-            raise ValueError("stop strings need a tokenizer; this engine has none (use stop_token_ids)")
         self._requests[request_id] = seq
         self.scheduler.add(seq)
         return seq

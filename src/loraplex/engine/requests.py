@@ -3,7 +3,25 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..sampling import SamplingParams
 from .sequence import FinishReason, Sequence
+
+
+def check_request(prompt, params: SamplingParams | None, tokenizer: Any | None, vocab_size: int,
+                  max_model_len: int) -> tuple[SamplingParams, str | None, list[int]]:
+    """(params, the prompt's text or None, its token ids) after the checks every engine applies to a new request
+    (the single engine, and the cluster's engine at its ingress); a ValueError naming what is wrong otherwise."""
+    params = SamplingParams() if params is None else params
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+    params.check_vocab(vocab_size)
+    text, ids = prompt_token_ids(prompt, tokenizer, vocab_size)
+    if len(ids) >= max_model_len:
+        raise ValueError(f"the prompt has {len(ids)} tokens; this engine serves at most {max_model_len} "
+                         f"tokens per sequence (max_model_len), output included")
+    if params.stop and tokenizer is None:
+        raise ValueError("stop strings need a tokenizer; this engine has none (use stop_token_ids)")
+    return params, text, ids
 
 
 def prompt_token_ids(prompt, tokenizer: Any | None, vocab_size: int) -> tuple[str | None, list[int]]:
