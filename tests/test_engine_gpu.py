@@ -211,6 +211,23 @@ def test_steps_without_compositions_replay_the_plain_graphs(served, monkeypatch)
     assert "lora" in seen and set(seen) <= {"base", "lora"}, seen
 
 
+def test_a_weighted_adapter_with_one_gpu_slot_replays_the_composed_graphs(served, monkeypatch):
+    """One GPU slot: a request weighing its one adapter ({name: 0.5}) still needs the composed variant, which is
+    captured (the graphs' composed capacity is the requests' limit, not the slots); tokens as eager's."""
+    _, adapters, _ = served
+    name = next(iter(adapters))
+    prompts = random_prompts(3, VOCAB, (4, 30), seed=53)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    seen = _record_variants(monkeypatch)
+    results = {}
+    for eager in (False, True):
+        with make_llm(served, enforce_eager=eager, max_gpu_adapters=1) as llm:
+            results[eager] = [o.token_ids for o in llm.generate(prompts, params, adapter={name: 0.5})]
+            assert (llm.engine.stats["graph_steps"] > 0) != eager
+    assert "composed" in seen, seen
+    assert results[False] == results[True]
+
+
 @pytest.mark.parametrize("eager", [False, True])
 def test_compositions_in_bf16_are_as_close_to_peft_as_transformers_in_bf16(served, monkeypatch, eager):
     """bf16 through the Triton kernels (graph replays and eager steps: prompts, then decodes): each token's top

@@ -69,13 +69,16 @@ class Placement:
         self.queue.push(waiter)
         return waiter
 
-    async def moved(self, req: ClusterRequest, left: str | None) -> Job:
+    async def moved(self, req: ClusterRequest, left: str | None, *, migrated: bool) -> Job:
         """A request that left replica `left` (migrated, or the replica failed): another replica with room now,
-        else the first with room, waiting ahead of the queue."""
-        job = self.now(req, frozenset({left}) if left is not None else frozenset())
+        else the first with room, waiting ahead of the queue. A migrated request never goes back to the replica
+        short of memory it left; a failed replica's is kept out by the view until it reports ready again (so a
+        one-replica cluster still resumes its requests there once Ray has restarted it)."""
+        exclude = frozenset({left}) if left is not None else frozenset()
+        job = self.now(req, exclude)
         if job is not None:
             return job
-        waiter = Waiter(req)
+        waiter = Waiter(req, exclude if migrated else frozenset())
         self.moving.append(waiter)
         return await self.wait(waiter)
 
@@ -88,6 +91,10 @@ class Placement:
                 self.queue.remove(waiter)
                 with contextlib.suppress(ValueError):
                     self.moving.remove(waiter)
+            elif asyncio.current_task() is not None and asyncio.current_task().cancelling():
+                # placed, but its caller left before taking the job: the view must not keep counting it
+                job = waiter.future.result()
+                self.view.forget(job.key)
 
     def _job(self, req: ClusterRequest, target: str, exclude: frozenset[str]) -> Job:
         names = req.composition.names if req.composition is not None else ()

@@ -188,7 +188,7 @@ class ClusterEngine:
                                                               f"that stopped while serving it"))
                         return
                 req.moves += 1
-                job = await self.placement.moved(req, replica)
+                job = await self.placement.moved(req, replica, migrated=outcome == "migrated")
         except asyncio.CancelledError:
             raise
         except Exception as e:   # a bug, or Ray failing in a way not foreseen: this request fails, loudly

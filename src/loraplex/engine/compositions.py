@@ -8,6 +8,8 @@ one that needs more slots than there are would never run.
 """
 from __future__ import annotations
 
+import threading
+
 from ..adapters import AdapterCache, AdapterError
 from ..adapters.composition import AdapterRef, Composition
 from ..adapters.spec import check_adapter_name
@@ -15,12 +17,14 @@ from ..config import EngineConfig
 
 
 class NamedCompositions:
-    """The engine's named compositions, and the checks of a request's adapters. Changed on the engine's thread only;
-    the mapping is replaced, never changed in place, so `snapshot` may be read from any thread."""
+    """The engine's named compositions, and the checks of a request's adapters. Changes hold a lock (the cluster's
+    engine makes them from the server's worker threads); the mapping is replaced, never changed in place, so
+    `snapshot` and `resolve` read it from any thread without one."""
 
     def __init__(self, config: EngineConfig, adapters: AdapterCache) -> None:
         self.config, self.adapters = config, adapters
         self._named: dict[str, Composition] = {}
+        self._lock = threading.Lock()
 
     def __contains__(self, name: str) -> bool:
         return name in self._named
@@ -40,12 +44,16 @@ class NamedCompositions:
             raise ValueError(f"composition {name!r} must be a Composition of at least one adapter, "
                              f"got {composition!r}")
         self.check(composition, f"composition {name!r}")
-        self._named = {**self._named, name: composition}
+        with self._lock:
+            if name in self._named:
+                raise AdapterError(f"adapter name {name!r} is already registered")
+            self._named = {**self._named, name: composition}
 
     def remove(self, name: str) -> None:
-        if name not in self._named:
-            raise AdapterError(f"unknown composition {name!r}")
-        self._named = {k: v for k, v in self._named.items() if k != name}
+        with self._lock:
+            if name not in self._named:
+                raise AdapterError(f"unknown composition {name!r}")
+            self._named = {k: v for k, v in self._named.items() if k != name}
 
     def resolve(self, adapter: AdapterRef) -> tuple[Composition | None, str | None]:
         """(the composition, what the request called it) for an adapter's or a named composition's name, a

@@ -60,6 +60,7 @@ def is_decode(chunks: list[ScheduledChunk]) -> bool:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    migrated: list[Sequence] = field(default_factory=list)   # taken by the `migrate` hook instead of preempted
     failed: list[Sequence] = field(default_factory=list)   # their adapter failed to load; still waiting:
                                                            # the engine finishes them
 
@@ -137,11 +138,12 @@ class Scheduler:
             scheduled.add(id(seq))
             budget -= n
 
-        self.note_step(len(out.preempted))
+        # a migration is a preemption here: memory ran short, so nobody new comes in this step
+        self.note_step(len(out.preempted) + len(out.migrated))
 
         # 2. waiting requests, first come first served
         self.waiting_on_adapters = False
-        if not out.preempted and self.may_admit(now, budget):
+        if not (out.preempted or out.migrated) and self.may_admit(now, budget):
             budget = self._admit(now, budget, out)
         self.plan_adapter_loads()
         return out
@@ -306,6 +308,7 @@ class Scheduler:
             self.running.remove(seq)
             self._release(seq)
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.MIGRATED
+            out.migrated.append(seq)
             log.debug("migrated %s (recomputed on another replica)", seq.request_id)
             return
         self.num_recomputed_tokens += seq.num_cached

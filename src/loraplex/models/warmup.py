@@ -45,10 +45,14 @@ def compile_lora_kernels(config: ModelConfig, pool: AdapterPool, dtype: torch.dt
     zeroed = 2 if compositions and pool.num_slots > 1 else 1
     saved = pool.ranks[:, :, :zeroed].clone()
     pool.ranks[:, :, :zeroed] = 0   # slots 0 (and 1) read nothing, whatever they hold
-    members = [([0], None)] + ([([[0, 1]], [[0.5, 0.5]])] if zeroed == 2 else [])
+    members = [([0], None)] + ([([[0, 1]], [[0.5, 0.5]])] if compositions else [])
     try:
         for (block_m, base, accumulate), (slots, weights) in itertools.product(_variants(), members):
-            batch = LoraBatch.from_lengths([block_m], slots, device, weights=weights, block_m=block_m)
+            if zeroed == 2 or weights is None:
+                batch = LoraBatch.from_lengths([block_m], slots, device, weights=weights, block_m=block_m)
+            else:   # one slot: a composed batch whose rows weigh slot 0 (the weighted shrink and the extras launch)
+                batch = LoraBatch.with_capacity(block_m, 1, device, num_slots=1, block_m=block_m, max_members=2)
+                batch.update_([block_m], [[0]], [[0.5]])
             # layers 0-3: the per-layer rank and scaling views take every alignment they can take
             for layer, (projs, width) in itertools.product(range(min(4, config.num_hidden_layers)), CALLS):
                 a, b, ranks, scalings = pool.stacks(layer, projs)
