@@ -17,7 +17,8 @@ from server_fixtures import (  # noqa: F401 (fixtures)
 
 from loraplex.adapters.composition import MAX_MEMBERS
 from loraplex.server.errors import APIError
-from loraplex.server.protocol import CompletionRequest, duplicated_member, parse_composition
+from loraplex.server.composition_fields import duplicated_member, parse_composition
+from loraplex.server.protocol import CompletionRequest
 
 pytest.importorskip("fastapi")
 

@@ -23,7 +23,7 @@ from ..adapters.composition import Composition
 from ..engine.async_engine import EngineDeadError
 from .errors import APIError, public_text
 from .generation import adapter_unavailable
-from .protocol import parse_composition
+from .composition_fields import parse_composition
 from .state import CompositionRecord, ServerState
 from .targets import check_members, may_use_composition
 from .tenants import Access

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hmac
 
 from .errors import APIError, error_response
-from .protocol import duplicated_member
+from .composition_fields import duplicated_member
 from .tenants import FULL, USE_ALL, Access, KeyRing
 
 OPEN_PATHS = ("/health", "/version", "/docs", "/docs/oauth2-redirect", "/openapi.json")
