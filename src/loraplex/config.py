@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+QUANTIZATIONS = ("fp8",)   # EngineConfig.quantization's values besides None
 # adapters/composition.py's MAX_MEMBERS (the LoRA kernels' lanes), not imported: this module stays free of torch
 MAX_ADAPTERS_PER_REQUEST = 4
 
@@ -33,6 +34,11 @@ class EngineConfig:
         "group": "model", "choices": DTYPES,
         "help": "Precision of weights and activations; auto: the checkpoint's torch_dtype on a GPU (bfloat16 for "
                 "dummy models, float32 when the checkpoint names none), float32 on the CPU."})
+    quantization: str | None = field(default=None, metadata={
+        "group": "model", "choices": QUANTIZATIONS,
+        "help": "fp8: quantize a float checkpoint's decoder projections to float8 e4m3 at load (one scale per "
+                "output row); FP8 checkpoints (compressed-tensors, transformers fp8) load as FP8 without it. "
+                "Adapters stay in the model's dtype."})
     device: str | None = field(default=None, metadata={
         "group": "model", "help": "cuda, cuda:N or cpu; default: cuda when available, else cpu."})
     dummy_layers: int | None = field(default=None, metadata={
@@ -118,6 +124,8 @@ class EngineConfig:
             self.dtype = "float32"
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"EngineConfig.quantization must be None or 'fp8', got {self.quantization!r}")
         positive = ["max_num_seqs", "max_num_batched_tokens", "block_size", "max_gpu_adapters", "max_lora_rank",
                     "cuda_graph_max_batch", "adapter_loader_threads"]
         for name in positive:

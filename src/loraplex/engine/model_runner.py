@@ -99,15 +99,16 @@ class ModelRunner:
         if cfg.is_dummy:
             dtype = "bfloat16" if cfg.dtype == "auto" else cfg.dtype
             return dummy_model(str(cfg.model)[len("dummy:"):], dtype=dtype, device=self.device,
-                               num_layers=cfg.dummy_layers, seed=cfg.seed)
+                               num_layers=cfg.dummy_layers, seed=cfg.seed, quantization=cfg.quantization)
         if cfg.dummy_layers is not None:
             raise ValueError("EngineConfig.dummy_layers applies to 'dummy:<preset>' models only")
-        return load_model(cfg.model, dtype=cfg.dtype, device=self.device)
+        return load_model(cfg.model, dtype=cfg.dtype, device=self.device, quantization=cfg.quantization)
 
     @property
     def _max_members(self) -> int:
-        """Most adapters one sequence of a step combines: the requests' limit, within the GPU slots."""
-        return min(self.config.max_adapters_per_request, self.adapters.pool.num_slots)
+        """The composed capacity of the graphs: the requests' limit. Not cut to the GPU slots: with one slot a
+        request may still weigh its adapter, which only the composed variant runs."""
+        return self.config.max_adapters_per_request
 
     def _num_kv_blocks(self) -> int:
         cfg, c = self.config, self.model.config
@@ -149,8 +150,8 @@ class ModelRunner:
         blocks_each = [-(-n // cfg.block_size) for n in lens]
         kv = KVCache(c, sum(blocks_each), cfg.block_size, dtype=self.model.dtype, device=self.device)
         # every sequence with as many adapters as a request may combine: the LoRA path's largest temporaries
-        members = self._max_members
-        lora = dict(adapter_slot=0) if members == 1 else \
+        members = min(self._max_members, self.adapters.pool.num_slots)
+        lora = dict(adapter_slot=0) if self._max_members == 1 else \
             dict(adapter_slot=tuple(range(members)), adapter_weights=(0.5,) * members)
         chunks, start = [], 0
         for i, n in enumerate(lens):

@@ -4,7 +4,8 @@ The model is built on the meta device, given uninitialised memory on the target 
 and filled one checkpoint tensor at a time from memory-mapped safetensors files (or
 `pytorch_model*.bin` with `mmap`), so the host never holds a second copy of the weights.
 Every checkpoint key must land somewhere and every weight must be filled: a missing, extra
-or misshapen tensor is an error that names the key and the file.
+or misshapen tensor is an error that names the key and the file. FP8 weights (a checkpoint whose
+config.json has a `quantization_config`, or `quantization="fp8"`) go through models/fp8/checkpoint.py.
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from tqdm.auto import tqdm
 
 from ..ops.attention.paged import TRITON_HEAD_DIMS
 from .config import ModelConfig
+from .fp8.checkpoint import Fp8Sink, fp8_parts, prepare, quantize_model
+from .fp8.formats import Fp8Scheme, fp8_scheme
 from .llama import LlamaForCausalLM
 from .presets import preset_config
 from .registry import model_class
@@ -25,6 +28,7 @@ from .registry import model_class
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Checkpoint entries that hold no weight of ours: old RoPE buffers.
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.dtype:
@@ -40,8 +44,10 @@ def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def build_empty(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> LlamaForCausalLM:
-    """The model with uninitialised weights on `device` (built on meta: no throwaway init)."""
+def build_empty(config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                fp8: Fp8Scheme | None = None) -> LlamaForCausalLM:
+    """The model with uninitialised weights on `device` (built on meta: no throwaway init); with `fp8`, the
+    projections it quantizes hold FP8 weights (never a dense copy)."""
     cls = model_class(config)
     with torch.device("meta"):
         model = cls(config)
@@ -49,7 +55,10 @@ def build_empty(config: ModelConfig, dtype: torch.dtype, device: torch.device | 
     if device.type == "cuda" and config.head_dim not in TRITON_HEAD_DIMS:
         raise ValueError(f"head_dim={config.head_dim}{_where(config)} is not served on the GPU: the attention "
                          f"kernels take {TRITON_HEAD_DIMS}")
-    return model.to(dtype=dtype).to_empty(device=device).eval()  # the model keeps inv_freq in fp32
+    model = model.to(dtype=dtype)
+    if fp8 is not None:
+        prepare(model, fp8)
+    return model.to_empty(device=device).eval()  # the model keeps inv_freq in fp32
 
 
 def _where(config: ModelConfig) -> str:
@@ -73,7 +82,8 @@ def weight_targets(model: LlamaForCausalLM) -> dict[str, tuple[torch.Tensor, int
                  ("mlp.gate_proj", layer.gate_up_proj, 0), ("mlp.up_proj", layer.gate_up_proj, inter),
                  ("mlp.down_proj", layer.down_proj, 0)]
         for name, proj, row in parts:
-            targets[f"{p}{name}.weight"] = (proj.weight, row)
+            if isinstance(proj.weight, torch.Tensor):   # FP8 weights are filled by models/fp8/checkpoint.py
+                targets[f"{p}{name}.weight"] = (proj.weight, row)
             if proj.bias is not None:
                 targets[f"{p}{name}.bias"] = (proj.bias, row)
     return targets
@@ -119,8 +129,11 @@ def _tensors(path: Path):
         yield key, tuple(tensor.shape), (lambda t=tensor: t)
 
 
-def load_weights(model: LlamaForCausalLM, folder: Path, progress: bool | None = None) -> None:
+def load_weights(model: LlamaForCausalLM, folder: Path, progress: bool | None = None,
+                 fp8: Fp8Scheme | None = None) -> None:
+    """Fill `model` from the checkpoint in `folder`; `fp8`: the scheme its FP8 weights were prepared with."""
     targets = weight_targets(model)
+    sink = None if fp8 is None else Fp8Sink(fp8, fp8_parts(model))
     files = checkpoint_files(folder)
     total = sum(f.stat().st_size for f in files)
     show = progress if progress is not None else total > 2**30
@@ -131,26 +144,29 @@ def load_weights(model: LlamaForCausalLM, folder: Path, progress: bool | None = 
             for key, shape, load in _tensors(path):
                 if _IGNORED.search(key):
                     continue
+                if sink is not None and sink.takes(key):
+                    tensor = load()
+                    sink.put(path, key, tensor)
+                    bar.update(tensor.numel() * tensor.element_size())
+                    continue
                 if key == "lm_head.weight" and model.config.tie_word_embeddings:
                     tied_head = (path, load())  # settled once the embedding is in (memory-mapped until then)
                     continue
                 if key not in targets:
                     raise ValueError(f"{path}: tensor {key!r} is not a weight of {type(model).__name__} "
                                      f"with this config")
-                if key in filled:
-                    raise ValueError(f"{path}: tensor {key!r} appears twice in the checkpoint")
-                dest, row = targets[key]
-                expected = (_part_rows(model, key, dest),) + tuple(dest.shape[1:])
-                if shape != expected:
-                    raise ValueError(f"{path}: tensor {key!r} has shape {list(shape)}; the config gives "
-                                     f"{list(expected)}")
-                part = dest.narrow(0, row, shape[0])
                 tensor = load()
-                part.copy_(tensor)
-                if not torch.isfinite(part).all():
-                    raise ValueError(f"{path}: tensor {key!r} has NaN or inf values in {model.dtype}")
-                filled.add(key)
+                if tensor.dtype in FP8_DTYPES:
+                    if sink is None:
+                        raise ValueError(f"{path}: tensor {key!r} is {tensor.dtype}, but config.json has no "
+                                         f"quantization_config")
+                    sink.put(path, key, tensor)   # stored in FP8, served dense: dequantized below
+                else:
+                    _fill(model, targets, filled, path, key, tensor)
                 bar.update(tensor.numel() * tensor.element_size())
+        if sink is not None:
+            for path, key, tensor in sink.finish(folder):
+                _fill(model, targets, filled, path, key, tensor)
     if tied_head is not None:
         _settle_tied_head(model, *tied_head, embedding_loaded="model.embed_tokens.weight" in filled)
         filled.add("model.embed_tokens.weight")
@@ -158,6 +174,23 @@ def load_weights(model: LlamaForCausalLM, folder: Path, progress: bool | None = 
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ValueError(f"{folder}: the checkpoint has no tensor {missing[0]!r}{more}")
+
+
+def _fill(model: LlamaForCausalLM, targets: dict[str, tuple[torch.Tensor, int]], filled: set[str], path: Path,
+          key: str, tensor: torch.Tensor) -> None:
+    """Copy checkpoint tensor `key` into its rows of a dense weight (in the model's dtype)."""
+    if key in filled:
+        raise ValueError(f"{path}: tensor {key!r} appears twice in the checkpoint")
+    dest, row = targets[key]
+    expected = (_part_rows(model, key, dest),) + tuple(dest.shape[1:])
+    if tuple(tensor.shape) != expected:
+        raise ValueError(f"{path}: tensor {key!r} has shape {list(tensor.shape)}; the config gives "
+                         f"{list(expected)}")
+    part = dest.narrow(0, row, expected[0])
+    part.copy_(tensor)
+    if not torch.isfinite(part).all():
+        raise ValueError(f"{path}: tensor {key!r} has NaN or inf values in {model.dtype}")
+    filled.add(key)
 
 
 def _settle_tied_head(model: LlamaForCausalLM, path: Path, head: torch.Tensor, embedding_loaded: bool) -> None:
@@ -190,19 +223,23 @@ def _part_rows(model: LlamaForCausalLM, key: str, dest: torch.Tensor) -> int:
 
 
 def load_model(folder: str | Path, *, dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu",
-               progress: bool | None = None) -> LlamaForCausalLM:
-    """A served model from a Hugging Face folder (`config.json` + weights), on `device`."""
+               progress: bool | None = None, quantization: str | None = None) -> LlamaForCausalLM:
+    """A served model from a Hugging Face folder (`config.json` + weights), on `device`. FP8 checkpoints load
+    as FP8 (their config's `quantization_config`); `quantization="fp8"` quantizes a dense one at load."""
     folder = Path(folder)
     config = ModelConfig.from_pretrained(folder)
-    model = build_empty(config, resolve_dtype(dtype, config), device)
-    load_weights(model, folder, progress)
+    raw = json.loads((folder / "config.json").read_text())   # from_pretrained has checked that it reads
+    scheme = fp8_scheme(raw, quantization, _where(config))
+    model = build_empty(config, resolve_dtype(dtype, config), device, fp8=scheme)
+    load_weights(model, folder, progress, fp8=scheme)
     return model
 
 
 def dummy_model(config: ModelConfig | str, *, dtype: str | torch.dtype = "bfloat16",
                 device: torch.device | str = "cpu", seed: int = 0, num_layers: int | None = None,
-                std: float = 0.02) -> LlamaForCausalLM:
-    """Random weights of the right shapes, from a config or a preset name: no files at all."""
+                std: float = 0.02, quantization: str | None = None) -> LlamaForCausalLM:
+    """Random weights of the right shapes, from a config or a preset name: no files at all; with
+    `quantization="fp8"`, the projections quantized per row as `load_model` quantizes a dense checkpoint."""
     if isinstance(config, str):
         config = preset_config(config, num_layers)
     elif num_layers is not None:
@@ -214,4 +251,6 @@ def dummy_model(config: ModelConfig | str, *, dtype: str | torch.dtype = "bfloat
             param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen, device=param.device))
         else:
             param.normal_(0.0, std, generator=gen)
+    if fp8_scheme({}, quantization) is not None:
+        quantize_model(model)
     return model

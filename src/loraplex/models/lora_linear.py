@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .fp8.weight import Fp8Weight
 from .lora_plan import LoraPlan, Pending
 
 QKV = ("q_proj", "k_proj", "v_proj")
@@ -17,7 +18,8 @@ class LoraLinear(nn.Module):
 
     Fused projections (q/k/v, gate/up) hold their parts' weights as row blocks (`[q; k; v]`) and run one
     GEMM and one multi-slice LoRA launch; the adapter pool keeps each part's A and B (`pool.stacks`).
-    Weights keep Hugging Face's `[out, in]` orientation.
+    Weights keep Hugging Face's `[out, in]` orientation. `weight` is a dense tensor in the model's dtype, or an
+    `Fp8Weight` (e4m3 with fp32 scales, `use_fp8`); the bias and the adapters stay in the model's dtype.
     """
 
     def __init__(self, layer: int, parts: tuple[str, ...], in_features: int, out_features: int, bias: bool) -> None:
@@ -30,6 +32,16 @@ class LoraLinear(nn.Module):
         """`(y, pending)`: y the projection with its LoRA added, or without it where `pending` carries it for the op
         after this projection to add (`LoraPlan.linear` says which)."""
         return plan.linear(x, self.weight, self.bias, self.layer, self.parts)
+
+    def use_fp8(self, block: tuple[int, int], parts: int, input_scale: bool) -> Fp8Weight:
+        """Replace the dense weight by an uninitialised `Fp8Weight` of the same shape on the same device, with
+        scales over `block`-sized tiles (models/fp8/weight.py) and, with `input_scale`, one per fused part."""
+        out, cols = self.weight.shape
+        device = self.weight.device
+        del self.weight
+        with torch.device(device):
+            self.weight = Fp8Weight(out, cols, block, parts, input_scale)
+        return self.weight
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, parts={self.parts}, in={self.weight.shape[1]}, out={self.weight.shape[0]}, " \

@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..ops import add_lora, resolve_backend
-from ..ops.gemm.skinny import linear as base_linear
 from ..ops.lora import overlap
 from ..ops.lora.batch import LoraBatch
 from ..ops.lora.delta import LoraDelta
 from ..ops.lora.product import LoraProduct
+from .fp8.gemm import BaseWeight, base_linear, gemm_weight   # the base GEMM by weight kind (dense or FP8)
 
 if TYPE_CHECKING:
     from ..adapters.pool import AdapterPool
@@ -89,13 +89,16 @@ class LoraPlan:
             return cls("beside", pool, batch, None, capturing)
         return cls("tiles", pool, batch)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: int,
+    def linear(self, x: torch.Tensor, weight: BaseWeight, bias: torch.Tensor | None, layer: int,
                parts: tuple[str, ...]) -> tuple[torch.Tensor, Pending]:
         """`x @ weightᵀ + bias` plus each row's adapter's LoRA of the projections `parts` (fused: one launch for all
-        slices): added into the output, or returned as `pending` for the next op to add."""
+        slices): added into the output, or returned as `pending` for the next op to add. An FP8 weight is
+        dequantized for the GEMM (models/fp8/gemm.py); the LoRA reads the same x either way."""
         if self.kind == "none":
             return base_linear(x, weight, bias), None
         a, b, ranks, scalings = self.pool.stacks(layer, parts)
+        if self.kind in ("decode", "beside"):   # ops/lora/overlap.py runs a dense GEMM beside the LoRA kernels
+            weight = gemm_weight(weight, x.dtype)
         if self.kind == "decode":
             if parts[0] in self.expand_in_consumer:
                 return overlap.linear_with_lora_product(x, weight, bias, a, b, self.batch, ranks, scalings,
