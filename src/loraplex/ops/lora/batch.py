@@ -151,7 +151,7 @@ class LoraBatch:
         validate_lengths(lens)
         mem = members(slot_ids, weights, len(lens))
         if block_m is None:
-            block_m = pick_block_m(lens, mem, SMALL_BLOCK_M, LARGE_BLOCK_M)
+            block_m = cls.pick_block_m(lens, mem)
         _check_block_m(block_m)
         p = plan(lens, mem, block_m, mem.composed)
         parts = _arrays(p)
@@ -169,9 +169,10 @@ class LoraBatch:
         return cls(**named, **values, _buffer=buffer)
 
     @staticmethod
-    def pick_block_m(seg_lens: np.ndarray, slot_ids: np.ndarray) -> int:
-        """The tile height `from_lengths` picks for single-adapter segments (batch_plan.pick_block_m)."""
-        mem = members([int(s) for s in slot_ids], None, len(seg_lens))
+    def pick_block_m(seg_lens: np.ndarray, slot_ids: "np.ndarray | Members") -> int:
+        """The tile height `from_lengths` picks (batch_plan.pick_block_m) for segments on these slots: one a
+        segment, or `Members` (compositions)."""
+        mem = slot_ids if isinstance(slot_ids, Members) else members([int(s) for s in slot_ids], None, len(seg_lens))
         return pick_block_m(np.asarray(seg_lens, np.int64), mem, SMALL_BLOCK_M, LARGE_BLOCK_M)
 
     # ---- CUDA-graph use: fixed buffers and grid, contents updated in place ----------------

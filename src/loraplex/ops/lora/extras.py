@@ -14,7 +14,6 @@ row costs what a tile would.
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -103,24 +102,13 @@ def _expand_extras_kernel(y_ptr, part_ptr, extra_slot_ptr, b0, b1, b2, b3, rk0, 
 _EXTRAS = Launcher(_expand_extras_kernel)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _num_sms(device: torch.device) -> int:
-    # a property query costs host time every eager launch: cached; the CPU (interpreter) pretends to a small GPU
-    if device.type != "cuda":
-        return 4
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def expand_extras(y: torch.Tensor, part: torch.Tensor, lora_b: list[torch.Tensor], ranks: list[torch.Tensor],
                   scalings: list[torch.Tensor], batch, y_offset: int) -> None:
     """Add the members after the first of a composed batch's rows into y's slices (in place: y is the projection's
     output, or an fp32 LoraDelta whose rows the first member's expand stored). Nothing for other batches."""
     if not batch.composed or batch.lanes < 2:
         return
+    from .sgmv import _block_r, _num_sms   # (sgmv imports this module: its helpers are looked up here)
     T, num_slices, R = batch.num_rows, len(lora_b), lora_b[0].shape[2]
     ns = [b.shape[1] for b in lora_b]
     cols = [y_offset + sum(ns[:i]) for i in range(num_slices)]
@@ -129,7 +117,7 @@ def expand_extras(y: torch.Tensor, part: torch.Tensor, lora_b: list[torch.Tensor
     n_per_prog = -(-tiles // chunks) * BLOCK_N
     chunks = -(-max(ns) // n_per_prog)
     pad = MAX_SLICES - num_slices
-    block_r = min(max(16, 1 << (max(R, 1) - 1).bit_length()), 64)
+    block_r = _block_r(R)
     args = (y, part, batch.extra_slot, *lora_b, *[lora_b[0]] * pad, *ranks, *[ranks[0]] * pad,
             *scalings, *[scalings[0]] * pad, *ns, *[0] * pad, *cols, *[0] * pad,
             T, batch.lanes - 1, chunks, n_per_prog, R, y.stride(0), y.stride(1),
