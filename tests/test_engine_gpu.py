@@ -180,10 +180,9 @@ def test_compositions_replay_their_graph_variant_and_match_peft_cat(served, monk
     results = {}
     for eager in (False, True):
         with make_llm(served, enforce_eager=eager) as llm:
-            graphs = llm.engine.runner.graphs
-            if not eager:
-                assert graphs.variants == ["base", "lora", "composed"]
-                assert len(graphs._graphs) == 3 * len(graphs.shapes.all())
+            if not eager:   # (no local name for the graphs: one would keep this engine's memory past its close)
+                assert llm.engine.runner.graphs.variants == ["base", "lora", "composed"]
+                assert len(llm.engine.runner.graphs._graphs) == 3 * len(llm.engine.runner.graphs.shapes.all())
             results[eager] = [o.token_ids for o in llm.generate(prompts, params, adapter=which)]
             assert (llm.engine.stats["graph_steps"] > 0) != eager
             assert all(llm.engine.adapters.pins(n) == 0 for n in adapters)
@@ -204,8 +203,8 @@ def test_steps_without_compositions_replay_the_plain_graphs(served, monkeypatch)
     seen = _record_variants(monkeypatch)
     for limit in (4, 1):
         with make_llm(served, max_adapters_per_request=limit) as llm:
-            graphs = llm.engine.runner.graphs
-            assert graphs.variants == (["base", "lora", "composed"] if limit > 1 else ["base", "lora"])
+            expected = ["base", "lora", "composed"] if limit > 1 else ["base", "lora"]
+            assert llm.engine.runner.graphs.variants == expected
             outs = llm.generate(prompts, params, adapter=which)
         assert [o.token_ids for o in outs] == [oracle.greedy(p, a, 8) for p, a in zip(prompts, which)]
     assert "lora" in seen and set(seen) <= {"base", "lora"}, seen

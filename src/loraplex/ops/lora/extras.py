@@ -25,8 +25,8 @@ from ..pdl import pdl_start
 
 MAX_SLICES = 4
 # The decode tiles' tuned settings (tuned_h200.json's 16-row config: many short programs, each a short chain of
-# loads). On an H100, 4 programs an SM over 128-column steps made a composed batch's op 1.29× the time of the same
-# entries as plain rows (benchmarks/results/compose_ops_h100.md); these are not yet measured here.
+# loads). On an H100 they took a composed batch's op from 1.29× to 1.16× the time of the same entries as plain rows
+# (4 programs an SM over 128-column steps before; benchmarks/results/compose_ops_h100.md).
 BLOCK_N = 256
 PROGRAMS_PER_SM = 16
 
