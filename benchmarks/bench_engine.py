@@ -9,6 +9,8 @@ all submitted at once; `max_num_seqs` of 32 and 256 (`--batches`). Variants on t
 - composed (on request): request i combines two rank-16 adapters of its own, {a(2i): 0.7, a(2i+1): 0.3};
 - merged (on request): request i uses a rank-32 adapter of its own (what merging its pair offline builds).
 The composed/merged pair runs in an engine of its own whose pool holds both ranks (R = 32).
+`--quantizations none,fp8` runs every variant with bf16 weights and again with FP8 ones (`--quantization fp8`:
+e4m3, a scale per output channel, quantized at load), each in an engine of its own, in one process.
 Adapters are synthetic (no files) and made resident before timing, so the runs measure serving,
 not loading. Each variant runs with CUDA graphs, and at `--eager-batches` also with `enforce_eager`.
 
@@ -24,6 +26,8 @@ steps' GPU span (inputs, forward, sampling on the GPU) is reported beside their 
     python benchmarks/bench_engine.py --batches 32,256 --repeats 3 \
         --out benchmarks/results/engine.json --md benchmarks/results/engine.md
     python benchmarks/bench_engine.py --batches 32 --modes graphs --variants backbone,distinct --repeats 3
+    python benchmarks/bench_engine.py --batches 32 --modes graphs --variants backbone,distinct \
+        --quantizations none,fp8 --repeats 3
 """
 from __future__ import annotations
 
@@ -105,9 +109,13 @@ def main(argv=None) -> None:
     ap.add_argument("--variants", default="backbone,distinct,shared")
     ap.add_argument("--repeats", type=int, default=1,
                     help="measured runs per variant, interleaved across variants; each row is the median-tokens/s run")
+    ap.add_argument("--quantizations", default="none", help="base weights: none (bf16), fp8, or both (none,fp8)")
     ap.add_argument("--out")
     ap.add_argument("--md")
     args = ap.parse_args(argv)
+    for q in args.quantizations.split(","):
+        if q not in ("none", "fp8"):
+            ap.error(f"--quantizations: {q!r} is not none or fp8")
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
     copy_gbs = copy_bandwidth_gbs()
@@ -116,8 +124,9 @@ def main(argv=None) -> None:
         for mode in args.modes.split(","):
             if mode == "eager" and str(B) not in args.eager_batches.split(","):
                 continue
-            for variants in _groups(args.variants.split(",")):
-                rows += run_group(args, B, mode, variants, copy_gbs)
+            for quant in args.quantizations.split(","):
+                for variants in _groups(args.variants.split(",")):
+                    rows += run_group(args, B, mode, variants, copy_gbs, quant)
     result = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,
                   preset=args.preset, layers=args.layers, rank=RANK, output_tokens=OUTPUT_TOKENS, repeats=args.repeats,
                   settings=envs.snapshot(),   # the LORAPLEX_* settings the run had
@@ -150,10 +159,11 @@ def _adapter(variant: str, i: int, B: int):
     return {"backbone": None, "shared": "a0", "distinct": f"a{i % B}", "merged": f"m{i % B}"}[variant]
 
 
-def _engine(args, B: int, mode: str, compose: bool) -> tuple[Engine, float]:
+def _engine(args, B: int, mode: str, compose: bool, quant: str) -> tuple[Engine, float]:
     """An engine with its adapters resident: B rank-16 ones, or for the composition pair 2B rank-16 members and
-    B rank-32 merged ones in a pool R = 32 wide."""
+    B rank-32 merged ones in a pool R = 32 wide; base weights in bf16 or FP8 (`quant`)."""
     config = EngineConfig(model=f"dummy:{args.preset}", dummy_layers=args.layers, dtype="bfloat16",
+                          quantization=None if quant == "none" else quant,
                           max_num_seqs=B, max_num_batched_tokens=max(2048, B), max_gpu_adapters=3 * B if compose else B,
                           max_lora_rank=2 * RANK if compose else RANK, max_cpu_adapters=0,
                           enforce_eager=(mode == "eager"), cuda_graph_max_batch=B, max_model_len=1024)
@@ -171,9 +181,9 @@ def _engine(args, B: int, mode: str, compose: bool) -> tuple[Engine, float]:
     return engine, setup_s
 
 
-def run_group(args, B: int, mode: str, variants: list[str], copy_gbs: float) -> list[dict]:
+def run_group(args, B: int, mode: str, variants: list[str], copy_gbs: float, quant: str = "none") -> list[dict]:
     """Each variant `--repeats` times in one engine, interleaved; a row per variant (its median run)."""
-    engine, setup_s = _engine(args, B, mode, variants[0] in COMPOSE_VARIANTS)
+    engine, setup_s = _engine(args, B, mode, variants[0] in COMPOSE_VARIANTS, quant)
     model = engine.runner.model
     work = prompts(args.waves * B, model.config.vocab_size)
     runs: dict[str, list[dict]] = {v: [] for v in variants}
@@ -196,7 +206,7 @@ def run_group(args, B: int, mode: str, variants: list[str], copy_gbs: float) -> 
         ctx = res["mean_full_context"] or 0
         floor_ms = (weight_bytes(model, B) + kv_bytes(model, int(ctx * B)) +
                     used * adapter_bytes(model)) / (copy_gbs * 1e9) * 1e3   # (merged: rank 32 = 2 × rank 16)
-        row = dict(batch=B, mode=mode, variant=variant, setup_s=setup_s, floor_ms=floor_ms,
+        row = dict(batch=B, mode=mode, variant=variant, quantization=quant, setup_s=setup_s, floor_ms=floor_ms,
                    repeats_tokens_per_s=[round(r["tokens_per_s"], 1) for r in runs[variant]], **res)
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -214,18 +224,20 @@ def markdown(res: dict) -> str:
              f"{res['copy_gbs']:.0f} GB/s."
              + (f" Each row is the median-throughput run of {repeats}, the variants' runs interleaved." if repeats > 1
                 else ""), "",
-             "| max seqs | mode | adapters | tokens/s | vs backbone | full-batch decode step (ms) | its GPU span (ms) "
-             "| floor (ms) | of floor | prefill step (ms) | its GPU span (ms) | graph steps |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    base = {(r["batch"], r["mode"]): r["tokens_per_s"] for r in res["rows"] if r["variant"] == "backbone"}
+             "| max seqs | mode | weights | adapters | tokens/s | vs backbone | full-batch decode step (ms) "
+             "| its GPU span (ms) | floor (ms) | of floor | prefill step (ms) | its GPU span (ms) | graph steps |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    key = lambda r: (r["batch"], r["mode"], r.get("quantization", "none"))   # noqa: E731
+    base = {key(r): r["tokens_per_s"] for r in res["rows"] if r["variant"] == "backbone"}
     for r in res["rows"]:
         step, gpu = r["full_decode_step_ms"], r.get("full_decode_gpu_ms")
-        rel = r["tokens_per_s"] / base[(r["batch"], r["mode"])] if (r["batch"], r["mode"]) in base else float("nan")
+        rel = r["tokens_per_s"] / base[key(r)] if key(r) in base else float("nan")
+        weights = {"none": "bf16"}.get(r.get("quantization", "none"), r.get("quantization"))
         steps = (f"{step:.2f} | {gpu:.2f} | " if gpu else f"{step:.2f} | – | ") if step else "– | – | "
         floor = f"{r['floor_ms']:.2f} | {step / r['floor_ms']:.2f}× | " if step else "– | – | "
         name = r["variant"]
         prompt_gpu = f"{r['prefill_gpu_ms']:.1f}" if r.get("prefill_gpu_ms") else "–"
-        lines.append(f"| {r['batch']} | {r['mode']} | {name} | {r['tokens_per_s']:.0f} | {rel:.3f} | "
+        lines.append(f"| {r['batch']} | {r['mode']} | {weights} | {name} | {r['tokens_per_s']:.0f} | {rel:.3f} | "
                      f"{steps}{floor}{r['prefill_step_ms']:.1f} | {prompt_gpu} | {r['graph_steps']}/{r['steps']} |")
     lines += ["", "Floor: (weights + KV bytes of the batch's mean context + each used adapter once) / copy "
               "bandwidth. Step times are wall times of the engine's whole step (host work included); the GPU span "

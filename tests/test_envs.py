@@ -23,7 +23,8 @@ def clean_env(monkeypatch):
 
 def test_defaults(clean_env):
     assert envs.snapshot() == {"LORAPLEX_OPS_BACKEND": "auto", "LORAPLEX_PDL": "on", "LORAPLEX_SKINNY_GEMM": "auto",
-                               "LORAPLEX_SKINNY_CONFIGS": "", "LORAPLEX_FAST_LAUNCH": "auto"}
+                               "LORAPLEX_SKINNY_CONFIGS": "", "LORAPLEX_FP8_W8A8": "auto",
+                               "LORAPLEX_FAST_LAUNCH": "auto"}
     assert (envs.ops_backend(), envs.pdl(), envs.triton_gemm(), envs.gemm_configs_path(), envs.fast_launch()) == \
         ("auto", True, "auto", None, "auto")
 
@@ -41,10 +42,11 @@ def test_choices_and_paths(clean_env, tmp_path):
     clean_env.setenv("LORAPLEX_SKINNY_GEMM", " Auto ")
     clean_env.setenv("LORAPLEX_OPS_BACKEND", "Reference")
     clean_env.setenv("LORAPLEX_FAST_LAUNCH", "0")
+    clean_env.setenv("LORAPLEX_FP8_W8A8", "YES")
     clean_env.setenv("LORAPLEX_SKINNY_CONFIGS", f" {tmp_path}/Tiles.json ")
     assert envs.snapshot() == {"LORAPLEX_OPS_BACKEND": "reference", "LORAPLEX_PDL": "on",
                                "LORAPLEX_SKINNY_GEMM": "auto", "LORAPLEX_SKINNY_CONFIGS": f"{tmp_path}/Tiles.json",
-                               "LORAPLEX_FAST_LAUNCH": "off"}
+                               "LORAPLEX_FP8_W8A8": "on", "LORAPLEX_FAST_LAUNCH": "off"}
     assert envs.gemm_configs_path() == f"{tmp_path}/Tiles.json"   # a path keeps its case
 
 

@@ -325,21 +325,31 @@ def test_engine_config_and_flags_take_quantization():
         build_parser().parse_args(["serve", "--quantization", "int8"])
 
 
-def test_fp8_weights_under_the_triton_decode_plan(bases, tmp_path, monkeypatch):
+@pytest.mark.parametrize("case,kernel", [("fp8-32-stacked", True), ("ct-channel-ignore", True),
+                                         ("fp8-32-stacked", False)])
+def test_fp8_weights_under_the_triton_decode_plan(bases, tmp_path, monkeypatch, case, kernel):
     """The "decode" LoRA plan (Triton's interpreter here): overlap.py's GEMMs beside the LoRA kernels take the FP8
-    weight dequantized (models/fp8/gemm.py's gemm_weight); the logits still match transformers + PEFT."""
+    weight, through ops/gemm/fp8.py's weight-only kernel where the dense Triton GEMM would run (`kernel`:
+    LORAPLEX_SKINNY_GEMM=on; block and per-column scales), else dequantized; the logits still match
+    transformers + PEFT on the dequantized weights."""
     from loraplex import ops
+    from loraplex.ops.gemm import fp8, skinny
     if not ops.triton_interpreted():
         pytest.skip("needs TRITON_INTERPRET=1 (no CUDA)")
-    base, adapters = bases["llama"]
-    quantize_folder(base, tmp_path / "fp8", tmp_path / "oracle", fp8_config((32, 32), ["lm_head"]))
+    base_name, qconfig, kept, _ = CASES[case]
+    base, adapters = bases[base_name]
+    quantize_folder(base, tmp_path / "fp8", tmp_path / "oracle", qconfig, skip=_skip(kept))
     setup = Fp8Setup(tmp_path / "fp8", tmp_path / "oracle", adapters)
     setup.model.backend = "triton"
     from loraplex.models.lora_plan import LoraPlan
     kinds, real_make = [], LoraPlan.make
     monkeypatch.setattr(LoraPlan, "make", lambda *a, **kw: kinds.append(real_make(*a, **kw)) or kinds[-1])
+    launches, real_kernel = [], fp8.fp8_skinny_linear
+    monkeypatch.setattr(fp8, "fp8_skinny_linear", lambda *a, **kw: launches.append(a[1].block) or real_kernel(*a, **kw))
+    monkeypatch.setattr(skinny, "SETTING", "on" if kernel else "auto")
     check_mixed_batch(setup, [("all-r8", 2, 1), ("attn-r4", 1, 1), (None, 1, 1), ("mlp-patterned", 2, 1)])
     assert [p.kind for p in kinds] == ["decode", "decode"]
+    assert bool(launches) == kernel, launches
 
 
 def test_dummy_models_quantize_like_loaded_ones(bases):

@@ -17,6 +17,10 @@ tuned configs) call the accessor once then, so those settings must be set before
 |                         |         |                         | everywhere); read at import                             |
 | LORAPLEX_SKINNY_CONFIGS | (unset) | a JSON file's path      | tuned tiles of that GEMM per weight shape, replacing    |
 |                         |         |                         | the bundled ops/gemm/tuned_h200.json; read at import    |
+| LORAPLEX_FP8_W8A8       | auto    | auto, on, off           | prompts' GEMMs with FP8 weights on the FP8 tensor cores |
+|                         |         |                         | (activations quantized per row): auto (GPUs of sm_89   |
+|                         |         |                         | on), on (wherever torch._scaled_mm runs: the CPU too),  |
+|                         |         |                         | off (the weight dequantized for cuBLAS)                 |
 | LORAPLEX_FAST_LAUNCH    | auto    | auto, on, off           | ops/launch.py's direct kernel launches: auto (with the  |
 |                         |         |                         | Triton versions they were checked against), on, or off  |
 |                         |         |                         | (every launch through Triton: for debugging)            |
@@ -59,6 +63,10 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "a JSON file of tuned tiles for that GEMM per weight shape ({\"N,K\": {SkinnyConfig's fields}}, as "
              "benchmarks/bench_skinny_gemm.py --configs-out writes), replacing the bundled "
              "ops/gemm/tuned_h200.json; read at import"),
+    Variable("LORAPLEX_FP8_W8A8", "auto", ("auto", "on", "off"), True,
+             "prompts' GEMMs with FP8 weights (a scale per output column) on the FP8 tensor cores, each row of the "
+             "activations quantized by its amax: auto (CUDA GPUs of compute capability 8.9 on), on (wherever "
+             "torch._scaled_mm runs, the CPU included), off (the weight dequantized for cuBLAS) (ops/gemm/fp8.py)"),
     Variable("LORAPLEX_FAST_LAUNCH", "auto", ("auto", "on", "off"), True,
              "ops/launch.py's direct kernel launches: auto (with the Triton versions they were checked against), "
              "on, or off (every launch through Triton's own path: for debugging)"),
@@ -103,6 +111,11 @@ def triton_gemm() -> str:
 def gemm_configs_path() -> str | None:
     """LORAPLEX_SKINNY_CONFIGS: the tuned-tiles file to use instead of the bundled one, or None."""
     return get("LORAPLEX_SKINNY_CONFIGS") or None
+
+
+def fp8_w8a8() -> str:
+    """LORAPLEX_FP8_W8A8: "auto", "on" or "off" (ops/gemm/fp8.py)."""
+    return get("LORAPLEX_FP8_W8A8")
 
 
 def fast_launch() -> str:

@@ -29,7 +29,7 @@ from ..ops.lora import overlap
 from ..ops.lora.batch import LoraBatch
 from ..ops.lora.delta import LoraDelta
 from ..ops.lora.product import LoraProduct
-from .fp8.gemm import BaseWeight, base_linear, gemm_weight   # the base GEMM by weight kind (dense or FP8)
+from .fp8.gemm import BaseWeight, base_linear, gemm_operand   # the base GEMM for a dense or an FP8 weight
 
 if TYPE_CHECKING:
     from ..adapters.pool import AdapterPool
@@ -92,13 +92,13 @@ class LoraPlan:
     def linear(self, x: torch.Tensor, weight: BaseWeight, bias: torch.Tensor | None, layer: int,
                parts: tuple[str, ...]) -> tuple[torch.Tensor, Pending]:
         """`x @ weightᵀ + bias` plus each row's adapter's LoRA of the projections `parts` (fused: one launch for all
-        slices): added into the output, or returned as `pending` for the next op to add. An FP8 weight is
-        dequantized for the GEMM (models/fp8/gemm.py); the LoRA reads the same x either way."""
+        slices): added into the output, or returned as `pending` for the next op to add. An FP8 weight takes the
+        FP8 GEMMs (models/fp8/gemm.py); the LoRA reads the same x either way."""
         if self.kind == "none":
             return base_linear(x, weight, bias), None
         a, b, ranks, scalings = self.pool.stacks(layer, parts)
-        if self.kind in ("decode", "beside"):   # ops/lora/overlap.py runs a dense GEMM beside the LoRA kernels
-            weight = gemm_weight(weight, x.dtype)
+        if self.kind in ("decode", "beside"):   # ops/lora/overlap.py runs the GEMM beside the LoRA kernels
+            weight = gemm_operand(weight)
         if self.kind == "decode":
             if parts[0] in self.expand_in_consumer:
                 return overlap.linear_with_lora_product(x, weight, bias, a, b, self.batch, ranks, scalings,

@@ -1,27 +1,25 @@
-"""The base GEMM of a projection, chosen by the kind of its weight: the one place that branches on it.
+"""The base GEMM of a projection, for a weight of either kind (dense or `Fp8Weight`).
 
-A dense weight takes ops/gemm/skinny.py's `linear` (the Triton skinny GEMM for decode rows on GPUs, else
-F.linear). An `Fp8Weight` is dequantized to the activations' dtype for each call and then takes the same
-GEMM: weight-only (x stays in the model dtype, so the LoRA shrink reads the same x as with a dense weight).
-On the CPU that is the reference path; on GPUs it is the fallback until the FP8 kernels exist, which slot in
-here (and in `gemm_weight` for the LoRA plan's kinds that run the GEMM beside the LoRA kernels).
+`gemm_operand` hands the ops the weight as they read it: the tensor itself, or an FP8 weight's `Fp8Matrix`
+(ops/gemm/fp8.py picks its GEMM: the Triton weight-only kernel for decode rows on GPUs of sm_89 on, the FP8
+tensor cores for prompts where the scales allow, else the weight dequantized for this call). Weight-only or not,
+the LoRA kernels read the same x as with a dense weight.
 """
 from __future__ import annotations
 
 import torch
 
-from ...ops.gemm import skinny
+from ...ops.gemm import linear as gemm
 from .weight import Fp8Weight
 
 BaseWeight = torch.Tensor | Fp8Weight
 
 
-def gemm_weight(weight: BaseWeight, dtype: torch.dtype) -> torch.Tensor:
-    """The dense `[out, in]` tensor the dense GEMMs read: the weight itself, or an FP8 weight dequantized to
-    `dtype` (a temporary of this call: the model keeps only the FP8 bytes)."""
-    return weight.dequantize(dtype) if isinstance(weight, Fp8Weight) else weight
+def gemm_operand(weight: BaseWeight) -> gemm.GemmWeight:
+    """What ops/gemm/linear.py's GEMMs (and ops/lora/overlap.py's, beside the LoRA kernels) take for `weight`."""
+    return weight.matrix if isinstance(weight, Fp8Weight) else weight
 
 
 def base_linear(x: torch.Tensor, weight: BaseWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`x @ wᵀ + bias` for a weight of either kind (w dequantized where FP8)."""
-    return skinny.linear(x, gemm_weight(weight, x.dtype), bias)
+    """`x @ wᵀ + bias` for a weight of either kind."""
+    return gemm.linear(x, gemm_operand(weight), bias)

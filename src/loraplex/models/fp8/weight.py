@@ -19,8 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-FP8 = torch.float8_e4m3fn
-E4M3_MAX = 448.0   # the largest finite e4m3fn value
+from ...ops.gemm.fp8 import E4M3_MAX, FP8, Fp8Matrix, quantize_rows  # noqa: F401 (E4M3_MAX, quantize_rows: re-exported)
 
 
 class Fp8Weight(nn.Module):
@@ -50,9 +49,14 @@ class Fp8Weight(nn.Module):
             return out if out.dtype == t.dtype else t.to(out.device)
         return super()._apply(keep_dtype, recurse)
 
+    @property
+    def matrix(self) -> Fp8Matrix:
+        """The GEMMs' view of this weight (ops/gemm/fp8.py)."""
+        return Fp8Matrix(self.qweight, self.scale, self.block, self.input_scale)
+
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """`w` of the module docstring in `dtype`: each product rounded once from fp32 (exact in fp32 for fp32)."""
-        return dequantize(self.qweight, self.scale, self.block).to(dtype)
+        return self.matrix.dequantize(dtype)
 
     def extra_repr(self) -> str:
         return f"out={self.shape[0]}, in={self.shape[1]}, block={self.block}, " \
@@ -61,19 +65,4 @@ class Fp8Weight(nn.Module):
 
 def dequantize(qweight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """fp32 `qweight * scale` over `block`-sized tiles (the module docstring's formula)."""
-    out, cols = qweight.shape
-    rows_n, cols_n = scale.shape
-    full = scale[:, None, :, None].expand(rows_n, block[0], cols_n, block[1])
-    full = full.reshape(rows_n * block[0], cols_n * block[1])[:out, :cols]
-    return qweight.to(torch.float32) * full
-
-
-def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 `[out, in]`, fp32 scales `[out, 1]`): each row scaled so that its largest |w| maps to E4M3_MAX and
-    rounded to nearest (ties to even). An all-zero row takes scale 1 (its values stay 0)."""
-    w32 = w.to(torch.float32)
-    amax = w32.abs().amax(dim=1, keepdim=True)
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    # the division can round a row's largest value a hair past E4M3_MAX; the clamp keeps it finite
-    q = (w32 / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(FP8)
-    return q, scale
+    return Fp8Matrix(qweight, scale, block).dequantize(torch.float32)

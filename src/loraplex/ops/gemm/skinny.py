@@ -115,6 +115,16 @@ def _picked(n: int, k: int, cuda_index: int | None) -> SkinnyConfig:
     return pick_config(n, k, sms)
 
 
+def default_config(n: int, k: int, device: torch.device) -> SkinnyConfig:
+    """The tiles of a weight of shape (n, k) on `device`: tuned (CONFIGS) or picked by `pick_config`."""
+    return CONFIGS.get((n, k)) or _picked(n, k, device.index if device.type == "cuda" else None)
+
+
+def block_m(rows: int) -> int:
+    """The tile height of a launch for `rows` rows of x (a power of two of at least 16)."""
+    return _block_m(rows)
+
+
 def _block_m(rows: int) -> int:
     return max(16, 1 << (rows - 1).bit_length())
 

@@ -35,7 +35,8 @@ from typing import Callable
 import torch
 
 from .. import pdl
-from ..gemm import skinny as skinny_gemm
+from ..gemm import linear as gemm
+from ..gemm.linear import GemmWeight
 from .batch import LoraBatch
 from .delta import LoraDelta
 from .product import LoraProduct
@@ -51,11 +52,11 @@ SIDE_STREAM_PRIORITY = 0
 CAPTURE_PRIORITY = -5
 
 
-def shrink_order(x: torch.Tensor, weight: torch.Tensor) -> str:
+def shrink_order(x: torch.Tensor, weight: GemmWeight) -> str:
     """Where `linear_with_lora_product` runs the shrink: "after" the GEMM on the current stream where PDL is on and
-    the GEMM is the Triton kernel, which releases the shrink only after its own wait (ops/pdl.py), so the shrink's
-    programs run beside the GEMM's; else "side" (cuBLAS's GEMMs, GPUs without PDL)."""
-    return "after" if pdl.PDL and skinny_gemm.takes_input(x, weight) else "side"
+    the GEMM is one of the Triton kernels (dense or FP8: ops/gemm/linear.py), which releases the shrink only after
+    its own wait (ops/pdl.py), so the shrink's programs run beside the GEMM's; else "side" (cuBLAS's GEMMs, GPUs without PDL)."""
+    return "after" if pdl.PDL and gemm.takes_input(x, weight) else "side"
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -80,25 +81,26 @@ def _usable_side(device: torch.device) -> torch.cuda.Stream | None:
     return None
 
 
-def _beside_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, side: bool,
+def _beside_gemm(x: torch.Tensor, weight: GemmWeight, bias: torch.Tensor | None, side: bool,
                  work: Callable[[], None]) -> torch.Tensor:
-    """`skinny_gemm.linear(x, weight, bias)` with `work` (LoRA kernels that read only x) queued before it: on a side
-    stream that forks after x is ready and joins after the GEMM when `side` (capture only) and one is usable, else
-    on the current stream. Tensors `work` writes must be allocated by the caller on the main stream."""
+    """`gemm.linear(x, weight, bias)` (a dense or an FP8 weight) with `work` (LoRA kernels that read only x) queued
+    before it: on a side stream that forks after x is ready and joins after the GEMM when `side` (capture only) and
+    one is usable, else on the current stream. Tensors `work` writes must be allocated by the caller on the main
+    stream."""
     stream = _usable_side(x.device) if side else None
     if stream is None:
         work()
-        return skinny_gemm.linear(x, weight, bias)
+        return gemm.linear(x, weight, bias)
     main = torch.cuda.current_stream(x.device)
     stream.wait_stream(main)    # x is ready
     with torch.cuda.stream(stream):
         work()
-    y = skinny_gemm.linear(x, weight, bias)
+    y = gemm.linear(x, weight, bias)
     main.wait_stream(stream)
     return y
 
 
-def linear_with_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def linear_with_lora(x: torch.Tensor, weight: GemmWeight, bias: torch.Tensor | None,
                      lora_a: list[torch.Tensor], lora_b: list[torch.Tensor], batch: LoraBatch,
                      ranks: list[torch.Tensor], scalings: list[torch.Tensor]) -> torch.Tensor:
     """`linear(x, weight, bias)` plus `sgmv.add_lora` of the slices, the shrink on a side stream beside the GEMM
@@ -106,7 +108,7 @@ def linear_with_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     from . import sgmv   # Triton: imported where it runs, so that the CPU path needs none
     cfg = sgmv.config_for(batch.block_m)
     if _usable_side(x.device) is None:
-        return sgmv.add_lora(skinny_gemm.linear(x, weight, bias), x, lora_a, lora_b, batch, ranks, scalings, 0, cfg)
+        return sgmv.add_lora(gemm.linear(x, weight, bias), x, lora_a, lora_b, batch, ranks, scalings, 0, cfg)
     part = sgmv.new_partials(x, lora_a, batch, cfg)
     y = _beside_gemm(x, weight, bias, True, lambda: sgmv.shrink_into(part, x, lora_a, ranks, batch, cfg))
     sgmv.expand_from(y, part, lora_b, ranks, scalings, batch, 0, cfg)
@@ -114,7 +116,7 @@ def linear_with_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return y
 
 
-def linear_with_lora_delta(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def linear_with_lora_delta(x: torch.Tensor, weight: GemmWeight, bias: torch.Tensor | None,
                            lora_a: list[torch.Tensor], lora_b: list[torch.Tensor], batch: LoraBatch,
                            ranks: list[torch.Tensor], scalings: list[torch.Tensor], *,
                            side: bool) -> tuple[torch.Tensor, LoraDelta]:
@@ -133,7 +135,7 @@ def linear_with_lora_delta(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     return _beside_gemm(x, weight, bias, side, work), LoraDelta(values, batch.row_slot)
 
 
-def linear_with_lora_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def linear_with_lora_product(x: torch.Tensor, weight: GemmWeight, bias: torch.Tensor | None,
                              lora_a: list[torch.Tensor], lora_b: list[torch.Tensor], batch: LoraBatch,
                              ranks: list[torch.Tensor], scalings: list[torch.Tensor], *,
                              side: bool) -> tuple[torch.Tensor, LoraProduct]:
@@ -143,7 +145,7 @@ def linear_with_lora_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     cfg = sgmv.config_for(batch.block_m)
     part = sgmv.new_partials(x, lora_a, batch, cfg)
     if shrink_order(x, weight) == "after":
-        y = skinny_gemm.linear(x, weight, bias)
+        y = gemm.linear(x, weight, bias)
         sgmv.shrink_into(part, x, lora_a, ranks, batch, cfg, after_gemm=True)
     else:
         y = _beside_gemm(x, weight, bias, side, lambda: sgmv.shrink_into(part, x, lora_a, ranks, batch, cfg))

@@ -1,0 +1,191 @@
+"""FP8 weights in the projections' GEMMs on the GPU, against bf16: per weight shape of a Llama-2-7B and a Llama-3-8B
+layer, side by side in one run.
+
+- decode rows (1, 16, 32 by default): cuBLAS bf16, the bf16 Triton GEMM (ops/gemm/skinny.py, its tuned or picked
+  tiles), and the FP8 weight-only kernel (ops/gemm/fp8.py) over a sweep of tiles, with a scale per output column
+  (`--quantization fp8`, compressed-tensors) and with 128×128 block scales (transformers' `fp8`); the floors are
+  each weight's bytes over the copy bandwidth measured in the same run (bf16: 2 bytes an element, FP8: 1);
+- prompt rows (128, 512, 2048): cuBLAS bf16, W8A8 (each row of x quantized to e4m3, then torch._scaled_mm: what
+  LORAPLEX_FP8_W8A8 picks) and the weight dequantized for cuBLAS (the fallback).
+Every timing replays a CUDA graph of calls over rotating weight copies (together past the L2), median of
+CUDA-event timings after warm-up. Each FP8 output is checked against the dequantized weight's cuBLAS product first.
+
+    python benchmarks/bench_fp8_gemm.py --out benchmarks/results/fp8_gemm.json --md benchmarks/results/fp8_gemm.md
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_lora_ops import copy_bandwidth_gbs  # noqa: E402
+import bench_skinny_gemm  # noqa: E402
+from bench_skinny_gemm import per_call_us  # noqa: E402
+
+from loraplex import envs  # noqa: E402
+from loraplex.ops.gemm import skinny  # noqa: E402
+from loraplex.ops.gemm.fp8 import Fp8Matrix, fp8_skinny_linear, quantize_rows, w8a8_linear  # noqa: E402
+
+SHAPES = {"l2.qkv": (12288, 4096), "l2.o": (4096, 4096), "l2.gate_up": (22016, 4096), "l2.down": (4096, 11008),
+          "l3.qkv": (6144, 4096), "l3.gate_up": (28672, 4096), "l3.down": (4096, 14336)}
+LAYERS = {"Llama-2-7B": ("l2.qkv", "l2.o", "l2.gate_up", "l2.down"),
+          "Llama-3-8B": ("l3.qkv", "l2.o", "l3.gate_up", "l3.down")}
+ROTATION_BYTES = 600 << 20
+SWEEP = [skinny.SkinnyConfig(block_n=bn, block_k=bk, stages=st)
+         for bn, bk, st in itertools.product((64, 128), (128, 256), (3, 4, 5))]
+LAYOUTS = {"column": None, "block128": (128, 128)}
+DEVICE, DTYPE = "cuda", torch.bfloat16
+
+
+def _smoke_settings() -> None:
+    """--smoke: everything on the CPU (Triton's interpreter, fp16) at 1/64th of the widths, two tile configs."""
+    global DEVICE, DTYPE, SHAPES, SWEEP, ROTATION_BYTES, LAYOUTS
+    DEVICE, DTYPE, bench_skinny_gemm.SMOKE = "cpu", torch.float16, True
+    SHAPES = {name: (n // 64, k // 64) for name, (n, k) in SHAPES.items()}
+    SWEEP = [skinny.SkinnyConfig(block_n=16, block_k=bk, stages=1) for bk in (32, 64)]
+    ROTATION_BYTES, LAYOUTS = 0, {"column": None, "block128": (32, 32)}
+
+
+def fp8_copies(w: torch.Tensor, block: tuple[int, int] | None, copies: int) -> list[Fp8Matrix]:
+    """e4m3 copies of w with a scale per output column (block None) or per 128×128 block."""
+    if block is None:
+        q, s = quantize_rows(w)
+        block = (1, w.shape[1])
+    else:
+        bn, bk = block
+        n, k = w.shape
+        padded = F.pad(w.float(), (0, -k % bk, 0, -n % bn))   # partial blocks at the edges (toy widths)
+        grid = padded.unflatten(0, (-1, bn)).unflatten(2, (-1, bk)).abs().amax(dim=(1, 3))
+        s = (grid / 448).clamp(min=1e-12)
+        full = s.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:n, :k]
+        q = (w.float() / full).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return [Fp8Matrix(q.clone(), s.clone(), block) for _ in range(copies)]
+
+
+def check(got: torch.Tensor, ref: torch.Tensor, tolerance: float = 2e-2) -> float:
+    """The largest error relative to the largest |ref|; an error above `tolerance` (16-bit rounding for the weight-only
+    kernel; 1/16, e4m3's rounding of each activation, for W8A8) stops the benchmark."""
+    err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+    if not err <= tolerance:
+        raise RuntimeError(f"relative error {err:.2e} against the dequantized weight's cuBLAS product")
+    return err
+
+
+def decode_entry(name: str, M: int, bf16: list, fp8: dict, copy_gbs: float) -> dict:
+    N, K = SHAPES[name]
+    x = torch.randn(M, K, device=DEVICE).to(DTYPE)
+    cfg = skinny.default_config(N, K, x.device)
+    e = dict(N=N, K=K, rows=M, floor_bf16_us=N * K * 2 / copy_gbs / 1e3, floor_fp8_us=N * K / copy_gbs / 1e3,
+             cublas_bf16=per_call_us([lambda w=w: F.linear(x, w) for w in bf16]),
+             skinny_bf16=per_call_us([lambda w=w: skinny.skinny_linear(x, w, config=cfg) for w in bf16]))
+    for layout, ms in fp8.items():
+        ref = F.linear(x, ms[0].dequantize(DTYPE))
+        timed = {}
+        for c in SWEEP:
+            if skinny.launched_config(c, M, x) != c or (layout != "column" and c.block_k > ms[0].block[1]):
+                continue
+            try:
+                check(fp8_skinny_linear(x, ms[0], config=c), ref)
+                timed[f"n{c.block_n}_k{c.block_k}_st{c.stages}"] = per_call_us(
+                    [lambda m=m, c=c: fp8_skinny_linear(x, m, config=c) for m in ms])
+            except Exception as err:  # noqa: BLE001 - one config's failure (resources, compile) is reported
+                timed[f"n{c.block_n}_k{c.block_k}_st{c.stages}"] = repr(err)[:200]
+        times = {k: v for k, v in timed.items() if isinstance(v, float)}
+        best = min(times, key=times.get) if times else None
+        e[f"fp8_{layout}"] = dict(best=best, us=times.get(best), default_us=per_call_us(
+            [lambda m=m: fp8_skinny_linear(x, m) for m in ms]), sweep=timed)
+    return e
+
+
+def prompt_entry(name: str, M: int, bf16: list, fp8: list) -> dict:
+    N, K = SHAPES[name]
+    x = torch.randn(M, K, device=DEVICE).to(DTYPE)
+    err = check(w8a8_linear(x, fp8[0]), F.linear(x, fp8[0].dequantize(DTYPE)), 1 / 16)
+    return dict(N=N, K=K, rows=M, w8a8_rel_err=err,
+                cublas_bf16=per_call_us([lambda w=w: F.linear(x, w) for w in bf16]),
+                w8a8=per_call_us([lambda m=m: w8a8_linear(x, m) for m in fp8]),
+                dequantized=per_call_us([lambda m=m: F.linear(x, m.dequantize(DTYPE)) for m in fp8]))
+
+
+def layer_sums(result: dict, M: int) -> dict:
+    """µs of a layer's four projections (the sum of their per-call times) per system, at decode rows M."""
+    out = {}
+    for model, names in LAYERS.items():
+        es = [result["decode"][f"{n}@{M}"] for n in names]
+        out[model] = {k: round(sum(v(e) for e in es), 1) for k, v in (
+            ("floor_bf16", lambda e: e["floor_bf16_us"]), ("floor_fp8", lambda e: e["floor_fp8_us"]),
+            ("cublas_bf16", lambda e: e["cublas_bf16"]), ("skinny_bf16", lambda e: e["skinny_bf16"]),
+            ("fp8_column", lambda e: e["fp8_column"]["us"] or float("nan")),
+            ("fp8_column_default", lambda e: e["fp8_column"]["default_us"]),
+            ("fp8_block128", lambda e: e["fp8_block128"]["us"] or float("nan")))}
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="32,16,1", help="decode row counts")
+    ap.add_argument("--prompt-rows", default="128,512,2048")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--md", type=Path)
+    ap.add_argument("--smoke", action="store_true", help="a CPU run of everything at toy sizes (CI)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        _smoke_settings()
+    torch.manual_seed(0)
+    copy_gbs = 1.0 if args.smoke else copy_bandwidth_gbs()
+    result = dict(gpu="cpu (smoke run)" if args.smoke else torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,
+                  triton=__import__("triton").__version__, settings=envs.snapshot(), copy_gbs=copy_gbs, decode={},
+                  prompt={}, layer={})
+    for name, (N, K) in SHAPES.items():
+        w = torch.randn(N, K, device=DEVICE).to(DTYPE) * K ** -0.5
+        copies = max(2, -(-ROTATION_BYTES // (N * K)))
+        bf16 = [w.clone() for _ in range(max(2, copies // 2))]
+        fp8 = {layout: fp8_copies(w, block, copies) for layout, block in LAYOUTS.items()}
+        for M in (int(r) for r in args.rows.split(",")):
+            e = result["decode"][f"{name}@{M}"] = decode_entry(name, M, bf16, fp8, copy_gbs)
+            print(f"{name} @{M}: bf16 {e['skinny_bf16']:.1f} fp8 {e['fp8_column']['us']} / "
+                  f"{e['fp8_block128']['us']} floor {e['floor_fp8_us']:.1f}", flush=True)
+        for M in (int(r) for r in args.prompt_rows.split(",")):
+            e = result["prompt"][f"{name}@{M}"] = prompt_entry(name, M, bf16, fp8["column"])
+            print(f"{name} @{M}: bf16 {e['cublas_bf16']:.1f} w8a8 {e['w8a8']:.1f} deq {e['dequantized']:.1f}",
+                  flush=True)
+        del bf16, fp8
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=1) + "\n")
+    for M in (int(r) for r in args.rows.split(",")):
+        result["layer"][M] = layer_sums(result, M)
+    print("layer µs", json.dumps(result["layer"]), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    if args.md:
+        args.md.write_text(markdown(result))
+
+
+def markdown(r: dict) -> str:
+    lines = [f"# FP8 weights in the projections' GEMMs — {r['gpu']}, {r['date']}", "",
+             f"torch {r['torch']}, Triton {r['triton']}; copy bandwidth {r['copy_gbs']:.0f} GB/s; µs per call in "
+             "CUDA graphs over rotating weight copies.", "", "A layer's four projections at decode rows:", "",
+             "| model @ rows | bf16 floor | FP8 floor | cuBLAS bf16 | Triton bf16 | FP8 per column (best / default "
+             "tiles) | FP8 128×128 |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for M, models in r["layer"].items():
+        for model, s in models.items():
+            lines.append(f"| {model} @ {M} | {s['floor_bf16']} | {s['floor_fp8']} | {s['cublas_bf16']} | "
+                         f"{s['skinny_bf16']} | {s['fp8_column']} / {s['fp8_column_default']} | {s['fp8_block128']} |")
+    lines += ["", "Prompt rows: cuBLAS bf16 against W8A8 (quantize + torch._scaled_mm) and the dequantized weight:", "",
+              "| shape @ rows | cuBLAS bf16 | W8A8 | dequantized + cuBLAS |", "|---|---:|---:|---:|"]
+    for key, e in r["prompt"].items():
+        lines.append(f"| {key} | {e['cublas_bf16']:.1f} | {e['w8a8']:.1f} | {e['dequantized']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

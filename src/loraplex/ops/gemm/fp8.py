@@ -1,0 +1,184 @@
+"""Projections with FP8 (e4m3) weights: `Fp8Matrix`, the GEMM's view of one, and `linear`, which picks its GEMM.
+
+    w[n, k] = q[n, k] · scale[n // block_n, k // block_k]        (q e4m3 [N, K], scale fp32, block = (bn, bk))
+
+`linear(x, m, bias)` = x @ wᵀ + bias by the first of:
+- decode rows (1 to DECODE_MAX_ROWS) on GPUs with FP8 conversions (compute capability 8.9 on), where the
+  dense Triton GEMM would run (LORAPLEX_SKINNY_GEMM): `fp8_skinny_linear`, weight-only (fp8_kernels.py: q's
+  tiles converted in registers, half the bytes of a bf16 weight read);
+- more rows, a scale per output column, bf16 or fp16 x, on such GPUs (LORAPLEX_FP8_W8A8 "auto"; "on" anywhere
+  torch._scaled_mm runs, the CPU included; "off" never): `w8a8_linear`, the FP8 tensor cores with each row of x
+  quantized to e4m3 by its own amax (dynamic per-token scales) — the W8A8 path, approximate;
+- else w dequantized to x's dtype for this call and cuBLAS (the CPU's reference path, and 128×128 block scales
+  for prompts).
+The LoRA kernels read x as it is: the activations are quantized for the base GEMM only.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ... import envs
+from . import skinny
+
+FP8 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+_KERNEL = []   # its Launcher, made on first use: Triton is imported only where the kernel runs
+
+
+@dataclass(frozen=True)
+class Fp8Matrix:
+    """An FP8 weight as the GEMMs read it (the module docstring's formula). `input_scale`: a checkpoint's static
+    activation scales (one per fused part), not used by these GEMMs."""
+
+    qweight: torch.Tensor
+    scale: torch.Tensor
+    block: tuple[int, int]
+    input_scale: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.qweight.shape
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """w in `dtype`: each product rounded once from fp32."""
+        out, cols = self.qweight.shape
+        rows_n, cols_n = self.scale.shape
+        bn, bk = self.block
+        full = self.scale[:, None, :, None].expand(rows_n, bn, cols_n, bk).reshape(rows_n * bn, cols_n * bk)
+        return (self.qweight.to(torch.float32) * full[:out, :cols]).to(dtype)
+
+
+def linear(x: torch.Tensor, m: Fp8Matrix, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ wᵀ (+ bias) by the GEMM the module docstring picks."""
+    if takes_input(x, m):
+        return fp8_skinny_linear(x, m, bias)
+    if w8a8_takes(x, m):
+        return w8a8_linear(x, m, bias)
+    return F.linear(x, m.dequantize(x.dtype), bias)
+
+
+def takes_input(x: torch.Tensor, m: Fp8Matrix) -> bool:
+    """Does `linear(x, m)` run the Triton weight-only kernel (so that ops/lora/overlap.py may order a shrink
+    after it, as after the dense Triton GEMM)?"""
+    if x.dim() != 2 or not 0 < x.shape[0] <= skinny.DECODE_MAX_ROWS or x.stride(1) != 1:
+        return False
+    if m.qweight.stride(1) != 1 or _k_step(m, m.shape[1]) is None:
+        return False
+    if not skinny.takes(x.dtype, x.device):
+        return False
+    return not x.is_cuda or _fp8_capable(x.device.index)
+
+
+def w8a8_takes(x: torch.Tensor, m: Fp8Matrix) -> bool:
+    """Does `linear(x, m)` take `w8a8_linear` (see the module docstring)?"""
+    setting = envs.fp8_w8a8()
+    if setting == "off" or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if m.scale.shape[1] != 1 or m.block[0] != 1:   # a scale per output column only
+        return False
+    n, k = m.shape
+    if n % 16 or k % 16:   # cuBLASLt's FP8 GEMMs' alignment
+        return False
+    if setting == "on":
+        return True
+    return x.is_cuda and _fp8_capable(x.device.index)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 x / s, fp32 s [rows, 1]), s = amax(|x[row]|) / E4M3_MAX a row (1 for an all-zero row, whose values
+    stay 0), rounded to nearest (ties to even): activations per token here, weights per output channel at load
+    (models/fp8/checkpoint.py). The clamp keeps a row's largest value finite where the division rounds it a hair
+    past E4M3_MAX."""
+    x32 = x.to(torch.float32)
+    amax = x32.abs().amax(dim=1, keepdim=True)
+    s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    return (x32 / s).clamp_(-E4M3_MAX, E4M3_MAX).to(FP8), s
+
+
+def w8a8_linear(x: torch.Tensor, m: Fp8Matrix, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ wᵀ (+ bias) on the FP8 tensor cores: y[i, n] = round(sx[i] · scale[n, 0] · Σ_k xq[i, k] · q[n, k] +
+    bias[n]), (xq, sx) = `quantize_rows(x)`; w must have a scale per output column."""
+    xq, sx = quantize_rows(x)
+    y = torch._scaled_mm(xq, m.qweight.t(), scale_a=sx, scale_b=m.scale.view(1, -1), out_dtype=x.dtype)
+    return y if bias is None else y.add_(bias)
+
+
+def fp8_skinny_linear(x: torch.Tensor, m: Fp8Matrix, bias: torch.Tensor | None = None,
+                      config: skinny.SkinnyConfig | None = None) -> torch.Tensor:
+    """x [M, K] @ wᵀ (+ bias [N]) into a new [M, N] tensor of x's dtype, M ≤ skinny.MAX_ROWS, by fp8_kernels.py's
+    kernel; x, bias of one float dtype on q's device, unit stride along K."""
+    M, K = _check(x, m, bias)
+    N = m.shape[0]
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return out
+    if config is None:
+        config = skinny.default_config(N, K, x.device)
+    config = skinny.launched_config(config, M, x)
+    block_k = _k_step(m, K, config.block_k)
+    per_step = m.scale.shape[1] > 1
+    args = (x, m.qweight, m.scale, bias if bias is not None else out, out, M, N, K, x.stride(0), m.qweight.stride(0),
+            m.scale.stride(0), out.stride(0), m.block[0], m.block[1])
+    consts = dict(HAS_BIAS=bias is not None, PER_STEP_SCALE=per_step, EVEN_N=N % config.block_n == 0,
+                  EVEN_K=K % block_k == 0, IEEE=x.dtype == torch.float32, BLOCK_M=skinny.block_m(M),
+                  BLOCK_N=config.block_n, BLOCK_K=block_k)
+    if not _KERNEL:
+        from ..launch import Launcher
+        from .fp8_kernels import _fp8_skinny_kernel
+        _KERNEL.append(Launcher(_fp8_skinny_kernel))
+    _KERNEL[0]((-(-N // config.block_n),), args, consts, config.warps, config.stages)
+    return out
+
+
+def _k_step(m: Fp8Matrix, K: int, wanted: int = 128) -> int | None:
+    """The kernel's K step: `wanted` where one scale spans all of K, else at most the scale block's width and
+    dividing it (None where the block is not a power of two of at least 16: such weights are dequantized)."""
+    if m.scale.shape[1] == 1:
+        return wanted
+    bk = m.block[1]
+    if bk < 16 or bk & (bk - 1):
+        return None
+    return min(wanted, bk)
+
+
+def _check(x: torch.Tensor, m: Fp8Matrix, bias: torch.Tensor | None) -> tuple[int, int]:
+    if x.dim() != 2 or m.qweight.dim() != 2:
+        raise ValueError(f"fp8_skinny_linear: x and qweight must be 2-D, got {tuple(x.shape)} and {tuple(m.shape)}")
+    M, K = x.shape
+    if m.shape[1] != K:
+        raise ValueError(f"fp8_skinny_linear: x has K = {K} columns but qweight {tuple(m.shape)} has {m.shape[1]}")
+    if M > skinny.MAX_ROWS:
+        raise ValueError(f"fp8_skinny_linear: x has {M} rows, more than MAX_ROWS = {skinny.MAX_ROWS}")
+    if m.qweight.dtype != FP8 or m.scale.dtype != torch.float32:
+        raise ValueError(f"fp8_skinny_linear: qweight must be {FP8} and scale float32, got {m.qweight.dtype} and "
+                         f"{m.scale.dtype}")
+    grid = (-(-m.shape[0] // m.block[0]), -(-K // m.block[1]))
+    if tuple(m.scale.shape) != grid:
+        raise ValueError(f"fp8_skinny_linear: scale has shape {tuple(m.scale.shape)}, expected {grid} for blocks "
+                         f"{m.block}")
+    if _k_step(m, K) is None:
+        raise ValueError(f"fp8_skinny_linear: scale blocks {m.block} span part of K but are not a power of two of "
+                         f"at least 16 columns")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"fp8_skinny_linear: x's dtype {x.dtype} is not float16, bfloat16 or float32")
+    if bias is not None and (tuple(bias.shape) != (m.shape[0],) or bias.dtype != x.dtype):
+        raise ValueError(f"fp8_skinny_linear: bias is {bias.dtype} {tuple(bias.shape)}, expected {x.dtype} "
+                         f"({m.shape[0]},)")
+    for name, t in (("x", x), ("qweight", m.qweight), ("scale", m.scale), ("bias", bias)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"fp8_skinny_linear: {name} is on {t.device}, x on {x.device}")
+        if t is not None and t.stride(-1) != 1:
+            raise ValueError(f"fp8_skinny_linear: {name} must have unit stride along its last dimension")
+    return M, K
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_capable(cuda_index: int | None) -> bool:
+    """An NVIDIA GPU of compute capability 8.9 or more: FP8 conversions and tensor cores (Ada, Hopper on)."""
+    if torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(cuda_index) >= (8, 9)

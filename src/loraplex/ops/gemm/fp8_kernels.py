@@ -1,0 +1,64 @@
+"""Triton kernel of a projection with FP8 weights for few rows (decode steps), weight-only: y = x @ wᵀ (+ bias),
+x [M, K] in the model's dtype, w given as e4m3 `q [N, K]` and fp32 scales over blocks (ops/gemm/fp8.py's
+`Fp8Matrix`: w[n, k] = q[n, k] · scale[n // scale_bn, k // scale_bk]).
+
+For every row m < M and column n < N (fp32 sums, rounded once to y's dtype):
+
+    y[m, n] = round(Σ_j scale[n // scale_bn, j] · (Σ_{k in K block j} x[m, k] · q[n, k]) + bias[n])
+
+with one K block (scale_bk ≥ K: a scale per output column) the scale multiplies the whole sum once, in the
+epilogue; with several (128-wide blocks) each block's partial sum is scaled as it is accumulated, so BLOCK_K divides
+scale_bk and a K step never straddles two scales. q's values are exact in x's dtype (e4m3's 3-bit mantissa and
+range fit fp16 and bf16), so the products are those of dequantizing first, up to the scale's rounding.
+
+As ops/gemm/kernels.py's dense kernel (whose layout this follows: w's rows on the MMA's long side, 32 rows of x
+filling a Hopper wgmma's N), decode is bound by reading the weight, here half the bytes. No K split: each program
+streams a [BLOCK_N, K] block of q.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..pdl import pdl_start
+
+
+@triton.jit
+def _fp8_skinny_kernel(x_ptr, q_ptr, s_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_sn, stride_ym,
+                       scale_bn, scale_bk, HAS_BIAS: tl.constexpr, PER_STEP_SCALE: tl.constexpr,
+                       EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
+    pid_n = tl.program_id(0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    q_rows = q_ptr + offs_n.to(tl.int64)[:, None] * stride_qn
+    x_cols = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm
+    s_rows = s_ptr + (offs_n // scale_bn).to(tl.int64) * stride_sn
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        offs_k = k + tl.arange(0, BLOCK_K)
+        if EVEN_N and EVEN_K:   # N and K multiples of the tiles (published widths): no masks on q
+            q = tl.load(q_rows + offs_k[None, :])
+        else:
+            q = tl.load(q_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+        w = q.to(x_ptr.dtype.element_ty)
+        x = tl.load(x_cols + offs_k[:, None], mask=m_mask[None, :] & (offs_k < K)[:, None], other=0.0)
+        if PER_STEP_SCALE:   # this step's K block's scale for each row of q
+            s = tl.load(s_rows + k // scale_bk, mask=n_mask, other=0.0)
+            if IEEE:
+                acc += tl.dot(w, x, input_precision="ieee") * s[:, None]
+            else:
+                acc += tl.dot(w, x) * s[:, None]
+        elif IEEE:   # fp32 activations: full fp32 products, not TF32
+            acc = tl.dot(w, x, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, x, acc)
+    if not PER_STEP_SCALE:
+        acc *= tl.load(s_rows, mask=n_mask, other=0.0)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])

@@ -1,0 +1,185 @@
+"""ops/gemm/fp8.py: the FP8 weight-only decode kernel and the W8A8 GEMM against float64 loops of their documented
+sums (the kernel in Triton's CPU interpreter here, in bf16 on a GPU), and which GEMM `linear` picks."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplex import envs, ops
+from loraplex.ops.gemm import fp8, skinny
+from loraplex.ops.gemm import linear as gemm
+from loraplex.ops.gemm.fp8 import FP8, Fp8Matrix, fp8_skinny_linear, quantize_rows, w8a8_linear
+from loraplex.ops.gemm.skinny import SkinnyConfig
+
+interpreted = pytest.mark.skipif(not ops.triton_interpreted(), reason="needs TRITON_INTERPRET=1 (no CUDA)")
+
+
+def random_matrix(n: int, k: int, block: tuple[int, int], seed: int, device="cpu") -> Fp8Matrix:
+    """Fresh e4m3 values (every finite magnitude drawn) and positive scales far from 1 over `block`."""
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(n, k, generator=g) * 100).clamp(-448, 448).to(FP8)
+    grid = (-(-n // block[0]), -(-k // block[1]))
+    scale = torch.rand(grid, generator=g) * 0.02 + 0.001
+    return Fp8Matrix(q.to(device), scale.to(device), block)
+
+
+def loop_f64(x: torch.Tensor, m: Fp8Matrix, bias: torch.Tensor | None) -> torch.Tensor:
+    """y[i, n] = Σ_j scale[n // bn, j] · Σ_{k in K block j} x[i, k] · q[n, k] + bias[n], by plain loops over the
+    K blocks (fp8_kernels.py's sums)."""
+    bn, bk = m.block
+    N, K = m.shape
+    x64, q64, s64 = x.double().cpu(), m.qweight.double().cpu(), m.scale.double().cpu()
+    y = torch.zeros(x.shape[0], N, dtype=torch.float64)
+    rows = torch.arange(N) // bn
+    for j, lo in enumerate(range(0, K, bk)):
+        y += (x64[:, lo:lo + bk] @ q64[:, lo:lo + bk].T) * s64[rows, j][None, :]
+    return y + (bias.double().cpu() if bias is not None else 0)
+
+
+CASES = [  # M, N, K, block, config
+    (1, 64, 64, (1, 64), SkinnyConfig(block_n=32, block_k=32)),      # a scale per column: the epilogue's
+    (5, 100, 300, (1, 300), SkinnyConfig(block_n=32, block_k=64)),    # N and K past the tiles
+    (3, 96, 256, (32, 32), SkinnyConfig(block_n=32, block_k=64)),     # 32×32 blocks: K steps cut to 32
+    (16, 80, 256, (128, 128), None),                                   # published blocks, pick_config's tiles
+    (7, 40, 200, (1, 128), SkinnyConfig(block_n=16, block_k=128)),    # a block row per row, a short last block
+    (33, 48, 160, (1, 32), SkinnyConfig(block_n=16, block_k=32)),     # a 64-row tile
+]
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_fp8_skinny_linear_matches_the_float64_loop(case, with_bias, dtype):
+    M, N, K, block, cfg = CASES[case]
+    m = random_matrix(N, K, block, seed=case)
+    g = torch.Generator().manual_seed(100 + case)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    bias = torch.randn(N, generator=g).to(dtype) if with_bias else None
+    y = fp8_skinny_linear(x, m, bias, config=cfg)
+    want = loop_f64(x, m, bias)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-3, atol=2e-3)
+    assert y.dtype == dtype and y.shape == (M, N)
+    torch.testing.assert_close(y.double(), want, **tol)
+
+
+def test_fp8_skinny_linear_refuses_bad_arguments():
+    m = random_matrix(16, 64, (1, 64), seed=1)
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="K = 32 columns"):
+        fp8_skinny_linear(torch.randn(2, 32), m)
+    with pytest.raises(ValueError, match="scale has shape"):
+        fp8_skinny_linear(x, Fp8Matrix(m.qweight, m.scale[:8], m.block))
+    with pytest.raises(ValueError, match="qweight must be"):
+        fp8_skinny_linear(x, Fp8Matrix(m.qweight.float(), m.scale, m.block))
+    with pytest.raises(ValueError, match="bias is"):
+        fp8_skinny_linear(x, m, torch.randn(15))
+    with pytest.raises(ValueError, match="not a power of two"):
+        fp8_skinny_linear(torch.randn(2, 96), random_matrix(16, 96, (1, 48), seed=2))
+    with pytest.raises(ValueError, match="more than MAX_ROWS"):
+        fp8_skinny_linear(torch.randn(skinny.MAX_ROWS + 1, 64), m)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_w8a8_linear_matches_the_float64_loop_of_its_quantized_rows(dtype):
+    """y = sx[i] · scale[n] · Σ_k xq[i, k] · q[n, k] + bias (xq, sx: quantize_rows(x), per token), to the output's
+    rounding; and within W8A8's documented error of the exact product with the unquantized x."""
+    m = random_matrix(64, 96, (1, 96), seed=3)
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(40, 96, generator=g) * torch.rand(40, 1, generator=g) * 10).to(dtype)
+    x[7] = 0   # an all-zero row: scale 1, zeros out
+    bias = torch.randn(64, generator=g).to(dtype)
+    y = w8a8_linear(x, m, bias)
+    xq, sx = quantize_rows(x)
+    want = (xq.double() * sx.double()) @ (m.qweight.double() * m.scale.double()).T + bias.double()
+    torch.testing.assert_close(y.double(), want, rtol=1e-2, atol=1e-2)
+    assert torch.equal(y[7], bias)
+    # e4m3 keeps 3 mantissa bits: each x rounds within 2^-4 of itself, so a row's error is at most 1/16 of
+    # Σ|x||w| (the documented W8A8 tolerance the model tests use)
+    exact = x.double() @ (m.qweight.double() * m.scale.double()).T + bias.double()
+    bound = (x.double().abs() @ (m.qweight.double().abs() * m.scale.double()).T) / 16 + 1e-2 * exact.abs() + 1e-2
+    assert ((y.double() - exact).abs() <= bound).all()
+
+
+def test_quantize_rows_maps_each_rows_amax_to_448():
+    x = torch.randn(6, 50) * torch.tensor([1e-3, 1, 10, 100, 1e4, 0])[:, None]
+    q, s = quantize_rows(x)
+    assert q.dtype == FP8 and s.shape == (6, 1)
+    assert torch.equal(q.float().abs().amax(1)[:5], torch.full((5,), 448.0))
+    assert s[5, 0] == 1 and torch.equal(q[5].float(), torch.zeros(50))
+    torch.testing.assert_close(q.double() * s.double(), x.double(), rtol=2 ** -4, atol=0)
+
+
+def test_linear_picks_the_kernel_w8a8_or_the_dequantized_weight(monkeypatch):
+    """Decode rows take the Triton kernel where the dense Triton GEMM would run (here: the interpreter with
+    LORAPLEX_SKINNY_GEMM=on); more rows take W8A8 where LORAPLEX_FP8_W8A8 allows and the scales are per column,
+    else the dequantized weight. ops/gemm/linear.py routes an Fp8Matrix here and a tensor to the dense GEMM."""
+    calls = []
+    for name in ("fp8_skinny_linear", "w8a8_linear"):
+        real = getattr(fp8, name)
+        monkeypatch.setattr(fp8, name, lambda *a, _n=name, _r=real, **kw: calls.append(_n) or _r(*a, **kw))
+    per_col, blocks = random_matrix(32, 64, (1, 64), seed=5), random_matrix(32, 64, (32, 32), seed=6)
+    small, large = torch.randn(4, 64).half(), torch.randn(48, 64).half()
+    monkeypatch.setattr(skinny, "SETTING", "off")
+    monkeypatch.setenv("LORAPLEX_FP8_W8A8", "off")
+    for x, m in ((small, per_col), (large, per_col), (large, blocks)):
+        torch.testing.assert_close(gemm.linear(x, m), x @ m.dequantize(x.dtype).T)
+    assert calls == []
+    monkeypatch.setenv("LORAPLEX_FP8_W8A8", "on")
+    gemm.linear(large, per_col)
+    gemm.linear(large, blocks)              # 32×32 blocks: dequantized
+    gemm.linear(large.float(), per_col)     # fp32 activations: dequantized
+    assert calls == ["w8a8_linear"]
+    monkeypatch.setenv("LORAPLEX_FP8_W8A8", "auto")
+    assert not fp8.w8a8_takes(large, per_col)   # auto: CUDA GPUs of sm_89 on only
+    assert envs.fp8_w8a8() == "auto"
+    if ops.triton_interpreted():
+        monkeypatch.setattr(skinny, "SETTING", "on")
+        assert gemm.takes_input(small, per_col) and not gemm.takes_input(large, per_col)
+        gemm.linear(small, blocks)
+        assert calls == ["w8a8_linear", "fp8_skinny_linear"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", [(1, 4096), (128, 128)])
+@pytest.mark.parametrize("M", [1, 16, 32])
+def test_fp8_skinny_linear_in_bf16_on_the_gpu(M, block):
+    """Llama-2-7B's q/k/v shape in bf16: the kernel's products against the float64 loop, to bf16's rounding."""
+    if not torch.cuda.is_available() or not fp8._fp8_capable(torch.cuda.current_device()):
+        pytest.skip("needs a CUDA GPU of compute capability 8.9 or more")
+    m = random_matrix(12288, 4096, block, seed=7, device="cuda")
+    x = torch.randn(M, 4096, device="cuda", dtype=torch.bfloat16)
+    y = fp8_skinny_linear(x, m)
+    torch.testing.assert_close(y.double().cpu(), loop_f64(x, m, None), rtol=1e-2, atol=1e-2)
+    assert gemm.takes_input(x, m)
+
+
+@pytest.mark.gpu
+def test_w8a8_on_the_gpu_matches_the_cpu_loop():
+    if not torch.cuda.is_available() or not fp8._fp8_capable(torch.cuda.current_device()):
+        pytest.skip("needs a CUDA GPU of compute capability 8.9 or more")
+    m = random_matrix(4096, 4096, (1, 4096), seed=8, device="cuda")
+    x = torch.randn(256, 4096, device="cuda", dtype=torch.bfloat16)
+    assert fp8.w8a8_takes(x, m)
+    xq, sx = quantize_rows(x)
+    want = (xq.double() * sx.double()).cpu() @ (m.qweight.double() * m.scale.double()).cpu().T
+    torch.testing.assert_close(w8a8_linear(x, m).double().cpu(), want, rtol=1e-2, atol=1e-1)
+
+
+@interpreted
+def test_bench_fp8_gemm_smoke(monkeypatch, tmp_path):
+    """benchmarks/bench_fp8_gemm.py --smoke (toy shapes in the interpreter): every shape's decode and prompt entries,
+    each FP8 output checked against the dequantized weight's product, the layer sums and the markdown."""
+    import json
+
+    from benchmark_modules import load_benchmark
+    bench = load_benchmark(monkeypatch, "bench_fp8_gemm")
+    monkeypatch.setattr(load_benchmark(monkeypatch, "bench_skinny_gemm"), "SMOKE", False)   # (restored after)
+    out, md = tmp_path / "fp8.json", tmp_path / "fp8.md"
+    bench.main(["--smoke", "--rows", "2", "--prompt-rows", "40", "--out", str(out), "--md", str(md)])
+    result = json.loads(out.read_text())
+    assert len(result["decode"]) == len(result["prompt"]) == len(bench.SHAPES)
+    for e in result["decode"].values():
+        assert e["fp8_column"]["us"] > 0 and e["fp8_block128"]["us"] > 0, e
+    assert set(result["layer"]["2"]) == {"Llama-2-7B", "Llama-3-8B"}
+    assert "| Llama-3-8B @ 2 |" in md.read_text()
