@@ -4,9 +4,16 @@
 #   OUT=$OUT bash benchmarks/gpu_engine.sh
 #   OUT=$OUT BATCHES=32 MODES=graphs VARIANTS=backbone,distinct bash benchmarks/gpu_engine.sh   # the headline pair
 # NAME (default engine) names the results, $OUT/NAME.json and .md; arguments go to bench_engine.py after these.
+# BASELINE=DIR runs DIR/src with DIR/benchmarks/bench_engine.py instead (an older revision, `git archive REV src
+# benchmarks | tar -x -C DIR`, carried): the before of a before/after pair, on the same machine.
 . "$(dirname "$0")/gpu_common.sh"
 NAME=${NAME:-engine}
-timeout "$(left)" python benchmarks/bench_engine.py --batches "${BATCHES:-32,256}" --modes "${MODES:-graphs,eager}" \
+BENCH=benchmarks/bench_engine.py
+if [ -n "${BASELINE:-}" ]; then
+  export PYTHONPATH=$PWD/$BASELINE/src:$PYTHONPATH
+  BENCH=$BASELINE/benchmarks/bench_engine.py
+fi
+timeout "$(left)" python "$BENCH" --batches "${BATCHES:-32,256}" --modes "${MODES:-graphs,eager}" \
     --variants "${VARIANTS:-backbone,distinct,shared}" --repeats "${REPEATS:-3}" \
     --out "$OUT/$NAME.json" --md "$OUT/$NAME.md" "$@" 2>&1 | grep -v '^{'
 finish
