@@ -7,6 +7,9 @@ subprocess without TRITON_INTERPRET (this session's kernels may be the interpret
 subprocess is this file run as a script:
 
     TRITON_INTERPRET=0 python tests/test_attention_compile.py 90 bf16 prefill
+
+The "fp8kv" family compiles the three kernels over float8 e4m3 caches (bf16 and fp16 activations) for Hopper:
+Triton converts e4m3 from sm_89 on, so the engine refuses an FP8 KV cache on older GPUs.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import pytest
 ARCHS = [90, 80]
 DTYPES = ["bf16", "fp16"]
 KINDS = ["store", "prefill", "decode"]
+FP8_KV = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}   # the caches' type in the fp8kv family
 HEAD_DIMS = (16, 32, 64, 128, 256)
 SM80_HEAD_DIMS = (64, 128)
 PAGE = 16  # the system's default block size (a constexpr: each block size is its own variant)
@@ -29,7 +33,8 @@ def _signature(kernel, dtype: str, constexprs: dict, overrides: dict | None = No
     """Triton signature by argument name: tensors of the model's dtype, fp32 partials, int32 metadata."""
     overrides = overrides or {}
     types = {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, "k_cache_ptr": dtype, "v_cache_ptr": dtype,
-             "out_ptr": dtype, "part_o_ptr": "fp32", "part_ml_ptr": "fp32", "qk_scale": "fp32"}
+             "out_ptr": dtype, "part_o_ptr": "fp32", "part_ml_ptr": "fp32", "qk_scale": "fp32",
+             "k_scale_ptr": "fp32", "v_scale_ptr": "fp32"}
     sig = {}
     for name in kernel.arg_names:
         if name in constexprs:
@@ -88,6 +93,7 @@ def compile_kind(arch: int, dtype: str, kind: str) -> int:
     import torch
 
     from loraplex.ops.attention import kernels as ak
+    from loraplex.ops.attention import store_kernel as sk
 
     tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     prefill_variants = FP32_PREFILL_VARIANTS if dtype == "fp32" else PREFILL_VARIANTS
@@ -110,8 +116,8 @@ def compile_kind(arch: int, dtype: str, kind: str) -> int:
 
     if kind == "store":
         for D, Hkv, slot in STORE_VARIANTS:
-            build(ak._store_kv_kernel, ak.store_kv_constexprs(Hkv, D), ak.STORE_WARPS, 1, {"slot_ptr": "*" + slot})
-        build(ak._store_kv_kernel, with_ones(ak._store_kv_kernel, ak.store_kv_constexprs(1, 128)), ak.STORE_WARPS, 1,
+            build(sk._store_kv_kernel, sk.store_kv_constexprs(Hkv, D), sk.STORE_WARPS, 1, {"slot_ptr": "*" + slot})
+        build(sk._store_kv_kernel, with_ones(sk._store_kv_kernel, sk.store_kv_constexprs(1, 128)), sk.STORE_WARPS, 1,
               {"slot_ptr": "*i32"})
     elif kind == "prefill":
         for D, G, window in prefill_variants:
@@ -139,6 +145,19 @@ def compile_kind(arch: int, dtype: str, kind: str) -> int:
                 build(ak._decode_reduce_kernel, dict(HEAD_DIM=D, SPLITS_PAD=splits_pad), ak.REDUCE_WARPS, 1)
         build(ak._decode_reduce_kernel, with_ones(ak._decode_reduce_kernel, dict(HEAD_DIM=128, SPLITS_PAD=2)),
               ak.REDUCE_WARPS, 1)
+    elif kind == "fp8kv":
+        for D, Hkv in ((128, 8), (64, 32)):
+            build(sk._store_kv_kernel, sk.store_kv_constexprs(Hkv, D, fp8=True), sk.STORE_WARPS, 1,
+                  dict(FP8_KV, slot_ptr="*i64"))
+        for D, G, window in [(128, 1, 0), (128, 4, 4096), (64, 4, 0)]:
+            cfg = ak.prefill_config(D, tdtype)
+            build(ak._prefill_kernel, ak.prefill_constexprs(G, D, PAGE, window, tdtype, cfg, fp8_kv=True),
+                  cfg.num_warps, cfg.num_stages, FP8_KV)
+        for D, G, split in [(128, 4, False), (128, 4, True), (128, 1, True), (64, 8, False)]:
+            cfg = ak.decode_config(D, tdtype)
+            partials = {} if split else {"part_o_ptr": "*" + dtype, "part_ml_ptr": "*" + dtype}
+            build(ak._decode_kernel, ak.decode_constexprs(G, D, PAGE, split, tdtype, cfg, fp8_kv=True),
+                  cfg.num_warps, cfg.num_stages, dict(FP8_KV, **partials))
     else:
         raise ValueError(f"unknown kernel family {kind!r}")
     return n
@@ -146,7 +165,7 @@ def compile_kind(arch: int, dtype: str, kind: str) -> int:
 
 # (arch, dtype, kernel family) per subprocess; fp32 (tf32x3 dots) for Hopper only.
 JOBS = [(arch, dtype, kind) for arch in ARCHS for dtype in DTYPES for kind in KINDS] + \
-       [(90, "fp32", "prefill"), (90, "fp32", "decode")]
+       [(90, "fp32", "prefill"), (90, "fp32", "decode"), (90, "bf16", "fp8kv"), (90, "fp16", "fp8kv")]
 
 
 def _compile_in_subprocess(arch: int, dtype: str, kind: str) -> subprocess.CompletedProcess:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 QUANTIZATIONS = ("fp8",)   # EngineConfig.quantization's values besides None
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")   # vLLM's names; fp8 is e4m3
 # adapters/composition.py's MAX_MEMBERS (the LoRA kernels' lanes), not imported: this module stays free of torch
 MAX_ADAPTERS_PER_REQUEST = 4
 
@@ -81,6 +82,11 @@ class EngineConfig:
         "help": "A fixed number of KV-cache blocks; default: as many as the memory budget holds."})
     cpu_kv_cache_gib: float = field(default=1.0, metadata={
         "group": "memory", "help": "KV-cache size in GiB when running on the CPU."})
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "group": "memory", "choices": KV_CACHE_DTYPES, "advanced": True,
+        "help": "What the KV cache stores: auto (the model's dtype) or fp8 / fp8_e4m3 (float8 e4m3, one byte a "
+                "value: twice the tokens of bfloat16 in the same memory), with per-layer scales from the "
+                "checkpoint's kv_cache_scheme, else 1.0; GPUs of compute capability 8.9 on."})
 
     max_gpu_adapters: int = field(default=8, metadata={
         "group": "adapters", "help": "Adapter slots on the device: the most distinct adapters in one step."})
@@ -126,6 +132,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"EngineConfig.quantization must be None or 'fp8', got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"EngineConfig.kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                             f"{self.kv_cache_dtype!r}")
         positive = ["max_num_seqs", "max_num_batched_tokens", "block_size", "max_gpu_adapters", "max_lora_rank",
                     "cuda_graph_max_batch", "adapter_loader_threads"]
         for name in positive:
@@ -161,6 +170,11 @@ class EngineConfig:
     @property
     def is_dummy(self) -> bool:
         return str(self.model).startswith("dummy:")
+
+    @property
+    def fp8_kv_cache(self) -> bool:
+        """Does the KV cache store float8 e4m3 (kv_cache_dtype fp8 or fp8_e4m3)?"""
+        return self.kv_cache_dtype != "auto"
 
     @classmethod
     def from_kwargs(cls, model: str | Path, **settings) -> "EngineConfig":

@@ -16,6 +16,7 @@ from ..models import dummy_model, load_model
 from ..models.forward_batch import ForwardBatch, SequenceChunk
 from ..models.kv_cache import KVCache
 from ..models.llama import LlamaForCausalLM
+from ..ops.attention import KV_FP8
 from ..sampling import PendingSample, Sampler, SamplingParams
 from ..models.warmup import compile_lora_kernels
 from .cuda_graphs import StepGraphs
@@ -63,7 +64,9 @@ class ModelRunner:
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        self._check_fp8_kv_device()
         self.model = self._load_model()
+        self.kv_dtype, self.kv_scales = self._kv_storage()
         # the largest decode batch replayed from a graph (the graphs' shared logits buffer has its rows)
         self.graph_batch = min(config.cuda_graph_max_batch, config.max_num_seqs)
         c = self.model.config
@@ -73,7 +76,8 @@ class ModelRunner:
                                      dtype=self.model.dtype, device=self.device,
                                      loader_threads=config.adapter_loader_threads)
         self.sampler = Sampler(self.device, seed=config.seed)
-        self.kv = KVCache(c, self._num_kv_blocks(), config.block_size, dtype=self.model.dtype, device=self.device)
+        self.kv = KVCache(c, self._num_kv_blocks(), config.block_size, dtype=self.kv_dtype, device=self.device,
+                          **self.kv_scales)
         log.info(self.kv.describe())
         capacity = self.kv.num_blocks * self.kv.block_size
         if self.max_model_len > capacity:
@@ -104,6 +108,29 @@ class ModelRunner:
             raise ValueError("EngineConfig.dummy_layers applies to 'dummy:<preset>' models only")
         return load_model(cfg.model, dtype=cfg.dtype, device=self.device, quantization=cfg.quantization)
 
+    def _check_fp8_kv_device(self) -> None:
+        if self.config.fp8_kv_cache and self.device.type == "cuda" and \
+                torch.cuda.get_device_capability(self.device) < (8, 9):
+            # Triton converts e4m3 from compute capability 8.9 (Ada, Hopper) on
+            raise ValueError(f"EngineConfig.kv_cache_dtype={self.config.kv_cache_dtype!r} needs a GPU of compute "
+                             f"capability 8.9 or newer; {torch.cuda.get_device_name(self.device)} is "
+                             f"{'.'.join(map(str, torch.cuda.get_device_capability(self.device)))}")
+
+    def _kv_storage(self) -> tuple[torch.dtype, dict]:
+        """(the KV cache's dtype, its k_scale/v_scale arguments): e4m3 with the checkpoint's scales (1.0 where it
+        has none, as vLLM) for kv_cache_dtype fp8; the model's dtype otherwise, ignoring any scales (as vLLM)."""
+        scales = self.model.kv_scales
+        if not self.config.fp8_kv_cache:
+            if scales is not None:
+                log.info("the checkpoint's KV-cache scales are unused: kv_cache_dtype 'auto' keeps the cache in %s",
+                         str(self.model.dtype).replace("torch.", ""))
+            return self.model.dtype, {}
+        if scales is None:
+            log.warning("kv_cache_dtype %r: the checkpoint has no KV-cache scales (kv_cache_scheme), so keys and "
+                        "values are stored unscaled (k_scale = v_scale = 1.0)", self.config.kv_cache_dtype)
+            return KV_FP8, {}
+        return KV_FP8, dict(k_scale=scales.k, v_scale=scales.v)
+
     @property
     def _max_members(self) -> int:
         """The composed capacity of the graphs: the requests' limit. Not cut to the GPU slots: with one slot a
@@ -112,7 +139,7 @@ class ModelRunner:
 
     def _num_kv_blocks(self) -> int:
         cfg, c = self.config, self.model.config
-        per_block = KVCache.bytes_per_block(c, cfg.block_size, self.model.dtype)
+        per_block = KVCache.bytes_per_block(c, cfg.block_size, self.kv_dtype)   # 1 byte a value for FP8
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
         if self.device.type != "cuda":
@@ -148,7 +175,8 @@ class ModelRunner:
         seqs = min(cfg.max_num_seqs, tokens)
         lens = [tokens // seqs + (1 if i < tokens % seqs else 0) for i in range(seqs)]
         blocks_each = [-(-n // cfg.block_size) for n in lens]
-        kv = KVCache(c, sum(blocks_each), cfg.block_size, dtype=self.model.dtype, device=self.device)
+        kv = KVCache(c, sum(blocks_each), cfg.block_size, dtype=self.kv_dtype, device=self.device,
+                     **self.kv_scales)
         # every sequence with as many adapters as a request may combine: the LoRA path's largest temporaries
         members = min(self._max_members, self.adapters.pool.num_slots)
         lora = dict(adapter_slot=0) if self._max_members == 1 else \

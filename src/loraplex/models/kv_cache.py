@@ -8,12 +8,25 @@ Each layer's `k[layer]` and `v[layer]` are `[num_blocks, block_size, Hkv, D]` (t
 order), contiguous by default. `head_major=True` keeps them `[num_blocks, Hkv, block_size, D]` in
 memory (viewed in the same order; the ops follow the strides), so that one kv head's keys of a
 block are `block_size · D` contiguous elements rather than `D` strided by `Hkv · D`. See HEAD_MAJOR.
+
+`dtype` is what the cache stores: the model's dtype, or float8 e4m3 (`KV_FP8`, one byte an element, so
+a memory budget holds twice the blocks of a bf16 cache). An e4m3 cache keeps fp32 dequantization scales
+per layer, `k_scale` and `v_scale` `[layers]`: the checkpoint's (compressed-tensors' `kv_cache_scheme`),
+or 1.0 where it has none, as vLLM does (values then keep e4m3's relative precision, 2^-4, down to 2^-6
+in magnitude, and saturate at ±448). The attention ops' module docstring (ops/attention/paged.py) gives
+the semantics: stored = e4m3(x / scale), read = stored · scale.
 """
 from __future__ import annotations
 
+import math
+from typing import Sequence
+
 import torch
 
+from ..ops.attention import KV_FP8
 from .config import ModelConfig
+
+CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, KV_FP8)
 
 # Measured on an H200 (docs/design-notes.md, the decode kernel in CUDA graphs,
 # bf16, pages shuffled): token-major reads K/V at 0.85–1.01× the copy bandwidth for Llama-2-7B heads at 32 and
@@ -25,13 +38,16 @@ HEAD_MAJOR = False
 class KVCache:
     def __init__(self, model: ModelConfig, num_blocks: int, block_size: int = 16, *,
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
-                 head_major: bool | None = None) -> None:
+                 head_major: bool | None = None, k_scale: Sequence[float] | torch.Tensor | None = None,
+                 v_scale: Sequence[float] | torch.Tensor | None = None) -> None:
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
         if not isinstance(block_size, int) or block_size < 8 or block_size > 256 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two from 8 to 256, got {block_size!r}")
         if num_blocks * block_size >= 2**31:
             raise ValueError(f"{num_blocks} blocks of {block_size} tokens exceed int32 slot indexing")
+        if dtype not in CACHE_DTYPES:
+            raise ValueError(f"dtype must be float32, float16, bfloat16 or float8_e4m3fn, got {dtype}")
         self.model, self.num_blocks, self.block_size, self.dtype = model, num_blocks, block_size, dtype
         self.head_major = HEAD_MAJOR if head_major is None else head_major
         inner = (model.num_key_value_heads, block_size) if self.head_major else (block_size, model.num_key_value_heads)
@@ -41,6 +57,28 @@ class KVCache:
                  for layer in range(model.num_hidden_layers)]
         self.k = [view[0] for view in views]
         self.v = [view[1] for view in views]
+        self.k_scale, self.v_scale, self._scales = self._make_scales(k_scale, v_scale)
+
+    def _make_scales(self, k_scale, v_scale) -> tuple:
+        """(k_scale, v_scale, [per-layer (k, v) views]): fp32 `[layers]` tensors for an e4m3 cache, else Nones."""
+        layers = self.model.num_hidden_layers
+        if self.dtype != KV_FP8:
+            if k_scale is not None or v_scale is not None:
+                raise ValueError(f"k_scale and v_scale scale a float8_e4m3fn cache; this one is {self.dtype}")
+            return None, None, [(None, None)] * layers
+        # Each layer's scalar 16 bytes from the next: Triton compiles a pointer argument apart by its alignment,
+        # so views of a packed [layers] tensor would compile each kernel twice.
+        data = torch.ones((2, layers, 4), dtype=torch.float32, device=self.device)
+        for i, (name, given) in enumerate((("k_scale", k_scale), ("v_scale", v_scale))):
+            if given is not None:
+                data[i, :, 0] = _check_scales(name, given, layers)
+        k, v = data[0, :, 0], data[1, :, 0]
+        return k, v, [(k[layer], v[layer]) for layer in range(layers)]
+
+    def scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Layer `layer`'s (k_scale, v_scale) as the attention ops take them: one-element fp32 tensors of an e4m3
+        cache, (None, None) otherwise."""
+        return self._scales[layer]
 
     @property
     def device(self) -> torch.device:
@@ -48,21 +86,39 @@ class KVCache:
 
     @staticmethod
     def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes of one block over every layer, keys and values, in the stored `dtype` (1 a value for e4m3)."""
         per_token = 2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim
-        return per_token * block_size * torch.tensor([], dtype=dtype).element_size()
+        return per_token * block_size * dtype.itemsize
 
     @classmethod
     def for_memory(cls, model: ModelConfig, budget_bytes: int, block_size: int = 16, *,
-                   dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu") -> "KVCache":
-        """As many blocks as fit in `budget_bytes`."""
+                   dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
+                   **scales) -> "KVCache":
+        """As many blocks as fit in `budget_bytes` (`scales`: k_scale, v_scale of an e4m3 cache)."""
         num_blocks = int(budget_bytes // cls.bytes_per_block(model, block_size, dtype))
         if num_blocks < 1:
             raise ValueError(f"a KV budget of {budget_bytes} bytes holds no block of {block_size} tokens "
                              f"({cls.bytes_per_block(model, block_size, dtype)} bytes each)")
-        return cls(model, num_blocks, block_size, dtype=dtype, device=device)
+        return cls(model, num_blocks, block_size, dtype=dtype, device=device, **scales)
 
     def describe(self) -> str:
         tokens = self.num_blocks * self.block_size
+        scales = ""
+        if self.k_scale is not None:   # (a host read: start-up only)
+            span = lambda t: f"{t.min().item():.4g}" if t.min() == t.max() else \
+                f"{t.min().item():.4g}–{t.max().item():.4g}"  # noqa: E731
+            scales = f" (k_scale {span(self.k_scale)}, v_scale {span(self.v_scale)})"
         return (f"KV cache: {self.num_blocks} blocks × {self.block_size} tokens = {tokens} tokens, "
-                f"{str(self.dtype).replace('torch.', '')} on {self.device}: "
+                f"{str(self.dtype).replace('torch.', '')}{scales} on {self.device}: "
                 f"{self.data.numel() * self.data.element_size() / 2**30:.2f} GiB")
+
+
+def _check_scales(name: str, given: Sequence[float] | torch.Tensor, layers: int) -> torch.Tensor:
+    """fp32 `[layers]` of positive finite scales, or ValueError naming `name`."""
+    values = given.detach().to("cpu", torch.float32) if isinstance(given, torch.Tensor) else \
+        torch.tensor(list(given), dtype=torch.float32)
+    if tuple(values.shape) != (layers,):
+        raise ValueError(f"{name} must hold one scale per layer, [{layers}], got shape {list(values.shape)}")
+    if not all(math.isfinite(x) and x > 0 for x in values.tolist()):
+        raise ValueError(f"{name} must be positive and finite, got {values.tolist()}")
+    return values

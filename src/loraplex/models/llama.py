@@ -17,11 +17,13 @@ from torch import nn
 
 from ..adapters.pool import AdapterPool
 from ..ops import paged_attention, store_kv
+from ..ops.attention import KV_FP8
 from ..ops.fused.api import apply_rope, rms_norm, silu_and_mul
 from ..ops.gemm.skinny import linear as base_linear   # a Triton GEMM for few rows on GPUs, else F.linear
 from ..ops.lora import overlap
 from .config import ModelConfig
 from .forward_batch import ForwardBatch
+from .fp8.kv_scales import KvScales
 from .kv_cache import KVCache
 from .lora_linear import DOWN, GATE_UP, O, QKV, LoraLinear
 from .lora_plan import LoraPlan, Pending, side_stream_rows
@@ -56,10 +58,11 @@ class DecoderLayer(nn.Module):
         v = qkv[:, self.q_width + self.kv_width:].view(T, self.num_kv_heads, self.head_dim)
         apply_rope(q, k, batch.positions, inv_freq, v=None if pending is None else v, delta=pending,
                    backend=backend)                                 # + q/k/v's LoRA
-        store_kv(k, v, kv.k[L], kv.v[L], batch.slot_mapping, backend=backend)
+        k_scale, v_scale = kv.scales(L)                              # (None unless the cache is FP8)
+        store_kv(k, v, kv.k[L], kv.v[L], batch.slot_mapping, k_scale=k_scale, v_scale=v_scale, backend=backend)
         attn = paged_attention(q, kv.k[L], kv.v[L], batch.block_tables, batch.seq_lens, batch.query_start,
                                max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len, scale=self.scale,
-                               sliding_window=self.sliding_window, backend=backend)
+                               sliding_window=self.sliding_window, k_scale=k_scale, v_scale=v_scale, backend=backend)
         out, pending = self.o_proj(attn.view(T, self.q_width), plan)
         x, residual = rms_norm(out, self.post_attention_layernorm, self.eps, residual=residual, delta=pending,
                                backend=backend)                     # + o's LoRA
@@ -83,6 +86,9 @@ class LlamaForCausalLM(nn.Module):
             nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
         self.register_buffer("inv_freq", config.rope.inv_freq(config.head_dim), persistent=False)
         self.backend: str | None = None  # ops backend: None picks Triton on CUDA, the reference on the CPU
+        # The checkpoint's KV-cache scales (compressed-tensors kv_cache_scheme), set by the loader; an FP8 KV cache
+        # takes them (engine/model_runner.py), a cache in the model's dtype has no use for them.
+        self.kv_scales: KvScales | None = None
 
     def _apply(self, fn, recurse: bool = True):
         # Module moves and casts (to, half, to_empty) would cast or blank the rotary frequencies;
@@ -148,8 +154,9 @@ class LlamaForCausalLM(nn.Module):
         if shape(kv.model) != shape(self.config):
             raise ValueError(f"the KV cache holds (layers, kv heads, head_dim) = {shape(kv.model)}; "
                              f"the model has {shape(self.config)}")
-        if kv.dtype != self.dtype or kv.device != self.device:
-            raise ValueError(f"the KV cache is {kv.dtype} on {kv.device}; the model is {self.dtype} on {self.device}")
+        if kv.dtype not in (self.dtype, KV_FP8) or kv.device != self.device:
+            raise ValueError(f"the KV cache is {kv.dtype} on {kv.device}; the model is {self.dtype} on {self.device} "
+                             f"(a cache holds the model's dtype or float8_e4m3fn)")
         if batch.input_ids.device != self.device:
             raise ValueError(f"the batch is on {batch.input_ids.device}; the model is on {self.device}")
         if pool is not None:

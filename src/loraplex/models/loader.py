@@ -5,7 +5,9 @@ and filled one checkpoint tensor at a time from memory-mapped safetensors files 
 `pytorch_model*.bin` with `mmap`), so the host never holds a second copy of the weights.
 Every checkpoint key must land somewhere and every weight must be filled: a missing, extra
 or misshapen tensor is an error that names the key and the file. FP8 weights (a checkpoint whose
-config.json has a `quantization_config`, or `quantization="fp8"`) go through models/fp8/checkpoint.py.
+config.json has a `quantization_config`, or `quantization="fp8"`) go through models/fp8/checkpoint.py;
+KV-cache scales (a compressed-tensors `kv_cache_scheme`) through models/fp8/kv_scales.py, into
+`model.kv_scales`.
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from tqdm.auto import tqdm
 from ..ops.attention.paged import TRITON_HEAD_DIMS
 from .config import ModelConfig
 from .fp8.checkpoint import Fp8Sink, fp8_parts, prepare, quantize_model
-from .fp8.formats import Fp8Scheme, fp8_scheme
+from .fp8.formats import Fp8Scheme, fp8_scheme, kv_cache_scales
+from .fp8.kv_scales import KvScaleSink
 from .llama import LlamaForCausalLM
 from .presets import preset_config
 from .registry import model_class
@@ -130,10 +133,12 @@ def _tensors(path: Path):
 
 
 def load_weights(model: LlamaForCausalLM, folder: Path, progress: bool | None = None,
-                 fp8: Fp8Scheme | None = None) -> None:
-    """Fill `model` from the checkpoint in `folder`; `fp8`: the scheme its FP8 weights were prepared with."""
+                 fp8: Fp8Scheme | None = None, kv_scales: bool = False) -> None:
+    """Fill `model` from the checkpoint in `folder`; `fp8`: the scheme its FP8 weights were prepared with;
+    `kv_scales`: the checkpoint stores KV-cache scales (every layer's), read into `model.kv_scales`."""
     targets = weight_targets(model)
     sink = None if fp8 is None else Fp8Sink(fp8, fp8_parts(model))
+    kv_sink = KvScaleSink(model.config.num_hidden_layers) if kv_scales else None
     files = checkpoint_files(folder)
     total = sum(f.stat().st_size for f in files)
     show = progress if progress is not None else total > 2**30
@@ -143,6 +148,9 @@ def load_weights(model: LlamaForCausalLM, folder: Path, progress: bool | None = 
         for path in files:
             for key, shape, load in _tensors(path):
                 if _IGNORED.search(key):
+                    continue
+                if kv_sink is not None and kv_sink.takes(key):
+                    kv_sink.put(path, key, load())
                     continue
                 if sink is not None and sink.takes(key):
                     tensor = load()
@@ -174,6 +182,8 @@ def load_weights(model: LlamaForCausalLM, folder: Path, progress: bool | None = 
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ValueError(f"{folder}: the checkpoint has no tensor {missing[0]!r}{more}")
+    if kv_sink is not None:
+        model.kv_scales = kv_sink.finish(folder)
 
 
 def _fill(model: LlamaForCausalLM, targets: dict[str, tuple[torch.Tensor, int]], filled: set[str], path: Path,
@@ -225,13 +235,14 @@ def _part_rows(model: LlamaForCausalLM, key: str, dest: torch.Tensor) -> int:
 def load_model(folder: str | Path, *, dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu",
                progress: bool | None = None, quantization: str | None = None) -> LlamaForCausalLM:
     """A served model from a Hugging Face folder (`config.json` + weights), on `device`. FP8 checkpoints load
-    as FP8 (their config's `quantization_config`); `quantization="fp8"` quantizes a dense one at load."""
+    as FP8 (their config's `quantization_config`); `quantization="fp8"` quantizes a dense one at load. A
+    compressed-tensors `kv_cache_scheme`'s per-layer scales land in `model.kv_scales`."""
     folder = Path(folder)
     config = ModelConfig.from_pretrained(folder)
     raw = json.loads((folder / "config.json").read_text())   # from_pretrained has checked that it reads
     scheme = fp8_scheme(raw, quantization, _where(config))
     model = build_empty(config, resolve_dtype(dtype, config), device, fp8=scheme)
-    load_weights(model, folder, progress, fp8=scheme)
+    load_weights(model, folder, progress, fp8=scheme, kv_scales=kv_cache_scales(raw, _where(config)))
     return model
 
 

@@ -8,6 +8,10 @@ Accepted (anything else is refused, naming the config field and its value):
   channel, symmetric; `input_scale` for static activation scales (kept) or none (dynamic); `ignore`;
 - transformers `fp8` (`quant_method: "fp8"`): e4m3 weights with `weight_scale_inv` per
   `weight_block_size` block (DeepSeek-V3, Qwen3-FP8), dynamic activations; `modules_to_not_convert`.
+
+A compressed-tensors config may also carry a `kv_cache_scheme` (FP8 e4m3, static, strategy "tensor"): the
+checkpoint then stores `self_attn.k_scale` / `v_scale` per layer, which an FP8 KV cache takes
+(`kv_cache_scales`, models/fp8/kv_scales.py); with it, `config_groups` may be empty (weights left dense).
 """
 from __future__ import annotations
 
@@ -66,7 +70,9 @@ def fp8_scheme(cfg: dict[str, Any], quantization: str | None, where: str = "") -
         raise ValueError(f"config{where}: quantization_config must be an object, got {qc!r}")
     method = qc.get("quant_method")
     if method == "compressed-tensors":
-        return _compressed_tensors(qc, where)
+        scheme = _compressed_tensors(qc, where)
+        # (a KV-cache-only config leaves the weights dense: quantization="fp8" still quantizes them)
+        return Fp8Scheme("quantize") if scheme is None and quantization == "fp8" else scheme
     if method == "fp8":
         return _transformers_fp8(qc, where)
     raise ValueError(f"config{where}: quantization_config.quant_method={method!r} is not served (FP8 checkpoints: "
@@ -77,12 +83,32 @@ def _refuse(where: str, field: str, value: Any, want: str) -> ValueError:
     return ValueError(f"config{where}: quantization_config.{field}={value!r} is not served ({want})")
 
 
-def _compressed_tensors(qc: dict, where: str) -> Fp8Scheme:
+def kv_cache_scales(cfg: dict[str, Any], where: str = "") -> bool:
+    """Does config.json's contents `cfg` say that the checkpoint stores per-layer KV-cache scales (a
+    compressed-tensors `kv_cache_scheme`, checked here: anything but static per-tensor e4m3 is refused)?"""
+    qc = cfg.get("quantization_config", cfg.get("compression_config"))
+    if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
+        return False
+    kv = qc.get("kv_cache_scheme")
+    if kv is None:
+        return False
+    if not isinstance(kv, dict):
+        raise _refuse(where, "kv_cache_scheme", kv, "an object or null")
+    expect = {"num_bits": (8,), "type": ("float",), "strategy": ("tensor",), "dynamic": (False, None),
+              "symmetric": (True, None), "group_size": (None,), "block_structure": (None,)}
+    for key, allowed in expect.items():
+        if kv.get(key) not in allowed:
+            raise _refuse(where, f"kv_cache_scheme.{key}", kv.get(key), f"static per-tensor FP8 e4m3 KV-cache "
+                                                                         f"scales: {allowed}")
+    return True
+
+
+def _compressed_tensors(qc: dict, where: str) -> Fp8Scheme | None:
     fmt = qc.get("format")
+    if kv_cache_scales({"quantization_config": qc}, where) and not qc.get("config_groups"):
+        return None   # KV-cache scales only: the weights are dense
     if fmt not in CT_FORMATS:
         raise _refuse(where, "format", fmt, f"FP8 weights: {' or '.join(CT_FORMATS)}")
-    if qc.get("kv_cache_scheme") is not None:
-        raise _refuse(where, "kv_cache_scheme", qc["kv_cache_scheme"], "FP8 KV-cache scales are not read yet: null")
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise _refuse(where, "config_groups", groups, "one or more groups of FP8 weights")

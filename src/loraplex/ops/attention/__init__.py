@@ -1,4 +1,4 @@
 """Paged attention over the KV cache: the ops, their Triton kernels and the reference."""
-from .paged import TRITON_HEAD_DIMS, paged_attention, store_kv
+from .paged import KV_FP8, TRITON_HEAD_DIMS, paged_attention, store_kv
 
-__all__ = ["TRITON_HEAD_DIMS", "paged_attention", "store_kv"]
+__all__ = ["KV_FP8", "TRITON_HEAD_DIMS", "paged_attention", "store_kv"]

@@ -1,7 +1,5 @@
-"""Triton kernels for paged attention and their launch code (semantics: see paged.py).
-
-- `_store_kv_kernel`: one program per new token (and group of kv heads) copies its k and v rows
-  into their cache slot; slot < 0 (a padding row) is skipped. One launch for both tensors.
+"""Triton kernels for paged attention and their launch code (semantics: see paged.py; the store
+kernel is in store_kernel.py).
 
 A batch's sequences go to two kernels by their number of query rows; each kernel skips the
 other's sequences, so a mixed batch (prefill chunks and decode tokens) launches both, and a
@@ -35,6 +33,11 @@ decode-only batch (max_query_len == 1) only the second:
   (unnormalised acc, running max, running sum) and the reduce kernel (grid (S, Hq)) combines
   the splits a sequence's context reaches.
 
+An e4m3 cache (FP8_KV) is read as is: each K and V tile is converted to q's dtype after its load (exact:
+every e4m3 value is a bf16, fp16 and fp32 value), k_scale is folded into the softmax scale and v_scale
+into the output's normalisation (the split decode's partial sums), so the scales cost two scalar loads a
+program.
+
 The caches are addressed through their strides (block, token, head; D innermost), so both a contiguous
 `[num_blocks, block_size, Hkv, D]` cache and the head-major one `KVCache` keeps (`[num_blocks, Hkv,
 block_size, D]` in memory, viewed in that order) work; k and v share strides.
@@ -53,6 +56,7 @@ import triton.language as tl
 
 from ..launch import Launcher
 from ..pdl import pdl_start
+from .checks import KV_FP8
 
 LOG2E = 1.4426950408889634
 # Running maxima start finite: a row whose first tiles are all masked (sliding window) then gets
@@ -64,27 +68,6 @@ SCAN = 128  # sequences per vector load when a prefill program looks for its seq
 
 # ---------------------------------------------------------------------------------------------
 # Kernels
-
-
-@triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_kv_heads, page,
-                     stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch,
-                     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """k_cache[slot] = k[t], v_cache[slot] = v[t] for heads of this program's group, unless slot < 0."""
-    pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
-    t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot >= 0:
-        offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        offs_d = tl.arange(0, BLOCK_D)
-        mask = (offs_h[:, None] < num_kv_heads) & (offs_d[None, :] < HEAD_DIM)
-        t64 = t.to(tl.int64)
-        k = tl.load(k_ptr + t64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
-        v = tl.load(v_ptr + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-        # Slot s is token s % page of block s // page; the caches' strides say where that is.
-        dst = (slot // page) * stride_cb + (slot % page) * stride_ct + offs_h[:, None] * stride_ch + offs_d[None, :]
-        tl.store(k_cache_ptr + dst, k, mask=mask)
-        tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
 @triton.jit
@@ -130,6 +113,8 @@ def _attend_range(acc, m_i, l_i, q, k_head, v_head, bt_row, n_begin, n_end, pos,
         else:
             k = tl.load(k_head + tok[:, None] + offs_d[None, :])
             v = tl.load(v_head + tok[:, None] + offs_d[None, :])
+        k = k.to(q.dtype)   # an e4m3 cache's tiles in q's dtype (exact); otherwise nothing to do
+        v = v.to(q.dtype)
         keep = n_mask[None, :] & (offs_n[None, :] <= pos[:, None])
         if WINDOW:
             keep = keep & (offs_n[None, :] > pos[:, None] - window)
@@ -154,11 +139,11 @@ def _find_sequence(query_start_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr, SCAN_
 # num_seqs changes from step to step (1, 16, 31...): specializing on it would compile a variant per class mid-run.
 @triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
-                    num_seqs, qk_scale, window,
+                    k_scale_ptr, v_scale_ptr, num_seqs, qk_scale, window,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt,
                     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
                     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, SCAN_SEQS: tl.constexpr, WINDOW: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    PRECISION: tl.constexpr, FP8_KV: tl.constexpr):
     """out[rows, heads] for one tile of BLOCK_Q query rows × the G heads of kv head program_id(1)."""
     pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
@@ -185,6 +170,10 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
         offs_d = tl.arange(0, HEAD_DIM)
         q = tl.load(q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                     mask=m_mask[:, None], other=0.0)
+        out_scale = 1.0
+        if FP8_KV:  # K = k_cache · k_scale, V = v_cache · v_scale
+            qk_scale = qk_scale * tl.load(k_scale_ptr)
+            out_scale = tl.load(v_scale_ptr)
         bt_row = block_tables_ptr + s.to(tl.int64) * stride_bt
         k_head = k_cache_ptr + kvh * stride_kh
         v_head = v_cache_ptr + kvh * stride_kh
@@ -209,18 +198,18 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
                                       pos, kv_lo, kv_hi, qk_scale, window, stride_kb, stride_kt, BLOCK_N, HEAD_DIM,
                                       PAGE, True, WINDOW, PRECISION)
         l_safe = tl.where(l_i > 0, l_i, 1.0)  # rows outside the tile have no keys; they are not stored
-        o = acc * (1.0 / l_safe)[:, None]
+        o = acc * (out_scale / l_safe)[:, None]
         tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
 
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ml_ptr,
-                   block_tables_ptr, seq_lens_ptr, query_start_ptr,
+                   block_tables_ptr, seq_lens_ptr, query_start_ptr, k_scale_ptr, v_scale_ptr,
                    qk_scale, window, chunk, num_q_heads, num_splits, ml_stride,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt,
                    G: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   PAGE: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+                   PAGE: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, FP8_KV: tl.constexpr):
     """The one query row of sequence program_id(0), G heads of kv head program_id(1), over keys
     [lo + split * chunk, lo + (split + 1) * chunk) ∩ [lo, seq_len) of split program_id(2)."""
     pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
@@ -241,6 +230,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ml
         row = q_begin.to(tl.int64)
         q = tl.load(q_ptr + row * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                     mask=m_mask[:, None], other=0.0)
+        if FP8_KV:  # K = k_cache · k_scale, V = v_cache · v_scale (the splits' sums are linear in V)
+            qk_scale = qk_scale * tl.load(k_scale_ptr)
         bt_row = block_tables_ptr + s.to(tl.int64) * stride_bt
         k_head = k_cache_ptr + kvh * stride_kh
         v_head = v_cache_ptr + kvh * stride_kh
@@ -250,6 +241,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ml
         pos = tl.zeros([M], tl.int32) + (seq_len - 1)  # the query row's position
         acc, m_i, l_i = _attend_range(acc, m_i, l_i, q, k_head, v_head, bt_row, start, end, pos, start, end, qk_scale,
                                       window, stride_kb, stride_kt, BLOCK_N, HEAD_DIM, PAGE, True, False, PRECISION)
+        if FP8_KV:
+            acc = acc * tl.load(v_scale_ptr)
         if SPLIT:
             idx = (s * num_q_heads + head).to(tl.int64) * num_splits + sp  # partial [s, head, split]
             tl.store(part_o_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=m_mask[:, None])
@@ -337,9 +330,7 @@ def prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
 def decode_config(head_dim: int, dtype: torch.dtype) -> DecodeConfig:
     return FP32_DECODE_CONFIG if dtype == torch.float32 else DECODE_CONFIGS[head_dim]
 
-STORE_WARPS = 4
 REDUCE_WARPS = 4
-_STORE = Launcher(_store_kv_kernel)
 _PREFILL = Launcher(_prefill_kernel)
 _DECODE = Launcher(_decode_kernel)
 _REDUCE = Launcher(_decode_reduce_kernel)
@@ -365,46 +356,40 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def _scales(fp8: bool, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+            q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scale pointers a launch passes: unread without FP8_KV, so any tensor stands in."""
+    return (k_scale, v_scale) if fp8 else (q, q)
+
+
 def _precision(dtype: torch.dtype) -> str:
     # fp32 caches (tests, CPU models) get ~fp32 products; the setting is ignored for 16-bit inputs.
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
-def store_kv_constexprs(Hkv: int, D: int) -> dict:
-    """The store kernel's compile-time parameters: whole heads, up to 4096 elements of k (and of v) a program."""
-    block_d = _pow2(D)
-    return dict(HEAD_DIM=D, BLOCK_H=min(_pow2(Hkv), max(1, 4096 // block_d)), BLOCK_D=block_d)
-
-
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """One launch, grid (T, head groups)."""
-    T, Hkv, D = k.shape
-    consts = store_kv_constexprs(Hkv, D)
-    grid = (T, _cdiv(Hkv, consts["BLOCK_H"]))
-    args = (k, v, k_cache, v_cache, slot_mapping, Hkv, k_cache.shape[1], k.stride(0), k.stride(1), v.stride(0),
-            v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
-    _STORE(grid, args, consts, STORE_WARPS, 1)
-
-
-def prefill_constexprs(G: int, D: int, page: int, window: int, dtype: torch.dtype, cfg: PrefillConfig) -> dict:
+def prefill_constexprs(G: int, D: int, page: int, window: int, dtype: torch.dtype, cfg: PrefillConfig,
+                       fp8_kv: bool = False) -> dict:
     """The prefill kernel's compile-time parameters (also used by the ahead-of-time compile test)."""
     g_pad = _pow2(G)
     return dict(G=G, G_PAD=g_pad, BLOCK_Q=max(cfg.block_m, g_pad) // g_pad, BLOCK_N=cfg.block_n, HEAD_DIM=D,
-                PAGE=page, SCAN_SEQS=SCAN, WINDOW=window > 0, PRECISION=_precision(dtype))
+                PAGE=page, SCAN_SEQS=SCAN, WINDOW=window > 0, PRECISION=_precision(dtype), FP8_KV=fp8_kv)
 
 
 def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
             seq_lens: torch.Tensor, query_start: torch.Tensor, out: torch.Tensor, *, scale: float, window: int,
-            cfg: PrefillConfig | None = None) -> None:
-    """Attention rows of every sequence with ≥ 2 query rows (one-row sequences are `decode`'s)."""
+            cfg: PrefillConfig | None = None, k_scale: torch.Tensor | None = None,
+            v_scale: torch.Tensor | None = None) -> None:
+    """Attention rows of every sequence with ≥ 2 query rows (one-row sequences are `decode`'s). `k_scale`,
+    `v_scale`: fp32 tensors of one element, for an e4m3 cache."""
     T, Hq, D = q.shape
     page, Hkv = k_cache.shape[1], k_cache.shape[2]
     S = block_tables.shape[0]
     cfg = cfg or prefill_config(D, q.dtype)
-    consts = prefill_constexprs(Hq // Hkv, D, page, window, q.dtype, cfg)
+    fp8 = k_cache.dtype == KV_FP8
+    consts = prefill_constexprs(Hq // Hkv, D, page, window, q.dtype, cfg, fp8)
     grid = (T // consts["BLOCK_Q"] + S, Hkv)
-    args = (q, k_cache, v_cache, out, block_tables, seq_lens, query_start, S, scale * LOG2E, window,
+    args = (q, k_cache, v_cache, out, block_tables, seq_lens, query_start, *_scales(fp8, k_scale, v_scale, q), S,
+            scale * LOG2E, window,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
             k_cache.stride(2), block_tables.stride(0))
     _PREFILL(grid, args, consts, cfg.num_warps, cfg.num_stages)
@@ -430,16 +415,19 @@ def plan_decode(num_seqs: int, num_kv_heads: int, max_seq_len: int, window: int,
     return (splits, chunk) if splits > 1 else (1, UNSPLIT_CHUNK)
 
 
-def decode_constexprs(G: int, D: int, page: int, split: bool, dtype: torch.dtype, cfg: DecodeConfig) -> dict:
+def decode_constexprs(G: int, D: int, page: int, split: bool, dtype: torch.dtype, cfg: DecodeConfig,
+                      fp8_kv: bool = False) -> dict:
     """The decode kernel's compile-time parameters (also used by the ahead-of-time compile test)."""
     return dict(G=G, M=max(16, _pow2(G)), BLOCK_N=cfg.block_n, HEAD_DIM=D, PAGE=page, SPLIT=split,
-                PRECISION=_precision(dtype))
+                PRECISION=_precision(dtype), FP8_KV=fp8_kv)
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
            seq_lens: torch.Tensor, query_start: torch.Tensor, out: torch.Tensor, *, max_seq_len: int, scale: float,
-           window: int, num_splits: int | None = None, cfg: DecodeConfig | None = None) -> None:
-    """Attention rows of every one-row sequence (others are `prefill`'s): split as `plan_decode` says."""
+           window: int, num_splits: int | None = None, cfg: DecodeConfig | None = None,
+           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    """Attention rows of every one-row sequence (others are `prefill`'s): split as `plan_decode` says. `k_scale`,
+    `v_scale`: fp32 tensors of one element, for an e4m3 cache."""
     T, Hq, D = q.shape
     page, Hkv = k_cache.shape[1], k_cache.shape[2]
     S = block_tables.shape[0]
@@ -448,17 +436,19 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
     splits, chunk = plan_decode(S, Hkv, max_seq_len, window, q.device, cfg, num_splits)
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
                k_cache.stride(2), block_tables.stride(0))
-    consts = decode_constexprs(G, D, page, splits > 1, q.dtype, cfg)
+    fp8 = k_cache.dtype == KV_FP8
+    scales = _scales(fp8, k_scale, v_scale, q)
+    consts = decode_constexprs(G, D, page, splits > 1, q.dtype, cfg, fp8)
     if splits == 1:  # no partials: the program writes out itself (the partial pointers are unused)
-        args = (q, k_cache, v_cache, out, out, out, block_tables, seq_lens, query_start, scale * LOG2E, window,
-                chunk, Hq, 1, 0, *strides)
+        args = (q, k_cache, v_cache, out, out, out, block_tables, seq_lens, query_start, *scales, scale * LOG2E,
+                window, chunk, Hq, 1, 0, *strides)
         _DECODE((S, Hkv, 1), args, consts, cfg.num_warps, cfg.num_stages)
         return
     n_part = S * Hq * splits
     buf = torch.empty(n_part * (D + 2), dtype=torch.float32, device=q.device)  # one allocation: acc, then max, sum
     part_o, part_ml = buf[:n_part * D], buf[n_part * D:]
-    args = (q, k_cache, v_cache, out, part_o, part_ml, block_tables, seq_lens, query_start, scale * LOG2E, window,
-            chunk, Hq, splits, n_part, *strides)
+    args = (q, k_cache, v_cache, out, part_o, part_ml, block_tables, seq_lens, query_start, *scales, scale * LOG2E,
+            window, chunk, Hq, splits, n_part, *strides)
     _DECODE((S, Hkv, splits), args, consts, cfg.num_warps, cfg.num_stages)
     args = (part_o, part_ml, out, seq_lens, query_start, window, chunk, Hq, splits, n_part, out.stride(0),
             out.stride(1))

@@ -1,0 +1,93 @@
+"""The Triton kernel that writes a step's keys and values into the paged cache, and its launcher
+(semantics: `store_kv` in paged.py).
+
+One program per new token (and group of kv heads) copies its k and v rows into their cache slot; slot < 0
+(a padding row) is skipped. One launch for both tensors. Into an e4m3 cache each value is divided by its
+scale in fp32 (IEEE-rounded, as torch divides), clamped to ±448 and rounded to the nearest e4m3 value,
+ties to even: the reference's `(k.float() / k_scale).clamp(-448, 448).to(torch.float8_e4m3fn)`, bit for bit.
+The caches are addressed through their strides (block, token, head; D innermost), so KVCache's head-major
+layout works too. Offsets are int64.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..launch import Launcher
+from ..pdl import pdl_start
+from .checks import E4M3_MAX, KV_FP8
+
+STORE_WARPS = 4
+_E4M3_MAX: tl.constexpr = tl.constexpr(E4M3_MAX)   # (a jitted function reads only constexpr globals)
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """fp32 x clamped to ±448 and rounded to the nearest e4m3 value (ties to even), still in fp32.
+
+    The cast to e4m3 that follows is then exact. Rounding here rather than in the cast keeps the
+    hardware's rounding out of the result, and Triton's interpreter (the CPU tests) rounds that cast
+    wrongly where the mantissa carries into the exponent (7.9 → 4)."""
+    a = tl.where(tl.abs(x) > _E4M3_MAX, _E4M3_MAX, tl.abs(x))   # (a NaN stays NaN)
+    # Normal e4m3 values (≥ 2^-6) keep 3 of fp32's 23 mantissa bits: round the bit pattern to nearest even
+    # (a carry moves into the exponent, as it should).
+    bits = a.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    # Subnormal ones are multiples of 2^-9: next to 2^14, whose fp32 ulp is 2^-9, the addition rounds to one.
+    tiny = (a + 16384.0) - 16384.0
+    r = tl.where(a < 0.015625, tiny, normal)
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, num_kv_heads, page,
+                     stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch,
+                     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr):
+    """k_cache[slot] = k[t], v_cache[slot] = v[t] for heads of this program's group, unless slot < 0; with FP8,
+    the e4m3 of k[t] / k_scale and v[t] / v_scale."""
+    pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask = (offs_h[:, None] < num_kv_heads) & (offs_d[None, :] < HEAD_DIM)
+        t64 = t.to(tl.int64)
+        k = tl.load(k_ptr + t64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+        v = tl.load(v_ptr + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+        if FP8:
+            k = _round_to_e4m3(tl.math.div_rn(k.to(tl.float32), tl.load(k_scale_ptr)))
+            v = _round_to_e4m3(tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)))
+        # Slot s is token s % page of block s // page; the caches' strides say where that is.
+        dst = (slot // page) * stride_cb + (slot % page) * stride_ct + offs_h[:, None] * stride_ch + offs_d[None, :]
+        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+_STORE = Launcher(_store_kv_kernel)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def store_kv_constexprs(Hkv: int, D: int, fp8: bool = False) -> dict:
+    """The store kernel's compile-time parameters: whole heads, up to 4096 elements of k (and of v) a program."""
+    block_d = _pow2(D)
+    return dict(HEAD_DIM=D, BLOCK_H=min(_pow2(Hkv), max(1, 4096 // block_d)), BLOCK_D=block_d, FP8=fp8)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
+    """One launch, grid (T, head groups). `k_scale`, `v_scale`: fp32 tensors of one element, for an e4m3 cache."""
+    T, Hkv, D = k.shape
+    fp8 = k_cache.dtype == KV_FP8
+    consts = store_kv_constexprs(Hkv, D, fp8)
+    grid = (T, -(-Hkv // consts["BLOCK_H"]))
+    # without FP8 the scale pointers are never read: any tensor will do
+    args = (k, v, k_cache, v_cache, slot_mapping, k_scale if fp8 else k, v_scale if fp8 else k, Hkv,
+            k_cache.shape[1], k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0),
+            k_cache.stride(1), k_cache.stride(2))
+    _STORE(grid, args, consts, STORE_WARPS, 1)
