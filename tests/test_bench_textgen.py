@@ -358,3 +358,25 @@ def test_span_stats_say_when_the_longest_span_fell():
     assert got["decode_gpu_ms_max"] == pytest.approx(300.0) and got["decode_gpu_ms_max_at_s"] == 1.25
     assert got["mixed_gpu_ms_max_at_s"] == 0.1 and got["decode_gpu_ms"] == pytest.approx(1e3 * 0.317 / 3)
     assert "decode_gpu_ms_max_at_s" not in _span_stats({True: [0.01], False: []}, None)
+
+
+def test_bench_runs_fp8_weights_and_kv_and_counts_their_bytes(tmp_path):
+    """--quantization fp8 --kv-cache-dtype fp8 run and are recorded; the ceiling counts the projections' weights and
+    the KV at one byte a value, the rest (and the adapters) in the model's dtype."""
+    from loraplex.models.presets import preset_config
+    base, _ = make_text_model(tmp_path / "m")
+    out = tmp_path / "results"
+    code = main(["bench", "--model", str(base), "--device", "cpu", "--requests", "3", "--systems", "loraplex",
+                 "--popularity", "distinct", "--max-batch", "2", "--max-len", "24", "--rank", "4",
+                 "--quantization", "fp8", "--kv-cache-dtype", "fp8", "--out-dir", str(out), "--name", "fp8",
+                 "--quiet", "--no-plots"])
+    assert code == 0
+    result = json.loads((out / "fp8.json").read_text())
+    assert result["quantization"] == "fp8" and result["kv_cache_dtype"] == "fp8"
+    assert all(r["tokens_per_s"] > 0 for r in result["rows"])
+    c = preset_config("llama-2-7b")
+    dense, fp8 = StepBytes.of(c, 16, 2), StepBytes.of(c, 16, 2, projection_bytes=1, kv_bytes=1)
+    projections = sum(i * o for i, o in (c.projection_shape(p) for p in
+                                         ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")))
+    assert dense.weights - fp8.weights == c.num_hidden_layers * projections
+    assert fp8.kv_per_token * 2 == dense.kv_per_token and fp8.adapter == dense.adapter

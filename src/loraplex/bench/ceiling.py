@@ -30,10 +30,15 @@ class StepBytes:
     adapter: int               # one adapter's A and B over every layer and projection
 
     @classmethod
-    def of(cls, c: ModelConfig, rank: int, dtype_bytes: int = 2) -> StepBytes:
-        per_layer = sum(i * o for i, o in (c.projection_shape(p) for p in PROJECTIONS)) + 2 * c.hidden_size
-        weights = (c.num_hidden_layers * per_layer + c.vocab_size * c.hidden_size + c.hidden_size) * dtype_bytes
-        kv = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * dtype_bytes
+    def of(cls, c: ModelConfig, rank: int, dtype_bytes: int = 2, *, projection_bytes: int | None = None,
+           kv_bytes: int | None = None) -> StepBytes:
+        """Bytes in the model's dtype, except the projections' weights (`projection_bytes`: 1 for FP8 weights) and
+        the KV cache (`kv_bytes`: 1 for an FP8 cache) where given; adapters stay in the model's dtype."""
+        projections = sum(i * o for i, o in (c.projection_shape(p) for p in PROJECTIONS)) * \
+            (projection_bytes or dtype_bytes)
+        weights = c.num_hidden_layers * (projections + 2 * c.hidden_size * dtype_bytes) + \
+            (c.vocab_size * c.hidden_size + c.hidden_size) * dtype_bytes
+        kv = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * (kv_bytes or dtype_bytes)
         adapter = rank * sum(sum(c.projection_shape(p)) for p in PROJECTIONS) * c.num_hidden_layers * dtype_bytes
         return cls(weights, kv, adapter)
 

@@ -51,6 +51,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--overlap-admissions", action=argparse.BooleanOptionalAction, default=None,
                     help="loraplex: EngineConfig.overlap_admissions (steps that admit prompts are queued while "
                          "the step before still runs, as decode steps are; default: the engine's, on)")
+    ap.add_argument("--quantization", default=None, choices=("fp8",),
+                    help="loraplex: EngineConfig.quantization (fp8: base weights quantized to e4m3 at load)")
+    ap.add_argument("--kv-cache-dtype", default=None, choices=("auto", "fp8", "fp8_e4m3"),
+                    help="loraplex: EngineConfig.kv_cache_dtype (fp8: the KV cache in e4m3, twice the tokens)")
     ap.add_argument("--preload-adapters", action="store_true",
                     help="loraplex: put each workload's adapters on the GPU before timing (as many as there are "
                          "slots), as the hf-* systems have theirs; default: every adapter starts on disk")

@@ -147,12 +147,17 @@ def run(args: argparse.Namespace) -> int:
                 slots["adapter_host_reserve_gib"] = args.adapter_host_reserve_gib
             if args.overlap_admissions is not None:
                 slots["overlap_admissions"] = args.overlap_admissions
+            if args.quantization is not None:
+                slots["quantization"] = args.quantization
+            if args.kv_cache_dtype is not None:
+                slots["kv_cache_dtype"] = args.kv_cache_dtype
             config = engine_config(args.model, max_batch=max_batch, rank=args.rank,
                                    max_len=max(w.max_len for w in workloads.values()), device=device, dtype=dtype,
                                    layers=args.layers, **slots)
             system = LoraplexSystem(config, max(w.num_adapters for w in workloads.values()))
             step_bytes = StepBytes.of(system.engine.model_config, args.rank, torch.finfo(
-                getattr(torch, dtype)).bits // 8)
+                getattr(torch, dtype)).bits // 8, projection_bytes=1 if args.quantization else None,
+                kv_bytes=1 if args.kv_cache_dtype in ("fp8", "fp8_e4m3") else None)
             first = next(iter(workloads.values()))
             prompts = first.prompt_ids(system.vocab_size)
             warm_start = time.perf_counter()
@@ -224,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
                   preload_adapters=args.preload_adapters, adapter_host_reserve_gib=args.adapter_host_reserve_gib,
                   overlap_admissions=EngineConfig.overlap_admissions
                   if args.overlap_admissions is None else args.overlap_admissions,
+                  quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype or "auto",
                   settings=envs.snapshot(),   # the LORAPLEX_* settings the run had
                   workload=dict(requests=args.requests, lengths=args.lengths, max_len=args.max_len, seed=args.seed,
                                 prompt_len=args.prompt_len, output_len=args.output_len,
