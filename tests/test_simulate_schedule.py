@@ -19,7 +19,7 @@ def test_every_request_runs_to_its_length_and_the_batch_follows_kv_memory():
 
 
 def test_the_admission_lookahead_trades_a_little_batch_for_fewer_recomputed_tokens():
-    """Where KV memory runs short, the adaptive lookahead (Scheduler._adapt_lookahead) preempts less and
+    """Where KV memory runs short, the adaptive lookahead (Scheduler.note_step) preempts less and
     recomputes fewer tokens; where nothing was preempted, the schedule is the same."""
     w = make_workload(200, "distinct", max_len=512, seed=1)
 

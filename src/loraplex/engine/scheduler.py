@@ -1,4 +1,5 @@
-"""The scheduler: which tokens of which sequences run in the next step.
+"""The scheduler: which tokens of which sequences run in the next step (its answer, a `SchedulerOutput`,
+is defined in engine/scheduler_output.py).
 
 Each step packs, under a token budget and a cap on running sequences:
 1. every running sequence's next tokens, oldest first: one token for a decode, the next chunk
@@ -9,7 +10,7 @@ Each step packs, under a token budget and a cap on running sequences:
    (aging), so no request starves behind a popular adapter. Distinct adapters per step are
    bounded by the GPU slots because every running request pins its adapters' slots: a request that
    combines several adapters (adapters/composition.py) is admitted only once all of them are on the
-   GPU, and pins all of them or none.
+   GPU, and pins all of them or none (engine/adapter_pins.py).
 
 When a running sequence needs a KV block and none is free, the newest running sequence (by
 arrival) gives its blocks back and waits to be recomputed; its tokens so far are kept, so its
@@ -27,51 +28,21 @@ import bisect
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from ..adapters import AdapterCache, AdapterError
 from ..config import EngineConfig
+from .adapter_pins import pin_adapters, unpin_adapters, want_adapters
 from .block_manager import BlockManager
+from .scheduler_output import ScheduledChunk, SchedulerOutput, is_decode
 from .sequence import FinishReason, Sequence, SequenceStatus
+
+# The output types are re-exported: the runner, the pipeline and step_info import them from here.
+__all__ = ["ScheduledChunk", "Scheduler", "SchedulerOutput", "is_decode"]
 
 log = logging.getLogger("loraplex.engine")
 
 
-@dataclass
-class ScheduledChunk:
-    seq: Sequence
-    num_tokens: int                  # tokens fed this step
-    start: int = -1                  # the first one's position (default: seq.num_cached now)
-    needs_logits: bool | None = None  # the chunk reaches the sequence's end (default: from its state now)
-
-    def __post_init__(self) -> None:
-        if self.start < 0:
-            self.start = self.seq.num_cached
-        if self.needs_logits is None:
-            self.needs_logits = self.start + self.num_tokens == self.seq.num_tokens
-
-
-def is_decode(chunks: list[ScheduledChunk]) -> bool:
-    """Every chunk is one token that gets sampled (what CUDA graphs replay)."""
-    return bool(chunks) and all(c.num_tokens == 1 and c.needs_logits for c in chunks)
-
-
-@dataclass
-class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    migrated: list[Sequence] = field(default_factory=list)   # taken by the `migrate` hook instead of preempted
-    failed: list[Sequence] = field(default_factory=list)   # their adapter failed to load; still waiting:
-                                                           # the engine finishes them
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
-
 class Scheduler:
-    PLAN_SCAN = 4096   # waiting requests looked at per step for adapters to load (queue order)
-
     def __init__(self, config: EngineConfig, blocks: BlockManager, adapters: AdapterCache | None) -> None:
         self.config, self.blocks, self.adapters = config, blocks, adapters
         self.waiting: list[Sequence] = []   # by arrival
@@ -170,7 +141,7 @@ class Scheduler:
                 break
             aged = now - seq.times.arrival >= skip_after
             try:
-                slots = self._pin(seq)
+                slots = pin_adapters(self.adapters, seq.adapter_names)
             except AdapterError as e:  # a load failed: this request ends (engine), the others go on
                 seq.error = str(e)
                 out.failed.append(seq)
@@ -183,7 +154,7 @@ class Scheduler:
                 continue
             # The whole of its tokens must fit now, or admitting it would only preempt someone soon.
             if not self.fits(seq, reserve=reserve):
-                self._unpin(seq.adapter_names)
+                unpin_adapters(self.adapters, seq.adapter_names)
                 break  # first come, first served for memory too
             n = min(seq.num_uncached, budget)
             self.blocks.grow(seq, seq.num_cached + n)
@@ -269,33 +240,9 @@ class Scheduler:
         return len(queued) >= seats or sum(s.num_uncached for s in queued) >= budget
 
     def plan_adapter_loads(self) -> None:
-        """Tell the adapter cache what the waiting requests need, in queue order (every adapter of a
-        request that combines several): on the GPU, as many as the slots the running requests leave
-        free; on the host (read ahead from disk), those of the requests after them, as many as the CPU
-        tier holds. The engine calls it every step.
-
-        Wanting more than the free slots would make the later requests' loads evict the adapters of
-        the earlier ones (least recently used) before those are admitted: under many distinct
-        adapters the queue's head would then never find its adapter resident.
-        """
-        if self.adapters is None:
-            return
-        if not self.waiting:
-            self.adapters.want([], 0)
-            return
-        pinned = {name for seq in self.running for name in seq.adapter_names}
-        free = max(self.config.max_gpu_adapters - len(pinned), 0)
-        # every host copy lands in the CPU tier: wishes and read-ahead together must fit in it, or the
-        # read-ahead would evict its own copies before they are used (the cache caps it so)
-        ahead = max(free, self.config.max_cpu_adapters)
-        names: dict[str, None] = {}
-        for i, seq in enumerate(self.waiting):
-            if len(names) >= ahead or i >= self.PLAN_SCAN:
-                break
-            for name in seq.adapter_names:
-                if name not in pinned:
-                    names[name] = None
-        self.adapters.want(list(names), free)
+        """Tell the adapter cache what the waiting requests need (`want_adapters`). The engine calls it every step."""
+        if self.adapters is not None:
+            want_adapters(self.adapters, self.waiting, self.running, self.config)
 
     # ---- internals ------------------------------------------------------------------------------
     # A cluster replica's hook (cluster/replica_engine.py): called with a running sequence about to be preempted;
@@ -324,30 +271,8 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         self.blocks.free(seq)
         if seq.adapter_slots:
-            self._unpin(seq.adapter_names)
+            unpin_adapters(self.adapters, seq.adapter_names)
             seq.adapter_slots = ()
-
-    def _pin(self, seq: Sequence) -> tuple[int, ...] | None:
-        """Pin the slots of all of its adapters (() for the base model), or none: None while one is not on the GPU
-        yet. Raises AdapterError (naming the adapter) if one failed to load or is gone, pinning nothing."""
-        slots: list[int] = []
-        try:
-            for name in seq.adapter_names:
-                slot = self.adapters.acquire_if_resident(name)
-                if slot is None:
-                    break
-                slots.append(slot)
-            else:
-                return tuple(slots)
-        except AdapterError:
-            self._unpin(seq.adapter_names[:len(slots)])
-            raise
-        self._unpin(seq.adapter_names[:len(slots)])
-        return None
-
-    def _unpin(self, names: tuple[str, ...]) -> None:
-        for name in names:
-            self.adapters.release(name)
 
     def _enqueue(self, seq: Sequence) -> None:
         keys = [s.times.arrival for s in self.waiting]
