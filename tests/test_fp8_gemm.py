@@ -121,17 +121,24 @@ def test_linear_picks_the_kernel_w8a8_or_the_dequantized_weight(monkeypatch):
     per_col, blocks = random_matrix(32, 64, (1, 64), seed=5), random_matrix(32, 64, (32, 32), seed=6)
     small, large = torch.randn(4, 64).half(), torch.randn(48, 64).half()
     monkeypatch.setattr(skinny, "SETTING", "off")
-    monkeypatch.setenv("LORAPLEX_FP8_W8A8", "off")
+    monkeypatch.setattr(fp8, "W8A8", "off")
     for x, m in ((small, per_col), (large, per_col), (large, blocks)):
         torch.testing.assert_close(gemm.linear(x, m), x @ m.dequantize(x.dtype).T)
     assert calls == []
-    monkeypatch.setenv("LORAPLEX_FP8_W8A8", "on")
+    monkeypatch.setattr(fp8, "W8A8", "on")
     gemm.linear(large, per_col)
     gemm.linear(large, blocks)              # 32×32 blocks: dequantized
     gemm.linear(large.float(), per_col)     # fp32 activations: dequantized
     assert calls == ["w8a8_linear"]
-    monkeypatch.setenv("LORAPLEX_FP8_W8A8", "auto")
-    assert not fp8.w8a8_takes(large, per_col)   # auto: CUDA GPUs of sm_89 on only
+    monkeypatch.setattr(fp8, "W8A8", "auto")
+    assert not fp8.w8a8_takes(large, per_col)   # auto: bf16 on CUDA Hopper GPUs only
+    monkeypatch.setattr(fp8, "_hopper", lambda index: True)
+    cuda_like = torch.Tensor.is_cuda
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    try:   # (only the predicate runs: no kernel)
+        assert fp8.w8a8_takes(large.bfloat16(), per_col) and not fp8.w8a8_takes(large, per_col)   # fp16: not auto
+    finally:
+        monkeypatch.setattr(torch.Tensor, "is_cuda", cuda_like)
     assert envs.fp8_w8a8() == "auto"
     if ops.triton_interpreted():
         monkeypatch.setattr(skinny, "SETTING", "on")

@@ -104,6 +104,10 @@ def test_store_rounds_ties_to_even_carries_into_the_exponent_and_saturates(backe
     assert got.tolist() == expect
     assert torch.equal(nearest_e4m3(torch.tensor(quotients)), torch.tensor(expect, dtype=torch.float64))
     assert torch.equal(caches[1].double(), caches[0].double())
+    # the bytes: signs included (-0.0 and the negative values' underflow to zero keep theirs, as torch's cast does)
+    signed = torch.tensor([-0.0, 0.0, -2 ** -12, 2 ** -12, -1.0, 1.0]).view(-1, 1, 1).expand(-1, 1, 16).contiguous()
+    ops.store_kv(signed, signed.clone(), *caches, torch.arange(6), k_scale=1.0, v_scale=1.0, backend=backend)
+    assert torch.equal(caches[0].view(-1, 16)[:6].view(torch.uint8), signed.view(6, 16).to(KV_FP8).view(torch.uint8))
 
 
 # ---------------------------------------------------------------------------------------------

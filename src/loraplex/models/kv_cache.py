@@ -23,10 +23,9 @@ from typing import Sequence
 
 import torch
 
-from ..ops.attention import KV_FP8
+from ..ops.attention import CACHE_DTYPES, KV_FP8
 from .config import ModelConfig
 
-CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, KV_FP8)
 
 # Measured on an H200 (docs/design-notes.md, the decode kernel in CUDA graphs,
 # bf16, pages shuffled): token-major reads K/V at 0.85–1.01× the copy bandwidth for Llama-2-7B heads at 32 and

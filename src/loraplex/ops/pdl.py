@@ -27,7 +27,8 @@ projection's shrink is launched right after its GEMM, which reads the same x, an
 (`pdl_release`) and waits for the grids before it last (`pdl_wait_last`), so that its programs run beside the GEMM's
 and the consumer's programs are placed while both run. Before its wait it reads x and the pool's A and stores its
 partials. That is safe because x was written by a kernel before the GEMM, and the GEMM (ops/gemm/skinny.py's Triton
-kernel: overlap.py's `shrink_order` takes "after" only where that kernel is the GEMM and PDL is on) released the shrink
+kernel, or fp8_kernels.py's for FP8 weights: overlap.py's `shrink_order` takes "after" only where one of them is the
+GEMM and PDL is on) released the shrink
 only after its own wait, for which that kernel had completed; the only grid that may still run is the GEMM, which
 reads x and its weight and writes its output, none of which the shrink writes (its partials are a live tensor of
 their own). The consumer waits for the shrink's grid to complete, and the shrink completes only after its wait, for

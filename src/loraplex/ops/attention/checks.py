@@ -10,11 +10,11 @@ import math
 
 import torch
 
+from ..gemm.fp8 import E4M3_MAX, FP8 as KV_FP8   # (one definition of the format, beside its GEMMs)
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # An FP8 cache stores e4m3 (float8_e4m3fn: no infinities, largest finite value 448) beside activations of
 # any float dtype; each layer's keys and values then carry a dequantization scale (paged.py's semantics).
-KV_FP8 = torch.float8_e4m3fn
-E4M3_MAX = float(torch.finfo(KV_FP8).max)
 CACHE_DTYPES = FLOAT_DTYPES + (KV_FP8,)
 # Head sizes the Triton kernels are built for (tl.arange needs a power of two; tl.dot at least 16).
 TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)

@@ -37,7 +37,9 @@ def _round_to_e4m3(x):
     # Subnormal ones are multiples of 2^-9: next to 2^14, whose fp32 ulp is 2^-9, the addition rounds to one.
     tiny = (a + 16384.0) - 16384.0
     r = tl.where(a < 0.015625, tiny, normal)
-    return tl.where(x < 0, -r, r)
+    # x's sign bit onto |r| (a comparison would lose -0.0's, which the cast keeps)
+    sign = x.to(tl.int32, bitcast=True) & -0x80000000
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit

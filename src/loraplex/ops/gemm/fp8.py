@@ -6,9 +6,11 @@
 - decode rows (1 to DECODE_MAX_ROWS) on GPUs with FP8 conversions (compute capability 8.9 on), where the
   dense Triton GEMM would run (LORAPLEX_SKINNY_GEMM): `fp8_skinny_linear`, weight-only (fp8_kernels.py: q's
   tiles converted in registers, half the bytes of a bf16 weight read);
-- more rows, a scale per output column, bf16 or fp16 x, on such GPUs (LORAPLEX_FP8_W8A8 "auto"; "on" anywhere
-  torch._scaled_mm runs, the CPU included; "off" never): `w8a8_linear`, the FP8 tensor cores with each row of x
-  quantized to e4m3 by its own amax (dynamic per-token scales) — the W8A8 path, approximate;
+- other rows (prompts; decode rows too where the Triton kernel is off), a scale per output column, bf16 x, on
+  Hopper GPUs (LORAPLEX_FP8_W8A8 "auto", read at import; "on": bf16 or fp16 anywhere torch._scaled_mm runs, the
+  CPU included; "off" never): `w8a8_linear`, the FP8 tensor cores with each row of x quantized to e4m3 by its
+  own amax (dynamic per-token scales) — the W8A8 path, approximate. "auto" keeps to what cuBLASLt's row-wise
+  scaled GEMM takes on every torch this runs with (bf16 output, sm_90);
 - else w dequantized to x's dtype for this call and cuBLAS (the CPU's reference path, and 128×128 block scales
   for prompts).
 The LoRA kernels read x as it is: the activations are quantized for the base GEMM only.
@@ -26,6 +28,7 @@ from . import skinny
 
 FP8 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
+W8A8 = envs.fp8_w8a8()   # "auto", "on" or "off"
 _KERNEL = []   # its Launcher, made on first use: Triton is imported only where the kernel runs
 
 
@@ -66,7 +69,7 @@ def takes_input(x: torch.Tensor, m: Fp8Matrix) -> bool:
     after it, as after the dense Triton GEMM)?"""
     if x.dim() != 2 or not 0 < x.shape[0] <= skinny.DECODE_MAX_ROWS or x.stride(1) != 1:
         return False
-    if m.qweight.stride(1) != 1 or _k_step(m, m.shape[1]) is None:
+    if not _kernel_reads(m, x):
         return False
     if not skinny.takes(x.dtype, x.device):
         return False
@@ -75,17 +78,16 @@ def takes_input(x: torch.Tensor, m: Fp8Matrix) -> bool:
 
 def w8a8_takes(x: torch.Tensor, m: Fp8Matrix) -> bool:
     """Does `linear(x, m)` take `w8a8_linear` (see the module docstring)?"""
-    setting = envs.fp8_w8a8()
-    if setting == "off" or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16):
+    if W8A8 == "off" or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16):
         return False
-    if m.scale.shape[1] != 1 or m.block[0] != 1:   # a scale per output column only
-        return False
+    if m.qweight.dtype != FP8 or tuple(m.scale.shape) != (m.shape[0], 1) or m.scale.dtype != torch.float32:
+        return False   # a scale per output column only
     n, k = m.shape
     if n % 16 or k % 16:   # cuBLASLt's FP8 GEMMs' alignment
         return False
-    if setting == "on":
+    if W8A8 == "on":
         return True
-    return x.is_cuda and _fp8_capable(x.device.index)
+    return x.dtype == torch.bfloat16 and x.is_cuda and _hopper(x.device.index)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,6 +176,24 @@ def _check(x: torch.Tensor, m: Fp8Matrix, bias: torch.Tensor | None) -> tuple[in
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"fp8_skinny_linear: {name} must have unit stride along its last dimension")
     return M, K
+
+
+def _kernel_reads(m: Fp8Matrix, x: torch.Tensor) -> bool:
+    """Does fp8_skinny_linear take m for x (what `_check` refuses, `linear` dequantizes instead)?"""
+    if m.qweight.dim() != 2 or m.qweight.dtype != FP8 or m.scale.dtype != torch.float32:
+        return False
+    if m.qweight.stride(1) != 1 or m.scale.dim() != 2 or m.scale.stride(1) != 1 or m.shape[1] != x.shape[1]:
+        return False
+    grid = (-(-m.shape[0] // m.block[0]), -(-m.shape[1] // m.block[1]))
+    return tuple(m.scale.shape) == grid and _k_step(m, m.shape[1]) is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper(cuda_index: int | None) -> bool:
+    """An NVIDIA GPU of compute capability 9.x (where "auto" takes W8A8)."""
+    if torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(cuda_index)[0] == 9
 
 
 @functools.lru_cache(maxsize=None)
