@@ -436,6 +436,27 @@ def test_a_kv_cache_only_checkpoint_keeps_dense_weights(served, tmp_path):
     assert model.kv_scales.k.tolist()[0] == pytest.approx(CKPT_K[0]) and model.kv_scales.v.shape == (2,)
 
 
+def test_older_output_scale_names_are_read_as_kv_scales(served, tmp_path):
+    """Older llm-compressor checkpoints store `self_attn.k_proj.output_scale` / `v_proj.output_scale` (vLLM maps
+    them to k_scale / v_scale): read the same; one layer's scale under both names is refused, naming it."""
+    from loraplex.models import load_model
+    base, _ = served
+    old = {f"model.layers.{i}.self_attn.{kind}_proj.output_scale": torch.tensor([0.25 + i + (kind == "v")])
+           for i in range(2) for kind in "kv"}
+    for name, tensors in (("old", old), ("both", dict(old, **{"model.layers.1.self_attn.k_scale": torch.ones(1)}))):
+        folder = tmp_path / name
+        folder.mkdir()
+        for file in ("config.json", "model.safetensors"):
+            (folder / file).write_bytes((base / file).read_bytes())
+        _with_kv_scales(folder, tensors=tensors, groups=False)
+        if name == "old":
+            model = load_model(folder, dtype=torch.float32)
+            assert model.kv_scales.k.tolist() == [0.25, 1.25] and model.kv_scales.v.tolist() == [1.25, 2.25]
+        else:
+            with pytest.raises(ValueError, match="under both of its names, 'model.layers.1.self_attn.k_scale'"):
+                load_model(folder, dtype=torch.float32)
+
+
 @pytest.mark.parametrize("over, field", [
     (dict(strategy="channel"), "quantization_config.kv_cache_scheme.strategy='channel'"),
     (dict(strategy="attn_head"), "kv_cache_scheme.strategy='attn_head'"),

@@ -1,4 +1,5 @@
-"""A checkpoint's KV-cache scales: compressed-tensors' `model.layers.{i}.self_attn.k_scale` / `v_scale`.
+"""A checkpoint's KV-cache scales: compressed-tensors' `model.layers.{i}.self_attn.k_scale` / `v_scale` (older
+llm-compressor checkpoints name them `self_attn.k_proj.output_scale` / `v_proj.output_scale`, as vLLM reads too).
 
 Each is one fp32 (or bf16/fp16) value a layer, stored as `[]` or `[1]`: the layer's keys (values) were
 calibrated so that `k / k_scale` fits e4m3. `KvScaleSink` takes them while the loader walks the
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-_KEY = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
+_KEY = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:([kv])_scale|([kv])_proj\.output_scale)$")
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -37,18 +38,21 @@ class KvScaleSink:
         return _KEY.match(key) is not None
 
     def put(self, path: Path, key: str, tensor: torch.Tensor) -> None:
-        layer = int(_KEY.match(key).group(1))
+        match = _KEY.match(key)
+        layer = int(match.group(1))
         if layer >= self.num_layers:
             raise ValueError(f"{path}: tensor {key!r} names layer {layer}; the config has {self.num_layers}")
-        if key in self._got:
-            raise ValueError(f"{path}: tensor {key!r} appears twice in the checkpoint")
+        canonical = f"model.layers.{layer}.self_attn.{match.group(2) or match.group(3)}_scale"
+        if canonical in self._got:
+            raise ValueError(f"{path}: tensor {key!r} appears twice in the checkpoint (or under both of its names, "
+                             f"{canonical!r} and the older output_scale one)")
         if tensor.dtype not in SCALE_DTYPES or tensor.numel() != 1 or tensor.dim() > 1:
             raise ValueError(f"{path}: tensor {key!r} is {tensor.dtype} of shape {list(tensor.shape)}; a KV-cache "
                              f"scale is one float32, bfloat16 or float16 value, [] or [1] (strategy 'tensor')")
         value = float(tensor.float())
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"{path}: tensor {key!r} is {value}; KV-cache scales are finite and positive")
-        self._got[key] = torch.tensor(value, dtype=torch.float32)
+        self._got[canonical] = torch.tensor(value, dtype=torch.float32)
 
     def finish(self, folder: Path) -> KvScales:
         scales = {}
