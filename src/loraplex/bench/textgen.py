@@ -155,9 +155,7 @@ def run(args: argparse.Namespace) -> int:
                                    max_len=max(w.max_len for w in workloads.values()), device=device, dtype=dtype,
                                    layers=args.layers, **slots)
             system = LoraplexSystem(config, max(w.num_adapters for w in workloads.values()))
-            step_bytes = StepBytes.of(system.engine.model_config, args.rank, torch.finfo(
-                getattr(torch, dtype)).bits // 8, projection_bytes=1 if args.quantization else None,
-                kv_bytes=1 if args.kv_cache_dtype in ("fp8", "fp8_e4m3") else None)
+            step_bytes = _step_bytes(system, args.rank, dtype)
             first = next(iter(workloads.values()))
             prompts = first.prompt_ids(system.vocab_size)
             warm_start = time.perf_counter()
@@ -253,6 +251,16 @@ def _model_config(model: str, layers: int | None):
     if model.startswith("dummy:"):
         return preset_config(model.removeprefix("dummy:"), layers)
     return ModelConfig.from_pretrained(model)
+
+
+def _step_bytes(system, rank: int, dtype: str) -> StepBytes:
+    """The ceiling's bytes of the engine as built: its projections FP8 where any weight is (quantized at load or
+    stored so), its KV cache's element size."""
+    from ..models.fp8 import Fp8Weight
+    runner = system.engine.runner
+    fp8 = any(isinstance(m, Fp8Weight) for m in runner.model.modules())
+    return StepBytes.of(system.engine.model_config, rank, torch.finfo(getattr(torch, dtype)).bits // 8,
+                        projection_bytes=1 if fp8 else None, kv_bytes=runner.kv.dtype.itemsize)
 
 
 def main(argv: list[str] | None = None) -> int:
