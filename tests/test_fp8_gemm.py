@@ -132,13 +132,8 @@ def test_linear_picks_the_kernel_w8a8_or_the_dequantized_weight(monkeypatch):
     assert calls == ["w8a8_linear"]
     monkeypatch.setattr(fp8, "W8A8", "auto")
     assert not fp8.w8a8_takes(large, per_col)   # auto: bf16 on CUDA Hopper GPUs only
-    monkeypatch.setattr(fp8, "_hopper", lambda index: True)
-    cuda_like = torch.Tensor.is_cuda
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
-    try:   # (only the predicate runs: no kernel)
-        assert fp8.w8a8_takes(large.bfloat16(), per_col) and not fp8.w8a8_takes(large, per_col)   # fp16: not auto
-    finally:
-        monkeypatch.setattr(torch.Tensor, "is_cuda", cuda_like)
+    monkeypatch.setattr(fp8, "_on_hopper", lambda device: True)   # (only the predicate runs: no kernel)
+    assert fp8.w8a8_takes(large.bfloat16(), per_col) and not fp8.w8a8_takes(large, per_col)   # fp16: not auto
     assert envs.fp8_w8a8() == "auto"
     if ops.triton_interpreted():
         monkeypatch.setattr(skinny, "SETTING", "on")
@@ -152,7 +147,7 @@ def test_linear_picks_the_kernel_w8a8_or_the_dequantized_weight(monkeypatch):
 @pytest.mark.parametrize("M", [1, 16, 32])
 def test_fp8_skinny_linear_in_bf16_on_the_gpu(M, block):
     """Llama-2-7B's q/k/v shape in bf16: the kernel's products against the float64 loop, to bf16's rounding."""
-    if not torch.cuda.is_available() or not fp8._fp8_capable(torch.cuda.current_device()):
+    if not torch.cuda.is_available() or not fp8.fp8_capable(torch.cuda.current_device()):
         pytest.skip("needs a CUDA GPU of compute capability 8.9 or more")
     m = random_matrix(12288, 4096, block, seed=7, device="cuda")
     x = torch.randn(M, 4096, device="cuda", dtype=torch.bfloat16)
@@ -163,7 +158,7 @@ def test_fp8_skinny_linear_in_bf16_on_the_gpu(M, block):
 
 @pytest.mark.gpu
 def test_w8a8_on_the_gpu_matches_the_cpu_loop():
-    if not torch.cuda.is_available() or not fp8._fp8_capable(torch.cuda.current_device()):
+    if not torch.cuda.is_available() or not fp8.fp8_capable(torch.cuda.current_device()):
         pytest.skip("needs a CUDA GPU of compute capability 8.9 or more")
     m = random_matrix(4096, 4096, (1, 4096), seed=8, device="cuda")
     x = torch.randn(256, 4096, device="cuda", dtype=torch.bfloat16)

@@ -17,6 +17,7 @@ from ..models.forward_batch import ForwardBatch, SequenceChunk
 from ..models.kv_cache import KVCache
 from ..models.llama import LlamaForCausalLM
 from ..ops.attention import KV_FP8
+from ..ops.gemm.fp8 import fp8_capable
 from ..sampling import PendingSample, Sampler, SamplingParams
 from ..models.warmup import compile_lora_kernels
 from .cuda_graphs import StepGraphs
@@ -109,8 +110,7 @@ class ModelRunner:
         return load_model(cfg.model, dtype=cfg.dtype, device=self.device, quantization=cfg.quantization)
 
     def _check_fp8_kv_device(self) -> None:
-        if self.config.fp8_kv_cache and self.device.type == "cuda" and \
-                torch.cuda.get_device_capability(self.device) < (8, 9):
+        if self.config.fp8_kv_cache and self.device.type == "cuda" and not fp8_capable(self.device.index):
             # Triton converts e4m3 from compute capability 8.9 (Ada, Hopper) on
             raise ValueError(f"EngineConfig.kv_cache_dtype={self.config.kv_cache_dtype!r} needs a GPU of compute "
                              f"capability 8.9 or newer; {torch.cuda.get_device_name(self.device)} is "

@@ -70,14 +70,11 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_p
 _STORE = Launcher(_store_kv_kernel)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def store_kv_constexprs(Hkv: int, D: int, fp8: bool = False) -> dict:
     """The store kernel's compile-time parameters: whole heads, up to 4096 elements of k (and of v) a program."""
-    block_d = _pow2(D)
-    return dict(HEAD_DIM=D, BLOCK_H=min(_pow2(Hkv), max(1, 4096 // block_d)), BLOCK_D=block_d, FP8=fp8)
+    block_d = triton.next_power_of_2(D)
+    return dict(HEAD_DIM=D, BLOCK_H=min(triton.next_power_of_2(Hkv), max(1, 4096 // block_d)), BLOCK_D=block_d,
+                FP8=fp8)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

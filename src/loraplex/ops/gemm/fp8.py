@@ -73,7 +73,7 @@ def takes_input(x: torch.Tensor, m: Fp8Matrix) -> bool:
         return False
     if not skinny.takes(x.dtype, x.device):
         return False
-    return not x.is_cuda or _fp8_capable(x.device.index)
+    return not x.is_cuda or fp8_capable(x.device.index)
 
 
 def w8a8_takes(x: torch.Tensor, m: Fp8Matrix) -> bool:
@@ -87,7 +87,7 @@ def w8a8_takes(x: torch.Tensor, m: Fp8Matrix) -> bool:
         return False
     if W8A8 == "on":
         return True
-    return x.dtype == torch.bfloat16 and x.is_cuda and _hopper(x.device.index)
+    return x.dtype == torch.bfloat16 and _on_hopper(x.device)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,16 +188,20 @@ def _kernel_reads(m: Fp8Matrix, x: torch.Tensor) -> bool:
     return tuple(m.scale.shape) == grid and _k_step(m, m.shape[1]) is not None
 
 
+def _on_hopper(device: torch.device) -> bool:
+    """A CUDA device of compute capability 9.x (where "auto" takes W8A8)."""
+    return device.type == "cuda" and _hopper(device.index)
+
+
 @functools.lru_cache(maxsize=None)
 def _hopper(cuda_index: int | None) -> bool:
-    """An NVIDIA GPU of compute capability 9.x (where "auto" takes W8A8)."""
     if torch.version.hip is not None:
         return False
     return torch.cuda.get_device_capability(cuda_index)[0] == 9
 
 
 @functools.lru_cache(maxsize=None)
-def _fp8_capable(cuda_index: int | None) -> bool:
+def fp8_capable(cuda_index: int | None) -> bool:
     """An NVIDIA GPU of compute capability 8.9 or more: FP8 conversions and tensor cores (Ada, Hopper on)."""
     if torch.version.hip is not None:
         return False
