@@ -1,6 +1,7 @@
 """The engine on a CUDA GPU: Triton kernels, KV sized from memory, CUDA graphs of decode and mixed steps."""
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import pytest
@@ -20,18 +21,31 @@ def served(tmp_path_factory):
 
 
 def make_llm(served, **settings) -> LLM:
+    """An engine of the served model; its KV cache a fixed number of blocks, not a share of the GPU's memory, so
+    that it starts whatever other test processes hold (benchmarks/gpu_tests.sh runs several)."""
     gc.unfreeze()  # (an engine left open keeps its frozen heap: engine/gc_heap.py)
     gc.collect()  # engines of earlier tests give their memory back before this one measures it
     torch.cuda.empty_cache()
     base, adapters, _ = served
     defaults = dict(dtype="float32", device="cuda", block_size=16, max_num_seqs=16, max_num_batched_tokens=128,
-                    max_gpu_adapters=4, gpu_memory_utilization=0.1)
+                    max_gpu_adapters=4, num_kv_blocks=1024)
     return LLM(str(base), adapters={k: str(v) for k, v in adapters.items()}, **{**defaults, **settings})
 
 
-def _graphs_and_eager_agree(served, seed: int, check, **settings) -> None:
-    """12 greedy requests (the base model and every adapter), run with CUDA graphs and eagerly: the same
-    tokens both ways, and transformers + PEFT's. `check(llm, eager)` runs before each engine closes."""
+@pytest.fixture(scope="class")
+def default_engines(served):
+    """{enforce_eager: LLM} with the default settings, shared by the tests of one class (an engine's start, its
+    LoRA kernels' first compiles above all, is most of an engine test's time); closed when the class ends."""
+    llms = {eager: make_llm(served, enforce_eager=eager) for eager in (False, True)}
+    yield llms
+    for llm in llms.values():
+        llm.close()
+
+
+def _graphs_and_eager_agree(served, seed: int, check, engines=None, **settings) -> None:
+    """12 greedy requests (the base model and every adapter), run with CUDA graphs and eagerly (the shared
+    `engines`, else two made with `settings`): the same tokens both ways, and transformers + PEFT's.
+    `check(llm, eager)` runs after each engine's requests."""
     _, adapters, oracle = served
     names = [None, *adapters]
     prompts = random_prompts(12, VOCAB, (4, 50), seed=seed)
@@ -39,7 +53,8 @@ def _graphs_and_eager_agree(served, seed: int, check, **settings) -> None:
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     results = {}
     for eager in (False, True):
-        with make_llm(served, enforce_eager=eager, **settings) as llm:
+        with contextlib.nullcontext(engines[eager]) if engines else make_llm(served, enforce_eager=eager,
+                                                                             **settings) as llm:
             results[eager] = [o.token_ids for o in llm.generate(prompts, params, adapter=which)]
             check(llm, eager)
     assert results[False] == results[True]
@@ -47,15 +62,83 @@ def _graphs_and_eager_agree(served, seed: int, check, **settings) -> None:
     assert agree == len(prompts), f"{agree}/{len(prompts)} requests equal transformers + PEFT generate"
 
 
-def test_graphs_and_eager_give_the_same_tokens_and_match_transformers(served):
-    def check(llm, eager):
-        stats = llm.engine.stats
-        assert (stats["graph_steps"] > 0) != eager, stats
-        assert (stats["mixed_graph_steps"] > 0) != eager, stats   # prompts beside decodes, replayed
-        assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
-        gpu = llm.engine.last_step.gpu_seconds   # the last step's GpuSpan: its inputs, forward and sample
-        assert gpu is not None and 0 < gpu < 10, llm.engine.last_step
-    _graphs_and_eager_agree(served, 21, check)
+# ---- requests that combine adapters ------------------------------------------------------------------
+def _record_variants(monkeypatch) -> list[str]:
+    """The graph variant of each replay (engine/cuda_graphs.py's lora_variant), in order."""
+    from loraplex.engine import cuda_graphs
+    seen: list[str] = []
+    real = cuda_graphs.lora_variant
+    monkeypatch.setattr(cuda_graphs, "lora_variant", lambda chunks: seen.append(real(chunks)) or seen[-1])
+    return seen
+
+
+@pytest.mark.xdist_group("default_engines")
+class TestDefaultEngines:
+    """Tests that run on the two default engines (CUDA graphs, eager), started once for all of them."""
+
+    def test_graphs_and_eager_give_the_same_tokens_and_match_transformers(self, served, default_engines):
+        def check(llm, eager):
+            stats = llm.engine.stats
+            assert (stats["graph_steps"] > 0) != eager, stats
+            assert (stats["mixed_graph_steps"] > 0) != eager, stats   # prompts beside decodes, replayed
+            assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
+            gpu = llm.engine.last_step.gpu_seconds   # the last step's GpuSpan: its inputs, forward and sample
+            assert gpu is not None and 0 < gpu < 10, llm.engine.last_step
+        _graphs_and_eager_agree(served, 21, check, default_engines)
+
+    def test_seeded_sampling_is_the_same_with_graphs_and_eager(self, served, default_engines):
+        prompts = random_prompts(6, VOCAB, (4, 30), seed=22)
+        params = [SamplingParams(max_tokens=12, temperature=0.8, top_k=20, seed=100 + i, ignore_eos=True)
+                  for i in range(len(prompts))]
+        outs = {eager: [o.token_ids for o in llm.generate(prompts, params, adapter="all-r8")]
+                for eager, llm in default_engines.items()}
+        assert outs[False] == outs[True]
+
+    def test_compositions_replay_their_graph_variant_and_match_peft_cat(self, served, default_engines, monkeypatch):
+        """Compositions (negative weights, a weighted adapter alone, rsLoRA) beside single adapters and the base
+        model, with CUDA graphs and eagerly (fp32): the same tokens both ways, and transformers + PEFT's with the
+        adapter `add_weighted_adapter(..., combination_type="cat")` makes; steps with a composition replay the
+        composed variant, the engine captures three variants per shape."""
+        from composition_fixtures import REQUESTS, CatOracle, as_key
+        base, adapters, _ = served
+        oracle = CatOracle(base, adapters)
+        prompts = random_prompts(12, VOCAB, (4, 50), seed=51)
+        which = [REQUESTS[i % len(REQUESTS)] for i in range(len(prompts))]
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        graphs = default_engines[False].engine.runner.graphs
+        assert graphs.variants == ["base", "lora", "composed"]
+        assert len(graphs._graphs) == 3 * len(graphs.shapes.all())
+        del graphs   # (a name left to the graphs would keep the engine's memory past its close)
+        seen = _record_variants(monkeypatch)
+        results = {}
+        for eager, llm in default_engines.items():
+            results[eager] = [o.token_ids for o in llm.generate(prompts, params, adapter=which)]
+            assert (llm.engine.stats["graph_steps"] > 0) != eager
+            assert all(llm.engine.adapters.pins(n) == 0 for n in adapters)
+        assert "composed" in seen, seen
+        assert results[False] == results[True]
+        for prompt, adapter, out in zip(prompts, which, results[False]):
+            assert out == oracle.greedy(prompt, as_key(adapter), 16), adapter
+
+    def test_steps_without_compositions_replay_the_plain_graphs(self, served, default_engines, monkeypatch):
+        """Single-adapter and base-model steps replay the graphs they replayed before compositions existed (the
+        plain LoRA variant), whatever the engine allows; with max_adapters_per_request=1 no composed graph is
+        captured."""
+        _, adapters, oracle = served
+        names = [None, *adapters]
+        prompts = random_prompts(8, VOCAB, (4, 40), seed=52)
+        which = [names[i % len(names)] for i in range(len(prompts))]
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        seen = _record_variants(monkeypatch)
+        for limit in (4, 1):   # 4: the default engine's
+            llm = default_engines[False] if limit == 4 else make_llm(served, max_adapters_per_request=limit)
+            expected = ["base", "lora", "composed"] if limit > 1 else ["base", "lora"]
+            assert llm.engine.runner.graphs.variants == expected
+            outs = llm.generate(prompts, params, adapter=which)
+            if limit == 1:
+                llm.close()
+            assert [o.token_ids for o in outs] == [oracle.greedy(p, a, 8) for p, a in zip(prompts, which)]
+        assert "lora" in seen and set(seen) <= {"base", "lora"}, seen
 
 
 def test_graphs_and_eager_agree_with_the_skinny_gemm_in_fp32(served, monkeypatch):
@@ -100,23 +183,13 @@ def test_prompts_admitted_beside_a_step_in_flight_replay_mixed_graphs(served):
         assert outs[f"r{i}"] == oracle.greedy(prompt, names[i % 4], 8), (i, names[i % 4])
 
 
-def test_seeded_sampling_is_the_same_with_graphs_and_eager(served):
-    prompts = random_prompts(6, VOCAB, (4, 30), seed=22)
-    params = [SamplingParams(max_tokens=12, temperature=0.8, top_k=20, seed=100 + i, ignore_eos=True)
-              for i in range(len(prompts))]
-    outs = {}
-    for eager in (False, True):
-        with make_llm(served, enforce_eager=eager) as llm:
-            outs[eager] = [o.token_ids for o in llm.generate(prompts, params, adapter="all-r8")]
-    assert outs[False] == outs[True]
-
-
+@pytest.mark.gpu_memory
 def test_kv_cache_is_sized_from_free_memory(served):
     total = torch.cuda.get_device_properties(0).total_memory
-    with make_llm(served, gpu_memory_utilization=0.1) as small:
+    with make_llm(served, num_kv_blocks=None, gpu_memory_utilization=0.1) as small:
         small_blocks = small.engine.runner.kv.num_blocks
         assert torch.cuda.memory_reserved() <= 0.1 * total + (256 << 20)
-    with make_llm(served, gpu_memory_utilization=0.2) as large:
+    with make_llm(served, num_kv_blocks=None, gpu_memory_utilization=0.2) as large:
         large_blocks = large.engine.runner.kv.num_blocks
     assert small_blocks > 1000 and large_blocks > 1.5 * small_blocks
 
@@ -153,61 +226,6 @@ def test_the_engine_reserves_pinned_memory_after_capturing_its_graphs(served):
                     for i in range(count)]
             assert all(b.is_pinned() for h in held for b in h.buffers)
             assert (torch.cuda.host_memory_stats()["num_host_alloc"] > before) == fresh, gib
-
-
-# ---- requests that combine adapters (issue 42) ----------------------------------------------------------
-def _record_variants(monkeypatch) -> list[str]:
-    """The graph variant of each replay (engine/cuda_graphs.py's lora_variant), in order."""
-    from loraplex.engine import cuda_graphs
-    seen: list[str] = []
-    real = cuda_graphs.lora_variant
-    monkeypatch.setattr(cuda_graphs, "lora_variant", lambda chunks: seen.append(real(chunks)) or seen[-1])
-    return seen
-
-
-def test_compositions_replay_their_graph_variant_and_match_peft_cat(served, monkeypatch):
-    """Compositions (negative weights, a weighted adapter alone, rsLoRA) beside single adapters and the base model,
-    with CUDA graphs and eagerly (fp32): the same tokens both ways, and transformers + PEFT's with the adapter
-    `add_weighted_adapter(..., combination_type="cat")` makes; steps with a composition replay the composed
-    variant, the engine captures three variants per shape."""
-    from composition_fixtures import REQUESTS, CatOracle, as_key
-    base, adapters, _ = served
-    oracle = CatOracle(base, adapters)
-    prompts = random_prompts(12, VOCAB, (4, 50), seed=51)
-    which = [REQUESTS[i % len(REQUESTS)] for i in range(len(prompts))]
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    seen = _record_variants(monkeypatch)
-    results = {}
-    for eager in (False, True):
-        with make_llm(served, enforce_eager=eager) as llm:
-            if not eager:   # (no local name for the graphs: one would keep this engine's memory past its close)
-                assert llm.engine.runner.graphs.variants == ["base", "lora", "composed"]
-                assert len(llm.engine.runner.graphs._graphs) == 3 * len(llm.engine.runner.graphs.shapes.all())
-            results[eager] = [o.token_ids for o in llm.generate(prompts, params, adapter=which)]
-            assert (llm.engine.stats["graph_steps"] > 0) != eager
-            assert all(llm.engine.adapters.pins(n) == 0 for n in adapters)
-    assert "composed" in seen, seen
-    assert results[False] == results[True]
-    for prompt, adapter, out in zip(prompts, which, results[False]):
-        assert out == oracle.greedy(prompt, as_key(adapter), 16), adapter
-
-
-def test_steps_without_compositions_replay_the_plain_graphs(served, monkeypatch):
-    """Single-adapter and base-model steps replay the graphs they replayed before compositions existed (the plain
-    LoRA variant), whatever the engine allows; with max_adapters_per_request=1 no composed graph is captured."""
-    _, adapters, oracle = served
-    names = [None, *adapters]
-    prompts = random_prompts(8, VOCAB, (4, 40), seed=52)
-    which = [names[i % len(names)] for i in range(len(prompts))]
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    seen = _record_variants(monkeypatch)
-    for limit in (4, 1):
-        with make_llm(served, max_adapters_per_request=limit) as llm:
-            expected = ["base", "lora", "composed"] if limit > 1 else ["base", "lora"]
-            assert llm.engine.runner.graphs.variants == expected
-            outs = llm.generate(prompts, params, adapter=which)
-        assert [o.token_ids for o in outs] == [oracle.greedy(p, a, 8) for p, a in zip(prompts, which)]
-    assert "lora" in seen and set(seen) <= {"base", "lora"}, seen
 
 
 def test_a_weighted_adapter_with_one_gpu_slot_replays_the_composed_graphs(served, monkeypatch):
