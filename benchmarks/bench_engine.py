@@ -119,24 +119,26 @@ def main(argv=None) -> None:
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
     copy_gbs = copy_bandwidth_gbs()
-    rows = []
+    result = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,
+                  preset=args.preset, layers=args.layers, rank=RANK, output_tokens=OUTPUT_TOKENS, repeats=args.repeats,
+                  settings=envs.snapshot(),   # the LORAPLEX_* settings the run had
+                  copy_gbs=copy_gbs, rows=[])
     for B in map(int, args.batches.split(",")):
         for mode in args.modes.split(","):
             if mode == "eager" and str(B) not in args.eager_batches.split(","):
                 continue
             for quant in args.quantizations.split(","):
                 for variants in _groups(args.variants.split(",")):
-                    rows += run_group(args, B, mode, variants, copy_gbs, quant)
-    result = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,
-                  preset=args.preset, layers=args.layers, rank=RANK, output_tokens=OUTPUT_TOKENS, repeats=args.repeats,
-                  settings=envs.snapshot(),   # the LORAPLEX_* settings the run had
-                  copy_gbs=copy_gbs, rows=rows)
+                    result["rows"] += run_group(args, B, mode, variants, copy_gbs, quant)
+                    _write(result, args)   # after each engine: a run cut short keeps what it measured
+    print(markdown(result))
+
+
+def _write(result: dict, args) -> None:
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
-    table = markdown(result)
-    print(table)
     if args.md:
-        Path(args.md).write_text(table)
+        Path(args.md).write_text(markdown(result))
 
 
 COMPOSE_VARIANTS = ("composed", "merged")
@@ -184,6 +186,7 @@ def _engine(args, B: int, mode: str, compose: bool, quant: str) -> tuple[Engine,
 def run_group(args, B: int, mode: str, variants: list[str], copy_gbs: float, quant: str = "none") -> list[dict]:
     """Each variant `--repeats` times in one engine, interleaved; a row per variant (its median run)."""
     engine, setup_s = _engine(args, B, mode, variants[0] in COMPOSE_VARIANTS, quant)
+    print(f"B={B} {mode} {quant} engine for {','.join(variants)}: set up in {setup_s:.0f} s", flush=True)
     model = engine.runner.model
     work = prompts(args.waves * B, model.config.vocab_size)
     runs: dict[str, list[dict]] = {v: [] for v in variants}
@@ -194,9 +197,10 @@ def run_group(args, B: int, mode: str, variants: list[str], copy_gbs: float, qua
             if repeat == 0:
                 # warm-up: the process's first run sees every step shape (Triton compiles, allocator settles); later
                 # ones only need the allocator and caches settled
-                n = len(work) if not _warmed else B
+                n, t0 = len(work) if not _warmed else B, time.perf_counter()
                 run(engine, work[:n], adapters[:n])
                 _warmed.append(True)
+                print(f"B={B} {mode} {quant} {variant}: warmed up in {time.perf_counter() - t0:.0f} s", flush=True)
             runs[variant].append(run(engine, work, adapters))
     rows = []
     for variant in variants:
@@ -209,7 +213,9 @@ def run_group(args, B: int, mode: str, variants: list[str], copy_gbs: float, qua
         row = dict(batch=B, mode=mode, variant=variant, quantization=quant, setup_s=setup_s, floor_ms=floor_ms,
                    repeats_tokens_per_s=[round(r["tokens_per_s"], 1) for r in runs[variant]], **res)
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        step = f"{row['full_decode_step_ms']:.2f} ms" if row["full_decode_step_ms"] else "–"
+        print(f"B={B} {mode} {quant} {variant}: {row['tokens_per_s']:.0f} tokens/s, full-batch decode step {step}, "
+              f"floor {floor_ms:.2f} ms (runs {row['repeats_tokens_per_s']})", flush=True)
     engine.close()
     del engine, model
     torch.cuda.empty_cache()

@@ -15,5 +15,5 @@ if [ -n "${BASELINE:-}" ]; then
 fi
 timeout "$(left)" python "$BENCH" --batches "${BATCHES:-32,256}" --modes "${MODES:-graphs,eager}" \
     --variants "${VARIANTS:-backbone,distinct,shared}" --repeats "${REPEATS:-3}" \
-    --out "$OUT/$NAME.json" --md "$OUT/$NAME.md" "$@" 2>&1 | grep -v '^{'
+    --out "$OUT/$NAME.json" --md "$OUT/$NAME.md" "$@" 2>&1
 finish

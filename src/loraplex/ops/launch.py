@@ -23,6 +23,17 @@ from triton.runtime import driver
 from . import pdl
 from .. import envs
 
+# Host-side sizes of launches. Not triton.cdiv / triton.next_power_of_2: those are JIT constexpr functions, ~2 µs a
+# call from the host, and eager steps size hundreds of launches.
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def pow2(n: int) -> int:
+    """The smallest power of two ≥ n (1 for n ≤ 1)."""
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
 try:
     from triton import knobs
 except ImportError:  # older Triton: no knobs module, and no direct launches either

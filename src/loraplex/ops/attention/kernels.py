@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch import Launcher
+from ..launch import Launcher, cdiv, pow2
 from ..pdl import pdl_start
 from .checks import KV_FP8
 
@@ -348,12 +348,6 @@ def _num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def _scales(fp8: bool, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
@@ -370,7 +364,7 @@ def _precision(dtype: torch.dtype) -> str:
 def prefill_constexprs(G: int, D: int, page: int, window: int, dtype: torch.dtype, cfg: PrefillConfig,
                        fp8_kv: bool = False) -> dict:
     """The prefill kernel's compile-time parameters (also used by the ahead-of-time compile test)."""
-    g_pad = _pow2(G)
+    g_pad = pow2(G)
     return dict(G=G, G_PAD=g_pad, BLOCK_Q=max(cfg.block_m, g_pad) // g_pad, BLOCK_N=cfg.block_n, HEAD_DIM=D,
                 PAGE=page, SCAN_SEQS=SCAN, WINDOW=window > 0, PRECISION=_precision(dtype), FP8_KV=fp8_kv)
 
@@ -410,15 +404,15 @@ def plan_decode(num_seqs: int, num_kv_heads: int, max_seq_len: int, window: int,
         num_splits = min(wanted, cfg.max_splits, longest // cfg.min_split_tokens)
     if num_splits <= 1:
         return 1, UNSPLIT_CHUNK
-    chunk = _cdiv(_cdiv(longest, num_splits), cfg.block_n) * cfg.block_n
-    splits = _cdiv(longest, chunk)
+    chunk = cdiv(cdiv(longest, num_splits), cfg.block_n) * cfg.block_n
+    splits = cdiv(longest, chunk)
     return (splits, chunk) if splits > 1 else (1, UNSPLIT_CHUNK)
 
 
 def decode_constexprs(G: int, D: int, page: int, split: bool, dtype: torch.dtype, cfg: DecodeConfig,
                       fp8_kv: bool = False) -> dict:
     """The decode kernel's compile-time parameters (also used by the ahead-of-time compile test)."""
-    return dict(G=G, M=max(16, _pow2(G)), BLOCK_N=cfg.block_n, HEAD_DIM=D, PAGE=page, SPLIT=split,
+    return dict(G=G, M=max(16, pow2(G)), BLOCK_N=cfg.block_n, HEAD_DIM=D, PAGE=page, SPLIT=split,
                 PRECISION=_precision(dtype), FP8_KV=fp8_kv)
 
 
@@ -452,4 +446,4 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
     _DECODE((S, Hkv, splits), args, consts, cfg.num_warps, cfg.num_stages)
     args = (part_o, part_ml, out, seq_lens, query_start, window, chunk, Hq, splits, n_part, out.stride(0),
             out.stride(1))
-    _REDUCE((S, Hq), args, dict(HEAD_DIM=D, SPLITS_PAD=_pow2(splits)), REDUCE_WARPS, 1)
+    _REDUCE((S, Hq), args, dict(HEAD_DIM=D, SPLITS_PAD=pow2(splits)), REDUCE_WARPS, 1)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch import Launcher
+from ..launch import Launcher, pow2
 from ..pdl import pdl_start
 from .checks import E4M3_MAX, KV_FP8
 
@@ -72,8 +72,8 @@ _STORE = Launcher(_store_kv_kernel)
 
 def store_kv_constexprs(Hkv: int, D: int, fp8: bool = False) -> dict:
     """The store kernel's compile-time parameters: whole heads, up to 4096 elements of k (and of v) a program."""
-    block_d = triton.next_power_of_2(D)
-    return dict(HEAD_DIM=D, BLOCK_H=min(triton.next_power_of_2(Hkv), max(1, 4096 // block_d)), BLOCK_D=block_d,
+    block_d = pow2(D)
+    return dict(HEAD_DIM=D, BLOCK_H=min(pow2(Hkv), max(1, 4096 // block_d)), BLOCK_D=block_d,
                 FP8=fp8)
 
 

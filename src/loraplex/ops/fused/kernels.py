@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ..launch import Launcher
+from ..launch import Launcher, pow2
 from ..pdl import pdl_start
 
 # ---------------------------------------------------------------------------------------------
@@ -305,9 +305,6 @@ _SILU = Launcher(_silu_and_mul_kernel)
 _ROPE = Launcher(_rope_kernel)
 
 
-def _pow2(n: int) -> int:
-    return 1 << (max(n, 1) - 1).bit_length()
-
 
 @functools.lru_cache(maxsize=None)
 def _inv(n: int) -> float:
@@ -324,8 +321,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if T == 0:
         return
     max_block = max_block or RMS_MAX_BLOCK
-    one_pass = _pow2(H) <= max_block
-    block = _pow2(H) if one_pass else _pow2(max_block)
+    one_pass = pow2(H) <= max_block
+    block = pow2(H) if one_pass else pow2(max_block)
     has_res, has_delta = residual is not None, delta is not None
     r = residual if has_res else x          # unused pointers stand in for absent tensors
     s = s_out if s_out is not None else out
@@ -345,7 +342,7 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor, block: int = SILU_BLO
     T, I = out.shape
     if T == 0:
         return
-    block = min(_pow2(I), block)
+    block = min(pow2(I), block)
     d = delta if delta is not None else gate_up
     rows = delta_rows if delta_rows is not None else gate_up
     _SILU((T, -(-I // block)), (gate_up, d, rows, out, I, gate_up.stride(0), d.stride(0), out.stride(0)),
@@ -363,8 +360,8 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_fr
         return
     tile = tile or ROPE_TILE
     half = D // 2
-    block_d = _pow2(half)
-    block_h = min(_pow2(max(Hq, k.shape[1])), max(1, tile // block_d))
+    block_d = pow2(half)
+    block_h = min(pow2(max(Hq, k.shape[1])), max(1, tile // block_d))
     has_delta = delta is not None
     v, d = (v, delta) if has_delta else (k, q)   # unused pointers without a delta
     rows = delta_rows if has_delta and delta_rows is not None else positions

@@ -17,8 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kernels import COMPILED, _cos_sin, _pow2, _rotate, _round, _silu_mul
-from ..launch import Launcher
+from .kernels import COMPILED, _cos_sin, _rotate, _round, _silu_mul
+from ..launch import Launcher, pow2
 from ..lora.sgmv_kernels import _load_rank_block, _load_rank_block_exact
 from ..pdl import pdl_deferred_start, pdl_start
 
@@ -292,7 +292,7 @@ _ROPE = Launcher(_rope_lora_kernel)
 
 
 def _block_r(R: int) -> int:
-    return min(_pow2(R), 32)
+    return min(pow2(R), 32)
 
 
 def _tiles(R: int) -> dict:
@@ -322,7 +322,7 @@ def silu_and_mul(gate_up, out, lora, block: int | None = None) -> None:
     T, I = out.shape
     if T == 0:
         return
-    block = min(_pow2(I), block or SILU_BLOCK)   # read at call time: benchmarks set SILU_BLOCK
+    block = min(pow2(I), block or SILU_BLOCK)   # read at call time: benchmarks set SILU_BLOCK
     p, row_slot, b0, b1, _, rk0, rk1, _, sc0, sc1, _, R, sp, ss, sm = lora.kernel_args()
     args = (gate_up, out, p, row_slot, b0, b1, rk0, rk1, sc0, sc1, R, sp, ss, sm, I, gate_up.stride(0), out.stride(0))
     # a warp per 128 columns, at most 4 (148 registers a thread at 512 columns, sm_90)
@@ -337,8 +337,8 @@ def apply_rope(q, k, v, positions, inv_freq, lora, heads: int | None = None) -> 
     if T == 0:
         return
     Hkv, half = k.shape[1], D // 2
-    block_h = min(_pow2(max(Hq, Hkv)), heads or ROPE_HEADS)
-    block_d = _pow2(half)
+    block_h = min(pow2(max(Hq, Hkv)), heads or ROPE_HEADS)
+    block_d = pow2(half)
     p, row_slot, b0, b1, b2, rk0, rk1, rk2, sc0, sc1, sc2, R, sp, ss, sm = lora.kernel_args()
     args = (q, k, v, positions, inv_freq, p, row_slot, b0, b1, b2, rk0, rk1, rk2, sc0, sc1, sc2, R, sp, ss, sm,
             Hq, Hkv, half, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),

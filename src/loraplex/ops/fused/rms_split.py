@@ -19,10 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernels import COMPILED, _inv, _norm_output, _pow2, _round, _rstd
+from .kernels import COMPILED, _inv, _norm_output, _round, _rstd
 from .lora_kernels import _product, _slot_of, _v
 from ..lora.sgmv_kernels import _load_rank_block
-from ..launch import Launcher
+from ..launch import Launcher, pow2
 from ..pdl import pdl_deferred_start, pdl_start
 
 
@@ -108,7 +108,7 @@ _SCALE = Launcher(_rms_scale_kernel)
 
 def chunking(H: int, block: int) -> tuple[int, int]:
     """(columns per program, chunks per row) for rows of H columns cut `block` wide."""
-    block = min(_pow2(H), block)
+    block = min(pow2(H), block)
     return block, -(-H // block)
 
 
@@ -133,4 +133,4 @@ def rms_norm(x, weight, eps: float, residual, out, s_out, lora, block: int, tile
     sumsq = sums(x, residual, s_out, lora, block, tiles, early)
     block, chunks = chunking(H, block)
     _SCALE((T, chunks), (s_out, weight, out, sumsq, H, _inv(H), float(eps), s_out.stride(0), out.stride(0), chunks),
-           dict(BLOCK_C=_pow2(chunks), BLOCK=block, COMPILED=COMPILED), max(1, min(4, block // 128)), 1)
+           dict(BLOCK_C=pow2(chunks), BLOCK=block, COMPILED=COMPILED), max(1, min(4, block // 128)), 1)

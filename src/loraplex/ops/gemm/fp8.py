@@ -147,24 +147,39 @@ def _k_step(m: Fp8Matrix, K: int, wanted: int = 128) -> int | None:
     return min(wanted, bk)
 
 
-def _check(x: torch.Tensor, m: Fp8Matrix, bias: torch.Tensor | None) -> tuple[int, int]:
-    if x.dim() != 2 or m.qweight.dim() != 2:
-        raise ValueError(f"fp8_skinny_linear: x and qweight must be 2-D, got {tuple(x.shape)} and {tuple(m.shape)}")
-    M, K = x.shape
+def _matrix_fault(m: Fp8Matrix, K: int) -> str | None:
+    """Why the kernel cannot read m for inputs of K columns (None: it can). `linear` dequantizes such a matrix;
+    `fp8_skinny_linear` refuses it with this reason."""
+    if m.qweight.dim() != 2 or m.scale.dim() != 2:
+        return f"qweight and scale must be 2-D, got {tuple(m.qweight.shape)} and {tuple(m.scale.shape)}"
     if m.shape[1] != K:
-        raise ValueError(f"fp8_skinny_linear: x has K = {K} columns but qweight {tuple(m.shape)} has {m.shape[1]}")
-    if M > skinny.MAX_ROWS:
-        raise ValueError(f"fp8_skinny_linear: x has {M} rows, more than MAX_ROWS = {skinny.MAX_ROWS}")
+        return f"x has K = {K} columns but qweight {tuple(m.shape)} has {m.shape[1]}"
     if m.qweight.dtype != FP8 or m.scale.dtype != torch.float32:
-        raise ValueError(f"fp8_skinny_linear: qweight must be {FP8} and scale float32, got {m.qweight.dtype} and "
-                         f"{m.scale.dtype}")
+        return f"qweight must be {FP8} and scale float32, got {m.qweight.dtype} and {m.scale.dtype}"
+    if m.qweight.stride(1) != 1 or m.scale.stride(1) != 1:
+        return "qweight and scale must have unit stride along their last dimension"
     grid = (-(-m.shape[0] // m.block[0]), -(-K // m.block[1]))
     if tuple(m.scale.shape) != grid:
-        raise ValueError(f"fp8_skinny_linear: scale has shape {tuple(m.scale.shape)}, expected {grid} for blocks "
-                         f"{m.block}")
+        return f"scale has shape {tuple(m.scale.shape)}, expected {grid} for blocks {m.block}"
     if _k_step(m, K) is None:
-        raise ValueError(f"fp8_skinny_linear: scale blocks {m.block} span part of K but are not a power of two of "
-                         f"at least 16 columns")
+        return f"scale blocks {m.block} span part of K but are not a power of two of at least 16 columns"
+    return None
+
+
+def _kernel_reads(m: Fp8Matrix, x: torch.Tensor) -> bool:
+    """Does fp8_skinny_linear take m for x (else `linear` dequantizes it)?"""
+    return _matrix_fault(m, x.shape[1]) is None
+
+
+def _check(x: torch.Tensor, m: Fp8Matrix, bias: torch.Tensor | None) -> tuple[int, int]:
+    if x.dim() != 2:
+        raise ValueError(f"fp8_skinny_linear: x must be 2-D, got {tuple(x.shape)}")
+    M, K = x.shape
+    fault = _matrix_fault(m, K)
+    if fault is not None:
+        raise ValueError(f"fp8_skinny_linear: {fault}")
+    if M > skinny.MAX_ROWS:
+        raise ValueError(f"fp8_skinny_linear: x has {M} rows, more than MAX_ROWS = {skinny.MAX_ROWS}")
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"fp8_skinny_linear: x's dtype {x.dtype} is not float16, bfloat16 or float32")
     if bias is not None and (tuple(bias.shape) != (m.shape[0],) or bias.dtype != x.dtype):
@@ -173,19 +188,10 @@ def _check(x: torch.Tensor, m: Fp8Matrix, bias: torch.Tensor | None) -> tuple[in
     for name, t in (("x", x), ("qweight", m.qweight), ("scale", m.scale), ("bias", bias)):
         if t is not None and t.device != x.device:
             raise ValueError(f"fp8_skinny_linear: {name} is on {t.device}, x on {x.device}")
+    for name, t in (("x", x), ("bias", bias)):
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"fp8_skinny_linear: {name} must have unit stride along its last dimension")
     return M, K
-
-
-def _kernel_reads(m: Fp8Matrix, x: torch.Tensor) -> bool:
-    """Does fp8_skinny_linear take m for x (what `_check` refuses, `linear` dequantizes instead)?"""
-    if m.qweight.dim() != 2 or m.qweight.dtype != FP8 or m.scale.dtype != torch.float32:
-        return False
-    if m.qweight.stride(1) != 1 or m.scale.dim() != 2 or m.scale.stride(1) != 1 or m.shape[1] != x.shape[1]:
-        return False
-    grid = (-(-m.shape[0] // m.block[0]), -(-m.shape[1] // m.block[1]))
-    return tuple(m.scale.shape) == grid and _k_step(m, m.shape[1]) is not None
 
 
 def _on_hopper(device: torch.device) -> bool:

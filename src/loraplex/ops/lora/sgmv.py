@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from ..launch import Launcher
+from ..launch import Launcher, cdiv
 from .extras import expand_extras
 from .sgmv_kernels import ROWWISE_MAX_ROWS, _sgmv_expand_kernel, _sgmv_shrink_kernel
 
@@ -94,10 +94,6 @@ def _num_sms(device: torch.device) -> int:
         if device.type == "cuda" else 4
 
 
-def _cdiv(a: int, b: int) -> int:
-    # Not triton.cdiv: that is a @jit function, and calling it from the host costs µs.
-    return -(-a // b)
-
 
 def _block_r(R: int) -> int:
     return min(max(16, 1 << (max(R, 1) - 1).bit_length()), 64)
@@ -128,11 +124,11 @@ def choose_split_k(num_programs: int, K: int, device: torch.device, cfg: KernelC
 
 def choose_n_chunks(num_programs: int, N: int, device: torch.device, cfg: KernelConfig) -> tuple[int, int]:
     """(chunks, columns per program): N cut so that the expand has about its program target."""
-    tiles = _cdiv(N, cfg.expand_block_n)
+    tiles = cdiv(N, cfg.expand_block_n)
     chunks = cfg.n_chunks or math.ceil(cfg.expand_programs_per_sm * _num_sms(device) / max(num_programs, 1))
     chunks = max(1, min(chunks, tiles))
-    per_prog = _cdiv(tiles, chunks) * cfg.expand_block_n
-    return _cdiv(N, per_prog), per_prog
+    per_prog = cdiv(tiles, chunks) * cfg.expand_block_n
+    return cdiv(N, per_prog), per_prog
 
 
 def shrink_into(part: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], ranks: list[torch.Tensor],
@@ -144,8 +140,8 @@ def shrink_into(part: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],
     split_k = part.shape[0]
     _, R, K = lora_a[0].shape
     block_r = _block_r(R)
-    r_tiles = _cdiv(R, block_r)
-    k_per_split = _cdiv(_cdiv(K, split_k), cfg.shrink_block_k) * cfg.shrink_block_k
+    r_tiles = cdiv(R, block_r)
+    k_per_split = cdiv(cdiv(K, split_k), cfg.shrink_block_k) * cfg.shrink_block_k
     grid = (batch.num_shrink_work * num_slices * r_tiles, split_k)
     if grid[0] == 0:
         return
@@ -196,7 +192,7 @@ def expand_from(y: torch.Tensor, part: torch.Tensor, lora_b: list[torch.Tensor],
 def new_partials(x: torch.Tensor, lora_a: list[torch.Tensor], batch, cfg: KernelConfig) -> torch.Tensor:
     """The shrink's fp32 output `[split_k, slices, batch.num_entries, R]`, split K ways by the rule above."""
     num_slices, R, E = len(lora_a), lora_a[0].shape[1], batch.num_entries
-    split_k = choose_split_k(batch.num_shrink_work * num_slices * _cdiv(R, _block_r(R)), x.shape[1], x.device, cfg,
+    split_k = choose_split_k(batch.num_shrink_work * num_slices * cdiv(R, _block_r(R)), x.shape[1], x.device, cfg,
                              num_slices * E * R * 4)
     return torch.empty((split_k, num_slices, E, R), dtype=torch.float32, device=x.device)
 
