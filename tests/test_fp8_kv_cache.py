@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from engine_fixtures import GenerateOracle, make_served_model, random_prompts
 from fp8_fixtures import ct_config, quantize_folder
+from fp8_kv_fixtures import ENGINE, LOGPROB_TOL, Fp8KvOracle, generate_fp8, logprob_errors
 from loraplex import ops
 from loraplex.ops.attention import KV_FP8
 from loraplex.ops.attention import kernels as ak
@@ -267,73 +268,9 @@ def test_kv_cache_counts_one_byte_a_value_and_keeps_a_scale_per_layer():
 # ---------------------------------------------------------------------------------------------
 # The engine, against transformers + PEFT reading the same e4m3 keys and values
 
-ORACLE_ATTENTION = "loraplex_test_fp8_kv"
-
-
-def _fp8_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """transformers' eager attention over keys and values rounded through e4m3 by the module's (k, v) scales."""
-    from transformers.models.llama.modeling_llama import eager_attention_forward
-    ks, vs = module.fp8_kv_scales
-
-    def round_trip(x, s):
-        return ((x.float() / torch.tensor(s)).clamp(-E4M3_MAX, E4M3_MAX).to(KV_FP8).float() * s).to(x.dtype)
-    return eager_attention_forward(module, query, round_trip(key, ks), round_trip(value, vs), attention_mask,
-                                   scaling, dropout, **kwargs)
-
-
-class Fp8KvOracle(GenerateOracle):
-    """GenerateOracle whose attention reads e4m3 keys and values, layer i's scaled by (k_scales[i], v_scales[i])."""
-
-    def __init__(self, base, adapters, k_scales, v_scales) -> None:
-        from transformers import AttentionInterface
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-        AttentionInterface.register(ORACLE_ATTENTION, _fp8_attention)
-        AttentionMaskInterface.register(ORACLE_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["eager"])  # eager's mask
-        super().__init__(base, adapters)
-        self.scales = list(zip(k_scales, v_scales))
-
-    def _model(self, adapter):
-        fresh = adapter not in self._models
-        model = super()._model(adapter)
-        if fresh:
-            base = model.get_base_model() if hasattr(model, "get_base_model") else model
-            base.set_attn_implementation(ORACLE_ATTENTION)
-            for layer, scales in zip(base.model.layers, self.scales, strict=True):
-                layer.self_attn.fp8_kv_scales = scales
-        return model
-
-
-ENGINE = dict(dtype="float32", device="cpu", block_size=8, max_num_seqs=8, max_num_batched_tokens=128)
-# Our logprobs against the oracle's: both read the same e4m3 values, dequantized in fp32, so only fp32 rounding
-# differs (worst seen 1e-6), unless some key lands on the other side of an e4m3 rounding boundary (then ~1e-3).
-# Plain transformers (unquantized keys and values) is 0.04-0.13 away at scale 1.0.
-LOGPROB_TOL = 2e-3
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     return make_served_model(tmp_path_factory.mktemp("fp8kv"))
-
-
-def _generate(model, adapters, prompts, which, max_tokens=8, **settings):
-    from loraplex import LLM, SamplingParams
-    with LLM(str(model), adapters={k: str(v) for k, v in adapters.items()}, **dict(ENGINE, **settings)) as llm:
-        kv = llm.engine.runner.kv
-        outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                                                    logprobs=0), adapter=which, use_tqdm=False)
-    return kv, outs
-
-
-def _logprob_errors(oracle, prompts, which, outs) -> list[float]:
-    """Per sequence: max |our logprob - the oracle's| over the sampled tokens (its logits of the whole text)."""
-    errs = []
-    for prompt, adapter, out in zip(prompts, which, outs):
-        full = prompt + out.token_ids
-        theirs = torch.log_softmax(oracle.logits(full, adapter), -1)
-        rows = torch.arange(len(prompt) - 1, len(full) - 1)
-        ours = torch.tensor([lp.logprob for lp in out.logprobs])
-        errs.append((ours - theirs[rows, torch.tensor(out.token_ids)]).abs().max().item())
-    return errs
 
 
 def test_engine_fp8_kv_matches_transformers_peft_on_the_same_e4m3_keys_and_values(served):
@@ -342,14 +279,14 @@ def test_engine_fp8_kv_matches_transformers_peft_on_the_same_e4m3_keys_and_value
     base, adapters = served
     prompts = random_prompts(6, 128, (3, 20), seed=2)
     which = [[None, "all-r8", "qv-r4"][i % 3] for i in range(len(prompts))]
-    kv, outs = _generate(base, adapters, prompts, which, kv_cache_dtype="fp8", num_kv_blocks=64)
+    kv, outs = generate_fp8(base, adapters, prompts, which, kv_cache_dtype="fp8", num_kv_blocks=64)
     assert kv.dtype == KV_FP8 and kv.k_scale.tolist() == [1.0, 1.0] and kv.v_scale.tolist() == [1.0, 1.0]
     oracle = Fp8KvOracle(base, adapters, [1.0, 1.0], [1.0, 1.0])
     for prompt, adapter, out in zip(prompts, which, outs):
         assert out.token_ids == oracle.greedy(prompt, adapter, 8), (adapter, len(prompt))
-    assert max(_logprob_errors(oracle, prompts, which, outs)) <= LOGPROB_TOL
+    assert max(logprob_errors(oracle, prompts, which, outs)) <= LOGPROB_TOL
     plain = GenerateOracle(base, adapters)
-    assert min(_logprob_errors(plain, prompts, which, outs)) > 10 * LOGPROB_TOL
+    assert min(logprob_errors(plain, prompts, which, outs)) > 10 * LOGPROB_TOL
 
 
 def test_fp8_kv_cache_holds_more_blocks_in_the_same_memory(served):
@@ -406,7 +343,7 @@ def test_checkpoint_kv_scales_land_in_the_fp8_cache_and_auto_ignores_them(served
     folder = _with_kv_scales(tmp_path / "fp8")
     prompts = random_prompts(3, 128, (4, 16), seed=4)
     which = [None, "all-r8", "mlp-r2-rslora"]
-    kv, outs = _generate(folder, adapters, prompts, which, kv_cache_dtype="fp8", num_kv_blocks=64)
+    kv, outs = generate_fp8(folder, adapters, prompts, which, kv_cache_dtype="fp8", num_kv_blocks=64)
     bf16 = [torch.tensor(x, dtype=torch.bfloat16).item() for x in (CKPT_K[1], CKPT_V[1])]
     assert kv.k_scale.tolist() == [pytest.approx(CKPT_K[0], rel=1e-7), bf16[0]]
     assert kv.v_scale.tolist() == [pytest.approx(CKPT_V[0], rel=1e-7), bf16[1]]
@@ -414,8 +351,8 @@ def test_checkpoint_kv_scales_land_in_the_fp8_cache_and_auto_ignores_them(served
     oracle = Fp8KvOracle(tmp_path / "oracle", adapters, *scales)
     for prompt, adapter, out in zip(prompts, which, outs):
         assert out.token_ids == oracle.greedy(prompt, adapter, 8), (adapter, len(prompt))
-    assert max(_logprob_errors(oracle, prompts, which, outs)) <= LOGPROB_TOL
-    kv, _ = _generate(folder, adapters, prompts[:1], [None], max_tokens=1, num_kv_blocks=64)
+    assert max(logprob_errors(oracle, prompts, which, outs)) <= LOGPROB_TOL
+    kv, _ = generate_fp8(folder, adapters, prompts[:1], [None], max_tokens=1, num_kv_blocks=64)
     assert kv.dtype == torch.float32 and kv.k_scale is None
 
 

@@ -87,6 +87,11 @@ class EngineConfig:
         "help": "What the KV cache stores: auto (the model's dtype) or fp8 / fp8_e4m3 (float8 e4m3, one byte a "
                 "value: twice the tokens of bfloat16 in the same memory), with per-layer scales from the "
                 "checkpoint's kv_cache_scheme, else 1.0; GPUs of compute capability 8.9 on."})
+    calculate_kv_scales: bool = field(default=False, metadata={
+        "group": "memory", "advanced": True,
+        "help": "With an fp8 KV cache: compute each layer's k_scale and v_scale at start-up, from a forward over "
+                "random tokens (twice its largest key or value over e4m3's 448), instead of taking the "
+                "checkpoint's or 1.0; for models whose keys or values reach past 448."})
 
     max_gpu_adapters: int = field(default=8, metadata={
         "group": "adapters", "help": "Adapter slots on the device: the most distinct adapters in one step."})
@@ -159,9 +164,12 @@ class EngineConfig:
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
             raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {u!r}")
-        for name in ("enforce_eager", "overlap_admissions", "freeze_gc_heap"):
+        for name in ("enforce_eager", "overlap_admissions", "freeze_gc_heap", "calculate_kv_scales"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.calculate_kv_scales and not self.fp8_kv_cache:
+            raise ValueError("EngineConfig.calculate_kv_scales applies to an fp8 KV cache (kv_cache_dtype fp8 or "
+                             f"fp8_e4m3); kv_cache_dtype is {self.kv_cache_dtype!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             # every running sequence must be able to decode in one step
             raise ValueError(f"EngineConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be at "

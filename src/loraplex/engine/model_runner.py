@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import Sequence as Seq
 
 import torch
@@ -14,6 +15,7 @@ from ..adapters.priority import HOST_PRIORITY
 from ..config import EngineConfig
 from ..models import dummy_model, load_model
 from ..models.forward_batch import ForwardBatch, SequenceChunk
+from ..models.fp8.kv_calibration import calibrate_kv_scales, calibration_prompts
 from ..models.kv_cache import KVCache
 from ..models.llama import LlamaForCausalLM
 from ..ops.attention import KV_FP8
@@ -125,9 +127,18 @@ class ModelRunner:
                 log.info("the checkpoint's KV-cache scales are unused: kv_cache_dtype 'auto' keeps the cache in %s",
                          str(self.model.dtype).replace("torch.", ""))
             return self.model.dtype, {}
-        if scales is None:
+        if self.config.calculate_kv_scales:
+            t0 = time.perf_counter()
+            c = self.model.config
+            prompts = calibration_prompts(c.vocab_size, min(self.config.max_model_len or c.max_position_embeddings,
+                                                            c.max_position_embeddings), self.config.seed)
+            scales = calibrate_kv_scales(self.model, prompts, block_size=self.config.block_size)
+            log.info("calculated KV-cache scales in %.1f s (k_scale %.3g–%.3g, v_scale %.3g–%.3g)",
+                     time.perf_counter() - t0, scales.k.min(), scales.k.max(), scales.v.min(), scales.v.max())
+        elif scales is None:
             log.warning("kv_cache_dtype %r: the checkpoint has no KV-cache scales (kv_cache_scheme), so keys and "
-                        "values are stored unscaled (k_scale = v_scale = 1.0)", self.config.kv_cache_dtype)
+                        "values are stored unscaled (k_scale = v_scale = 1.0); calculate_kv_scales computes them",
+                        self.config.kv_cache_dtype)
             return KV_FP8, {}
         return KV_FP8, dict(k_scale=scales.k, v_scale=scales.v)
 
