@@ -15,7 +15,7 @@ import pytest
 from server_fixtures import SERVER_ENGINE, make_text_model
 
 from loraplex import LLM, SamplingParams
-from loraplex.cli import CommandError
+from loraplex.cli_commands import CommandError
 from loraplex.config import EngineConfig
 from loraplex.demo import assets, demo_command
 from loraplex.demo.demo_command import add_demo_parser, demo_cmd

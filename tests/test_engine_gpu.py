@@ -271,3 +271,30 @@ def test_compositions_in_bf16_are_as_close_to_peft_as_transformers_in_bf16(serve
             ours_err = max(abs(v - truth[row, t].item()) for t, v in lp.top)
             hf_err = (theirs[row, ids] - truth[row, ids]).abs().max().item()
             assert ours_err <= 2 * hf_err + 0.02, (adapter, i, ours_err, hf_err)
+
+
+def test_fp8_kv_cache_with_calculated_scales_matches_peft_on_the_same_e4m3_keys_and_values(served):
+    """kv_cache_dtype fp8 with calculate_kv_scales on the GPU (fp32 model): the scales computed at start-up land in
+    the cache, and greedy tokens of the base model and adapters, with CUDA graphs and eagerly, equal transformers +
+    PEFT's whose attention reads the same e4m3 keys and values (tests/fp8_kv_fixtures.py)."""
+    from fp8_kv_fixtures import Fp8KvOracle
+    from loraplex.ops.gemm.fp8 import fp8_capable
+    if not fp8_capable(torch.cuda.current_device()):
+        pytest.skip("an FP8 KV cache needs compute capability 8.9 or newer")
+    base, adapters, _ = served
+    names = [None, *adapters]
+    prompts = random_prompts(8, VOCAB, (4, 40), seed=61)
+    which = [names[i % len(names)] for i in range(len(prompts))]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    results, scales = {}, {}
+    for eager in (False, True):
+        with make_llm(served, enforce_eager=eager, kv_cache_dtype="fp8", calculate_kv_scales=True) as llm:
+            kv = llm.engine.runner.kv
+            scales[eager] = (kv.k_scale.tolist(), kv.v_scale.tolist())
+            results[eager] = [o.token_ids for o in llm.generate(prompts, params, adapter=which)]
+            del kv
+    assert scales[False] == scales[True] and all(s != 1.0 for s in scales[False][0] + scales[False][1])
+    assert results[False] == results[True]
+    oracle = Fp8KvOracle(base, adapters, *scales[False])
+    for prompt, adapter, out in zip(prompts, which, results[False]):
+        assert out == oracle.greedy(prompt, adapter, 8), adapter

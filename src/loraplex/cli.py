@@ -12,15 +12,12 @@ import argparse
 import sys
 
 from loraplex.cli_commands import (
-    DEMO_MODEL_NAME,
     CommandError,
-    _adapters,
     _bench_cmd,
     _parse_adapter,
     convert_cmd,
     generate_cmd,
     op_demo,
-    refused,
     serve_cmd,
 )
 from loraplex.cli_flags import (
@@ -32,10 +29,6 @@ from loraplex.cli_flags import (
     argument_groups,
     count_advanced,
 )
-
-# What other modules import from loraplex.cli (demo/demo_command.py, the tests); CommandError, refused,
-# _adapters and DEMO_MODEL_NAME live in cli_commands.py and stay importable from here.
-__all__ = ["GROUPS", "DEMO_MODEL_NAME", "CommandError", "_adapters", "build_parser", "main", "refused"]
 
 _PRESETS_NOTE = """\
 --model takes a Hugging Face model folder, or dummy:<preset> for random weights of a published

@@ -65,7 +65,7 @@ def add_demo_parser(subparsers) -> None:
 
 def _builtin_model():
     """The shipped demo model's folder, adapters and prompts; CommandError if this install lacks them."""
-    from loraplex.cli import CommandError
+    from loraplex.cli_commands import CommandError
     try:
         from loraplex.demo.assets import demo_adapters, demo_model_dir, demo_prompts
         return demo_model_dir(), demo_adapters(), demo_prompts()
@@ -87,7 +87,7 @@ def _panes(args: argparse.Namespace, adapters: dict[str, Path], prompts: dict[st
 
 def demo_cmd(args: argparse.Namespace) -> int:
     """Load the model and adapters into one engine, run the UI until q, then stop the engine."""
-    from loraplex.cli import CommandError, _adapters, refused
+    from loraplex.cli_commands import CommandError, _adapters, refused
     from loraplex.sampling import SamplingParams
 
     with refused():
