@@ -310,9 +310,9 @@ def test_generate_command_combines_repeated_adapter_flags(monkeypatch, capsys, t
 def test_one_mixed_forward_gives_peft_cat_logits(served, backend, monkeypatch):
     """Prefill chunks over cached prefixes and decodes, compositions beside a single adapter and the base model,
     KV pages interleaved and the cache poisoned: each sequence's last logits are PEFT's for it alone, and those of
-    a composition are not its members' alone. Through the Triton kernels (on one family: seconds a forward in the
-    interpreter) in both eager kinds of the LoRA plan: the prefixes' forward of 20 rows "decode", the next of 36
-    "tiles" (models/lora_plan.py)."""
+    a composition are not its members' alone; then one decode each. Through the Triton kernels (on one family: seconds
+    a forward in the interpreter) in both eager kinds of the LoRA plan: the prefixes' forward of 20 rows "decode", the
+    next of 36 "tiles", the decodes' "decode" (models/lora_plan.py)."""
     from loraplex import ops
     from loraplex.adapters import AdapterPool, inspect_peft_adapter, read_peft_adapter
     from loraplex.models import ForwardBatch, KVCache, SequenceChunk, load_model
@@ -337,14 +337,15 @@ def test_one_mixed_forward_gives_peft_cat_logits(served, backend, monkeypatch):
     kv = KVCache(model.config, 32, 8, dtype=torch.float32)
     kv.data.fill_(float("nan"))
     order = torch.randperm(32, generator=gen).tolist()
-    tables = [[order.pop() for _ in range(-(-len(t) // 8))] for t in tokens]
+    tables = [[order.pop() for _ in range(-(-(len(t) + 1) // 8))] for t in tokens]   # room for one decode more
+    more = [t + [int(torch.randint(3, VOCAB, (1,), generator=gen))] for t in tokens]
 
     def chunk(i: int, start: int, end: int, logits: bool = True) -> SequenceChunk:
         adapter = Composition.parse(plan[i][0])
         slots = () if adapter is None else tuple(slot[n] for n in adapter.names)
         if len(slots) == 1 and adapter.weights == (1.0,):
-            return SequenceChunk(tokens[i][start:end], start, tables[i], slots[0], logits)
-        return SequenceChunk(tokens[i][start:end], start, tables[i], slots or -1, logits, adapter and adapter.weights)
+            return SequenceChunk(more[i][start:end], start, tables[i], slots[0], logits)
+        return SequenceChunk(more[i][start:end], start, tables[i], slots or -1, logits, adapter and adapter.weights)
 
     from loraplex.models.lora_plan import LoraPlan
     kinds, real_make = [], LoraPlan.make
@@ -357,13 +358,16 @@ def test_one_mixed_forward_gives_peft_cat_logits(served, backend, monkeypatch):
     prefixes = [i for i, (_, c, _) in enumerate(plan) if c]
     forward([chunk(i, 0, plan[i][1], logits=False) for i in prefixes])
     logits = forward([chunk(i, plan[i][1], len(tokens[i])) for i in range(len(plan))])
-    assert [p.kind for p in kinds] == (["decode", "tiles"] if backend == "triton" else ["reference"] * 2)
-    for i, (adapter, _, _) in enumerate(plan):
-        expect = oracle.logits(tokens[i], as_key(adapter))[-1]
-        assert_logits_close(logits[i], expect, REL, f"sequence {i} ({adapter}, {backend})")
-        for member in adapter if isinstance(adapter, dict) else ():
-            alone = oracle.logits(tokens[i], member)[-1]
-            assert (alone - expect).abs().max() > 100 * REL * expect.abs().max(), (adapter, member)
+    # then one decode each: 6 rows, "decode" (the consumers add each composition's members with its first)
+    decoded = forward([chunk(i, len(tokens[i]), len(more[i])) for i in range(len(plan))])
+    assert [p.kind for p in kinds] == (["decode", "tiles", "decode"] if backend == "triton" else ["reference"] * 3)
+    for got, seqs, what in ((logits, tokens, "prompt"), (decoded, more, "decode")):
+        for i, (adapter, _, _) in enumerate(plan):
+            expect = oracle.logits(seqs[i], as_key(adapter))[-1]
+            assert_logits_close(got[i], expect, REL, f"sequence {i} ({adapter}, {backend}, {what})")
+            for member in adapter if isinstance(adapter, dict) else ():
+                alone = oracle.logits(seqs[i], member)[-1]
+                assert (alone - expect).abs().max() > 100 * REL * expect.abs().max(), (adapter, member)
 
 
 def model_family(base) -> str:

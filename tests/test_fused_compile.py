@@ -119,7 +119,7 @@ def rope(dtype: str, arch: int) -> None:
 # warp counts. Few variants: each compile costs seconds, and CI compiles them from an empty cache.
 
 
-LORA_POINTERS = dict(part_ptr="*fp32", row_slot_ptr="*i32")   # the shrink's partials, each row's slot
+LORA_POINTERS = dict(part_ptr="*fp32", row_slot_ptr="*i32", extra_ptr="*i32")   # partials, row slots, members
 
 
 def rms_norm_lora_split(dtype: str, arch: int) -> None:

@@ -32,13 +32,22 @@ ULPS = {torch.float32: 2.0 ** -20, torch.float16: 2.0 ** -9, torch.bfloat16: 2.0
 
 
 def make_product(gen: torch.Generator, T: int, widths: tuple[int, ...], dtype: torch.dtype, *, R: int = 16,
-                 split_k: int = 3, num_slots: int = 5, sizes: torch.Tensor | None = None) -> LoraProduct:
+                 split_k: int = 3, num_slots: int = 5, sizes: torch.Tensor | None = None,
+                 lanes: int = 1) -> LoraProduct:
     """Random partials and B stacks; ranks 0..R per slot and slice (one slot of rank R), about a third of
     the rows without an adapter; every value that must not be read is NaN. `sizes`: the typical size
-    of each row's input, so that deltas move most elements."""
+    of each row's input, so that deltas move most elements. `lanes` > 1: a composed batch's product, rows with an
+    adapter combining it with up to lanes - 1 more (in lane order, as batches fill them; row T-1 with all)."""
     row_slot = torch.randint(-1, num_slots, (T,), generator=gen, dtype=torch.int32)
     row_slot[0], row_slot[-1] = -1, 0
-    part = torch.randn(split_k, len(widths), T, R, generator=gen)
+    slots = torch.full((lanes, T), -1, dtype=torch.int32)
+    slots[0] = row_slot
+    for lane in range(1, lanes):
+        more = (slots[lane - 1] >= 0) & (torch.rand(T, generator=gen) < 0.7)
+        more[-1] = True
+        slots[lane] = torch.where(more, torch.randint(0, num_slots, (T,), generator=gen, dtype=torch.int32), -1)
+    part = torch.randn(split_k, len(widths), lanes * T, R, generator=gen)
+    entry_slot = slots.reshape(-1)   # entry l·T + m: row m's member l
     lora_b, ranks, scalings = [], [], []
     for i, n in enumerate(widths):
         rk = torch.randint(0, R + 1, (num_slots,), generator=gen, dtype=torch.int32)
@@ -46,33 +55,38 @@ def make_product(gen: torch.Generator, T: int, widths: tuple[int, ...], dtype: t
         b = torch.randn(num_slots, n, R, generator=gen)
         for s in range(num_slots):
             b[s, :, int(rk[s]):] = float("nan")
-            part[:, i, row_slot == s, int(rk[s]):] = float("nan")
+            part[:, i, entry_slot == s, int(rk[s]):] = float("nan")
         lora_b.append(b.to(dtype))
         ranks.append(rk)
         scalings.append((torch.rand(num_slots, generator=gen) + 0.5) / (R * split_k) ** 0.5)
-    part[:, :, row_slot < 0] = float("nan")
+    part[:, :, entry_slot < 0] = float("nan")
     if sizes is not None:
         scalings = [sc * float(sizes.mean()) for sc in scalings]
-    return LoraProduct(part, tuple(lora_b), tuple(ranks), tuple(scalings), row_slot)
+    extra = slots[1:].reshape(-1).contiguous() if lanes > 1 else None
+    return LoraProduct(part, tuple(lora_b), tuple(ranks), tuple(scalings), row_slot, extra_slot=extra, lanes=lanes)
 
 
 def delta_f64(p: LoraProduct, magnitude: bool = False) -> torch.Tensor:
-    """The documented loop, float64 on the host: [T, Σwidths], rows without an adapter 0. `magnitude`: the
-    same loop on absolute values (the scale of its fp32 rounding; tests/test_lora_product_gpu.py)."""
+    """The documented loop, float64 on the host: [T, Σwidths], rows without an adapter 0; a composed product's
+    members after the first added to the same sum. `magnitude`: the same loop on absolute values (the scale of
+    its fp32 rounding; tests/test_lora_product_gpu.py)."""
     part = p.part.cpu().double()
     out = torch.zeros(p.rows, p.width, dtype=torch.float64)
-    R = part.shape[3]
-    for m, s in enumerate(p.row_slot.tolist()):
-        if s < 0:
-            continue
-        col = 0
-        for i, (b, rk, sc) in enumerate(zip(p.lora_b, p.ranks, p.scalings)):
-            r = min(int(rk[s]), R)
-            partials, b_s, scale = part[:, i, m, :r], b[s, :, :r].cpu().double(), float(sc[s])
-            if magnitude:
-                partials, b_s, scale = partials.abs(), b_s.abs(), abs(scale)
-            out[m, col:col + b.shape[1]] = scale * (b_s @ partials.sum(0))
-            col += b.shape[1]
+    R, T = part.shape[3], p.rows
+    extra = p.extra_slot.cpu().view(p.lanes - 1, T) if p.lanes > 1 else torch.empty(0, T, dtype=torch.int32)
+    for m in range(T):
+        members = [(int(p.row_slot[m]), m)] + [(int(extra[l, m]), (l + 1) * T + m) for l in range(p.lanes - 1)]
+        for s, e in members:
+            if s < 0:
+                continue
+            col = 0
+            for i, (b, rk, sc) in enumerate(zip(p.lora_b, p.ranks, p.scalings)):
+                r = min(int(rk[s]), R)
+                partials, b_s, scale = part[:, i, e, :r], b[s, :, :r].cpu().double(), float(sc[s])
+                if magnitude:
+                    partials, b_s, scale = partials.abs(), b_s.abs(), abs(scale)
+                out[m, col:col + b.shape[1]] += scale * (b_s @ partials.sum(0))
+                col += b.shape[1]
     return out
 
 
@@ -95,21 +109,23 @@ def assert_close_ulps(out: torch.Tensor, want: torch.Tensor, what: str, slack: t
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("residual, H, R, split, early", [(True, 200, 16, None, True), (False, 200, 16, None, False),
-                                                          (True, 96, 16, 32, True), (True, 96, 40, None, True),
-                                                          (True, 200, 16, 64, False), (False, 96, 40, 32, True)])
-def test_rms_norm_expands_the_product(backend, dtype, residual, H, R, split, early, monkeypatch):
+@pytest.mark.parametrize("residual, H, R, split, early, lanes", [
+    (True, 200, 16, None, True, 1), (False, 200, 16, None, False, 1), (True, 96, 16, 32, True, 1),
+    (True, 96, 40, None, True, 1), (True, 200, 16, 64, False, 1), (False, 96, 40, 32, True, 1),
+    (True, 200, 16, 64, True, 3), (False, 96, 40, None, False, 2)])
+def test_rms_norm_expands_the_product(backend, dtype, residual, H, R, split, early, lanes, monkeypatch):
     """R=40: two rank tiles; split: each row over programs of `split` columns (rms_split.py; None: the default
     RMS_SPLIT, one chunk at these widths); early: the product's early reads (ops/pdl.py) where one rank tile
-    holds the rank, else the plain loads."""
-    gen = torch.Generator().manual_seed(stable_seed("rms-product", str(dtype), residual, H, R, split))
+    holds the rank, else the plain loads; lanes > 1: a composed batch's product (rows combining adapters)."""
+    gen = torch.Generator().manual_seed(stable_seed("rms-product", str(dtype), residual, H, R, split, lanes))
     if split:
         monkeypatch.setattr(fused_lora_kernels, "RMS_SPLIT", split)
     T = 9
     x = rows_with_scales(gen, T, H, dtype, large=False)
     r = rows_with_scales(gen, T, H, dtype, large=False) if residual else None
     w = (1 + 0.3 * torch.randn(H, generator=gen)).to(dtype)
-    p = dataclasses.replace(make_product(gen, T, (H,), dtype, R=R, sizes=x.float().abs().mean(1)), early_reads=early)
+    p = dataclasses.replace(make_product(gen, T, (H,), dtype, R=R, sizes=x.float().abs().mean(1), lanes=lanes),
+                            early_reads=early)
     x_in = x.clone()
     out, s = fused.rms_norm(x, w, 1e-6, residual=r, delta=p, backend=backend)
     want, want_s = fused.rms_norm(plus_f64(x, p), w, 1e-6, residual=r, backend="reference")
@@ -126,17 +142,19 @@ def test_rms_norm_expands_the_product(backend, dtype, residual, H, R, split, ear
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("I, split_k, R, block, early", [(300, 3, 16, None, False), (40, 1, 40, None, True),
-                                                         (300, 2, 16, 64, False), (300, 3, 16, None, True)])
-def test_silu_and_mul_expands_the_product(backend, dtype, I, split_k, R, block, early, monkeypatch):
+@pytest.mark.parametrize("I, split_k, R, block, early, lanes", [
+    (300, 3, 16, None, False, 1), (40, 1, 40, None, True, 1), (300, 2, 16, 64, False, 1), (300, 3, 16, None, True, 1),
+    (300, 3, 16, 64, True, 3), (40, 2, 40, None, False, 2)])
+def test_silu_and_mul_expands_the_product(backend, dtype, I, split_k, R, block, early, lanes, monkeypatch):
     """R=40: rank columns in two tiles of the consumer's loop; block=64: several column blocks per row;
-    early: the product's early reads (ops/pdl.py) where one rank tile holds the rank, else the plain loads."""
-    gen = torch.Generator().manual_seed(stable_seed("silu-product", str(dtype), I, split_k, R, block))
+    early: the product's early reads (ops/pdl.py) where one rank tile holds the rank, else the plain loads;
+    lanes > 1: a composed batch's product."""
+    gen = torch.Generator().manual_seed(stable_seed("silu-product", str(dtype), I, split_k, R, block, lanes))
     if block:
         monkeypatch.setattr(fused_lora_kernels, "SILU_BLOCK", block)
     T = 7
     gate_up = (torch.randn(T, 2 * I, generator=gen) * 2).to(dtype)
-    p = make_product(gen, T, (I, I), dtype, R=R, split_k=split_k, sizes=torch.full((T,), 2.0))
+    p = make_product(gen, T, (I, I), dtype, R=R, split_k=split_k, sizes=torch.full((T,), 2.0), lanes=lanes)
     p = dataclasses.replace(p, early_reads=early)
     gate_up_in = gate_up.clone()
     out = fused.silu_and_mul(gate_up, out=torch.full((T, I), float("nan"), dtype=dtype), delta=p, backend=backend)
@@ -146,7 +164,7 @@ def test_silu_and_mul_expands_the_product(backend, dtype, I, split_k, R, block, 
     # (seen on the CPU with R=40: 2.6e-6 off on 0.24, whatever BLAS sums first).
     mag = delta_f64(p, magnitude=True)
     g, u = (gate_up.double() + delta_f64(p)).split(I, dim=1)
-    fp32_err = (split_k + R + 2) * 2.0 ** -24
+    fp32_err = lanes * (split_k + R + 2) * 2.0 ** -24
     slack = fp32_err * (mag[:, I:] * (g * torch.sigmoid(g)).abs() + 1.1 * mag[:, :I] * u.abs())
     assert_close_ulps(out, fused.silu_and_mul(plus_f64(gate_up, p), backend="reference"), "out", slack)
     keep = p.row_slot < 0
@@ -156,19 +174,21 @@ def test_silu_and_mul_expands_the_product(backend, dtype, I, split_k, R, block, 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("Hq, Hkv, D, heads, R", [(4, 2, 64, None, 16), (6, 2, 128, 4, 16), (3, 1, 80, 2, 16),
-                                                  (4, 2, 64, 1, 40)])
-def test_rope_expands_the_product_into_q_k_and_v(backend, dtype, Hq, Hkv, D, heads, R, monkeypatch):
+@pytest.mark.parametrize("Hq, Hkv, D, heads, R, lanes", [(4, 2, 64, None, 16, 1), (6, 2, 128, 4, 16, 1),
+                                                         (3, 1, 80, 2, 16, 1), (4, 2, 64, 1, 40, 1),
+                                                         (4, 2, 64, None, 16, 3), (6, 2, 128, 4, 40, 2)])
+def test_rope_expands_the_product_into_q_k_and_v(backend, dtype, Hq, Hkv, D, heads, R, lanes, monkeypatch):
     """q, k, v as views of one fused qkv output; `heads` per program below the head count: several
-    head blocks per token (and k/v blocks past their heads, with GQA); R=40: two rank tiles."""
-    gen = torch.Generator().manual_seed(stable_seed("rope-product", str(dtype), Hq, Hkv, D, heads, R))
+    head blocks per token (and k/v blocks past their heads, with GQA); R=40: two rank tiles; lanes > 1: a
+    composed batch's product."""
+    gen = torch.Generator().manual_seed(stable_seed("rope-product", str(dtype), Hq, Hkv, D, heads, R, lanes))
     T = 9
     q, k, qkv = qkv_views(gen, T, Hq, Hkv, D, dtype, "fused")
     v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
     positions = random_positions(gen, T)
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
     inv_freq = LlamaRotaryEmbedding(rope_config(Hq, Hkv, D)).inv_freq
-    p = make_product(gen, T, (Hq * D, Hkv * D, Hkv * D), dtype, R=R, sizes=qkv.float().abs().mean(1))
+    p = make_product(gen, T, (Hq * D, Hkv * D, Hkv * D), dtype, R=R, sizes=qkv.float().abs().mean(1), lanes=lanes)
     if heads:
         monkeypatch.setattr(fused_lora_kernels, "ROPE_HEADS", heads)
     want = plus_f64(qkv, p)
@@ -185,14 +205,15 @@ def test_rope_expands_the_product_into_q_k_and_v(backend, dtype, Hq, Hkv, D, hea
 
 
 @interpreted
-@pytest.mark.parametrize("op, R", [("silu", 16), ("rope", 16), ("rope_gqa", 8), ("rms_split", 16), ("silu", 40)])
-def test_early_reads_give_the_same_bits(op, R, monkeypatch):
+@pytest.mark.parametrize("op, R, lanes", [("silu", 16, 1), ("rope", 16, 1), ("rope_gqa", 8, 1), ("rms_split", 16, 1),
+                                          ("silu", 40, 1), ("silu", 16, 3), ("rope_gqa", 8, 2), ("rms_split", 16, 3)])
+def test_early_reads_give_the_same_bits(op, R, lanes, monkeypatch):
     """The consumers' early reads (ops/pdl.py: the rows' slots, ranks, scalings and B blocks read first, for a
     product with `early_reads`) give the bits the plain loads give (a product without it), which the tests above
     hold to the float64 loop. They apply where one rank tile holds the rank (R=40: two tiles, not taken); the
     launches' EARLY constexpr is checked, so the case cannot pass by not taking the path."""
     from loraplex.ops.fused import rms_split as fused_lora_rms_split
-    gen = torch.Generator().manual_seed(stable_seed("early-reads", op, R))
+    gen = torch.Generator().manual_seed(stable_seed("early-reads", op, R, lanes))
     T, dtype = 9, torch.float16
     seen = []
 
@@ -204,7 +225,7 @@ def test_early_reads_give_the_same_bits(op, R, monkeypatch):
     if op == "silu":
         I = 300
         gate_up = (torch.randn(T, 2 * I, generator=gen) * 2).to(dtype)
-        p = make_product(gen, T, (I, I), dtype, R=R, sizes=torch.full((T,), 2.0))
+        p = make_product(gen, T, (I, I), dtype, R=R, sizes=torch.full((T,), 2.0), lanes=lanes)
         spy(fused_lora_kernels, "_SILU")
 
         def run(p):
@@ -216,7 +237,7 @@ def test_early_reads_give_the_same_bits(op, R, monkeypatch):
         x = rows_with_scales(gen, T, H, dtype, large=False)
         r = rows_with_scales(gen, T, H, dtype, large=False)
         w = (1 + 0.3 * torch.randn(H, generator=gen)).to(dtype)
-        p = make_product(gen, T, (H,), dtype, R=R, sizes=x.float().abs().mean(1))
+        p = make_product(gen, T, (H,), dtype, R=R, sizes=x.float().abs().mean(1), lanes=lanes)
         spy(fused_lora_rms_split, "_SUMS")
 
         def run(p):
@@ -229,7 +250,7 @@ def test_early_reads_give_the_same_bits(op, R, monkeypatch):
         positions = random_positions(gen, T)
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
         inv_freq = LlamaRotaryEmbedding(rope_config(Hq, Hkv, D)).inv_freq
-        p = make_product(gen, T, (Hq * D, Hkv * D, Hkv * D), dtype, R=R, sizes=qkv.float().abs().mean(1))
+        p = make_product(gen, T, (Hq * D, Hkv * D, Hkv * D), dtype, R=R, sizes=qkv.float().abs().mean(1), lanes=lanes)
         qkv_in = qkv.clone()
         spy(fused_lora_kernels, "_ROPE")
 
@@ -286,10 +307,12 @@ def test_row_slot_of_built_and_capacity_batches():
     assert cap.num_work == -(-8 // cap.block_m) + 4
 
 
-def test_select_keeps_the_rows_products():
+@pytest.mark.parametrize("lanes", [1, 3])
+def test_select_keeps_the_rows_products(lanes):
     gen = torch.Generator().manual_seed(3)
-    p = make_product(gen, 6, (10, 4), torch.float32)
+    p = make_product(gen, 6, (10, 4), torch.float32, lanes=lanes)
     rows = torch.tensor([5, 0, 2])
+    torch.testing.assert_close(p.dense().double(), delta_f64(p), rtol=1e-5, atol=1e-6)   # the reference's loop
     assert torch.equal(p.select(rows).dense(), p.dense()[rows])
 
 
@@ -336,6 +359,15 @@ def _meta(*shape, dtype=torch.float16):
     (lambda: fused.apply_rope(_meta(4, 2, 8), _meta(4, 1, 8), torch.empty(4, dtype=torch.int64, device="meta"),
                               torch.empty(4, device="meta"), v=_meta(4, 1, 8), delta=_meta_product(widths=(16, 8))),
      r"delta expands to slices of widths \(16, 8\); q .* needs \(16, 8, 8\)"),
+    (lambda: fused.rms_norm(_meta(4, 32), _meta(32), 1e-6,
+                            delta=_meta_product(part=_meta(2, 1, 8, 8, dtype=torch.float32), lanes=2,
+                                                extra_slot=_meta(3, dtype=torch.int32))),
+     r"delta.extra_slot must be an int32 \[\(lanes-1\)·T = 4\] on meta for 2 lanes"),
+    (lambda: fused.rms_norm(_meta(4, 32), _meta(32), 1e-6, delta=_meta_product(lanes=2,
+                                                                               extra_slot=_meta(4, dtype=torch.int32))),
+     r"delta.part has 4 entries; 2 lanes of 4 rows need 8"),
+    (lambda: fused.rms_norm(_meta(4, 32), _meta(32), 1e-6, delta=_meta_product(extra_slot=_meta(4, dtype=torch.int32))),
+     r"delta.extra_slot is given for lanes = 1; it needs lanes > 1"),
 ])
 def test_a_product_that_does_not_fit_is_refused_by_name(call, match):
     with pytest.raises(ValueError, match=match):

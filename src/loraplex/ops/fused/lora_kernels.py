@@ -7,7 +7,8 @@ For a row with slot s ≥ 0, slice i, column n of the slice (product.py's loop, 
     delta = scalings_i[s] * Σ_{r < rank} (Σ_split part[split, i, row, r]) * B_i[s, n, r]
     x     = round(x + delta)                  # to x's dtype, as the in-place expand would round
 
-and x untouched for rows with s = -1. Each program sums the splits and reads the B columns it needs:
+and x untouched for rows with s = -1; a composed product's members after a row's first add theirs to the same
+delta (product.py), so the row is rounded once. Each program sums the splits and reads the B columns it needs:
 the expand's bytes spread over the consumer's grid, so RoPE and SiLU-and-mul run one program per
 (token, head block) and (token, column block); RMSNorm, which needs the whole row's sum of squares, cuts
 each row into chunks over two launches (rms_split.py).
@@ -84,13 +85,57 @@ def _product_2d(part_row, b_slot, rank, scale, cols, mask, R, stride_p_split, v,
     return acc * scale
 
 
+@triton.jit
+def _lane_slot(extra_ptr, lane, T, row, rank_ptr, scale_ptr, R):
+    """(slot, rank, scale) of row's member lane + 1 (slot -1, rank 0: none; nothing read)."""
+    slot = tl.load(extra_ptr + lane * T + row)
+    safe = tl.maximum(slot, 0)
+    rank = tl.where(slot >= 0, tl.minimum(tl.load(rank_ptr + safe), R), 0)
+    return slot, safe, rank, tl.load(scale_ptr + safe)
+
+
+@triton.jit
+def _extra_products(acc, part_row, extra_ptr, row, T, extra_lanes, stride_pm, b_ptr, slot_elems, rank_ptr, scale_ptr,
+                    cols, mask, R, stride_p_split, ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
+    """acc plus the products of the row's members after its first (product.py's loop; `part_row`: the first
+    member's partials, this slice; B blocks `slot_elems` apart): none where `extra_lanes` is 0."""
+    for lane in range(0, extra_lanes):
+        slot, safe, rank, scale = _lane_slot(extra_ptr, lane, T, row, rank_ptr, scale_ptr, R)
+        if slot >= 0:
+            p = part_row + ((lane + 1) * T).to(tl.int64) * stride_pm
+            v, offs_r, r_mask = _v(p, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
+            acc += _product(p, b_ptr + safe.to(tl.int64) * slot_elems, rank, scale, cols, mask, R, stride_p_split,
+                            v, offs_r, r_mask, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK)
+    return acc
+
+
+@triton.jit
+def _extra_products_2d(d1, d2, part_row, extra_ptr, row, T, extra_lanes, stride_pm, b_ptr, slot_elems, rank_ptr,
+                       scale_ptr, cols, HALF, mask, R, stride_p_split, ONE_R_TILE: tl.constexpr,
+                       SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """`_extra_products` over both halves of a [BLOCK_H, BLOCK_D] tile of heads (RoPE's)."""
+    for lane in range(0, extra_lanes):
+        slot, safe, rank, scale = _lane_slot(extra_ptr, lane, T, row, rank_ptr, scale_ptr, R)
+        if slot >= 0:
+            p = part_row + ((lane + 1) * T).to(tl.int64) * stride_pm
+            v, offs_r, r_mask = _v(p, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
+            b_slot = b_ptr + safe.to(tl.int64) * slot_elems
+            d1 += _product_2d(p, b_slot, rank, scale, cols, mask, R, stride_p_split, v, offs_r, r_mask, ONE_R_TILE,
+                              SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D)
+            d2 += _product_2d(p, b_slot, rank, scale, cols + HALF, mask, R, stride_p_split, v, offs_r, r_mask,
+                              ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D)
+    return d1, d2
+
+
 # ---------------------------------------------------------------------------------------------
 # SiLU(gate) * up
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "extra_lanes"])   # one variant whatever the lanes
 def _silu_and_mul_lora_kernel(gu_ptr, out_ptr, part_ptr, row_slot_ptr, b0, b1, rk0, rk1, sc0, sc1, R,
-                              stride_p_split, stride_p_slice, stride_pm, I, stride_gu, stride_out,
+                              stride_p_split, stride_p_slice, stride_pm, extra_ptr, T, extra_lanes, I, stride_gu,
+                              stride_out,
                               ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr,
                               BLOCK: tl.constexpr, COMPILED: tl.constexpr, EARLY: tl.constexpr):
     """Program (row, column block): gate and up take their slice's product, then out = silu(gate) · up.
@@ -118,8 +163,14 @@ def _silu_and_mul_lora_kernel(gu_ptr, out_ptr, part_ptr, row_slot_ptr, b0, b1, r
             part_g = part_ptr + row * stride_pm
             vg, _, _ = _v(part_g, 0, rank_g, stride_p_split, SPLIT_K, BLOCK_R)
             vu, _, _ = _v(part_g + stride_p_slice, 0, rank_u, stride_p_split, SPLIT_K, BLOCK_R)
-            g = _round(g + tl.sum(bg.to(tl.float32) * vg[None, :], axis=1) * scale_g, DT, COMPILED)
-            u = _round(u + tl.sum(bu.to(tl.float32) * vu[None, :], axis=1) * scale_u, DT, COMPILED)
+            dg = tl.sum(bg.to(tl.float32) * vg[None, :], axis=1) * scale_g
+            du = tl.sum(bu.to(tl.float32) * vu[None, :], axis=1) * scale_u
+            dg = _extra_products(dg, part_g, extra_ptr, row, T, extra_lanes, stride_pm, b0, I * R, rk0, sc0, offs,
+                                 mask, R, stride_p_split, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK)
+            du = _extra_products(du, part_g + stride_p_slice, extra_ptr, row, T, extra_lanes, stride_pm, b1, I * R,
+                                 rk1, sc1, offs, mask, R, stride_p_split, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK)
+            g = _round(g + dg, DT, COMPILED)
+            u = _round(u + du, DT, COMPILED)
     else:
         g = tl.load(gu_row + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(gu_row + I + offs, mask=mask, other=0.0).to(tl.float32)
@@ -138,6 +189,10 @@ def _silu_and_mul_lora_kernel(gu_ptr, out_ptr, part_ptr, row_slot_ptr, b0, b1, r
                           SPLIT_K, BLOCK_R, BLOCK)
             du = _product(part_u, b_u, rank_u, scale_u, offs, mask, R, stride_p_split, vu, offs_r, rm_u, ONE_R_TILE,
                           SPLIT_K, BLOCK_R, BLOCK)
+            dg = _extra_products(dg, part_g, extra_ptr, row, T, extra_lanes, stride_pm, b0, I * R, rk0, sc0, offs,
+                                 mask, R, stride_p_split, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK)
+            du = _extra_products(du, part_u, extra_ptr, row, T, extra_lanes, stride_pm, b1, I * R, rk1, sc1, offs,
+                                 mask, R, stride_p_split, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK)
             g = _round(g + dg, DT, COMPILED)
             u = _round(u + du, DT, COMPILED)
     tl.store(out_ptr + row * stride_out + offs, _silu_mul(g, u, DT, COMPILED).to(DT), mask=mask)
@@ -149,8 +204,9 @@ def _silu_and_mul_lora_kernel(gu_ptr, out_ptr, part_ptr, row_slot_ptr, b0, b1, r
 
 @triton.jit
 def _heads(base, stride_h, num_heads, h0, part_row, b_ptr, rank_ptr, scale_ptr, slot, has, R, stride_p_split, HALF,
-           c, s, offs_d, d_mask, ROTATE: tl.constexpr, ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr,
-           BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, COMPILED: tl.constexpr):
+           c, s, offs_d, d_mask, extra_ptr, t, T, extra_lanes, stride_pm, ROTATE: tl.constexpr,
+           ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+           BLOCK_D: tl.constexpr, COMPILED: tl.constexpr):
     """Heads h0..h0+BLOCK_H of one token (none past `num_heads`: k and v have fewer with GQA): each half
     takes its product (rows with an adapter), then q and k rotate (ROTATE); v is only stored back when it
     changed."""
@@ -170,6 +226,9 @@ def _heads(base, stride_h, num_heads, h0, part_row, b_ptr, rank_ptr, scale_ptr, 
                          ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D)
         d2 = _product_2d(part_row, b_slot, rank, scale, cols + HALF, mask, R, stride_p_split, lv, offs_r, r_mask,
                          ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D)
+        d1, d2 = _extra_products_2d(d1, d2, part_row, extra_ptr, t, T, extra_lanes, stride_pm, b_ptr,
+                                    num_heads * 2 * HALF * R, rank_ptr, scale_ptr, cols, HALF, mask, R, stride_p_split,
+                                    ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D)
         x1 = _round(x1 + d1, DT, COMPILED)
         x2 = _round(x2 + d2, DT, COMPILED)
     _store_heads(p1, HALF, x1, x2, c, s, mask, ROTATE, has, COMPILED)
@@ -191,8 +250,8 @@ def _store_heads(p1, HALF, x1, x2, c, s, mask, rotate, has, COMPILED: tl.constex
 @triton.jit
 def _rope_early(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_row, slot, has, b0, b1, b2, rk0, rk1, rk2, sc0, sc1,
                 sc2, R, stride_p_split, stride_p_slice, HQ, HKV, HALF, stride_qh, stride_kh, stride_vh, which, h0,
-                ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-                BLOCK_D: tl.constexpr, COMPILED: tl.constexpr):
+                extra_ptr, t, T, extra_lanes, stride_pm, ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr,
+                BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, COMPILED: tl.constexpr):
     """`_heads` for q, k or v (`which`) with the slice's rank, scaling and both halves' B blocks read first, then
     the kernel's deferred PDL wait (ops/pdl.py's early reads), then the rest: the same sums and roundings. `q_ptr`,
     `k_ptr`, `v_ptr`: the token's rows."""
@@ -222,9 +281,17 @@ def _rope_early(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_row, slot, has,
     x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
     if has:
-        lv, _, _ = _v(part_row + which * stride_p_slice, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
-        x1 = _round(x1 + tl.sum(b1_.to(tl.float32) * lv[None, None, :], axis=2) * scale, DT, COMPILED)
-        x2 = _round(x2 + tl.sum(b2_.to(tl.float32) * lv[None, None, :], axis=2) * scale, DT, COMPILED)
+        part_slice = part_row + which * stride_p_slice
+        lv, _, _ = _v(part_slice, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
+        d1 = tl.sum(b1_.to(tl.float32) * lv[None, None, :], axis=2) * scale
+        d2 = tl.sum(b2_.to(tl.float32) * lv[None, None, :], axis=2) * scale
+        rank_ptr = tl.where(is_q, rk0, tl.where(is_k, rk1, rk2))
+        scale_ptr = tl.where(is_q, sc0, tl.where(is_k, sc1, sc2))
+        d1, d2 = _extra_products_2d(d1, d2, part_slice, extra_ptr, t, T, extra_lanes, stride_pm, b_ptr,
+                                    num_heads * 2 * HALF * R, rank_ptr, scale_ptr, cols, HALF, mask, R, stride_p_split,
+                                    ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D)
+        x1 = _round(x1 + d1, DT, COMPILED)
+        x2 = _round(x2 + d2, DT, COMPILED)
     c, s = _cos_sin(pos_ptr, inv_freq_ptr, offs_d, d_mask, DT, COMPILED)
     _store_heads(p1, HALF, x1, x2, c, s, mask, which < 2, has, COMPILED)
 
@@ -239,9 +306,10 @@ def _token_slot(row_slot_ptr, part_ptr, t, stride_pm):
     return has, slot, part_row
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "extra_lanes"])   # one variant whatever the lanes
 def _rope_lora_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_ptr, row_slot_ptr, b0, b1, b2, rk0, rk1, rk2,
-                      sc0, sc1, sc2, R, stride_p_split, stride_p_slice, stride_pm, HQ, HKV, HALF, stride_qt,
+                      sc0, sc1, sc2, R, stride_p_split, stride_p_slice, stride_pm, extra_ptr, T, extra_lanes, HQ, HKV,
+                      HALF, stride_qt,
                       stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_pos, ONE_R_TILE: tl.constexpr,
                       SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                       COMPILED: tl.constexpr, EARLY: tl.constexpr):
@@ -257,8 +325,8 @@ def _rope_lora_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_ptr, row_
         # k and v have fewer head blocks with GQA; a program past them loads and stores nothing of q/k/v
         _rope_early(q_ptr + t * stride_qt, k_ptr + t * stride_kt, v_ptr + t * stride_vt, pos_ptr + t * stride_pos,
                     inv_freq_ptr, part_row, slot, has, b0, b1, b2, rk0, rk1, rk2, sc0, sc1, sc2, R, stride_p_split,
-                    stride_p_slice, HQ, HKV, HALF, stride_qh, stride_kh, stride_vh, which, h0, ONE_R_TILE, SPLIT_K,
-                    BLOCK_R, BLOCK_H, BLOCK_D, COMPILED)
+                    stride_p_slice, HQ, HKV, HALF, stride_qh, stride_kh, stride_vh, which, h0, extra_ptr, t, T,
+                    extra_lanes, stride_pm, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D, COMPILED)
     elif h0 < tl.where(which == 0, HQ, HKV):   # k and v have fewer head blocks with GQA
         DT = q_ptr.dtype.element_ty
         offs_d = tl.arange(0, BLOCK_D)
@@ -267,15 +335,16 @@ def _rope_lora_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_ptr, row_
         has, slot, part_row = _token_slot(row_slot_ptr, part_ptr, t, stride_pm)
         if which == 0:
             _heads(q_ptr + t * stride_qt, stride_qh, HQ, h0, part_row, b0, rk0, sc0, slot, has, R, stride_p_split,
-                   HALF, c, s, offs_d, d_mask, True, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D, COMPILED)
+                   HALF, c, s, offs_d, d_mask, extra_ptr, t, T, extra_lanes, stride_pm, True, ONE_R_TILE, SPLIT_K,
+                   BLOCK_R, BLOCK_H, BLOCK_D, COMPILED)
         elif which == 1:
             _heads(k_ptr + t * stride_kt, stride_kh, HKV, h0, part_row + stride_p_slice, b1, rk1, sc1, slot, has, R,
-                   stride_p_split, HALF, c, s, offs_d, d_mask, True, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D,
-                   COMPILED)
+                   stride_p_split, HALF, c, s, offs_d, d_mask, extra_ptr, t, T, extra_lanes, stride_pm, True,
+                   ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D, COMPILED)
         else:
             _heads(v_ptr + t * stride_vt, stride_vh, HKV, h0, part_row + 2 * stride_p_slice, b2, rk2, sc2, slot, has,
-                   R, stride_p_split, HALF, c, s, offs_d, d_mask, False, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H,
-                   BLOCK_D, COMPILED)
+                   R, stride_p_split, HALF, c, s, offs_d, d_mask, extra_ptr, t, T, extra_lanes, stride_pm, False,
+                   ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D, COMPILED)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,8 +392,9 @@ def silu_and_mul(gate_up, out, lora, block: int | None = None) -> None:
     if T == 0:
         return
     block = min(pow2(I), block or SILU_BLOCK)   # read at call time: benchmarks set SILU_BLOCK
-    p, row_slot, b0, b1, _, rk0, rk1, _, sc0, sc1, _, R, sp, ss, sm = lora.kernel_args()
-    args = (gate_up, out, p, row_slot, b0, b1, rk0, rk1, sc0, sc1, R, sp, ss, sm, I, gate_up.stride(0), out.stride(0))
+    p, row_slot, b0, b1, _, rk0, rk1, _, sc0, sc1, _, R, sp, ss, sm, extra, lanes_t, extra_lanes = lora.kernel_args()
+    args = (gate_up, out, p, row_slot, b0, b1, rk0, rk1, sc0, sc1, R, sp, ss, sm, extra, lanes_t, extra_lanes, I,
+            gate_up.stride(0), out.stride(0))
     # a warp per 128 columns, at most 4 (148 registers a thread at 512 columns, sm_90)
     _SILU((T, -(-I // block)), args, dict(**_tiles(R), SPLIT_K=p.shape[0], BLOCK=block, COMPILED=COMPILED,
                                           EARLY=_early(R, lora)),
@@ -339,10 +409,11 @@ def apply_rope(q, k, v, positions, inv_freq, lora, heads: int | None = None) -> 
     Hkv, half = k.shape[1], D // 2
     block_h = min(pow2(max(Hq, Hkv)), heads or ROPE_HEADS)
     block_d = pow2(half)
-    p, row_slot, b0, b1, b2, rk0, rk1, rk2, sc0, sc1, sc2, R, sp, ss, sm = lora.kernel_args()
+    p, row_slot, b0, b1, b2, rk0, rk1, rk2, sc0, sc1, sc2, R, sp, ss, sm, extra, lanes_t, extra_lanes = \
+        lora.kernel_args()
     args = (q, k, v, positions, inv_freq, p, row_slot, b0, b1, b2, rk0, rk1, rk2, sc0, sc1, sc2, R, sp, ss, sm,
-            Hq, Hkv, half, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            positions.stride(0))
+            extra, lanes_t, extra_lanes, Hq, Hkv, half, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            v.stride(0), v.stride(1), positions.stride(0))
     grid = (T, 3, -(-max(Hq, Hkv) // block_h))
     _ROPE(grid, args, dict(**_tiles(R), SPLIT_K=p.shape[0], BLOCK_H=block_h, BLOCK_D=block_d, COMPILED=COMPILED,
                            EARLY=_early(R, lora)),

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .kernels import COMPILED, _inv, _norm_output, _round, _rstd
-from .lora_kernels import _product, _slot_of, _v
+from .lora_kernels import _extra_products, _product, _slot_of, _v
 from ..lora.sgmv_kernels import _load_rank_block
 from ..launch import Launcher, pow2
 from ..pdl import pdl_deferred_start, pdl_start
@@ -28,9 +28,9 @@ from ..pdl import pdl_deferred_start, pdl_start
 
 @triton.jit
 def _chunk_sums(x_ptr, r_ptr, s_ptr, sumsq_ptr, part_ptr, row_slot_ptr, b_ptr, rank_ptr, scale_ptr, R, stride_p_split,
-                stride_pm, H, stride_x, stride_r, stride_s, CHUNKS, HAS_RESIDUAL: tl.constexpr,
-                ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr,
-                COMPILED: tl.constexpr, EARLY: tl.constexpr):
+                stride_pm, extra_ptr, T, extra_lanes, H, stride_x, stride_r, stride_s, CHUNKS,
+                HAS_RESIDUAL: tl.constexpr, ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK: tl.constexpr, COMPILED: tl.constexpr, EARLY: tl.constexpr):
     """Launch 1's program (row, chunk): the chunk of s, stored, and its sum of squares. EARLY (one rank tile):
     the row's slot, rank, scaling and B block are read before the deferred PDL wait (ops/pdl.py's early reads;
     the kernel's first statement was `pdl_start(EARLY)`); the same sums."""
@@ -47,8 +47,12 @@ def _chunk_sums(x_ptr, r_ptr, s_ptr, sumsq_ptr, part_ptr, row_slot_ptr, b_ptr, r
         pdl_deferred_start(EARLY)
         v = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
         if has:
-            lv, _, _ = _v(part_ptr + row * stride_pm, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
-            v = _round(v + tl.sum(b.to(tl.float32) * lv[None, :], axis=1) * scale, DT, COMPILED)
+            part_row = part_ptr + row * stride_pm
+            lv, _, _ = _v(part_row, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
+            d = tl.sum(b.to(tl.float32) * lv[None, :], axis=1) * scale
+            d = _extra_products(d, part_row, extra_ptr, row, T, extra_lanes, stride_pm, b_ptr, H * R, rank_ptr,
+                                scale_ptr, offs, mask, R, stride_p_split, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK)
+            v = _round(v + d, DT, COMPILED)
     else:
         v = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
         has, slot, rank, scale = _slot_of(row_slot_ptr, row, rank_ptr, scale_ptr, R)
@@ -57,6 +61,8 @@ def _chunk_sums(x_ptr, r_ptr, s_ptr, sumsq_ptr, part_ptr, row_slot_ptr, b_ptr, r
             lv, offs_r, r_mask = _v(part_row, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
             d = _product(part_row, b_ptr + slot.to(tl.int64) * H * R, rank, scale, offs, mask, R, stride_p_split,
                          lv, offs_r, r_mask, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK)
+            d = _extra_products(d, part_row, extra_ptr, row, T, extra_lanes, stride_pm, b_ptr, H * R, rank_ptr,
+                                scale_ptr, offs, mask, R, stride_p_split, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK)
             v = _round(v + d, DT, COMPILED)
     if HAS_RESIDUAL:
         v = _round(tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32) + v, DT, COMPILED)
@@ -64,16 +70,16 @@ def _chunk_sums(x_ptr, r_ptr, s_ptr, sumsq_ptr, part_ptr, row_slot_ptr, b_ptr, r
     tl.store(sumsq_ptr + row * CHUNKS + chunk, tl.sum(v * v, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "extra_lanes"])   # one variant whatever the lanes
 def _rms_lora_sums_kernel(x_ptr, r_ptr, s_ptr, sumsq_ptr, part_ptr, row_slot_ptr, b_ptr, rank_ptr, scale_ptr, R,
-                          stride_p_split, stride_pm, H, stride_x, stride_r, stride_s, CHUNKS,
+                          stride_p_split, stride_pm, extra_ptr, T, extra_lanes, H, stride_x, stride_r, stride_s, CHUNKS,
                           HAS_RESIDUAL: tl.constexpr, ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr,
                           BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, COMPILED: tl.constexpr, EARLY: tl.constexpr):
     """Launch 1: program (row, chunk) stores the chunk of s and its sum of squares (`_chunk_sums`)."""
     pdl_start(EARLY)   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first (EARLY: later)
     _chunk_sums(x_ptr, r_ptr, s_ptr, sumsq_ptr, part_ptr, row_slot_ptr, b_ptr, rank_ptr, scale_ptr, R, stride_p_split,
-                stride_pm, H, stride_x, stride_r, stride_s, CHUNKS, HAS_RESIDUAL, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK,
-                COMPILED, EARLY)
+                stride_pm, extra_ptr, T, extra_lanes, H, stride_x, stride_r, stride_s, CHUNKS, HAS_RESIDUAL, ONE_R_TILE,
+                SPLIT_K, BLOCK_R, BLOCK, COMPILED, EARLY)
 
 
 @triton.jit
@@ -116,13 +122,13 @@ def sums(x, residual, s_out, lora, block: int, tiles: dict, early: bool = False)
     """Launch 1 (see above): s written, and the fp32 `[T, chunks]` sums of squares returned."""
     T, H = x.shape
     block, chunks = chunking(H, block)
-    p, row_slot, b, _, _, rk, _, _, sc, _, _, R, sp, _, sm = lora.kernel_args()
+    p, row_slot, b, _, _, rk, _, _, sc, _, _, R, sp, _, sm, extra, lanes_t, extra_lanes = lora.kernel_args()
     r = residual if residual is not None else x
     sumsq = torch.empty((T, chunks), dtype=torch.float32, device=x.device)
     consts = dict(HAS_RESIDUAL=residual is not None, **tiles, SPLIT_K=p.shape[0], BLOCK=block, COMPILED=COMPILED,
                   EARLY=early and tiles["ONE_R_TILE"])
-    _SUMS((T, chunks), (x, r, s_out, sumsq, p, row_slot, b, rk, sc, R, sp, sm, H, x.stride(0), r.stride(0),
-                        s_out.stride(0), chunks), consts, max(1, min(4, block // 128)), 1)
+    _SUMS((T, chunks), (x, r, s_out, sumsq, p, row_slot, b, rk, sc, R, sp, sm, extra, lanes_t, extra_lanes, H,
+                        x.stride(0), r.stride(0), s_out.stride(0), chunks), consts, max(1, min(4, block // 128)), 1)
     return sumsq
 
 

@@ -20,9 +20,9 @@ arguments) adds the LoRA as it loads its input. Three launchers, each returning 
 
 - `linear_with_lora`: the shrink beside the GEMM, the expand after it into y (the plain order's bits).
 
-In a composed batch (ops/lora/batch.py) each launcher also adds the members after a row's first with
-`expand_extras` (ops/lora/extras.py): into y after the GEMM and the shrink for a `LoraProduct` (the consumer then
-adds the first member's), into the delta buffer after the first member's expand for a `LoraDelta`.
+In a composed batch (ops/lora/batch.py) the members after a row's first: a `LoraProduct` carries them to the
+consumer, which adds them with the first (one rounding); the other launchers add them with `expand_extras`
+(ops/lora/extras.py), into the delta buffer after the first member's expand for a `LoraDelta`, into y after it.
 
 The side stream is used only while a CUDA graph is captured, where its fork and join cost nothing at
 replay; eager forwards keep one stream (each fork/join costs host time) and compute the same bits.
@@ -149,6 +149,7 @@ def linear_with_lora_product(x: torch.Tensor, weight: GemmWeight, bias: torch.Te
         sgmv.shrink_into(part, x, lora_a, ranks, batch, cfg, after_gemm=True)
     else:
         y = _beside_gemm(x, weight, bias, side, lambda: sgmv.shrink_into(part, x, lora_a, ranks, batch, cfg))
-    # A composed batch's members after the first go into y now; the consumer adds the first member's product.
-    sgmv.expand_extras(y, part, lora_b, ranks, scalings, batch, 0)
-    return y, LoraProduct(part, tuple(lora_b), tuple(ranks), tuple(scalings), batch.row_slot)
+    # a composed batch's members after the first: the consumer adds them with the first (product.py)
+    lanes = batch.lanes if batch.composed else 1
+    return y, LoraProduct(part, tuple(lora_b), tuple(ranks), tuple(scalings), batch.row_slot,
+                          extra_slot=batch.extra_slot if lanes > 1 else None, lanes=lanes)

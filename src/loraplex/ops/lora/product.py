@@ -12,7 +12,13 @@ the product the consumer adds to column c_i + n of the projection is, in fp32:
     v[r]  = Σ_split part[split, i, m, r]                     # r < rank_i = min(ranks[i][s], R)
     delta = scalings[i][s] * Σ_{r < rank_i} v[r] * lora_b[i][s, n, r]
 
-and no product at all (not even +0) for rows with s = -1. The shrink (`sgmv.shrink_into`) writes
+and no product at all (not even +0) for rows with s = -1. A composed batch's product (ops/lora/batch.py) also
+holds each row's members after the first, which the consumer adds in the same sum: member l ≥ 1 of row m, slot
+s_l = extra_slot[(l-1)·T + m] ≥ 0, its (weighted) partials at entry l·T + m:
+
+    delta += scalings[i][s_l] * Σ_{r < rank_i(s_l)} (Σ_split part[split, i, l·T + m, r]) * lora_b[i][s_l, n, r]
+
+The shrink (`sgmv.shrink_into`) writes
 `part` only for rows with an adapter and only its first rank_i columns: the rest is never read.
 The Triton consumers sum over r in another order than `dense()` (the reference, fp32 matmul), so
 the two agree to fp32 rounding, not to the bit.
@@ -30,11 +36,10 @@ MAX_SLICES = 3   # q/k/v is the widest consumer
 
 @dataclass(frozen=True)
 class LoraProduct:
-    """The shrink's fp32 partials `part [split_k, slices, E, R]` (E ≥ T: a composed batch's entries after its T
-    rows hold the members after the first, which are not this product's: ops/lora/extras.py) with what expands
-    them: per slice the
-    B stack `[slots, N_i, R]`, its ranks (int32 `[slots]`) and scalings (float32 `[slots]`), and
-    each row's slot (int32 `[T]`, -1: none)."""
+    """The shrink's fp32 partials `part [split_k, slices, E, R]` with what expands them: per slice the B stack
+    `[slots, N_i, R]`, its ranks (int32 `[slots]`) and scalings (float32 `[slots]`), each row's (first member's)
+    slot (int32 `[T]`, -1: none), and for a composed batch the slots of the members after the first (int32
+    `extra_slot [(lanes-1)·T]`; E ≥ lanes·T entries)."""
 
     part: torch.Tensor
     lora_b: tuple[torch.Tensor, ...]
@@ -44,6 +49,8 @@ class LoraProduct:
     # False where row_slot was made inside the forward (select's index_select): the consumers must not read it
     # before their PDL wait (ops/pdl.py's early reads)
     early_reads: bool = True
+    extra_slot: torch.Tensor | None = None
+    lanes: int = 1
 
     @property
     def width(self) -> int:
@@ -58,9 +65,13 @@ class LoraProduct:
         return self.part.device
 
     def select(self, rows: torch.Tensor) -> "LoraProduct":
-        """The product of these rows only (the final norm's logits rows)."""
-        return LoraProduct(self.part.index_select(2, rows), self.lora_b, self.ranks, self.scalings,
-                           self.row_slot.index_select(0, rows), early_reads=False)
+        """The product of these rows only (the final norm's logits rows), each lane's entries with them."""
+        T = self.rows
+        entries = torch.cat([rows + lane * T for lane in range(self.lanes)]) if self.lanes > 1 else rows
+        extra = None if self.extra_slot is None else \
+            self.extra_slot.view(self.lanes - 1, T).index_select(1, rows).reshape(-1)
+        return LoraProduct(self.part.index_select(2, entries), self.lora_b, self.ranks, self.scalings,
+                           self.row_slot.index_select(0, rows), early_reads=False, extra_slot=extra, lanes=self.lanes)
 
     def check(self, rows: int, widths: tuple[int, ...], like: torch.Tensor, like_name: str, name: str) -> None:
         """Raise ValueError unless this product fits a consumer of `rows` rows and slices `widths` wide."""
@@ -95,21 +106,36 @@ class LoraProduct:
                                  f"[slots={b.shape[0]}], got {_desc(rk)} and {_desc(sc)}")
         if len(got) > MAX_SLICES:
             raise ValueError(f"{name} has {len(got)} slices; at most {MAX_SLICES}")
+        if self.lanes > 1:
+            e = self.extra_slot
+            if e is None or e.dtype != torch.int32 or tuple(e.shape) != ((self.lanes - 1) * rows,) \
+                    or e.device != like.device:
+                raise ValueError(f"{name}.extra_slot must be an int32 [(lanes-1)·T = {(self.lanes - 1) * rows}] on "
+                                 f"{like.device} for {self.lanes} lanes, got {_desc(e) if e is not None else None}")
+            if T < self.lanes * rows:
+                raise ValueError(f"{name}.part has {T} entries; {self.lanes} lanes of {rows} rows need "
+                                 f"{self.lanes * rows}")
+        elif self.extra_slot is not None:
+            raise ValueError(f"{name}.extra_slot is given for lanes = {self.lanes}; it needs lanes > 1")
 
     def dense(self) -> torch.Tensor:
         """The fp32 `[T, ΣN]` product, by the loop of the module docstring (rows without an adapter: 0).
         The reference path of the consumers; it reads the slots back to the host."""
         R = self.part.shape[3]
-        v = self.part.sum(0).float()               # [slices, T, R]
-        out = torch.zeros((self.rows, self.width), dtype=torch.float32, device=self.device)
-        for m, s in enumerate(self.row_slot.tolist()):
-            if s < 0:
-                continue
-            col = 0
-            for i, (b, rk, sc) in enumerate(zip(self.lora_b, self.ranks, self.scalings)):
-                r = min(int(rk[s]), R)
-                out[m, col:col + b.shape[1]] = (b[s, :, :r].float() @ v[i, m, :r]) * sc[s]
-                col += b.shape[1]
+        v = self.part.sum(0).float()               # [slices, E, R]
+        T = self.rows
+        out = torch.zeros((T, self.width), dtype=torch.float32, device=self.device)
+        extra = [] if self.extra_slot is None else self.extra_slot.view(self.lanes - 1, T).tolist()
+        for m, first in enumerate(self.row_slot.tolist()):
+            members = [(first, m)] + [(lane[m], (i + 1) * T + m) for i, lane in enumerate(extra)]
+            for s, e in members:
+                if s < 0:
+                    continue
+                col = 0
+                for i, (b, rk, sc) in enumerate(zip(self.lora_b, self.ranks, self.scalings)):
+                    r = min(int(rk[s]), R)
+                    out[m, col:col + b.shape[1]] += (b[s, :, :r].float() @ v[i, e, :r]) * sc[s]
+                    col += b.shape[1]
         return out
 
     def kernel_args(self) -> tuple:
@@ -117,6 +143,8 @@ class LoraProduct:
         MAX_SLICES by repeating the first."""
         pad = MAX_SLICES - len(self.lora_b)
         p = self.part
+        extra = self.extra_slot if self.extra_slot is not None else self.row_slot   # (not read with no lanes)
         return (p, self.row_slot, *self.lora_b, *[self.lora_b[0]] * pad, *self.ranks, *[self.ranks[0]] * pad,
-                *self.scalings, *[self.scalings[0]] * pad, p.shape[3], p.stride(0), p.stride(1), p.stride(2))
+                *self.scalings, *[self.scalings[0]] * pad, p.shape[3], p.stride(0), p.stride(1), p.stride(2),
+                extra, self.rows, self.lanes - 1)
 
