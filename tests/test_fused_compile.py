@@ -116,7 +116,8 @@ def rope(dtype: str, arch: int) -> None:
 # pick: SPLIT_K the shrink's K splits (1 up to sgmv.MAX_SPLIT_K = 8), BLOCK_R = min(pow2(R), 32) (ranks 8, 16,
 # and 64: two rank tiles, ONE_R_TILE off), the widths' blocks (lora_kernels.RMS_SPLIT, SILU_BLOCK, ROPE_HEADS at
 # Llama widths; small ones for narrow models), EARLY (ops/pdl.py's early reads, one rank tile) and the launchers'
-# warp counts. Few variants: each compile costs seconds, and CI compiles them from an empty cache.
+# warp counts, EXTRAS (a composed batch's product: members after a row's first). Few variants: each compile costs
+# seconds, and CI compiles them from an empty cache.
 
 
 LORA_POINTERS = dict(part_ptr="*fp32", row_slot_ptr="*i32", extra_ptr="*i32")   # partials, row slots, members
@@ -126,14 +127,16 @@ def rms_norm_lora_split(dtype: str, arch: int) -> None:
     from loraplex.ops.fused import rms_split as k
     types = dict(x_ptr="*" + dtype, r_ptr="*" + dtype, s_ptr="*" + dtype, sumsq_ptr="*fp32", b_ptr="*" + dtype,
                  rank_ptr="*i32", scale_ptr="*fp32", **LORA_POINTERS)
-    # (residual, SPLIT_K, BLOCK_R, ONE_R_TILE, BLOCK, EARLY)
-    for has_res, split_k, block_r, one_r, block, early in ((True, 8, 16, True, 512, False),
-                                                           (True, 8, 16, True, 512, True),
-                                                           (False, 2, 32, False, 64, False)):
+    # (residual, SPLIT_K, BLOCK_R, ONE_R_TILE, BLOCK, EARLY, EXTRAS)
+    for has_res, split_k, block_r, one_r, block, early, extras in ((True, 8, 16, True, 512, False, False),
+                                                                   (True, 8, 16, True, 512, True, True),
+                                                                   (False, 2, 32, False, 64, False, True)):
         ptx = _compile(k._rms_lora_sums_kernel, types, dict(HAS_RESIDUAL=has_res, ONE_R_TILE=one_r, SPLIT_K=split_k,
-                                                            BLOCK_R=block_r, BLOCK=block, COMPILED=True, EARLY=early),
+                                                            BLOCK_R=block_r, BLOCK=block, COMPILED=True, EARLY=early,
+                                                            EXTRAS=extras),
                        arch, max(1, min(4, block // 128)))
-        _no_approx(ptx, f"rms_norm_lora_split sums {dtype} SPLIT_K={split_k} BLOCK_R={block_r} EARLY={early}")
+        _no_approx(ptx, f"rms_norm_lora_split sums {dtype} SPLIT_K={split_k} BLOCK_R={block_r} EARLY={early} "
+                        f"EXTRAS={extras}")
     ptx = _compile(k._rms_scale_kernel, dict(s_ptr="*" + dtype, w_ptr="*" + dtype, out_ptr="*" + dtype,
                                              sumsq_ptr="*fp32"), dict(BLOCK_C=8, BLOCK=512, COMPILED=True), arch, 4)
     _no_approx(ptx, f"rms_norm_lora_split scale {dtype}")
@@ -142,15 +145,17 @@ def rms_norm_lora_split(dtype: str, arch: int) -> None:
 
 def silu_lora(dtype: str, arch: int) -> None:
     from loraplex.ops.fused import lora_kernels as k
-    # (SPLIT_K, BLOCK_R, ONE_R_TILE, BLOCK, EARLY)
-    for split_k, block_r, one_r, block, early in ((8, 16, True, k.SILU_BLOCK, False), (2, 32, False, 64, False),
-                                                  (8, 16, True, k.SILU_BLOCK, True)):
+    # (SPLIT_K, BLOCK_R, ONE_R_TILE, BLOCK, EARLY, EXTRAS)
+    for split_k, block_r, one_r, block, early, extras in ((8, 16, True, k.SILU_BLOCK, False, False),
+                                                          (2, 32, False, 64, False, True),
+                                                          (8, 16, True, k.SILU_BLOCK, True, True)):
         types = dict(gu_ptr="*" + dtype, out_ptr="*" + dtype, b0="*" + dtype, b1="*" + dtype, rk0="*i32", rk1="*i32",
                      sc0="*fp32", sc1="*fp32", **LORA_POINTERS)
         ptx = _compile(k._silu_and_mul_lora_kernel, types,
                        dict(ONE_R_TILE=one_r, SPLIT_K=split_k, BLOCK_R=block_r, BLOCK=block, COMPILED=True,
-                            EARLY=early), arch, max(1, min(4, block // 128)))
-        what = f"silu_and_mul_lora {dtype} SPLIT_K={split_k} BLOCK_R={block_r} BLOCK={block} EARLY={early}"
+                            EARLY=early, EXTRAS=extras), arch, max(1, min(4, block // 128)))
+        what = (f"silu_and_mul_lora {dtype} SPLIT_K={split_k} BLOCK_R={block_r} BLOCK={block} EARLY={early} "
+                f"EXTRAS={extras}")
         _no_approx(ptx, what)
         assert "div.rn.f32" in ptx, f"{what}: the division must be IEEE"
 
@@ -159,18 +164,18 @@ def rope_lora(dtype: str, arch: int) -> None:
     from loraplex.ops.fused import lora_kernels as k
     # (positions, SPLIT_K, BLOCK_R, ONE_R_TILE, BLOCK_H, BLOCK_D, EARLY): D=128 heads ROPE_HEADS at a time; D=64
     # one head per program, two rank tiles; one head per program with the early reads.
-    for pos, split_k, block_r, one_r, block_h, block_d, early in (
-            ("i64", 8, 16, True, k.ROPE_HEADS, 64, False), ("i32", 2, 32, False, 1, 32, False),
-            ("i64", 8, 16, True, k.ROPE_HEADS, 64, True), ("i64", 1, 16, True, 1, 64, True)):
+    for pos, split_k, block_r, one_r, block_h, block_d, early, extras in (
+            ("i64", 8, 16, True, k.ROPE_HEADS, 64, False, False), ("i32", 2, 32, False, 1, 32, False, True),
+            ("i64", 8, 16, True, k.ROPE_HEADS, 64, True, True), ("i64", 1, 16, True, 1, 64, True, False)):
         types = dict(q_ptr="*" + dtype, k_ptr="*" + dtype, v_ptr="*" + dtype, pos_ptr="*" + pos,
                      inv_freq_ptr="*fp32", b0="*" + dtype, b1="*" + dtype, b2="*" + dtype, rk0="*i32", rk1="*i32",
                      rk2="*i32", sc0="*fp32", sc1="*fp32", sc2="*fp32", **LORA_POINTERS)
         ptx = _compile(k._rope_lora_kernel, types,
                        dict(ONE_R_TILE=one_r, SPLIT_K=split_k, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_D=block_d,
-                            COMPILED=True, EARLY=early), arch,
+                            COMPILED=True, EARLY=early, EXTRAS=extras), arch,
                        max(1, min(4, block_h * block_d // 128)))
         what = (f"rope_lora {dtype} positions {pos} SPLIT_K={split_k} BLOCK_R={block_r} BLOCK_H={block_h} "
-                f"BLOCK_D={block_d} EARLY={early}")
+                f"BLOCK_D={block_d} EARLY={early} EXTRAS={extras}")
         _no_approx(ptx, what)
         # As rope: every product that feeds the rotation's sums is rounded on its own.
         assert len(re.findall(r"mul\.rn(?:\.ftz)?\.f32", ptx)) >= 4, f"{what}: products must be mul.rn"
@@ -202,21 +207,21 @@ def lora_loads(dtype: str, arch: int) -> None:
         ptx = _compile(k._silu_and_mul_lora_kernel, dict(gu_ptr="*" + dtype, out_ptr="*" + dtype, b0="*" + dtype,
                                                          b1="*" + dtype, rk0="*i32", rk1="*i32", sc0="*fp32",
                                                          sc1="*fp32", **LORA_POINTERS),
-                       dict(ONE_R_TILE=True, SPLIT_K=1, BLOCK_R=16, BLOCK=k.SILU_BLOCK, COMPILED=True, EARLY=early),
-                       arch, 4, divisible=div)
+                       dict(ONE_R_TILE=True, SPLIT_K=1, BLOCK_R=16, BLOCK=k.SILU_BLOCK, COMPILED=True, EARLY=early,
+                            EXTRAS=False), arch, 4, divisible=div)
         _vector_b_loads(ptx, dtype, f"silu_and_mul_lora {dtype} sm_{arch} EARLY={early}")
         ptx = _compile(k._rope_lora_kernel, dict(q_ptr="*" + dtype, k_ptr="*" + dtype, v_ptr="*" + dtype,
                                                  pos_ptr="*i64", inv_freq_ptr="*fp32", b0="*" + dtype, b1="*" + dtype,
                                                  b2="*" + dtype, rk0="*i32", rk1="*i32", rk2="*i32", sc0="*fp32",
                                                  sc1="*fp32", sc2="*fp32", **LORA_POINTERS),
                        dict(ONE_R_TILE=True, SPLIT_K=1, BLOCK_R=16, BLOCK_H=k.ROPE_HEADS, BLOCK_D=64, COMPILED=True,
-                            EARLY=early), arch, 2, divisible=div)
+                            EARLY=early, EXTRAS=False), arch, 2, divisible=div)
         _vector_b_loads(ptx, dtype, f"rope_lora {dtype} sm_{arch} EARLY={early}", rope=True)
         ptx = _compile(ks._rms_lora_sums_kernel, dict(x_ptr="*" + dtype, r_ptr="*" + dtype, s_ptr="*" + dtype,
                                                       sumsq_ptr="*fp32", b_ptr="*" + dtype, rank_ptr="*i32",
                                                       scale_ptr="*fp32", **LORA_POINTERS),
                        dict(HAS_RESIDUAL=True, ONE_R_TILE=True, SPLIT_K=1, BLOCK_R=16, BLOCK=k.RMS_SPLIT,
-                            COMPILED=True, EARLY=early), arch, 4, divisible=div)
+                            COMPILED=True, EARLY=early, EXTRAS=False), arch, 4, divisible=div)
         _vector_b_loads(ptx, dtype, f"rms_norm_lora_split sums {dtype} sm_{arch} EARLY={early}")
     # The row-wise expand (sgmv_kernels._expand_tile_rows, compiled alone: the tile path beside it in the kernel
     # feeds the tensor cores, still at the exact rank mask) into an fp32 buffer: its only 16-bit loads are B's.

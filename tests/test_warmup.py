@@ -34,3 +34,24 @@ def test_lora_kernel_warmup_launches_every_variant_and_changes_nothing(monkeypat
     ops_used = ["rms_norm", "silu_and_mul", "apply_rope"]
     assert splits and sorted(products) == sorted((n, s) for n in ops_used for s in splits for _ in range(calls))
     assert bool((pool.ranks == 3).all())
+
+
+def test_with_compositions_the_consumers_also_take_a_composed_product(monkeypatch):
+    """compositions=True: each consumer launch is made again with a composed batch's product (two lanes), the
+    variant its composed decode forwards take; the pool's ranks are as before."""
+    from loraplex.models.warmup import compile_lora_kernels
+    from loraplex.ops.fused import api as fused
+    from loraplex.ops.lora import sgmv
+    config = ModelConfig.from_dict(hf_config("llama-gqa-llama3rope").to_dict())
+    pool = AdapterPool(config, num_slots=2, max_rank=4, dtype=torch.float32, device="cpu")
+    pool.ranks.fill_(3)
+    monkeypatch.setattr(sgmv, "add_lora", lambda *a, **kw: None)   # (the test above runs them; here the consumers)
+    lanes = []
+    for name in ("rms_norm", "silu_and_mul", "apply_rope"):
+        op = getattr(fused, name)
+        monkeypatch.setattr(fused, name, lambda *a, _op=op, _name=name, **kw: lanes.append(
+            (_name, kw["delta"].lanes)) or _op(*a, **kw))
+    compile_lora_kernels(config, pool, torch.float32, compositions=True)
+    for name in ("rms_norm", "silu_and_mul", "apply_rope"):
+        assert lanes.count((name, 2)) == lanes.count((name, 1)) > 0, name
+    assert bool((pool.ranks == 3).all())

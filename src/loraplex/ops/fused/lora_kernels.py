@@ -97,34 +97,38 @@ def _lane_slot(extra_ptr, lane, T, row, rank_ptr, scale_ptr, R):
 @triton.jit
 def _extra_products(acc, part_row, extra_ptr, row, T, extra_lanes, stride_pm, b_ptr, slot_elems, rank_ptr, scale_ptr,
                     cols, mask, R, stride_p_split, ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr,
-                    BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
+                    BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, EXTRAS: tl.constexpr):
     """acc plus the products of the row's members after its first (product.py's loop; `part_row`: the first
-    member's partials, this slice; B blocks `slot_elems` apart): none where `extra_lanes` is 0."""
-    for lane in range(0, extra_lanes):
-        slot, safe, rank, scale = _lane_slot(extra_ptr, lane, T, row, rank_ptr, scale_ptr, R)
-        if slot >= 0:
-            p = part_row + ((lane + 1) * T).to(tl.int64) * stride_pm
-            v, offs_r, r_mask = _v(p, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
-            acc += _product(p, b_ptr + safe.to(tl.int64) * slot_elems, rank, scale, cols, mask, R, stride_p_split,
-                            v, offs_r, r_mask, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK)
+    member's partials, this slice; B blocks `slot_elems` apart). EXTRAS (a composed product) or nothing: plain
+    products compile without the loop."""
+    if EXTRAS:
+        for lane in range(0, extra_lanes):
+            slot, safe, rank, scale = _lane_slot(extra_ptr, lane, T, row, rank_ptr, scale_ptr, R)
+            if slot >= 0:
+                p = part_row + ((lane + 1) * T).to(tl.int64) * stride_pm
+                v, offs_r, r_mask = _v(p, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
+                acc += _product(p, b_ptr + safe.to(tl.int64) * slot_elems, rank, scale, cols, mask, R,
+                                stride_p_split, v, offs_r, r_mask, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK)
     return acc
 
 
 @triton.jit
 def _extra_products_2d(d1, d2, part_row, extra_ptr, row, T, extra_lanes, stride_pm, b_ptr, slot_elems, rank_ptr,
                        scale_ptr, cols, HALF, mask, R, stride_p_split, ONE_R_TILE: tl.constexpr,
-                       SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                       SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                       EXTRAS: tl.constexpr):
     """`_extra_products` over both halves of a [BLOCK_H, BLOCK_D] tile of heads (RoPE's)."""
-    for lane in range(0, extra_lanes):
-        slot, safe, rank, scale = _lane_slot(extra_ptr, lane, T, row, rank_ptr, scale_ptr, R)
-        if slot >= 0:
-            p = part_row + ((lane + 1) * T).to(tl.int64) * stride_pm
-            v, offs_r, r_mask = _v(p, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
-            b_slot = b_ptr + safe.to(tl.int64) * slot_elems
-            d1 += _product_2d(p, b_slot, rank, scale, cols, mask, R, stride_p_split, v, offs_r, r_mask, ONE_R_TILE,
-                              SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D)
-            d2 += _product_2d(p, b_slot, rank, scale, cols + HALF, mask, R, stride_p_split, v, offs_r, r_mask,
-                              ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D)
+    if EXTRAS:
+        for lane in range(0, extra_lanes):
+            slot, safe, rank, scale = _lane_slot(extra_ptr, lane, T, row, rank_ptr, scale_ptr, R)
+            if slot >= 0:
+                p = part_row + ((lane + 1) * T).to(tl.int64) * stride_pm
+                v, offs_r, r_mask = _v(p, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
+                b_slot = b_ptr + safe.to(tl.int64) * slot_elems
+                d1 += _product_2d(p, b_slot, rank, scale, cols, mask, R, stride_p_split, v, offs_r, r_mask,
+                                  ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D)
+                d2 += _product_2d(p, b_slot, rank, scale, cols + HALF, mask, R, stride_p_split, v, offs_r, r_mask,
+                                  ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D)
     return d1, d2
 
 
@@ -137,7 +141,8 @@ def _silu_and_mul_lora_kernel(gu_ptr, out_ptr, part_ptr, row_slot_ptr, b0, b1, r
                               stride_p_split, stride_p_slice, stride_pm, extra_ptr, T, extra_lanes, I, stride_gu,
                               stride_out,
                               ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                              BLOCK: tl.constexpr, COMPILED: tl.constexpr, EARLY: tl.constexpr):
+                              BLOCK: tl.constexpr, COMPILED: tl.constexpr, EARLY: tl.constexpr,
+                              EXTRAS: tl.constexpr):
     """Program (row, column block): gate and up take their slice's product, then out = silu(gate) · up.
     EARLY (one rank tile): the row's slot, ranks, scalings and both B blocks are read before the PDL wait
     (ops/pdl.py's early reads), gate/up and the partials after it; the same sums."""
@@ -166,9 +171,9 @@ def _silu_and_mul_lora_kernel(gu_ptr, out_ptr, part_ptr, row_slot_ptr, b0, b1, r
             dg = tl.sum(bg.to(tl.float32) * vg[None, :], axis=1) * scale_g
             du = tl.sum(bu.to(tl.float32) * vu[None, :], axis=1) * scale_u
             dg = _extra_products(dg, part_g, extra_ptr, row, T, extra_lanes, stride_pm, b0, I * R, rk0, sc0, offs,
-                                 mask, R, stride_p_split, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK)
+                                 mask, R, stride_p_split, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK, EXTRAS)
             du = _extra_products(du, part_g + stride_p_slice, extra_ptr, row, T, extra_lanes, stride_pm, b1, I * R,
-                                 rk1, sc1, offs, mask, R, stride_p_split, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK)
+                                 rk1, sc1, offs, mask, R, stride_p_split, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK, EXTRAS)
             g = _round(g + dg, DT, COMPILED)
             u = _round(u + du, DT, COMPILED)
     else:
@@ -190,9 +195,9 @@ def _silu_and_mul_lora_kernel(gu_ptr, out_ptr, part_ptr, row_slot_ptr, b0, b1, r
             du = _product(part_u, b_u, rank_u, scale_u, offs, mask, R, stride_p_split, vu, offs_r, rm_u, ONE_R_TILE,
                           SPLIT_K, BLOCK_R, BLOCK)
             dg = _extra_products(dg, part_g, extra_ptr, row, T, extra_lanes, stride_pm, b0, I * R, rk0, sc0, offs,
-                                 mask, R, stride_p_split, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK)
+                                 mask, R, stride_p_split, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK, EXTRAS)
             du = _extra_products(du, part_u, extra_ptr, row, T, extra_lanes, stride_pm, b1, I * R, rk1, sc1, offs,
-                                 mask, R, stride_p_split, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK)
+                                 mask, R, stride_p_split, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK, EXTRAS)
             g = _round(g + dg, DT, COMPILED)
             u = _round(u + du, DT, COMPILED)
     tl.store(out_ptr + row * stride_out + offs, _silu_mul(g, u, DT, COMPILED).to(DT), mask=mask)
@@ -206,7 +211,7 @@ def _silu_and_mul_lora_kernel(gu_ptr, out_ptr, part_ptr, row_slot_ptr, b0, b1, r
 def _heads(base, stride_h, num_heads, h0, part_row, b_ptr, rank_ptr, scale_ptr, slot, has, R, stride_p_split, HALF,
            c, s, offs_d, d_mask, extra_ptr, t, T, extra_lanes, stride_pm, ROTATE: tl.constexpr,
            ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-           BLOCK_D: tl.constexpr, COMPILED: tl.constexpr):
+           BLOCK_D: tl.constexpr, COMPILED: tl.constexpr, EXTRAS: tl.constexpr):
     """Heads h0..h0+BLOCK_H of one token (none past `num_heads`: k and v have fewer with GQA): each half
     takes its product (rows with an adapter), then q and k rotate (ROTATE); v is only stored back when it
     changed."""
@@ -228,7 +233,7 @@ def _heads(base, stride_h, num_heads, h0, part_row, b_ptr, rank_ptr, scale_ptr, 
                          ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D)
         d1, d2 = _extra_products_2d(d1, d2, part_row, extra_ptr, t, T, extra_lanes, stride_pm, b_ptr,
                                     num_heads * 2 * HALF * R, rank_ptr, scale_ptr, cols, HALF, mask, R, stride_p_split,
-                                    ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D)
+                                    ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D, EXTRAS)
         x1 = _round(x1 + d1, DT, COMPILED)
         x2 = _round(x2 + d2, DT, COMPILED)
     _store_heads(p1, HALF, x1, x2, c, s, mask, ROTATE, has, COMPILED)
@@ -251,7 +256,8 @@ def _store_heads(p1, HALF, x1, x2, c, s, mask, rotate, has, COMPILED: tl.constex
 def _rope_early(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_row, slot, has, b0, b1, b2, rk0, rk1, rk2, sc0, sc1,
                 sc2, R, stride_p_split, stride_p_slice, HQ, HKV, HALF, stride_qh, stride_kh, stride_vh, which, h0,
                 extra_ptr, t, T, extra_lanes, stride_pm, ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr,
-                BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, COMPILED: tl.constexpr):
+                BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, COMPILED: tl.constexpr,
+                EXTRAS: tl.constexpr):
     """`_heads` for q, k or v (`which`) with the slice's rank, scaling and both halves' B blocks read first, then
     the kernel's deferred PDL wait (ops/pdl.py's early reads), then the rest: the same sums and roundings. `q_ptr`,
     `k_ptr`, `v_ptr`: the token's rows."""
@@ -289,7 +295,7 @@ def _rope_early(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_row, slot, has,
         scale_ptr = tl.where(is_q, sc0, tl.where(is_k, sc1, sc2))
         d1, d2 = _extra_products_2d(d1, d2, part_slice, extra_ptr, t, T, extra_lanes, stride_pm, b_ptr,
                                     num_heads * 2 * HALF * R, rank_ptr, scale_ptr, cols, HALF, mask, R, stride_p_split,
-                                    ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D)
+                                    ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D, EXTRAS)
         x1 = _round(x1 + d1, DT, COMPILED)
         x2 = _round(x2 + d2, DT, COMPILED)
     c, s = _cos_sin(pos_ptr, inv_freq_ptr, offs_d, d_mask, DT, COMPILED)
@@ -312,7 +318,7 @@ def _rope_lora_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_ptr, row_
                       HALF, stride_qt,
                       stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_pos, ONE_R_TILE: tl.constexpr,
                       SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                      COMPILED: tl.constexpr, EARLY: tl.constexpr):
+                      COMPILED: tl.constexpr, EARLY: tl.constexpr, EXTRAS: tl.constexpr):
     """Program (token, q|k|v, head block): q/k/v heads take their slice's product; q and k rotate.
     EARLY (one rank tile): the row's slot, the slice's rank and scaling and its B blocks are read before the PDL
     wait (ops/pdl.py's early reads; `_rope_early`)."""
@@ -326,7 +332,7 @@ def _rope_lora_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_ptr, row_
         _rope_early(q_ptr + t * stride_qt, k_ptr + t * stride_kt, v_ptr + t * stride_vt, pos_ptr + t * stride_pos,
                     inv_freq_ptr, part_row, slot, has, b0, b1, b2, rk0, rk1, rk2, sc0, sc1, sc2, R, stride_p_split,
                     stride_p_slice, HQ, HKV, HALF, stride_qh, stride_kh, stride_vh, which, h0, extra_ptr, t, T,
-                    extra_lanes, stride_pm, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D, COMPILED)
+                    extra_lanes, stride_pm, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D, COMPILED, EXTRAS)
     elif h0 < tl.where(which == 0, HQ, HKV):   # k and v have fewer head blocks with GQA
         DT = q_ptr.dtype.element_ty
         offs_d = tl.arange(0, BLOCK_D)
@@ -336,15 +342,15 @@ def _rope_lora_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_ptr, row_
         if which == 0:
             _heads(q_ptr + t * stride_qt, stride_qh, HQ, h0, part_row, b0, rk0, sc0, slot, has, R, stride_p_split,
                    HALF, c, s, offs_d, d_mask, extra_ptr, t, T, extra_lanes, stride_pm, True, ONE_R_TILE, SPLIT_K,
-                   BLOCK_R, BLOCK_H, BLOCK_D, COMPILED)
+                   BLOCK_R, BLOCK_H, BLOCK_D, COMPILED, EXTRAS)
         elif which == 1:
             _heads(k_ptr + t * stride_kt, stride_kh, HKV, h0, part_row + stride_p_slice, b1, rk1, sc1, slot, has, R,
                    stride_p_split, HALF, c, s, offs_d, d_mask, extra_ptr, t, T, extra_lanes, stride_pm, True,
-                   ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D, COMPILED)
+                   ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D, COMPILED, EXTRAS)
         else:
             _heads(v_ptr + t * stride_vt, stride_vh, HKV, h0, part_row + 2 * stride_p_slice, b2, rk2, sc2, slot, has,
                    R, stride_p_split, HALF, c, s, offs_d, d_mask, extra_ptr, t, T, extra_lanes, stride_pm, False,
-                   ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D, COMPILED)
+                   ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D, COMPILED, EXTRAS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,7 +403,7 @@ def silu_and_mul(gate_up, out, lora, block: int | None = None) -> None:
             gate_up.stride(0), out.stride(0))
     # a warp per 128 columns, at most 4 (148 registers a thread at 512 columns, sm_90)
     _SILU((T, -(-I // block)), args, dict(**_tiles(R), SPLIT_K=p.shape[0], BLOCK=block, COMPILED=COMPILED,
-                                          EARLY=_early(R, lora)),
+                                          EARLY=_early(R, lora), EXTRAS=lora.lanes > 1),
           max(1, min(4, block // 128)), 1)
 
 
@@ -416,5 +422,5 @@ def apply_rope(q, k, v, positions, inv_freq, lora, heads: int | None = None) -> 
             v.stride(0), v.stride(1), positions.stride(0))
     grid = (T, 3, -(-max(Hq, Hkv) // block_h))
     _ROPE(grid, args, dict(**_tiles(R), SPLIT_K=p.shape[0], BLOCK_H=block_h, BLOCK_D=block_d, COMPILED=COMPILED,
-                           EARLY=_early(R, lora)),
+                           EARLY=_early(R, lora), EXTRAS=lora.lanes > 1),
           max(1, min(4, block_h * block_d // 128)), 1)

@@ -30,7 +30,7 @@ from ..pdl import pdl_deferred_start, pdl_start
 def _chunk_sums(x_ptr, r_ptr, s_ptr, sumsq_ptr, part_ptr, row_slot_ptr, b_ptr, rank_ptr, scale_ptr, R, stride_p_split,
                 stride_pm, extra_ptr, T, extra_lanes, H, stride_x, stride_r, stride_s, CHUNKS,
                 HAS_RESIDUAL: tl.constexpr, ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                BLOCK: tl.constexpr, COMPILED: tl.constexpr, EARLY: tl.constexpr):
+                BLOCK: tl.constexpr, COMPILED: tl.constexpr, EARLY: tl.constexpr, EXTRAS: tl.constexpr):
     """Launch 1's program (row, chunk): the chunk of s, stored, and its sum of squares. EARLY (one rank tile):
     the row's slot, rank, scaling and B block are read before the deferred PDL wait (ops/pdl.py's early reads;
     the kernel's first statement was `pdl_start(EARLY)`); the same sums."""
@@ -51,7 +51,7 @@ def _chunk_sums(x_ptr, r_ptr, s_ptr, sumsq_ptr, part_ptr, row_slot_ptr, b_ptr, r
             lv, _, _ = _v(part_row, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
             d = tl.sum(b.to(tl.float32) * lv[None, :], axis=1) * scale
             d = _extra_products(d, part_row, extra_ptr, row, T, extra_lanes, stride_pm, b_ptr, H * R, rank_ptr,
-                                scale_ptr, offs, mask, R, stride_p_split, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK)
+                                scale_ptr, offs, mask, R, stride_p_split, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK, EXTRAS)
             v = _round(v + d, DT, COMPILED)
     else:
         v = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
@@ -62,7 +62,7 @@ def _chunk_sums(x_ptr, r_ptr, s_ptr, sumsq_ptr, part_ptr, row_slot_ptr, b_ptr, r
             d = _product(part_row, b_ptr + slot.to(tl.int64) * H * R, rank, scale, offs, mask, R, stride_p_split,
                          lv, offs_r, r_mask, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK)
             d = _extra_products(d, part_row, extra_ptr, row, T, extra_lanes, stride_pm, b_ptr, H * R, rank_ptr,
-                                scale_ptr, offs, mask, R, stride_p_split, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK)
+                                scale_ptr, offs, mask, R, stride_p_split, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK, EXTRAS)
             v = _round(v + d, DT, COMPILED)
     if HAS_RESIDUAL:
         v = _round(tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32) + v, DT, COMPILED)
@@ -74,12 +74,13 @@ def _chunk_sums(x_ptr, r_ptr, s_ptr, sumsq_ptr, part_ptr, row_slot_ptr, b_ptr, r
 def _rms_lora_sums_kernel(x_ptr, r_ptr, s_ptr, sumsq_ptr, part_ptr, row_slot_ptr, b_ptr, rank_ptr, scale_ptr, R,
                           stride_p_split, stride_pm, extra_ptr, T, extra_lanes, H, stride_x, stride_r, stride_s, CHUNKS,
                           HAS_RESIDUAL: tl.constexpr, ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr,
-                          BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, COMPILED: tl.constexpr, EARLY: tl.constexpr):
+                          BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, COMPILED: tl.constexpr, EARLY: tl.constexpr,
+                          EXTRAS: tl.constexpr):
     """Launch 1: program (row, chunk) stores the chunk of s and its sum of squares (`_chunk_sums`)."""
     pdl_start(EARLY)   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first (EARLY: later)
     _chunk_sums(x_ptr, r_ptr, s_ptr, sumsq_ptr, part_ptr, row_slot_ptr, b_ptr, rank_ptr, scale_ptr, R, stride_p_split,
                 stride_pm, extra_ptr, T, extra_lanes, H, stride_x, stride_r, stride_s, CHUNKS, HAS_RESIDUAL, ONE_R_TILE,
-                SPLIT_K, BLOCK_R, BLOCK, COMPILED, EARLY)
+                SPLIT_K, BLOCK_R, BLOCK, COMPILED, EARLY, EXTRAS)
 
 
 @triton.jit
@@ -126,7 +127,7 @@ def sums(x, residual, s_out, lora, block: int, tiles: dict, early: bool = False)
     r = residual if residual is not None else x
     sumsq = torch.empty((T, chunks), dtype=torch.float32, device=x.device)
     consts = dict(HAS_RESIDUAL=residual is not None, **tiles, SPLIT_K=p.shape[0], BLOCK=block, COMPILED=COMPILED,
-                  EARLY=early and tiles["ONE_R_TILE"])
+                  EARLY=early and tiles["ONE_R_TILE"], EXTRAS=lora.lanes > 1)
     _SUMS((T, chunks), (x, r, s_out, sumsq, p, row_slot, b, rk, sc, R, sp, sm, extra, lanes_t, extra_lanes, H,
                         x.stride(0), r.stride(0), s_out.stride(0), chunks), consts, max(1, min(4, block // 128)), 1)
     return sumsq
