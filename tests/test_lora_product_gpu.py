@@ -39,19 +39,26 @@ EARLY = [pytest.param(False, id="plain"), pytest.param(True, id="early")]
 
 
 def _lora_product(gen: torch.Generator, widths: tuple[int, ...], dtype: torch.dtype, exact: bool,
-                  early: bool = True) -> LoraProduct:
+                  early: bool = True, lanes: int = 1) -> LoraProduct:
     """A LoraProduct on CUDA as the shrink leaves it (see the section's comment), read early by the consumers
     where one rank tile holds the rank if `early` (LoraProduct.early_reads). `exact`: every partial,
     B value and scaling a small dyadic number, so that each product, and each sum of products in any
     order, is exact in fp32 (the kernels' order and `dense()`'s agree to the bit); else Gaussian.
-    Either way each delta is about as large as the unit-scale inputs, so sums move most elements."""
+    Either way each delta is about as large as the unit-scale inputs, so sums move most elements. `lanes` > 1: a
+    composed batch's product, most rows with an adapter combining it with more (lane by lane, as batches fill)."""
     T, R, S, K = LORA_T, LORA_R, LORA_SLOTS, LORA_SPLIT_K
     row_slot = torch.randint(-1, S, (T,), generator=gen, dtype=torch.int32)
     row_slot[0], row_slot[1] = 1, -1
+    slots = torch.full((lanes, T), -1, dtype=torch.int32)
+    slots[0] = row_slot
+    for lane in range(1, lanes):
+        more = (slots[lane - 1] >= 0) & (torch.rand(T, generator=gen) < 0.7)
+        slots[lane] = torch.where(more, torch.randint(0, S, (T,), generator=gen, dtype=torch.int32), -1)
+    entry_slot = slots.reshape(-1)   # entry l·T + m: row m's member l
     if exact:
-        part = torch.randint(-8, 9, (K, len(widths), T, R), generator=gen).float() / 16
+        part = torch.randint(-8, 9, (K, len(widths), lanes * T, R), generator=gen).float() / 16
     else:
-        part = torch.randn(K, len(widths), T, R, generator=gen) / K ** 0.5
+        part = torch.randn(K, len(widths), lanes * T, R, generator=gen) / K ** 0.5
     lora_b, ranks, scalings = [], [], []
     for i, n in enumerate(widths):
         rk = torch.full((S,), R, dtype=torch.int32)
@@ -64,13 +71,14 @@ def _lora_product(gen: torch.Generator, widths: tuple[int, ...], dtype: torch.dt
             sc = torch.rand(S, generator=gen) * 2 + 0.25
         for s in range(S):
             b[s, :, int(rk[s]):] = float("nan")
-            part[:, i, row_slot == s, int(rk[s]):] = float("nan")
+            part[:, i, entry_slot == s, int(rk[s]):] = float("nan")
         lora_b.append(b.to(CUDA, dtype))
         ranks.append(rk.to(CUDA))
         scalings.append(sc.to(CUDA))
-    part[:, :, row_slot < 0] = float("nan")
+    part[:, :, entry_slot < 0] = float("nan")
+    extra = slots[1:].reshape(-1).contiguous().to(CUDA) if lanes > 1 else None
     return LoraProduct(part.to(CUDA), tuple(lora_b), tuple(ranks), tuple(scalings), row_slot.to(CUDA),
-                       early_reads=early)
+                       early_reads=early, extra_slot=extra, lanes=lanes)
 
 
 def _delta_f64(p: LoraProduct, magnitude: bool = False) -> torch.Tensor:
@@ -116,17 +124,19 @@ def _qkv_of(buf: torch.Tensor, Hkv: int) -> tuple[torch.Tensor, torch.Tensor, to
 @pytest.mark.parametrize("dtype", LORA_DTYPES)
 @pytest.mark.parametrize("Hkv", [32, 8])
 @pytest.mark.parametrize("early", EARLY)
-def test_lora_product_consumers_are_the_ops_on_the_exact_sum(dtype, Hkv, early):
+@pytest.mark.parametrize("lanes", [1, 3])
+def test_lora_product_consumers_are_the_ops_on_the_exact_sum(dtype, Hkv, early, lanes):
     """Products exact in fp32 (dyadic data): each consumer with a LoraProduct gives, bit for bit, what the
     plain kernel gives on `round(t + delta)`, delta the float64 loop of product.py's docstring (equal
     to `dense()` here to the bit); rms_norm's output only to its own tolerance, since the LoRA kernel sums
     the squares tile by tile. Inputs that are only read stay unwritten; the reference backend, fed the
-    same product, agrees within the ops' tolerances (RMS_TOL, SILU_TOL, the rope bound)."""
-    gen = _gen("lora-exact", str(dtype), Hkv)
+    same product, agrees within the ops' tolerances (RMS_TOL, SILU_TOL, the rope bound). lanes 3: a composed
+    batch's product, every member of a row in the one sum."""
+    gen = _gen("lora-exact", str(dtype), Hkv, lanes)
     T, H, I, Hq, D = LORA_T, LORA_H, LORA_I, LORA_HQ, LORA_D
     w = (1 + 0.3 * torch.randn(H, generator=gen)).to(CUDA, dtype)
 
-    p = _lora_product(gen, (H,), dtype, exact=True, early=early)
+    p = _lora_product(gen, (H,), dtype, exact=True, early=early, lanes=lanes)
     d = _delta_f64(p)
     _check_dense(p, d, exact=True)
     x = torch.randn(T, H, generator=gen).to(CUDA, dtype)
@@ -143,7 +153,7 @@ def test_lora_product_consumers_are_the_ops_on_the_exact_sum(dtype, Hkv, early):
         assert torch.equal(s, ref_s)
         assert_ulps(out, ref, *RMS_TOL[dtype], what=f"rms_norm vs reference, residual={r is not None}")
 
-    p = _lora_product(gen, (I, I), dtype, exact=True, early=early)
+    p = _lora_product(gen, (I, I), dtype, exact=True, early=early, lanes=lanes)
     d = _delta_f64(p)
     _check_dense(p, d, exact=True)
     gate_up = (torch.randn(T, 2 * I, generator=gen) * torch.tensor([4.0, 1.0]).repeat_interleave(I)).to(CUDA, dtype)
@@ -154,7 +164,7 @@ def test_lora_product_consumers_are_the_ops_on_the_exact_sum(dtype, Hkv, early):
     ref = fused.silu_and_mul(gate_up, delta=p, backend="reference")
     assert_ulps(out, ref, *SILU_TOL[dtype], what="silu_and_mul vs reference")
 
-    p = _lora_product(gen, (Hq * D, Hkv * D, Hkv * D), dtype, exact=True, early=early)
+    p = _lora_product(gen, (Hq * D, Hkv * D, Hkv * D), dtype, exact=True, early=early, lanes=lanes)
     d = _delta_f64(p)
     _check_dense(p, d, exact=True)
     qkv, (q, k, v), positions, inv_freq = _rope_inputs(gen, Hkv, dtype)
