@@ -362,7 +362,7 @@ def _meta(*shape, dtype=torch.float16):
     (lambda: fused.rms_norm(_meta(4, 32), _meta(32), 1e-6,
                             delta=_meta_product(part=_meta(2, 1, 8, 8, dtype=torch.float32), lanes=2,
                                                 extra_slot=_meta(3, dtype=torch.int32))),
-     r"delta.extra_slot must be an int32 \[\(lanes-1\)·T = 4\] on meta for 2 lanes"),
+     r"delta.extra_slot must be a contiguous int32 \[\(lanes-1\)·T = 4\] on meta for 2 lanes"),
     (lambda: fused.rms_norm(_meta(4, 32), _meta(32), 1e-6, delta=_meta_product(lanes=2,
                                                                                extra_slot=_meta(4, dtype=torch.int32))),
      r"delta.part has 4 entries; 2 lanes of 4 rows need 8"),

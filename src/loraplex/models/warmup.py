@@ -21,6 +21,7 @@ from ..ops import LoraBatch
 from ..ops.fused import api as fused
 from ..ops.lora import sgmv
 from ..ops.lora.batch import LARGE_BLOCK_M, SMALL_BLOCK_M
+from ..ops.lora.batch_plan import MAX_MEMBERS
 from ..ops.lora.product import LoraProduct
 from .config import ModelConfig
 from .lora_plan import DECODE_EXPAND_IN_CONSUMER, DECODE_MAX_ROWS
@@ -81,8 +82,10 @@ def _compile_consumers(config: ModelConfig, pool: AdapterPool, dtype: torch.dtyp
     device, c = pool.device, config
     cfg = sgmv.config_for(SMALL_BLOCK_M)
     R = pool.max_rank
-    # at most this many shrink programs (tiles × 3 slices × rank tiles of at least 16): an upper bound
-    most = (-(-DECODE_MAX_ROWS // SMALL_BLOCK_M) + DECODE_MAX_ROWS) * 3 * -(-R // 16)
+    # at most this many shrink programs (tiles × 3 slices × rank tiles of at least 16, over a composed batch's
+    # entries: up to MAX_MEMBERS a row): an upper bound
+    entries = MAX_MEMBERS if compositions else 1
+    most = (-(-DECODE_MAX_ROWS // SMALL_BLOCK_M) + DECODE_MAX_ROWS) * 3 * -(-R // 16) * entries
     widths = (c.hidden_size, c.num_attention_heads * c.head_dim, c.intermediate_size)
     splits = sorted({sgmv.choose_split_k(n, k, device, cfg) for n in range(1, most + 1) for k in widths})
     hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim

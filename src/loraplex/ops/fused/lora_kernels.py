@@ -87,7 +87,7 @@ def _product_2d(part_row, b_slot, rank, scale, cols, mask, R, stride_p_split, v,
 
 @triton.jit
 def _lane_slot(extra_ptr, lane, T, row, rank_ptr, scale_ptr, R):
-    """(slot, rank, scale) of row's member lane + 1 (slot -1, rank 0: none; nothing read)."""
+    """(slot, slot clamped to 0, rank, scale) of row's member lane + 1 (slot -1, rank 0: none; nothing read)."""
     slot = tl.load(extra_ptr + lane * T + row)
     safe = tl.maximum(slot, 0)
     rank = tl.where(slot >= 0, tl.minimum(tl.load(rank_ptr + safe), R), 0)

@@ -2,8 +2,9 @@
 
 The shrink of a composed batch writes one fp32 product per (row, member) entry, already scaled by the member's
 weight; the tile expand (or the one beside the GEMM into a `LoraDelta`) adds each row's first member. This kernel
-adds the others (a `LoraProduct`'s consumer adds them itself, with the first: ops/lora/product.py), for every row m with members l = 1 .. lanes-1 (slot s = extra_slot[(l-1)·T + m] ≥ 0,
-entry e = l·T + m), slice i, column n of the slice, in fp32:
+adds the others (a `LoraProduct`'s consumer adds them itself, with the first: ops/lora/product.py), for every
+row m with members l = 1 .. lanes-1 (slot s = extra_slot[(l-1)·T + m] ≥ 0, entry e = l·T + m), slice i, column
+n of the slice, in fp32:
 
     y[m, c_i + n] = round(y[m, c_i + n] + Σ_l scalings_i[s] · Σ_{r < rank_i(s)} (Σ_split part[split, i, e, r]) · B_i[s, n, r])
 

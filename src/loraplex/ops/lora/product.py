@@ -109,9 +109,10 @@ class LoraProduct:
         if self.lanes > 1:
             e = self.extra_slot
             if e is None or e.dtype != torch.int32 or tuple(e.shape) != ((self.lanes - 1) * rows,) \
-                    or e.device != like.device:
-                raise ValueError(f"{name}.extra_slot must be an int32 [(lanes-1)·T = {(self.lanes - 1) * rows}] on "
-                                 f"{like.device} for {self.lanes} lanes, got {_desc(e) if e is not None else None}")
+                    or e.device != like.device or e.stride(0) != 1:
+                raise ValueError(f"{name}.extra_slot must be a contiguous int32 [(lanes-1)·T = "
+                                 f"{(self.lanes - 1) * rows}] on {like.device} for {self.lanes} lanes, got "
+                                 f"{_desc(e) if e is not None else None}")
             if T < self.lanes * rows:
                 raise ValueError(f"{name}.part has {T} entries; {self.lanes} lanes of {rows} rows need "
                                  f"{self.lanes * rows}")
