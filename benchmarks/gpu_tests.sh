@@ -20,9 +20,9 @@ if [ $# -gt 0 ]; then
   run_pytest -m gpu "$@"
 else
   echo "== GPU tests: ${WORKERS:-8} workers"
-  run_pytest -m "gpu and not gpu_memory" -n "${WORKERS:-8}" --dist loadgroup tests
+  run_pytest -m "gpu and not gpu_memory" -n "${WORKERS:-8}" tests
   echo "== GPU tests that size themselves from free memory, alone ($SECONDS s so far)"
-  run_pytest -m "gpu and gpu_memory" tests -o log_cli=true --log-cli-level=INFO
+  run_pytest -m "gpu and gpu_memory" -n 0 tests -o log_cli=true --log-cli-level=INFO
 fi
 echo "== $SECONDS s"
 finish
