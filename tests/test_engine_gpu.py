@@ -72,7 +72,6 @@ def _record_variants(monkeypatch) -> list[str]:
     return seen
 
 
-@pytest.mark.xdist_group("default_engines")
 class TestDefaultEngines:
     """Tests that run on the two default engines (CUDA graphs, eager), started once for all of them."""
 
