@@ -34,7 +34,8 @@ finish() {
   # only what a cache hit reads (binaries, metadata, launcher stubs), not the IR: ~20% of the bytes
   [ -d "$CACHE_DIR" ] && (cd "$CACHE_DIR" && find . -type f ${newer[@]+"${newer[@]}"} \
       \( -name '*.cubin' -o -name '*.json' -o -name '*.so' \) -print0 >"$list")
-  if [ -s "$list" ] && (cd "$CACHE_DIR" && tar -cf - --null -T "$list" | xz -9 -T0 >"$packed") 2>/dev/null; then
+  # xz -6 -T0: blocks small enough for every core (-9's one large block took over a minute on ~1,000 new entries)
+  if [ -s "$list" ] && (cd "$CACHE_DIR" && tar -cf - --null -T "$list" | xz -6 -T0 >"$packed") 2>/dev/null; then
     if [ "$(stat -c %s "$packed")" -le $((30 << 20)) ]; then
       local k=1
       while [ -e "$OUT/triton-cache-$k.tar.xz" ]; do k=$((k + 1)); done   # one per launcher of a call
