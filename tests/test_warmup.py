@@ -37,8 +37,8 @@ def test_lora_kernel_warmup_launches_every_variant_and_changes_nothing(monkeypat
 
 
 def test_with_compositions_the_consumers_also_take_a_composed_product(monkeypatch):
-    """compositions=True: each consumer launch is made again with a composed batch's product (two lanes), the
-    variant its composed decode forwards take; the pool's ranks are as before."""
+    """compositions=True: each consumer launch is made again with a composed batch's product (two and three lanes),
+    the variants its composed decode forwards take; the pool's ranks are as before."""
     from loraplex.models.warmup import compile_lora_kernels
     from loraplex.ops.fused import api as fused
     from loraplex.ops.lora import sgmv
@@ -53,5 +53,5 @@ def test_with_compositions_the_consumers_also_take_a_composed_product(monkeypatc
             (_name, kw["delta"].lanes)) or _op(*a, **kw))
     compile_lora_kernels(config, pool, torch.float32, compositions=True)
     for name in ("rms_norm", "silu_and_mul", "apply_rope"):
-        assert lanes.count((name, 2)) == lanes.count((name, 1)) > 0, name
+        assert lanes.count((name, 3)) == lanes.count((name, 2)) == lanes.count((name, 1)) > 0, name
     assert bool((pool.ranks == 3).all())

@@ -78,7 +78,7 @@ def _compile_consumers(config: ModelConfig, pool: AdapterPool, dtype: torch.dtyp
     """The consumers that expand a projection's product (models/lora_plan.py's "decode" forwards: RMSNorm for o and
     down, SiLU-and-mul for gate/up, RoPE for q/k/v), for every K-split count the shrink can pick in forwards of up
     to DECODE_MAX_ROWS rows, on rows of slot 0 (rank 0 here: nothing read); with `compositions` also their
-    variants for a composed batch's product (rows whose second member is slot 0 too)."""
+    variants for a composed batch's product (rows whose other members are slot 0 too)."""
     device, c = pool.device, config
     cfg = sgmv.config_for(SMALL_BLOCK_M)
     R = pool.max_rank
@@ -91,15 +91,16 @@ def _compile_consumers(config: ModelConfig, pool: AdapterPool, dtype: torch.dtyp
     hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     launches = 0
     # layers 0-3: the per-layer rank and scaling views take every alignment they can take (as above)
-    lanes = (1, 2) if compositions else (1,)
+    # 2 and 3 lanes: with 1-row products, partial strides (lanes · rows · R) of both divisibility classes
+    lanes = (1, 2, 3) if compositions else (1,)
     for layer, split_k, rows, lane in itertools.product(range(min(4, c.num_hidden_layers)), splits,
                                                         (1, SMALL_BLOCK_M), lanes):
         def product(projs):
             _, b, ranks, scalings = pool.stacks(layer, projs)
             part = torch.zeros(split_k, len(b), lane * rows, R, dtype=torch.float32, device=device)
-            slots = [torch.zeros(rows, dtype=torch.int32, device=device) for _ in range(lane)]   # 16-byte aligned
-            return LoraProduct(part, tuple(b), tuple(ranks), tuple(scalings), slots[0],
-                               extra_slot=slots[1] if lane > 1 else None, lanes=lane)
+            row_slot = torch.zeros(rows, dtype=torch.int32, device=device)
+            extra = torch.zeros((lane - 1) * rows, dtype=torch.int32, device=device) if lane > 1 else None
+            return LoraProduct(part, tuple(b), tuple(ranks), tuple(scalings), row_slot, extra_slot=extra, lanes=lane)
         zeros = lambda *shape: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
         if DECODE_EXPAND_IN_CONSUMER & {"o_proj", "down_proj"}:
             weight = torch.ones(c.hidden_size, dtype=dtype, device=device)
