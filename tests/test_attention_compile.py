@@ -8,7 +8,7 @@ subprocess is this file run as a script:
 
     TRITON_INTERPRET=0 python tests/test_attention_compile.py 90 bf16 prefill
 
-The "fp8kv" family compiles the three kernels over float8 e4m3 caches (bf16 and fp16 activations) for Hopper:
+The "fp8kv" family compiles the three kernels over float8 e4m3 caches (bf16, fp16 and fp32 activations) for Hopper:
 Triton converts e4m3 from sm_89 on, so the engine refuses an FP8 KV cache on older GPUs.
 """
 from __future__ import annotations
@@ -165,7 +165,8 @@ def compile_kind(arch: int, dtype: str, kind: str) -> int:
 
 # (arch, dtype, kernel family) per subprocess; fp32 (tf32x3 dots) for Hopper only.
 JOBS = [(arch, dtype, kind) for arch in ARCHS for dtype in DTYPES for kind in KINDS] + \
-       [(90, "fp32", "prefill"), (90, "fp32", "decode"), (90, "bf16", "fp8kv"), (90, "fp16", "fp8kv")]
+       [(90, "fp32", "prefill"), (90, "fp32", "decode"), (90, "bf16", "fp8kv"), (90, "fp16", "fp8kv"),
+        (90, "fp32", "fp8kv")]
 
 
 def _compile_in_subprocess(arch: int, dtype: str, kind: str) -> subprocess.CompletedProcess:
