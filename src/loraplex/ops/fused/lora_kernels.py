@@ -86,12 +86,14 @@ def _product_2d(part_row, b_slot, rank, scale, cols, mask, R, stride_p_split, v,
 
 
 @triton.jit
-def _lane_slot(extra_ptr, lane, T, row, rank_ptr, scale_ptr, R):
-    """(slot, slot clamped to 0, rank, scale) of row's member lane + 1 (slot -1, rank 0: none; nothing read)."""
+def _lane(extra_ptr, lane, T, row, rank_ptr, scale_ptr, R, part_row, stride_pm, b_ptr, slot_elems):
+    """(slot, rank, scale, partials row, B block) of row's member lane + 1: slot -1 and rank 0 where it has none
+    (then nothing is read)."""
     slot = tl.load(extra_ptr + lane * T + row)
     safe = tl.maximum(slot, 0)
     rank = tl.where(slot >= 0, tl.minimum(tl.load(rank_ptr + safe), R), 0)
-    return slot, safe, rank, tl.load(scale_ptr + safe)
+    p = part_row + ((lane + 1) * T).to(tl.int64) * stride_pm
+    return slot, rank, tl.load(scale_ptr + safe), p, b_ptr + safe.to(tl.int64) * slot_elems
 
 
 @triton.jit
@@ -103,12 +105,12 @@ def _extra_products(acc, part_row, extra_ptr, row, T, extra_lanes, stride_pm, b_
     products compile without the loop."""
     if EXTRAS:
         for lane in range(0, extra_lanes):
-            slot, safe, rank, scale = _lane_slot(extra_ptr, lane, T, row, rank_ptr, scale_ptr, R)
+            slot, rank, scale, p, b_slot = _lane(extra_ptr, lane, T, row, rank_ptr, scale_ptr, R, part_row, stride_pm,
+                                                 b_ptr, slot_elems)
             if slot >= 0:
-                p = part_row + ((lane + 1) * T).to(tl.int64) * stride_pm
                 v, offs_r, r_mask = _v(p, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
-                acc += _product(p, b_ptr + safe.to(tl.int64) * slot_elems, rank, scale, cols, mask, R,
-                                stride_p_split, v, offs_r, r_mask, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK)
+                acc += _product(p, b_slot, rank, scale, cols, mask, R, stride_p_split, v, offs_r, r_mask, ONE_R_TILE,
+                                SPLIT_K, BLOCK_R, BLOCK)
     return acc
 
 
@@ -120,11 +122,10 @@ def _extra_products_2d(d1, d2, part_row, extra_ptr, row, T, extra_lanes, stride_
     """`_extra_products` over both halves of a [BLOCK_H, BLOCK_D] tile of heads (RoPE's)."""
     if EXTRAS:
         for lane in range(0, extra_lanes):
-            slot, safe, rank, scale = _lane_slot(extra_ptr, lane, T, row, rank_ptr, scale_ptr, R)
+            slot, rank, scale, p, b_slot = _lane(extra_ptr, lane, T, row, rank_ptr, scale_ptr, R, part_row, stride_pm,
+                                                 b_ptr, slot_elems)
             if slot >= 0:
-                p = part_row + ((lane + 1) * T).to(tl.int64) * stride_pm
                 v, offs_r, r_mask = _v(p, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
-                b_slot = b_ptr + safe.to(tl.int64) * slot_elems
                 d1 += _product_2d(p, b_slot, rank, scale, cols, mask, R, stride_p_split, v, offs_r, r_mask,
                                   ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D)
                 d2 += _product_2d(p, b_slot, rank, scale, cols + HALF, mask, R, stride_p_split, v, offs_r, r_mask,
