@@ -31,7 +31,7 @@ def shrink(dtype: str, block_m: int) -> None:
     cfg = sgmv.config_for(block_m)
     types = {"x_": "*" + dtype, "part_": "*fp32", "sorted_": "*i32", "entries_": "*i32", "weights_": "*fp32",
              "work_": "*i32", "a": "*" + dtype, "rk": "*i32"}
-    # ROWWISE: sgmv_kernels._shrink_tile_rows for tiles of up to ROWWISE_MAX_ROWS rows (rank tiles of ≤ 32)
+    # ROWWISE: shrink_kernels._shrink_tile_rows for tiles of up to ROWWISE_MAX_ROWS rows (rank tiles of ≤ 32)
     # AFTER_GEMM: launched after the GEMM over the same x (ops/lora/overlap.py's "after" order)
     # COMPOSED: a composed batch's weighted entries (ops/lora/batch.py)
     for num_slices, block_r, rowwise, after, composed in (
@@ -44,38 +44,31 @@ def shrink(dtype: str, block_m: int) -> None:
         _compile(sgmv._sgmv_shrink_kernel, types, consts, cfg.shrink_warps, cfg.shrink_stages)
 
 
-def extras(dtype: str, block_m: int) -> None:
-    """ops/lora/extras.py's expand of a composed batch's members after the first (into y, or an fp32 delta)."""
-    from loraplex.ops.lora import extras as ex
-    for y_type in (dtype, "fp32"):
-        types = {"y_": "*" + y_type, "part_": "*fp32", "extra_slot": "*i32", "b": "*" + dtype, "rk": "*i32",
-                 "sc": "*fp32"}
-        consts = dict(NUM_SLICES=3, SPLIT_K=2, BLOCK_N=ex.BLOCK_N, BLOCK_R=16)
-        _compile(ex._expand_extras_kernel, types, consts, 4, 1)
-
-
 def expand(dtype: str, block_m: int) -> None:
     cfg = sgmv.config_for(block_m)
     # ACCUMULATE=False: y is the fp32 buffer of LoRA products (a LoraDelta) that ops/lora/overlap.py leaves for the
-    # next op; ROWWISE: sgmv_kernels._expand_tile_rows for tiles of up to ROWWISE_MAX_ROWS rows, one rank tile only,
+    # next op; ROWWISE: expand_kernels._expand_tile_rows for tiles of up to ROWWISE_MAX_ROWS rows, one rank tile only,
     # the row-wise steps' columns sgmv.rows_block_n_for's (512 for the rank tile of 16).
-    # TILE_PREFETCH: the tile expand's y a step ahead (sgmv_kernels._expand_tile's PREFETCH: the prompt tiles')
-    variants = ((True, True, False, False), (True, True, True, False), (False, True, True, False),
-                (True, False, True, False), (True, True, False, True), (False, True, False, True),
-                (True, False, False, True), (True, True, True, True))
-    for one_r, accumulate, rowwise, tile_prefetch in variants:
+    # TILE_PREFETCH: the tile expand's y a step ahead (expand_kernels._expand_tile's PREFETCH: the prompt tiles')
+    # COMPOSED: a composed batch's members after the first, added before y rounds (ops/lora/batch.py)
+    variants = ((True, True, False, False, False), (True, True, True, False, False), (False, True, True, False, False),
+                (True, False, True, False, False), (True, True, False, True, False), (False, True, False, True, False),
+                (True, False, False, True, False), (True, True, True, True, False), (True, True, True, False, True),
+                (True, False, True, False, True), (True, True, False, True, True), (False, True, False, True, True),
+                (False, False, False, False, True))
+    for one_r, accumulate, rowwise, tile_prefetch, composed in variants:
         types = {"y_": "*" + (dtype if accumulate else "fp32"), "part_": "*fp32", "sorted_": "*i32", "work_": "*i32",
-                 "b": "*" + dtype, "rk": "*i32", "sc": "*fp32"}
+                 "extra_slot": "*i32", "b": "*" + dtype, "rk": "*i32", "sc": "*fp32"}
         consts = dict(NUM_SLICES=2, SPLIT_K=2, BLOCK_M=block_m, BLOCK_N=cfg.expand_block_n,
                       BLOCK_R=16 if one_r else 64, ONE_R_TILE=one_r, PRECISION="split" if dtype == "bf16" else "tf32x3",
                       ACCUMULATE=accumulate, ROWWISE=rowwise,
                       ROWS_BLOCK_N=sgmv.rows_block_n_for(dataclasses.replace(cfg, rowwise=rowwise),
                                                          16 if one_r else 64),
-                      TILE_PREFETCH=tile_prefetch)
+                      TILE_PREFETCH=tile_prefetch, COMPOSED=composed)
         _compile(sgmv._sgmv_expand_kernel, types, consts, cfg.expand_warps, cfg.expand_stages)
 
 
 if __name__ == "__main__":
     kind, dtype, block_m = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    {"shrink": shrink, "expand": expand, "extras": extras}[kind](dtype, block_m)
+    {"shrink": shrink, "expand": expand}[kind](dtype, block_m)
     print("compiled", kind, dtype, block_m)

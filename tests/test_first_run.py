@@ -138,10 +138,15 @@ def test_demo_once_in_a_pipe_prints_plain_text_and_ends():
     lines = proc.stdout.splitlines()
     assert "\x1b" not in proc.stdout and "\x1b" not in proc.stderr   # no escape codes anywhere
     assert len(lines) == 1 + len(ADAPTER_KINDS) + 1, proc.stdout      # a line per stream, and a summary
+    # Each stream ends at its 6th token or at the demo model's stop token: on the CPU a logit can move with the
+    # batch a step happens to hold (the GEMM's kernel depends on its rows), so the sampled text may differ.
+    total = 0
     for adapter in ["base", *ADAPTER_KINDS]:
         [line] = [ln for ln in lines if f"· adapter {adapter} ·" in ln]
-        assert re.search(r"· 6 tokens · [\d.]+ tok/s · length: \".+\"$", line), line
-    assert lines[-1].startswith("all streams: 30 tokens in "), lines[-1]
+        found = re.search(r"· (\d+) tokens · [\d.]+ tok/s · (length|stop): \".+\"$", line)
+        assert found and int(found[1]) <= 6 and (found[2] == "stop" or int(found[1]) == 6), line
+        total += int(found[1])
+    assert lines[-1].startswith(f"all streams: {total} tokens in "), lines[-1]
     assert "leaked" not in proc.stderr
 
 

@@ -182,8 +182,8 @@ def rope_lora(dtype: str, arch: int) -> None:
 
 
 def _vector_b_loads(ptx: str, dtype: str, what: str, rope: bool = False) -> None:
-    """A 16-bit B block read 16 bytes at a time (sgmv_kernels._load_rank_block): no 2-byte global loads are left.
-    `rope`: RoPE's kernel, whose B tiles keep the exact mask (sgmv_kernels._load_rank_block_exact: 2-byte loads)."""
+    """A 16-bit B block read 16 bytes at a time (expand_kernels._load_rank_block): no 2-byte global loads are left.
+    `rope`: RoPE's kernel, whose B tiles keep the exact mask (expand_kernels._load_rank_block_exact: 2-byte loads)."""
     if dtype == "fp32":
         return
     scalar = len(re.findall(r"ld\.global(?:\.nc)?\.b16", ptx))
@@ -199,7 +199,7 @@ def lora_loads(dtype: str, arch: int) -> None:
     compile to 16-byte loads (RoPE's keep the exact mask)."""
     from loraplex.ops.fused import lora_kernels as k
     from loraplex.ops.fused import rms_split as ks
-    from loraplex.ops.lora import sgmv_kernels
+    from loraplex.ops.lora import expand_kernels
     div = ("R", "I", "H", "HALF", "n0", "n1", "n2", "n3", "c0", "c1", "c2", "c3", "n_per_prog", "stride_pm",
            "stride_p_split", "stride_p_slice", "stride_gu", "stride_out", "stride_x", "stride_r", "stride_s",
            "stride_ym", "stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh")
@@ -223,13 +223,16 @@ def lora_loads(dtype: str, arch: int) -> None:
                        dict(HAS_RESIDUAL=True, ONE_R_TILE=True, SPLIT_K=1, BLOCK_R=16, BLOCK=k.RMS_SPLIT,
                             COMPILED=True, EARLY=early, EXTRAS=False), arch, 4, divisible=div)
         _vector_b_loads(ptx, dtype, f"rms_norm_lora_split sums {dtype} sm_{arch} EARLY={early}")
-    # The row-wise expand (sgmv_kernels._expand_tile_rows, compiled alone: the tile path beside it in the kernel
-    # feeds the tensor cores, still at the exact rank mask) into an fp32 buffer: its only 16-bit loads are B's.
-    ptx = _compile(sgmv_kernels._expand_tile_rows, dict(y_ptr="*fp32", part_ptr="*fp32", b_ptr="*" + dtype,
-                                                        rank_ptr="*i32", scale_ptr="*fp32", sorted_rows_ptr="*i32"),
-                   dict(SPLIT_K=1, BLOCK_N=512, BLOCK_R=16, ACCUMULATE=False, stride_yn=1), arch, 4, 2,
-                   divisible=div + ("N", "col0"))
-    _vector_b_loads(ptx, dtype, f"row-wise expand {dtype} sm_{arch}")
+    # The row-wise expand (expand_kernels._expand_tile_rows, compiled alone: the tile path beside it in the kernel
+    # feeds the tensor cores, still at the exact rank mask) into an fp32 buffer: its only 16-bit loads are B's, the
+    # other members' of a composed batch's rows too.
+    for composed in (False, True):
+        ptx = _compile(expand_kernels._expand_tile_rows,
+                       dict(y_ptr="*fp32", part_ptr="*fp32", b_ptr="*" + dtype, rank_ptr="*i32", scale_ptr="*fp32",
+                            sorted_rows_ptr="*i32", extra_slot_ptr="*i32"),
+                       dict(SPLIT_K=1, BLOCK_N=512, BLOCK_R=16, ACCUMULATE=False, COMPOSED=composed, stride_yn=1),
+                       arch, 4, 2, divisible=div + ("N", "col0"))
+        _vector_b_loads(ptx, dtype, f"row-wise expand {dtype} sm_{arch} COMPOSED={composed}")
 
 
 def skinny_gemm(dtype: str, arch: int) -> None:

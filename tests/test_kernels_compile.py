@@ -24,13 +24,3 @@ def test_kernel_compiles_for_sm90(kind, dtype, block_m):
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
-
-
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_extras_kernel_compiles_for_sm90(dtype):
-    """ops/lora/extras.py's kernel (a composed batch's members after the first), into y and into an fp32 delta."""
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    script = Path(__file__).with_name("compile_kernels.py")
-    proc = subprocess.run([sys.executable, str(script), "extras", dtype, "16"], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]

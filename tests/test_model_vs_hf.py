@@ -91,8 +91,8 @@ PLAN = [("all-r8", 0, 13), ("attn-r4", 5, 9), (None, 9, 1), ("mlp-patterned", 21
 # attention's G (heads per kv head) and sliding window (ops/attention/kernels.py: G, G_PAD, BLOCK_Q and WINDOW are
 # constexprs of the prefill kernel, G of the decode one), the number of kv heads (strides of a head-major cache) and
 # biases (HAS_BIAS of ops/gemm/skinny.py). The LoRA kernels and the ops that consume their products (ops/lora/
-# sgmv_kernels.py, ops/fused/lora_kernels.py and rms_split.py) take nothing from the model's shape at these sizes but
-# masks and runtime values (the same rank tiles, RoPE's BLOCK_H = 4 heads, one 128-column SiLU block, 64 hidden
+# shrink_kernels.py and expand_kernels.py, ops/fused/lora_kernels.py and rms_split.py) take nothing from the
+# model's shape at these sizes but masks and runtime values (the same rank tiles, RoPE's BLOCK_H = 4 heads, one 128-column SiLU block, 64 hidden
 # columns, no K split at K <= 96): one configuration runs all of their code. The llama3 and linear RoPE scalings only
 # change inv_freq, computed on the host (models/rope.py), so llama-gqa-llama3rope reaches exactly TEXT's code.
 #   TEXT:   GQA with G = 2, no window, no bias.

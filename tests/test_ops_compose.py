@@ -88,6 +88,32 @@ def test_compositions_follow_the_loop(backend, dtype, regime):
         start += length
 
 
+def _ulp16(v: torch.Tensor) -> torch.Tensor:
+    """The float16 spacing at each (normal) value of v."""
+    return torch.ldexp(torch.ones_like(v), torch.frexp(v)[1] - 11)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("regime", ["decode", "prefill"])
+def test_a_composed_row_rounds_once(backend, regime):
+    """Every member of a row is summed in fp32 before the float16 y rounds: each element is the exact sum rounded
+    to nearest (within fp32's error of it), where rounding after the first member and again after the others would
+    miss by up to a whole spacing. y0 in the hundreds makes the spacing (0.125-0.5) comparable with the deltas."""
+    rng = np.random.default_rng(stable_seed("round-once", backend, regime))
+    lens = [1] * 12 if regime == "decode" else [int(v) for v in rng.integers(20, 70, size=4)]
+    case, _ = _case(rng, lens, torch.float16, Ns=(64, 32), R=16)
+    members = [[(0, 0.9), (1, -0.8), (2, 1.1)], [(3, 1.3), (4, 0.7)]] * (len(lens) // 2)
+    slots, weights = _batch_args(members)
+    y0 = (torch.randn(case.y0.shape, generator=torch.Generator().manual_seed(7)) * 64 + 300).half()
+    batch = LoraBatch.from_lengths(lens, slots, weights=weights)
+    y = ops.add_lora(y0.clone(), case.x, case.lora_a, case.lora_b, batch, case.ranks, case.scalings, backend=backend)
+    exact = compose_f64(y0, case.x, case.lora_a, case.lora_b, case.ranks, case.scalings, lens, members)
+    moved = (exact - y0.double()).abs() > _ulp16(exact)
+    assert moved.float().mean() > 0.3   # the deltas are not lost below the spacing
+    miss = (y.double() - exact).abs() / _ulp16(exact)
+    assert miss.max() <= 0.5 + 1e-3, f"{(miss > 0.5 + 1e-3).sum()} elements rounded more than once"
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_composition_equals_its_cat_merge(backend):
     """PEFT's add_weighted_adapter(combination_type="cat"): one adapter of rank Σr_i with A = [A_1; A_2] and
@@ -213,3 +239,35 @@ def test_entries_layout():
         assert all(slot_of_entry[e] == slot for e in ents[start:end])
         covered += ents[start:end]
     assert sorted(covered) == sorted(ents)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_expand_tiles_hold_one_member_list(backend):
+    """Segments that share a first adapter but not the others fall into different expand tiles (each tile adds its
+    first row's members to all its rows), single-adapter rows of that slot into a third; every row with an adapter
+    lies in exactly one tile. Through the kernels, prompts of them sum like the loop, also in a slice where the
+    tiles' first member has rank 0 and another member does not."""
+    lens = [5, 3, 4, 2, 6]
+    members = [[(2, 0.5), (0, 1.5)], [(2, 1.0)], [(2, 0.5), (1, -1.0)], [], [(2, 0.5), (0, 1.5)]]
+    slots, weights = _batch_args(members)
+    batch = LoraBatch.from_lengths(lens, slots, weights=weights, block_m=16)
+    row_members = [tuple(m) for length, m in zip(lens, members) for _ in range(length)]
+    rows = batch.sorted_rows.tolist()
+    covered = []
+    for slot, start, end in zip(batch.work_slot.tolist(), batch.work_start.tolist(), batch.work_end.tolist()):
+        tile = rows[start:end]
+        assert len({tuple(s for s, _ in row_members[r]) for r in tile}) == 1, tile
+        assert row_members[tile[0]][0][0] == slot
+        covered += tile
+    assert sorted(covered) == [r for r, m in enumerate(row_members) if m]
+    assert batch.num_work == 3
+
+    rng = np.random.default_rng(stable_seed("member-tiles", backend))
+    case = make_case(rng, seg_lens=lens, popularity="uniform", K=64, Ns=(40, 24), R=16, ranks="full",
+                     dtype=torch.float32, num_slots=3)
+    case.ranks[0][2] = 0   # slice 0: the tiles' first member adds nothing, the others do
+    y = ops.add_lora(case.y0.clone(), case.x, case.lora_a, case.lora_b, batch, case.ranks, case.scalings,
+                     backend=backend)
+    want = compose_f64(case.y0, case.x, case.lora_a, case.lora_b, case.ranks, case.scalings, lens, members)
+    assert rel_err(y, want, case.y0) <= TOL[torch.float32]
+    assert torch.equal(y[12:14], case.y0[12:14])

@@ -10,7 +10,7 @@ import torch
 
 from loraplex import ops
 from loraplex.ops.lora import sgmv
-from loraplex.ops.lora import sgmv_kernels
+from loraplex.ops.lora import expand_kernels, shrink_kernels
 from loraplex.ops.lora.delta import LoraDelta
 from loraplex.workloads import POPULARITIES
 
@@ -123,7 +123,7 @@ def test_prefetching_tile_expand_gives_the_plain_ones_bits(R, accumulate, monkey
     (counted), the same arithmetic in the same order as the plain tile expand, so the same bits, and the float64
     loop's values (accumulate=False: the products stored into an fp32 buffer, every adapter row's columns
     written)."""
-    monkeypatch.setattr(sgmv_kernels, "_expand_tile", _count_expand_prefetch)
+    monkeypatch.setattr(expand_kernels, "_expand_tile", _count_expand_prefetch)
     rng = np.random.default_rng(stable_seed("tile-prefetch", R, accumulate))
     case = make_case(rng, seg_lens=[70, 1, 33, 5, 17], popularity="uniform", K=64, Ns=(83, 45), R=R, ranks="mixed",
                      dtype=torch.float16, y_offset=2, extra_cols=3)
@@ -193,8 +193,9 @@ def test_rowwise_rank_above_stack_width_counts_as_the_width():
 
 
 _PATH_CALLS: dict[str, int] = {}
-_REAL_TILES = {name: getattr(sgmv_kernels, name) for name in
-               ("_shrink_tile", "_shrink_tile_rows", "_expand_tile", "_expand_tile_rows")}
+_KERNEL_MODULE = {"_shrink_tile": shrink_kernels, "_shrink_tile_rows": shrink_kernels,
+                  "_expand_tile": expand_kernels, "_expand_tile_rows": expand_kernels}
+_REAL_TILES = {name: getattr(module, name) for name, module in _KERNEL_MODULE.items()}
 
 
 # Counting stand-ins for the per-tile functions (Triton's interpreter runs a kernel as Python, looking its
@@ -213,8 +214,9 @@ _count_expand_rows = _counting("_expand_tile_rows", "expand_rows")
 
 
 def _count_expand_prefetch(*args):
-    """The tile expand, counting its calls by their last argument, PREFETCH (False plain, True y a step ahead)."""
-    key = f"expand_prefetch{int(getattr(args[-1], 'value', args[-1]))}"
+    """The tile expand, counting its calls by their argument before the last, PREFETCH (False plain, True y a step
+    ahead)."""
+    key = f"expand_prefetch{int(getattr(args[-2], 'value', args[-2]))}"
     _PATH_CALLS[key] = _PATH_CALLS.get(key, 0) + 1
     return _REAL_TILES["_expand_tile"](*args)
 
@@ -228,7 +230,7 @@ def test_each_config_takes_the_path_it_says(rowwise, expected, monkeypatch):
     the tile product runs on all, with it the row-wise path on the three of ≤ ROWWISE_MAX_ROWS rows."""
     for name, stand_in in (("_shrink_tile", _count_shrink_tile), ("_shrink_tile_rows", _count_shrink_rows),
                            ("_expand_tile", _count_expand_tile), ("_expand_tile_rows", _count_expand_rows)):
-        monkeypatch.setattr(sgmv_kernels, name, stand_in)
+        monkeypatch.setattr(_KERNEL_MODULE[name], name, stand_in)
     _PATH_CALLS.clear()
     rng = np.random.default_rng(stable_seed("paths", int(rowwise)))
     case = make_case(rng, seg_lens=[1, 2, 6, 1], popularity="distinct", K=32, Ns=(16,), R=16, ranks="full",

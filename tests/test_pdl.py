@@ -190,7 +190,7 @@ if __name__ == "__main__":
         for name, build in test_fused_compile.KERNELS.items():
             build("bf16", 90)
         if forced:
-            for kind in ("shrink", "expand", "extras"):
+            for kind in ("shrink", "expand"):
                 getattr(compile_kernels, kind)("bf16", 16)
     else:
         for kind in test_attention_compile.KINDS:

@@ -38,7 +38,7 @@ def compile_lora_kernels(config: ModelConfig, pool: AdapterPool, dtype: torch.dt
     """Launch each variant once on a tile whose adapter slots have rank 0 (nothing is computed; the
     fp32-product variants store zeros into their scratch buffers); returns the number of launches.
     `compositions`: also the variants of batches that combine adapters (ops/lora/batch.py's composed
-    batches: the weighted shrink and the expand of the members after the first)."""
+    batches: the weighted shrink, and the expand that adds every member of a row)."""
     device = pool.device
     widths = {"hidden": config.hidden_size, "attention": config.num_attention_heads * config.head_dim,
               "intermediate": config.intermediate_size}
@@ -51,7 +51,7 @@ def compile_lora_kernels(config: ModelConfig, pool: AdapterPool, dtype: torch.dt
         for (block_m, base, accumulate), (slots, weights) in itertools.product(_variants(), members):
             if zeroed == 2 or weights is None:
                 batch = LoraBatch.from_lengths([block_m], slots, device, weights=weights, block_m=block_m)
-            else:   # one slot: a composed batch whose rows weigh slot 0 (the weighted shrink and the extras launch)
+            else:   # one slot: a composed batch (two lanes) whose rows weigh slot 0: both kernels' composed variants
                 batch = LoraBatch.with_capacity(block_m, 1, device, num_slots=1, block_m=block_m, max_members=2)
                 batch.update_([block_m], [[0]], [[0.5]])
             # layers 0-3: the per-layer rank and scaling views take every alignment they can take

@@ -22,7 +22,7 @@ batch reads). Its first statement is then `pdl_start(True)`, which waits for not
 `pdl_deferred_start(True)` after those loads and before any other memory access (tests/test_pdl.py checks the
 PTX: loads only before the wait). With PDL the loads run while the kernel before is finishing.
 
-Late wait (sgmv_kernels' shrink with AFTER_GEMM: ops/lora/overlap.py's "after" order): a fused
+Late wait (ops/lora/shrink_kernels.py's shrink with AFTER_GEMM: ops/lora/overlap.py's "after" order): a fused
 projection's shrink is launched right after its GEMM, which reads the same x, and releases the next kernel first
 (`pdl_release`) and waits for the grids before it last (`pdl_wait_last`), so that its programs run beside the GEMM's
 and the consumer's programs are placed while both run. Before its wait it reads x and the pool's A and stores its

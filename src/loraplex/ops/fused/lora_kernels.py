@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .kernels import COMPILED, _cos_sin, _rotate, _round, _silu_mul
 from ..launch import Launcher, pow2
-from ..lora.sgmv_kernels import _load_rank_block, _load_rank_block_exact
+from ..lora.expand_kernels import _load_rank_block, _load_rank_block_exact
 from ..pdl import pdl_deferred_start, pdl_start
 
 

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from .kernels import COMPILED, _inv, _norm_output, _round, _rstd
 from .lora_kernels import _extra_products, _product, _slot_of, _v
-from ..lora.sgmv_kernels import _load_rank_block
+from ..lora.expand_kernels import _load_rank_block
 from ..launch import Launcher, pow2
 from ..pdl import pdl_deferred_start, pdl_start
 

@@ -77,10 +77,9 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: TensorOrList, lora_b: Ten
                 r = ranks[slot]; rows = seg_indptr[s]:seg_indptr[s+1]
                 y[rows, y_offset:y_offset+N] += w * scalings[slot] * (x[rows] @ lora_a[slot, :r].T) @ lora_b[slot, :, :r].T
 
-    The intermediate is accumulated and kept in fp32; y is rounded once a row (the reference), or, for the rows
-    of a composition on the Triton path, twice: after its first member and after the others (ops/lora/extras.py). Never synchronises with the host on
-    the Triton path (two launches, three for a composed batch), so it can be captured in a CUDA graph. A rank above R
-    counts as R (ranks are validated where they are written, not here). Not differentiable.
+    The intermediate is accumulated and kept in fp32, and y is rounded once, after every member of the row. Never
+    synchronises with the host on the Triton path (two launches), so it can be captured in a CUDA graph. A rank
+    above R counts as R (ranks are validated where they are written, not here). Not differentiable.
     """
     check_x(x)
     sl, num_slots = check_slices(x, lora_a, lora_b, ranks, scalings)

@@ -13,8 +13,9 @@ The kernels do not walk segments. They walk *work tiles*: the rows of all segmen
 into one group (`sorted_rows`), and each group is cut into tiles of at most `block_m` rows. One tile reads its
 adapter's weights once, so an adapter used by many segments is read once per tile, not once per segment. A
 composed batch (`composed`: some segment has several members or a weight other than 1) also has the shrink's
-tiles over *entries*, one per (row, member) (batch_plan.py): the shrink writes each entry's weighted product, the
-expand adds each row's first member from `sorted_rows`'s tiles and its other members row by row (`extra_slot`).
+tiles over *entries*, one per (row, member) (batch_plan.py): the shrink writes each entry's weighted product, and
+the expand's tiles group rows by their whole member list, so that a tile adds every member of its rows (the first
+from `work_slot`, the others from `extra_slot`) before it rounds.
 
 Everything is computed on the host from Python lists and copied to the device in one transfer; the ops never read
 it back, so they can be captured in a CUDA graph. For graph replay, `with_capacity` + `update_` keep the device
@@ -70,8 +71,9 @@ class LoraBatch:
     """Segment metadata for one forward pass, on the device.
 
     Device tensors (int32): `seg_indptr [S+1]`, `slot_ids [S]` (each segment's first member), `sorted_rows` (the
-    rows of every segment with an adapter, grouped by their first member's slot), the work tiles `work_slot`,
-    `work_start`, `work_end` (each tile is `sorted_rows[work_start:work_end]`, one slot), and `row_slot [T]`, each
+    rows of every segment with an adapter, grouped by slot; in a composed batch by member list), the work tiles
+    `work_slot`, `work_start`, `work_end` (each tile is `sorted_rows[work_start:work_end]`, rows of one slot, or of
+    one member list whose first slot `work_slot` is), and `row_slot [T]`, each
     row's first member's slot (-1: none), for ops that add a row's LoRA product themselves (ops/lora/product.py).
     The shrink's tiles: `shrink_rows` (the row of each entry, grouped by slot), `shrink_entries` (its entry id,
     `member * T + row`: where the shrink writes its product), `shrink_weights` (float32, its member's weight),

@@ -3,8 +3,9 @@
 A segment uses no adapter, one, or a composition of up to MAX_MEMBERS `(slot, weight)` pairs. A segment's rows
 become *entries*, one per (row, member): member `l` of row `r` is entry `l * T + r` (T rows), so the first member's
 entries are the rows themselves and a batch with no composition has entries == rows. The shrink walks entries
-grouped by slot (each adapter read once per tile whatever the number of segments using it), the expand walks the
-first members' rows grouped by slot, and the members after the first are expanded row by row (`extra_slot`).
+grouped by slot (each adapter read once per tile whatever the number of segments using it); the expand walks rows
+grouped by their whole member list, so that every row of one of its tiles has the same members (`extra_slot` holds
+the members after the first) and the tile adds them all before it rounds.
 """
 from __future__ import annotations
 
@@ -145,7 +146,7 @@ class HostPlan:
     seg_indptr: np.ndarray
     slot_ids: np.ndarray          # [S]: each segment's first member's slot (-1: none)
     row_slot: np.ndarray          # [T]: each row's first member's slot
-    rows: Tiles                   # the rows of first members, by slot (the expand's tiles)
+    rows: Tiles                   # the rows with adapters, by member list (the expand's tiles; slots: the first's)
     entries: Tiles | None         # every (row, member) entry, by slot (the shrink's tiles)
     entry_rows: np.ndarray | None     # [E] the row of each entry in `entries.order`
     entry_ids: np.ndarray | None      # [E] the entry id (member * T + row) of each
@@ -161,7 +162,7 @@ def plan(seg_lens: np.ndarray, mem: Members, block_m: int, composed: bool) -> Ho
     T, lanes = int(indptr[-1]), mem.lanes
     lane_slots = np.repeat(mem.slots, seg_lens, axis=0)          # [T, lanes]
     row_slot = lane_slots[:, 0] if T else np.zeros(0, np.int64)
-    rows = tiles(row_slot, block_m)
+    rows = tiles(row_slot, block_m) if lanes == 1 else _tiles_by_members(lane_slots, block_m)
     if not composed:
         return HostPlan(indptr, mem.slots[:, 0], row_slot, rows, None, None, None, None, None, 1)
     lane_weights = np.repeat(mem.weights, seg_lens, axis=0)
@@ -171,6 +172,17 @@ def plan(seg_lens: np.ndarray, mem: Members, block_m: int, composed: bool) -> Ho
     return HostPlan(indptr, mem.slots[:, 0], row_slot, rows, ents, entry_ids % max(T, 1), entry_ids,
                     lane_weights.T.reshape(-1)[entry_ids].astype(np.float32), lane_slots[:, 1:].T.reshape(-1),
                     lanes)
+
+
+def _tiles_by_members(lane_slots: np.ndarray, block_m: int) -> Tiles:
+    """`tiles` over rows keyed by their whole member list (`[T, lanes]` slots; lists in lexicographic order, so by
+    first slot first), with each group's and tile's slot its first member's."""
+    lists, key = np.unique(lane_slots, axis=0, return_inverse=True)
+    key = np.where(lane_slots[:, 0] >= 0, key.reshape(-1), -1)
+    by_list = tiles(key, block_m)
+    first = lists[:, 0]
+    return Tiles(by_list.order, first[by_list.group_slots], by_list.group_bounds, first[by_list.work_slot],
+                 by_list.work_start, by_list.work_end)
 
 
 def pick_block_m(seg_lens: np.ndarray, mem: Members, small: int, large: int) -> int:

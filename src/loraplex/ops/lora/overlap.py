@@ -20,9 +20,9 @@ arguments) adds the LoRA as it loads its input. Three launchers, each returning 
 
 - `linear_with_lora`: the shrink beside the GEMM, the expand after it into y (the plain order's bits).
 
-In a composed batch (ops/lora/batch.py) the members after a row's first: a `LoraProduct` carries them to the
-consumer, which adds them with the first (one rounding); the other launchers add them with `expand_extras`
-(ops/lora/extras.py), into the delta buffer after the first member's expand for a `LoraDelta`, into y after it.
+In a composed batch (ops/lora/batch.py) every member of a row is added before the row rounds: a `LoraProduct`
+carries the members after the first to the consumer, which adds them with the first; the expand kernel sums them
+itself for a `LoraDelta` and into y.
 
 The side stream is used only while a CUDA graph is captured, where its fork and join cost nothing at
 replay; eager forwards keep one stream (each fork/join costs host time) and compute the same bits.
@@ -112,7 +112,6 @@ def linear_with_lora(x: torch.Tensor, weight: GemmWeight, bias: torch.Tensor | N
     part = sgmv.new_partials(x, lora_a, batch, cfg)
     y = _beside_gemm(x, weight, bias, True, lambda: sgmv.shrink_into(part, x, lora_a, ranks, batch, cfg))
     sgmv.expand_from(y, part, lora_b, ranks, scalings, batch, 0, cfg)
-    sgmv.expand_extras(y, part, lora_b, ranks, scalings, batch, 0)
     return y
 
 
@@ -130,7 +129,6 @@ def linear_with_lora_delta(x: torch.Tensor, weight: GemmWeight, bias: torch.Tens
     def work() -> None:
         sgmv.shrink_into(part, x, lora_a, ranks, batch, cfg)
         sgmv.expand_from(values, part, lora_b, ranks, scalings, batch, 0, cfg, accumulate=False)
-        sgmv.expand_extras(values, part, lora_b, ranks, scalings, batch, 0)   # composed batches' other members
 
     return _beside_gemm(x, weight, bias, side, work), LoraDelta(values, batch.row_slot)
 

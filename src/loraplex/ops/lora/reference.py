@@ -9,8 +9,8 @@ Semantics, the same for every backend (one slice shown; slice i writes columns
             y[rows, y_offset:y_offset+N] += w * scalings[slot] * (x[rows] @ lora_a[slot, :r].T) @ lora_b[slot, :, :r].T
 
 The intermediate `w · x @ Aᵀ` is computed and kept in fp32 (one row per (row, member) entry: batch.py), and y is
-rounded once, at the end (the Triton path rounds a composed row twice: ops/lora/extras.py). Here the loop runs per slot group (the entries of all segments with that slot), which is
-the same sum. Reading `ranks` costs a device sync on CUDA tensors, so this path is for the CPU and for tests, not
+rounded once, at the end (as on the Triton path). Here the loop runs per slot group (the entries of all segments
+with that slot), which is the same sum. Reading `ranks` costs a device sync on CUDA tensors, so this path is for the CPU and for tests, not
 for graph capture.
 """
 from __future__ import annotations

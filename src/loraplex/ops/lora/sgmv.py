@@ -16,7 +16,7 @@ Up to `MAX_SLICES` output slices (fused q/k/v, gate/up) share one launch per dir
 each slice's tensors come in as their own kernel arguments so the compiler keeps their
 alignment, and the program picks its slice with a branch.
 
-The kernels are in sgmv_kernels.py. For tiles of at most ROWWISE_MAX_ROWS rows (decode rows with their own
+The kernels are in shrink_kernels.py and expand_kernels.py. For tiles of at most ROWWISE_MAX_ROWS rows (decode rows with their own
 adapters) both have a row-wise path (`_shrink_tile_rows`, `_expand_tile_rows`: fp32 multiply-and-sum on the CUDA
 cores, no row padded to 16 for the tensor cores), chosen per tile at run time where the config asks for it
 (`KernelConfig.rowwise`: the decode config does).
@@ -36,12 +36,12 @@ from pathlib import Path
 import torch
 
 from ..launch import Launcher, cdiv
-from .extras import expand_extras
-from .sgmv_kernels import ROWWISE_MAX_ROWS, _sgmv_expand_kernel, _sgmv_shrink_kernel
+from .expand_kernels import _sgmv_expand_kernel
+from .shrink_kernels import ROWWISE_MAX_ROWS, _sgmv_shrink_kernel
 
 MAX_SLICES = 4
 # ---------------------------------------------------------------------------------------------
-# Launchers of sgmv_kernels.py's kernels. Arguments arrive validated (see checks.py); these only pick tiles
+# Launchers of the kernels. Arguments arrive validated (see checks.py); these only pick tiles
 # and launch.
 
 
@@ -161,9 +161,10 @@ def shrink_into(part: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],
 def expand_from(y: torch.Tensor, part: torch.Tensor, lora_b: list[torch.Tensor], ranks: list[torch.Tensor],
                 scalings: list[torch.Tensor], batch, y_offset: int, cfg: KernelConfig, *,
                 accumulate: bool = True) -> None:
-    """Launch expand adding `scalings[slot] * Σ_split part @ B[slot]ᵀ` into y's slices; with
-    `accumulate=False`, that product is stored instead (zeros for slices of rank 0; rows without an adapter are
-    left as they were): y is an fp32 delta buffer (a LoraDelta, ops/lora/overlap.py)."""
+    """Launch expand adding `scalings[slot] * Σ_split part @ B[slot]ᵀ` into y's slices, summed over a composed
+    batch's members before y rounds; with `accumulate=False`, that sum is stored instead (zeros for slices of rank
+    0; rows without an adapter are left as they were): y is an fp32 delta buffer (a LoraDelta,
+    ops/lora/overlap.py)."""
     num_slices = len(lora_b)
     R = lora_b[0].shape[2]
     ns = [b.shape[1] for b in lora_b]
@@ -178,14 +179,17 @@ def expand_from(y: torch.Tensor, part: torch.Tensor, lora_b: list[torch.Tensor],
     dtype = y.dtype if accumulate else lora_b[0].dtype
     precision = cfg.expand_precision or ("split" if dtype == torch.bfloat16 else "tf32x3")
     block_r = _block_r(R)
-    args = (y, part, batch.sorted_rows, batch.work_slot, batch.work_start, batch.work_end,
+    composed = batch.composed and batch.lanes > 1   # (a composition of one weighted member expands as a plain row)
+    extra_slot = batch.extra_slot if composed else batch.row_slot   # (unread unless COMPOSED)
+    args = (y, part, batch.sorted_rows, batch.work_slot, batch.work_start, batch.work_end, extra_slot,
             *lora_b, *[lora_b[0]] * pad, *ranks, *[ranks[0]] * pad, *scalings, *[scalings[0]] * pad,
-            *ns, *[0] * pad, *cols, *[0] * pad,
-            n_chunks, n_per_prog, R, y.stride(0), y.stride(1), part.stride(0), part.stride(1), part.stride(2))
+            *ns, *[0] * pad, *cols, *[0] * pad, n_chunks, n_per_prog, R, batch.num_rows, batch.lanes - 1,
+            y.stride(0), y.stride(1), part.stride(0), part.stride(1), part.stride(2))
     _EXPAND(grid, args, dict(NUM_SLICES=num_slices, SPLIT_K=part.shape[0], BLOCK_M=batch.block_m,
                              BLOCK_N=cfg.expand_block_n, BLOCK_R=block_r, ONE_R_TILE=R <= block_r,
                              PRECISION=precision, ACCUMULATE=accumulate, ROWWISE=cfg.rowwise,
-                             ROWS_BLOCK_N=rows_block_n_for(cfg, block_r), TILE_PREFETCH=cfg.tile_prefetch),
+                             ROWS_BLOCK_N=rows_block_n_for(cfg, block_r), TILE_PREFETCH=cfg.tile_prefetch,
+                             COMPOSED=composed),
             cfg.expand_warps, cfg.expand_stages)
 
 
@@ -199,11 +203,10 @@ def new_partials(x: torch.Tensor, lora_a: list[torch.Tensor], batch, cfg: Kernel
 
 def add_lora(y, x, lora_a, lora_b, batch, ranks, scalings, y_offset: int, cfg: KernelConfig | None = None, *,
              accumulate: bool = True):
-    """Shrink into a per-call fp32 partial buffer, then expand into y (two launches; a third for the members
-    after the first of a composed batch); `accumulate` as for `expand_from`."""
+    """Shrink into a per-call fp32 partial buffer, then expand into y (two launches); `accumulate` as for
+    `expand_from`."""
     cfg = cfg or config_for(batch.block_m)
     part = new_partials(x, lora_a, batch, cfg)
     shrink_into(part, x, lora_a, ranks, batch, cfg)
     expand_from(y, part, lora_b, ranks, scalings, batch, y_offset, cfg, accumulate=accumulate)
-    expand_extras(y, part, lora_b, ranks, scalings, batch, y_offset)
     return y
