@@ -112,11 +112,12 @@ def rope(dtype: str, arch: int) -> None:
         assert len(re.findall(r"mul\.rn(?:\.ftz)?\.f32", ptx)) >= 4, f"{what}: products must be mul.rn"
 
 
-# The consumers of a LoraProduct (ops/fused/lora_kernels.py, rms_split.py), with the constexprs their launchers
-# pick: SPLIT_K the shrink's K splits (1 up to sgmv.MAX_SPLIT_K = 8), BLOCK_R = min(pow2(R), 32) (ranks 8, 16,
-# and 64: two rank tiles, ONE_R_TILE off), the widths' blocks (lora_kernels.RMS_SPLIT, SILU_BLOCK, ROPE_HEADS at
-# Llama widths; small ones for narrow models), EARLY (ops/pdl.py's early reads, one rank tile) and the launchers'
-# warp counts, EXTRAS (a composed batch's product: members after a row's first). Few variants: each compile costs
+# The consumers of a LoraProduct (ops/fused/lora_kernels.py, rms_split.py, rope_lora.py), with the constexprs their
+# launchers pick: SPLIT_K the shrink's K splits (1 up to sgmv.MAX_SPLIT_K = 8), BLOCK_R = min(pow2(R), 32) (ranks 8,
+# 16, and 64: two rank tiles, ONE_R_TILE off), the widths' blocks (lora_kernels.RMS_SPLIT and SILU_BLOCK,
+# rope_lora.ROPE_HEADS at Llama widths; small ones for narrow models), EARLY (ops/pdl.py's early reads, one rank
+# tile) and the launchers' warp counts, EXTRAS (a composed batch's product: members after a row's first). Few
+# variants: each compile costs
 # seconds, and CI compiles them from an empty cache.
 
 
@@ -161,7 +162,7 @@ def silu_lora(dtype: str, arch: int) -> None:
 
 
 def rope_lora(dtype: str, arch: int) -> None:
-    from loraplex.ops.fused import lora_kernels as k
+    from loraplex.ops.fused import rope_lora as k
     # (positions, SPLIT_K, BLOCK_R, ONE_R_TILE, BLOCK_H, BLOCK_D, EARLY): D=128 heads ROPE_HEADS at a time; D=64
     # one head per program, two rank tiles; one head per program with the early reads.
     for pos, split_k, block_r, one_r, block_h, block_d, early, extras in (
@@ -199,6 +200,7 @@ def lora_loads(dtype: str, arch: int) -> None:
     compile to 16-byte loads (RoPE's keep the exact mask)."""
     from loraplex.ops.fused import lora_kernels as k
     from loraplex.ops.fused import rms_split as ks
+    from loraplex.ops.fused import rope_lora as rope
     from loraplex.ops.lora import expand_kernels
     div = ("R", "I", "H", "HALF", "n0", "n1", "n2", "n3", "c0", "c1", "c2", "c3", "n_per_prog", "stride_pm",
            "stride_p_split", "stride_p_slice", "stride_gu", "stride_out", "stride_x", "stride_r", "stride_s",
@@ -210,11 +212,11 @@ def lora_loads(dtype: str, arch: int) -> None:
                        dict(ONE_R_TILE=True, SPLIT_K=1, BLOCK_R=16, BLOCK=k.SILU_BLOCK, COMPILED=True, EARLY=early,
                             EXTRAS=False), arch, 4, divisible=div)
         _vector_b_loads(ptx, dtype, f"silu_and_mul_lora {dtype} sm_{arch} EARLY={early}")
-        ptx = _compile(k._rope_lora_kernel, dict(q_ptr="*" + dtype, k_ptr="*" + dtype, v_ptr="*" + dtype,
+        ptx = _compile(rope._rope_lora_kernel, dict(q_ptr="*" + dtype, k_ptr="*" + dtype, v_ptr="*" + dtype,
                                                  pos_ptr="*i64", inv_freq_ptr="*fp32", b0="*" + dtype, b1="*" + dtype,
                                                  b2="*" + dtype, rk0="*i32", rk1="*i32", rk2="*i32", sc0="*fp32",
                                                  sc1="*fp32", sc2="*fp32", **LORA_POINTERS),
-                       dict(ONE_R_TILE=True, SPLIT_K=1, BLOCK_R=16, BLOCK_H=k.ROPE_HEADS, BLOCK_D=64, COMPILED=True,
+                       dict(ONE_R_TILE=True, SPLIT_K=1, BLOCK_R=16, BLOCK_H=rope.ROPE_HEADS, BLOCK_D=64, COMPILED=True,
                             EARLY=early, EXTRAS=False), arch, 2, divisible=div)
         _vector_b_loads(ptx, dtype, f"rope_lora {dtype} sm_{arch} EARLY={early}", rope=True)
         ptx = _compile(ks._rms_lora_sums_kernel, dict(x_ptr="*" + dtype, r_ptr="*" + dtype, s_ptr="*" + dtype,

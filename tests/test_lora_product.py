@@ -19,6 +19,7 @@ from loraplex import ops
 from loraplex.ops import LoraBatch
 from loraplex.ops.fused import api as fused
 from loraplex.ops.fused import lora_kernels as fused_lora_kernels
+from loraplex.ops.fused import rope_lora
 from loraplex.ops.lora.product import LoraProduct
 
 from lora_cases import make_case, stable_seed
@@ -190,7 +191,7 @@ def test_rope_expands_the_product_into_q_k_and_v(backend, dtype, Hq, Hkv, D, hea
     inv_freq = LlamaRotaryEmbedding(rope_config(Hq, Hkv, D)).inv_freq
     p = make_product(gen, T, (Hq * D, Hkv * D, Hkv * D), dtype, R=R, sizes=qkv.float().abs().mean(1), lanes=lanes)
     if heads:
-        monkeypatch.setattr(fused_lora_kernels, "ROPE_HEADS", heads)
+        monkeypatch.setattr(rope_lora, "ROPE_HEADS", heads)
     want = plus_f64(qkv, p)
     q_want, k_want, _ = views_of(want, T, Hq, Hkv, D, "fused")
     fused.apply_rope(q_want, k_want, positions, inv_freq, backend="reference")
@@ -245,14 +246,14 @@ def test_early_reads_give_the_same_bits(op, R, lanes, monkeypatch):
     else:   # RoPE of q, k and v; rope_gqa: 3 kv heads per 6 query heads, one head per program (k/v past theirs)
         Hq, Hkv, D = (4, 2, 64) if op == "rope" else (6, 3, 32)
         if op == "rope_gqa":
-            monkeypatch.setattr(fused_lora_kernels, "ROPE_HEADS", 1)
+            monkeypatch.setattr(rope_lora, "ROPE_HEADS", 1)
         q, k, qkv = qkv_views(gen, T, Hq, Hkv, D, dtype, "fused")
         positions = random_positions(gen, T)
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
         inv_freq = LlamaRotaryEmbedding(rope_config(Hq, Hkv, D)).inv_freq
         p = make_product(gen, T, (Hq * D, Hkv * D, Hkv * D), dtype, R=R, sizes=qkv.float().abs().mean(1), lanes=lanes)
         qkv_in = qkv.clone()
-        spy(fused_lora_kernels, "_ROPE")
+        spy(rope_lora, "_ROPE")
 
         def run(p):
             qkv.copy_(qkv_in)

@@ -6,8 +6,8 @@ Each op reproduces Hugging Face transformers' Llama/Mistral/Qwen2 numerics: the 
 rounding to the model dtype wherever transformers' separate PyTorch ops round (a 16-bit PyTorch op
 computes in fp32 and rounds once). The reference backend runs transformers' op sequence in PyTorch
 (the CPU path, and the oracle of the kernels): on the same device it gives transformers' bits. The
-Triton kernels (kernels.py; lora_kernels.py where a LoRA product is expanded) follow the same order in
-fp32 registers; where they can differ is documented per op.
+Triton kernels (kernels.py; lora_kernels.py and rope_lora.py where a LoRA product is expanded) follow the same
+order in fp32 registers; where they can differ is documented per op.
 
 Backends as for the LoRA ops (`resolve_backend`): Triton for CUDA tensors, the reference otherwise;
 `backend="triton" | "reference"` or LORAPLEX_OPS_BACKEND forces one. Bad arguments raise ValueError
@@ -33,6 +33,7 @@ except ImportError:  # pragma: no cover - triton is a dependency on Linux
 else:
     from . import kernels as fused_kernels
     from . import lora_kernels as fused_lora_kernels
+    from . import rope_lora
 
 # ---------------------------------------------------------------------------------------------
 # Argument checks
@@ -314,7 +315,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_fr
         return
     with _on(q.device):
         if isinstance(delta, LoraProduct):
-            fused_lora_kernels.apply_rope(q, k, v, positions, inv_freq, delta)
+            rope_lora.apply_rope(q, k, v, positions, inv_freq, delta)
         else:
             fused_kernels.apply_rope(q, k, positions, inv_freq, v=v, **_kernel_delta(delta))
     _bump_version(q)

@@ -11,16 +11,17 @@ and x untouched for rows with s = -1; a composed product's members after a row's
 delta (product.py), so the row is rounded once. Each program sums the splits and reads the B columns it needs:
 the expand's bytes spread over the consumer's grid, so RoPE and SiLU-and-mul run one program per
 (token, head block) and (token, column block); RMSNorm, which needs the whole row's sum of squares, cuts
-each row into chunks over two launches (rms_split.py).
+each row into chunks over two launches (rms_split.py). RoPE's consumer is in rope_lora.py; the helpers here that
+read a row's product are shared by all three.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from .kernels import COMPILED, _cos_sin, _rotate, _round, _silu_mul
+from .kernels import COMPILED, _round, _silu_mul
 from ..launch import Launcher, pow2
-from ..lora.expand_kernels import _load_rank_block, _load_rank_block_exact
+from ..lora.expand_kernels import _load_rank_block
 from ..pdl import pdl_deferred_start, pdl_start
 
 
@@ -66,26 +67,6 @@ def _product(part_row, b_slot, rank, scale, cols, mask, R, stride_p_split, v, of
 
 
 @triton.jit
-def _product_2d(part_row, b_slot, rank, scale, cols, mask, R, stride_p_split, v, offs_r, r_mask,
-                ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-                BLOCK_D: tl.constexpr):
-    """`_product` over a [BLOCK_H, BLOCK_D] tile of columns (heads × half a head), B read at the rank itself
-    (`_load_rank_block_exact`)."""
-    if ONE_R_TILE:
-        b = _load_rank_block_exact(b_slot + cols[:, :, None] * R + offs_r[None, None, :], mask[:, :, None],
-                                offs_r[None, None, :], r_mask[None, None, :], rank, R)
-        acc = tl.sum(b.to(tl.float32) * v[None, None, :], axis=2)
-    else:
-        acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
-        for r0 in range(0, rank, BLOCK_R):
-            v_r, offs_rr, r_mask_r = _v(part_row, r0, rank, stride_p_split, SPLIT_K, BLOCK_R)
-            b = _load_rank_block_exact(b_slot + cols[:, :, None] * R + offs_rr[None, None, :], mask[:, :, None],
-                                    offs_rr[None, None, :], r_mask_r[None, None, :], rank, R)
-            acc += tl.sum(b.to(tl.float32) * v_r[None, None, :], axis=2)
-    return acc * scale
-
-
-@triton.jit
 def _lane(extra_ptr, lane, T, row, rank_ptr, scale_ptr, R, part_row, stride_pm, b_ptr, slot_elems):
     """(slot, rank, scale, partials row, B block) of row's member lane + 1: slot -1 and rank 0 where it has none
     (then nothing is read)."""
@@ -112,29 +93,6 @@ def _extra_products(acc, part_row, extra_ptr, row, T, extra_lanes, stride_pm, b_
                 acc += _product(p, b_slot, rank, scale, cols, mask, R, stride_p_split, v, offs_r, r_mask, ONE_R_TILE,
                                 SPLIT_K, BLOCK_R, BLOCK)
     return acc
-
-
-@triton.jit
-def _extra_products_2d(d1, d2, part_row, extra_ptr, row, T, extra_lanes, stride_pm, b_ptr, slot_elems, rank_ptr,
-                       scale_ptr, cols, HALF, mask, R, stride_p_split, ONE_R_TILE: tl.constexpr,
-                       SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                       EXTRAS: tl.constexpr):
-    """`_extra_products` over both halves of a [BLOCK_H, BLOCK_D] tile of heads (RoPE's)."""
-    if EXTRAS:
-        for lane in range(0, extra_lanes):
-            slot, rank, scale, p, b_slot = _lane(extra_ptr, lane, T, row, rank_ptr, scale_ptr, R, part_row, stride_pm,
-                                                 b_ptr, slot_elems)
-            if slot >= 0:
-                v, offs_r, r_mask = _v(p, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
-                d1 += _product_2d(p, b_slot, rank, scale, cols, mask, R, stride_p_split, v, offs_r, r_mask,
-                                  ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D)
-                d2 += _product_2d(p, b_slot, rank, scale, cols + HALF, mask, R, stride_p_split, v, offs_r, r_mask,
-                                  ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D)
-    return d1, d2
-
-
-# ---------------------------------------------------------------------------------------------
-# SiLU(gate) * up
 
 
 @triton.jit(do_not_specialize=["T", "extra_lanes"])   # one variant whatever the lanes
@@ -204,167 +162,11 @@ def _silu_and_mul_lora_kernel(gu_ptr, out_ptr, part_ptr, row_slot_ptr, b0, b1, r
     tl.store(out_ptr + row * stride_out + offs, _silu_mul(g, u, DT, COMPILED).to(DT), mask=mask)
 
 
-# ---------------------------------------------------------------------------------------------
-# Rotary embedding of q and k, v's product added, in place
-
-
-@triton.jit
-def _heads(base, stride_h, num_heads, h0, part_row, b_ptr, rank_ptr, scale_ptr, slot, has, R, stride_p_split, HALF,
-           c, s, offs_d, d_mask, extra_ptr, t, T, extra_lanes, stride_pm, ROTATE: tl.constexpr,
-           ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-           BLOCK_D: tl.constexpr, COMPILED: tl.constexpr, EXTRAS: tl.constexpr):
-    """Heads h0..h0+BLOCK_H of one token (none past `num_heads`: k and v have fewer with GQA): each half
-    takes its product (rows with an adapter), then q and k rotate (ROTATE); v is only stored back when it
-    changed."""
-    DT = base.dtype.element_ty
-    offs_h = h0 + tl.arange(0, BLOCK_H)
-    mask = (offs_h < num_heads)[:, None] & d_mask[None, :]
-    p1 = base + offs_h[:, None] * stride_h + offs_d[None, :]
-    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
-    if has:
-        rank = tl.minimum(tl.load(rank_ptr + slot), R)
-        scale = tl.load(scale_ptr + slot)
-        b_slot = b_ptr + slot.to(tl.int64) * num_heads * 2 * HALF * R
-        cols = offs_h[:, None] * (2 * HALF) + offs_d[None, :]
-        lv, offs_r, r_mask = _v(part_row, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
-        d1 = _product_2d(part_row, b_slot, rank, scale, cols, mask, R, stride_p_split, lv, offs_r, r_mask,
-                         ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D)
-        d2 = _product_2d(part_row, b_slot, rank, scale, cols + HALF, mask, R, stride_p_split, lv, offs_r, r_mask,
-                         ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D)
-        d1, d2 = _extra_products_2d(d1, d2, part_row, extra_ptr, t, T, extra_lanes, stride_pm, b_ptr,
-                                    num_heads * 2 * HALF * R, rank_ptr, scale_ptr, cols, HALF, mask, R, stride_p_split,
-                                    ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D, EXTRAS)
-        x1 = _round(x1 + d1, DT, COMPILED)
-        x2 = _round(x2 + d2, DT, COMPILED)
-    _store_heads(p1, HALF, x1, x2, c, s, mask, ROTATE, has, COMPILED)
-
-
-@triton.jit
-def _store_heads(p1, HALF, x1, x2, c, s, mask, rotate, has, COMPILED: tl.constexpr):
-    """The heads' halves back in place: q and k (`rotate`) rotated; v only where it took a product (`has`)."""
-    DT = p1.dtype.element_ty
-    if rotate:
-        o1, o2 = _rotate(x1, x2, c, s, DT, COMPILED)
-        tl.store(p1, o1.to(DT), mask=mask)
-        tl.store(p1 + HALF, o2.to(DT), mask=mask)
-    elif has:
-        tl.store(p1, x1.to(DT), mask=mask)
-        tl.store(p1 + HALF, x2.to(DT), mask=mask)
-
-
-@triton.jit
-def _rope_early(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_row, slot, has, b0, b1, b2, rk0, rk1, rk2, sc0, sc1,
-                sc2, R, stride_p_split, stride_p_slice, HQ, HKV, HALF, stride_qh, stride_kh, stride_vh, which, h0,
-                extra_ptr, t, T, extra_lanes, stride_pm, ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr,
-                BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, COMPILED: tl.constexpr,
-                EXTRAS: tl.constexpr):
-    """`_heads` for q, k or v (`which`) with the slice's rank, scaling and both halves' B blocks read first, then
-    the kernel's deferred PDL wait (ops/pdl.py's early reads), then the rest: the same sums and roundings. `q_ptr`,
-    `k_ptr`, `v_ptr`: the token's rows."""
-    is_q = which == 0
-    is_k = which == 1
-    num_heads = tl.where(is_q, HQ, HKV)
-    b_ptr = tl.where(is_q, b0, tl.where(is_k, b1, b2))
-    rank = tl.where(has, tl.minimum(tl.load(tl.where(is_q, rk0, tl.where(is_k, rk1, rk2)) + slot), R), 0)
-    scale = tl.load(tl.where(is_q, sc0, tl.where(is_k, sc1, sc2)) + slot)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HALF
-    offs_h = h0 + tl.arange(0, BLOCK_H)
-    mask = (offs_h < num_heads)[:, None] & d_mask[None, :]
-    cols = offs_h[:, None] * (2 * HALF) + offs_d[None, :]
-    b_slot = b_ptr + slot.to(tl.int64) * num_heads * 2 * HALF * R
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank   # rank 0 (no adapter): nothing read
-    b1_ = _load_rank_block_exact(b_slot + cols[:, :, None] * R + offs_r[None, None, :], mask[:, :, None],
-                              offs_r[None, None, :], r_mask[None, None, :], rank, R)
-    b2_ = _load_rank_block_exact(b_slot + (cols + HALF)[:, :, None] * R + offs_r[None, None, :], mask[:, :, None],
-                              offs_r[None, None, :], r_mask[None, None, :], rank, R)
-    pdl_deferred_start(True)
-    DT = q_ptr.dtype.element_ty
-    base = tl.where(is_q, q_ptr, tl.where(is_k, k_ptr, v_ptr))
-    stride_h = tl.where(is_q, stride_qh, tl.where(is_k, stride_kh, stride_vh))
-    p1 = base + offs_h[:, None] * stride_h + offs_d[None, :]
-    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
-    if has:
-        part_slice = part_row + which * stride_p_slice
-        lv, _, _ = _v(part_slice, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
-        d1 = tl.sum(b1_.to(tl.float32) * lv[None, None, :], axis=2) * scale
-        d2 = tl.sum(b2_.to(tl.float32) * lv[None, None, :], axis=2) * scale
-        rank_ptr = tl.where(is_q, rk0, tl.where(is_k, rk1, rk2))
-        scale_ptr = tl.where(is_q, sc0, tl.where(is_k, sc1, sc2))
-        d1, d2 = _extra_products_2d(d1, d2, part_slice, extra_ptr, t, T, extra_lanes, stride_pm, b_ptr,
-                                    num_heads * 2 * HALF * R, rank_ptr, scale_ptr, cols, HALF, mask, R, stride_p_split,
-                                    ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D, EXTRAS)
-        x1 = _round(x1 + d1, DT, COMPILED)
-        x2 = _round(x2 + d2, DT, COMPILED)
-    c, s = _cos_sin(pos_ptr, inv_freq_ptr, offs_d, d_mask, DT, COMPILED)
-    _store_heads(p1, HALF, x1, x2, c, s, mask, which < 2, has, COMPILED)
-
-
-@triton.jit
-def _token_slot(row_slot_ptr, part_ptr, t, stride_pm):
-    """(has, slot, its partials' row) of token t: slot 0 where it has no adapter (nothing is read)."""
-    slot = tl.load(row_slot_ptr + t)
-    has = slot >= 0
-    slot = tl.maximum(slot, 0)
-    part_row = part_ptr + t * stride_pm
-    return has, slot, part_row
-
-
-@triton.jit(do_not_specialize=["T", "extra_lanes"])   # one variant whatever the lanes
-def _rope_lora_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_ptr, row_slot_ptr, b0, b1, b2, rk0, rk1, rk2,
-                      sc0, sc1, sc2, R, stride_p_split, stride_p_slice, stride_pm, extra_ptr, T, extra_lanes, HQ, HKV,
-                      HALF, stride_qt,
-                      stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_pos, ONE_R_TILE: tl.constexpr,
-                      SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                      COMPILED: tl.constexpr, EARLY: tl.constexpr, EXTRAS: tl.constexpr):
-    """Program (token, q|k|v, head block): q/k/v heads take their slice's product; q and k rotate.
-    EARLY (one rank tile): the row's slot, the slice's rank and scaling and its B blocks are read before the PDL
-    wait (ops/pdl.py's early reads; `_rope_early`)."""
-    pdl_start(EARLY)   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first (EARLY: below)
-    t = tl.program_id(0).to(tl.int64)
-    which = tl.program_id(1)
-    h0 = tl.program_id(2) * BLOCK_H
-    if EARLY:
-        has, slot, part_row = _token_slot(row_slot_ptr, part_ptr, t, stride_pm)
-        # k and v have fewer head blocks with GQA; a program past them loads and stores nothing of q/k/v
-        _rope_early(q_ptr + t * stride_qt, k_ptr + t * stride_kt, v_ptr + t * stride_vt, pos_ptr + t * stride_pos,
-                    inv_freq_ptr, part_row, slot, has, b0, b1, b2, rk0, rk1, rk2, sc0, sc1, sc2, R, stride_p_split,
-                    stride_p_slice, HQ, HKV, HALF, stride_qh, stride_kh, stride_vh, which, h0, extra_ptr, t, T,
-                    extra_lanes, stride_pm, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D, COMPILED, EXTRAS)
-    elif h0 < tl.where(which == 0, HQ, HKV):   # k and v have fewer head blocks with GQA
-        DT = q_ptr.dtype.element_ty
-        offs_d = tl.arange(0, BLOCK_D)
-        d_mask = offs_d < HALF
-        c, s = _cos_sin(pos_ptr + t * stride_pos, inv_freq_ptr, offs_d, d_mask, DT, COMPILED)
-        has, slot, part_row = _token_slot(row_slot_ptr, part_ptr, t, stride_pm)
-        if which == 0:
-            _heads(q_ptr + t * stride_qt, stride_qh, HQ, h0, part_row, b0, rk0, sc0, slot, has, R, stride_p_split,
-                   HALF, c, s, offs_d, d_mask, extra_ptr, t, T, extra_lanes, stride_pm, True, ONE_R_TILE, SPLIT_K,
-                   BLOCK_R, BLOCK_H, BLOCK_D, COMPILED, EXTRAS)
-        elif which == 1:
-            _heads(k_ptr + t * stride_kt, stride_kh, HKV, h0, part_row + stride_p_slice, b1, rk1, sc1, slot, has, R,
-                   stride_p_split, HALF, c, s, offs_d, d_mask, extra_ptr, t, T, extra_lanes, stride_pm, True,
-                   ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D, COMPILED, EXTRAS)
-        else:
-            _heads(v_ptr + t * stride_vt, stride_vh, HKV, h0, part_row + 2 * stride_p_slice, b2, rk2, sc2, slot, has,
-                   R, stride_p_split, HALF, c, s, offs_d, d_mask, extra_ptr, t, T, extra_lanes, stride_pm, False,
-                   ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D, COMPILED, EXTRAS)
-
-
-# ---------------------------------------------------------------------------------------------
-# Launchers. Arguments arrive validated (api.py); T = 0 launches nothing.
-
 # Tile settings: a sweep of the consumers (docs/design-notes.md) on an H200 (SILU_BLOCK untuned). RMSNorm's consumer cuts each
-# row into programs of RMS_SPLIT columns (two launches: rms_split.py); ROPE_HEADS heads per RoPE program (2 and 1
-# measured no faster).
+# row into programs of RMS_SPLIT columns (two launches: rms_split.py); RoPE's are in rope_lora.py.
 RMS_SPLIT = 512
 SILU_BLOCK = 512
-ROPE_HEADS = 4
 _SILU = Launcher(_silu_and_mul_lora_kernel)
-_ROPE = Launcher(_rope_lora_kernel)
 
 
 def _block_r(R: int) -> int:
@@ -406,22 +208,3 @@ def silu_and_mul(gate_up, out, lora, block: int | None = None) -> None:
     _SILU((T, -(-I // block)), args, dict(**_tiles(R), SPLIT_K=p.shape[0], BLOCK=block, COMPILED=COMPILED,
                                           EARLY=_early(R, lora), EXTRAS=lora.lanes > 1),
           max(1, min(4, block // 128)), 1)
-
-
-def apply_rope(q, k, v, positions, inv_freq, lora, heads: int | None = None) -> None:
-    """`fused_kernels.apply_rope` on q/k/v plus the LoraProduct `lora` (three slices); v takes its product."""
-    T, Hq, D = q.shape
-    if T == 0:
-        return
-    Hkv, half = k.shape[1], D // 2
-    block_h = min(pow2(max(Hq, Hkv)), heads or ROPE_HEADS)
-    block_d = pow2(half)
-    p, row_slot, b0, b1, b2, rk0, rk1, rk2, sc0, sc1, sc2, R, sp, ss, sm, extra, lanes_t, extra_lanes = \
-        lora.kernel_args()
-    args = (q, k, v, positions, inv_freq, p, row_slot, b0, b1, b2, rk0, rk1, rk2, sc0, sc1, sc2, R, sp, ss, sm,
-            extra, lanes_t, extra_lanes, Hq, Hkv, half, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            v.stride(0), v.stride(1), positions.stride(0))
-    grid = (T, 3, -(-max(Hq, Hkv) // block_h))
-    _ROPE(grid, args, dict(**_tiles(R), SPLIT_K=p.shape[0], BLOCK_H=block_h, BLOCK_D=block_d, COMPILED=COMPILED,
-                           EARLY=_early(R, lora), EXTRAS=lora.lanes > 1),
-          max(1, min(4, block_h * block_d // 128)), 1)
