@@ -31,7 +31,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from loraplex import envs, ops  # noqa: E402
-from loraplex.ops.attention import kernels as ak  # noqa: E402
+from loraplex.ops.attention import launchers as ak  # noqa: E402
 
 HEAD_SHAPES = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128)}  # Hq, Hkv, head_dim
 DECODE_BATCHES = [1, 8, 32, 128]
@@ -279,7 +279,7 @@ def main(argv=None) -> None:
     gen = torch.Generator(device=device).manual_seed(0)
     env = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(), torch=torch.__version__,
-               triton=getattr(ak.triton, "__version__", "?"), dtype="bfloat16" if device.type == "cuda" else "float16",
+               triton=getattr(sys.modules.get("triton"), "__version__", "?"), dtype="bfloat16" if device.type == "cuda" else "float16",
                block_size=BLOCK_SIZE, backend=ops.resolve_backend(None, device), settings=envs.snapshot())
     copy_gbs = None
     if not args.smoke:

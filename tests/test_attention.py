@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from loraplex import ops
-from loraplex.ops.attention import kernels as ak
+from loraplex.ops.attention import launchers as ak
 
 GARBAGE_BLOCK = 2**31 - 8  # a block id far past any cache: dereferencing it would fault, not pass
 

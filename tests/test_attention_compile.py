@@ -93,6 +93,7 @@ def compile_kind(arch: int, dtype: str, kind: str) -> int:
     import torch
 
     from loraplex.ops.attention import kernels as ak
+    from loraplex.ops.attention import launchers as al
     from loraplex.ops.attention import store_kernel as sk
 
     tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
@@ -121,42 +122,42 @@ def compile_kind(arch: int, dtype: str, kind: str) -> int:
               {"slot_ptr": "*i32"})
     elif kind == "prefill":
         for D, G, window in prefill_variants:
-            cfg = ak.prefill_config(D, tdtype)
-            build(ak._prefill_kernel, ak.prefill_constexprs(G, D, PAGE, window, tdtype, cfg), cfg.num_warps,
+            cfg = al.prefill_config(D, tdtype)
+            build(ak._prefill_kernel, al.prefill_constexprs(G, D, PAGE, window, tdtype, cfg), cfg.num_warps,
                   cfg.num_stages)
-        cfg = ak.PREFILL_CONFIGS[128]
+        cfg = al.PREFILL_CONFIGS[128]
         if dtype != "fp32":
-            consts = with_ones(ak._prefill_kernel, ak.prefill_constexprs(4, 128, PAGE, 1, tdtype, cfg))
+            consts = with_ones(ak._prefill_kernel, al.prefill_constexprs(4, 128, PAGE, 1, tdtype, cfg))
             build(ak._prefill_kernel, consts, cfg.num_warps, cfg.num_stages)
     elif kind == "decode":
         def partials(split: bool) -> dict:  # without splits the launcher passes `out` for the unused partials
             return {} if split else {"part_o_ptr": "*" + dtype, "part_ml_ptr": "*" + dtype}
 
         for D, G, split in decode_variants:
-            cfg = ak.decode_config(D, tdtype)
-            build(ak._decode_kernel, ak.decode_constexprs(G, D, PAGE, split, tdtype, cfg), cfg.num_warps,
+            cfg = al.decode_config(D, tdtype)
+            build(ak._decode_kernel, al.decode_constexprs(G, D, PAGE, split, tdtype, cfg), cfg.num_warps,
                   cfg.num_stages, partials(split))
-        cfg = ak.DECODE_CONFIGS[128]
+        cfg = al.DECODE_CONFIGS[128]
         for split in (False, True) if dtype != "fp32" else ():
-            consts = with_ones(ak._decode_kernel, ak.decode_constexprs(4, 128, PAGE, split, tdtype, cfg))
+            consts = with_ones(ak._decode_kernel, al.decode_constexprs(4, 128, PAGE, split, tdtype, cfg))
             build(ak._decode_kernel, consts, cfg.num_warps, cfg.num_stages, partials(split))
         for D in HEAD_DIMS:
             for splits_pad in (2, 64):
-                build(ak._decode_reduce_kernel, dict(HEAD_DIM=D, SPLITS_PAD=splits_pad), ak.REDUCE_WARPS, 1)
+                build(ak._decode_reduce_kernel, dict(HEAD_DIM=D, SPLITS_PAD=splits_pad), al.REDUCE_WARPS, 1)
         build(ak._decode_reduce_kernel, with_ones(ak._decode_reduce_kernel, dict(HEAD_DIM=128, SPLITS_PAD=2)),
-              ak.REDUCE_WARPS, 1)
+              al.REDUCE_WARPS, 1)
     elif kind == "fp8kv":
         for D, Hkv in ((128, 8), (64, 32)):
             build(sk._store_kv_kernel, sk.store_kv_constexprs(Hkv, D, fp8=True), sk.STORE_WARPS, 1,
                   dict(FP8_KV, slot_ptr="*i64"))
         for D, G, window in [(128, 1, 0), (128, 4, 4096), (64, 4, 0)]:
-            cfg = ak.prefill_config(D, tdtype)
-            build(ak._prefill_kernel, ak.prefill_constexprs(G, D, PAGE, window, tdtype, cfg, fp8_kv=True),
+            cfg = al.prefill_config(D, tdtype)
+            build(ak._prefill_kernel, al.prefill_constexprs(G, D, PAGE, window, tdtype, cfg, fp8_kv=True),
                   cfg.num_warps, cfg.num_stages, FP8_KV)
         for D, G, split in [(128, 4, False), (128, 4, True), (128, 1, True), (64, 8, False)]:
-            cfg = ak.decode_config(D, tdtype)
+            cfg = al.decode_config(D, tdtype)
             partials = {} if split else {"part_o_ptr": "*" + dtype, "part_ml_ptr": "*" + dtype}
-            build(ak._decode_kernel, ak.decode_constexprs(G, D, PAGE, split, tdtype, cfg, fp8_kv=True),
+            build(ak._decode_kernel, al.decode_constexprs(G, D, PAGE, split, tdtype, cfg, fp8_kv=True),
                   cfg.num_warps, cfg.num_stages, dict(FP8_KV, **partials))
     else:
         raise ValueError(f"unknown kernel family {kind!r}")

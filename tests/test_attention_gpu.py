@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex import ops
-from loraplex.ops.attention import kernels as ak
+from loraplex.ops.attention import launchers as ak
 
 from test_attention import AttnCase, make_case, max_err, stable_seed
 

@@ -28,7 +28,7 @@ from fp8_fixtures import ct_config, quantize_folder
 from fp8_kv_fixtures import ENGINE, LOGPROB_TOL, Fp8KvOracle, generate_fp8, logprob_errors
 from loraplex import ops
 from loraplex.ops.attention import KV_FP8
-from loraplex.ops.attention import kernels as ak
+from loraplex.ops.attention import launchers as ak
 from test_attention import BACKENDS, TOL, interpreted, make_case, attention_f64, max_err, stable_seed
 
 E4M3_MAX = 448.0

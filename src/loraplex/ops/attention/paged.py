@@ -32,9 +32,9 @@ from .checks import (E4M3_MAX, KV_FP8, TRITON_HEAD_DIMS, check_attention_args, c
 try:  # the kernels need Triton; without it resolve_backend only ever returns "reference"
     import triton  # noqa: F401
 except ImportError:  # pragma: no cover - triton is a dependency on Linux
-    attention_kernels = store_kernel = None
+    launchers = store_kernel = None
 else:
-    from . import kernels as attention_kernels
+    from . import launchers
     from . import store_kernel
 
 __all__ = ["KV_FP8", "TRITON_HEAD_DIMS", "check_attention_args", "checked_paged_attention", "paged_attention",
@@ -203,11 +203,11 @@ def checked_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             # Sequences of several rows take the prefill kernel, one-row sequences (decode tokens,
             # also inside a mixed batch) the split-KV decode kernel; each skips the other's.
             if max_query_len > 1:
-                attention_kernels.prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start, out,
-                                          scale=float(scale), window=sliding_window, k_scale=ks, v_scale=vs)
-            attention_kernels.decode(q, k_cache, v_cache, block_tables, seq_lens, query_start, out,
-                                     max_seq_len=max_seq_len, scale=float(scale), window=sliding_window,
-                                     k_scale=ks, v_scale=vs)
+                launchers.prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start, out,
+                                  scale=float(scale), window=sliding_window, k_scale=ks, v_scale=vs)
+            launchers.decode(q, k_cache, v_cache, block_tables, seq_lens, query_start, out,
+                             max_seq_len=max_seq_len, scale=float(scale), window=sliding_window,
+                             k_scale=ks, v_scale=vs)
         _bump_version(out)
         return out
     dequant = None
