@@ -2,15 +2,18 @@
 layer, side by side in one run.
 
 - decode rows (1, 16, 32 by default): cuBLAS bf16, the bf16 Triton GEMM (ops/gemm/skinny.py, its tuned or picked
-  tiles), and the FP8 weight-only kernel (ops/gemm/fp8.py) over a sweep of tiles, with a scale per output column
-  (`--quantization fp8`, compressed-tensors) and with 128×128 block scales (transformers' `fp8`); the floors are
-  each weight's bytes over the copy bandwidth measured in the same run (bf16: 2 bytes an element, FP8: 1);
+  tiles), and the FP8 weight-only kernel (ops/gemm/fp8.py) with its default tiles and over a sweep of tiles, with a
+  scale per output column (`--quantization fp8`, compressed-tensors) and with 128×128 block scales (transformers'
+  `fp8`); the floors are each weight's bytes over the copy bandwidth measured in the same run (bf16: 2 bytes an
+  element, FP8: 1). `--configs-out` writes each shape's fastest per-column tiles at the first row count (the file
+  ops/gemm/fp8.py reads, tuned_fp8.json, when written there);
 - prompt rows (128, 512, 2048): cuBLAS bf16, W8A8 (each row of x quantized to e4m3, then torch._scaled_mm: what
   LORAPLEX_FP8_W8A8 picks) and the weight dequantized for cuBLAS (the fallback).
 Every timing replays a CUDA graph of calls over rotating weight copies (together past the L2), median of
 CUDA-event timings after warm-up. Each FP8 output is checked against the dequantized weight's cuBLAS product first.
 
-    python benchmarks/bench_fp8_gemm.py --out benchmarks/results/fp8_gemm.json --md benchmarks/results/fp8_gemm.md
+    python benchmarks/bench_fp8_gemm.py --out benchmarks/results/fp8_gemm.json --md benchmarks/results/fp8_gemm.md \
+        --configs-out src/loraplex/ops/gemm/tuned_fp8.json
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from bench_skinny_gemm import per_call_us  # noqa: E402
 
 from loraplex import envs  # noqa: E402
 from loraplex.ops.gemm import skinny  # noqa: E402
+from loraplex.ops.gemm import fp8 as fp8_gemm  # noqa: E402
 from loraplex.ops.gemm.fp8 import Fp8Matrix, fp8_skinny_linear, quantize_rows, w8a8_linear  # noqa: E402
 
 SHAPES = {"l2.qkv": (12288, 4096), "l2.o": (4096, 4096), "l2.gate_up": (22016, 4096), "l2.down": (4096, 11008),
@@ -38,8 +42,10 @@ SHAPES = {"l2.qkv": (12288, 4096), "l2.o": (4096, 4096), "l2.gate_up": (22016, 4
 LAYERS = {"Llama-2-7B": ("l2.qkv", "l2.o", "l2.gate_up", "l2.down"),
           "Llama-3-8B": ("l3.qkv", "l2.o", "l3.gate_up", "l3.down")}
 ROTATION_BYTES = 600 << 20
+# e4m3 tiles move half a bf16 tile's bytes: K steps to 512, and 32-column tiles (twice the programs, past the SM
+# count for o's and down's 4,096 columns)
 SWEEP = [skinny.SkinnyConfig(block_n=bn, block_k=bk, stages=st)
-         for bn, bk, st in itertools.product((64, 128), (128, 256), (3, 4, 5))]
+         for bn, bk, st in itertools.product((32, 64, 128), (128, 256, 512), (3, 4))]
 LAYOUTS = {"column": None, "block128": (128, 128)}
 DEVICE, DTYPE = "cuda", torch.bfloat16
 
@@ -89,7 +95,7 @@ def decode_entry(name: str, M: int, bf16: list, fp8: dict, copy_gbs: float) -> d
         ref = F.linear(x, ms[0].dequantize(DTYPE))
         timed = {}
         for c in SWEEP:
-            if skinny.launched_config(c, M, x) != c or (layout != "column" and c.block_k > ms[0].block[1]):
+            if skinny.launched_config(c, M, x, w_bytes=1 if x.element_size() == 2 else None) != c or (layout != "column" and c.block_k > ms[0].block[1]):
                 continue
             try:
                 check(fp8_skinny_linear(x, ms[0], config=c), ref)
@@ -100,7 +106,8 @@ def decode_entry(name: str, M: int, bf16: list, fp8: dict, copy_gbs: float) -> d
         times = {k: v for k, v in timed.items() if isinstance(v, float)}
         best = min(times, key=times.get) if times else None
         e[f"fp8_{layout}"] = dict(best=best, us=times.get(best), default_us=per_call_us(
-            [lambda m=m: fp8_skinny_linear(x, m) for m in ms]), sweep=timed)
+            [lambda m=m: fp8_skinny_linear(x, m) for m in ms]), sweep=timed,
+            default=fp8_gemm.default_config(N, K, x.device).__dict__)
     return e
 
 
@@ -134,6 +141,7 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt-rows", default="128,512,2048")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--md", type=Path)
+    ap.add_argument("--configs-out", type=Path, help="write each shape's fastest per-column FP8 tiles (JSON)")
     ap.add_argument("--smoke", action="store_true", help="a CPU run of everything at toy sizes (CI)")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -168,6 +176,19 @@ def main(argv=None) -> None:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     if args.md:
         args.md.write_text(markdown(result))
+    if args.configs_out:
+        args.configs_out.write_text(json.dumps(fastest_tiles(result, int(args.rows.split(",")[0])), indent=1) + "\n")
+
+
+def fastest_tiles(result: dict, M: int) -> dict:
+    """{"N,K": SkinnyConfig fields}: each shape's fastest per-column tiles at M rows (skinny.load_configs' format)."""
+    out = {"_note": f"bench_fp8_gemm.py's fastest per-column FP8 tiles at {M} rows, {result['gpu']}, {result['date']}"}
+    for name, (N, K) in SHAPES.items():
+        best = result["decode"][f"{name}@{M}"]["fp8_column"]["best"]
+        if best is not None:
+            bn, bk, st = (int(part[len(tag):]) for part, tag in zip(best.split("_"), ("n", "k", "st")))
+            out[f"{N},{K}"] = skinny.SkinnyConfig(block_n=bn, block_k=bk, stages=st).__dict__
+    return out
 
 
 def markdown(r: dict) -> str:

@@ -63,6 +63,26 @@ def test_fp8_skinny_linear_matches_the_float64_loop(case, with_bias, dtype):
     torch.testing.assert_close(y.double(), want, **tol)
 
 
+def test_default_tiles_move_the_dense_tiles_bytes_a_step(monkeypatch):
+    """Without tuned tiles, each Llama-2-7B shape takes the dense kernel's tiles with twice the K step (at most
+    MAX_BLOCK_K): as many bytes a step from a 1-byte weight. At 32 rows on an H100/H200 (232,448 bytes of shared
+    memory a block) o's and down's 64 × 512 tiles keep 3 of their 4 stages; tuned tiles, where given, win."""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(fp8, "TUNED", {})
+    for n, k in ((12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008), (6144, 4096)):
+        dense, got = skinny.default_config(n, k, cpu), fp8.default_config(n, k, cpu)
+        assert got == SkinnyConfig(block_n=dense.block_n, block_k=min(2 * dense.block_k, fp8.MAX_BLOCK_K),
+                                   split_k=dense.split_k, warps=dense.warps, stages=dense.stages), (n, k)
+        assert got.block_n * got.block_k == dense.block_n * dense.block_k * 2 or got.block_k == fp8.MAX_BLOCK_K
+    o = fp8.default_config(4096, 4096, cpu)
+    assert (o.block_n, o.block_k) == (64, 512)
+    assert skinny.fit_config(o, 32, 2, 232448, w_bytes=1) == SkinnyConfig(block_n=64, block_k=512, stages=3)
+    assert skinny.fit_config(o, 32, 2, 232448) == SkinnyConfig(block_n=64, block_k=512, stages=2)  # 2-byte count
+    tuned = SkinnyConfig(block_n=32, block_k=256, stages=5)
+    monkeypatch.setattr(fp8, "TUNED", {(4096, 4096): tuned})
+    assert fp8.default_config(4096, 4096, cpu) == tuned
+
+
 def test_fp8_skinny_linear_refuses_bad_arguments():
     m = random_matrix(16, 64, (1, 64), seed=1)
     x = torch.randn(2, 64)

@@ -265,12 +265,14 @@ def skinny_gemm(dtype: str, arch: int) -> None:
 def fp8_gemm(dtype: str, arch: int) -> None:
     """ops/gemm/fp8_kernels.py at Llama-2-7B's widths, a scale per column and 128×128 blocks, for sm_90 and (in
     sm_80's turn) sm_89, the first GPUs with FP8: e4m3 loads pipelined with asynchronous copies, 16-bit products
-    on tensor-core MMAs, within the shared memory skinny.shared_bytes bounds (its 16-bit count is an upper one)."""
+    on tensor-core MMAs, within the shared memory skinny.shared_bytes bounds (for 1-byte weights beside 16-bit x; fp32
+    x's dot stages them as fp32). The default tiles of
+    o's and down's shapes (64 × 512 in 4 stages, which fit_config cuts to 3 at 32 rows) among them."""
     from loraplex.ops.gemm.fp8_kernels import _fp8_skinny_kernel as k
     from loraplex.ops.gemm.skinny import SkinnyConfig, shared_bytes
     arch = 89 if arch == 80 else arch
     for per_step, block_m, block_n, block_k, stages in ((False, 32, 64, 256, 4), (True, 32, 128, 128, 4),
-                                                        (True, 16, 64, 128, 3)):
+                                                        (True, 16, 64, 128, 3), (False, 32, 64, 512, 3)):
         ptx = _compile(k, dict(x_ptr="*" + dtype, q_ptr="*fp8e4nv", s_ptr="*fp32", bias_ptr="*" + dtype,
                                y_ptr="*" + dtype),
                        dict(HAS_BIAS=not per_step, PER_STEP_SCALE=per_step, EVEN_N=True, EVEN_K=True,
@@ -281,7 +283,7 @@ def fp8_gemm(dtype: str, arch: int) -> None:
             assert ("wgmma" if arch == 90 else "mma.sync") in ptx, f"{what}: no tensor-core MMA"
         assert "cp.async" in ptx, f"{what}: q's loads are not pipelined"
         bound = shared_bytes(SkinnyConfig(block_n=block_n, block_k=block_k, stages=stages), block_m,
-                             4 if dtype == "fp32" else 2)
+                             4 if dtype == "fp32" else 2, w_bytes=None if dtype == "fp32" else 1)
         assert 0 < COMPILED_SHARED[0] <= bound, f"{what}: {COMPILED_SHARED[0]} bytes of shared memory, bound {bound}"
 
 

@@ -70,18 +70,20 @@ def pick_config(n: int, k: int, sms: int) -> SkinnyConfig:
     return SkinnyConfig(block_k=128, stages=3 if 2 * sms < tiles <= 3 * sms else 4)
 
 
-def shared_bytes(config: SkinnyConfig, block_m: int, elem_bytes: int) -> int:
-    """An upper bound of a launch's shared memory: a [block_n + block_m, block_k] tile of w and x per stage (Triton
-    3.6's count on sm_90 with 16-bit wgmma; elsewhere it keeps one stage fewer), checked by compiles for sm_90
-    and sm_80 (test_fused_compile.py)."""
-    return config.stages * (config.block_n + block_m) * config.block_k * elem_bytes
+def shared_bytes(config: SkinnyConfig, block_m: int, elem_bytes: int, w_bytes: int | None = None) -> int:
+    """An upper bound of a launch's shared memory: a [block_n, block_k] tile of w (`w_bytes` an element: 1 for
+    ops/gemm/fp8.py's e4m3 weights; default `elem_bytes`) and a [block_m, block_k] tile of x per stage (Triton 3.6's
+    count on sm_90 with 16-bit wgmma; elsewhere it keeps one stage fewer), checked by compiles for sm_90 and sm_80
+    (test_fused_compile.py)."""
+    return config.stages * (config.block_n * (w_bytes or elem_bytes) + block_m * elem_bytes) * config.block_k
 
 
-def fit_config(config: SkinnyConfig, block_m: int, elem_bytes: int, limit: int) -> SkinnyConfig:
+def fit_config(config: SkinnyConfig, block_m: int, elem_bytes: int, limit: int,
+               w_bytes: int | None = None) -> SkinnyConfig:
     """`config` with fewer stages (to 2), then shorter K steps (to 32), then narrower tiles (to 16) until
     `shared_bytes` is within `limit`: tiles tuned for an H200's 227 KiB at 16 bits and 32 rows also launch at 64
     rows, in fp32, and on GPUs of 99 KiB a block."""
-    while shared_bytes(config, block_m, elem_bytes) > limit:
+    while shared_bytes(config, block_m, elem_bytes, w_bytes) > limit:
         if config.stages > 2:
             config = replace(config, stages=config.stages - 1)
         elif config.block_k > 32:
@@ -93,12 +95,12 @@ def fit_config(config: SkinnyConfig, block_m: int, elem_bytes: int, limit: int) 
     return config
 
 
-def launched_config(config: SkinnyConfig, rows: int, x: torch.Tensor) -> SkinnyConfig:
-    """The config a launch for `rows` rows of x's dtype and device runs: `config` fitted to the GPU's shared memory
-    (as given in the interpreter, which has no such limit)."""
+def launched_config(config: SkinnyConfig, rows: int, x: torch.Tensor, w_bytes: int | None = None) -> SkinnyConfig:
+    """The config a launch for `rows` rows of x's dtype and device runs (w `w_bytes` an element, default x's):
+    `config` fitted to the GPU's shared memory (as given in the interpreter, which has no such limit)."""
     if not x.is_cuda:
         return config
-    return fit_config(config, _block_m(rows), x.element_size(), _shared_limit(x.device.index))
+    return fit_config(config, _block_m(rows), x.element_size(), _shared_limit(x.device.index), w_bytes)
 
 
 @functools.lru_cache(maxsize=None)
