@@ -279,7 +279,8 @@ def main(argv=None) -> None:
     gen = torch.Generator(device=device).manual_seed(0)
     env = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(), torch=torch.__version__,
-               triton=getattr(sys.modules.get("triton"), "__version__", "?"), dtype="bfloat16" if device.type == "cuda" else "float16",
+               triton=getattr(sys.modules.get("triton"), "__version__", "?"),
+               dtype="bfloat16" if device.type == "cuda" else "float16",
                block_size=BLOCK_SIZE, backend=ops.resolve_backend(None, device), settings=envs.snapshot())
     copy_gbs = None
     if not args.smoke:

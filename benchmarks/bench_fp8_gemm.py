@@ -95,7 +95,8 @@ def decode_entry(name: str, M: int, bf16: list, fp8: dict, copy_gbs: float) -> d
         ref = F.linear(x, ms[0].dequantize(DTYPE))
         timed = {}
         for c in SWEEP:
-            if skinny.launched_config(c, M, x, w_bytes=1 if x.element_size() == 2 else None) != c or (layout != "column" and c.block_k > ms[0].block[1]):
+            w_bytes = 1 if x.element_size() == 2 else None   # as fp8_skinny_linear fits its tiles
+            if skinny.launched_config(c, M, x, w_bytes) != c or (layout != "column" and c.block_k > ms[0].block[1]):
                 continue
             try:
                 check(fp8_skinny_linear(x, ms[0], config=c), ref)

@@ -16,10 +16,10 @@ Up to `MAX_SLICES` output slices (fused q/k/v, gate/up) share one launch per dir
 each slice's tensors come in as their own kernel arguments so the compiler keeps their
 alignment, and the program picks its slice with a branch.
 
-The kernels are in shrink_kernels.py and expand_kernels.py. For tiles of at most ROWWISE_MAX_ROWS rows (decode rows with their own
-adapters) both have a row-wise path (`_shrink_tile_rows`, `_expand_tile_rows`: fp32 multiply-and-sum on the CUDA
-cores, no row padded to 16 for the tensor cores), chosen per tile at run time where the config asks for it
-(`KernelConfig.rowwise`: the decode config does).
+The kernels are in shrink_kernels.py and expand_kernels.py. For tiles of at most ROWWISE_MAX_ROWS rows (decode
+rows with their own adapters) both have a row-wise path (`_shrink_tile_rows`, `_expand_tile_rows`: fp32
+multiply-and-sum on the CUDA cores, no row padded to 16 for the tensor cores), chosen per tile at run time where the
+config asks for it (`KernelConfig.rowwise`: the decode config does).
 
 A one-launch variant (each program shrinking over the whole K, then expanding its columns) lost 1.1–3.3× to
 these two launches at every decode batch on an H200: without split-K each program's K loop is one long latency
