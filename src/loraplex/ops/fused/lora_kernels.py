@@ -67,14 +67,35 @@ def _product(part_row, b_slot, rank, scale, cols, mask, R, stride_p_split, v, of
 
 
 @triton.jit
-def _lane(extra_ptr, lane, T, row, rank_ptr, scale_ptr, R, part_row, stride_pm, b_ptr, slot_elems):
-    """(slot, rank, scale, partials row, B block) of row's member lane + 1: slot -1 and rank 0 where it has none
-    (then nothing is read)."""
-    slot = tl.load(extra_ptr + lane * T + row)
+def _member(extra_ptr, lane, T, row, extra_lanes, rank_ptr, scale_ptr, R):
+    """(slot, rank, scale) of row's member lane + 1: -1, 0 and 0 past its members (nothing is read there)."""
+    slot = tl.load(extra_ptr + lane * T + row, mask=lane < extra_lanes, other=-1)
+    has = slot >= 0
     safe = tl.maximum(slot, 0)
-    rank = tl.where(slot >= 0, tl.minimum(tl.load(rank_ptr + safe), R), 0)
+    return slot, tl.minimum(tl.load(rank_ptr + safe, mask=has, other=0), R), tl.load(scale_ptr + safe, mask=has,
+                                                                                     other=0.0)
+
+
+@triton.jit
+def _lanes(extra_ptr, T, row, extra_lanes, rank_ptr, scale_ptr, R):
+    """The row's members after its first, as (count, slot, rank and scale of lanes 1-3): the three lanes' loads
+    side by side, so that a member costs one chain of dependent loads (its partials and B) in the loop that adds
+    it, and the lanes past the row's members none (members fill the lanes in order)."""
+    s1, r1, c1 = _member(extra_ptr, 0, T, row, extra_lanes, rank_ptr, scale_ptr, R)
+    s2, r2, c2 = _member(extra_ptr, 1, T, row, extra_lanes, rank_ptr, scale_ptr, R)
+    s3, r3, c3 = _member(extra_ptr, 2, T, row, extra_lanes, rank_ptr, scale_ptr, R)
+    count = (s1 >= 0).to(tl.int32) + (s2 >= 0).to(tl.int32) + (s3 >= 0).to(tl.int32)
+    return count, s1, r1, c1, s2, r2, c2, s3, r3, c3
+
+
+@triton.jit
+def _lane(lane, s1, r1, c1, s2, r2, c2, s3, r3, c3, T, part_row, stride_pm, b_ptr, slot_elems):
+    """(rank, scale, partials row, B block) of member lane + 1 (< the row's count), from `_lanes`."""
+    slot = tl.where(lane == 0, s1, tl.where(lane == 1, s2, s3))
+    rank = tl.where(lane == 0, r1, tl.where(lane == 1, r2, r3))
+    scale = tl.where(lane == 0, c1, tl.where(lane == 1, c2, c3))
     p = part_row + ((lane + 1) * T).to(tl.int64) * stride_pm
-    return slot, rank, tl.load(scale_ptr + safe), p, b_ptr + safe.to(tl.int64) * slot_elems
+    return rank, scale, p, b_ptr + slot.to(tl.int64) * slot_elems
 
 
 @triton.jit
@@ -85,13 +106,13 @@ def _extra_products(acc, part_row, extra_ptr, row, T, extra_lanes, stride_pm, b_
     member's partials, this slice; B blocks `slot_elems` apart). EXTRAS (a composed product) or nothing: plain
     products compile without the loop."""
     if EXTRAS:
-        for lane in range(0, extra_lanes):
-            slot, rank, scale, p, b_slot = _lane(extra_ptr, lane, T, row, rank_ptr, scale_ptr, R, part_row, stride_pm,
-                                                 b_ptr, slot_elems)
-            if slot >= 0:
-                v, offs_r, r_mask = _v(p, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
-                acc += _product(p, b_slot, rank, scale, cols, mask, R, stride_p_split, v, offs_r, r_mask, ONE_R_TILE,
-                                SPLIT_K, BLOCK_R, BLOCK)
+        count, s1, r1, c1, s2, r2, c2, s3, r3, c3 = _lanes(extra_ptr, T, row, extra_lanes, rank_ptr, scale_ptr, R)
+        for lane in range(0, count):
+            rank, scale, p, b_slot = _lane(lane, s1, r1, c1, s2, r2, c2, s3, r3, c3, T, part_row, stride_pm, b_ptr,
+                                           slot_elems)
+            v, offs_r, r_mask = _v(p, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
+            acc += _product(p, b_slot, rank, scale, cols, mask, R, stride_p_split, v, offs_r, r_mask, ONE_R_TILE,
+                            SPLIT_K, BLOCK_R, BLOCK)
     return acc
 
 

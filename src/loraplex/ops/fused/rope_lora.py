@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from .kernels import COMPILED, _cos_sin, _rotate, _round
-from .lora_kernels import _early, _lane, _tiles, _v
+from .lora_kernels import _early, _lane, _lanes, _tiles, _v
 from ..launch import Launcher, pow2
 from ..lora.expand_kernels import _load_rank_block_exact
 from ..pdl import pdl_deferred_start, pdl_start
@@ -40,15 +40,15 @@ def _extra_products_2d(d1, d2, part_row, extra_ptr, row, T, extra_lanes, stride_
                        EXTRAS: tl.constexpr):
     """`_extra_products` over both halves of a [BLOCK_H, BLOCK_D] tile of heads (RoPE's)."""
     if EXTRAS:
-        for lane in range(0, extra_lanes):
-            slot, rank, scale, p, b_slot = _lane(extra_ptr, lane, T, row, rank_ptr, scale_ptr, R, part_row, stride_pm,
-                                                 b_ptr, slot_elems)
-            if slot >= 0:
-                v, offs_r, r_mask = _v(p, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
-                d1 += _product_2d(p, b_slot, rank, scale, cols, mask, R, stride_p_split, v, offs_r, r_mask,
-                                  ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D)
-                d2 += _product_2d(p, b_slot, rank, scale, cols + HALF, mask, R, stride_p_split, v, offs_r, r_mask,
-                                  ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D)
+        count, s1, r1, c1, s2, r2, c2, s3, r3, c3 = _lanes(extra_ptr, T, row, extra_lanes, rank_ptr, scale_ptr, R)
+        for lane in range(0, count):
+            rank, scale, p, b_slot = _lane(lane, s1, r1, c1, s2, r2, c2, s3, r3, c3, T, part_row, stride_pm, b_ptr,
+                                           slot_elems)
+            v, offs_r, r_mask = _v(p, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
+            d1 += _product_2d(p, b_slot, rank, scale, cols, mask, R, stride_p_split, v, offs_r, r_mask,
+                              ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D)
+            d2 += _product_2d(p, b_slot, rank, scale, cols + HALF, mask, R, stride_p_split, v, offs_r, r_mask,
+                              ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D)
     return d1, d2
 
 
