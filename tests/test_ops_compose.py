@@ -271,3 +271,19 @@ def test_expand_tiles_hold_one_member_list(backend):
     want = compose_f64(case.y0, case.x, case.lora_a, case.lora_b, case.ranks, case.scalings, lens, members)
     assert rel_err(y, want, case.y0) <= TOL[torch.float32]
     assert torch.equal(y[12:14], case.y0[12:14])
+
+
+def test_a_composed_graph_batch_splits_k_as_a_plain_one(monkeypatch):
+    """A composed capacity batch (a CUDA graph's, room for 4 members a row) sizes its shrink's K split by its row
+    tiles, as a plain batch of the same rows does, not by the room its entries keep (Llama-2-7B's q/k/v on an
+    H100's 132 SMs: 8 splits, where counting the room took 4); a built composed batch by its own entries' tiles."""
+    from loraplex.ops.lora import sgmv
+    monkeypatch.setattr(sgmv, "_num_sms", lambda device: 132)
+    cfg = sgmv.config_for(16)
+    x, qkv = torch.empty(32, 4096), [torch.empty(64, 16, 4096)] * 3
+    plain = LoraBatch.with_capacity(32, 32, "cpu", num_slots=64)
+    composed = LoraBatch.with_capacity(32, 32, "cpu", num_slots=64, max_members=4)
+    assert composed.split_work == plain.split_work == plain.num_shrink_work < composed.num_shrink_work
+    assert sgmv.new_partials(x, qkv, composed, cfg).shape[0] == sgmv.new_partials(x, qkv, plain, cfg).shape[0] == 8
+    built = LoraBatch.from_lengths([1] * 32, [[2 * i, 2 * i + 1] for i in range(32)], weights=[[0.7, 0.3]] * 32)
+    assert built.split_work == built.num_shrink_work == 64

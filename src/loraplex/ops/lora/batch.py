@@ -129,6 +129,13 @@ class LoraBatch:
         return self.lanes * self.num_rows
 
     @property
+    def split_work(self) -> int:
+        """The shrink tiles its K split is sized for (sgmv.new_partials): its own, but a composed capacity batch's
+        row tiles: its entries keep room for `max_members` adapters a row, mostly empty, and sized by that room
+        its shrink would take fewer splits, so longer chains of loads, than a plain batch of the same rows."""
+        return self.num_work if self.composed and self._capacity is not None else self.num_shrink_work
+
+    @property
     def all_rows_have_adapters(self) -> bool:
         """Does every row have an adapter, whatever `update_` writes later? (never for a capacity batch)"""
         return self._capacity is None and self.group_bounds[-1] == self.num_rows

@@ -194,9 +194,10 @@ def expand_from(y: torch.Tensor, part: torch.Tensor, lora_b: list[torch.Tensor],
 
 
 def new_partials(x: torch.Tensor, lora_a: list[torch.Tensor], batch, cfg: KernelConfig) -> torch.Tensor:
-    """The shrink's fp32 output `[split_k, slices, batch.num_entries, R]`, split K ways by the rule above."""
+    """The shrink's fp32 output `[split_k, slices, batch.num_entries, R]`, split K ways by the rule above (for
+    `batch.split_work` tiles)."""
     num_slices, R, E = len(lora_a), lora_a[0].shape[1], batch.num_entries
-    split_k = choose_split_k(batch.num_shrink_work * num_slices * cdiv(R, _block_r(R)), x.shape[1], x.device, cfg,
+    split_k = choose_split_k(batch.split_work * num_slices * cdiv(R, _block_r(R)), x.shape[1], x.device, cfg,
                              num_slices * E * R * 4)
     return torch.empty((split_k, num_slices, E, R), dtype=torch.float32, device=x.device)
 
