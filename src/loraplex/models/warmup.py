@@ -19,6 +19,7 @@ import torch
 from ..adapters.pool import AdapterPool
 from ..ops import LoraBatch
 from ..ops.fused import api as fused
+from ..ops.launch import compile_ahead
 from ..ops.lora import sgmv
 from ..ops.lora.batch import LARGE_BLOCK_M, SMALL_BLOCK_M
 from ..ops.lora.batch_plan import MAX_MEMBERS
@@ -38,40 +39,52 @@ def compile_lora_kernels(config: ModelConfig, pool: AdapterPool, dtype: torch.dt
     """Launch each variant once on a tile whose adapter slots have rank 0 (nothing is computed; the
     fp32-product variants store zeros into their scratch buffers); returns the number of launches.
     `compositions`: also the variants of batches that combine adapters (ops/lora/batch.py's composed
-    batches: the weighted shrink, and the expand that adds every member of a row)."""
+    batches: the weighted shrink, and the expand that adds every member of a row). The same calls run first
+    under ops/launch.py's `compile_ahead`, which compiles the variants on every CPU at once."""
     device = pool.device
-    widths = {"hidden": config.hidden_size, "attention": config.num_attention_heads * config.head_dim,
-              "intermediate": config.intermediate_size}
-    start, launches = time.perf_counter(), 0
+    start = time.perf_counter()
     zeroed = 2 if compositions and pool.num_slots > 1 else 1
     saved = pool.ranks[:, :, :zeroed].clone()
     pool.ranks[:, :, :zeroed] = 0   # slots 0 (and 1) read nothing, whatever they hold
-    members = [([0], None)] + ([([[0, 1]], [[0.5, 0.5]])] if compositions else [])
     try:
-        for (block_m, base, accumulate), (slots, weights) in itertools.product(_variants(), members):
-            if zeroed == 2 or weights is None:
-                batch = LoraBatch.from_lengths([block_m], slots, device, weights=weights, block_m=block_m)
-            else:   # one slot: a composed batch (two lanes) whose rows weigh slot 0: both kernels' composed variants
-                batch = LoraBatch.with_capacity(block_m, 1, device, num_slots=1, block_m=block_m, max_members=2)
-                batch.update_([block_m], [[0]], [[0.5]])
-            # layers 0-3: the per-layer rank and scaling views take every alignment they can take
-            for layer, (projs, width) in itertools.product(range(min(4, config.num_hidden_layers)), CALLS):
-                a, b, ranks, scalings = pool.stacks(layer, projs)
-                x = torch.zeros(block_m, widths[width], dtype=dtype, device=device)
-                y = torch.zeros(block_m, sum(t.shape[1] for t in b),
-                                dtype=dtype if accumulate else torch.float32, device=device)
-                n_tiles = -(-max(t.shape[1] for t in b) // base.expand_block_n)
-                for split_k, n_chunks in itertools.product((1, 2, 4, 8), _chunk_classes(n_tiles)):
-                    cfg = dataclasses.replace(base, split_k=split_k, n_chunks=n_chunks)
-                    sgmv.add_lora(y, x, a, b, batch, ranks, scalings, 0, cfg, accumulate=accumulate)
-                    launches += 1
-        launches += _compile_consumers(config, pool, dtype, compositions)
+        with compile_ahead():
+            _launch_variants(config, pool, dtype, compositions, zeroed)
+        compiled = time.perf_counter()
+        launches = _launch_variants(config, pool, dtype, compositions, zeroed)
     finally:
         pool.ranks[:, :, :zeroed] = saved
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    log.info("compiled the LoRA kernels' variants (%d calls) in %.1f s", launches, time.perf_counter() - start)
+    log.info("compiled the LoRA kernels' variants (%d calls) in %.1f s, launched them in %.1f s", launches,
+             compiled - start, time.perf_counter() - compiled)
     return launches
+
+
+def _launch_variants(config: ModelConfig, pool: AdapterPool, dtype: torch.dtype, compositions: bool,
+                     zeroed: int) -> int:
+    """`compile_lora_kernels`' calls, on slots 0 (and 1, `zeroed` 2) of rank 0; returns their number."""
+    device, launches = pool.device, 0
+    widths = {"hidden": config.hidden_size, "attention": config.num_attention_heads * config.head_dim,
+              "intermediate": config.intermediate_size}
+    members = [([0], None)] + ([([[0, 1]], [[0.5, 0.5]])] if compositions else [])
+    for (block_m, base, accumulate), (slots, weights) in itertools.product(_variants(), members):
+        if zeroed == 2 or weights is None:
+            batch = LoraBatch.from_lengths([block_m], slots, device, weights=weights, block_m=block_m)
+        else:   # one slot: a composed batch (two lanes) whose rows weigh slot 0: both kernels' composed variants
+            batch = LoraBatch.with_capacity(block_m, 1, device, num_slots=1, block_m=block_m, max_members=2)
+            batch.update_([block_m], [[0]], [[0.5]])
+        # layers 0-3: the per-layer rank and scaling views take every alignment they can take
+        for layer, (projs, width) in itertools.product(range(min(4, config.num_hidden_layers)), CALLS):
+            a, b, ranks, scalings = pool.stacks(layer, projs)
+            x = torch.zeros(block_m, widths[width], dtype=dtype, device=device)
+            y = torch.zeros(block_m, sum(t.shape[1] for t in b),
+                            dtype=dtype if accumulate else torch.float32, device=device)
+            n_tiles = -(-max(t.shape[1] for t in b) // base.expand_block_n)
+            for split_k, n_chunks in itertools.product((1, 2, 4, 8), _chunk_classes(n_tiles)):
+                cfg = dataclasses.replace(base, split_k=split_k, n_chunks=n_chunks)
+                sgmv.add_lora(y, x, a, b, batch, ranks, scalings, 0, cfg, accumulate=accumulate)
+                launches += 1
+    return launches + _compile_consumers(config, pool, dtype, compositions)
 
 
 def _compile_consumers(config: ModelConfig, pool: AdapterPool, dtype: torch.dtype, compositions: bool) -> int:

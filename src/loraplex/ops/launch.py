@@ -16,6 +16,10 @@ takes direct launches with other Triton versions too.
 """
 from __future__ import annotations
 
+import contextlib
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 import triton
 from triton.runtime import driver
@@ -45,6 +49,28 @@ FAST_TRITON_VERSIONS = ("3.6.",)
 # metadata carries it into direct launches too)
 _PDL_OPTIONS = {"launch_pdl": True} if pdl.PDL else {}
 _INT32 = range(-2**31, 2**31)
+_AHEAD: list[bool] = []   # inside `compile_ahead`: Launcher calls compile, they do not launch
+
+
+@contextlib.contextmanager
+def compile_ahead(workers: int | None = None):
+    """Within it, every Launcher call compiles its kernel variant on one of `workers` threads (default: the CPUs
+    this process may use) instead of launching it; on leaving, every compile has finished and sits in Triton's
+    caches, so the same calls made again launch at once. Triton compiles on the CPU and releases the interpreter
+    lock in its passes and ptxas: a kernel's 16 variants compiled 1.9× faster on 2 threads than on one (sm_90,
+    Triton 3.6). Calls into kernels that do not go through a Launcher still run. Where Triton has no
+    AsyncCompileMode, or in its interpreter, Launcher calls do nothing inside it (the calls after it compile)."""
+    mode = getattr(triton, "AsyncCompileMode", None)
+    workers = workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    _AHEAD.append(True)
+    try:
+        if mode is None:
+            yield
+            return
+        with ThreadPoolExecutor(workers) as pool, mode(pool):
+            yield
+    finally:
+        _AHEAD.pop()
 
 
 def _fast_enabled() -> bool:
@@ -93,7 +119,8 @@ class Launcher:
 
     def __init__(self, kernel):
         self.kernel = kernel
-        self.enabled = _fast_enabled() and type(kernel).__name__ == "JITFunction"
+        self.compiles = type(kernel).__name__ == "JITFunction"   # (not Triton's interpreter)
+        self.enabled = _fast_enabled() and self.compiles
         self._compiled: dict = {}
         self.direct_launches = 0  # launches that skipped Triton's binding (for tests and diagnostics)
         if self.enabled:
@@ -106,6 +133,11 @@ class Launcher:
                            if p.do_not_specialize]
 
     def __call__(self, grid: tuple, args: tuple, constexprs: dict, num_warps: int, num_stages: int) -> None:
+        if _AHEAD:
+            if self.compiles and hasattr(triton, "AsyncCompileMode"):
+                self.kernel.warmup(*args, grid=grid, **constexprs, num_warps=num_warps, num_stages=num_stages,
+                                   **_PDL_OPTIONS)
+            return
         if not self.enabled or _hooks_installed():
             self.kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages, **_PDL_OPTIONS)
             return
