@@ -46,3 +46,33 @@ def test_fast_launch_setting(value, enabled, monkeypatch):
         monkeypatch.setenv("LORAPLEX_FAST_LAUNCH", value)
     auto = triton.__version__.startswith(launch.FAST_TRITON_VERSIONS)
     assert launch._fast_enabled() is (auto if enabled is None else enabled)
+
+
+def test_inside_compile_ahead_launcher_calls_launch_nothing(caplog):
+    """In Triton's interpreter (the CPU) there is nothing to compile: an add_lora inside `compile_ahead` leaves y
+    as it was, the same call after it adds the LoRA. `precompile` runs its calls that way, and a failure there is
+    a warning, not an error (the real launches after it report real ones)."""
+    import numpy as np
+
+    from loraplex.ops import triton_interpreted
+    from loraplex.ops.lora import sgmv
+    from lora_cases import make_case, rel_err
+    if not triton_interpreted():
+        pytest.skip("needs TRITON_INTERPRET=1 (no CUDA)")
+    case = make_case(np.random.default_rng(3), seg_lens=[2, 3], popularity="distinct", K=32, Ns=(24,), R=8)
+    y, batch = case.y0.clone(), case.batch()
+    with launch.compile_ahead(workers=2):
+        sgmv.add_lora(y, case.x, case.lora_a, case.lora_b, batch, case.ranks, case.scalings, 0)
+        assert launch._AHEAD
+    assert torch.equal(y, case.y0) and not launch._AHEAD
+    launch.precompile(lambda: sgmv.add_lora(y, case.x, case.lora_a, case.lora_b, batch, case.ranks, case.scalings,
+                                            0))
+    assert torch.equal(y, case.y0)
+    sgmv.add_lora(y, case.x, case.lora_a, case.lora_b, batch, case.ranks, case.scalings, 0)
+    assert rel_err(y, case.oracle(), case.y0) <= 1e-5
+
+    def broken():
+        raise RuntimeError("no such variant")
+    with caplog.at_level("WARNING", logger="loraplex.ops"):
+        launch.precompile(broken)
+    assert "compiling kernels ahead failed (RuntimeError: no such variant)" in caplog.text and not launch._AHEAD

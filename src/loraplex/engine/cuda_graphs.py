@@ -132,7 +132,9 @@ class StepGraphs:
         self._logits = torch.empty((max_batch, model.config.vocab_size), dtype=torch.float32, device=kv.device)
 
     def capture(self) -> None:
+        from ..ops.launch import precompile   # (Triton: imported where graphs are captured, on a GPU)
         start = time.perf_counter()
+        precompile(self._warm_ups)
         for seqs, prompt in self.shapes.all():
             for variant in self.variants:
                 self._graphs[(seqs, prompt, variant)] = self._capture(seqs, prompt, variant)
@@ -142,24 +144,37 @@ class StepGraphs:
                  "in %.1f s", len(self._graphs), sh.buckets, sh.mixed_seqs, sh.mixed_prompts,
                  ", ".join(self.variants), time.perf_counter() - start)
 
-    def _capture(self, seqs: int, prompt: int, variant: str) -> _Graph:
+    def _warm_ups(self) -> None:
+        """Every graph's warm-up forward: under `precompile`, with its Triton kernels compiled, not launched, on
+        every CPU at once (ops/launch.py), so that the warm-ups and captures after it find them compiled."""
+        for seqs, prompt in self.shapes.all():
+            for variant in self.variants:
+                self._warm_up(*self._batch(seqs, prompt, variant), variant)
+
+    def _batch(self, seqs: int, prompt: int, variant: str) -> tuple[ForwardBatch, torch.cuda.Stream]:
+        """A graph's batch, with one real row (into KV block 0, which no sequence holds yet) so every kernel runs
+        while capturing, and the stream it is captured on (its kernels keep the stream's priority at replay)."""
         c = self.model.config
         batch = ForwardBatch.for_graph(seqs, self.shapes.max_seq_len, block_size=self.kv.block_size,
                                        num_blocks=self.kv.num_blocks, vocab_size=c.vocab_size,
                                        num_adapter_slots=self.pool.num_slots if self.pool else 1,
                                        device=self.kv.device, max_prompt_tokens=prompt,
                                        max_members=self.max_members if variant == COMPOSED else 1)
-        # One real row (into KV block 0, which no sequence holds yet) so every kernel runs while capturing.
         batch.update_([SequenceChunk([0], 0, [0])])
-        lora = variant != BASE
-        pool = self.pool if lora else None
+        return batch, self._stream(self.model.graph_stream_priority(batch.num_tokens, variant != BASE))
+
+    def _warm_up(self, batch: ForwardBatch, stream: torch.cuda.Stream, variant: str) -> None:
+        """The forward outside the graph: Triton compiles, the allocator settles."""
         device = self.kv.device
-        # its kernels keep the stream's priority at replay
-        stream = self._stream(self.model.graph_stream_priority(batch.num_tokens, lora))
         stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):  # warm-up outside the graph: Triton compiles, allocator settles
-            self.model(batch, self.kv, pool)
+        with torch.cuda.stream(stream):
+            self.model(batch, self.kv, self.pool if variant != BASE else None)
         torch.cuda.current_stream(device).wait_stream(stream)
+
+    def _capture(self, seqs: int, prompt: int, variant: str) -> _Graph:
+        batch, stream = self._batch(seqs, prompt, variant)
+        pool = self.pool if variant != BASE else None
+        self._warm_up(batch, stream, variant)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._memory, stream=stream):
             self._logits[:seqs].copy_(self.model(batch, self.kv, pool))

@@ -19,7 +19,7 @@ import torch
 from ..adapters.pool import AdapterPool
 from ..ops import LoraBatch
 from ..ops.fused import api as fused
-from ..ops.launch import compile_ahead
+from ..ops.launch import precompile
 from ..ops.lora import sgmv
 from ..ops.lora.batch import LARGE_BLOCK_M, SMALL_BLOCK_M
 from ..ops.lora.batch_plan import MAX_MEMBERS
@@ -40,15 +40,14 @@ def compile_lora_kernels(config: ModelConfig, pool: AdapterPool, dtype: torch.dt
     fp32-product variants store zeros into their scratch buffers); returns the number of launches.
     `compositions`: also the variants of batches that combine adapters (ops/lora/batch.py's composed
     batches: the weighted shrink, and the expand that adds every member of a row). The same calls run first
-    under ops/launch.py's `compile_ahead`, which compiles the variants on every CPU at once."""
+    under ops/launch.py's `precompile`, which compiles the variants on every CPU at once."""
     device = pool.device
     start = time.perf_counter()
     zeroed = 2 if compositions and pool.num_slots > 1 else 1
     saved = pool.ranks[:, :, :zeroed].clone()
     pool.ranks[:, :, :zeroed] = 0   # slots 0 (and 1) read nothing, whatever they hold
     try:
-        with compile_ahead():
-            _launch_variants(config, pool, dtype, compositions, zeroed)
+        precompile(lambda: _launch_variants(config, pool, dtype, compositions, zeroed))
         compiled = time.perf_counter()
         launches = _launch_variants(config, pool, dtype, compositions, zeroed)
     finally:

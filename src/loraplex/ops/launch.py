@@ -17,8 +17,10 @@ takes direct launches with other Triton versions too.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import torch
 import triton
@@ -71,6 +73,17 @@ def compile_ahead(workers: int | None = None):
             yield
     finally:
         _AHEAD.pop()
+
+
+def precompile(calls: Callable[[], object]) -> None:
+    """`calls()` under `compile_ahead`, as a head start only: where compiling ahead fails, it says so and returns
+    (the same calls, made for real afterwards, compile one by one and raise what is really wrong)."""
+    try:
+        with compile_ahead():
+            calls()
+    except Exception as e:  # noqa: BLE001 - a head start; the real launches that follow report real failures
+        logging.getLogger("loraplex.ops").warning("compiling kernels ahead failed (%s: %s); they compile as they "
+                                                  "launch", type(e).__name__, e)
 
 
 def _fast_enabled() -> bool:
