@@ -2,7 +2,8 @@
 layer, side by side in one run.
 
 - decode rows (1, 16, 32 by default): cuBLAS bf16, the bf16 Triton GEMM (ops/gemm/skinny.py, its tuned or picked
-  tiles), and the FP8 weight-only kernel (ops/gemm/fp8.py) with its default tiles and over a sweep of tiles, with a
+  tiles), and the FP8 weight-only kernel (ops/gemm/fp8.py) with its default tiles and over a sweep of tiles (all
+  of it at the first row count, its TOP fastest per-column tiles at the others), with a
   scale per output column (`--quantization fp8`, compressed-tensors) and with 128×128 block scales (transformers'
   `fp8`); the floors are each weight's bytes over the copy bandwidth measured in the same run (bf16: 2 bytes an
   element, FP8: 1). `--configs-out` writes each shape's fastest per-column tiles at the first row count (the file
@@ -84,7 +85,13 @@ def check(got: torch.Tensor, ref: torch.Tensor, tolerance: float = 2e-2) -> floa
     return err
 
 
-def decode_entry(name: str, M: int, bf16: list, fp8: dict, copy_gbs: float) -> dict:
+TOP = 3   # per-column tiles retried at the row counts after the first (the first sweeps them all)
+
+
+def decode_entry(name: str, M: int, bf16: list, fp8: dict, copy_gbs: float,
+                 column_tiles: list | None = None) -> dict:
+    """One shape at M decode rows. `column_tiles`: the per-column layout's tiles to time (None: the whole sweep);
+    the 128×128 layout always sweeps its (few) tiles."""
     N, K = SHAPES[name]
     x = torch.randn(M, K, device=DEVICE).to(DTYPE)
     cfg = skinny.default_config(N, K, x.device)
@@ -94,7 +101,7 @@ def decode_entry(name: str, M: int, bf16: list, fp8: dict, copy_gbs: float) -> d
     for layout, ms in fp8.items():
         ref = F.linear(x, ms[0].dequantize(DTYPE))
         timed = {}
-        for c in SWEEP:
+        for c in (SWEEP if layout != "column" or column_tiles is None else column_tiles):
             w_bytes = 1 if x.element_size() == 2 else None   # as fp8_skinny_linear fits its tiles
             if skinny.launched_config(c, M, x, w_bytes) != c or (layout != "column" and c.block_k > ms[0].block[1]):
                 continue
@@ -152,13 +159,19 @@ def main(argv=None) -> None:
     result = dict(gpu="cpu (smoke run)" if args.smoke else torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,
                   triton=__import__("triton").__version__, settings=envs.snapshot(), copy_gbs=copy_gbs, decode={},
                   prompt={}, layer={})
+    best_tiles: dict[str, list] = {}
     for name, (N, K) in SHAPES.items():
         w = torch.randn(N, K, device=DEVICE).to(DTYPE) * K ** -0.5
         copies = max(2, -(-ROTATION_BYTES // (N * K)))
         bf16 = [w.clone() for _ in range(max(2, copies // 2))]
         fp8 = {layout: fp8_copies(w, block, copies) for layout, block in LAYOUTS.items()}
         for M in (int(r) for r in args.rows.split(",")):
-            e = result["decode"][f"{name}@{M}"] = decode_entry(name, M, bf16, fp8, copy_gbs)
+            e = result["decode"][f"{name}@{M}"] = decode_entry(name, M, bf16, fp8, copy_gbs, best_tiles.get(name))
+            if name not in best_tiles:   # the first row count's fastest per-column tiles, retried at the others
+                sweep = e["fp8_column"]["sweep"]
+                fastest = sorted((v, k) for k, v in sweep.items() if isinstance(v, float))[:TOP]
+                best_tiles[name] = [c for c in SWEEP if f"n{c.block_n}_k{c.block_k}_st{c.stages}" in
+                                    {k for _, k in fastest}]
             print(f"{name} @{M}: bf16 {e['skinny_bf16']:.1f} fp8 {e['fp8_column']['us']} / "
                   f"{e['fp8_block128']['us']} floor {e['floor_fp8_us']:.1f}", flush=True)
         for M in (int(r) for r in args.prompt_rows.split(",")):
