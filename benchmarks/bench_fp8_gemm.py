@@ -88,6 +88,17 @@ def check(got: torch.Tensor, ref: torch.Tensor, tolerance: float = 2e-2) -> floa
 TOP = 3   # per-column tiles retried at the row counts after the first (the first sweeps them all)
 
 
+def tile_name(c: skinny.SkinnyConfig) -> str:
+    """A swept config's key in the results (`n64_k512_st3`)."""
+    return f"n{c.block_n}_k{c.block_k}_st{c.stages}"
+
+
+def swept(names) -> list:
+    """The SWEEP configs of these keys, in sweep order."""
+    wanted = set(names)
+    return [c for c in SWEEP if tile_name(c) in wanted]
+
+
 def decode_entry(name: str, M: int, bf16: list, fp8: dict, copy_gbs: float,
                  column_tiles: list | None = None) -> dict:
     """One shape at M decode rows. `column_tiles`: the per-column layout's tiles to time (None: the whole sweep);
@@ -107,10 +118,10 @@ def decode_entry(name: str, M: int, bf16: list, fp8: dict, copy_gbs: float,
                 continue
             try:
                 check(fp8_skinny_linear(x, ms[0], config=c), ref)
-                timed[f"n{c.block_n}_k{c.block_k}_st{c.stages}"] = per_call_us(
+                timed[tile_name(c)] = per_call_us(
                     [lambda m=m, c=c: fp8_skinny_linear(x, m, config=c) for m in ms])
             except Exception as err:  # noqa: BLE001 - one config's failure (resources, compile) is reported
-                timed[f"n{c.block_n}_k{c.block_k}_st{c.stages}"] = repr(err)[:200]
+                timed[tile_name(c)] = repr(err)[:200]
         times = {k: v for k, v in timed.items() if isinstance(v, float)}
         best = min(times, key=times.get) if times else None
         e[f"fp8_{layout}"] = dict(best=best, us=times.get(best), default_us=per_call_us(
@@ -170,8 +181,7 @@ def main(argv=None) -> None:
             if name not in best_tiles:   # the first row count's fastest per-column tiles, retried at the others
                 sweep = e["fp8_column"]["sweep"]
                 fastest = sorted((v, k) for k, v in sweep.items() if isinstance(v, float))[:TOP]
-                best_tiles[name] = [c for c in SWEEP if f"n{c.block_n}_k{c.block_k}_st{c.stages}" in
-                                    {k for _, k in fastest}]
+                best_tiles[name] = swept(k for _, k in fastest)
             print(f"{name} @{M}: bf16 {e['skinny_bf16']:.1f} fp8 {e['fp8_column']['us']} / "
                   f"{e['fp8_block128']['us']} floor {e['floor_fp8_us']:.1f}", flush=True)
         for M in (int(r) for r in args.prompt_rows.split(",")):
@@ -200,8 +210,7 @@ def fastest_tiles(result: dict, M: int) -> dict:
     for name, (N, K) in SHAPES.items():
         best = result["decode"][f"{name}@{M}"]["fp8_column"]["best"]
         if best is not None:
-            bn, bk, st = (int(part[len(tag):]) for part, tag in zip(best.split("_"), ("n", "k", "st")))
-            out[f"{N},{K}"] = skinny.SkinnyConfig(block_n=bn, block_k=bk, stages=st).__dict__
+            out[f"{N},{K}"] = swept([best])[0].__dict__
     return out
 
 
