@@ -44,6 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_lora_ops import copy_bandwidth_gbs  # noqa: E402
 from bench_model import adapter_bytes, kv_bytes, weight_bytes  # noqa: E402
+import step_profile  # noqa: E402
 
 from loraplex import SamplingParams, envs  # noqa: E402
 from loraplex.config import EngineConfig  # noqa: E402
@@ -110,6 +111,9 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=1,
                     help="measured runs per variant, interleaved across variants; each row is the median-tokens/s run")
     ap.add_argument("--quantizations", default="none", help="base weights: none (bf16), fp8, or both (none,fp8)")
+    ap.add_argument("--profile", type=Path,
+                    help="also write each engine's kernel times of full-batch decode steps, a column per variant "
+                         "(step_profile.py), to this markdown file")
     ap.add_argument("--out")
     ap.add_argument("--md")
     args = ap.parse_args(argv)
@@ -122,14 +126,17 @@ def main(argv=None) -> None:
     result = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,
                   preset=args.preset, layers=args.layers, rank=RANK, output_tokens=OUTPUT_TOKENS, repeats=args.repeats,
                   settings=envs.snapshot(),   # the LORAPLEX_* settings the run had
-                  copy_gbs=copy_gbs, rows=[])
+                  copy_gbs=copy_gbs, rows=[], profiles={})
     for B in map(int, args.batches.split(",")):
         for mode in args.modes.split(","):
             if mode == "eager" and str(B) not in args.eager_batches.split(","):
                 continue
             for quant in args.quantizations.split(","):
                 for variants in _groups(args.variants.split(",")):
-                    result["rows"] += run_group(args, B, mode, variants, copy_gbs, quant)
+                    rows, profiles = run_group(args, B, mode, variants, copy_gbs, quant)
+                    result["rows"] += rows
+                    if profiles:
+                        result["profiles"][f"max seqs {B}, {mode}, {quant} weights"] = profiles
                     _write(result, args)   # after each engine: a run cut short keeps what it measured
     print(markdown(result))
 
@@ -139,6 +146,10 @@ def _write(result: dict, args) -> None:
         Path(args.out).write_text(json.dumps(result, indent=1))
     if args.md:
         Path(args.md).write_text(markdown(result))
+    if args.profile and result["profiles"]:
+        args.profile.write_text(f"# Kernel time of full-batch decode steps — {result['gpu']}, {result['date']}\n\n"
+                                + "\n".join(f"## {name}\n\n{step_profile.markdown(p)}"
+                                            for name, p in result["profiles"].items()))
 
 
 COMPOSE_VARIANTS = ("composed", "merged")
@@ -183,8 +194,10 @@ def _engine(args, B: int, mode: str, compose: bool, quant: str) -> tuple[Engine,
     return engine, setup_s
 
 
-def run_group(args, B: int, mode: str, variants: list[str], copy_gbs: float, quant: str = "none") -> list[dict]:
-    """Each variant `--repeats` times in one engine, interleaved; a row per variant (its median run)."""
+def run_group(args, B: int, mode: str, variants: list[str], copy_gbs: float,
+              quant: str = "none") -> tuple[list[dict], dict]:
+    """Each variant `--repeats` times in one engine, interleaved: a row per variant (its median run), and with
+    `--profile` each variant's kernel times (step_profile.py)."""
     engine, setup_s = _engine(args, B, mode, variants[0] in COMPOSE_VARIANTS, quant)
     print(f"B={B} {mode} {quant} engine for {','.join(variants)}: set up in {setup_s:.0f} s", flush=True)
     model = engine.runner.model
@@ -216,10 +229,12 @@ def run_group(args, B: int, mode: str, variants: list[str], copy_gbs: float, qua
         step = f"{row['full_decode_step_ms']:.2f} ms" if row["full_decode_step_ms"] else "–"
         print(f"B={B} {mode} {quant} {variant}: {row['tokens_per_s']:.0f} tokens/s, full-batch decode step {step}, "
               f"floor {floor_ms:.2f} ms (runs {row['repeats_tokens_per_s']})", flush=True)
+    profiles = {v: step_profile.profile_decode(engine, work, [_adapter(v, i, B) for i in range(len(work))])
+                for v in variants} if args.profile else {}
     engine.close()
     del engine, model
     torch.cuda.empty_cache()
-    return rows
+    return rows, profiles
 
 
 def markdown(res: dict) -> str:
