@@ -7,7 +7,7 @@ layer, side by side in one run.
   scale per output column (`--quantization fp8`, compressed-tensors) and with 128×128 block scales (transformers'
   `fp8`); the floors are each weight's bytes over the copy bandwidth measured in the same run (bf16: 2 bytes an
   element, FP8: 1). `--configs-out` writes each shape's fastest per-column tiles at the first row count (the file
-  ops/gemm/fp8.py reads, tuned_fp8.json, when written there);
+  ops/gemm/fp8.py reads, tuned_fp8.json, when written there); and W8A8 (below) at the same rows;
 - prompt rows (128, 512, 2048): cuBLAS bf16, W8A8 (each row of x quantized to e4m3, then torch._scaled_mm: what
   LORAPLEX_FP8_W8A8 picks) and the weight dequantized for cuBLAS (the fallback).
 Every timing replays a CUDA graph of calls over rotating weight copies (together past the L2), median of
@@ -108,7 +108,8 @@ def decode_entry(name: str, M: int, bf16: list, fp8: dict, copy_gbs: float,
     cfg = skinny.default_config(N, K, x.device)
     e = dict(N=N, K=K, rows=M, floor_bf16_us=N * K * 2 / copy_gbs / 1e3, floor_fp8_us=N * K / copy_gbs / 1e3,
              cublas_bf16=per_call_us([lambda w=w: F.linear(x, w) for w in bf16]),
-             skinny_bf16=per_call_us([lambda w=w: skinny.skinny_linear(x, w, config=cfg) for w in bf16]))
+             skinny_bf16=per_call_us([lambda w=w: skinny.skinny_linear(x, w, config=cfg) for w in bf16]),
+             w8a8=per_call_us([lambda m=m: w8a8_linear(x, m) for m in fp8["column"]]))
     for layout, ms in fp8.items():
         ref = F.linear(x, ms[0].dequantize(DTYPE))
         timed = {}
@@ -148,6 +149,7 @@ def layer_sums(result: dict, M: int) -> dict:
         out[model] = {k: round(sum(v(e) for e in es), 1) for k, v in (
             ("floor_bf16", lambda e: e["floor_bf16_us"]), ("floor_fp8", lambda e: e["floor_fp8_us"]),
             ("cublas_bf16", lambda e: e["cublas_bf16"]), ("skinny_bf16", lambda e: e["skinny_bf16"]),
+            ("w8a8", lambda e: e["w8a8"]),
             ("fp8_column", lambda e: e["fp8_column"]["us"] or float("nan")),
             ("fp8_column_default", lambda e: e["fp8_column"]["default_us"]),
             ("fp8_block128", lambda e: e["fp8_block128"]["us"] or float("nan")))}
@@ -219,11 +221,12 @@ def markdown(r: dict) -> str:
              f"torch {r['torch']}, Triton {r['triton']}; copy bandwidth {r['copy_gbs']:.0f} GB/s; µs per call in "
              "CUDA graphs over rotating weight copies.", "", "A layer's four projections at decode rows:", "",
              "| model @ rows | bf16 floor | FP8 floor | cuBLAS bf16 | Triton bf16 | FP8 per column (best / default "
-             "tiles) | FP8 128×128 |", "|---|---:|---:|---:|---:|---:|---:|"]
+             "tiles) | FP8 128×128 | W8A8 |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for M, models in r["layer"].items():
         for model, s in models.items():
             lines.append(f"| {model} @ {M} | {s['floor_bf16']} | {s['floor_fp8']} | {s['cublas_bf16']} | "
-                         f"{s['skinny_bf16']} | {s['fp8_column']} / {s['fp8_column_default']} | {s['fp8_block128']} |")
+                         f"{s['skinny_bf16']} | {s['fp8_column']} / {s['fp8_column_default']} | {s['fp8_block128']} | "
+                         f"{s['w8a8']} |")
     lines += ["", "Prompt rows: cuBLAS bf16 against W8A8 (quantize + torch._scaled_mm) and the dequantized weight:", "",
               "| shape @ rows | cuBLAS bf16 | W8A8 | dequantized + cuBLAS |", "|---|---:|---:|---:|"]
     for key, e in r["prompt"].items():
