@@ -118,7 +118,8 @@ def _check_ptx(ptx: str, forced: bool, seen: list, early: bool = False, after_ge
     """`early`: a kernel compiled with EARLY (ops/pdl.py's early reads): global loads, and nothing else that
     touches memory, before the wait, and at least one of them (else the variant would be pointless).
     `after_gemm`: the shrink's AFTER_GEMM variant (ops/pdl.py's pdl_release / pdl_wait_last): it releases its
-    dependents before its first memory access and waits after its last."""
+    dependents before its first memory access and waits after its last (program (0, 0) alone: the others leave
+    without it, so a branch past the wait is expected)."""
     lines = [line.strip() for line in ptx.splitlines()]
     waits = [i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait")]
     if not forced:
@@ -129,13 +130,6 @@ def _check_ptx(ptx: str, forced: bool, seen: list, early: bool = False, after_ge
         assert memory and waits and releases
         assert releases[0] < memory[0], "the AFTER_GEMM shrink touches memory before it releases its dependents"
         assert waits[-1] > memory[-1], "the AFTER_GEMM shrink touches memory after its last wait"
-        # and no program leaves without it: every return follows the last wait, and no branch before it jumps past it
-        exits = [i for i, line in enumerate(lines) if re.match(r"^(@!?%p\d+\s+)?(ret|exit)\b", line)]
-        assert exits and all(i > waits[-1] for i in exits), "an AFTER_GEMM shrink program may leave without waiting"
-        labels = {line[:-1]: i for i, line in enumerate(lines) if line.endswith(":")}
-        skips = [line for i, line in enumerate(lines[:waits[-1]]) if re.match(r"^(@!?%p\d+\s+)?bra", line)
-                 and labels.get(line.rstrip(";").split()[-1], -1) > waits[-1]]
-        assert not skips, f"a branch jumps past the AFTER_GEMM shrink's last wait: {skips[0]}"
         seen.append(3)
         return
     else:

@@ -32,8 +32,10 @@ GEMM and PDL is on) released the shrink
 only after its own wait, for which that kernel had completed; the only grid that may still run is the GEMM, which
 reads x and its weight and writes its output, none of which the shrink writes (its partials are a live tensor of
 their own). The consumer waits for the shrink's grid to complete, and the shrink completes only after its wait, for
-the GEMM: so the consumer finds the GEMM's output complete too. Every program of the shrink waits, whether it had
-work or not (tests/test_pdl.py checks the PTX: the release before any memory access, the wait after the last).
+the GEMM: so the consumer finds the GEMM's output complete too. One program waits, (0, 0), which every grid has: the
+grid completes no sooner, and the others leave as soon as their work is stored, so that a grid larger than the room the
+GEMM leaves still runs beside it (tests/test_pdl.py checks the PTX: the release before any memory access, the wait
+after the last).
 
 Every Triton kernel of the package calls `pdl_start()` first, and ops/launch.py's Launcher launches them with
 `launch_pdl` when PDL is on; kernels of PyTorch's own (cuBLAS, copies, sampling) keep the plain order, which
