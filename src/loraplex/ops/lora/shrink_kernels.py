@@ -14,7 +14,6 @@ from ..pdl import pdl_release, pdl_start, pdl_wait_last
 # The row-wise kernels (`_shrink_tile_rows`, `_expand_tile_rows`) take tiles of at most this many rows; larger
 # ones keep the tile product, where the rows run side by side rather than one after another.
 ROWWISE_MAX_ROWS = tl.constexpr(4)
-WAIT_ALL = tl.constexpr(__import__("os").environ.get("LORAPLEX_EXP_SHRINK_WAIT") == "all")   # A/B only: removed
 
 
 @triton.jit
@@ -165,7 +164,5 @@ def _sgmv_shrink_kernel(
     # Program (0, 0) alone waits: the grid then completes after the GEMM, and every other program leaves as soon
     # as its work is stored, its room on the SM free for the programs after it (a composed graph's grid, sized
     # for 4 members a row, is mostly programs without work).
-    if WAIT_ALL:
-        pdl_wait_last(AFTER_GEMM)
-    elif tl.program_id(0) + tl.program_id(1) == 0:
+    if tl.program_id(0) + tl.program_id(1) == 0:
         pdl_wait_last(AFTER_GEMM)
