@@ -25,9 +25,6 @@ from ..lora.expand_kernels import _load_rank_block
 from ..pdl import pdl_deferred_start, pdl_start
 
 
-LANE_BLOCK_R = tl.constexpr(4)   # the rank columns a step of a composed row's other members' products
-
-
 @triton.jit
 def _slot_of(row_slot_ptr, row, rank_ptr, scale_ptr, R):
     """(has, slot, rank, scale) of a row: rank 0 and slot 0 where it has no adapter (nothing is read)."""
@@ -70,25 +67,23 @@ def _product(part_row, b_slot, rank, scale, cols, mask, R, stride_p_split, v, of
 
 
 @triton.jit
-def _scalars(slot, rank_ptr, scale_ptr, R):
-    """(rank, scale) of a member's slot from one slice's tables: 0 and 0 for slot -1 (nothing is read)."""
+def _member(extra_ptr, lane, T, row, extra_lanes, rank_ptr, scale_ptr, R):
+    """(slot, rank, scale) of row's member lane + 1: -1, 0 and 0 past its members (nothing is read there)."""
+    slot = tl.load(extra_ptr + lane * T + row, mask=lane < extra_lanes, other=-1)
     has = slot >= 0
     safe = tl.maximum(slot, 0)
-    return tl.minimum(tl.load(rank_ptr + safe, mask=has, other=0), R), tl.load(scale_ptr + safe, mask=has, other=0.0)
+    return slot, tl.minimum(tl.load(rank_ptr + safe, mask=has, other=0), R), tl.load(scale_ptr + safe, mask=has,
+                                                                                     other=0.0)
 
 
 @triton.jit
 def _lanes(extra_ptr, T, row, extra_lanes, rank_ptr, scale_ptr, R):
     """The row's members after its first, as (count, slot, rank and scale of lanes 1-3): the three lanes' loads
     side by side, so that a member costs one chain of dependent loads (its partials and B) in the loop that adds
-    it, and the lanes past the row's members none (members fill the lanes in order). Early-readable (ops/pdl.py):
-    the slots are the batch's, the ranks and scales the pool's."""
-    s1 = tl.load(extra_ptr + row, mask=extra_lanes > 0, other=-1)
-    s2 = tl.load(extra_ptr + T + row, mask=extra_lanes > 1, other=-1)
-    s3 = tl.load(extra_ptr + 2 * T + row, mask=extra_lanes > 2, other=-1)
-    r1, c1 = _scalars(s1, rank_ptr, scale_ptr, R)
-    r2, c2 = _scalars(s2, rank_ptr, scale_ptr, R)
-    r3, c3 = _scalars(s3, rank_ptr, scale_ptr, R)
+    it, and the lanes past the row's members none (members fill the lanes in order)."""
+    s1, r1, c1 = _member(extra_ptr, 0, T, row, extra_lanes, rank_ptr, scale_ptr, R)
+    s2, r2, c2 = _member(extra_ptr, 1, T, row, extra_lanes, rank_ptr, scale_ptr, R)
+    s3, r3, c3 = _member(extra_ptr, 2, T, row, extra_lanes, rank_ptr, scale_ptr, R)
     count = (s1 >= 0).to(tl.int32) + (s2 >= 0).to(tl.int32) + (s3 >= 0).to(tl.int32)
     return count, s1, r1, c1, s2, r2, c2, s3, r3, c3
 
@@ -104,32 +99,20 @@ def _lane(lane, s1, r1, c1, s2, r2, c2, s3, r3, c3, T, part_row, stride_pm, b_pt
 
 
 @triton.jit
-def _lane_products(acc, count, s1, r1, c1, s2, r2, c2, s3, r3, c3, part_row, T, stride_pm, b_ptr, slot_elems, cols,
-                   mask, R, stride_p_split, ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK: tl.constexpr):
-    """acc plus the products of the members `_lanes` gave (product.py's loop; `part_row`: the first member's
-    partials, this slice; B blocks `slot_elems` apart)."""
-    for lane in range(0, count):
-        rank, scale, p, b_slot = _lane(lane, s1, r1, c1, s2, r2, c2, s3, r3, c3, T, part_row, stride_pm, b_ptr,
-                                       slot_elems)
-        # LANE_BLOCK_R ranks a step (`_product`'s loop): a whole rank tile here, beside the first member's B
-        # block and the op's own values, spilled registers (sm_90 ptxas, BLOCK_R 32: RoPE's EARLY variant 30.9 KB
-        # of spill stores a thread, SiLU-and-mul's 9.6 KB; 4 ranks a step: 0.3 and 0.5 KB, as the plain variants)
-        acc += _product(p, b_slot, rank, scale, cols, mask, R, stride_p_split, 0.0, 0, 0, False, SPLIT_K,
-                        LANE_BLOCK_R, BLOCK)
-    return acc
-
-
-@triton.jit
 def _extra_products(acc, part_row, extra_ptr, row, T, extra_lanes, stride_pm, b_ptr, slot_elems, rank_ptr, scale_ptr,
                     cols, mask, R, stride_p_split, ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr,
                     BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, EXTRAS: tl.constexpr):
-    """acc plus the products of the row's members after its first (`_lanes`, then `_lane_products`). EXTRAS (a
-    composed product) or nothing: plain products compile without the loop."""
+    """acc plus the products of the row's members after its first (product.py's loop; `part_row`: the first
+    member's partials, this slice; B blocks `slot_elems` apart). EXTRAS (a composed product) or nothing: plain
+    products compile without the loop."""
     if EXTRAS:
         count, s1, r1, c1, s2, r2, c2, s3, r3, c3 = _lanes(extra_ptr, T, row, extra_lanes, rank_ptr, scale_ptr, R)
-        acc = _lane_products(acc, count, s1, r1, c1, s2, r2, c2, s3, r3, c3, part_row, T, stride_pm, b_ptr,
-                             slot_elems, cols, mask, R, stride_p_split, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK)
+        for lane in range(0, count):
+            rank, scale, p, b_slot = _lane(lane, s1, r1, c1, s2, r2, c2, s3, r3, c3, T, part_row, stride_pm, b_ptr,
+                                           slot_elems)
+            v, offs_r, r_mask = _v(p, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
+            acc += _product(p, b_slot, rank, scale, cols, mask, R, stride_p_split, v, offs_r, r_mask, ONE_R_TILE,
+                            SPLIT_K, BLOCK_R, BLOCK)
     return acc
 
 
@@ -158,11 +141,6 @@ def _silu_and_mul_lora_kernel(gu_ptr, out_ptr, part_ptr, row_slot_ptr, b0, b1, r
                               offs_r[None, :], (offs_r < rank_g)[None, :], rank_g, R)   # rank 0: nothing read
         bu = _load_rank_block(b1 + slot.to(tl.int64) * I * R + offs[:, None] * R + offs_r[None, :], mask[:, None],
                               offs_r[None, :], (offs_r < rank_u)[None, :], rank_u, R)
-        if EXTRAS:   # the other members' slots, ranks and scalings: early reads too
-            n, s1, r1, c1, s2, r2, c2, s3, r3, c3 = _lanes(extra_ptr, T, row, extra_lanes, rk0, sc0, R)
-            r1u, c1u = _scalars(s1, rk1, sc1, R)
-            r2u, c2u = _scalars(s2, rk1, sc1, R)
-            r3u, c3u = _scalars(s3, rk1, sc1, R)
         pdl_deferred_start(EARLY)
         g = tl.load(gu_row + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(gu_row + I + offs, mask=mask, other=0.0).to(tl.float32)
@@ -172,12 +150,10 @@ def _silu_and_mul_lora_kernel(gu_ptr, out_ptr, part_ptr, row_slot_ptr, b0, b1, r
             vu, _, _ = _v(part_g + stride_p_slice, 0, rank_u, stride_p_split, SPLIT_K, BLOCK_R)
             dg = tl.sum(bg.to(tl.float32) * vg[None, :], axis=1) * scale_g
             du = tl.sum(bu.to(tl.float32) * vu[None, :], axis=1) * scale_u
-            if EXTRAS:
-                dg = _lane_products(dg, n, s1, r1, c1, s2, r2, c2, s3, r3, c3, part_g, T, stride_pm, b0, I * R, offs,
-                                    mask, R, stride_p_split, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK)
-                du = _lane_products(du, n, s1, r1u, c1u, s2, r2u, c2u, s3, r3u, c3u, part_g + stride_p_slice, T,
-                                    stride_pm, b1, I * R, offs, mask, R, stride_p_split, ONE_R_TILE, SPLIT_K, BLOCK_R,
-                                    BLOCK)
+            dg = _extra_products(dg, part_g, extra_ptr, row, T, extra_lanes, stride_pm, b0, I * R, rk0, sc0, offs,
+                                 mask, R, stride_p_split, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK, EXTRAS)
+            du = _extra_products(du, part_g + stride_p_slice, extra_ptr, row, T, extra_lanes, stride_pm, b1, I * R,
+                                 rk1, sc1, offs, mask, R, stride_p_split, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK, EXTRAS)
             g = _round(g + dg, DT, COMPILED)
             u = _round(u + du, DT, COMPILED)
     else:

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .kernels import COMPILED, _inv, _norm_output, _round, _rstd
-from .lora_kernels import _extra_products, _lane_products, _lanes, _product, _slot_of, _v
+from .lora_kernels import _extra_products, _product, _slot_of, _v
 from ..lora.expand_kernels import _load_rank_block
 from ..launch import Launcher, pow2
 from ..pdl import pdl_deferred_start, pdl_start
@@ -44,17 +44,14 @@ def _chunk_sums(x_ptr, r_ptr, s_ptr, sumsq_ptr, part_ptr, row_slot_ptr, b_ptr, r
         offs_r = tl.arange(0, BLOCK_R)
         b = _load_rank_block(b_ptr + slot.to(tl.int64) * H * R + offs[:, None] * R + offs_r[None, :], mask[:, None],
                              offs_r[None, :], (offs_r < rank)[None, :], rank, R)   # rank 0: nothing read
-        if EXTRAS:   # the other members' slots, ranks and scalings: early reads too
-            n, s1, r1, c1, s2, r2, c2, s3, r3, c3 = _lanes(extra_ptr, T, row, extra_lanes, rank_ptr, scale_ptr, R)
         pdl_deferred_start(EARLY)
         v = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
         if has:
             part_row = part_ptr + row * stride_pm
             lv, _, _ = _v(part_row, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
             d = tl.sum(b.to(tl.float32) * lv[None, :], axis=1) * scale
-            if EXTRAS:
-                d = _lane_products(d, n, s1, r1, c1, s2, r2, c2, s3, r3, c3, part_row, T, stride_pm, b_ptr, H * R,
-                                   offs, mask, R, stride_p_split, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK)
+            d = _extra_products(d, part_row, extra_ptr, row, T, extra_lanes, stride_pm, b_ptr, H * R, rank_ptr,
+                                scale_ptr, offs, mask, R, stride_p_split, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK, EXTRAS)
             v = _round(v + d, DT, COMPILED)
     else:
         v = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from .kernels import COMPILED, _cos_sin, _rotate, _round
-from .lora_kernels import LANE_BLOCK_R, _early, _lane, _lanes, _tiles, _v
+from .lora_kernels import _early, _lane, _lanes, _tiles, _v
 from ..launch import Launcher, pow2
 from ..lora.expand_kernels import _load_rank_block_exact
 from ..pdl import pdl_deferred_start, pdl_start
@@ -34,21 +34,6 @@ def _product_2d(part_row, b_slot, rank, scale, cols, mask, R, stride_p_split, v,
 
 
 @triton.jit
-def _lane_products_2d(d1, d2, count, s1, r1, c1, s2, r2, c2, s3, r3, c3, part_row, T, stride_pm, b_ptr, slot_elems,
-                      cols, HALF, mask, R, stride_p_split, ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr,
-                      BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """lora_kernels.py's `_lane_products` over both halves of a [BLOCK_H, BLOCK_D] tile of heads (RoPE's)."""
-    for lane in range(0, count):
-        rank, scale, p, b_slot = _lane(lane, s1, r1, c1, s2, r2, c2, s3, r3, c3, T, part_row, stride_pm, b_ptr,
-                                       slot_elems)
-        d1 += _product_2d(p, b_slot, rank, scale, cols, mask, R, stride_p_split, 0.0, 0, 0, False, SPLIT_K,
-                          LANE_BLOCK_R, BLOCK_H, BLOCK_D)   # (LANE_BLOCK_R ranks a step, as in lora_kernels.py)
-        d2 += _product_2d(p, b_slot, rank, scale, cols + HALF, mask, R, stride_p_split, 0.0, 0, 0, False, SPLIT_K,
-                          LANE_BLOCK_R, BLOCK_H, BLOCK_D)
-    return d1, d2
-
-
-@triton.jit
 def _extra_products_2d(d1, d2, part_row, extra_ptr, row, T, extra_lanes, stride_pm, b_ptr, slot_elems, rank_ptr,
                        scale_ptr, cols, HALF, mask, R, stride_p_split, ONE_R_TILE: tl.constexpr,
                        SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -56,9 +41,14 @@ def _extra_products_2d(d1, d2, part_row, extra_ptr, row, T, extra_lanes, stride_
     """`_extra_products` over both halves of a [BLOCK_H, BLOCK_D] tile of heads (RoPE's)."""
     if EXTRAS:
         count, s1, r1, c1, s2, r2, c2, s3, r3, c3 = _lanes(extra_ptr, T, row, extra_lanes, rank_ptr, scale_ptr, R)
-        d1, d2 = _lane_products_2d(d1, d2, count, s1, r1, c1, s2, r2, c2, s3, r3, c3, part_row, T, stride_pm, b_ptr,
-                                   slot_elems, cols, HALF, mask, R, stride_p_split, ONE_R_TILE, SPLIT_K, BLOCK_R,
-                                   BLOCK_H, BLOCK_D)
+        for lane in range(0, count):
+            rank, scale, p, b_slot = _lane(lane, s1, r1, c1, s2, r2, c2, s3, r3, c3, T, part_row, stride_pm, b_ptr,
+                                           slot_elems)
+            v, offs_r, r_mask = _v(p, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
+            d1 += _product_2d(p, b_slot, rank, scale, cols, mask, R, stride_p_split, v, offs_r, r_mask,
+                              ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D)
+            d2 += _product_2d(p, b_slot, rank, scale, cols + HALF, mask, R, stride_p_split, v, offs_r, r_mask,
+                              ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D)
     return d1, d2
 
 
@@ -138,10 +128,6 @@ def _rope_early(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_row, slot, has,
                               offs_r[None, None, :], r_mask[None, None, :], rank, R)
     b2_ = _load_rank_block_exact(b_slot + (cols + HALF)[:, :, None] * R + offs_r[None, None, :], mask[:, :, None],
                               offs_r[None, None, :], r_mask[None, None, :], rank, R)
-    rank_ptr = tl.where(is_q, rk0, tl.where(is_k, rk1, rk2))
-    scale_ptr = tl.where(is_q, sc0, tl.where(is_k, sc1, sc2))
-    if EXTRAS:   # the other members' slots, ranks and scalings: early reads too
-        n, s1, r1, c1, s2, r2, c2, s3, r3, c3 = _lanes(extra_ptr, T, t, extra_lanes, rank_ptr, scale_ptr, R)
     pdl_deferred_start(True)
     DT = q_ptr.dtype.element_ty
     base = tl.where(is_q, q_ptr, tl.where(is_k, k_ptr, v_ptr))
@@ -154,10 +140,11 @@ def _rope_early(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_row, slot, has,
         lv, _, _ = _v(part_slice, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
         d1 = tl.sum(b1_.to(tl.float32) * lv[None, None, :], axis=2) * scale
         d2 = tl.sum(b2_.to(tl.float32) * lv[None, None, :], axis=2) * scale
-        if EXTRAS:
-            d1, d2 = _lane_products_2d(d1, d2, n, s1, r1, c1, s2, r2, c2, s3, r3, c3, part_slice, T, stride_pm, b_ptr,
-                                       num_heads * 2 * HALF * R, cols, HALF, mask, R, stride_p_split, ONE_R_TILE,
-                                       SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D)
+        rank_ptr = tl.where(is_q, rk0, tl.where(is_k, rk1, rk2))
+        scale_ptr = tl.where(is_q, sc0, tl.where(is_k, sc1, sc2))
+        d1, d2 = _extra_products_2d(d1, d2, part_slice, extra_ptr, t, T, extra_lanes, stride_pm, b_ptr,
+                                    num_heads * 2 * HALF * R, rank_ptr, scale_ptr, cols, HALF, mask, R, stride_p_split,
+                                    ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D, EXTRAS)
         x1 = _round(x1 + d1, DT, COMPILED)
         x2 = _round(x2 + d2, DT, COMPILED)
     c, s = _cos_sin(pos_ptr, inv_freq_ptr, offs_d, d_mask, DT, COMPILED)
