@@ -134,7 +134,7 @@ def rms_norm_lora_split(dtype: str, arch: int) -> None:
                                                                    (False, 2, 32, False, 64, False, True)):
         ptx = _compile(k._rms_lora_sums_kernel, types, dict(HAS_RESIDUAL=has_res, ONE_R_TILE=one_r, SPLIT_K=split_k,
                                                             BLOCK_R=block_r, BLOCK=block, COMPILED=True, EARLY=early,
-                                                            EXTRAS=extras),
+                                                            EXTRAS=extras, MEMBER_R=16),
                        arch, max(1, min(4, block // 128)))
         _no_approx(ptx, f"rms_norm_lora_split sums {dtype} SPLIT_K={split_k} BLOCK_R={block_r} EARLY={early} "
                         f"EXTRAS={extras}")
@@ -154,7 +154,7 @@ def silu_lora(dtype: str, arch: int) -> None:
                      sc0="*fp32", sc1="*fp32", **LORA_POINTERS)
         ptx = _compile(k._silu_and_mul_lora_kernel, types,
                        dict(ONE_R_TILE=one_r, SPLIT_K=split_k, BLOCK_R=block_r, BLOCK=block, COMPILED=True,
-                            EARLY=early, EXTRAS=extras), arch, max(1, min(4, block // 128)))
+                            EARLY=early, EXTRAS=extras, MEMBER_R=16), arch, max(1, min(4, block // 128)))
         what = (f"silu_and_mul_lora {dtype} SPLIT_K={split_k} BLOCK_R={block_r} BLOCK={block} EARLY={early} "
                 f"EXTRAS={extras}")
         _no_approx(ptx, what)
@@ -173,7 +173,7 @@ def rope_lora(dtype: str, arch: int) -> None:
                      rk2="*i32", sc0="*fp32", sc1="*fp32", sc2="*fp32", **LORA_POINTERS)
         ptx = _compile(k._rope_lora_kernel, types,
                        dict(ONE_R_TILE=one_r, SPLIT_K=split_k, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_D=block_d,
-                            COMPILED=True, EARLY=early, EXTRAS=extras), arch,
+                            COMPILED=True, EARLY=early, EXTRAS=extras, MEMBER_R=16), arch,
                        max(1, min(4, block_h * block_d // 128)))
         what = (f"rope_lora {dtype} positions {pos} SPLIT_K={split_k} BLOCK_R={block_r} BLOCK_H={block_h} "
                 f"BLOCK_D={block_d} EARLY={early} EXTRAS={extras}")
@@ -205,26 +205,28 @@ def lora_loads(dtype: str, arch: int) -> None:
     div = ("R", "I", "H", "HALF", "n0", "n1", "n2", "n3", "c0", "c1", "c2", "c3", "n_per_prog", "stride_pm",
            "stride_p_split", "stride_p_slice", "stride_gu", "stride_out", "stride_x", "stride_r", "stride_s",
            "stride_ym", "stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh")
-    for early in (True, False):
+    # (EARLY, EXTRAS, BLOCK_R, ONE_R_TILE): a plain product of a rank-16 pool, and a composed one of a rank-32 pool
+    # (two members of rank ≤ 16 a step: lora_kernels.py's `_pair_b`)
+    for early, extras, block_r in ((True, False, 16), (False, False, 16), (True, True, 32)):
+        tiles = dict(ONE_R_TILE=True, SPLIT_K=1, BLOCK_R=block_r, COMPILED=True, EARLY=early, EXTRAS=extras,
+                     MEMBER_R=16)
+        what = f"{dtype} sm_{arch} EARLY={early} EXTRAS={extras}"
         ptx = _compile(k._silu_and_mul_lora_kernel, dict(gu_ptr="*" + dtype, out_ptr="*" + dtype, b0="*" + dtype,
                                                          b1="*" + dtype, rk0="*i32", rk1="*i32", sc0="*fp32",
                                                          sc1="*fp32", **LORA_POINTERS),
-                       dict(ONE_R_TILE=True, SPLIT_K=1, BLOCK_R=16, BLOCK=k.SILU_BLOCK, COMPILED=True, EARLY=early,
-                            EXTRAS=False), arch, 4, divisible=div)
-        _vector_b_loads(ptx, dtype, f"silu_and_mul_lora {dtype} sm_{arch} EARLY={early}")
+                       dict(tiles, BLOCK=k.SILU_BLOCK), arch, 4, divisible=div)
+        _vector_b_loads(ptx, dtype, f"silu_and_mul_lora {what}")
         ptx = _compile(rope._rope_lora_kernel, dict(q_ptr="*" + dtype, k_ptr="*" + dtype, v_ptr="*" + dtype,
                                                  pos_ptr="*i64", inv_freq_ptr="*fp32", b0="*" + dtype, b1="*" + dtype,
                                                  b2="*" + dtype, rk0="*i32", rk1="*i32", rk2="*i32", sc0="*fp32",
                                                  sc1="*fp32", sc2="*fp32", **LORA_POINTERS),
-                       dict(ONE_R_TILE=True, SPLIT_K=1, BLOCK_R=16, BLOCK_H=rope.ROPE_HEADS, BLOCK_D=64, COMPILED=True,
-                            EARLY=early, EXTRAS=False), arch, 2, divisible=div)
-        _vector_b_loads(ptx, dtype, f"rope_lora {dtype} sm_{arch} EARLY={early}", rope=True)
+                       dict(tiles, BLOCK_H=rope.ROPE_HEADS, BLOCK_D=64), arch, 2, divisible=div)
+        _vector_b_loads(ptx, dtype, f"rope_lora {what}", rope=True)
         ptx = _compile(ks._rms_lora_sums_kernel, dict(x_ptr="*" + dtype, r_ptr="*" + dtype, s_ptr="*" + dtype,
                                                       sumsq_ptr="*fp32", b_ptr="*" + dtype, rank_ptr="*i32",
                                                       scale_ptr="*fp32", **LORA_POINTERS),
-                       dict(HAS_RESIDUAL=True, ONE_R_TILE=True, SPLIT_K=1, BLOCK_R=16, BLOCK=k.RMS_SPLIT,
-                            COMPILED=True, EARLY=early, EXTRAS=False), arch, 4, divisible=div)
-        _vector_b_loads(ptx, dtype, f"rms_norm_lora_split sums {dtype} sm_{arch} EARLY={early}")
+                       dict(tiles, HAS_RESIDUAL=True, BLOCK=k.RMS_SPLIT), arch, 4, divisible=div)
+        _vector_b_loads(ptx, dtype, f"rms_norm_lora_split sums {what}")
     # The row-wise expand (expand_kernels._expand_tile_rows, compiled alone: the tile path beside it in the kernel
     # feeds the tensor cores, still at the exact rank mask) into an fp32 buffer: its only 16-bit loads are B's, the
     # other members' of a composed batch's rows too.

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from .kernels import COMPILED, _round, _silu_mul
 from ..launch import Launcher, pow2
-from ..lora.expand_kernels import _load_rank_block
+from ..lora.expand_kernels import _load_rank_block, _load_rank_block_exact
 from ..pdl import pdl_deferred_start, pdl_start
 
 
@@ -66,54 +66,118 @@ def _product(part_row, b_slot, rank, scale, cols, mask, R, stride_p_split, v, of
     return acc * scale
 
 
+# A composed product's members are read two at a time: members 2p and 2p + 1 of a row side by side, in one
+# [columns, 2, MEMBER_R] block of B, MEMBER_R rank columns a step. Two members of rank ≤ MEMBER_R then cost what one
+# adapter of twice the rank costs (its registers, loads and one round trip, which the early reads start before the
+# PDL wait); a member list read one member at a time had each further member's loads wait for the one before.
 @triton.jit
-def _member(extra_ptr, lane, T, row, extra_lanes, rank_ptr, scale_ptr, R):
-    """(slot, rank, scale) of row's member lane + 1: -1, 0 and 0 past its members (nothing is read there)."""
-    slot = tl.load(extra_ptr + lane * T + row, mask=lane < extra_lanes, other=-1)
-    has = slot >= 0
-    safe = tl.maximum(slot, 0)
-    return slot, tl.minimum(tl.load(rank_ptr + safe, mask=has, other=0), R), tl.load(scale_ptr + safe, mask=has,
-                                                                                     other=0.0)
-
-
-@triton.jit
-def _lanes(extra_ptr, T, row, extra_lanes, rank_ptr, scale_ptr, R):
-    """The row's members after its first, as (count, slot, rank and scale of lanes 1-3): the three lanes' loads
-    side by side, so that a member costs one chain of dependent loads (its partials and B) in the loop that adds
-    it, and the lanes past the row's members none (members fill the lanes in order)."""
-    s1, r1, c1 = _member(extra_ptr, 0, T, row, extra_lanes, rank_ptr, scale_ptr, R)
-    s2, r2, c2 = _member(extra_ptr, 1, T, row, extra_lanes, rank_ptr, scale_ptr, R)
-    s3, r3, c3 = _member(extra_ptr, 2, T, row, extra_lanes, rank_ptr, scale_ptr, R)
-    count = (s1 >= 0).to(tl.int32) + (s2 >= 0).to(tl.int32) + (s3 >= 0).to(tl.int32)
-    return count, s1, r1, c1, s2, r2, c2, s3, r3, c3
+def _pair_slots(row_slot_ptr, extra_ptr, row, T, extra_lanes, pair):
+    """int32 [2]: the slots of the row's members 2·pair and 2·pair + 1 (-1 past its members)."""
+    lane = 2 * pair + tl.arange(0, 2)
+    extra = tl.load(extra_ptr + tl.maximum(lane - 1, 0).to(tl.int64) * T + row,
+                    mask=(lane >= 1) & (lane <= extra_lanes), other=-1)
+    return tl.where(lane == 0, tl.load(row_slot_ptr + row), extra)
 
 
 @triton.jit
-def _lane(lane, s1, r1, c1, s2, r2, c2, s3, r3, c3, T, part_row, stride_pm, b_ptr, slot_elems):
-    """(rank, scale, partials row, B block) of member lane + 1 (< the row's count), from `_lanes`."""
-    slot = tl.where(lane == 0, s1, tl.where(lane == 1, s2, s3))
-    rank = tl.where(lane == 0, r1, tl.where(lane == 1, r2, r3))
-    scale = tl.where(lane == 0, c1, tl.where(lane == 1, c2, c3))
-    p = part_row + ((lane + 1) * T).to(tl.int64) * stride_pm
-    return rank, scale, p, b_ptr + slot.to(tl.int64) * slot_elems
+def _pair_scalars(slots, rank_ptr, scale_ptr, R):
+    """(rank, scaling) [2] of the members' slots: rank 0 where there is no member (nothing of it is read)."""
+    has = slots >= 0
+    safe = tl.maximum(slots, 0)
+    return tl.minimum(tl.load(rank_ptr + safe, mask=has, other=0), R), tl.load(scale_ptr + safe, mask=has, other=0.0)
 
 
 @triton.jit
-def _extra_products(acc, part_row, extra_ptr, row, T, extra_lanes, stride_pm, b_ptr, slot_elems, rank_ptr, scale_ptr,
-                    cols, mask, R, stride_p_split, ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr,
-                    BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, EXTRAS: tl.constexpr):
-    """acc plus the products of the row's members after its first (product.py's loop; `part_row`: the first
-    member's partials, this slice; B blocks `slot_elems` apart). EXTRAS (a composed product) or nothing: plain
-    products compile without the loop."""
-    if EXTRAS:
-        count, s1, r1, c1, s2, r2, c2, s3, r3, c3 = _lanes(extra_ptr, T, row, extra_lanes, rank_ptr, scale_ptr, R)
-        for lane in range(0, count):
-            rank, scale, p, b_slot = _lane(lane, s1, r1, c1, s2, r2, c2, s3, r3, c3, T, part_row, stride_pm, b_ptr,
-                                           slot_elems)
-            v, offs_r, r_mask = _v(p, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
-            acc += _product(p, b_slot, rank, scale, cols, mask, R, stride_p_split, v, offs_r, r_mask, ONE_R_TILE,
-                            SPLIT_K, BLOCK_R, BLOCK)
+def _pair_b(b_ptr, slot_elems, slots, ranks, cols, col_mask, r0, R, MEMBER_R: tl.constexpr, EXACT: tl.constexpr):
+    """B of the two members over columns `cols` (any shape C, `col_mask` alike) and rank columns r0..r0+MEMBER_R:
+    [*C, 2, MEMBER_R], zero past each member's rank. EXACT: read at the rank itself (RoPE's, see
+    `_load_rank_block_exact`)."""
+    offs_r = r0 + tl.arange(0, MEMBER_R)[None, :]                                        # [1, MEMBER_R]
+    rank = ranks[:, None]                                                                # [2, 1]
+    ptrs = b_ptr + tl.maximum(slots, 0).to(tl.int64)[:, None] * slot_elems + offs_r \
+        + tl.expand_dims(cols * R, (-2, -1))
+    col_mask = tl.expand_dims(col_mask, (-2, -1))
+    if EXACT:
+        return _load_rank_block_exact(ptrs, col_mask, offs_r, offs_r < rank, rank, R)
+    return _load_rank_block(ptrs, col_mask, offs_r, offs_r < rank, rank, R)
+
+
+@triton.jit
+def _pair_v(part_row, pair, T, stride_pm, r0, ranks, stride_p_split, SPLIT_K: tl.constexpr,
+            MEMBER_R: tl.constexpr):
+    """fp32 [2, MEMBER_R]: Σ over the K splits of members 2·pair and 2·pair + 1's partials (entries lane·T + row:
+    `part_row` is the row's first, this slice), rank columns r0..r0+MEMBER_R, zero past each member's rank."""
+    lane = 2 * pair + tl.arange(0, 2)
+    offs_r = r0 + tl.arange(0, MEMBER_R)
+    mask = offs_r[None, :] < ranks[:, None]
+    ptrs = part_row + (lane.to(tl.int64) * T * stride_pm)[:, None] + offs_r[None, :]
+    v = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    for s in tl.static_range(1, SPLIT_K):
+        v += tl.load(ptrs + tl.full((), s, tl.int64) * stride_p_split, mask=mask, other=0.0)
+    return v
+
+
+@triton.jit
+def _pair_sum(b, v, scales):
+    """fp32 [*C]: Σ_lane scales[lane] · Σ_r b[..., lane, r] · v[lane, r] (the members' products over `_pair_b`'s
+    columns)."""
+    return tl.sum(tl.sum(b.to(tl.float32) * v, axis=-1) * scales, axis=-1)
+
+
+@triton.jit
+def _pair_step(part_row, pair, T, stride_pm, b_ptr, slot_elems, slots, ranks, scales, cols, col_mask, r0, R,
+               stride_p_split, SPLIT_K: tl.constexpr, MEMBER_R: tl.constexpr, EXACT: tl.constexpr):
+    """The products of members 2·pair and 2·pair + 1 over rank columns r0..r0+MEMBER_R (`_pair_sum`)."""
+    v = _pair_v(part_row, pair, T, stride_pm, r0, ranks, stride_p_split, SPLIT_K, MEMBER_R)
+    b = _pair_b(b_ptr, slot_elems, slots, ranks, cols, col_mask, r0, R, MEMBER_R, EXACT)
+    return _pair_sum(b, v, scales)
+
+
+@triton.jit
+def _pairs_after_first(acc, part_row, row_slot_ptr, extra_ptr, row, T, extra_lanes, stride_pm, b_ptr, slot_elems,
+                       rank_ptr, scale_ptr, slots, ranks, scales, cols, col_mask, R, stride_p_split,
+                       SPLIT_K: tl.constexpr, MEMBER_R: tl.constexpr, EXACT: tl.constexpr):
+    """acc (members 0 and 1 over rank columns 0..MEMBER_R: `slots`, `ranks`, `scales`) plus the rest of a composed
+    row's products: members 0 and 1's further rank columns, then members 2 and 3 (MAX_LANES = 4)."""
+    for r0 in range(MEMBER_R, tl.max(ranks, axis=0), MEMBER_R):
+        acc += _pair_step(part_row, 0, T, stride_pm, b_ptr, slot_elems, slots, ranks, scales, cols, col_mask, r0, R,
+                          stride_p_split, SPLIT_K, MEMBER_R, EXACT)
+    if extra_lanes > 1:
+        slots1 = _pair_slots(row_slot_ptr, extra_ptr, row, T, extra_lanes, 1)
+        ranks1, scales1 = _pair_scalars(slots1, rank_ptr, scale_ptr, R)
+        for r0 in range(0, tl.max(ranks1, axis=0), MEMBER_R):
+            acc += _pair_step(part_row, 1, T, stride_pm, b_ptr, slot_elems, slots1, ranks1, scales1, cols, col_mask,
+                              r0, R, stride_p_split, SPLIT_K, MEMBER_R, EXACT)
     return acc
+
+
+@triton.jit
+def _silu_composed(gu_row, part_row, row_slot_ptr, extra_ptr, row, T, extra_lanes, stride_pm, stride_p_slice, b0, b1,
+                   rk0, rk1, sc0, sc1, R, I, offs, mask, stride_p_split, SPLIT_K: tl.constexpr,
+                   MEMBER_R: tl.constexpr, COMPILED: tl.constexpr, EARLY: tl.constexpr):
+    """(gate, up) of a composed product's row, in fp32 and rounded: its members' products added two at a time.
+    Members 0 and 1's slots, ranks, scalings and first B blocks are read first, then the deferred PDL wait where
+    EARLY (ops/pdl.py's early reads)."""
+    slots = _pair_slots(row_slot_ptr, extra_ptr, row, T, extra_lanes, 0)
+    rank_g, scale_g = _pair_scalars(slots, rk0, sc0, R)
+    rank_u, scale_u = _pair_scalars(slots, rk1, sc1, R)
+    bg = _pair_b(b0, I * R, slots, rank_g, offs, mask, 0, R, MEMBER_R, False)
+    bu = _pair_b(b1, I * R, slots, rank_u, offs, mask, 0, R, MEMBER_R, False)
+    pdl_deferred_start(EARLY)
+    g = tl.load(gu_row + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_row + I + offs, mask=mask, other=0.0).to(tl.float32)
+    if tl.load(row_slot_ptr + row) >= 0:
+        part_u = part_row + stride_p_slice
+        dg = _pair_sum(bg, _pair_v(part_row, 0, T, stride_pm, 0, rank_g, stride_p_split, SPLIT_K, MEMBER_R), scale_g)
+        du = _pair_sum(bu, _pair_v(part_u, 0, T, stride_pm, 0, rank_u, stride_p_split, SPLIT_K, MEMBER_R), scale_u)
+        dg = _pairs_after_first(dg, part_row, row_slot_ptr, extra_ptr, row, T, extra_lanes, stride_pm, b0, I * R, rk0,
+                                sc0, slots, rank_g, scale_g, offs, mask, R, stride_p_split, SPLIT_K, MEMBER_R, False)
+        du = _pairs_after_first(du, part_u, row_slot_ptr, extra_ptr, row, T, extra_lanes, stride_pm, b1, I * R, rk1,
+                                sc1, slots, rank_u, scale_u, offs, mask, R, stride_p_split, SPLIT_K, MEMBER_R, False)
+        DT = gu_row.dtype.element_ty
+        g = _round(g + dg, DT, COMPILED)
+        u = _round(u + du, DT, COMPILED)
+    return g, u
 
 
 @triton.jit(do_not_specialize=["T", "extra_lanes"])   # one variant whatever the lanes
@@ -122,17 +186,22 @@ def _silu_and_mul_lora_kernel(gu_ptr, out_ptr, part_ptr, row_slot_ptr, b0, b1, r
                               stride_out,
                               ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr,
                               BLOCK: tl.constexpr, COMPILED: tl.constexpr, EARLY: tl.constexpr,
-                              EXTRAS: tl.constexpr):
+                              EXTRAS: tl.constexpr, MEMBER_R: tl.constexpr):
     """Program (row, column block): gate and up take their slice's product, then out = silu(gate) · up.
     EARLY (one rank tile): the row's slot, ranks, scalings and both B blocks are read before the PDL wait
-    (ops/pdl.py's early reads), gate/up and the partials after it; the same sums."""
+    (ops/pdl.py's early reads), gate/up and the partials after it; the same sums. EXTRAS (a composed product):
+    the row's members two at a time (`_silu_composed`)."""
     pdl_start(EARLY)   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first (EARLY: below)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
     DT = out_ptr.dtype.element_ty
     gu_row = gu_ptr + row * stride_gu
-    if EARLY:
+    if EXTRAS:
+        g, u = _silu_composed(gu_row, part_ptr + row * stride_pm, row_slot_ptr, extra_ptr, row, T, extra_lanes,
+                              stride_pm, stride_p_slice, b0, b1, rk0, rk1, sc0, sc1, R, I, offs, mask, stride_p_split,
+                              SPLIT_K, MEMBER_R, COMPILED, EARLY)
+    elif EARLY:
         has, slot, rank_g, scale_g = _slot_of(row_slot_ptr, row, rk0, sc0, R)
         rank_u = tl.where(has, tl.minimum(tl.load(rk1 + slot), R), 0)
         scale_u = tl.load(sc1 + slot)
@@ -148,14 +217,8 @@ def _silu_and_mul_lora_kernel(gu_ptr, out_ptr, part_ptr, row_slot_ptr, b0, b1, r
             part_g = part_ptr + row * stride_pm
             vg, _, _ = _v(part_g, 0, rank_g, stride_p_split, SPLIT_K, BLOCK_R)
             vu, _, _ = _v(part_g + stride_p_slice, 0, rank_u, stride_p_split, SPLIT_K, BLOCK_R)
-            dg = tl.sum(bg.to(tl.float32) * vg[None, :], axis=1) * scale_g
-            du = tl.sum(bu.to(tl.float32) * vu[None, :], axis=1) * scale_u
-            dg = _extra_products(dg, part_g, extra_ptr, row, T, extra_lanes, stride_pm, b0, I * R, rk0, sc0, offs,
-                                 mask, R, stride_p_split, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK, EXTRAS)
-            du = _extra_products(du, part_g + stride_p_slice, extra_ptr, row, T, extra_lanes, stride_pm, b1, I * R,
-                                 rk1, sc1, offs, mask, R, stride_p_split, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK, EXTRAS)
-            g = _round(g + dg, DT, COMPILED)
-            u = _round(u + du, DT, COMPILED)
+            g = _round(g + tl.sum(bg.to(tl.float32) * vg[None, :], axis=1) * scale_g, DT, COMPILED)
+            u = _round(u + tl.sum(bu.to(tl.float32) * vu[None, :], axis=1) * scale_u, DT, COMPILED)
     else:
         g = tl.load(gu_row + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(gu_row + I + offs, mask=mask, other=0.0).to(tl.float32)
@@ -174,10 +237,6 @@ def _silu_and_mul_lora_kernel(gu_ptr, out_ptr, part_ptr, row_slot_ptr, b0, b1, r
                           SPLIT_K, BLOCK_R, BLOCK)
             du = _product(part_u, b_u, rank_u, scale_u, offs, mask, R, stride_p_split, vu, offs_r, rm_u, ONE_R_TILE,
                           SPLIT_K, BLOCK_R, BLOCK)
-            dg = _extra_products(dg, part_g, extra_ptr, row, T, extra_lanes, stride_pm, b0, I * R, rk0, sc0, offs,
-                                 mask, R, stride_p_split, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK, EXTRAS)
-            du = _extra_products(du, part_u, extra_ptr, row, T, extra_lanes, stride_pm, b1, I * R, rk1, sc1, offs,
-                                 mask, R, stride_p_split, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK, EXTRAS)
             g = _round(g + dg, DT, COMPILED)
             u = _round(u + du, DT, COMPILED)
     tl.store(out_ptr + row * stride_out + offs, _silu_mul(g, u, DT, COMPILED).to(DT), mask=mask)
@@ -195,8 +254,10 @@ def _block_r(R: int) -> int:
 
 
 def _tiles(R: int) -> dict:
+    """The rank-tile constexprs: BLOCK_R rank columns a step (ONE_R_TILE: all of them in one), and a composed
+    product's MEMBER_R a member a step (two members side by side: `_pair_b`)."""
     block_r = _block_r(R)
-    return dict(ONE_R_TILE=R <= block_r, BLOCK_R=block_r)
+    return dict(ONE_R_TILE=R <= block_r, BLOCK_R=block_r, MEMBER_R=min(pow2(R), 16))
 
 
 def _early(R: int, lora) -> bool:

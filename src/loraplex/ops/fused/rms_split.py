@@ -20,26 +20,53 @@ import triton
 import triton.language as tl
 
 from .kernels import COMPILED, _inv, _norm_output, _round, _rstd
-from .lora_kernels import _extra_products, _product, _slot_of, _v
+from .lora_kernels import _pair_b, _pair_scalars, _pair_slots, _pair_sum, _pair_v, _pairs_after_first, \
+    _product, _slot_of, _v
 from ..lora.expand_kernels import _load_rank_block
 from ..launch import Launcher, pow2
 from ..pdl import pdl_deferred_start, pdl_start
 
 
 @triton.jit
+def _composed_chunk(x_row, part_row, row_slot_ptr, extra_ptr, row, T, extra_lanes, stride_pm, b_ptr, rank_ptr,
+                    scale_ptr, R, H, offs, mask, stride_p_split, SPLIT_K: tl.constexpr, MEMBER_R: tl.constexpr,
+                    COMPILED: tl.constexpr, EARLY: tl.constexpr):
+    """The chunk of x plus a composed product's row, fp32 and rounded: the row's members two at a time
+    (lora_kernels.py's `_pair_b`), members 0 and 1's first B block read before the deferred PDL wait where EARLY."""
+    slots = _pair_slots(row_slot_ptr, extra_ptr, row, T, extra_lanes, 0)
+    ranks, scales = _pair_scalars(slots, rank_ptr, scale_ptr, R)
+    b = _pair_b(b_ptr, H * R, slots, ranks, offs, mask, 0, R, MEMBER_R, False)
+    pdl_deferred_start(EARLY)
+    v = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+    if tl.load(row_slot_ptr + row) >= 0:
+        d = _pair_sum(b, _pair_v(part_row, 0, T, stride_pm, 0, ranks, stride_p_split, SPLIT_K, MEMBER_R), scales)
+        d = _pairs_after_first(d, part_row, row_slot_ptr, extra_ptr, row, T, extra_lanes, stride_pm, b_ptr, H * R,
+                               rank_ptr, scale_ptr, slots, ranks, scales, offs, mask, R, stride_p_split, SPLIT_K,
+                               MEMBER_R, False)
+        v = _round(v + d, x_row.dtype.element_ty, COMPILED)
+    return v
+
+
+@triton.jit
 def _chunk_sums(x_ptr, r_ptr, s_ptr, sumsq_ptr, part_ptr, row_slot_ptr, b_ptr, rank_ptr, scale_ptr, R, stride_p_split,
                 stride_pm, extra_ptr, T, extra_lanes, H, stride_x, stride_r, stride_s, CHUNKS,
                 HAS_RESIDUAL: tl.constexpr, ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                BLOCK: tl.constexpr, COMPILED: tl.constexpr, EARLY: tl.constexpr, EXTRAS: tl.constexpr):
+                BLOCK: tl.constexpr, COMPILED: tl.constexpr, EARLY: tl.constexpr, EXTRAS: tl.constexpr,
+                MEMBER_R: tl.constexpr):
     """Launch 1's program (row, chunk): the chunk of s, stored, and its sum of squares. EARLY (one rank tile):
     the row's slot, rank, scaling and B block are read before the deferred PDL wait (ops/pdl.py's early reads;
-    the kernel's first statement was `pdl_start(EARLY)`); the same sums."""
+    the kernel's first statement was `pdl_start(EARLY)`); the same sums. EXTRAS: a composed product
+    (`_composed_chunk`)."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     DT = x_ptr.dtype.element_ty
     offs = chunk * BLOCK + tl.arange(0, BLOCK)
     mask = offs < H
-    if EARLY:
+    if EXTRAS:
+        v = _composed_chunk(x_ptr + row * stride_x, part_ptr + row * stride_pm, row_slot_ptr, extra_ptr, row, T,
+                            extra_lanes, stride_pm, b_ptr, rank_ptr, scale_ptr, R, H, offs, mask, stride_p_split,
+                            SPLIT_K, MEMBER_R, COMPILED, EARLY)
+    elif EARLY:
         has, slot, rank, scale = _slot_of(row_slot_ptr, row, rank_ptr, scale_ptr, R)
         offs_r = tl.arange(0, BLOCK_R)
         b = _load_rank_block(b_ptr + slot.to(tl.int64) * H * R + offs[:, None] * R + offs_r[None, :], mask[:, None],
@@ -47,12 +74,8 @@ def _chunk_sums(x_ptr, r_ptr, s_ptr, sumsq_ptr, part_ptr, row_slot_ptr, b_ptr, r
         pdl_deferred_start(EARLY)
         v = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
         if has:
-            part_row = part_ptr + row * stride_pm
-            lv, _, _ = _v(part_row, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
-            d = tl.sum(b.to(tl.float32) * lv[None, :], axis=1) * scale
-            d = _extra_products(d, part_row, extra_ptr, row, T, extra_lanes, stride_pm, b_ptr, H * R, rank_ptr,
-                                scale_ptr, offs, mask, R, stride_p_split, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK, EXTRAS)
-            v = _round(v + d, DT, COMPILED)
+            lv, _, _ = _v(part_ptr + row * stride_pm, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
+            v = _round(v + tl.sum(b.to(tl.float32) * lv[None, :], axis=1) * scale, DT, COMPILED)
     else:
         v = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
         has, slot, rank, scale = _slot_of(row_slot_ptr, row, rank_ptr, scale_ptr, R)
@@ -61,8 +84,6 @@ def _chunk_sums(x_ptr, r_ptr, s_ptr, sumsq_ptr, part_ptr, row_slot_ptr, b_ptr, r
             lv, offs_r, r_mask = _v(part_row, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
             d = _product(part_row, b_ptr + slot.to(tl.int64) * H * R, rank, scale, offs, mask, R, stride_p_split,
                          lv, offs_r, r_mask, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK)
-            d = _extra_products(d, part_row, extra_ptr, row, T, extra_lanes, stride_pm, b_ptr, H * R, rank_ptr,
-                                scale_ptr, offs, mask, R, stride_p_split, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK, EXTRAS)
             v = _round(v + d, DT, COMPILED)
     if HAS_RESIDUAL:
         v = _round(tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32) + v, DT, COMPILED)
@@ -75,12 +96,12 @@ def _rms_lora_sums_kernel(x_ptr, r_ptr, s_ptr, sumsq_ptr, part_ptr, row_slot_ptr
                           stride_p_split, stride_pm, extra_ptr, T, extra_lanes, H, stride_x, stride_r, stride_s, CHUNKS,
                           HAS_RESIDUAL: tl.constexpr, ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr,
                           BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, COMPILED: tl.constexpr, EARLY: tl.constexpr,
-                          EXTRAS: tl.constexpr):
+                          EXTRAS: tl.constexpr, MEMBER_R: tl.constexpr):
     """Launch 1: program (row, chunk) stores the chunk of s and its sum of squares (`_chunk_sums`)."""
     pdl_start(EARLY)   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first (EARLY: later)
     _chunk_sums(x_ptr, r_ptr, s_ptr, sumsq_ptr, part_ptr, row_slot_ptr, b_ptr, rank_ptr, scale_ptr, R, stride_p_split,
                 stride_pm, extra_ptr, T, extra_lanes, H, stride_x, stride_r, stride_s, CHUNKS, HAS_RESIDUAL, ONE_R_TILE,
-                SPLIT_K, BLOCK_R, BLOCK, COMPILED, EARLY, EXTRAS)
+                SPLIT_K, BLOCK_R, BLOCK, COMPILED, EARLY, EXTRAS, MEMBER_R)
 
 
 @triton.jit
@@ -135,7 +156,7 @@ def sums(x, residual, s_out, lora, block: int, tiles: dict, early: bool = False)
 
 def rms_norm(x, weight, eps: float, residual, out, s_out, lora, block: int, tiles: dict, early: bool = False) -> None:
     """lora_kernels.rms_norm's op with each row cut into chunks of `block` columns (see above);
-    `tiles`: the rank-tile constexprs (ONE_R_TILE, BLOCK_R); `early`: launch 1's early reads (one rank tile)."""
+    `tiles`: the rank-tile constexprs (lora_kernels.py's `_tiles`); `early`: launch 1's early reads (one rank tile)."""
     T, H = x.shape
     sumsq = sums(x, residual, s_out, lora, block, tiles, early)
     block, chunks = chunking(H, block)

@@ -7,7 +7,8 @@ import triton
 import triton.language as tl
 
 from .kernels import COMPILED, _cos_sin, _rotate, _round
-from .lora_kernels import _early, _lane, _lanes, _tiles, _v
+from .lora_kernels import _early, _pair_b, _pair_scalars, _pair_slots, _pair_sum, _pair_v, _pairs_after_first, \
+    _tiles, _v
 from ..launch import Launcher, pow2
 from ..lora.expand_kernels import _load_rank_block_exact
 from ..pdl import pdl_deferred_start, pdl_start
@@ -34,33 +35,9 @@ def _product_2d(part_row, b_slot, rank, scale, cols, mask, R, stride_p_split, v,
 
 
 @triton.jit
-def _extra_products_2d(d1, d2, part_row, extra_ptr, row, T, extra_lanes, stride_pm, b_ptr, slot_elems, rank_ptr,
-                       scale_ptr, cols, HALF, mask, R, stride_p_split, ONE_R_TILE: tl.constexpr,
-                       SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                       EXTRAS: tl.constexpr):
-    """`_extra_products` over both halves of a [BLOCK_H, BLOCK_D] tile of heads (RoPE's)."""
-    if EXTRAS:
-        count, s1, r1, c1, s2, r2, c2, s3, r3, c3 = _lanes(extra_ptr, T, row, extra_lanes, rank_ptr, scale_ptr, R)
-        for lane in range(0, count):
-            rank, scale, p, b_slot = _lane(lane, s1, r1, c1, s2, r2, c2, s3, r3, c3, T, part_row, stride_pm, b_ptr,
-                                           slot_elems)
-            v, offs_r, r_mask = _v(p, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
-            d1 += _product_2d(p, b_slot, rank, scale, cols, mask, R, stride_p_split, v, offs_r, r_mask,
-                              ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D)
-            d2 += _product_2d(p, b_slot, rank, scale, cols + HALF, mask, R, stride_p_split, v, offs_r, r_mask,
-                              ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D)
-    return d1, d2
-
-
-# ---------------------------------------------------------------------------------------------
-# SiLU(gate) * up
-
-
-@triton.jit
 def _heads(base, stride_h, num_heads, h0, part_row, b_ptr, rank_ptr, scale_ptr, slot, has, R, stride_p_split, HALF,
-           c, s, offs_d, d_mask, extra_ptr, t, T, extra_lanes, stride_pm, ROTATE: tl.constexpr,
-           ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-           BLOCK_D: tl.constexpr, COMPILED: tl.constexpr, EXTRAS: tl.constexpr):
+           c, s, offs_d, d_mask, ROTATE: tl.constexpr, ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr,
+           BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, COMPILED: tl.constexpr):
     """Heads h0..h0+BLOCK_H of one token (none past `num_heads`: k and v have fewer with GQA): each half
     takes its product (rows with an adapter), then q and k rotate (ROTATE); v is only stored back when it
     changed."""
@@ -80,9 +57,6 @@ def _heads(base, stride_h, num_heads, h0, part_row, b_ptr, rank_ptr, scale_ptr, 
                          ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D)
         d2 = _product_2d(part_row, b_slot, rank, scale, cols + HALF, mask, R, stride_p_split, lv, offs_r, r_mask,
                          ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D)
-        d1, d2 = _extra_products_2d(d1, d2, part_row, extra_ptr, t, T, extra_lanes, stride_pm, b_ptr,
-                                    num_heads * 2 * HALF * R, rank_ptr, scale_ptr, cols, HALF, mask, R, stride_p_split,
-                                    ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D, EXTRAS)
         x1 = _round(x1 + d1, DT, COMPILED)
         x2 = _round(x2 + d2, DT, COMPILED)
     _store_heads(p1, HALF, x1, x2, c, s, mask, ROTATE, has, COMPILED)
@@ -104,9 +78,8 @@ def _store_heads(p1, HALF, x1, x2, c, s, mask, rotate, has, COMPILED: tl.constex
 @triton.jit
 def _rope_early(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_row, slot, has, b0, b1, b2, rk0, rk1, rk2, sc0, sc1,
                 sc2, R, stride_p_split, stride_p_slice, HQ, HKV, HALF, stride_qh, stride_kh, stride_vh, which, h0,
-                extra_ptr, t, T, extra_lanes, stride_pm, ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr,
-                BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, COMPILED: tl.constexpr,
-                EXTRAS: tl.constexpr):
+                SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                COMPILED: tl.constexpr):
     """`_heads` for q, k or v (`which`) with the slice's rank, scaling and both halves' B blocks read first, then
     the kernel's deferred PDL wait (ops/pdl.py's early reads), then the rest: the same sums and roundings. `q_ptr`,
     `k_ptr`, `v_ptr`: the token's rows."""
@@ -138,13 +111,53 @@ def _rope_early(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_row, slot, has,
     if has:
         part_slice = part_row + which * stride_p_slice
         lv, _, _ = _v(part_slice, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
-        d1 = tl.sum(b1_.to(tl.float32) * lv[None, None, :], axis=2) * scale
-        d2 = tl.sum(b2_.to(tl.float32) * lv[None, None, :], axis=2) * scale
-        rank_ptr = tl.where(is_q, rk0, tl.where(is_k, rk1, rk2))
-        scale_ptr = tl.where(is_q, sc0, tl.where(is_k, sc1, sc2))
-        d1, d2 = _extra_products_2d(d1, d2, part_slice, extra_ptr, t, T, extra_lanes, stride_pm, b_ptr,
-                                    num_heads * 2 * HALF * R, rank_ptr, scale_ptr, cols, HALF, mask, R, stride_p_split,
-                                    ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D, EXTRAS)
+        x1 = _round(x1 + tl.sum(b1_.to(tl.float32) * lv[None, None, :], axis=2) * scale, DT, COMPILED)
+        x2 = _round(x2 + tl.sum(b2_.to(tl.float32) * lv[None, None, :], axis=2) * scale, DT, COMPILED)
+    c, s = _cos_sin(pos_ptr, inv_freq_ptr, offs_d, d_mask, DT, COMPILED)
+    _store_heads(p1, HALF, x1, x2, c, s, mask, which < 2, has, COMPILED)
+
+
+@triton.jit
+def _rope_composed(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_row, row_slot_ptr, extra_ptr, t, T, extra_lanes,
+                   stride_pm, b0, b1, b2, rk0, rk1, rk2, sc0, sc1, sc2, R, stride_p_split, stride_p_slice, HQ, HKV,
+                   HALF, stride_qh, stride_kh, stride_vh, which, h0, SPLIT_K: tl.constexpr, MEMBER_R: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, COMPILED: tl.constexpr, EARLY: tl.constexpr):
+    """`_rope_early` for a composed product: the row's members two at a time (lora_kernels.py's `_pair_b`), members
+    0 and 1's slots, ranks, scalings and first B blocks (both halves) read before the deferred PDL wait where EARLY.
+    `q_ptr`, `k_ptr`, `v_ptr`: the token's rows."""
+    is_q = which == 0
+    is_k = which == 1
+    num_heads = tl.where(is_q, HQ, HKV)
+    b_ptr = tl.where(is_q, b0, tl.where(is_k, b1, b2))
+    rank_ptr = tl.where(is_q, rk0, tl.where(is_k, rk1, rk2))
+    scale_ptr = tl.where(is_q, sc0, tl.where(is_k, sc1, sc2))
+    slots = _pair_slots(row_slot_ptr, extra_ptr, t, T, extra_lanes, 0)
+    ranks, scales = _pair_scalars(slots, rank_ptr, scale_ptr, R)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HALF
+    offs_h = h0 + tl.arange(0, BLOCK_H)
+    mask = (offs_h < num_heads)[:, None] & d_mask[None, :]   # k and v: none past their heads (GQA)
+    cols = offs_h[:, None] * (2 * HALF) + offs_d[None, :]
+    slot_elems = num_heads * 2 * HALF * R
+    b1_ = _pair_b(b_ptr, slot_elems, slots, ranks, cols, mask, 0, R, MEMBER_R, True)
+    b2_ = _pair_b(b_ptr, slot_elems, slots, ranks, cols + HALF, mask, 0, R, MEMBER_R, True)
+    pdl_deferred_start(EARLY)
+    DT = q_ptr.dtype.element_ty
+    base = tl.where(is_q, q_ptr, tl.where(is_k, k_ptr, v_ptr))
+    stride_h = tl.where(is_q, stride_qh, tl.where(is_k, stride_kh, stride_vh))
+    p1 = base + offs_h[:, None] * stride_h + offs_d[None, :]
+    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
+    has = tl.load(row_slot_ptr + t) >= 0
+    if has:
+        part_slice = part_row + which * stride_p_slice
+        v = _pair_v(part_slice, 0, T, stride_pm, 0, ranks, stride_p_split, SPLIT_K, MEMBER_R)
+        d1 = _pairs_after_first(_pair_sum(b1_, v, scales), part_slice, row_slot_ptr, extra_ptr, t, T, extra_lanes,
+                                stride_pm, b_ptr, slot_elems, rank_ptr, scale_ptr, slots, ranks, scales, cols, mask, R,
+                                stride_p_split, SPLIT_K, MEMBER_R, True)
+        d2 = _pairs_after_first(_pair_sum(b2_, v, scales), part_slice, row_slot_ptr, extra_ptr, t, T, extra_lanes,
+                                stride_pm, b_ptr, slot_elems, rank_ptr, scale_ptr, slots, ranks, scales, cols + HALF,
+                                mask, R, stride_p_split, SPLIT_K, MEMBER_R, True)
         x1 = _round(x1 + d1, DT, COMPILED)
         x2 = _round(x2 + d2, DT, COMPILED)
     c, s = _cos_sin(pos_ptr, inv_freq_ptr, offs_d, d_mask, DT, COMPILED)
@@ -167,22 +180,28 @@ def _rope_lora_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_ptr, row_
                       HALF, stride_qt,
                       stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_pos, ONE_R_TILE: tl.constexpr,
                       SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                      COMPILED: tl.constexpr, EARLY: tl.constexpr, EXTRAS: tl.constexpr):
+                      COMPILED: tl.constexpr, EARLY: tl.constexpr, EXTRAS: tl.constexpr, MEMBER_R: tl.constexpr):
     """Program (token, q|k|v, head block): q/k/v heads take their slice's product; q and k rotate.
     EARLY (one rank tile): the row's slot, the slice's rank and scaling and its B blocks are read before the PDL
-    wait (ops/pdl.py's early reads; `_rope_early`)."""
+    wait (ops/pdl.py's early reads; `_rope_early`). EXTRAS: a composed product (`_rope_composed`)."""
     pdl_start(EARLY)   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first (EARLY: below)
     t = tl.program_id(0).to(tl.int64)
     which = tl.program_id(1)
     h0 = tl.program_id(2) * BLOCK_H
-    if EARLY:
+    # k and v have fewer head blocks with GQA; a program past them loads and stores nothing of q/k/v
+    if EXTRAS:
+        _rope_composed(q_ptr + t * stride_qt, k_ptr + t * stride_kt, v_ptr + t * stride_vt, pos_ptr + t * stride_pos,
+                       inv_freq_ptr, part_ptr + t * stride_pm, row_slot_ptr, extra_ptr, t, T, extra_lanes, stride_pm,
+                       b0, b1, b2, rk0, rk1, rk2, sc0, sc1, sc2, R, stride_p_split, stride_p_slice, HQ, HKV, HALF,
+                       stride_qh, stride_kh, stride_vh, which, h0, SPLIT_K, MEMBER_R, BLOCK_H, BLOCK_D, COMPILED,
+                       EARLY)
+    elif EARLY:
         has, slot, part_row = _token_slot(row_slot_ptr, part_ptr, t, stride_pm)
-        # k and v have fewer head blocks with GQA; a program past them loads and stores nothing of q/k/v
         _rope_early(q_ptr + t * stride_qt, k_ptr + t * stride_kt, v_ptr + t * stride_vt, pos_ptr + t * stride_pos,
                     inv_freq_ptr, part_row, slot, has, b0, b1, b2, rk0, rk1, rk2, sc0, sc1, sc2, R, stride_p_split,
-                    stride_p_slice, HQ, HKV, HALF, stride_qh, stride_kh, stride_vh, which, h0, extra_ptr, t, T,
-                    extra_lanes, stride_pm, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D, COMPILED, EXTRAS)
-    elif h0 < tl.where(which == 0, HQ, HKV):   # k and v have fewer head blocks with GQA
+                    stride_p_slice, HQ, HKV, HALF, stride_qh, stride_kh, stride_vh, which, h0, SPLIT_K, BLOCK_R,
+                    BLOCK_H, BLOCK_D, COMPILED)
+    elif h0 < tl.where(which == 0, HQ, HKV):
         DT = q_ptr.dtype.element_ty
         offs_d = tl.arange(0, BLOCK_D)
         d_mask = offs_d < HALF
@@ -190,16 +209,15 @@ def _rope_lora_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_ptr, row_
         has, slot, part_row = _token_slot(row_slot_ptr, part_ptr, t, stride_pm)
         if which == 0:
             _heads(q_ptr + t * stride_qt, stride_qh, HQ, h0, part_row, b0, rk0, sc0, slot, has, R, stride_p_split,
-                   HALF, c, s, offs_d, d_mask, extra_ptr, t, T, extra_lanes, stride_pm, True, ONE_R_TILE, SPLIT_K,
-                   BLOCK_R, BLOCK_H, BLOCK_D, COMPILED, EXTRAS)
+                   HALF, c, s, offs_d, d_mask, True, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D, COMPILED)
         elif which == 1:
             _heads(k_ptr + t * stride_kt, stride_kh, HKV, h0, part_row + stride_p_slice, b1, rk1, sc1, slot, has, R,
-                   stride_p_split, HALF, c, s, offs_d, d_mask, extra_ptr, t, T, extra_lanes, stride_pm, True,
-                   ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D, COMPILED, EXTRAS)
+                   stride_p_split, HALF, c, s, offs_d, d_mask, True, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D,
+                   COMPILED)
         else:
             _heads(v_ptr + t * stride_vt, stride_vh, HKV, h0, part_row + 2 * stride_p_slice, b2, rk2, sc2, slot, has,
-                   R, stride_p_split, HALF, c, s, offs_d, d_mask, extra_ptr, t, T, extra_lanes, stride_pm, False,
-                   ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D, COMPILED, EXTRAS)
+                   R, stride_p_split, HALF, c, s, offs_d, d_mask, False, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H,
+                   BLOCK_D, COMPILED)
 
 
 # ---------------------------------------------------------------------------------------------
