@@ -177,6 +177,27 @@ def test_fp8_skinny_linear_in_bf16_on_the_gpu(M, block):
 
 
 @pytest.mark.gpu
+def test_every_e4m3_value_reaches_the_bf16_products_exactly():
+    """The kernel's own e4m3 → bf16 conversion (fp8_kernels.py's `_e4m3_to_bf16`) on every finite byte, ±0 and the
+    subnormals included: one-hot rows of x pick single weights, so y is each q · scale rounded once, bit for bit
+    the dequantized weight."""
+    if not torch.cuda.is_available() or not fp8.fp8_capable(torch.cuda.current_device()):
+        pytest.skip("needs a CUDA GPU of compute capability 8.9 or more")
+    N, K, M = 256, 128, 32
+    codes = (torch.arange(N)[:, None] + 7 * torch.arange(K)[None, :]) % 256
+    codes[(codes & 0x7F) == 0x7F] = 0x80   # e4m3fn's NaNs: -0 in their place
+    q = codes.to(torch.uint8).view(FP8).cuda()
+    scale = (torch.rand(N, 1, generator=torch.Generator().manual_seed(3)) + 0.5).cuda()
+    m = Fp8Matrix(q, scale, (1, K))
+    x = torch.zeros(M, K, device="cuda", dtype=torch.bfloat16)
+    x[torch.arange(M), torch.arange(M) * 3] = 1.0
+    assert fp8.FAST_BF16
+    y = fp8_skinny_linear(x, m)
+    assert torch.equal(y, m.dequantize(torch.bfloat16)[:, :3 * M:3].T)
+    assert len(set(codes[:, :3 * M:3].flatten().tolist())) == 254   # every finite byte was read
+
+
+@pytest.mark.gpu
 def test_w8a8_on_the_gpu_matches_the_cpu_loop():
     if not torch.cuda.is_available() or not fp8.fp8_capable(torch.cuda.current_device()):
         pytest.skip("needs a CUDA GPU of compute capability 8.9 or more")

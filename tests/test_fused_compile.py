@@ -278,12 +278,15 @@ def fp8_gemm(dtype: str, arch: int) -> None:
         ptx = _compile(k, dict(x_ptr="*" + dtype, q_ptr="*fp8e4nv", s_ptr="*fp32", bias_ptr="*" + dtype,
                                y_ptr="*" + dtype),
                        dict(HAS_BIAS=not per_step, PER_STEP_SCALE=per_step, EVEN_N=True, EVEN_K=True,
-                            IEEE=dtype == "fp32", BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k), arch, 4, stages,
+                            IEEE=dtype == "fp32", FAST_BF16=dtype == "bf16", BLOCK_M=block_m, BLOCK_N=block_n,
+                            BLOCK_K=block_k), arch, 4, stages,
                        divisible=("N", "K", "stride_xm", "stride_qn", "stride_ym", "scale_bk"))
         what = f"fp8_gemm {dtype} sm_{arch} per_step {per_step} m{block_m} n{block_n} k{block_k} st{stages}"
         if dtype != "fp32":
             assert ("wgmma" if arch == 90 else "mma.sync") in ptx, f"{what}: no tensor-core MMA"
         assert "cp.async" in ptx, f"{what}: q's loads are not pipelined"
+        if dtype == "bf16":   # q's bytes to bf16 by integer operations, none converted twice through fp16
+            assert "fma.rn.bf16x2" in ptx and "cvt.bf16.f16" not in ptx, f"{what}: not fp8_kernels.py's conversion"
         bound = shared_bytes(SkinnyConfig(block_n=block_n, block_k=block_k, stages=stages), block_m,
                              4 if dtype == "fp32" else 2, w_bytes=None if dtype == "fp32" else 1)
         assert 0 < COMPILED_SHARED[0] <= bound, f"{what}: {COMPILED_SHARED[0]} bytes of shared memory, bound {bound}"
