@@ -10,7 +10,8 @@ all submitted at once; `max_num_seqs` of 32 and 256 (`--batches`). Variants on t
 - merged (on request): request i uses a rank-32 adapter of its own (what merging its pair offline builds).
 The composed/merged pair runs in an engine of its own whose pool holds both ranks (R = 32).
 `--quantizations none,fp8` runs every variant with bf16 weights and again with FP8 ones (`--quantization fp8`:
-e4m3, a scale per output channel, quantized at load), each in an engine of its own, in one process.
+e4m3, a scale per output channel, quantized at load), each in an engine of its own, in one process; `fp8kv`: FP8
+weights and an FP8 KV cache (`--kv-cache-dtype fp8`, scales 1.0).
 Adapters are synthetic (no files) and made resident before timing, so the runs measure serving,
 not loading. Each variant runs with CUDA graphs, and at `--eager-batches` also with `enforce_eager`.
 
@@ -110,7 +111,8 @@ def main(argv=None) -> None:
     ap.add_argument("--variants", default="backbone,distinct,shared")
     ap.add_argument("--repeats", type=int, default=1,
                     help="measured runs per variant, interleaved across variants; each row is the median-tokens/s run")
-    ap.add_argument("--quantizations", default="none", help="base weights: none (bf16), fp8, or both (none,fp8)")
+    ap.add_argument("--quantizations", default="none",
+                    help="comma-separated: none (bf16), fp8 (FP8 weights), fp8kv (FP8 weights and an FP8 KV cache)")
     ap.add_argument("--profile", type=Path,
                     help="also write each engine's kernel times of full-batch decode steps, a column per variant "
                          "(step_profile.py), to this markdown file")
@@ -118,8 +120,8 @@ def main(argv=None) -> None:
     ap.add_argument("--md")
     args = ap.parse_args(argv)
     for q in args.quantizations.split(","):
-        if q not in ("none", "fp8"):
-            ap.error(f"--quantizations: {q!r} is not none or fp8")
+        if q not in QUANTIZATIONS:
+            ap.error(f"--quantizations: {q!r} is not one of {', '.join(QUANTIZATIONS)}")
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
     copy_gbs = copy_bandwidth_gbs()
@@ -153,6 +155,7 @@ def _write(result: dict, args) -> None:
 
 
 COMPOSE_VARIANTS = ("composed", "merged")
+QUANTIZATIONS = ("none", "fp8", "fp8kv")
 _warmed: list[bool] = []   # a run has warmed this process up
 
 
@@ -176,7 +179,8 @@ def _engine(args, B: int, mode: str, compose: bool, quant: str) -> tuple[Engine,
     """An engine with its adapters resident: B rank-16 ones, or for the composition pair 2B rank-16 members and
     B rank-32 merged ones in a pool R = 32 wide; base weights in bf16 or FP8 (`quant`)."""
     config = EngineConfig(model=f"dummy:{args.preset}", dummy_layers=args.layers, dtype="bfloat16",
-                          quantization=None if quant == "none" else quant,
+                          quantization=None if quant == "none" else "fp8",
+                          kv_cache_dtype="fp8" if quant == "fp8kv" else "auto",
                           max_num_seqs=B, max_num_batched_tokens=max(2048, B), max_gpu_adapters=3 * B if compose else B,
                           max_lora_rank=2 * RANK if compose else RANK, max_cpu_adapters=0,
                           enforce_eager=(mode == "eager"), cuda_graph_max_batch=B, max_model_len=1024)
@@ -221,7 +225,8 @@ def run_group(args, B: int, mode: str, variants: list[str], copy_gbs: float,
         res = ordered[(len(ordered) - 1) // 2]   # the median run (the lower middle of an even count)
         used = {"backbone": 0, "shared": 1, "distinct": B, "composed": 2 * B, "merged": 2 * B}[variant]
         ctx = res["mean_full_context"] or 0
-        floor_ms = (weight_bytes(model, B) + kv_bytes(model, int(ctx * B)) +
+        kv = kv_bytes(model, int(ctx * B)) // (2 if quant == "fp8kv" else 1)   # (kv_bytes: 16-bit values)
+        floor_ms = (weight_bytes(model, B) + kv +
                     used * adapter_bytes(model)) / (copy_gbs * 1e9) * 1e3   # (merged: rank 32 = 2 × rank 16)
         row = dict(batch=B, mode=mode, variant=variant, quantization=quant, setup_s=setup_s, floor_ms=floor_ms,
                    repeats_tokens_per_s=[round(r["tokens_per_s"], 1) for r in runs[variant]], **res)
@@ -253,7 +258,7 @@ def markdown(res: dict) -> str:
     for r in res["rows"]:
         step, gpu = r["full_decode_step_ms"], r.get("full_decode_gpu_ms")
         rel = r["tokens_per_s"] / base[key(r)] if key(r) in base else float("nan")
-        weights = {"none": "bf16"}.get(r.get("quantization", "none"), r.get("quantization"))
+        weights = {"none": "bf16", "fp8kv": "fp8, fp8 KV"}.get(r.get("quantization", "none"), r.get("quantization"))
         steps = (f"{step:.2f} | {gpu:.2f} | " if gpu else f"{step:.2f} | – | ") if step else "– | – | "
         floor = f"{r['floor_ms']:.2f} | {step / r['floor_ms']:.2f}× | " if step else "– | – | "
         name = r["variant"]
