@@ -130,6 +130,10 @@ def _check_ptx(ptx: str, forced: bool, seen: list, early: bool = False, after_ge
         assert memory and waits and releases
         assert releases[0] < memory[0], "the AFTER_GEMM shrink touches memory before it releases its dependents"
         assert waits[-1] > memory[-1], "the AFTER_GEMM shrink touches memory after its last wait"
+        guard = _guard_of(lines, waits[-1])
+        assert guard is not None, "the AFTER_GEMM shrink's wait is not behind a branch (program (0, 0) alone waits)"
+        assert {"%ctaid.x", "%ctaid.y"} <= _feeds(lines, guard), \
+            "the branch around the AFTER_GEMM shrink's wait does not test both program ids"
         seen.append(3)
         return
     else:
@@ -147,6 +151,37 @@ def _check_ptx(ptx: str, forced: bool, seen: list, early: bool = False, after_ge
 
 
 EARLY_LOAD = re.compile(r"^(@!?%p\d+\s+)?ld\.global\.")
+PREDICATED = re.compile(r"^@!?(%p\d+)\s+(\S+)")
+
+
+def _guard_of(lines: list[str], at: int) -> str | None:
+    """The predicate register that decides whether line `at` runs: its own, or the last predicated branch's above it
+    (the block the compiler jumps over)."""
+    own = PREDICATED.match(lines[at])
+    if own:
+        return own.group(1)
+    for line in reversed(lines[:at]):
+        m = PREDICATED.match(line)
+        if m and m.group(2).startswith("bra"):
+            return m.group(1)
+    return None
+
+
+def _feeds(lines: list[str], reg: str, depth: int = 8) -> set[str]:
+    """The registers, special ones (%ctaid.x, …) included, that `reg`'s value is computed from, following each
+    register's defining instructions (Triton's PTX writes most virtual registers once) up to `depth` steps back."""
+    found, frontier = set(), {reg}
+    for _ in range(depth):
+        sources = set()
+        for line in lines:
+            m = re.match(r"^(?:@!?%p\d+\s+)?[a-z][\w.]*\s+(%[\w.]+),\s*(.*);", line)
+            if m and m.group(1) in frontier:
+                sources |= set(re.findall(r"%[a-z]+[\w.]*", m.group(2)))
+        frontier = sources - found
+        found |= sources
+        if not frontier:
+            break
+    return found
 
 
 def _is_early(src, flag: str = "EARLY") -> bool:
