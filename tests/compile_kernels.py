@@ -50,7 +50,8 @@ def expand(dtype: str, block_m: int) -> None:
     # next op; ROWWISE: expand_kernels._expand_tile_rows for tiles of up to ROWWISE_MAX_ROWS rows, one rank tile only,
     # the row-wise steps' columns sgmv.rows_block_n_for's (512 for the rank tile of 16).
     # TILE_PREFETCH: the tile expand's y a step ahead (expand_kernels._expand_tile's PREFETCH: the prompt tiles')
-    # COMPOSED: a composed batch's members after the first, added before y rounds (ops/lora/batch.py)
+    # COMPOSED: a composed batch's members, added before y rounds (ops/lora/batch.py), two at a time: MEMBER_R
+    # rank columns each (ops/lora/b_blocks.py; the row-wise steps' columns those of a 32-wide rank tile)
     variants = ((True, True, False, False, False), (True, True, True, False, False), (False, True, True, False, False),
                 (True, False, True, False, False), (True, True, False, True, False), (False, True, False, True, False),
                 (True, False, False, True, False), (True, True, True, True, False), (True, True, True, False, True),
@@ -63,8 +64,8 @@ def expand(dtype: str, block_m: int) -> None:
                       BLOCK_R=16 if one_r else 64, ONE_R_TILE=one_r, PRECISION="split" if dtype == "bf16" else "tf32x3",
                       ACCUMULATE=accumulate, ROWWISE=rowwise,
                       ROWS_BLOCK_N=sgmv.rows_block_n_for(dataclasses.replace(cfg, rowwise=rowwise),
-                                                         16 if one_r else 64),
-                      TILE_PREFETCH=tile_prefetch, COMPOSED=composed)
+                                                         32 if composed else 16 if one_r else 64),
+                      TILE_PREFETCH=tile_prefetch, COMPOSED=composed, MEMBER_R=16)
         _compile(sgmv._sgmv_expand_kernel, types, consts, cfg.expand_warps, cfg.expand_stages)
 
 

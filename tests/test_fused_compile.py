@@ -228,13 +228,14 @@ def lora_loads(dtype: str, arch: int) -> None:
                        dict(tiles, HAS_RESIDUAL=True, BLOCK=k.RMS_SPLIT), arch, 4, divisible=div)
         _vector_b_loads(ptx, dtype, f"rms_norm_lora_split sums {what}")
     # The row-wise expand (expand_kernels._expand_tile_rows, compiled alone: the tile path beside it in the kernel
-    # feeds the tensor cores, still at the exact rank mask) into an fp32 buffer: its only 16-bit loads are B's, the
-    # other members' of a composed batch's rows too.
+    # feeds the tensor cores, still at the exact rank mask) into an fp32 buffer: its only 16-bit loads are B's, a
+    # composed batch's pairs of members (ops/lora/b_blocks.py) too.
     for composed in (False, True):
         ptx = _compile(expand_kernels._expand_tile_rows,
                        dict(y_ptr="*fp32", part_ptr="*fp32", b_ptr="*" + dtype, rank_ptr="*i32", scale_ptr="*fp32",
                             sorted_rows_ptr="*i32", extra_slot_ptr="*i32"),
-                       dict(SPLIT_K=1, BLOCK_N=512, BLOCK_R=16, ACCUMULATE=False, COMPOSED=composed, stride_yn=1),
+                       dict(SPLIT_K=1, BLOCK_N=128 if composed else 512, BLOCK_R=16, ACCUMULATE=False,
+                            COMPOSED=composed, MEMBER_R=16, stride_yn=1),
                        arch, 4, 2, divisible=div + ("N", "col0"))
         _vector_b_loads(ptx, dtype, f"row-wise expand {dtype} sm_{arch} COMPOSED={composed}")
 

@@ -8,7 +8,7 @@ For a row with slot s ≥ 0, slice i, column n of the slice (product.py's loop, 
     x     = round(x + delta)                  # to x's dtype, as the in-place expand would round
 
 and x untouched for rows with s = -1; a composed product's members after a row's first add theirs to the same
-delta (product.py), so the row is rounded once. Each program sums the splits and reads the B columns it needs:
+delta (product.py), so the row is rounded once; they are read two at a time (ops/lora/b_blocks.py). Each program sums the splits and reads the B columns it needs:
 the expand's bytes spread over the consumer's grid, so RoPE and SiLU-and-mul run one program per
 (token, head block) and (token, column block); RMSNorm, which needs the whole row's sum of squares, cuts
 each row into chunks over two launches (rms_split.py). RoPE's consumer is in rope_lora.py; the helpers here that
@@ -21,7 +21,8 @@ import triton.language as tl
 
 from .kernels import COMPILED, _round, _silu_mul
 from ..launch import Launcher, pow2
-from ..lora.expand_kernels import _load_rank_block, _load_rank_block_exact
+from ..lora.b_blocks import _load_rank_block, member_r, _pair_b, _pair_scalars, _pair_slots, _pair_sum, _pair_v, \
+    _pairs_after_first
 from ..pdl import pdl_deferred_start, pdl_start
 
 
@@ -66,91 +67,6 @@ def _product(part_row, b_slot, rank, scale, cols, mask, R, stride_p_split, v, of
     return acc * scale
 
 
-# A composed product's members are read two at a time: members 2p and 2p + 1 of a row side by side, in one
-# [columns, 2, MEMBER_R] block of B, MEMBER_R rank columns a step. Two members of rank ≤ MEMBER_R then cost what one
-# adapter of twice the rank costs (its registers, loads and one round trip, which the early reads start before the
-# PDL wait); a member list read one member at a time had each further member's loads wait for the one before.
-@triton.jit
-def _pair_slots(row_slot_ptr, extra_ptr, row, T, extra_lanes, pair):
-    """int32 [2]: the slots of the row's members 2·pair and 2·pair + 1 (-1 past its members)."""
-    lane = 2 * pair + tl.arange(0, 2)
-    extra = tl.load(extra_ptr + tl.maximum(lane - 1, 0).to(tl.int64) * T + row,
-                    mask=(lane >= 1) & (lane <= extra_lanes), other=-1)
-    return tl.where(lane == 0, tl.load(row_slot_ptr + row), extra)
-
-
-@triton.jit
-def _pair_scalars(slots, rank_ptr, scale_ptr, R):
-    """(rank, scaling) [2] of the members' slots: rank 0 where there is no member (nothing of it is read)."""
-    has = slots >= 0
-    safe = tl.maximum(slots, 0)
-    return tl.minimum(tl.load(rank_ptr + safe, mask=has, other=0), R), tl.load(scale_ptr + safe, mask=has, other=0.0)
-
-
-@triton.jit
-def _pair_b(b_ptr, slot_elems, slots, ranks, cols, col_mask, r0, R, MEMBER_R: tl.constexpr, EXACT: tl.constexpr):
-    """B of the two members over columns `cols` (any shape C, `col_mask` alike) and rank columns r0..r0+MEMBER_R:
-    [*C, 2, MEMBER_R], zero past each member's rank. EXACT: read at the rank itself (RoPE's, see
-    `_load_rank_block_exact`)."""
-    offs_r = r0 + tl.arange(0, MEMBER_R)[None, :]                                        # [1, MEMBER_R]
-    rank = ranks[:, None]                                                                # [2, 1]
-    ptrs = b_ptr + tl.maximum(slots, 0).to(tl.int64)[:, None] * slot_elems + offs_r \
-        + tl.expand_dims(cols * R, (-2, -1))
-    col_mask = tl.expand_dims(col_mask, (-2, -1))
-    if EXACT:
-        return _load_rank_block_exact(ptrs, col_mask, offs_r, offs_r < rank, rank, R)
-    return _load_rank_block(ptrs, col_mask, offs_r, offs_r < rank, rank, R)
-
-
-@triton.jit
-def _pair_v(part_row, pair, T, stride_pm, r0, ranks, stride_p_split, SPLIT_K: tl.constexpr,
-            MEMBER_R: tl.constexpr):
-    """fp32 [2, MEMBER_R]: Σ over the K splits of members 2·pair and 2·pair + 1's partials (entries lane·T + row:
-    `part_row` is the row's first, this slice), rank columns r0..r0+MEMBER_R, zero past each member's rank."""
-    lane = 2 * pair + tl.arange(0, 2)
-    offs_r = r0 + tl.arange(0, MEMBER_R)
-    mask = offs_r[None, :] < ranks[:, None]
-    ptrs = part_row + (lane.to(tl.int64) * T * stride_pm)[:, None] + offs_r[None, :]
-    v = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    for s in tl.static_range(1, SPLIT_K):
-        v += tl.load(ptrs + tl.full((), s, tl.int64) * stride_p_split, mask=mask, other=0.0)
-    return v
-
-
-@triton.jit
-def _pair_sum(b, v, scales):
-    """fp32 [*C]: Σ_lane scales[lane] · Σ_r b[..., lane, r] · v[lane, r] (the members' products over `_pair_b`'s
-    columns)."""
-    return tl.sum(tl.sum(b.to(tl.float32) * v, axis=-1) * scales, axis=-1)
-
-
-@triton.jit
-def _pair_step(part_row, pair, T, stride_pm, b_ptr, slot_elems, slots, ranks, scales, cols, col_mask, r0, R,
-               stride_p_split, SPLIT_K: tl.constexpr, MEMBER_R: tl.constexpr, EXACT: tl.constexpr):
-    """The products of members 2·pair and 2·pair + 1 over rank columns r0..r0+MEMBER_R (`_pair_sum`)."""
-    v = _pair_v(part_row, pair, T, stride_pm, r0, ranks, stride_p_split, SPLIT_K, MEMBER_R)
-    b = _pair_b(b_ptr, slot_elems, slots, ranks, cols, col_mask, r0, R, MEMBER_R, EXACT)
-    return _pair_sum(b, v, scales)
-
-
-@triton.jit
-def _pairs_after_first(acc, part_row, row_slot_ptr, extra_ptr, row, T, extra_lanes, stride_pm, b_ptr, slot_elems,
-                       rank_ptr, scale_ptr, slots, ranks, scales, cols, col_mask, R, stride_p_split,
-                       SPLIT_K: tl.constexpr, MEMBER_R: tl.constexpr, EXACT: tl.constexpr):
-    """acc (members 0 and 1 over rank columns 0..MEMBER_R: `slots`, `ranks`, `scales`) plus the rest of a composed
-    row's products: members 0 and 1's further rank columns, then members 2 and 3 (MAX_LANES = 4)."""
-    for r0 in range(MEMBER_R, tl.max(ranks, axis=0), MEMBER_R):
-        acc += _pair_step(part_row, 0, T, stride_pm, b_ptr, slot_elems, slots, ranks, scales, cols, col_mask, r0, R,
-                          stride_p_split, SPLIT_K, MEMBER_R, EXACT)
-    if extra_lanes > 1:
-        slots1 = _pair_slots(row_slot_ptr, extra_ptr, row, T, extra_lanes, 1)
-        ranks1, scales1 = _pair_scalars(slots1, rank_ptr, scale_ptr, R)
-        for r0 in range(0, tl.max(ranks1, axis=0), MEMBER_R):
-            acc += _pair_step(part_row, 1, T, stride_pm, b_ptr, slot_elems, slots1, ranks1, scales1, cols, col_mask,
-                              r0, R, stride_p_split, SPLIT_K, MEMBER_R, EXACT)
-    return acc
-
-
 @triton.jit
 def _silu_composed(gu_row, part_row, row_slot_ptr, extra_ptr, row, T, extra_lanes, stride_pm, stride_p_slice, b0, b1,
                    rk0, rk1, sc0, sc1, R, I, offs, mask, stride_p_split, SPLIT_K: tl.constexpr,
@@ -158,7 +74,8 @@ def _silu_composed(gu_row, part_row, row_slot_ptr, extra_ptr, row, T, extra_lane
     """(gate, up) of a composed product's row, in fp32 and rounded: its members' products added two at a time.
     Members 0 and 1's slots, ranks, scalings and first B blocks are read first, then the deferred PDL wait where
     EARLY (ops/pdl.py's early reads)."""
-    slots = _pair_slots(row_slot_ptr, extra_ptr, row, T, extra_lanes, 0)
+    first = tl.load(row_slot_ptr + row)
+    slots = _pair_slots(first, extra_ptr, row, T, extra_lanes, 0)
     rank_g, scale_g = _pair_scalars(slots, rk0, sc0, R)
     rank_u, scale_u = _pair_scalars(slots, rk1, sc1, R)
     bg = _pair_b(b0, I * R, slots, rank_g, offs, mask, 0, R, MEMBER_R, False)
@@ -166,13 +83,13 @@ def _silu_composed(gu_row, part_row, row_slot_ptr, extra_ptr, row, T, extra_lane
     pdl_deferred_start(EARLY)
     g = tl.load(gu_row + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_row + I + offs, mask=mask, other=0.0).to(tl.float32)
-    if tl.load(row_slot_ptr + row) >= 0:
+    if first >= 0:
         part_u = part_row + stride_p_slice
         dg = _pair_sum(bg, _pair_v(part_row, 0, T, stride_pm, 0, rank_g, stride_p_split, SPLIT_K, MEMBER_R), scale_g)
         du = _pair_sum(bu, _pair_v(part_u, 0, T, stride_pm, 0, rank_u, stride_p_split, SPLIT_K, MEMBER_R), scale_u)
-        dg = _pairs_after_first(dg, part_row, row_slot_ptr, extra_ptr, row, T, extra_lanes, stride_pm, b0, I * R, rk0,
+        dg = _pairs_after_first(dg, part_row, first, extra_ptr, row, T, extra_lanes, stride_pm, b0, I * R, rk0,
                                 sc0, slots, rank_g, scale_g, offs, mask, R, stride_p_split, SPLIT_K, MEMBER_R, False)
-        du = _pairs_after_first(du, part_u, row_slot_ptr, extra_ptr, row, T, extra_lanes, stride_pm, b1, I * R, rk1,
+        du = _pairs_after_first(du, part_u, first, extra_ptr, row, T, extra_lanes, stride_pm, b1, I * R, rk1,
                                 sc1, slots, rank_u, scale_u, offs, mask, R, stride_p_split, SPLIT_K, MEMBER_R, False)
         DT = gu_row.dtype.element_ty
         g = _round(g + dg, DT, COMPILED)
@@ -255,9 +172,9 @@ def _block_r(R: int) -> int:
 
 def _tiles(R: int) -> dict:
     """The rank-tile constexprs: BLOCK_R rank columns a step (ONE_R_TILE: all of them in one), and a composed
-    product's MEMBER_R a member a step (two members side by side: `_pair_b`)."""
+    product's MEMBER_R (ops/lora/b_blocks.py)."""
     block_r = _block_r(R)
-    return dict(ONE_R_TILE=R <= block_r, BLOCK_R=block_r, MEMBER_R=min(pow2(R), 16))
+    return dict(ONE_R_TILE=R <= block_r, BLOCK_R=block_r, MEMBER_R=member_r(R))
 
 
 def _early(R: int, lora) -> bool:

@@ -20,9 +20,9 @@ import triton
 import triton.language as tl
 
 from .kernels import COMPILED, _inv, _norm_output, _round, _rstd
-from .lora_kernels import _pair_b, _pair_scalars, _pair_slots, _pair_sum, _pair_v, _pairs_after_first, \
-    _product, _slot_of, _v
-from ..lora.expand_kernels import _load_rank_block
+from .lora_kernels import _product, _slot_of, _v
+from ..lora.b_blocks import _load_rank_block, _pair_b, _pair_scalars, _pair_slots, _pair_sum, _pair_v, \
+    _pairs_after_first
 from ..launch import Launcher, pow2
 from ..pdl import pdl_deferred_start, pdl_start
 
@@ -33,14 +33,15 @@ def _composed_chunk(x_row, part_row, row_slot_ptr, extra_ptr, row, T, extra_lane
                     COMPILED: tl.constexpr, EARLY: tl.constexpr):
     """The chunk of x plus a composed product's row, fp32 and rounded: the row's members two at a time
     (lora_kernels.py's `_pair_b`), members 0 and 1's first B block read before the deferred PDL wait where EARLY."""
-    slots = _pair_slots(row_slot_ptr, extra_ptr, row, T, extra_lanes, 0)
+    first = tl.load(row_slot_ptr + row)
+    slots = _pair_slots(first, extra_ptr, row, T, extra_lanes, 0)
     ranks, scales = _pair_scalars(slots, rank_ptr, scale_ptr, R)
     b = _pair_b(b_ptr, H * R, slots, ranks, offs, mask, 0, R, MEMBER_R, False)
     pdl_deferred_start(EARLY)
     v = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-    if tl.load(row_slot_ptr + row) >= 0:
+    if first >= 0:
         d = _pair_sum(b, _pair_v(part_row, 0, T, stride_pm, 0, ranks, stride_p_split, SPLIT_K, MEMBER_R), scales)
-        d = _pairs_after_first(d, part_row, row_slot_ptr, extra_ptr, row, T, extra_lanes, stride_pm, b_ptr, H * R,
+        d = _pairs_after_first(d, part_row, first, extra_ptr, row, T, extra_lanes, stride_pm, b_ptr, H * R,
                                rank_ptr, scale_ptr, slots, ranks, scales, offs, mask, R, stride_p_split, SPLIT_K,
                                MEMBER_R, False)
         v = _round(v + d, x_row.dtype.element_ty, COMPILED)

@@ -7,10 +7,10 @@ import triton
 import triton.language as tl
 
 from .kernels import COMPILED, _cos_sin, _rotate, _round
-from .lora_kernels import _early, _pair_b, _pair_scalars, _pair_slots, _pair_sum, _pair_v, _pairs_after_first, \
-    _tiles, _v
+from .lora_kernels import _early, _tiles, _v
 from ..launch import Launcher, pow2
-from ..lora.expand_kernels import _load_rank_block_exact
+from ..lora.b_blocks import _load_rank_block_exact, _pair_b, _pair_scalars, _pair_slots, _pair_sum, _pair_v, \
+    _pairs_after_first
 from ..pdl import pdl_deferred_start, pdl_start
 
 
@@ -131,7 +131,8 @@ def _rope_composed(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_row, row_slo
     b_ptr = tl.where(is_q, b0, tl.where(is_k, b1, b2))
     rank_ptr = tl.where(is_q, rk0, tl.where(is_k, rk1, rk2))
     scale_ptr = tl.where(is_q, sc0, tl.where(is_k, sc1, sc2))
-    slots = _pair_slots(row_slot_ptr, extra_ptr, t, T, extra_lanes, 0)
+    first = tl.load(row_slot_ptr + t)
+    slots = _pair_slots(first, extra_ptr, t, T, extra_lanes, 0)
     ranks, scales = _pair_scalars(slots, rank_ptr, scale_ptr, R)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HALF
@@ -148,14 +149,14 @@ def _rope_composed(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_row, row_slo
     p1 = base + offs_h[:, None] * stride_h + offs_d[None, :]
     x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
-    has = tl.load(row_slot_ptr + t) >= 0
+    has = first >= 0
     if has:
         part_slice = part_row + which * stride_p_slice
         v = _pair_v(part_slice, 0, T, stride_pm, 0, ranks, stride_p_split, SPLIT_K, MEMBER_R)
-        d1 = _pairs_after_first(_pair_sum(b1_, v, scales), part_slice, row_slot_ptr, extra_ptr, t, T, extra_lanes,
+        d1 = _pairs_after_first(_pair_sum(b1_, v, scales), part_slice, first, extra_ptr, t, T, extra_lanes,
                                 stride_pm, b_ptr, slot_elems, rank_ptr, scale_ptr, slots, ranks, scales, cols, mask, R,
                                 stride_p_split, SPLIT_K, MEMBER_R, True)
-        d2 = _pairs_after_first(_pair_sum(b2_, v, scales), part_slice, row_slot_ptr, extra_ptr, t, T, extra_lanes,
+        d2 = _pairs_after_first(_pair_sum(b2_, v, scales), part_slice, first, extra_ptr, t, T, extra_lanes,
                                 stride_pm, b_ptr, slot_elems, rank_ptr, scale_ptr, slots, ranks, scales, cols + HALF,
                                 mask, R, stride_p_split, SPLIT_K, MEMBER_R, True)
         x1 = _round(x1 + d1, DT, COMPILED)

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ..pdl import pdl_start
+from .b_blocks import _load_rank_block, _pair_b, _pair_scalars, _pair_slots, _pair_sum, _pair_v, _pairs_after_first
 from .shrink_kernels import ROWWISE_MAX_ROWS, _program_work
 
 
@@ -33,28 +34,6 @@ def _load_v(part_ptr, rows, m_mask, r0, rank, stride_p_split, stride_pm,
 def _load_b(b_base, offs_n, n_mask, offs_r, r_mask, R):
     """B[slot][offs_n, offs_r] as [BLOCK_N, BLOCK_R], in memory order (transposed in registers for the dot)."""
     return tl.load(b_base + offs_n[:, None] * R + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
-
-
-# The CUDA-core readers of B (the row-wise expand and the consumers of ops/fused/lora_kernels.py) load it through
-# `_load_rank_block`; the tile expand keeps `_load_b`, whose loads feed the tensor cores through shared memory
-# (16-byte loads there took twice the shared memory a program).
-@triton.jit
-def _load_rank_block(ptrs, col_mask, offs_r, r_mask, rank, R):
-    """A block of B (columns × rank, `offs_r`/`r_mask` broadcast along the last axis), zero past the rank. It
-    reads the rank rounded up to 16 (and below R): a mask constant over 16 columns lets Triton load 16 bytes at
-    a time where R is a multiple of 16 (it specializes such ints), where a mask at the rank itself compiled
-    to 2-byte loads (sm_90 PTX: tests/test_fused_compile.py counts them). The columns past the rank are zeroed
-    in registers: what the pool holds there is not this adapter's. 16 columns of a 16-bit B row are one
-    32-byte sector, so no more bytes move."""
-    b = tl.load(ptrs, mask=col_mask & (offs_r < tl.minimum((rank + 15) // 16 * 16, R)), other=0.0)
-    return tl.where(r_mask, b, tl.zeros_like(b))
-
-
-@triton.jit
-def _load_rank_block_exact(ptrs, col_mask, offs_r, r_mask, rank, R):
-    """The same block read at the rank itself (2-byte loads), for RoPE's [heads, half head, rank] tiles: with
-    16-byte loads there RoPE's kernels took 289 µs of a batch-32 Llama-2-7B decode forward against 274-276 (H200)."""
-    return tl.load(ptrs, mask=col_mask & r_mask, other=0.0)
 
 
 @triton.jit
@@ -171,58 +150,72 @@ def _expand_tile(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, e
 
 
 @triton.jit
-def _member_row(part_ptr, entry, b_ptr, rank_ptr, scale_ptr, slot, offs_n, n_mask, offs_r, N, R, stride_p_split,
-                stride_pm, SPLIT_K: tl.constexpr):
-    """scale[slot] · Σ_r (Σ_split part[entry, r]) · B[slot][offs_n, r] for one row's member after the first."""
-    rank = tl.minimum(tl.load(rank_ptr + slot), R)
-    r_mask = offs_r < rank
-    b = _load_b_rows(b_ptr + slot.to(tl.int64) * N * R, offs_n, n_mask, offs_r, r_mask, rank, R).to(tl.float32)
-    v_ptrs = part_ptr + entry * stride_pm + offs_r
-    v = tl.load(v_ptrs, mask=r_mask, other=0.0)
-    for s in tl.static_range(1, SPLIT_K):
-        v += tl.load(v_ptrs + tl.full((), s, tl.int64) * stride_p_split, mask=r_mask, other=0.0)
-    return tl.sum(b * v[None, :], axis=1) * tl.load(scale_ptr + slot)
+def _expand_rows_composed(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, extra_slot_ptr, slot, start,
+                          end, n_begin, n_end, N, col0, T, extra_lanes, stride_ym, stride_yn, stride_p_split, stride_pm,
+                          R, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, MEMBER_R: tl.constexpr,
+                          ACCUMULATE: tl.constexpr):
+    """`_expand_tile_rows` for a composed batch's tile, whose rows share their member list (batch_plan.py): members 0
+    and 1's B blocks side by side (b_blocks.py's pairs) are read once a column block for all its rows; members 2
+    and 3, and rank columns past MEMBER_R, row by row (a few rows: in L1)."""
+    first_row = tl.load(sorted_rows_ptr + start).to(tl.int64)
+    slots = _pair_slots(slot, extra_slot_ptr, first_row, T, extra_lanes, 0)
+    ranks, scales = _pair_scalars(slots, rank_ptr, scale_ptr, R)
+    for n0 in range(n_begin, n_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < n_end
+        b = _pair_b(b_ptr, N * R, slots, ranks, offs_n, n_mask, 0, R, MEMBER_R, False)
+        for m in range(start, end):
+            row = tl.load(sorted_rows_ptr + m).to(tl.int64)
+            part_row = part_ptr + row * stride_pm
+            acc = _pair_sum(b, _pair_v(part_row, 0, T, stride_pm, 0, ranks, stride_p_split, SPLIT_K, MEMBER_R),
+                            scales)
+            acc = _pairs_after_first(acc, part_row, slot, extra_slot_ptr, row, T, extra_lanes, stride_pm, b_ptr, N * R,
+                                     rank_ptr, scale_ptr, slots, ranks, scales, offs_n, n_mask, R, stride_p_split,
+                                     SPLIT_K, MEMBER_R, False)
+            y_ptrs = y_ptr + row * stride_ym + (col0 + offs_n) * stride_yn
+            if ACCUMULATE:
+                acc += tl.load(y_ptrs, mask=n_mask, other=0.0).to(tl.float32)
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
 def _expand_tile_rows(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, extra_slot_ptr, slot, start, end,
                       n_chunk, N, col0, n_per_prog, T, extra_lanes, stride_ym, stride_yn, stride_p_split, stride_pm,
                       R, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                      ACCUMULATE: tl.constexpr, COMPOSED: tl.constexpr):
+                      ACCUMULATE: tl.constexpr, COMPOSED: tl.constexpr, MEMBER_R: tl.constexpr):
     """`_expand_tile` for tiles of a few rows (decode): row by row, a [BLOCK_N, rank] block of B times the
     row's fp32 v, summed over the rank in fp32 on the CUDA cores. No tensor-core product, so no tile is
     padded to 16 rows, no B tile is transposed through shared memory, and each program holds few
-    registers (more of them in flight per SM). Needs every rank ≤ BLOCK_R. COMPOSED: each row's other members
-    are added before y rounds (their B blocks read a row at a time: a few rows, in L1)."""
+    registers (more of them in flight per SM). Needs every rank ≤ BLOCK_R. COMPOSED: each row's members are added
+    before y rounds (`_expand_rows_composed`)."""
     rank = tl.minimum(tl.load(rank_ptr + slot), R)  # a rank past R (the stacks' width) is R
     n_begin = n_chunk * n_per_prog
     if _writes(rank, n_begin, N, ACCUMULATE, COMPOSED):
         n_end = tl.minimum(n_begin + n_per_prog, N)
-        scale = tl.load(scale_ptr + slot)
-        b_base = b_ptr + slot.to(tl.int64) * N * R
-        offs_r = tl.arange(0, BLOCK_R)
-        r_mask = offs_r < rank
-        for n0 in range(n_begin, n_end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < n_end
-            b = _load_b_rows(b_base, offs_n, n_mask, offs_r, r_mask, rank, R).to(tl.float32)
-            for m in range(start, end):
-                row = tl.load(sorted_rows_ptr + m).to(tl.int64)
-                y_ptrs = y_ptr + row * stride_ym + (col0 + offs_n) * stride_yn
-                v_ptrs = part_ptr + row * stride_pm + offs_r
-                v = tl.load(v_ptrs, mask=r_mask, other=0.0).to(tl.float32)
-                for s in tl.static_range(1, SPLIT_K):
-                    v += tl.load(v_ptrs + tl.full((), s, tl.int64) * stride_p_split, mask=r_mask, other=0.0)
-                acc = tl.sum(b * v[None, :], axis=1) * scale
-                if COMPOSED:
-                    for lane in range(0, extra_lanes):
-                        other = tl.load(extra_slot_ptr + lane * T + row)
-                        if other >= 0:
-                            acc += _member_row(part_ptr, row + (lane + 1) * T, b_ptr, rank_ptr, scale_ptr, other,
-                                               offs_n, n_mask, offs_r, N, R, stride_p_split, stride_pm, SPLIT_K)
-                if ACCUMULATE:
-                    acc += tl.load(y_ptrs, mask=n_mask, other=0.0).to(tl.float32)
-                tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+        if COMPOSED:
+            _expand_rows_composed(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, extra_slot_ptr, slot,
+                                  start, end, n_begin, n_end, N, col0, T, extra_lanes, stride_ym, stride_yn,
+                                  stride_p_split, stride_pm, R, SPLIT_K, BLOCK_N, MEMBER_R, ACCUMULATE)
+        else:
+            scale = tl.load(scale_ptr + slot)
+            b_base = b_ptr + slot.to(tl.int64) * N * R
+            offs_r = tl.arange(0, BLOCK_R)
+            r_mask = offs_r < rank
+            for n0 in range(n_begin, n_end, BLOCK_N):
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                n_mask = offs_n < n_end
+                b = _load_b_rows(b_base, offs_n, n_mask, offs_r, r_mask, rank, R).to(tl.float32)
+                for m in range(start, end):
+                    row = tl.load(sorted_rows_ptr + m).to(tl.int64)
+                    y_ptrs = y_ptr + row * stride_ym + (col0 + offs_n) * stride_yn
+                    v_ptrs = part_ptr + row * stride_pm + offs_r
+                    v = tl.load(v_ptrs, mask=r_mask, other=0.0).to(tl.float32)
+                    for s in tl.static_range(1, SPLIT_K):
+                        v += tl.load(v_ptrs + tl.full((), s, tl.int64) * stride_p_split, mask=r_mask, other=0.0)
+                    acc = tl.sum(b * v[None, :], axis=1) * scale
+                    if ACCUMULATE:
+                        acc += tl.load(y_ptrs, mask=n_mask, other=0.0).to(tl.float32)
+                    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
@@ -231,7 +224,7 @@ def _expand_slice(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, 
                   SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                   ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
                   ROWWISE: tl.constexpr, ROWS_BLOCK_N: tl.constexpr, TILE_PREFETCH: tl.constexpr,
-                  COMPOSED: tl.constexpr):
+                  COMPOSED: tl.constexpr, MEMBER_R: tl.constexpr):
     # ROWWISE: row by row only for tiles of at most ROWWISE_MAX_ROWS rows (decode rows with their own adapters): a
     # tile's rows run one after another, so 16 rows sharing an adapter took 9.5 ms per 32-row forward against 6.9
     # with the tile product. The row-wise path needs the rank in one tile. (Static branches but the tile size.)
@@ -242,7 +235,7 @@ def _expand_slice(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, 
     if rows:
         _expand_tile_rows(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, extra_slot_ptr, slot, start,
                           end, n_chunk, N, col0, n_per_prog, T, extra_lanes, stride_ym, stride_yn, stride_p_split,
-                          stride_pm, R, SPLIT_K, ROWS_BLOCK_N, BLOCK_R, ACCUMULATE, COMPOSED)
+                          stride_pm, R, SPLIT_K, ROWS_BLOCK_N, BLOCK_R, ACCUMULATE, COMPOSED, MEMBER_R)
     else:
         _expand_tile(y_ptr, part_ptr, b_ptr, rank_ptr, scale_ptr, sorted_rows_ptr, extra_slot_ptr, slot, start, end,
                      n_chunk, N, col0, n_per_prog, T, extra_lanes, stride_ym, stride_yn, stride_p_split, stride_pm,
@@ -257,7 +250,8 @@ def _sgmv_expand_kernel(
         n_chunks, n_per_prog, R, T, extra_lanes, stride_ym, stride_yn, stride_p_split, stride_p_slice, stride_pm,
         NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_R: tl.constexpr, ONE_R_TILE: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
-        ROWWISE: tl.constexpr, ROWS_BLOCK_N: tl.constexpr, TILE_PREFETCH: tl.constexpr, COMPOSED: tl.constexpr):
+        ROWWISE: tl.constexpr, ROWS_BLOCK_N: tl.constexpr, TILE_PREFETCH: tl.constexpr, COMPOSED: tl.constexpr,
+        MEMBER_R: tl.constexpr):
     """y[rows, c_i + n] += Σ_members sc_i[slot] * (Σ_split part[split, i, entries, :rank]) @ B_i[slot, n, :rank]ᵀ
     (ACCUMULATE), or y[rows, c_i + n] = that sum (y an fp32 delta buffer; 0 where no member has a rank). One
     member, the tile's slot, at entries = rows, unless COMPOSED (the module docstring)."""
@@ -272,22 +266,22 @@ def _sgmv_expand_kernel(
             _expand_slice(y_ptr, part, b0, rk0, sc0, sorted_rows_ptr, extra_slot_ptr, slot, start, end, n_chunk, n0,
                           c0, n_per_prog, T, extra_lanes, stride_ym, stride_yn, stride_p_split, stride_pm, R,
                           SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION, ACCUMULATE, ROWWISE,
-                          ROWS_BLOCK_N, TILE_PREFETCH, COMPOSED)
+                          ROWS_BLOCK_N, TILE_PREFETCH, COMPOSED, MEMBER_R)
         if NUM_SLICES > 1:
             if sl == 1:
                 _expand_slice(y_ptr, part, b1, rk1, sc1, sorted_rows_ptr, extra_slot_ptr, slot, start, end, n_chunk,
                               n1, c1, n_per_prog, T, extra_lanes, stride_ym, stride_yn, stride_p_split, stride_pm, R,
                               SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION, ACCUMULATE, ROWWISE,
-                              ROWS_BLOCK_N, TILE_PREFETCH, COMPOSED)
+                              ROWS_BLOCK_N, TILE_PREFETCH, COMPOSED, MEMBER_R)
         if NUM_SLICES > 2:
             if sl == 2:
                 _expand_slice(y_ptr, part, b2, rk2, sc2, sorted_rows_ptr, extra_slot_ptr, slot, start, end, n_chunk,
                               n2, c2, n_per_prog, T, extra_lanes, stride_ym, stride_yn, stride_p_split, stride_pm, R,
                               SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION, ACCUMULATE, ROWWISE,
-                              ROWS_BLOCK_N, TILE_PREFETCH, COMPOSED)
+                              ROWS_BLOCK_N, TILE_PREFETCH, COMPOSED, MEMBER_R)
         if NUM_SLICES > 3:
             if sl == 3:
                 _expand_slice(y_ptr, part, b3, rk3, sc3, sorted_rows_ptr, extra_slot_ptr, slot, start, end, n_chunk,
                               n3, c3, n_per_prog, T, extra_lanes, stride_ym, stride_yn, stride_p_split, stride_pm, R,
                               SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R, ONE_R_TILE, PRECISION, ACCUMULATE, ROWWISE,
-                              ROWS_BLOCK_N, TILE_PREFETCH, COMPOSED)
+                              ROWS_BLOCK_N, TILE_PREFETCH, COMPOSED, MEMBER_R)

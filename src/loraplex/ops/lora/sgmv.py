@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from ..launch import Launcher, cdiv
+from . import b_blocks
 from .expand_kernels import _sgmv_expand_kernel
 from .shrink_kernels import ROWWISE_MAX_ROWS, _sgmv_shrink_kernel
 
@@ -179,6 +180,7 @@ def expand_from(y: torch.Tensor, part: torch.Tensor, lora_b: list[torch.Tensor],
     dtype = y.dtype if accumulate else lora_b[0].dtype
     precision = cfg.expand_precision or ("split" if dtype == torch.bfloat16 else "tf32x3")
     block_r = _block_r(R)
+    member_r = b_blocks.member_r(R)   # a composed row's members two at a time (b_blocks.py)
     composed = batch.composed and batch.lanes > 1   # (a composition of one weighted member expands as a plain row)
     extra_slot = batch.extra_slot if composed else batch.row_slot   # (unread unless COMPOSED)
     args = (y, part, batch.sorted_rows, batch.work_slot, batch.work_start, batch.work_end, extra_slot,
@@ -188,8 +190,8 @@ def expand_from(y: torch.Tensor, part: torch.Tensor, lora_b: list[torch.Tensor],
     _EXPAND(grid, args, dict(NUM_SLICES=num_slices, SPLIT_K=part.shape[0], BLOCK_M=batch.block_m,
                              BLOCK_N=cfg.expand_block_n, BLOCK_R=block_r, ONE_R_TILE=R <= block_r,
                              PRECISION=precision, ACCUMULATE=accumulate, ROWWISE=cfg.rowwise,
-                             ROWS_BLOCK_N=rows_block_n_for(cfg, block_r), TILE_PREFETCH=cfg.tile_prefetch,
-                             COMPOSED=composed),
+                             ROWS_BLOCK_N=rows_block_n_for(cfg, 2 * member_r if composed else block_r),
+                             TILE_PREFETCH=cfg.tile_prefetch, COMPOSED=composed, MEMBER_R=member_r),
             cfg.expand_warps, cfg.expand_stages)
 
 
