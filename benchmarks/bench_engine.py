@@ -177,7 +177,8 @@ def _adapter(variant: str, i: int, B: int):
 
 def _engine(args, B: int, mode: str, compose: bool, quant: str) -> tuple[Engine, float]:
     """An engine with its adapters resident: B rank-16 ones, or for the composition pair 2B rank-16 members and
-    B rank-32 merged ones in a pool R = 32 wide; base weights in bf16 or FP8 (`quant`)."""
+    B rank-32 merged ones in a pool R = 32 wide; base weights in bf16 or FP8, and an FP8 KV cache for fp8kv
+    (`quant`)."""
     config = EngineConfig(model=f"dummy:{args.preset}", dummy_layers=args.layers, dtype="bfloat16",
                           quantization=None if quant == "none" else "fp8",
                           kv_cache_dtype="fp8" if quant == "fp8kv" else "auto",

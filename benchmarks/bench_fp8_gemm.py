@@ -136,13 +136,13 @@ def triton_conversion_us(x: torch.Tensor, ms: list, best: str | None) -> float |
     """The per-column kernel at its best tiles with Triton's own e4m3 → bf16 conversion (fp8.FAST_BF16 off)."""
     if best is None or x.dtype != torch.bfloat16:
         return None
-    c = swept([best])[0]
+    c, before = swept([best])[0], fp8_gemm.FAST_BF16
     fp8_gemm.FAST_BF16 = False
     try:
         check(fp8_skinny_linear(x, ms[0], config=c), F.linear(x, ms[0].dequantize(DTYPE)))
         return per_call_us([lambda m=m: fp8_skinny_linear(x, m, config=c) for m in ms])
     finally:
-        fp8_gemm.FAST_BF16 = True
+        fp8_gemm.FAST_BF16 = before
 
 
 def prompt_entry(name: str, M: int, bf16: list, fp8: list) -> dict:

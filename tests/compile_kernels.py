@@ -11,7 +11,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from loraplex.ops.lora import sgmv
+from loraplex.ops.lora import b_blocks, sgmv
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -58,14 +58,15 @@ def expand(dtype: str, block_m: int) -> None:
                 (True, False, True, False, True), (True, True, False, True, True), (False, True, False, True, True),
                 (False, False, False, False, True))
     for one_r, accumulate, rowwise, tile_prefetch, composed in variants:
+        member_r = b_blocks.member_r(16 if one_r else 64)
         types = {"y_": "*" + (dtype if accumulate else "fp32"), "part_": "*fp32", "sorted_": "*i32", "work_": "*i32",
                  "extra_slot": "*i32", "b": "*" + dtype, "rk": "*i32", "sc": "*fp32"}
         consts = dict(NUM_SLICES=2, SPLIT_K=2, BLOCK_M=block_m, BLOCK_N=cfg.expand_block_n,
                       BLOCK_R=16 if one_r else 64, ONE_R_TILE=one_r, PRECISION="split" if dtype == "bf16" else "tf32x3",
                       ACCUMULATE=accumulate, ROWWISE=rowwise,
                       ROWS_BLOCK_N=sgmv.rows_block_n_for(dataclasses.replace(cfg, rowwise=rowwise),
-                                                         32 if composed else 16 if one_r else 64),
-                      TILE_PREFETCH=tile_prefetch, COMPOSED=composed, MEMBER_R=16)
+                                                         2 * member_r if composed else 16 if one_r else 64),
+                      TILE_PREFETCH=tile_prefetch, COMPOSED=composed, MEMBER_R=member_r)
         _compile(sgmv._sgmv_expand_kernel, types, consts, cfg.expand_warps, cfg.expand_stages)
 
 

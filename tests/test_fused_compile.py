@@ -201,12 +201,12 @@ def lora_loads(dtype: str, arch: int) -> None:
     from loraplex.ops.fused import lora_kernels as k
     from loraplex.ops.fused import rms_split as ks
     from loraplex.ops.fused import rope_lora as rope
-    from loraplex.ops.lora import expand_kernels
+    from loraplex.ops.lora import expand_kernels, sgmv
     div = ("R", "I", "H", "HALF", "n0", "n1", "n2", "n3", "c0", "c1", "c2", "c3", "n_per_prog", "stride_pm",
            "stride_p_split", "stride_p_slice", "stride_gu", "stride_out", "stride_x", "stride_r", "stride_s",
            "stride_ym", "stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh")
     # (EARLY, EXTRAS, BLOCK_R, ONE_R_TILE): a plain product of a rank-16 pool, and a composed one of a rank-32 pool
-    # (two members of rank ≤ 16 a step: lora_kernels.py's `_pair_b`)
+    # (two members of rank ≤ 16 a step: ops/lora/b_blocks.py)
     for early, extras, block_r in ((True, False, 16), (False, False, 16), (True, True, 32)):
         tiles = dict(ONE_R_TILE=True, SPLIT_K=1, BLOCK_R=block_r, COMPILED=True, EARLY=early, EXTRAS=extras,
                      MEMBER_R=16)
@@ -234,8 +234,8 @@ def lora_loads(dtype: str, arch: int) -> None:
         ptx = _compile(expand_kernels._expand_tile_rows,
                        dict(y_ptr="*fp32", part_ptr="*fp32", b_ptr="*" + dtype, rank_ptr="*i32", scale_ptr="*fp32",
                             sorted_rows_ptr="*i32", extra_slot_ptr="*i32"),
-                       dict(SPLIT_K=1, BLOCK_N=128 if composed else 512, BLOCK_R=16, ACCUMULATE=False,
-                            COMPOSED=composed, MEMBER_R=16, stride_yn=1),
+                       dict(SPLIT_K=1, BLOCK_N=sgmv.rows_block_n_for(sgmv.config_for(16), 32 if composed else 16),
+                            BLOCK_R=16, ACCUMULATE=False, COMPOSED=composed, MEMBER_R=16, stride_yn=1),
                        arch, 4, 2, divisible=div + ("N", "col0"))
         _vector_b_loads(ptx, dtype, f"row-wise expand {dtype} sm_{arch} COMPOSED={composed}")
 

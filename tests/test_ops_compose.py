@@ -69,11 +69,12 @@ def _case(rng, lens, dtype, num_slots=6, Ns=(48, 16, 16), R=16):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("regime", ["decode", "prefill"])
-def test_compositions_follow_the_loop(backend, dtype, regime):
-    rng = np.random.default_rng(stable_seed("compose", backend, str(dtype), regime))
+@pytest.mark.parametrize("regime, R", [("decode", 16), ("decode", 32), ("prefill", 16)])
+def test_compositions_follow_the_loop(backend, dtype, regime, R):
+    """R = 32: the row-wise expand reads members' rank columns 16 a step (ops/lora/b_blocks.py), twice."""
+    rng = np.random.default_rng(stable_seed("compose", backend, str(dtype), regime, R))
     lens = [1] * 12 if regime == "decode" else [int(v) for v in rng.integers(1, 70, size=7)]
-    case, members = _case(rng, lens, dtype)
+    case, members = _case(rng, lens, dtype, R=R)
     slots, weights = _batch_args(members)
     batch = LoraBatch.from_lengths(lens, slots, weights=weights)
     assert batch.composed and batch.lanes == 4

@@ -8,11 +8,11 @@ For a row with slot s ≥ 0, slice i, column n of the slice (product.py's loop, 
     x     = round(x + delta)                  # to x's dtype, as the in-place expand would round
 
 and x untouched for rows with s = -1; a composed product's members after a row's first add theirs to the same
-delta (product.py), so the row is rounded once; they are read two at a time (ops/lora/b_blocks.py). Each program sums the splits and reads the B columns it needs:
-the expand's bytes spread over the consumer's grid, so RoPE and SiLU-and-mul run one program per
-(token, head block) and (token, column block); RMSNorm, which needs the whole row's sum of squares, cuts
-each row into chunks over two launches (rms_split.py). RoPE's consumer is in rope_lora.py; the helpers here that
-read a row's product are shared by all three.
+delta (product.py), so the row is rounded once; they are read two at a time (ops/lora/b_blocks.py). Each program
+sums the splits and reads the B columns it needs: the expand's bytes spread over the consumer's grid, so RoPE and
+SiLU-and-mul run one program per (token, head block) and (token, column block); RMSNorm, which needs the whole row's
+sum of squares, cuts each row into chunks over two launches (rms_split.py). RoPE's consumer is in rope_lora.py; the
+helpers here that read a row's product are shared by all three.
 """
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ def _composed_chunk(x_row, part_row, row_slot_ptr, extra_ptr, row, T, extra_lane
                     scale_ptr, R, H, offs, mask, stride_p_split, SPLIT_K: tl.constexpr, MEMBER_R: tl.constexpr,
                     COMPILED: tl.constexpr, EARLY: tl.constexpr):
     """The chunk of x plus a composed product's row, fp32 and rounded: the row's members two at a time
-    (lora_kernels.py's `_pair_b`), members 0 and 1's first B block read before the deferred PDL wait where EARLY."""
+    (ops/lora/b_blocks.py), members 0 and 1's first B block read before the deferred PDL wait where EARLY."""
     first = tl.load(row_slot_ptr + row)
     slots = _pair_slots(first, extra_ptr, row, T, extra_lanes, 0)
     ranks, scales = _pair_scalars(slots, rank_ptr, scale_ptr, R)

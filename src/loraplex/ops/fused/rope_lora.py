@@ -122,7 +122,7 @@ def _rope_composed(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_row, row_slo
                    stride_pm, b0, b1, b2, rk0, rk1, rk2, sc0, sc1, sc2, R, stride_p_split, stride_p_slice, HQ, HKV,
                    HALF, stride_qh, stride_kh, stride_vh, which, h0, SPLIT_K: tl.constexpr, MEMBER_R: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, COMPILED: tl.constexpr, EARLY: tl.constexpr):
-    """`_rope_early` for a composed product: the row's members two at a time (lora_kernels.py's `_pair_b`), members
+    """`_rope_early` for a composed product: the row's members two at a time (ops/lora/b_blocks.py), members
     0 and 1's slots, ranks, scalings and first B blocks (both halves) read before the deferred PDL wait where EARLY.
     `q_ptr`, `k_ptr`, `v_ptr`: the token's rows."""
     is_q = which == 0
@@ -149,7 +149,7 @@ def _rope_composed(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_row, row_slo
     p1 = base + offs_h[:, None] * stride_h + offs_d[None, :]
     x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
-    has = first >= 0
+    has = (first >= 0) & (h0 < num_heads)   # (a k/v program past their heads: nothing to add)
     if has:
         part_slice = part_row + which * stride_p_slice
         v = _pair_v(part_slice, 0, T, stride_pm, 0, ranks, stride_p_split, SPLIT_K, MEMBER_R)

@@ -27,10 +27,10 @@ import triton.language as tl
 from ..pdl import pdl_start
 
 
-# e4m3 → bf16, exact: each byte b placed in the high byte of a 16-bit half (prmt), its magnitude shifted under bf16's
-# exponent field and its sign kept, which is a bf16 of b's value times 2^-120 (the exponent biases are 7 and 127;
-# subnormal bytes land on bf16 subnormals of the same scale), then one bf16x2 multiply by 2^120 (0x7B80; -0 added
-# keeps the sign of zeros).
+# e4m3 → bf16, exact for every finite byte (e4m3fn's NaN bytes, which quantizing never writes, give ±480): each
+# byte b placed in the high byte of a 16-bit half (prmt), its magnitude shifted under bf16's exponent field and its
+# sign kept, which is a bf16 of b's value times 2^-120 (the exponent biases are 7 and 127; subnormal bytes land on
+# bf16 subnormals of the same scale), then one bf16x2 multiply by 2^120 (0x7B80; -0 added keeps the sign of zeros).
 _E4M3_TO_BF16 = tl.constexpr("""{
 .reg .b32 h, m, c, z;
 mov.b32 c, 0x7B807B80;
@@ -52,7 +52,7 @@ fma.rn.bf16x2 $1, h, c, z;
 
 @triton.jit
 def _e4m3_to_bf16(q):
-    """q (float8 e4m3) as bf16, exactly (see _E4M3_TO_BF16); compiled PTX only (not Triton's interpreter)."""
+    """q (float8 e4m3, finite) as bf16, exactly (see _E4M3_TO_BF16); compiled PTX only (not Triton's interpreter)."""
     return tl.inline_asm_elementwise(_E4M3_TO_BF16, "=r,=r,r", [q.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16,
                                      is_pure=True, pack=4)
 

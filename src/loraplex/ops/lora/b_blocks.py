@@ -9,9 +9,9 @@ MEMBER_R rank columns a step. For columns n and members l of a row, in fp32:
     delta[n] = Σ_l scale[slot_l] · Σ_{r < rank_l} (Σ_split part[split, l·T + row, r]) · B[slot_l, n, r]
 
 Two members of rank ≤ MEMBER_R cost what one adapter of twice the rank costs: its registers, its loads and one
-round trip, which a consumer's early reads (ops/pdl.py) start before its PDL wait. Read one member at a time, each
-further member's loads waited for the one before's (sm_90 PTX of the consumers at a rank-32 pool spilled up to
-30.9 KB a thread).
+round trip, which a consumer's early reads (ops/pdl.py) start before its PDL wait. (The consumers used to read one
+member at a time: each further member's loads waited for the one before's, and at a rank-32 pool their sm_90 code
+spilled up to 30.9 KB a thread.)
 """
 from __future__ import annotations
 
@@ -19,6 +19,10 @@ import triton
 import triton.language as tl
 
 from ..launch import pow2
+from .batch_plan import MAX_MEMBERS
+
+if MAX_MEMBERS > 4:   # `_pairs_after_first` reads two pairs of members
+    raise RuntimeError(f"b_blocks.py reads at most 4 members a row, MAX_MEMBERS is {MAX_MEMBERS}")
 
 
 def member_r(R: int) -> int:
@@ -117,7 +121,7 @@ def _pairs_after_first(acc, part_row, first, extra_ptr, row, T, extra_lanes, str
                        rank_ptr, scale_ptr, slots, ranks, scales, cols, col_mask, R, stride_p_split,
                        SPLIT_K: tl.constexpr, MEMBER_R: tl.constexpr, EXACT: tl.constexpr):
     """acc (members 0 and 1 over rank columns 0..MEMBER_R: `slots`, `ranks`, `scales`) plus the rest of a composed
-    row's products: members 0 and 1's further rank columns, then members 2 and 3 (MAX_LANES = 4)."""
+    row's products: members 0 and 1's further rank columns, then members 2 and 3 (MAX_MEMBERS is 4: two pairs)."""
     for r0 in range(MEMBER_R, tl.max(ranks, axis=0), MEMBER_R):
         acc += _pair_step(part_row, 0, T, stride_pm, b_ptr, slot_elems, slots, ranks, scales, cols, col_mask, r0, R,
                           stride_p_split, SPLIT_K, MEMBER_R, EXACT)

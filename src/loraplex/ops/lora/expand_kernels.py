@@ -1,10 +1,10 @@
-"""The SGMV expand as a Triton kernel (`_sgmv_expand_kernel`), the per-tile functions it branches to, and the
-readers of B that the fused consumers (ops/fused) share; ops/lora/sgmv.py launches it (semantics in its docstring).
+"""The SGMV expand as a Triton kernel (`_sgmv_expand_kernel`) and the per-tile functions it branches to (B read on
+the CUDA cores through b_blocks.py); ops/lora/sgmv.py launches it (semantics in its docstring).
 
 A composed batch's tiles hold rows of one member list (ops/lora/batch_plan.py). Its kernels (COMPOSED) add every
 member of a tile's rows in fp32 before they round y once: the first member's slot is the tile's, member l ≥ 1's is
-`extra_slot[(l-1)·T + row]` and its weighted partials are at entry `l·T + row`. Other batches compile without that
-loop.
+`extra_slot[(l-1)·T + row]` and its weighted partials are at entry `l·T + row` (the row-wise path reads them two at
+a time: b_blocks.py). Other batches compile without that loop.
 """
 from __future__ import annotations
 
