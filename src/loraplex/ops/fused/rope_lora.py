@@ -76,6 +76,15 @@ def _store_heads(p1, HALF, x1, x2, c, s, mask, rotate, has, COMPILED: tl.constex
 
 
 @triton.jit
+def _load_halves(q_ptr, k_ptr, v_ptr, is_q, is_k, stride_qh, stride_kh, stride_vh, offs_h, offs_d, mask, HALF):
+    """(first halves' pointers, both halves in fp32) of q's, k's or v's heads `offs_h` of the token."""
+    base = tl.where(is_q, q_ptr, tl.where(is_k, k_ptr, v_ptr))
+    stride_h = tl.where(is_q, stride_qh, tl.where(is_k, stride_kh, stride_vh))
+    p1 = base + offs_h[:, None] * stride_h + offs_d[None, :]
+    return p1, tl.load(p1, mask=mask, other=0.0).to(tl.float32), tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _rope_early(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_row, slot, has, b0, b1, b2, rk0, rk1, rk2, sc0, sc1,
                 sc2, R, stride_p_split, stride_p_slice, HQ, HKV, HALF, stride_qh, stride_kh, stride_vh, which, h0,
                 SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -103,11 +112,8 @@ def _rope_early(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_row, slot, has,
                               offs_r[None, None, :], r_mask[None, None, :], rank, R)
     pdl_deferred_start(True)
     DT = q_ptr.dtype.element_ty
-    base = tl.where(is_q, q_ptr, tl.where(is_k, k_ptr, v_ptr))
-    stride_h = tl.where(is_q, stride_qh, tl.where(is_k, stride_kh, stride_vh))
-    p1 = base + offs_h[:, None] * stride_h + offs_d[None, :]
-    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
+    p1, x1, x2 = _load_halves(q_ptr, k_ptr, v_ptr, is_q, is_k, stride_qh, stride_kh, stride_vh, offs_h, offs_d, mask,
+                              HALF)
     if has:
         part_slice = part_row + which * stride_p_slice
         lv, _, _ = _v(part_slice, 0, rank, stride_p_split, SPLIT_K, BLOCK_R)
@@ -144,11 +150,8 @@ def _rope_composed(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_row, row_slo
     b2_ = _pair_b(b_ptr, slot_elems, slots, ranks, cols + HALF, mask, 0, R, MEMBER_R, True)
     pdl_deferred_start(EARLY)
     DT = q_ptr.dtype.element_ty
-    base = tl.where(is_q, q_ptr, tl.where(is_k, k_ptr, v_ptr))
-    stride_h = tl.where(is_q, stride_qh, tl.where(is_k, stride_kh, stride_vh))
-    p1 = base + offs_h[:, None] * stride_h + offs_d[None, :]
-    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
+    p1, x1, x2 = _load_halves(q_ptr, k_ptr, v_ptr, is_q, is_k, stride_qh, stride_kh, stride_vh, offs_h, offs_d, mask,
+                              HALF)
     has = (first >= 0) & (h0 < num_heads)   # (a k/v program past their heads: nothing to add)
     if has:
         part_slice = part_row + which * stride_p_slice
