@@ -128,21 +128,7 @@ def decode_entry(name: str, M: int, bf16: list, fp8: dict, copy_gbs: float,
         e[f"fp8_{layout}"] = dict(best=best, us=times.get(best), default_us=per_call_us(
             [lambda m=m: fp8_skinny_linear(x, m) for m in ms]), sweep=timed,
             default=fp8_gemm.default_config(N, K, x.device).__dict__)
-    e["fp8_column"]["triton_cvt_us"] = triton_conversion_us(x, fp8["column"], e["fp8_column"]["best"])
     return e
-
-
-def triton_conversion_us(x: torch.Tensor, ms: list, best: str | None) -> float | None:
-    """The per-column kernel at its best tiles with Triton's own e4m3 → bf16 conversion (fp8.FAST_BF16 off)."""
-    if best is None or x.dtype != torch.bfloat16:
-        return None
-    c, before = swept([best])[0], fp8_gemm.FAST_BF16
-    fp8_gemm.FAST_BF16 = False
-    try:
-        check(fp8_skinny_linear(x, ms[0], config=c), F.linear(x, ms[0].dequantize(DTYPE)))
-        return per_call_us([lambda m=m: fp8_skinny_linear(x, m, config=c) for m in ms])
-    finally:
-        fp8_gemm.FAST_BF16 = before
 
 
 def prompt_entry(name: str, M: int, bf16: list, fp8: list) -> dict:
@@ -166,7 +152,6 @@ def layer_sums(result: dict, M: int) -> dict:
             ("w8a8", lambda e: e["w8a8"]),
             ("fp8_column", lambda e: e["fp8_column"]["us"] or float("nan")),
             ("fp8_column_default", lambda e: e["fp8_column"]["default_us"]),
-            ("fp8_column_triton_cvt", lambda e: e["fp8_column"].get("triton_cvt_us") or float("nan")),
             ("fp8_block128", lambda e: e["fp8_block128"]["us"] or float("nan")))}
     return out
 
@@ -236,13 +221,13 @@ def markdown(r: dict) -> str:
              f"torch {r['torch']}, Triton {r['triton']}; copy bandwidth {r['copy_gbs']:.0f} GB/s; µs per call in "
              "CUDA graphs over rotating weight copies.", "", "A layer's four projections at decode rows:", "",
              "| model @ rows | bf16 floor | FP8 floor | cuBLAS bf16 | Triton bf16 | FP8 per column (best / default "
-             "tiles) | FP8 per column, Triton's conversion | FP8 128×128 | W8A8 |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "tiles) | FP8 128×128 | W8A8 |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for M, models in r["layer"].items():
         for model, s in models.items():
             lines.append(f"| {model} @ {M} | {s['floor_bf16']} | {s['floor_fp8']} | {s['cublas_bf16']} | "
                          f"{s['skinny_bf16']} | {s['fp8_column']} / {s['fp8_column_default']} | "
-                         f"{s['fp8_column_triton_cvt']} | {s['fp8_block128']} | "
+                         f"{s['fp8_block128']} | "
                          f"{s['w8a8']} |")
     lines += ["", "Prompt rows: cuBLAS bf16 against W8A8 (quantize + torch._scaled_mm) and the dequantized weight:", "",
               "| shape @ rows | cuBLAS bf16 | W8A8 | dequantized + cuBLAS |", "|---|---:|---:|---:|"]

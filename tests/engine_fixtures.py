@@ -1,6 +1,8 @@
-"""A tiny served model with adapters on disk, and the transformers + PEFT `generate` oracle."""
+"""A tiny served model with adapters on disk, the transformers + PEFT `generate` oracle, and the GPU tests' engines
+of it."""
 from __future__ import annotations
 
+import gc
 import warnings
 from pathlib import Path
 
@@ -8,6 +10,8 @@ import torch
 
 from adapter_fixtures import make_adapter
 from model_fixtures import HFOracle, make_hf_model
+
+from loraplex import LLM
 
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -48,3 +52,24 @@ def random_prompts(n: int, vocab: int, lengths: tuple[int, int], seed: int) -> l
     gen = torch.Generator().manual_seed(seed)
     sizes = torch.randint(lengths[0], lengths[1] + 1, (n,), generator=gen).tolist()
     return [torch.randint(3, vocab, (s,), generator=gen).tolist() for s in sizes]
+
+
+def make_llm(served, **settings) -> LLM:
+    """An engine of the served model; its KV cache a fixed number of blocks, not a share of the GPU's memory, so
+    that it starts whatever other test processes hold (benchmarks/gpu_tests.sh runs several)."""
+    gc.unfreeze()  # (an engine left open keeps its frozen heap: engine/gc_heap.py)
+    gc.collect()  # engines of earlier tests give their memory back before this one measures it
+    torch.cuda.empty_cache()
+    base, adapters, _ = served
+    defaults = dict(dtype="float32", device="cuda", block_size=16, max_num_seqs=16, max_num_batched_tokens=128,
+                    max_gpu_adapters=4, num_kv_blocks=1024)
+    return LLM(str(base), adapters={k: str(v) for k, v in adapters.items()}, **{**defaults, **settings})
+
+
+def record_variants(monkeypatch) -> list[str]:
+    """The graph variant of each replay (engine/cuda_graphs.py's lora_variant), in order."""
+    from loraplex.engine import cuda_graphs
+    seen: list[str] = []
+    real = cuda_graphs.lora_variant
+    monkeypatch.setattr(cuda_graphs, "lora_variant", lambda chunks: seen.append(real(chunks)) or seen[-1])
+    return seen

@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import contextlib
-import gc
 
 import pytest
 import torch
 
-from engine_fixtures import GenerateOracle, make_served_model, random_prompts
-from loraplex import LLM, SamplingParams
+from engine_fixtures import GenerateOracle, make_llm, make_served_model, random_prompts, record_variants
+from loraplex import SamplingParams
 
 pytestmark = pytest.mark.gpu
 VOCAB = 128
@@ -18,18 +17,6 @@ VOCAB = 128
 def served(tmp_path_factory):
     base, adapters = make_served_model(tmp_path_factory.mktemp("served_gpu"))
     return base, adapters, GenerateOracle(base, adapters)
-
-
-def make_llm(served, **settings) -> LLM:
-    """An engine of the served model; its KV cache a fixed number of blocks, not a share of the GPU's memory, so
-    that it starts whatever other test processes hold (benchmarks/gpu_tests.sh runs several)."""
-    gc.unfreeze()  # (an engine left open keeps its frozen heap: engine/gc_heap.py)
-    gc.collect()  # engines of earlier tests give their memory back before this one measures it
-    torch.cuda.empty_cache()
-    base, adapters, _ = served
-    defaults = dict(dtype="float32", device="cuda", block_size=16, max_num_seqs=16, max_num_batched_tokens=128,
-                    max_gpu_adapters=4, num_kv_blocks=1024)
-    return LLM(str(base), adapters={k: str(v) for k, v in adapters.items()}, **{**defaults, **settings})
 
 
 @pytest.fixture(scope="class")
@@ -60,16 +47,6 @@ def _graphs_and_eager_agree(served, seed: int, check, engines=None, **settings) 
     assert results[False] == results[True]
     agree = sum(out == oracle.greedy(p, a, 16) for p, a, out in zip(prompts, which, results[False]))
     assert agree == len(prompts), f"{agree}/{len(prompts)} requests equal transformers + PEFT generate"
-
-
-# ---- requests that combine adapters ------------------------------------------------------------------
-def _record_variants(monkeypatch) -> list[str]:
-    """The graph variant of each replay (engine/cuda_graphs.py's lora_variant), in order."""
-    from loraplex.engine import cuda_graphs
-    seen: list[str] = []
-    real = cuda_graphs.lora_variant
-    monkeypatch.setattr(cuda_graphs, "lora_variant", lambda chunks: seen.append(real(chunks)) or seen[-1])
-    return seen
 
 
 class TestDefaultEngines:
@@ -108,7 +85,7 @@ class TestDefaultEngines:
         assert graphs.variants == ["base", "lora", "composed"]
         assert len(graphs._graphs) == 3 * len(graphs.shapes.all())
         del graphs   # (a name left to the graphs would keep the engine's memory past its close)
-        seen = _record_variants(monkeypatch)
+        seen = record_variants(monkeypatch)
         results = {}
         for eager, llm in default_engines.items():
             results[eager] = [o.token_ids for o in llm.generate(prompts, params, adapter=which)]
@@ -128,7 +105,7 @@ class TestDefaultEngines:
         prompts = random_prompts(8, VOCAB, (4, 40), seed=52)
         which = [names[i % len(names)] for i in range(len(prompts))]
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-        seen = _record_variants(monkeypatch)
+        seen = record_variants(monkeypatch)
         for limit in (4, 1):   # 4: the default engine's
             llm = default_engines[False] if limit == 4 else make_llm(served, max_adapters_per_request=limit)
             expected = ["base", "lora", "composed"] if limit > 1 else ["base", "lora"]
@@ -225,51 +202,6 @@ def test_the_engine_reserves_pinned_memory_after_capturing_its_graphs(served):
                     for i in range(count)]
             assert all(b.is_pinned() for h in held for b in h.buffers)
             assert (torch.cuda.host_memory_stats()["num_host_alloc"] > before) == fresh, gib
-
-
-def test_a_weighted_adapter_with_one_gpu_slot_replays_the_composed_graphs(served, monkeypatch):
-    """One GPU slot: a request weighing its one adapter ({name: 0.5}) still needs the composed variant, which is
-    captured (the graphs' composed capacity is the requests' limit, not the slots); tokens as eager's."""
-    _, adapters, _ = served
-    name = next(iter(adapters))
-    prompts = random_prompts(3, VOCAB, (4, 30), seed=53)
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    seen = _record_variants(monkeypatch)
-    results = {}
-    for eager in (False, True):
-        with make_llm(served, enforce_eager=eager, max_gpu_adapters=1) as llm:
-            results[eager] = [o.token_ids for o in llm.generate(prompts, params, adapter={name: 0.5})]
-            assert (llm.engine.stats["graph_steps"] > 0) != eager
-    assert "composed" in seen, seen
-    assert results[False] == results[True]
-
-
-@pytest.mark.parametrize("eager", [False, True])
-def test_compositions_in_bf16_are_as_close_to_peft_as_transformers_in_bf16(served, monkeypatch, eager):
-    """bf16 through the Triton kernels (graph replays and eager steps: prompts, then decodes): each token's top
-    logprobs are as close to PEFT cat's in fp32 as transformers + PEFT's own bf16 forward is (twice its error,
-    plus 0.02 nats), the tokens ours, the rule of test_model_gpu.py's bf16 checks."""
-    from composition_fixtures import REQUESTS, CatOracle, as_key
-    base, adapters, _ = served
-    exact, rounded = CatOracle(base, adapters), CatOracle(base, adapters, dtype=torch.bfloat16)
-    mixes = [r for r in REQUESTS if isinstance(r, dict)]
-    prompts = random_prompts(2 * len(mixes), VOCAB, (4, 40), seed=53)
-    which = [mixes[i % len(mixes)] for i in range(len(prompts))]
-    seen = _record_variants(monkeypatch)
-    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=20, ignore_eos=True)
-    with make_llm(served, dtype="bfloat16", enforce_eager=eager) as llm:
-        outs = llm.generate(prompts, params, adapter=which)
-    assert ("composed" in seen) != eager, seen
-    for prompt, adapter, out in zip(prompts, which, outs):
-        tokens, key = prompt + out.token_ids, as_key(adapter)
-        truth = torch.log_softmax(exact.logits(tokens, key).double(), dim=-1)
-        theirs = torch.log_softmax(rounded.logits(tokens, key).double(), dim=-1)
-        for i, lp in enumerate(out.logprobs):
-            row = len(prompt) - 1 + i
-            ids = [t for t, _ in lp.top]
-            ours_err = max(abs(v - truth[row, t].item()) for t, v in lp.top)
-            hf_err = (theirs[row, ids] - truth[row, ids]).abs().max().item()
-            assert ours_err <= 2 * hf_err + 0.02, (adapter, i, ours_err, hf_err)
 
 
 def test_fp8_kv_cache_with_calculated_scales_matches_peft_on_the_same_e4m3_keys_and_values(served):

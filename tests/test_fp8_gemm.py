@@ -191,7 +191,6 @@ def test_every_e4m3_value_reaches_the_bf16_products_exactly():
     m = Fp8Matrix(q, scale, (1, K))
     x = torch.zeros(M, K, device="cuda", dtype=torch.bfloat16)
     x[torch.arange(M), torch.arange(M) * 3] = 1.0
-    assert fp8.FAST_BF16
     y = fp8_skinny_linear(x, m)
     assert torch.equal(y, m.dequantize(torch.bfloat16)[:, :3 * M:3].T)
     assert len(set(codes[:, :3 * M:3].flatten().tolist())) == 254   # every finite byte was read

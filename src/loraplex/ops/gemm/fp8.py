@@ -36,9 +36,6 @@ _KERNEL = []   # its Launcher, made on first use: Triton is imported only where 
 TUNED_FILE = Path(__file__).with_name("tuned_fp8.json")
 TUNED: dict[tuple[int, int], skinny.SkinnyConfig] = skinny.load_configs(TUNED_FILE) if TUNED_FILE.exists() else {}
 MAX_BLOCK_K = 512
-# bf16 x on the GPU: q converted by fp8_kernels.py's integer operations (inline PTX: not in Triton's interpreter);
-# False: Triton's own conversion, which bench_fp8_gemm.py times beside it
-FAST_BF16 = True
 
 
 @dataclass(frozen=True)
@@ -137,7 +134,8 @@ def fp8_skinny_linear(x: torch.Tensor, m: Fp8Matrix, bias: torch.Tensor | None =
             m.scale.stride(0), out.stride(0), m.block[0], m.block[1])
     consts = dict(HAS_BIAS=bias is not None, PER_STEP_SCALE=per_step, EVEN_N=N % config.block_n == 0,
                   EVEN_K=K % block_k == 0, IEEE=x.dtype == torch.float32,
-                  FAST_BF16=FAST_BF16 and x.dtype == torch.bfloat16 and x.is_cuda and not envs.triton_interpret(),
+                  # bf16 x on the GPU: q converted by fp8_kernels.py's inline PTX (not in Triton's interpreter)
+                  FAST_BF16=x.dtype == torch.bfloat16 and x.is_cuda and not envs.triton_interpret(),
                   BLOCK_M=skinny.block_m(M),
                   BLOCK_N=config.block_n, BLOCK_K=block_k)
     if not _KERNEL:

@@ -13,7 +13,8 @@ range fit fp16 and bf16), so the products are those of dequantizing first, up to
 
 For bf16 x on the GPU (FAST_BF16) q's bytes become bf16 by integer operations, four at a time (`_e4m3_to_bf16`),
 where Triton's conversion goes through fp16 and converts each value again (sm_90 PTX: `cvt.bf16.f16`, the
-conversion units' quarter rate), which bound the kernel below the memory's rate.
+conversion units' quarter rate), which bound the kernel below the memory's rate: at the tuned tiles a Llama-2-7B
+layer's four projections at 32 rows took 110 µs against 162 µs with Triton's conversion (H100).
 
 As ops/gemm/kernels.py's dense kernel (whose layout this follows: w's rows on the MMA's long side, 32 rows of x
 filling a Hopper wgmma's N), decode is bound by reading the weight, here half the bytes. No K split: each program
