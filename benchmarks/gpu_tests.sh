@@ -11,6 +11,7 @@
 . "$(dirname "$0")/gpu_common.sh"
 PYTEST=(python -m pytest -q -rfE -p no:cacheprovider --continue-on-collection-errors --durations=25)
 run_pytest() {
+  [ "$(left)" -gt 30 ] || { echo "== no time left for: $*"; return; }
   timeout -s INT -k 15 "$(($(left) - 20))" "${PYTEST[@]}" "$@" 2>&1 | tee -a "$OUT/pytest_gpu.log" \
       | grep -E "FAILED|ERROR|passed|failed|deselected|^[0-9.]+s (call|setup)" | tail -40
 }

@@ -9,7 +9,8 @@ subprocess is this file run as a script:
     TRITON_INTERPRET=0 python tests/test_attention_compile.py 90 bf16 prefill
 
 The "fp8kv" family compiles the three kernels over float8 e4m3 caches (bf16, fp16 and fp32 activations) for Hopper:
-Triton converts e4m3 from sm_89 on, so the engine refuses an FP8 KV cache on older GPUs.
+Triton converts e4m3 from sm_89 on, so the engine refuses an FP8 KV cache on older GPUs. With bf16 the tiles convert
+by ops/e4m3.py's integer operations (E4M3_PTX), none through fp16.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
+pytestmark = pytest.mark.compile
 
 ARCHS = [90, 80]
 DTYPES = ["bf16", "fp16"]
@@ -110,6 +113,9 @@ def compile_kind(arch: int, dtype: str, kind: str) -> int:
         if compiled.metadata.shared > SMEM_LIMIT[arch]:
             raise RuntimeError(f"{kernel.fn.__name__} {consts} needs {compiled.metadata.shared} bytes of shared "
                                f"memory; sm_{arch} has {SMEM_LIMIT[arch]}")
+        ptx = compiled.asm["ptx"]
+        if consts.get("E4M3_PTX") and ("fma.rn.bf16x2" not in ptx or "cvt.bf16.f16" in ptx):
+            raise RuntimeError(f"{kernel.fn.__name__} {consts}: an e4m3 tile converted by Triton, not ops/e4m3.py")
         n += 1
 
     def with_ones(kernel, consts: dict) -> dict:

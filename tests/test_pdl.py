@@ -60,6 +60,7 @@ def test_every_kernel_starts_with_pdl_start():
                 and getattr(first.value.func, "id", None) == "pdl_start"), f"{name}: first statement is not pdl_start()"
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("forced", [True, False])
 def test_kernels_wait_before_any_memory_access_with_pdl_on(forced):
     """Compiled for sm_90 with PDL forced on: each kernel's PTX waits (griddepcontrol.wait) before its first

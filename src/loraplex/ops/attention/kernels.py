@@ -34,7 +34,8 @@ decode-only batch (max_query_len == 1) only the second:
   the splits a sequence's context reaches.
 
 An e4m3 cache (FP8_KV) is read as is: each K and V tile is converted to q's dtype after its load (exact:
-every e4m3 value is a bf16, fp16 and fp32 value), k_scale is folded into the softmax scale and v_scale
+every e4m3 value is a bf16, fp16 and fp32 value; for bf16 q on the GPU by ops/e4m3.py's integer operations,
+E4M3_PTX, where Triton's conversion goes through fp16), k_scale is folded into the softmax scale and v_scale
 into the output's normalisation (the split decode's partial sums), so the scales cost two scalar loads a
 program.
 
@@ -49,6 +50,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..e4m3 import e4m3_to_bf16
 from ..pdl import pdl_start
 
 # Running maxima start finite: a row whose first tiles are all masked (sliding window) then gets
@@ -78,7 +80,7 @@ def _online_softmax_step(acc, m_i, l_i, q, k, v, qk_scale, keep, MASKED: tl.cons
 @triton.jit
 def _attend_range(acc, m_i, l_i, q, k_head, v_head, bt_row, n_begin, n_end, pos, kv_lo, kv_hi, qk_scale, window,
                   stride_kb, stride_kt, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                  MASKED: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr):
+                  MASKED: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, E4M3_PTX: tl.constexpr):
     """Flash-attention steps over the key tiles starting at n_begin, n_begin + BLOCK_N, ... < n_end.
 
     Keys outside [kv_lo, kv_hi) are never read (nor their block table entries). MASKED tiles also
@@ -103,8 +105,12 @@ def _attend_range(acc, m_i, l_i, q, k_head, v_head, bt_row, n_begin, n_end, pos,
         else:
             k = tl.load(k_head + tok[:, None] + offs_d[None, :])
             v = tl.load(v_head + tok[:, None] + offs_d[None, :])
-        k = k.to(q.dtype)   # an e4m3 cache's tiles in q's dtype (exact); otherwise nothing to do
-        v = v.to(q.dtype)
+        if E4M3_PTX:   # an e4m3 cache's tiles in bf16 (exact)
+            k = e4m3_to_bf16(k)
+            v = e4m3_to_bf16(v)
+        else:   # an e4m3 cache's tiles in q's dtype (exact); otherwise nothing to do
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         keep = n_mask[None, :] & (offs_n[None, :] <= pos[:, None])
         if WINDOW:
             keep = keep & (offs_n[None, :] > pos[:, None] - window)
@@ -133,7 +139,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt,
                     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
                     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, SCAN_SEQS: tl.constexpr, WINDOW: tl.constexpr,
-                    PRECISION: tl.constexpr, FP8_KV: tl.constexpr):
+                    PRECISION: tl.constexpr, FP8_KV: tl.constexpr, E4M3_PTX: tl.constexpr):
     """out[rows, heads] for one tile of BLOCK_Q query rows × the G heads of kv head program_id(1)."""
     pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
@@ -180,13 +186,14 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
             full_lo = (tl.maximum(p_last - window + 1, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
             acc, m_i, l_i = _attend_range(acc, m_i, l_i, q, k_head, v_head, bt_row, kv_lo // BLOCK_N * BLOCK_N,
                                           tl.minimum(full_lo, kv_hi), pos, kv_lo, kv_hi, qk_scale, window,
-                                          stride_kb, stride_kt, BLOCK_N, HEAD_DIM, PAGE, True, WINDOW, PRECISION)
+                                          stride_kb, stride_kt, BLOCK_N, HEAD_DIM, PAGE, True, WINDOW, PRECISION,
+                                          E4M3_PTX)
         acc, m_i, l_i = _attend_range(acc, m_i, l_i, q, k_head, v_head, bt_row, full_lo, full_hi, pos, kv_lo, kv_hi,
                                       qk_scale, window, stride_kb, stride_kt, BLOCK_N, HEAD_DIM, PAGE, False, WINDOW,
-                                      PRECISION)
+                                      PRECISION, E4M3_PTX)
         acc, m_i, l_i = _attend_range(acc, m_i, l_i, q, k_head, v_head, bt_row, tl.maximum(full_lo, full_hi), kv_hi,
                                       pos, kv_lo, kv_hi, qk_scale, window, stride_kb, stride_kt, BLOCK_N, HEAD_DIM,
-                                      PAGE, True, WINDOW, PRECISION)
+                                      PAGE, True, WINDOW, PRECISION, E4M3_PTX)
         l_safe = tl.where(l_i > 0, l_i, 1.0)  # rows outside the tile have no keys; they are not stored
         o = acc * (out_scale / l_safe)[:, None]
         tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -199,7 +206,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ml
                    qk_scale, window, chunk, num_q_heads, num_splits, ml_stride,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt,
                    G: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   PAGE: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, FP8_KV: tl.constexpr):
+                   PAGE: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, FP8_KV: tl.constexpr,
+                   E4M3_PTX: tl.constexpr):
     """The one query row of sequence program_id(0), G heads of kv head program_id(1), over keys
     [lo + split * chunk, lo + (split + 1) * chunk) ∩ [lo, seq_len) of split program_id(2)."""
     pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
@@ -230,7 +238,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ml
         acc = tl.zeros([M, HEAD_DIM], tl.float32)
         pos = tl.zeros([M], tl.int32) + (seq_len - 1)  # the query row's position
         acc, m_i, l_i = _attend_range(acc, m_i, l_i, q, k_head, v_head, bt_row, start, end, pos, start, end, qk_scale,
-                                      window, stride_kb, stride_kt, BLOCK_N, HEAD_DIM, PAGE, True, False, PRECISION)
+                                      window, stride_kb, stride_kt, BLOCK_N, HEAD_DIM, PAGE, True, False, PRECISION,
+                                      E4M3_PTX)
         if FP8_KV:
             acc = acc * tl.load(v_scale_ptr)
         if SPLIT:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ... import envs
 from ..launch import Launcher, cdiv, pow2
 from .checks import KV_FP8
 from .kernels import _decode_kernel, _decode_reduce_kernel, _prefill_kernel
@@ -90,6 +91,11 @@ def _scales(fp8: bool, k_scale: torch.Tensor | None, v_scale: torch.Tensor | Non
     return (k_scale, v_scale) if fp8 else (q, q)
 
 
+def _e4m3_ptx(fp8_kv: bool, dtype: torch.dtype) -> bool:
+    """E4M3_PTX: an e4m3 cache's tiles converted to bf16 by ops/e4m3.py (compiled kernels only, not the interpreter)."""
+    return fp8_kv and dtype == torch.bfloat16 and not envs.triton_interpret()
+
+
 def _precision(dtype: torch.dtype) -> str:
     # fp32 caches (tests, CPU models) get ~fp32 products; the setting is ignored for 16-bit inputs.
     return "tf32x3" if dtype == torch.float32 else "tf32"
@@ -100,7 +106,8 @@ def prefill_constexprs(G: int, D: int, page: int, window: int, dtype: torch.dtyp
     """The prefill kernel's compile-time parameters (also used by the ahead-of-time compile test)."""
     g_pad = pow2(G)
     return dict(G=G, G_PAD=g_pad, BLOCK_Q=max(cfg.block_m, g_pad) // g_pad, BLOCK_N=cfg.block_n, HEAD_DIM=D,
-                PAGE=page, SCAN_SEQS=SCAN, WINDOW=window > 0, PRECISION=_precision(dtype), FP8_KV=fp8_kv)
+                PAGE=page, SCAN_SEQS=SCAN, WINDOW=window > 0, PRECISION=_precision(dtype), FP8_KV=fp8_kv,
+                E4M3_PTX=_e4m3_ptx(fp8_kv, dtype))
 
 
 def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -147,7 +154,7 @@ def decode_constexprs(G: int, D: int, page: int, split: bool, dtype: torch.dtype
                       fp8_kv: bool = False) -> dict:
     """The decode kernel's compile-time parameters (also used by the ahead-of-time compile test)."""
     return dict(G=G, M=max(16, pow2(G)), BLOCK_N=cfg.block_n, HEAD_DIM=D, PAGE=page, SPLIT=split,
-                PRECISION=_precision(dtype), FP8_KV=fp8_kv)
+                PRECISION=_precision(dtype), FP8_KV=fp8_kv, E4M3_PTX=_e4m3_ptx(fp8_kv, dtype))
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

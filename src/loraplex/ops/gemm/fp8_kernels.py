@@ -11,10 +11,8 @@ epilogue; with several (128-wide blocks) each block's partial sum is scaled as i
 scale_bk and a K step never straddles two scales. q's values are exact in x's dtype (e4m3's 3-bit mantissa and
 range fit fp16 and bf16), so the products are those of dequantizing first, up to the scale's rounding.
 
-For bf16 x on the GPU (FAST_BF16) q's bytes become bf16 by integer operations, four at a time (`_e4m3_to_bf16`),
-where Triton's conversion goes through fp16 and converts each value again (sm_90 PTX: `cvt.bf16.f16`, the
-conversion units' quarter rate), which bound the kernel below the memory's rate: at the tuned tiles a Llama-2-7B
-layer's four projections at 32 rows took 110 µs against 162 µs with Triton's conversion (H100).
+For bf16 x on the GPU (FAST_BF16) q's bytes become bf16 by integer operations, four at a time (ops/e4m3.py):
+Triton's own conversion bound the kernel below the memory's rate.
 
 As ops/gemm/kernels.py's dense kernel (whose layout this follows: w's rows on the MMA's long side, 32 rows of x
 filling a Hopper wgmma's N), decode is bound by reading the weight, here half the bytes. No K split: each program
@@ -25,37 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..e4m3 import e4m3_to_bf16
 from ..pdl import pdl_start
-
-
-# e4m3 → bf16, exact for every finite byte (e4m3fn's NaN bytes, which quantizing never writes, give ±480): each
-# byte b placed in the high byte of a 16-bit half (prmt), its magnitude shifted under bf16's exponent field and its
-# sign kept, which is a bf16 of b's value times 2^-120 (the exponent biases are 7 and 127; subnormal bytes land on
-# bf16 subnormals of the same scale), then one bf16x2 multiply by 2^120 (0x7B80; -0 added keeps the sign of zeros).
-_E4M3_TO_BF16 = tl.constexpr("""{
-.reg .b32 h, m, c, z;
-mov.b32 c, 0x7B807B80;
-mov.b32 z, 0x80008000;
-prmt.b32 h, $2, 0, 0x1404;
-shr.b32 m, h, 4;
-and.b32 m, m, 0x07F007F0;
-and.b32 h, h, 0x80008000;
-or.b32 h, h, m;
-fma.rn.bf16x2 $0, h, c, z;
-prmt.b32 h, $2, 0, 0x3424;
-shr.b32 m, h, 4;
-and.b32 m, m, 0x07F007F0;
-and.b32 h, h, 0x80008000;
-or.b32 h, h, m;
-fma.rn.bf16x2 $1, h, c, z;
-}""")
-
-
-@triton.jit
-def _e4m3_to_bf16(q):
-    """q (float8 e4m3, finite) as bf16, exactly (see _E4M3_TO_BF16); compiled PTX only (not Triton's interpreter)."""
-    return tl.inline_asm_elementwise(_E4M3_TO_BF16, "=r,=r,r", [q.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16,
-                                     is_pure=True, pack=4)
 
 
 @triton.jit
@@ -80,7 +49,7 @@ def _fp8_skinny_kernel(x_ptr, q_ptr, s_ptr, bias_ptr, y_ptr, M, N, K, stride_xm,
         else:
             q = tl.load(q_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
         if FAST_BF16:
-            w = _e4m3_to_bf16(q)
+            w = e4m3_to_bf16(q)
         else:
             w = q.to(x_ptr.dtype.element_ty)
         x = tl.load(x_cols + offs_k[:, None], mask=m_mask[None, :] & (offs_k < K)[:, None], other=0.0)

@@ -1,0 +1,41 @@
+"""float8 e4m3 → bf16 inside Triton kernels by integer operations: the FP8 weights' decode GEMM
+(ops/gemm/fp8_kernels.py) and attention over an e4m3 KV cache (ops/attention/kernels.py).
+
+Triton's own conversion to bf16 goes through fp16 and converts each value again (sm_90 PTX: `cvt.rn.f16x2.e4m3x2`
+then `cvt.bf16.f16` per value, at a fraction of the integer rate); at the FP8 GEMM's tuned tiles it bound a
+Llama-2-7B layer's four projections at 32 rows to 162 µs against 110 µs with this one (H100).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+# e4m3 → bf16, exact for every finite byte (e4m3fn's NaN bytes, which quantizing never writes, give ±480): each
+# byte b placed in the high byte of a 16-bit half (prmt), its magnitude shifted under bf16's exponent field and its
+# sign kept, which is a bf16 of b's value times 2^-120 (the exponent biases are 7 and 127; subnormal bytes land on
+# bf16 subnormals of the same scale), then one bf16x2 multiply by 2^120 (0x7B80; -0 added keeps the sign of zeros).
+_E4M3_TO_BF16 = tl.constexpr("""{
+.reg .b32 h, m, c, z;
+mov.b32 c, 0x7B807B80;
+mov.b32 z, 0x80008000;
+prmt.b32 h, $2, 0, 0x1404;
+shr.b32 m, h, 4;
+and.b32 m, m, 0x07F007F0;
+and.b32 h, h, 0x80008000;
+or.b32 h, h, m;
+fma.rn.bf16x2 $0, h, c, z;
+prmt.b32 h, $2, 0, 0x3424;
+shr.b32 m, h, 4;
+and.b32 m, m, 0x07F007F0;
+and.b32 h, h, 0x80008000;
+or.b32 h, h, m;
+fma.rn.bf16x2 $1, h, c, z;
+}""")
+
+
+@triton.jit
+def e4m3_to_bf16(q):
+    """q (float8 e4m3, finite) as bf16, exactly (see _E4M3_TO_BF16); compiled PTX only (not Triton's interpreter)."""
+    return tl.inline_asm_elementwise(_E4M3_TO_BF16, "=r,=r,r", [q.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16,
+                                     is_pure=True, pack=4)
