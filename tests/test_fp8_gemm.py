@@ -130,6 +130,30 @@ def test_quantize_rows_maps_each_rows_amax_to_448():
     torch.testing.assert_close(q.double() * s.double(), x.double(), rtol=2 ** -4, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_quantize_kernel_gives_quantize_rows_bits(dtype):
+    """quantize_kernel.py (Triton's interpreter here) against fp8.quantize_rows, bit for bit: rows from 1e-6 to 1e4
+    (e4m3's subnormals among the quotients), a zero row, values on e4m3's rounding ties and near ±448, a row
+    wider than one power of two, a strided view."""
+    from loraplex.ops.gemm.quantize_kernel import quantize_rows_fused
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(9, 300, generator=g) * torch.logspace(-6, 4, 9)[:, None]
+    x[3] = 0
+    x[4, :8] = torch.tensor([448.0, -448.0, 1.0625, 1.1875, -3.25, 2 ** -7 + 2 ** -10, 0.0, -0.0])   # ties: even
+    x[5, ::7] *= 1e3   # a few large values: the rest of the row lands on subnormals
+    x = x.to(dtype)
+    wide = torch.cat([x, x[:, :57]], dim=1)   # K = 357: a masked block of 512
+    for rows in (x, wide, wide[:, 20:320]):
+        xq, s = quantize_rows_fused(rows)
+        want_q, want_s = quantize_rows(rows)
+        assert torch.equal(s, want_s)
+        assert torch.equal(xq.view(torch.uint8), want_q.view(torch.uint8))
+    codes = quantize_rows(x)[0].view(torch.uint8)
+    assert (((codes & 0x78) == 0) & ((codes & 0x07) != 0)).any()   # e4m3 subnormals were written
+    with pytest.raises(ValueError, match="unit stride"):
+        quantize_rows_fused(x.T)
+
+
 def test_linear_picks_the_kernel_w8a8_or_the_dequantized_weight(monkeypatch):
     """Decode rows take the Triton kernel where the dense Triton GEMM would run (here: the interpreter with
     LORAPLEX_SKINNY_GEMM=on); more rows take W8A8 where LORAPLEX_FP8_W8A8 allows and the scales are per column,

@@ -293,6 +293,13 @@ def fp8_gemm(dtype: str, arch: int) -> None:
         bound = shared_bytes(SkinnyConfig(block_n=block_n, block_k=block_k, stages=stages), block_m,
                              4 if dtype == "fp32" else 2, w_bytes=None if dtype == "fp32" else 1)
         assert 0 < COMPILED_SHARED[0] <= bound, f"{what}: {COMPILED_SHARED[0]} bytes of shared memory, bound {bound}"
+    # the prompt GEMM's activations quantized a row a program (quantize_kernel.py): IEEE divisions, as torch's
+    from loraplex.ops.gemm.quantize_kernel import _quantize_rows_kernel
+    for block in (4096, 16384):
+        ptx = _compile(_quantize_rows_kernel, dict(x_ptr="*" + dtype, q_ptr="*fp8e4nv", s_ptr="*fp32"),
+                       dict(BLOCK=block), arch, min(32, max(4, block // 512)), divisible=("K", "stride_x", "stride_q"))
+        _no_approx(ptx, f"quantize_rows {dtype} sm_{arch} BLOCK={block}")
+        assert "div.rn.f32" in ptx, f"quantize_rows {dtype} sm_{arch}: the divisions must be IEEE"
 
 
 KERNELS = {"rms_norm": rms_norm, "silu_and_mul": silu, "rope": rope, "rms_norm_lora_split": rms_norm_lora_split,

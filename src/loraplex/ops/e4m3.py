@@ -1,5 +1,7 @@
-"""float8 e4m3 → bf16 inside Triton kernels by integer operations: the FP8 weights' decode GEMM
-(ops/gemm/fp8_kernels.py) and attention over an e4m3 KV cache (ops/attention/kernels.py).
+"""float8 e4m3 inside Triton kernels. `e4m3_to_bf16`: e4m3 → bf16 by integer operations, for the FP8 weights' decode
+GEMM (ops/gemm/fp8_kernels.py) and attention over an e4m3 KV cache (ops/attention/kernels.py). `round_to_e4m3`:
+fp32 rounded to e4m3's values as torch rounds, for the KV cache's store (ops/attention/store_kernel.py) and the
+activations' per-row quantization (ops/gemm/quantize_kernel.py).
 
 Triton's own conversion to bf16 goes through fp16 and converts each value again (sm_90 PTX: `cvt.rn.f16x2.e4m3x2`
 then `cvt.bf16.f16` per value, at a fraction of the integer rate); at the FP8 GEMM's tuned tiles it bound a
@@ -39,3 +41,26 @@ def e4m3_to_bf16(q):
     """q (float8 e4m3, finite) as bf16, exactly (see _E4M3_TO_BF16); compiled PTX only (not Triton's interpreter)."""
     return tl.inline_asm_elementwise(_E4M3_TO_BF16, "=r,=r,r", [q.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16,
                                      is_pure=True, pack=4)
+
+
+_E4M3_MAX: tl.constexpr = tl.constexpr(448.0)   # (a jitted function reads only constexpr globals)
+
+
+@triton.jit
+def round_to_e4m3(x):
+    """fp32 x clamped to ±448 and rounded to the nearest e4m3 value (ties to even), still in fp32.
+
+    The cast to e4m3 that follows is then exact. Rounding here rather than in the cast keeps the
+    hardware's rounding out of the result, and Triton's interpreter (the CPU tests) rounds that cast
+    wrongly where the mantissa carries into the exponent (7.9 → 4)."""
+    a = tl.where(tl.abs(x) > _E4M3_MAX, _E4M3_MAX, tl.abs(x))   # (a NaN stays NaN)
+    # Normal e4m3 values (≥ 2^-6) keep 3 of fp32's 23 mantissa bits: round the bit pattern to nearest even
+    # (a carry moves into the exponent, as it should).
+    bits = a.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    # Subnormal ones are multiples of 2^-9: next to 2^14, whose fp32 ulp is 2^-9, the addition rounds to one.
+    tiny = (a + 16384.0) - 16384.0
+    r = tl.where(a < 0.015625, tiny, normal)
+    # x's sign bit onto |r| (a comparison would lose -0.0's, which the cast keeps)
+    sign = x.to(tl.int32, bitcast=True) & -0x80000000
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)

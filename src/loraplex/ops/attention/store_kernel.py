@@ -14,34 +14,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ..e4m3 import round_to_e4m3
 from ..launch import Launcher, pow2
 from ..pdl import pdl_start
-from .checks import E4M3_MAX, KV_FP8
+from .checks import KV_FP8
 
 STORE_WARPS = 4
-_E4M3_MAX: tl.constexpr = tl.constexpr(E4M3_MAX)   # (a jitted function reads only constexpr globals)
-
-
-@triton.jit
-def _round_to_e4m3(x):
-    """fp32 x clamped to ±448 and rounded to the nearest e4m3 value (ties to even), still in fp32.
-
-    The cast to e4m3 that follows is then exact. Rounding here rather than in the cast keeps the
-    hardware's rounding out of the result, and Triton's interpreter (the CPU tests) rounds that cast
-    wrongly where the mantissa carries into the exponent (7.9 → 4)."""
-    a = tl.where(tl.abs(x) > _E4M3_MAX, _E4M3_MAX, tl.abs(x))   # (a NaN stays NaN)
-    # Normal e4m3 values (≥ 2^-6) keep 3 of fp32's 23 mantissa bits: round the bit pattern to nearest even
-    # (a carry moves into the exponent, as it should).
-    bits = a.to(tl.int32, bitcast=True)
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
-    # Subnormal ones are multiples of 2^-9: next to 2^14, whose fp32 ulp is 2^-9, the addition rounds to one.
-    tiny = (a + 16384.0) - 16384.0
-    r = tl.where(a < 0.015625, tiny, normal)
-    # x's sign bit onto |r| (a comparison would lose -0.0's, which the cast keeps)
-    sign = x.to(tl.int32, bitcast=True) & -0x80000000
-    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-
-
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, num_kv_heads, page,
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch,
@@ -59,8 +37,8 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_p
         k = tl.load(k_ptr + t64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
         v = tl.load(v_ptr + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
         if FP8:
-            k = _round_to_e4m3(tl.math.div_rn(k.to(tl.float32), tl.load(k_scale_ptr)))
-            v = _round_to_e4m3(tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)))
+            k = round_to_e4m3(tl.math.div_rn(k.to(tl.float32), tl.load(k_scale_ptr)))
+            v = round_to_e4m3(tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)))
         # Slot s is token s % page of block s // page; the caches' strides say where that is.
         dst = (slot // page) * stride_cb + (slot % page) * stride_ct + offs_h[:, None] * stride_ch + offs_d[None, :]
         tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)

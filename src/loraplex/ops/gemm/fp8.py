@@ -109,8 +109,13 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def w8a8_linear(x: torch.Tensor, m: Fp8Matrix, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ wᵀ (+ bias) on the FP8 tensor cores: y[i, n] = round(sx[i] · scale[n, 0] · Σ_k xq[i, k] · q[n, k] +
-    bias[n]), (xq, sx) = `quantize_rows(x)`; w must have a scale per output column."""
-    xq, sx = quantize_rows(x)
+    bias[n]), (xq, sx) = `quantize_rows(x)` (on a GPU in one launch: quantize_kernel.py); w must have a scale per
+    output column."""
+    if x.is_cuda:
+        from .quantize_kernel import quantize_rows_fused
+        xq, sx = quantize_rows_fused(x)
+    else:
+        xq, sx = quantize_rows(x)
     y = torch._scaled_mm(xq, m.qweight.t(), scale_a=sx, scale_b=m.scale.view(1, -1), out_dtype=x.dtype)
     return y if bias is None else y.add_(bias)
 

@@ -1,0 +1,55 @@
+"""Triton kernel that quantizes the FP8 prompt GEMM's activations (ops/gemm/fp8.py's `w8a8_linear`) in one launch,
+and its launcher. For every row m < M of x [M, K] (fp32 arithmetic, IEEE-rounded divisions), bit for bit
+fp8.quantize_rows, the torch code it replaces on the GPU:
+
+    s[m] = amax_k |x[m, k]| / 448            (1 where the row is all zeros)
+    xq[m, k] = e4m3(clamp(x[m, k] / s[m], -448, 448))      (rounded to nearest, ties to even)
+
+One program a row holds the whole row in registers: x is read once and xq written once, where torch's seven
+element-wise and reduction kernels moved the row in fp32 several times.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..e4m3 import round_to_e4m3
+from ..launch import Launcher, pow2
+from ..pdl import pdl_start
+
+MAX_K = 65536   # a row in one program's registers: 64 fp32 values a thread at 32 warps
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr):
+    pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < K
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=0)
+    s = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
+    q = round_to_e4m3(tl.math.div_rn(x, s))   # exact in e4m3: the cast below does not round
+    tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row, s)
+
+
+_QUANTIZE = Launcher(_quantize_rows_kernel)
+
+
+def quantize_rows_fused(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(xq e4m3 [M, K], s fp32 [M, 1]) of x [M, K] (fp32, fp16 or bf16, unit stride along K), in one launch."""
+    if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"quantize_rows_fused takes a 2-D float tensor with unit stride along K, not {x.dtype} "
+                         f"{tuple(x.shape)} with strides {x.stride()}")
+    M, K = x.shape
+    if K > MAX_K:
+        raise ValueError(f"quantize_rows_fused: rows of {K} values, more than {MAX_K}")
+    xq = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(M, 1, dtype=torch.float32, device=x.device)
+    if M and K:
+        block = pow2(K)
+        _QUANTIZE((M,), (x, xq, s, K, x.stride(0), xq.stride(0)), dict(BLOCK=block), min(32, max(4, block // 512)),
+                  1)
+    return xq, s
