@@ -176,7 +176,7 @@ def rope_lora(dtype: str, arch: int) -> None:
         ptx = _compile(k._rope_lora_kernel, types,
                        dict(ONE_R_TILE=one_r, SPLIT_K=split_k, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_D=block_d,
                             COMPILED=True, EARLY=early, EXTRAS=extras, MEMBER_R=16), arch,
-                       max(1, min(4, block_h * block_d // 128)))
+                       max(1, min(4, block_h * block_d // 128)) * (2 if extras else 1))   # rope_lora.apply_rope's
         what = (f"rope_lora {dtype} positions {pos} SPLIT_K={split_k} BLOCK_R={block_r} BLOCK_H={block_h} "
                 f"BLOCK_D={block_d} EARLY={early} EXTRAS={extras}")
         _no_approx(ptx, what)
@@ -222,7 +222,7 @@ def lora_loads(dtype: str, arch: int) -> None:
                                                  pos_ptr="*i64", inv_freq_ptr="*fp32", b0="*" + dtype, b1="*" + dtype,
                                                  b2="*" + dtype, rk0="*i32", rk1="*i32", rk2="*i32", sc0="*fp32",
                                                  sc1="*fp32", sc2="*fp32", **LORA_POINTERS),
-                       dict(tiles, BLOCK_H=rope.ROPE_HEADS, BLOCK_D=64), arch, 2, divisible=div)
+                       dict(tiles, BLOCK_H=rope.ROPE_HEADS, BLOCK_D=64), arch, 4 if extras else 2, divisible=div)
         _vector_b_loads(ptx, dtype, f"rope_lora {what}", rope=True)
         ptx = _compile(ks._rms_lora_sums_kernel, dict(x_ptr="*" + dtype, r_ptr="*" + dtype, s_ptr="*" + dtype,
                                                       sumsq_ptr="*fp32", b_ptr="*" + dtype, rank_ptr="*i32",

@@ -246,6 +246,9 @@ def apply_rope(q, k, v, positions, inv_freq, lora, heads: int | None = None) -> 
             extra, lanes_t, extra_lanes, Hq, Hkv, half, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), positions.stride(0))
     grid = (T, 3, -(-max(Hq, Hkv) // block_h))
+    composed = lora.lanes > 1
+    # a composed product holds two members' B blocks of both halves: twice the warps (at Llama's 4 heads of 64
+    # columns and a rank-32 pool, sm_90 code spilled 482 bytes a thread at 2 warps and none at 4)
+    warps = max(1, min(4, block_h * block_d // 128)) * (2 if composed else 1)
     _ROPE(grid, args, dict(**_tiles(R), SPLIT_K=p.shape[0], BLOCK_H=block_h, BLOCK_D=block_d, COMPILED=COMPILED,
-                           EARLY=_early(R, lora), EXTRAS=lora.lanes > 1),
-          max(1, min(4, block_h * block_d // 128)), 1)
+                           EARLY=_early(R, lora), EXTRAS=composed), warps, 1)
