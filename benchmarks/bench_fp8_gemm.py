@@ -46,7 +46,9 @@ ROTATION_BYTES = 600 << 20
 # e4m3 tiles move half a bf16 tile's bytes: K steps to 512, and 32-column tiles (twice the programs, past the SM
 # count for o's and down's 4,096 columns)
 SWEEP = [skinny.SkinnyConfig(block_n=bn, block_k=bk, stages=st)
-         for bn, bk, st in itertools.product((32, 64, 128), (128, 256, 512), (3, 4))]
+         for bn, bk, st in itertools.product((32, 64, 128), (128, 256, 512), (3, 4))] + \
+        [skinny.SkinnyConfig(block_n=bn, block_k=bk, stages=4, split_k=sp)   # wider tiles, K split to keep programs
+         for bn, bk, sp in itertools.product((64, 128), (128, 256), (2, 4))]
 LAYOUTS = {"column": None, "block128": (128, 128)}
 DEVICE, DTYPE = "cuda", torch.bfloat16
 
@@ -89,8 +91,8 @@ TOP = 3   # per-column tiles retried at the row counts after the first (the firs
 
 
 def tile_name(c: skinny.SkinnyConfig) -> str:
-    """A swept config's key in the results (`n64_k512_st3`)."""
-    return f"n{c.block_n}_k{c.block_k}_st{c.stages}"
+    """A swept config's key in the results (`n64_k512_st3`, `n128_k256_st4_s4` with a K split)."""
+    return f"n{c.block_n}_k{c.block_k}_st{c.stages}" + (f"_s{c.split_k}" if c.split_k > 1 else "")
 
 
 def swept(names) -> list:

@@ -276,15 +276,19 @@ def fp8_gemm(dtype: str, arch: int) -> None:
     from loraplex.ops.gemm.fp8_kernels import _fp8_skinny_kernel as k
     from loraplex.ops.gemm.skinny import SkinnyConfig, shared_bytes
     arch = 89 if arch == 80 else arch
-    for per_step, block_m, block_n, block_k, stages in ((False, 32, 64, 256, 4), (True, 32, 128, 128, 4),
-                                                        (True, 16, 64, 128, 3), (False, 32, 64, 512, 3)):
+    for per_step, block_m, block_n, block_k, stages, split in ((False, 32, 64, 256, 4, 1), (True, 32, 128, 128, 4, 1),
+                                                               (True, 16, 64, 128, 3, 1), (False, 32, 64, 512, 3, 1),
+                                                               (False, 32, 128, 256, 4, 4), (True, 32, 128, 128, 3, 2)):
         ptx = _compile(k, dict(x_ptr="*" + dtype, q_ptr="*fp8e4nv", s_ptr="*fp32", bias_ptr="*" + dtype,
-                               y_ptr="*" + dtype),
+                               y_ptr="*" + dtype, part_ptr="*fp32", count_ptr="*i32"),
                        dict(HAS_BIAS=not per_step, PER_STEP_SCALE=per_step, EVEN_N=True, EVEN_K=True,
-                            IEEE=dtype == "fp32", FAST_BF16=dtype == "bf16", BLOCK_M=block_m, BLOCK_N=block_n,
-                            BLOCK_K=block_k), arch, 4, stages,
-                       divisible=("N", "K", "stride_xm", "stride_qn", "stride_ym", "scale_bk"))
-        what = f"fp8_gemm {dtype} sm_{arch} per_step {per_step} m{block_m} n{block_n} k{block_k} st{stages}"
+                            IEEE=dtype == "fp32", FAST_BF16=dtype == "bf16", SPLIT_K=split, BLOCK_M=block_m,
+                            BLOCK_N=block_n, BLOCK_K=block_k), arch, 4, stages,
+                       divisible=("N", "K", "k_per_split", "stride_xm", "stride_qn", "stride_ym", "scale_bk"))
+        what = (f"fp8_gemm {dtype} sm_{arch} per_step {per_step} m{block_m} n{block_n} k{block_k} st{stages} "
+                f"split {split}")
+        if split > 1:
+            assert "atom.global" in ptx and "ld.global.cg" in ptx, f"{what}: no counter atomic or L2 loads"
         if dtype != "fp32":
             assert ("wgmma" if arch == 90 else "mma.sync") in ptx, f"{what}: no tensor-core MMA"
         assert "cp.async" in ptx, f"{what}: q's loads are not pipelined"

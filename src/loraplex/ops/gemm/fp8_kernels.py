@@ -8,15 +8,18 @@ For every row m < M and column n < N (fp32 sums, rounded once to y's dtype):
 
 with one K block (scale_bk ≥ K: a scale per output column) the scale multiplies the whole sum once, in the
 epilogue; with several (128-wide blocks) each block's partial sum is scaled as it is accumulated, so BLOCK_K divides
-scale_bk and a K step never straddles two scales. q's values are exact in x's dtype (e4m3's 3-bit mantissa and
+scale_bk and a K step never straddles two scales. With SPLIT_K > 1, as in the dense kernel, split s sums
+k in [s · k_per_split, (s + 1) · k_per_split) (whole K steps) and the split that finishes last for its n tile adds
+the fp32 partials in split order before the column scale and the bias (kernels.py's `_split_sum`). q's values are exact in x's dtype (e4m3's 3-bit mantissa and
 range fit fp16 and bf16), so the products are those of dequantizing first, up to the scale's rounding.
 
 For bf16 x on the GPU (FAST_BF16) q's bytes become bf16 by integer operations, four at a time (ops/e4m3.py):
 Triton's own conversion bound the kernel below the memory's rate.
 
 As ops/gemm/kernels.py's dense kernel (whose layout this follows: w's rows on the MMA's long side, 32 rows of x
-filling a Hopper wgmma's N), decode is bound by reading the weight, here half the bytes. No K split: each program
-streams a [BLOCK_N, K] block of q.
+filling a Hopper wgmma's N), decode is bound by reading the weight, here half the bytes: program (n tile, split)
+streams a [BLOCK_N, K / SPLIT_K] block of q beside x's [BLOCK_M, K / SPLIT_K] in 16 bits. With 32-column tiles x's
+bytes are twice q's; a K split lets wider tiles keep enough programs.
 """
 from __future__ import annotations
 
@@ -25,15 +28,20 @@ import triton.language as tl
 
 from ..e4m3 import e4m3_to_bf16
 from ..pdl import pdl_start
+from .kernels import _split_sum
 
 
 @triton.jit
-def _fp8_skinny_kernel(x_ptr, q_ptr, s_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_sn, stride_ym,
-                       scale_bn, scale_bk, HAS_BIAS: tl.constexpr, PER_STEP_SCALE: tl.constexpr,
-                       EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, FAST_BF16: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _fp8_skinny_kernel(x_ptr, q_ptr, s_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, stride_xm,
+                       stride_qn, stride_sn, stride_ym, scale_bn, scale_bk, HAS_BIAS: tl.constexpr,
+                       PER_STEP_SCALE: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+                       FAST_BF16: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
     pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
     pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     n_mask = offs_n < N
@@ -42,17 +50,17 @@ def _fp8_skinny_kernel(x_ptr, q_ptr, s_ptr, bias_ptr, y_ptr, M, N, K, stride_xm,
     x_cols = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm
     s_rows = s_ptr + (offs_n // scale_bn).to(tl.int64) * stride_sn
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
+    for k in range(k_lo, k_hi, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)
         if EVEN_N and EVEN_K:   # N and K multiples of the tiles (published widths): no masks on q
             q = tl.load(q_rows + offs_k[None, :])
         else:
-            q = tl.load(q_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+            q = tl.load(q_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < k_hi)[None, :], other=0.0)
         if FAST_BF16:
             w = e4m3_to_bf16(q)
         else:
             w = q.to(x_ptr.dtype.element_ty)
-        x = tl.load(x_cols + offs_k[:, None], mask=m_mask[None, :] & (offs_k < K)[:, None], other=0.0)
+        x = tl.load(x_cols + offs_k[:, None], mask=m_mask[None, :] & (offs_k < k_hi)[:, None], other=0.0)
         if PER_STEP_SCALE:   # this step's K block's scale for each row of q
             s = tl.load(s_rows + k // scale_bk, mask=n_mask, other=0.0)
             if IEEE:
@@ -63,9 +71,23 @@ def _fp8_skinny_kernel(x_ptr, q_ptr, s_ptr, bias_ptr, y_ptr, M, N, K, stride_xm,
             acc = tl.dot(w, x, acc, input_precision="ieee")
         else:
             acc = tl.dot(w, x, acc)
+    out_mask = n_mask[:, None] & m_mask[None, :]
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
+    if SPLIT_K == 1:
+        _store_y(acc, s_rows, bias_ptr, y_ptrs, offs_n, n_mask, out_mask, HAS_BIAS, PER_STEP_SCALE)
+    else:
+        last, total = _split_sum(acc, part_ptr, count_ptr, pid_n, pid_k, offs_m, offs_n, out_mask, N, SPLIT_K,
+                                 BLOCK_M)
+        if last:
+            _store_y(total, s_rows, bias_ptr, y_ptrs, offs_n, n_mask, out_mask, HAS_BIAS, PER_STEP_SCALE)
+
+
+@triton.jit
+def _store_y(acc, s_rows, bias_ptr, y_ptrs, offs_n, n_mask, out_mask, HAS_BIAS: tl.constexpr,
+             PER_STEP_SCALE: tl.constexpr):
+    """y = round(acc · the column's scale (one K block) + bias)."""
     if not PER_STEP_SCALE:
         acc *= tl.load(s_rows, mask=n_mask, other=0.0)[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+    tl.store(y_ptrs, acc.to(y_ptrs.dtype.element_ty), mask=out_mask)

@@ -57,17 +57,31 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, M, N
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
     else:
-        # part: [SPLIT_K, BLOCK_M, N] fp32, this split's sums; the counter's acq_rel atomic orders them before the
-        # last split's loads, which bypass L1 (.cg: other SMs wrote them)
-        tile = offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]
-        tl.store(part_ptr + pid_k.to(tl.int64) * BLOCK_M * N + tile, acc, mask=out_mask)
-        tl.debug_barrier()   # every thread's partials stored before the (one-thread) release below
-        done = tl.atomic_add(count_ptr + pid_n, 1)
-        if done == SPLIT_K - 1:
-            total = tl.load(part_ptr + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
-            for s in tl.static_range(1, SPLIT_K):
-                total += tl.load(part_ptr + s * BLOCK_M * N + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
+        last, total = _split_sum(acc, part_ptr, count_ptr, pid_n, pid_k, offs_m, offs_n, out_mask, N, SPLIT_K,
+                                 BLOCK_M)
+        if last:
             if HAS_BIAS:
                 total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
             tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(count_ptr + pid_n, 0)   # ready for the next launch (and graph replay)
+
+
+@triton.jit
+def _split_sum(acc, part_ptr, count_ptr, pid_n, pid_k, offs_m, offs_n, out_mask, N, SPLIT_K: tl.constexpr,
+               BLOCK_M: tl.constexpr):
+    """(last, total) of split pid_k's fp32 sums `acc` ([BLOCK_N, BLOCK_M]) for n tile pid_n: true and the splits'
+    sum in split order for the split that finishes last, which also resets the tile's counter (for the next launch
+    and graph replays); false for the others. Also the FP8 kernel's (fp8_kernels.py)."""
+    # part: [SPLIT_K, BLOCK_M, N] fp32, this split's sums; the counter's acq_rel atomic orders them before the
+    # last split's loads, which bypass L1 (.cg: other SMs wrote them)
+    tile = offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]
+    tl.store(part_ptr + pid_k.to(tl.int64) * BLOCK_M * N + tile, acc, mask=out_mask)
+    tl.debug_barrier()   # every thread's partials stored before the (one-thread) release below
+    done = tl.atomic_add(count_ptr + pid_n, 1)
+    last = done == SPLIT_K - 1
+    total = acc
+    if last:
+        total = tl.load(part_ptr + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
+        for s in tl.static_range(1, SPLIT_K):
+            total += tl.load(part_ptr + s * BLOCK_M * N + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(count_ptr + pid_n, 0)   # ready for the next launch (and graph replay)
+    return last, total

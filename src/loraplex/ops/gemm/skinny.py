@@ -131,14 +131,14 @@ def _block_m(rows: int) -> int:
     return max(16, 1 << (rows - 1).bit_length())
 
 
-def _buffers(device: torch.device, split: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def split_buffers(device: torch.device, split: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The fp32 partials [split, MAX_ROWS, n] and the zeroed counters (enough for 16-column tiles) of split
-    launches of width n."""
+    launches of width n (this kernel's and fp8_kernels.py's: launches on one stream take turns with them)."""
     key = (device, split, n)
     got = _WORKSPACES.get(key)
     if got is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"skinny_linear: no workspace yet for split {split} and N = {n}, and a CUDA graph is "
+            raise RuntimeError(f"split-K GEMM: no workspace yet for split {split} and N = {n}, and a CUDA graph is "
                                f"being captured; run the same shape once before capturing")
         got = (torch.empty(split, MAX_ROWS, n, dtype=torch.float32, device=device),
                torch.zeros(-(-n // 16), dtype=torch.int32, device=device))
@@ -274,7 +274,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     k_per_split = -(-k_tiles // split) * config.block_k
     split = -(-K // k_per_split)
     tiles = -(-N // config.block_n)
-    part, count = _buffers(x.device, split, N) if split > 1 else (out, out)
+    part, count = split_buffers(x.device, split, N) if split > 1 else (out, out)
     args = (x, weight, bias if bias is not None else out, out, part, count, M, N, K, k_per_split, x.stride(0),
             weight.stride(0), out.stride(0))
     consts = dict(HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_N=N % config.block_n == 0,
