@@ -201,9 +201,13 @@ def test_fp8_skinny_linear_in_bf16_on_the_gpu(M, block):
         pytest.skip("needs a CUDA GPU of compute capability 8.9 or more")
     m = random_matrix(12288, 4096, block, seed=7, device="cuda")
     x = torch.randn(M, 4096, device="cuda", dtype=torch.bfloat16)
-    y = fp8_skinny_linear(x, m)
-    torch.testing.assert_close(y.double().cpu(), loop_f64(x, m, None), rtol=1e-2, atol=1e-2)
+    want = loop_f64(x, m, None)
+    torch.testing.assert_close(fp8_skinny_linear(x, m).double().cpu(), want, rtol=1e-2, atol=1e-2)
     assert gemm.takes_input(x, m)
+    # a K split (the counters and partials across programs), twice: the counters reset for the next launch
+    split = SkinnyConfig(block_n=128, block_k=128, stages=4, split_k=4)
+    for _ in range(2):
+        torch.testing.assert_close(fp8_skinny_linear(x, m, config=split).double().cpu(), want, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.gpu
