@@ -153,6 +153,10 @@ def compile_kind(arch: int, dtype: str, kind: str) -> int:
         build(ak._decode_reduce_kernel, with_ones(ak._decode_reduce_kernel, dict(HEAD_DIM=128, SPLITS_PAD=2)),
               al.REDUCE_WARPS, 1)
     elif kind == "fp8kv":
+        wanted = dtype == "bf16"   # the launchers' choice for compiled kernels: ops/e4m3.py's conversion for bf16 q
+        if al.decode_constexprs(128, 4, PAGE, False, tdtype, al.decode_config(128, tdtype), fp8_kv=True)["E4M3_PTX"] \
+                != wanted:
+            raise RuntimeError(f"fp8kv {dtype}: the launchers' E4M3_PTX is not {wanted}")
         for D, Hkv in ((128, 8), (64, 32)):
             build(sk._store_kv_kernel, sk.store_kv_constexprs(Hkv, D, fp8=True), sk.STORE_WARPS, 1,
                   dict(FP8_KV, slot_ptr="*i64"))

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ... import envs
 from ..launch import Launcher, cdiv, pow2
 from .checks import KV_FP8
 from .kernels import _decode_kernel, _decode_reduce_kernel, _prefill_kernel
@@ -93,7 +92,7 @@ def _scales(fp8: bool, k_scale: torch.Tensor | None, v_scale: torch.Tensor | Non
 
 def _e4m3_ptx(fp8_kv: bool, dtype: torch.dtype) -> bool:
     """E4M3_PTX: an e4m3 cache's tiles converted to bf16 by ops/e4m3.py (compiled kernels only, not the interpreter)."""
-    return fp8_kv and dtype == torch.bfloat16 and not envs.triton_interpret()
+    return fp8_kv and dtype == torch.bfloat16 and _DECODE.compiles
 
 
 def _precision(dtype: torch.dtype) -> str:

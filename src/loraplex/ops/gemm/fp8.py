@@ -135,22 +135,19 @@ def fp8_skinny_linear(x: torch.Tensor, m: Fp8Matrix, bias: torch.Tensor | None =
     config = skinny.launched_config(config, M, x, w_bytes=1 if x.element_size() == 2 else None)
     block_k = _k_step(m, K, config.block_k)
     per_step = m.scale.shape[1] > 1
-    # each split a whole number of K steps (so none straddles a scale block); fewer where K has fewer steps
-    k_steps = -(-K // block_k)
-    k_per_split = -(-k_steps // min(config.split_k, k_steps)) * block_k
-    split = -(-K // k_per_split)
+    split, k_per_split = skinny.split_plan(K, block_k, config.split_k)   # (whole K steps: none straddles a scale)
     part, count = skinny.split_buffers(x.device, split, N) if split > 1 else (out, out)
     args = (x, m.qweight, m.scale, bias if bias is not None else out, out, part, count, M, N, K, k_per_split,
             x.stride(0), m.qweight.stride(0), m.scale.stride(0), out.stride(0), m.block[0], m.block[1])
-    consts = dict(HAS_BIAS=bias is not None, PER_STEP_SCALE=per_step, EVEN_N=N % config.block_n == 0,
-                  EVEN_K=K % block_k == 0, IEEE=x.dtype == torch.float32,
-                  # bf16 x on the GPU: q converted by fp8_kernels.py's inline PTX (not in Triton's interpreter)
-                  FAST_BF16=x.dtype == torch.bfloat16 and x.is_cuda and not envs.triton_interpret(),
-                  SPLIT_K=split, BLOCK_M=skinny.block_m(M), BLOCK_N=config.block_n, BLOCK_K=block_k)
     if not _KERNEL:
         from ..launch import Launcher
         from .fp8_kernels import _fp8_skinny_kernel
         _KERNEL.append(Launcher(_fp8_skinny_kernel))
+    consts = dict(HAS_BIAS=bias is not None, PER_STEP_SCALE=per_step, EVEN_N=N % config.block_n == 0,
+                  EVEN_K=K % block_k == 0, IEEE=x.dtype == torch.float32,
+                  # bf16 x on the GPU: q converted by ops/e4m3.py's inline PTX (compiled kernels only)
+                  FAST_BF16=x.dtype == torch.bfloat16 and x.is_cuda and _KERNEL[0].compiles,
+                  SPLIT_K=split, BLOCK_M=skinny.block_m(M), BLOCK_N=config.block_n, BLOCK_K=block_k)
     _KERNEL[0]((-(-N // config.block_n), split), args, consts, config.warps, config.stages)
     return out
 

@@ -131,6 +131,14 @@ def _block_m(rows: int) -> int:
     return max(16, 1 << (rows - 1).bit_length())
 
 
+def split_plan(K: int, block_k: int, split_k: int) -> tuple[int, int]:
+    """(splits, K per split) of a launch: each split a whole number of K steps of block_k; fewer splits where K has
+    fewer steps than split_k (this kernel's and fp8_kernels.py's)."""
+    k_steps = -(-K // block_k)
+    k_per_split = -(-k_steps // min(split_k, k_steps)) * block_k
+    return -(-K // k_per_split), k_per_split
+
+
 def split_buffers(device: torch.device, split: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The fp32 partials [split, MAX_ROWS, n] and the zeroed counters (enough for 16-column tiles) of split
     launches of width n (this kernel's and fp8_kernels.py's: launches on one stream take turns with them)."""
@@ -268,11 +276,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         config = _picked(N, K, x.device.index if x.is_cuda else None)
     block_m = _block_m(M)
     config = launched_config(config, M, x)
-    # each split a whole number of K tiles; fewer splits where K has fewer tiles than splits
-    k_tiles = -(-K // config.block_k)
-    split = min(config.split_k, k_tiles)
-    k_per_split = -(-k_tiles // split) * config.block_k
-    split = -(-K // k_per_split)
+    split, k_per_split = split_plan(K, config.block_k, config.split_k)
     tiles = -(-N // config.block_n)
     part, count = split_buffers(x.device, split, N) if split > 1 else (out, out)
     args = (x, weight, bias if bias is not None else out, out, part, count, M, N, K, k_per_split, x.stride(0),
