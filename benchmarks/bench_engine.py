@@ -8,7 +8,9 @@ all submitted at once; `max_num_seqs` of 32 and 256 (`--batches`). Variants on t
 - shared: every request uses one adapter;
 - composed (on request): request i combines two rank-16 adapters of its own, {a(2i): 0.7, a(2i+1): 0.3};
 - merged (on request): request i uses a rank-32 adapter of its own (what merging its pair offline builds).
-The composed/merged pair runs in an engine of its own whose pool holds both ranks (R = 32).
+Each of composed and merged runs in an engine whose pool is as wide as its adapters (R = 16 and 32: what each
+deployment would configure); `--compose-pool shared` runs the pair in one engine whose pool holds both (R = 32,
+so each rank-16 member's B rows are padded to 32 ranks).
 `--quantizations none,fp8` runs every variant with bf16 weights and again with FP8 ones (`--quantization fp8`:
 e4m3, a scale per output channel, quantized at load), each in an engine of its own, in one process; `fp8kv`: FP8
 weights and an FP8 KV cache (`--kv-cache-dtype fp8`, scales 1.0).
@@ -113,6 +115,8 @@ def main(argv=None) -> None:
                     help="measured runs per variant, interleaved across variants; each row is the median-tokens/s run")
     ap.add_argument("--quantizations", default="none",
                     help="comma-separated: none (bf16), fp8 (FP8 weights), fp8kv (FP8 weights and an FP8 KV cache)")
+    ap.add_argument("--compose-pool", choices=("own", "shared"), default="own",
+                    help="composed and merged in pools as wide as their adapters (own) or in one R = 32 pool")
     ap.add_argument("--profile", type=Path,
                     help="also write each engine's kernel times of full-batch decode steps, a column per variant "
                          "(step_profile.py), to this markdown file")
@@ -128,17 +132,17 @@ def main(argv=None) -> None:
     result = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,
                   preset=args.preset, layers=args.layers, rank=RANK, output_tokens=OUTPUT_TOKENS, repeats=args.repeats,
                   settings=envs.snapshot(),   # the LORAPLEX_* settings the run had
-                  copy_gbs=copy_gbs, rows=[], profiles={})
+                  compose_pool=args.compose_pool, copy_gbs=copy_gbs, rows=[], profiles={})
     for B in map(int, args.batches.split(",")):
         for mode in args.modes.split(","):
             if mode == "eager" and str(B) not in args.eager_batches.split(","):
                 continue
             for quant in args.quantizations.split(","):
-                for variants in _groups(args.variants.split(",")):
+                for variants in _groups(args.variants.split(","), args.compose_pool == "shared"):
                     rows, profiles = run_group(args, B, mode, variants, copy_gbs, quant)
                     result["rows"] += rows
                     if profiles:
-                        result["profiles"][f"max seqs {B}, {mode}, {quant} weights"] = profiles
+                        result["profiles"].setdefault(f"max seqs {B}, {mode}, {quant} weights", {}).update(profiles)
                     _write(result, args)   # after each engine: a run cut short keeps what it measured
     print(markdown(result))
 
@@ -159,12 +163,12 @@ QUANTIZATIONS = ("none", "fp8", "fp8kv")
 _warmed: list[bool] = []   # a run has warmed this process up
 
 
-def _groups(variants: list[str]) -> list[list[str]]:
-    """The variants run in one engine each: the plain ones (rank-16 pool), and the composition pair (a pool of
-    rank-16 members and rank-32 merged adapters, R = 32 wide)."""
+def _groups(variants: list[str], shared_compose_pool: bool) -> list[list[str]]:
+    """The variants that share an engine: the plain ones (a rank-16 pool), then composed (a rank-16 pool) and
+    merged (rank 32) each in its own, or the two in one pool of both ranks (R = 32) where `shared_compose_pool`."""
     plain = [v for v in variants if v not in COMPOSE_VARIANTS]
     compose = [v for v in variants if v in COMPOSE_VARIANTS]
-    return [g for g in (plain, compose) if g]
+    return [g for g in [plain] + ([compose] if shared_compose_pool else [[v] for v in compose]) if g]
 
 
 def _adapter(variant: str, i: int, B: int):
@@ -175,21 +179,23 @@ def _adapter(variant: str, i: int, B: int):
     return {"backbone": None, "shared": "a0", "distinct": f"a{i % B}", "merged": f"m{i % B}"}[variant]
 
 
-def _engine(args, B: int, mode: str, compose: bool, quant: str) -> tuple[Engine, float]:
-    """An engine with its adapters resident: B rank-16 ones, or for the composition pair 2B rank-16 members and
-    B rank-32 merged ones in a pool R = 32 wide; base weights in bf16 or FP8, and an FP8 KV cache for fp8kv
-    (`quant`)."""
+def _engine(args, B: int, mode: str, variants: list[str], quant: str) -> tuple[Engine, float]:
+    """An engine with the adapters of `variants` resident: B rank-16 ones (the plain variants), 2B rank-16 members
+    (composed) and B rank-32 merged ones (merged), in a pool as wide as the largest; base weights in bf16 or FP8,
+    and an FP8 KV cache for fp8kv (`quant`)."""
+    plain = [v for v in variants if v not in COMPOSE_VARIANTS]
+    rank16 = 2 * B if "composed" in variants else B if plain else 0
+    names = [(f"a{i}", RANK) for i in range(rank16)] + \
+        ([(f"m{i}", 2 * RANK) for i in range(B)] if "merged" in variants else [])
     config = EngineConfig(model=f"dummy:{args.preset}", dummy_layers=args.layers, dtype="bfloat16",
                           quantization=None if quant == "none" else "fp8",
                           kv_cache_dtype="fp8" if quant == "fp8kv" else "auto",
-                          max_num_seqs=B, max_num_batched_tokens=max(2048, B), max_gpu_adapters=3 * B if compose else B,
-                          max_lora_rank=2 * RANK if compose else RANK, max_cpu_adapters=0,
+                          max_num_seqs=B, max_num_batched_tokens=max(2048, B), max_gpu_adapters=len(names),
+                          max_lora_rank=max(rank for _, rank in names), max_cpu_adapters=0,
                           enforce_eager=(mode == "eager"), cuda_graph_max_batch=B, max_model_len=1024)
     t0 = time.perf_counter()
     engine = Engine(config)
     setup_s = time.perf_counter() - t0
-    names = [(f"a{i}", RANK) for i in range(2 * B if compose else B)] + \
-        ([(f"m{i}", 2 * RANK) for i in range(B)] if compose else [])
     for i, (name, rank) in enumerate(names):
         engine.adapters.register_synthetic(name, rank, seed=i + 1)
     for name, _ in names:
@@ -203,7 +209,7 @@ def run_group(args, B: int, mode: str, variants: list[str], copy_gbs: float,
               quant: str = "none") -> tuple[list[dict], dict]:
     """Each variant `--repeats` times in one engine, interleaved: a row per variant (its median run), and with
     `--profile` each variant's kernel times (step_profile.py)."""
-    engine, setup_s = _engine(args, B, mode, variants[0] in COMPOSE_VARIANTS, quant)
+    engine, setup_s = _engine(args, B, mode, variants, quant)
     print(f"B={B} {mode} {quant} engine for {','.join(variants)}: set up in {setup_s:.0f} s", flush=True)
     model = engine.runner.model
     work = prompts(args.waves * B, model.config.vocab_size)
@@ -258,17 +264,21 @@ def markdown(res: dict) -> str:
     base = {key(r): r["tokens_per_s"] for r in res["rows"] if r["variant"] == "backbone"}
     for r in res["rows"]:
         step, gpu = r["full_decode_step_ms"], r.get("full_decode_gpu_ms")
-        rel = r["tokens_per_s"] / base[key(r)] if key(r) in base else float("nan")
+        rel = f"{r['tokens_per_s'] / base[key(r)]:.3f}" if key(r) in base else "–"
         weights = {"none": "bf16", "fp8kv": "fp8, fp8 KV"}.get(r.get("quantization", "none"), r.get("quantization"))
         steps = (f"{step:.2f} | {gpu:.2f} | " if gpu else f"{step:.2f} | – | ") if step else "– | – | "
         floor = f"{r['floor_ms']:.2f} | {step / r['floor_ms']:.2f}× | " if step else "– | – | "
         name = r["variant"]
         prompt_gpu = f"{r['prefill_gpu_ms']:.1f}" if r.get("prefill_gpu_ms") else "–"
-        lines.append(f"| {r['batch']} | {r['mode']} | {weights} | {name} | {r['tokens_per_s']:.0f} | {rel:.3f} | "
+        lines.append(f"| {r['batch']} | {r['mode']} | {weights} | {name} | {r['tokens_per_s']:.0f} | {rel} | "
                      f"{steps}{floor}{r['prefill_step_ms']:.1f} | {prompt_gpu} | {r['graph_steps']}/{r['steps']} |")
     lines += ["", "Floor: (weights + KV bytes of the batch's mean context + each used adapter once) / copy "
               "bandwidth. Step times are wall times of the engine's whole step (host work included); the GPU span "
               "is the step's inputs, forward and sampling on the GPU."]
+    if any(r["variant"] in COMPOSE_VARIANTS for r in res["rows"]):
+        lines += ["", "composed: two rank-16 adapters a request (0.7 / 0.3); merged: one rank-32 adapter a request; "
+                  + ("both in one pool of rank 32." if res.get("compose_pool") == "shared" else
+                     "each in a pool as wide as its adapters (16 and 32).")]
     return "\n".join(lines) + "\n"
 
 

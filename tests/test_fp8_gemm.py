@@ -237,8 +237,13 @@ def test_w8a8_on_the_gpu_matches_the_cpu_loop():
     m = random_matrix(4096, 4096, (1, 4096), seed=8, device="cuda")
     x = torch.randn(256, 4096, device="cuda", dtype=torch.bfloat16)
     assert fp8.w8a8_takes(x, m)
-    xq, sx = quantize_rows(x)
-    want = (xq.double() * sx.double()).cpu() @ (m.qweight.double() * m.scale.double()).cpu().T
+    xq, sx = quantize_rows(x.cpu())   # the CPU's IEEE divisions: the documented semantics
+    from loraplex.ops.gemm.quantize_kernel import quantize_rows_fused
+    fused_q, fused_s = quantize_rows_fused(x)
+    assert torch.equal(fused_s.cpu(), sx) and torch.equal(fused_q.cpu().view(torch.uint8), xq.view(torch.uint8))
+    gpu_q, gpu_s = quantize_rows(x)   # torch's own kernels on the GPU round alike
+    assert torch.equal(gpu_s.cpu(), sx) and torch.equal(gpu_q.cpu().view(torch.uint8), xq.view(torch.uint8))
+    want = (xq.double() * sx.double()) @ (m.qweight.double() * m.scale.double()).cpu().T
     torch.testing.assert_close(w8a8_linear(x, m).double().cpu(), want, rtol=1e-2, atol=1e-1)
 
 

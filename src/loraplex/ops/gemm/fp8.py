@@ -103,7 +103,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     past E4M3_MAX."""
     x32 = x.to(torch.float32)
     amax = x32.abs().amax(dim=1, keepdim=True)
-    s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # A tensor divisor: CUDA torch multiplies by a Python scalar's reciprocal, which can round s an ulp away from
+    # the division (and the CPU's, and quantize_kernel.py's, result).
+    s = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
     return (x32 / s).clamp_(-E4M3_MAX, E4M3_MAX).to(FP8), s
 
 
