@@ -118,8 +118,8 @@ def main(argv=None) -> None:
     ap.add_argument("--compose-pool", choices=("own", "shared"), default="own",
                     help="composed and merged in pools as wide as their adapters (own) or in one R = 32 pool")
     ap.add_argument("--profile", type=Path,
-                    help="also write each engine's kernel times of full-batch decode steps, a column per variant "
-                         "(step_profile.py), to this markdown file")
+                    help="also write each engine's kernel times of full-batch decode steps and of prompt steps, a "
+                         "column per variant (step_profile.py), to this markdown file")
     ap.add_argument("--out")
     ap.add_argument("--md")
     args = ap.parse_args(argv)
@@ -141,8 +141,9 @@ def main(argv=None) -> None:
                 for variants in _groups(args.variants.split(","), args.compose_pool == "shared"):
                     rows, profiles = run_group(args, B, mode, variants, copy_gbs, quant)
                     result["rows"] += rows
-                    if profiles:
-                        result["profiles"].setdefault(f"max seqs {B}, {mode}, {quant} weights", {}).update(profiles)
+                    for steps, by_variant in profiles.items():
+                        result["profiles"].setdefault(f"max seqs {B}, {mode}, {quant} weights, {steps}",
+                                                      {}).update(by_variant)
                     _write(result, args)   # after each engine: a run cut short keeps what it measured
     print(markdown(result))
 
@@ -153,7 +154,8 @@ def _write(result: dict, args) -> None:
     if args.md:
         Path(args.md).write_text(markdown(result))
     if args.profile and result["profiles"]:
-        args.profile.write_text(f"# Kernel time of full-batch decode steps — {result['gpu']}, {result['date']}\n\n"
+        args.profile.write_text(f"# Kernel time of full-batch decode steps and of prompt steps — {result['gpu']}, "
+                                f"{result['date']}\n\n"
                                 + "\n".join(f"## {name}\n\n{step_profile.markdown(p)}"
                                             for name, p in result["profiles"].items()))
 
@@ -241,8 +243,11 @@ def run_group(args, B: int, mode: str, variants: list[str], copy_gbs: float,
         step = f"{row['full_decode_step_ms']:.2f} ms" if row["full_decode_step_ms"] else "–"
         print(f"B={B} {mode} {quant} {variant}: {row['tokens_per_s']:.0f} tokens/s, full-batch decode step {step}, "
               f"floor {floor_ms:.2f} ms (runs {row['repeats_tokens_per_s']})", flush=True)
-    profiles = {v: step_profile.profile_decode(engine, work, [_adapter(v, i, B) for i in range(len(work))])
-                for v in variants} if args.profile else {}
+    profiles: dict[str, dict] = {"decode steps": {}, "prompt steps": {}} if args.profile else {}
+    for v in variants if args.profile else []:
+        adapters = [_adapter(v, i, B) for i in range(len(work))]
+        profiles["decode steps"][v] = step_profile.profile_decode(engine, work, adapters)
+        profiles["prompt steps"][v] = step_profile.profile_prompts(engine, work, adapters)
     engine.close()
     del engine, model
     torch.cuda.empty_cache()

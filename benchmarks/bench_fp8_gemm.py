@@ -8,8 +8,9 @@ layer, side by side in one run.
   `fp8`); the floors are each weight's bytes over the copy bandwidth measured in the same run (bf16: 2 bytes an
   element, FP8: 1). `--configs-out` writes each shape's fastest per-column tiles at the first row count (the file
   ops/gemm/fp8.py reads, tuned_fp8.json, when written there); and W8A8 (below) at the same rows;
-- prompt rows (128, 512, 2048): cuBLAS bf16, W8A8 (each row of x quantized to e4m3, then torch._scaled_mm: what
-  LORAPLEX_FP8_W8A8 picks) and the weight dequantized for cuBLAS (the fallback).
+- prompt rows (128, 512, 1337, 2048; 1337 as an engine step's rows, rarely a multiple of 16): cuBLAS bf16, W8A8
+  (each row of x quantized to e4m3, then torch._scaled_mm: what LORAPLEX_FP8_W8A8 picks) and the weight
+  dequantized for cuBLAS (the fallback).
 Every timing replays a CUDA graph of calls over rotating weight copies (together past the L2), median of
 CUDA-event timings after warm-up. Each FP8 output is checked against the dequantized weight's cuBLAS product first.
 
@@ -161,7 +162,7 @@ def layer_sums(result: dict, M: int) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="32,16,1", help="decode row counts")
-    ap.add_argument("--prompt-rows", default="128,512,2048")
+    ap.add_argument("--prompt-rows", default="128,512,1337,2048")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--md", type=Path)
     ap.add_argument("--configs-out", type=Path, help="write each shape's fastest per-column FP8 tiles (JSON)")
@@ -171,7 +172,8 @@ def main(argv=None) -> None:
         _smoke_settings()
     torch.manual_seed(0)
     copy_gbs = 1.0 if args.smoke else copy_bandwidth_gbs()
-    result = dict(gpu="cpu (smoke run)" if args.smoke else torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,
+    result = dict(gpu="cpu (smoke run)" if args.smoke else torch.cuda.get_device_name(),
+                  date=datetime.date.today().isoformat(), torch=torch.__version__,
                   triton=__import__("triton").__version__, settings=envs.snapshot(), copy_gbs=copy_gbs, decode={},
                   prompt={}, layer={})
     best_tiles: dict[str, list] = {}

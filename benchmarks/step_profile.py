@@ -1,5 +1,5 @@
-"""GPU time per kernel of an engine's full-batch decode steps (torch.profiler over CUDA graph replays), for
-`bench_engine.py --profile`: where one variant's step spends the time another's does not.
+"""GPU time per kernel of an engine's full-batch decode steps (torch.profiler over CUDA graph replays) and of its
+prompt steps, for `bench_engine.py --profile`: where one variant's step spends the time another's does not.
 
 Kernel durations are summed per kernel name and divided by the profiled steps, so launch gaps and overlap
 between streams are not in them: `span_us` (first kernel start to last kernel end, per step) is.
@@ -16,23 +16,41 @@ from loraplex import SamplingParams
 def profile_decode(engine, prompts: list[list[int]], adapters: list, steps: int = 8) -> dict:
     """Run one request per prompt, and profile `steps` decode steps in which every sequence decodes:
     {"steps", "span_us", "kernels": {name: µs per step}} (the kernels' names as the profiler gives them)."""
-    from torch.profiler import ProfilerActivity, profile
     B = engine.config.max_num_seqs
-    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
-    for i, (p, a) in enumerate(zip(prompts[:B], adapters[:B])):
-        engine.add_request(f"profile{i}", p, params, a)
+    _add(engine, prompts[:B], adapters[:B], max_tokens=steps + 8)
     while engine.has_unfinished():   # up to the first full decode step
         engine.step()
         info = engine.last_step
         if info is not None and info.decode and info.num_seqs == B:
             break
+    return _profile(engine, steps, lambda info: info.decode and info.num_seqs == B)
+
+
+def profile_prompts(engine, prompts: list[list[int]], adapters: list, steps: int = 4) -> dict:
+    """Run one request per prompt (up to max_num_seqs) from an idle engine, and profile its first `steps` steps
+    that carry prompt tokens (chunked prefill beside the decodes of sequences whose prompts are done), as
+    `profile_decode` reports them."""
+    B = engine.config.max_num_seqs
+    _add(engine, prompts[:B], adapters[:B], max_tokens=4)
+    return _profile(engine, steps, lambda info: not info.decode)
+
+
+def _add(engine, prompts: list[list[int]], adapters: list, max_tokens: int) -> None:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, (p, a) in enumerate(zip(prompts, adapters)):
+        engine.add_request(f"profile{i}", p, params, a)
+
+
+def _profile(engine, steps: int, counts) -> dict:
+    """Profile steps until `steps` of them satisfy `counts(engine.last_step)`, then run the engine dry."""
+    from torch.profiler import ProfilerActivity, profile
     _sync()
     done = 0
     with profile(activities=[ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU]) as prof:
         while engine.has_unfinished() and done < steps:
             engine.step()
             info = engine.last_step
-            done += bool(info is not None and info.decode and info.num_seqs == B)
+            done += bool(info is not None and counts(info))
         _sync()
     while engine.has_unfinished():
         engine.step()

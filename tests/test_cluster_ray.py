@@ -313,6 +313,10 @@ def test_migration_keeps_the_stream_and_the_greedy_output(cluster):
     reference = [_complete(cluster, "loraplex-demo", p, 40)["choices"][0]["text"] for p in prompts]
     short, roomy = sorted(cluster.reports())
     before = sum(cluster.metric("loraplex_migrations_total").values())
+    # the references' replica reported idle first: consolidation sends new requests to a busy replica, which a
+    # late report would make of the roomy one, and none would reach the short one
+    cluster.wait(lambda: all(r["running"] == 0 and r["waiting"] == 0 for r in cluster.reports().values()),
+                 "every replica idle")
     cluster.hold({short: 64 - 12, roomy: 0})   # 12 blocks of 8 tokens: three prompts, not their 40 tokens each
     try:
         async def main():

@@ -1,11 +1,12 @@
 """benchmarks/step_profile.py (bench_engine.py --profile): it profiles the asked-for number of full-batch decode
-steps and leaves the engine with nothing unfinished; its table ranks kernels and sums each variant's."""
+steps, or of prompt steps, and leaves the engine with nothing unfinished; its table ranks kernels and sums each
+variant's."""
 from loraplex.config import EngineConfig
 from loraplex.demo.assets import demo_adapters, demo_model_dir
 from loraplex.engine import Engine
 
 
-def test_profile_decode_counts_full_batch_steps_and_finishes(monkeypatch):
+def test_profiles_count_the_asked_for_steps_and_finish(monkeypatch):
     from benchmark_modules import load_benchmark
     step_profile = load_benchmark(monkeypatch, "step_profile")
     engine = Engine(EngineConfig(str(demo_model_dir()), device="cpu", dtype="float32", num_kv_blocks=64, block_size=8,
@@ -13,8 +14,14 @@ def test_profile_decode_counts_full_batch_steps_and_finishes(monkeypatch):
                     demo_adapters())
     names = sorted(demo_adapters())
     prompts = [[5, 9, 13, 2, 7], [4, 4, 8], [11, 3, 6, 10]]
-    got = step_profile.profile_decode(engine, prompts, [names[0], {names[0]: 0.5, names[1]: 0.5}, None], steps=4)
+    adapters = [names[0], {names[0]: 0.5, names[1]: 0.5}, None]
+    got = step_profile.profile_decode(engine, prompts, adapters, steps=4)
     assert got["steps"] == 4
+    assert not engine.has_unfinished()
+    # prompt steps: 40-token prompts at 64 tokens a step take two steps or more; the profile counts two
+    long = [[(7 * i + j) % 50 + 3 for j in range(40)] for i in range(3)]
+    got = step_profile.profile_prompts(engine, long, adapters, steps=2)
+    assert got["steps"] == 2 and got["span_us"] >= 0
     assert not engine.has_unfinished()
     engine.close()
 
