@@ -13,7 +13,8 @@ deployment would configure); `--compose-pool shared` runs the pair in one engine
 so each rank-16 member's B rows are padded to 32 ranks).
 `--quantizations none,fp8` runs every variant with bf16 weights and again with FP8 ones (`--quantization fp8`:
 e4m3, a scale per output channel, quantized at load), each in an engine of its own, in one process; `fp8kv`: FP8
-weights and an FP8 KV cache (`--kv-cache-dtype fp8`, scales 1.0).
+weights and an FP8 KV cache (`--kv-cache-dtype fp8`, scales 1.0); `fp8-x16`, `fp8kv-x16`: the same with the FP8
+decode GEMM's fp16 route (ops/gemm/fp8.py's X_F16) for the engine's life.
 Adapters are synthetic (no files) and made resident before timing, so the runs measure serving,
 not loading. Each variant runs with CUDA graphs, and at `--eager-batches` also with `enforce_eager`.
 
@@ -52,6 +53,7 @@ import step_profile  # noqa: E402
 from loraplex import SamplingParams, envs  # noqa: E402
 from loraplex.config import EngineConfig  # noqa: E402
 from loraplex.engine import Engine  # noqa: E402
+from loraplex.ops.gemm import fp8 as fp8_gemm  # noqa: E402
 
 RANK = 16
 OUTPUT_TOKENS = 128
@@ -114,7 +116,8 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=1,
                     help="measured runs per variant, interleaved across variants; each row is the median-tokens/s run")
     ap.add_argument("--quantizations", default="none",
-                    help="comma-separated: none (bf16), fp8 (FP8 weights), fp8kv (FP8 weights and an FP8 KV cache)")
+                    help="comma-separated: none (bf16), fp8 (FP8 weights), fp8kv (FP8 weights and an FP8 KV cache); "
+                         "fp8-x16, fp8kv-x16: with the FP8 decode GEMM's fp16 route")
     ap.add_argument("--compose-pool", choices=("own", "shared"), default="own",
                     help="composed and merged in pools as wide as their adapters (own) or in one R = 32 pool")
     ap.add_argument("--profile", type=Path,
@@ -161,7 +164,7 @@ def _write(result: dict, args) -> None:
 
 
 COMPOSE_VARIANTS = ("composed", "merged")
-QUANTIZATIONS = ("none", "fp8", "fp8kv")
+QUANTIZATIONS = ("none", "fp8", "fp8kv", "fp8-x16", "fp8kv-x16")
 _warmed: list[bool] = []   # a run has warmed this process up
 
 
@@ -191,7 +194,7 @@ def _engine(args, B: int, mode: str, variants: list[str], quant: str) -> tuple[E
         ([(f"m{i}", 2 * RANK) for i in range(B)] if "merged" in variants else [])
     config = EngineConfig(model=f"dummy:{args.preset}", dummy_layers=args.layers, dtype="bfloat16",
                           quantization=None if quant == "none" else "fp8",
-                          kv_cache_dtype="fp8" if quant == "fp8kv" else "auto",
+                          kv_cache_dtype="fp8" if quant.startswith("fp8kv") else "auto",
                           max_num_seqs=B, max_num_batched_tokens=max(2048, B), max_gpu_adapters=len(names),
                           max_lora_rank=max(rank for _, rank in names), max_cpu_adapters=0,
                           enforce_eager=(mode == "eager"), cuda_graph_max_batch=B, max_model_len=1024)
@@ -211,6 +214,7 @@ def run_group(args, B: int, mode: str, variants: list[str], copy_gbs: float,
               quant: str = "none") -> tuple[list[dict], dict]:
     """Each variant `--repeats` times in one engine, interleaved: a row per variant (its median run), and with
     `--profile` each variant's kernel times (step_profile.py)."""
+    fp8_gemm.X_F16 = quant.endswith("-x16")   # read at each call: set for this engine's warm-up, graphs and runs
     engine, setup_s = _engine(args, B, mode, variants, quant)
     print(f"B={B} {mode} {quant} engine for {','.join(variants)}: set up in {setup_s:.0f} s", flush=True)
     model = engine.runner.model
@@ -234,7 +238,7 @@ def run_group(args, B: int, mode: str, variants: list[str], copy_gbs: float,
         res = ordered[(len(ordered) - 1) // 2]   # the median run (the lower middle of an even count)
         used = {"backbone": 0, "shared": 1, "distinct": B, "composed": 2 * B, "merged": 2 * B}[variant]
         ctx = res["mean_full_context"] or 0
-        kv = kv_bytes(model, int(ctx * B)) // (2 if quant == "fp8kv" else 1)   # (kv_bytes: 16-bit values)
+        kv = kv_bytes(model, int(ctx * B)) // (2 if quant.startswith("fp8kv") else 1)   # (kv_bytes: 16-bit values)
         floor_ms = (weight_bytes(model, B) + kv +
                     used * adapter_bytes(model)) / (copy_gbs * 1e9) * 1e3   # (merged: rank 32 = 2 × rank 16)
         row = dict(batch=B, mode=mode, variant=variant, quantization=quant, setup_s=setup_s, floor_ms=floor_ms,
@@ -251,6 +255,7 @@ def run_group(args, B: int, mode: str, variants: list[str], copy_gbs: float,
     engine.close()
     del engine, model
     torch.cuda.empty_cache()
+    fp8_gemm.X_F16 = False
     return rows, profiles
 
 
@@ -270,7 +275,8 @@ def markdown(res: dict) -> str:
     for r in res["rows"]:
         step, gpu = r["full_decode_step_ms"], r.get("full_decode_gpu_ms")
         rel = f"{r['tokens_per_s'] / base[key(r)]:.3f}" if key(r) in base else "–"
-        weights = {"none": "bf16", "fp8kv": "fp8, fp8 KV"}.get(r.get("quantization", "none"), r.get("quantization"))
+        weights = {"none": "bf16", "fp8kv": "fp8, fp8 KV", "fp8-x16": "fp8 (fp16 route)",
+                   "fp8kv-x16": "fp8 (fp16 route), fp8 KV"}.get(r.get("quantization", "none"), r.get("quantization"))
         steps = (f"{step:.2f} | {gpu:.2f} | " if gpu else f"{step:.2f} | – | ") if step else "– | – | "
         floor = f"{r['floor_ms']:.2f} | {step / r['floor_ms']:.2f}× | " if step else "– | – | "
         name = r["variant"]

@@ -9,7 +9,8 @@ layer, side by side in one run.
   element, FP8: 1). `--configs-out` writes each shape's fastest per-column tiles at the first row count (the file
   ops/gemm/fp8.py reads, tuned_fp8.json, when written there); W8A8 (below) at the same rows; and, as a diagnostic
   of what converting q costs, the FP8 kernel's default tiles on x in fp16 (q converted by the hardware's paired
-  e4m3 → fp16 instruction, where bf16 x takes ops/e4m3.py's integer operations);
+  e4m3 → fp16 instruction, where bf16 x takes ops/e4m3.py's integer operations), and that route for bf16 x as
+  the engine would run it (`x_f16`: quantize_kernel.py's `rows_to_f16` launch first);
 - prompt rows (128, 512, 1337, 2048; 1337 as an engine step's rows, rarely a multiple of 16): cuBLAS bf16, W8A8
   (each row of x quantized to e4m3, then torch._scaled_mm: what LORAPLEX_FP8_W8A8 picks) and the weight
   dequantized for cuBLAS (the fallback).
@@ -138,6 +139,9 @@ def decode_entry(name: str, M: int, bf16: list, fp8: dict, copy_gbs: float,
     x16 = x.to(torch.float16)
     check(fp8_skinny_linear(x16, fp8["column"][0]), F.linear(x16, fp8["column"][0].dequantize(torch.float16)))
     e["fp8_column_f16x_us"] = per_call_us([lambda m=m: fp8_skinny_linear(x16, m) for m in fp8["column"]])
+    # the fp16 route for bf16 x as the engine would run it (X_F16: rows_to_f16's launch, then the kernel)
+    check(fp8_skinny_linear(x, fp8["column"][0], x_f16=True), F.linear(x, fp8["column"][0].dequantize(DTYPE)))
+    e["fp8_column_x16_us"] = per_call_us([lambda m=m: fp8_skinny_linear(x, m, x_f16=True) for m in fp8["column"]])
     return e
 
 
@@ -163,6 +167,7 @@ def layer_sums(result: dict, M: int) -> dict:
             ("fp8_column", lambda e: e["fp8_column"]["us"] or float("nan")),
             ("fp8_column_default", lambda e: e["fp8_column"]["default_us"]),
             ("fp8_column_f16x", lambda e: e["fp8_column_f16x_us"]),
+            ("fp8_column_x16", lambda e: e["fp8_column_x16_us"]),
             ("fp8_block128", lambda e: e["fp8_block128"]["us"] or float("nan")))}
     return out
 
@@ -233,13 +238,14 @@ def markdown(r: dict) -> str:
              f"torch {r['torch']}, Triton {r['triton']}; copy bandwidth {r['copy_gbs']:.0f} GB/s; µs per call in "
              "CUDA graphs over rotating weight copies.", "", "A layer's four projections at decode rows:", "",
              "| model @ rows | bf16 floor | FP8 floor | cuBLAS bf16 | Triton bf16 | FP8 per column (best / default "
-             "tiles) | FP8 128×128 | W8A8 | FP8, fp16 x (diagnostic) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "tiles) | FP8 128×128 | W8A8 | FP8, fp16 x (diagnostic) | FP8, fp16 route (x16) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for M, models in r["layer"].items():
         for model, s in models.items():
             lines.append(f"| {model} @ {M} | {s['floor_bf16']} | {s['floor_fp8']} | {s['cublas_bf16']} | "
                          f"{s['skinny_bf16']} | {s['fp8_column']} / {s['fp8_column_default']} | "
-                         f"{s['fp8_block128']} | {s['w8a8']} | {s.get('fp8_column_f16x', '–')} |")
+                         f"{s['fp8_block128']} | {s['w8a8']} | {s.get('fp8_column_f16x', '–')} | "
+                         f"{s.get('fp8_column_x16', '–')} |")
     lines += ["", "Prompt rows: cuBLAS bf16 against W8A8 (quantize + torch._scaled_mm) and the dequantized weight:", "",
               "| shape @ rows | cuBLAS bf16 | W8A8 | dequantized + cuBLAS |", "|---|---:|---:|---:|"]
     for key, e in r["prompt"].items():

@@ -69,6 +69,47 @@ def test_fp8_skinny_linear_matches_the_float64_loop(case, with_bias, dtype):
         assert ((y.double() - want).abs() <= 1e-5 * (size + 1)).all()
 
 
+@interpreted
+@pytest.mark.parametrize("case", [0, 1, 4, 6, 7])
+def test_the_fp16_route_matches_the_float64_loop_on_bf16_rows(case):
+    """X_F16 (bf16 x through `rows_to_f16`, fp16 products, r[m] in the epilogue) against the loop, rows from 1e-30
+    to 1e30 (past fp16's range either way: each row's power of two brings it in), bias and K splits included."""
+    M, N, K, block, cfg = CASES[case]
+    m = random_matrix(N, K, block, seed=case)
+    g = torch.Generator().manual_seed(200 + case)
+    x = (torch.randn(M, K, generator=g) * torch.logspace(-30, 30, M)[:, None]).to(torch.bfloat16)
+    bias = torch.randn(N, generator=g).to(torch.bfloat16)
+    y = fp8_skinny_linear(x, m, bias, config=cfg, x_f16=True)
+    want = loop_f64(x, m, bias)
+    assert y.dtype == torch.bfloat16 and y.shape == (M, N)
+    torch.testing.assert_close(y.double(), want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rows_to_f16_scales_each_row_by_a_power_of_two_exactly(dtype):
+    """quantize_kernel.py's `rows_to_f16` (the interpreter here): x16 · r equals x bit for bit for every value down
+    to 2^-31 of its row's largest; each row's largest lands in [2^14, 2^15); a zero row keeps r = 1."""
+    from loraplex.ops.gemm.quantize_kernel import rows_to_f16
+    g = torch.Generator().manual_seed(12)
+    wide = dtype == torch.bfloat16   # (rows as small as 1e-25 keep e above the clamp at -100)
+    x = torch.randn(7, 300, generator=g) * torch.logspace(-25 if wide else -4, 30 if wide else 4, 7)[:, None]
+    x[3] = 0
+    x[4, :3] = torch.tensor([65504.0, -1e-3, 2.0 ** -14])
+    x = x.to(dtype)
+    x16, r = rows_to_f16(x)
+    assert x16.dtype == torch.float16 and r.shape == (7,)
+    assert r[3] == 1 and torch.equal(x16[3], torch.zeros(300, dtype=torch.float16))
+    assert torch.equal(torch.log2(r), torch.log2(r).round())   # powers of two
+    big = x16.float().abs().amax(dim=1)
+    assert ((big >= 2 ** 14) & (big < 2 ** 15))[torch.arange(7) != 3].all()
+    back = x16.double() * r.double()[:, None]
+    kept = x.double().abs() >= 2.0 ** -31 * x.double().abs().amax(dim=1, keepdim=True)
+    assert torch.equal(back[kept], x.double()[kept])
+    assert ((back - x.double()).abs() <= 2.0 ** -38 * x.double().abs().amax(dim=1, keepdim=True)).all()
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        rows_to_f16(x.float())
+
+
 def test_default_tiles_move_the_dense_tiles_bytes_a_step(monkeypatch):
     """Without tuned tiles, each Llama-2-7B shape takes the dense kernel's tiles with twice the K step (at most
     MAX_BLOCK_K): as many bytes a step from a 1-byte weight. At 32 rows on an H100/H200 (232,448 bytes of shared
@@ -208,6 +249,10 @@ def test_fp8_skinny_linear_in_bf16_on_the_gpu(M, block):
     split = SkinnyConfig(block_n=128, block_k=128, stages=4, split_k=4)
     for _ in range(2):
         torch.testing.assert_close(fp8_skinny_linear(x, m, config=split).double().cpu(), want, rtol=1e-2, atol=1e-2)
+    # the fp16 route (X_F16), whole and split
+    for cfg in (None, split):
+        torch.testing.assert_close(fp8_skinny_linear(x, m, config=cfg, x_f16=True).double().cpu(), want, rtol=1e-2,
+                                   atol=1e-2)
 
 
 @pytest.mark.gpu

@@ -36,6 +36,10 @@ _KERNEL = []   # its Launcher, made on first use: Triton is imported only where 
 TUNED_FILE = Path(__file__).with_name("tuned_fp8.json")
 TUNED: dict[tuple[int, int], skinny.SkinnyConfig] = skinny.load_configs(TUNED_FILE) if TUNED_FILE.exists() else {}
 MAX_BLOCK_K = 512
+# bf16 decode rows through the kernel's fp16 route (`rows_to_f16`, then q converted by the hardware's paired
+# instruction) rather than ops/e4m3.py's integer conversion. Off until benchmarks/bench_fp8_gemm.py's `x16` column
+# and bench_engine.py --fp8-x16 measure it faster; read at call time.
+X_F16 = False
 
 
 @dataclass(frozen=True)
@@ -123,10 +127,12 @@ def w8a8_linear(x: torch.Tensor, m: Fp8Matrix, bias: torch.Tensor | None = None)
 
 
 def fp8_skinny_linear(x: torch.Tensor, m: Fp8Matrix, bias: torch.Tensor | None = None,
-                      config: skinny.SkinnyConfig | None = None) -> torch.Tensor:
+                      config: skinny.SkinnyConfig | None = None, x_f16: bool | None = None) -> torch.Tensor:
     """x [M, K] @ wᵀ (+ bias [N]) into a new [M, N] tensor of x's dtype, M ≤ skinny.MAX_ROWS, by fp8_kernels.py's
-    kernel; x, bias of one float dtype on q's device, unit stride along K."""
+    kernel; x, bias of one float dtype on q's device, unit stride along K. `x_f16` (None: X_F16): bf16 x through
+    the kernel's fp16 route (quantize_kernel.py's `rows_to_f16` first)."""
     M, K = _check(x, m, bias)
+    x_f16 = (X_F16 if x_f16 is None else x_f16) and x.dtype == torch.bfloat16
     N = m.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
@@ -139,7 +145,12 @@ def fp8_skinny_linear(x: torch.Tensor, m: Fp8Matrix, bias: torch.Tensor | None =
     per_step = m.scale.shape[1] > 1
     split, k_per_split = skinny.split_plan(K, block_k, config.split_k)   # (whole K steps: none straddles a scale)
     part, count = skinny.split_buffers(x.device, split, N) if split > 1 else (out, out)
-    args = (x, m.qweight, m.scale, bias if bias is not None else out, out, part, count, M, N, K, k_per_split,
+    if x_f16:
+        from .quantize_kernel import rows_to_f16
+        x, r = rows_to_f16(x)
+    else:
+        r = m.scale   # (unread)
+    args = (x, m.qweight, m.scale, bias if bias is not None else out, out, part, count, r, M, N, K, k_per_split,
             x.stride(0), m.qweight.stride(0), m.scale.stride(0), out.stride(0), m.block[0], m.block[1])
     if not _KERNEL:
         from ..launch import Launcher
@@ -148,7 +159,7 @@ def fp8_skinny_linear(x: torch.Tensor, m: Fp8Matrix, bias: torch.Tensor | None =
     consts = dict(HAS_BIAS=bias is not None, PER_STEP_SCALE=per_step, EVEN_N=N % config.block_n == 0,
                   EVEN_K=K % block_k == 0, IEEE=x.dtype == torch.float32,
                   # bf16 x on the GPU: q converted by ops/e4m3.py's inline PTX (compiled kernels only)
-                  FAST_BF16=x.dtype == torch.bfloat16 and x.is_cuda and _KERNEL[0].compiles,
+                  FAST_BF16=x.dtype == torch.bfloat16 and x.is_cuda and _KERNEL[0].compiles, X_F16=x_f16,
                   SPLIT_K=split, BLOCK_M=skinny.block_m(M), BLOCK_N=config.block_n, BLOCK_K=block_k)
     _KERNEL[0]((-(-N // config.block_n), split), args, consts, config.warps, config.stages)
     return out

@@ -10,11 +10,17 @@ with one K block (scale_bk ≥ K: a scale per output column) the scale multiplie
 epilogue; with several (128-wide blocks) each block's partial sum is scaled as it is accumulated, so BLOCK_K divides
 scale_bk and a K step never straddles two scales. With SPLIT_K > 1, as in the dense kernel, split s sums
 k in [s · k_per_split, (s + 1) · k_per_split) (whole K steps) and the split that finishes last for its n tile adds
-the fp32 partials in split order before the column scale and the bias (kernels.py's `_split_sum`). q's values are exact in x's dtype (e4m3's 3-bit mantissa and
-range fit fp16 and bf16), so the products are those of dequantizing first, up to the scale's rounding.
+the fp32 partials in split order before the column scale and the bias (kernels.py's `_split_sum`). q's values are
+exact in x's dtype (e4m3's 3-bit mantissa and range fit fp16 and bf16), so the products are those of dequantizing
+first, up to the scale's rounding.
 
 For bf16 x on the GPU (FAST_BF16) q's bytes become bf16 by integer operations, four at a time (ops/e4m3.py):
-Triton's own conversion bound the kernel below the memory's rate.
+Triton's own conversion bound the kernel below the memory's rate. X_F16 (an fp16 route for bf16 x, measured
+against it by benchmarks/bench_fp8_gemm.py): x arrives as quantize_kernel.py's `rows_to_f16` (x = x16 · r[m], exact),
+q converts to fp16 by the hardware's paired instruction, the products are fp16's, and the epilogue multiplies
+row m by r[m]:
+
+    y[m, n] = round(r[m] · Σ_j scale[n // scale_bn, j] · (Σ_{k in K block j} x16[m, k] · q[n, k]) + bias[n])
 
 As ops/gemm/kernels.py's dense kernel (whose layout this follows: w's rows on the MMA's long side, 32 rows of x
 filling a Hopper wgmma's N), decode is bound by reading the weight, here half the bytes: program (n tile, split)
@@ -32,11 +38,11 @@ from .kernels import _split_sum
 
 
 @triton.jit
-def _fp8_skinny_kernel(x_ptr, q_ptr, s_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, stride_xm,
-                       stride_qn, stride_sn, stride_ym, scale_bn, scale_bk, HAS_BIAS: tl.constexpr,
+def _fp8_skinny_kernel(x_ptr, q_ptr, s_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, r_ptr, M, N, K, k_per_split,
+                       stride_xm, stride_qn, stride_sn, stride_ym, scale_bn, scale_bk, HAS_BIAS: tl.constexpr,
                        PER_STEP_SCALE: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
-                       FAST_BF16: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
+                       FAST_BF16: tl.constexpr, X_F16: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -56,7 +62,9 @@ def _fp8_skinny_kernel(x_ptr, q_ptr, s_ptr, bias_ptr, y_ptr, part_ptr, count_ptr
             q = tl.load(q_rows + offs_k[None, :])
         else:
             q = tl.load(q_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < k_hi)[None, :], other=0.0)
-        if FAST_BF16:
+        if X_F16:
+            w = q.to(tl.float16)
+        elif FAST_BF16:
             w = e4m3_to_bf16(q)
         else:
             w = q.to(x_ptr.dtype.element_ty)
@@ -73,21 +81,26 @@ def _fp8_skinny_kernel(x_ptr, q_ptr, s_ptr, bias_ptr, y_ptr, part_ptr, count_ptr
             acc = tl.dot(w, x, acc)
     out_mask = n_mask[:, None] & m_mask[None, :]
     y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
+    r_rows = r_ptr + offs_m
     if SPLIT_K == 1:
-        _store_y(acc, s_rows, bias_ptr, y_ptrs, offs_n, n_mask, out_mask, HAS_BIAS, PER_STEP_SCALE)
+        _store_y(acc, s_rows, r_rows, bias_ptr, y_ptrs, offs_n, n_mask, m_mask, out_mask, HAS_BIAS, PER_STEP_SCALE,
+                 X_F16)
     else:
         last, total = _split_sum(acc, part_ptr, count_ptr, pid_n, pid_k, offs_m, offs_n, out_mask, N, SPLIT_K,
                                  BLOCK_M)
         if last:
-            _store_y(total, s_rows, bias_ptr, y_ptrs, offs_n, n_mask, out_mask, HAS_BIAS, PER_STEP_SCALE)
+            _store_y(total, s_rows, r_rows, bias_ptr, y_ptrs, offs_n, n_mask, m_mask, out_mask, HAS_BIAS,
+                     PER_STEP_SCALE, X_F16)
 
 
 @triton.jit
-def _store_y(acc, s_rows, bias_ptr, y_ptrs, offs_n, n_mask, out_mask, HAS_BIAS: tl.constexpr,
-             PER_STEP_SCALE: tl.constexpr):
-    """y = round(acc · the column's scale (one K block) + bias)."""
+def _store_y(acc, s_rows, r_rows, bias_ptr, y_ptrs, offs_n, n_mask, m_mask, out_mask, HAS_BIAS: tl.constexpr,
+             PER_STEP_SCALE: tl.constexpr, X_F16: tl.constexpr):
+    """y = round(acc · the column's scale (one K block) · the row's r (X_F16) + bias)."""
     if not PER_STEP_SCALE:
         acc *= tl.load(s_rows, mask=n_mask, other=0.0)[:, None]
+    if X_F16:
+        acc *= tl.load(r_rows, mask=m_mask, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     tl.store(y_ptrs, acc.to(y_ptrs.dtype.element_ty), mask=out_mask)

@@ -1,12 +1,20 @@
-"""Triton kernel that quantizes the FP8 prompt GEMM's activations (ops/gemm/fp8.py's `w8a8_linear`) in one launch,
-and its launcher. For every row m < M of x [M, K] (fp32 arithmetic, IEEE-rounded divisions), bit for bit
-fp8.quantize_rows, the torch code it replaces on the GPU:
+"""Triton kernels that prepare the FP8 GEMMs' activations a row at a time, and their launchers.
+
+`quantize_rows_fused`, for the prompt GEMM (ops/gemm/fp8.py's `w8a8_linear`): for every row m < M of x [M, K]
+(fp32 arithmetic, IEEE-rounded divisions), bit for bit fp8.quantize_rows, the torch code it replaces on the GPU:
 
     s[m] = amax_k |x[m, k]| / 448            (1 where the row is all zeros)
     xq[m, k] = e4m3(clamp(x[m, k] / s[m], -448, 448))      (rounded to nearest, ties to even)
 
-One program a row holds the whole row in registers: x is read once and xq written once, where torch's seven
-element-wise and reduction kernels moved the row in fp32 several times.
+`rows_to_f16`, for the decode GEMM's fp16 route (fp8_kernels.py's X_F16): each row scaled by a power of two into
+fp16's range, so that its bf16 values convert exactly (down to 2^-31 of the row's largest):
+
+    e[m] = clamp(floor(log2(amax_k |x[m, k]|)) - 14, -100, 113)     (0 where the row is all zeros)
+    x16[m, k] = fp16(x[m, k] · 2^-e[m])       (its largest value in [2^14, 2^15))
+    r[m] = 2^e[m]
+
+One program a row holds the whole row in registers: x is read once and the result written once (torch's
+element-wise and reduction kernels moved the row in fp32 several times).
 """
 from __future__ import annotations
 
@@ -53,3 +61,40 @@ def quantize_rows_fused(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         _QUANTIZE((M,), (x, xq, s, K, x.stride(0), xq.stride(0)), dict(BLOCK=block), min(32, max(4, block // 512)),
                   1)
     return xq, s
+
+
+@triton.jit
+def _rows_to_f16_kernel(x_ptr, y_ptr, r_ptr, K, stride_x, stride_y, BLOCK: tl.constexpr):
+    pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < K
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=0)
+    # floor(log2(amax)) from the exponent field (a subnormal amax reads as -127: the clamp covers it)
+    e = (amax.to(tl.int32, bitcast=True) >> 23) - 127 - 14
+    e = tl.where(amax > 0, tl.minimum(tl.maximum(e, -100), 113), 0)
+    down = ((127 - e) << 23).to(tl.float32, bitcast=True)   # 2^-e and 2^e: exact powers of two
+    up = ((127 + e) << 23).to(tl.float32, bitcast=True)
+    tl.store(y_ptr + row * stride_y + offs, (x * down).to(tl.float16), mask=mask)
+    tl.store(r_ptr + row, up)
+
+
+_TO_F16 = Launcher(_rows_to_f16_kernel)
+
+
+def rows_to_f16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x16 fp16 [M, K], r fp32 [M]) of x [M, K] (bf16 or fp16, unit stride along K), x = x16 · r a row (module
+    docstring), in one launch."""
+    if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"rows_to_f16 takes a 2-D bf16 or fp16 tensor with unit stride along K, not {x.dtype} "
+                         f"{tuple(x.shape)} with strides {x.stride()}")
+    M, K = x.shape
+    if K > MAX_K:
+        raise ValueError(f"rows_to_f16: rows of {K} values, more than {MAX_K}")
+    y = torch.empty(M, K, dtype=torch.float16, device=x.device)
+    r = torch.empty(M, dtype=torch.float32, device=x.device)
+    if M and K:
+        block = pow2(K)
+        _TO_F16((M,), (x, y, r, K, x.stride(0), y.stride(0)), dict(BLOCK=block), min(32, max(4, block // 512)), 1)
+    return y, r
