@@ -13,8 +13,9 @@ deployment would configure); `--compose-pool shared` runs the pair in one engine
 so each rank-16 member's B rows are padded to 32 ranks).
 `--quantizations none,fp8` runs every variant with bf16 weights and again with FP8 ones (`--quantization fp8`:
 e4m3, a scale per output channel, quantized at load), each in an engine of its own, in one process; `fp8kv`: FP8
-weights and an FP8 KV cache (`--kv-cache-dtype fp8`, scales 1.0); `fp8-x16`, `fp8kv-x16`: the same with the FP8
-decode GEMM's fp16 route (ops/gemm/fp8.py's X_F16) for the engine's life.
+weights and an FP8 KV cache (`--kv-cache-dtype fp8`, scales 1.0); `fp8-x16`, `fp8kv-x16`: the same through the
+fp16 routes for the engine's life: the FP8 decode GEMM's (ops/gemm/fp8.py's X_F16) and decode attention's over an
+e4m3 cache (ops/attention/launchers.py's F16_DOTS); `--profile` tells their kernels apart.
 Adapters are synthetic (no files) and made resident before timing, so the runs measure serving,
 not loading. Each variant runs with CUDA graphs, and at `--eager-batches` also with `enforce_eager`.
 
@@ -53,6 +54,7 @@ import step_profile  # noqa: E402
 from loraplex import SamplingParams, envs  # noqa: E402
 from loraplex.config import EngineConfig  # noqa: E402
 from loraplex.engine import Engine  # noqa: E402
+from loraplex.ops.attention import launchers as attention_launchers  # noqa: E402
 from loraplex.ops.gemm import fp8 as fp8_gemm  # noqa: E402
 
 RANK = 16
@@ -117,7 +119,7 @@ def main(argv=None) -> None:
                     help="measured runs per variant, interleaved across variants; each row is the median-tokens/s run")
     ap.add_argument("--quantizations", default="none",
                     help="comma-separated: none (bf16), fp8 (FP8 weights), fp8kv (FP8 weights and an FP8 KV cache); "
-                         "fp8-x16, fp8kv-x16: with the FP8 decode GEMM's fp16 route")
+                         "fp8-x16, fp8kv-x16: through the fp16 routes of the FP8 decode GEMM and attention")
     ap.add_argument("--compose-pool", choices=("own", "shared"), default="own",
                     help="composed and merged in pools as wide as their adapters (own) or in one R = 32 pool")
     ap.add_argument("--profile", type=Path,
@@ -214,7 +216,8 @@ def run_group(args, B: int, mode: str, variants: list[str], copy_gbs: float,
               quant: str = "none") -> tuple[list[dict], dict]:
     """Each variant `--repeats` times in one engine, interleaved: a row per variant (its median run), and with
     `--profile` each variant's kernel times (step_profile.py)."""
-    fp8_gemm.X_F16 = quant.endswith("-x16")   # read at each call: set for this engine's warm-up, graphs and runs
+    # read at each call: set for this engine's warm-up, graphs and runs
+    fp8_gemm.X_F16 = attention_launchers.F16_DOTS = quant.endswith("-x16")
     engine, setup_s = _engine(args, B, mode, variants, quant)
     print(f"B={B} {mode} {quant} engine for {','.join(variants)}: set up in {setup_s:.0f} s", flush=True)
     model = engine.runner.model
@@ -255,7 +258,7 @@ def run_group(args, B: int, mode: str, variants: list[str], copy_gbs: float,
     engine.close()
     del engine, model
     torch.cuda.empty_cache()
-    fp8_gemm.X_F16 = False
+    fp8_gemm.X_F16 = attention_launchers.F16_DOTS = False
     return rows, profiles
 
 

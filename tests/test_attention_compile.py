@@ -114,7 +114,10 @@ def compile_kind(arch: int, dtype: str, kind: str) -> int:
             raise RuntimeError(f"{kernel.fn.__name__} {consts} needs {compiled.metadata.shared} bytes of shared "
                                f"memory; sm_{arch} has {SMEM_LIMIT[arch]}")
         ptx = compiled.asm["ptx"]
-        if consts.get("E4M3_PTX") and ("fma.rn.bf16x2" not in ptx or "cvt.bf16.f16" in ptx):
+        if consts.get("F16_DOTS"):
+            if "cvt.rn.f16x2.e4m3x2" not in ptx or "fma.rn.bf16x2" in ptx or ".f16.f16" not in ptx:
+                raise RuntimeError(f"{kernel.fn.__name__} {consts}: not fp16 dots on the paired conversion")
+        elif consts.get("E4M3_PTX") and ("fma.rn.bf16x2" not in ptx or "cvt.bf16.f16" in ptx):
             raise RuntimeError(f"{kernel.fn.__name__} {consts}: an e4m3 tile converted by Triton, not ops/e4m3.py")
         n += 1
 
@@ -169,6 +172,9 @@ def compile_kind(arch: int, dtype: str, kind: str) -> int:
             partials = {} if split else {"part_o_ptr": "*" + dtype, "part_ml_ptr": "*" + dtype}
             build(ak._decode_kernel, al.decode_constexprs(G, D, PAGE, split, tdtype, cfg, fp8_kv=True),
                   cfg.num_warps, cfg.num_stages, dict(FP8_KV, **partials))
+            if dtype == "bf16":   # the fp16 dots' variant (launchers.F16_DOTS)
+                build(ak._decode_kernel, dict(al.decode_constexprs(G, D, PAGE, split, tdtype, cfg, fp8_kv=True),
+                                              F16_DOTS=True), cfg.num_warps, cfg.num_stages, dict(FP8_KV, **partials))
     else:
         raise ValueError(f"unknown kernel family {kind!r}")
     return n

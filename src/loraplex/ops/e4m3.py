@@ -1,7 +1,8 @@
 """float8 e4m3 inside Triton kernels. `e4m3_to_bf16`: e4m3 → bf16 by integer operations, for the FP8 weights' decode
 GEMM (ops/gemm/fp8_kernels.py) and attention over an e4m3 KV cache (ops/attention/kernels.py). `round_to_e4m3`:
 fp32 rounded to e4m3's values as torch rounds, for the KV cache's store (ops/attention/store_kernel.py) and the
-activations' per-row quantization (ops/gemm/quantize_kernel.py).
+activations' per-row quantization (ops/gemm/quantize_kernel.py). `f16_range_scales`: the powers of two that bring
+a row into fp16's range, for the fp16 routes.
 
 Triton's own conversion to bf16 goes through fp16 and converts each value again (sm_90 PTX: `cvt.rn.f16x2.e4m3x2`
 then `cvt.bf16.f16` per value, at a fraction of the integer rate); at the FP8 GEMM's tuned tiles it bound a
@@ -44,6 +45,16 @@ def e4m3_to_bf16(q):
 
 
 _E4M3_MAX: tl.constexpr = tl.constexpr(448.0)   # (a jitted function reads only constexpr globals)
+
+
+@triton.jit
+def f16_range_scales(amax):
+    """(2^-e, 2^e), fp32, e = clamp(floor(log2(amax)) - 14, -100, 113) (0 for amax 0): values scaled by 2^-e have
+    their largest in [2^14, 2^15), so bf16 values convert to fp16 exactly down to 2^-31 of it. For the fp16 routes
+    (the FP8 GEMM's X_F16, attention's F16_DOTS), where e4m3 converts to fp16 by one paired instruction."""
+    e = (amax.to(tl.int32, bitcast=True) >> 23) - 127 - 14   # (a subnormal amax reads as -141: clamped)
+    e = tl.where(amax > 0, tl.minimum(tl.maximum(e, -100), 113), 0)
+    return ((127 - e) << 23).to(tl.float32, bitcast=True), ((127 + e) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit

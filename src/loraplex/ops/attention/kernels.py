@@ -37,7 +37,10 @@ An e4m3 cache (FP8_KV) is read as is: each K and V tile is converted to q's dtyp
 every e4m3 value is a bf16, fp16 and fp32 value; for bf16 q on the GPU by ops/e4m3.py's integer operations,
 E4M3_PTX, where Triton's conversion goes through fp16), k_scale is folded into the softmax scale and v_scale
 into the output's normalisation (the split decode's partial sums), so the scales cost two scalar loads a
-program.
+program. F16_DOTS (decode over an e4m3 cache with bf16 q, off until measured: launchers.py's F16_DOTS): the tiles
+convert to fp16 by the hardware's paired instruction instead, q is scaled into fp16 by a power of two (exact;
+ops/e4m3.py's `f16_range_scales`, the power folded into the softmax scale) and the dots, P·V's included, run in
+fp16.
 
 The caches are addressed through their strides (block, token, head; D innermost), so both a contiguous
 `[num_blocks, block_size, Hkv, D]` cache and the head-major one `KVCache` keeps (`[num_blocks, Hkv,
@@ -50,7 +53,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..e4m3 import e4m3_to_bf16
+from ..e4m3 import e4m3_to_bf16, f16_range_scales
 from ..pdl import pdl_start
 
 # Running maxima start finite: a row whose first tiles are all masked (sliding window) then gets
@@ -80,7 +83,8 @@ def _online_softmax_step(acc, m_i, l_i, q, k, v, qk_scale, keep, MASKED: tl.cons
 @triton.jit
 def _attend_range(acc, m_i, l_i, q, k_head, v_head, bt_row, n_begin, n_end, pos, kv_lo, kv_hi, qk_scale, window,
                   stride_kb, stride_kt, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                  MASKED: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, E4M3_PTX: tl.constexpr):
+                  MASKED: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, E4M3_PTX: tl.constexpr,
+                  F16_DOTS: tl.constexpr):
     """Flash-attention steps over the key tiles starting at n_begin, n_begin + BLOCK_N, ... < n_end.
 
     Keys outside [kv_lo, kv_hi) are never read (nor their block table entries). MASKED tiles also
@@ -105,7 +109,10 @@ def _attend_range(acc, m_i, l_i, q, k_head, v_head, bt_row, n_begin, n_end, pos,
         else:
             k = tl.load(k_head + tok[:, None] + offs_d[None, :])
             v = tl.load(v_head + tok[:, None] + offs_d[None, :])
-        if E4M3_PTX:   # an e4m3 cache's tiles in bf16 (exact)
+        if F16_DOTS:   # an e4m3 cache's tiles in fp16 (exact), q in fp16 too
+            k = k.to(tl.float16)
+            v = v.to(tl.float16)
+        elif E4M3_PTX:   # an e4m3 cache's tiles in bf16 (exact)
             k = e4m3_to_bf16(k)
             v = e4m3_to_bf16(v)
         else:   # an e4m3 cache's tiles in q's dtype (exact); otherwise nothing to do
@@ -187,13 +194,13 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
             acc, m_i, l_i = _attend_range(acc, m_i, l_i, q, k_head, v_head, bt_row, kv_lo // BLOCK_N * BLOCK_N,
                                           tl.minimum(full_lo, kv_hi), pos, kv_lo, kv_hi, qk_scale, window,
                                           stride_kb, stride_kt, BLOCK_N, HEAD_DIM, PAGE, True, WINDOW, PRECISION,
-                                          E4M3_PTX)
+                                          E4M3_PTX, False)
         acc, m_i, l_i = _attend_range(acc, m_i, l_i, q, k_head, v_head, bt_row, full_lo, full_hi, pos, kv_lo, kv_hi,
                                       qk_scale, window, stride_kb, stride_kt, BLOCK_N, HEAD_DIM, PAGE, False, WINDOW,
-                                      PRECISION, E4M3_PTX)
+                                      PRECISION, E4M3_PTX, False)
         acc, m_i, l_i = _attend_range(acc, m_i, l_i, q, k_head, v_head, bt_row, tl.maximum(full_lo, full_hi), kv_hi,
                                       pos, kv_lo, kv_hi, qk_scale, window, stride_kb, stride_kt, BLOCK_N, HEAD_DIM,
-                                      PAGE, True, WINDOW, PRECISION, E4M3_PTX)
+                                      PAGE, True, WINDOW, PRECISION, E4M3_PTX, False)
         l_safe = tl.where(l_i > 0, l_i, 1.0)  # rows outside the tile have no keys; they are not stored
         o = acc * (out_scale / l_safe)[:, None]
         tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -207,7 +214,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ml
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt,
                    G: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                    PAGE: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, FP8_KV: tl.constexpr,
-                   E4M3_PTX: tl.constexpr):
+                   E4M3_PTX: tl.constexpr, F16_DOTS: tl.constexpr):
     """The one query row of sequence program_id(0), G heads of kv head program_id(1), over keys
     [lo + split * chunk, lo + (split + 1) * chunk) ∩ [lo, seq_len) of split program_id(2)."""
     pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
@@ -230,6 +237,11 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ml
                     mask=m_mask[:, None], other=0.0)
         if FP8_KV:  # K = k_cache · k_scale, V = v_cache · v_scale (the splits' sums are linear in V)
             qk_scale = qk_scale * tl.load(k_scale_ptr)
+        if F16_DOTS:   # q = q16 · 2^e: q16 into the dots, 2^e into the softmax scale
+            q32 = q.to(tl.float32)
+            down, up = f16_range_scales(tl.max(tl.max(tl.abs(q32), axis=1), axis=0))
+            q = (q32 * down).to(tl.float16)
+            qk_scale = qk_scale * up
         bt_row = block_tables_ptr + s.to(tl.int64) * stride_bt
         k_head = k_cache_ptr + kvh * stride_kh
         v_head = v_cache_ptr + kvh * stride_kh
@@ -239,7 +251,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ml
         pos = tl.zeros([M], tl.int32) + (seq_len - 1)  # the query row's position
         acc, m_i, l_i = _attend_range(acc, m_i, l_i, q, k_head, v_head, bt_row, start, end, pos, start, end, qk_scale,
                                       window, stride_kb, stride_kt, BLOCK_N, HEAD_DIM, PAGE, True, False, PRECISION,
-                                      E4M3_PTX)
+                                      E4M3_PTX, F16_DOTS)
         if FP8_KV:
             acc = acc * tl.load(v_scale_ptr)
         if SPLIT:

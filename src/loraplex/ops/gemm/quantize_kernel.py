@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..e4m3 import round_to_e4m3
+from ..e4m3 import f16_range_scales, round_to_e4m3
 from ..launch import Launcher, pow2
 from ..pdl import pdl_start
 
@@ -70,12 +70,7 @@ def _rows_to_f16_kernel(x_ptr, y_ptr, r_ptr, K, stride_x, stride_y, BLOCK: tl.co
     offs = tl.arange(0, BLOCK)
     mask = offs < K
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=0)
-    # floor(log2(amax)) from the exponent field (a subnormal amax reads as -127: the clamp covers it)
-    e = (amax.to(tl.int32, bitcast=True) >> 23) - 127 - 14
-    e = tl.where(amax > 0, tl.minimum(tl.maximum(e, -100), 113), 0)
-    down = ((127 - e) << 23).to(tl.float32, bitcast=True)   # 2^-e and 2^e: exact powers of two
-    up = ((127 + e) << 23).to(tl.float32, bitcast=True)
+    down, up = f16_range_scales(tl.max(tl.abs(x), axis=0))   # 2^-e and 2^e
     tl.store(y_ptr + row * stride_y + offs, (x * down).to(tl.float16), mask=mask)
     tl.store(r_ptr + row, up)
 
