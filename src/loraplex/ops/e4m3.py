@@ -13,6 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .gemm.fp8 import E4M3_MAX
+
 
 # e4m3 → bf16, exact for every finite byte (e4m3fn's NaN bytes, which quantizing never writes, give ±480): each
 # byte b placed in the high byte of a 16-bit half (prmt), its magnitude shifted under bf16's exponent field and its
@@ -44,7 +46,7 @@ def e4m3_to_bf16(q):
                                      is_pure=True, pack=4)
 
 
-_E4M3_MAX: tl.constexpr = tl.constexpr(448.0)   # (a jitted function reads only constexpr globals)
+_E4M3_MAX: tl.constexpr = tl.constexpr(E4M3_MAX)   # (a jitted function reads only constexpr globals)
 
 
 @triton.jit
