@@ -13,9 +13,7 @@ deployment would configure); `--compose-pool shared` runs the pair in one engine
 so each rank-16 member's B rows are padded to 32 ranks).
 `--quantizations none,fp8` runs every variant with bf16 weights and again with FP8 ones (`--quantization fp8`:
 e4m3, a scale per output channel, quantized at load), each in an engine of its own, in one process; `fp8kv`: FP8
-weights and an FP8 KV cache (`--kv-cache-dtype fp8`, scales 1.0); `fp8-x16`, `fp8kv-x16`: the same through the
-fp16 routes for the engine's life: the FP8 decode GEMM's (ops/gemm/fp8.py's X_F16) and decode attention's over an
-e4m3 cache (ops/attention/launchers.py's F16_DOTS); `--profile` tells their kernels apart.
+weights and an FP8 KV cache (`--kv-cache-dtype fp8`, scales 1.0); `--profile` tells their kernels apart.
 Adapters are synthetic (no files) and made resident before timing, so the runs measure serving,
 not loading. Each variant runs with CUDA graphs, and at `--eager-batches` also with `enforce_eager`.
 
@@ -54,8 +52,6 @@ import step_profile  # noqa: E402
 from loraplex import SamplingParams, envs  # noqa: E402
 from loraplex.config import EngineConfig  # noqa: E402
 from loraplex.engine import Engine  # noqa: E402
-from loraplex.ops.attention import launchers as attention_launchers  # noqa: E402
-from loraplex.ops.gemm import fp8 as fp8_gemm  # noqa: E402
 
 RANK = 16
 OUTPUT_TOKENS = 128
@@ -118,8 +114,7 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=1,
                     help="measured runs per variant, interleaved across variants; each row is the median-tokens/s run")
     ap.add_argument("--quantizations", default="none",
-                    help="comma-separated: none (bf16), fp8 (FP8 weights), fp8kv (FP8 weights and an FP8 KV cache); "
-                         "fp8-x16, fp8kv-x16: through the fp16 routes of the FP8 decode GEMM and attention")
+                    help="comma-separated: none (bf16), fp8 (FP8 weights), fp8kv (FP8 weights and an FP8 KV cache)")
     ap.add_argument("--compose-pool", choices=("own", "shared"), default="own",
                     help="composed and merged in pools as wide as their adapters (own) or in one R = 32 pool")
     ap.add_argument("--profile", type=Path,
@@ -166,7 +161,7 @@ def _write(result: dict, args) -> None:
 
 
 COMPOSE_VARIANTS = ("composed", "merged")
-QUANTIZATIONS = ("none", "fp8", "fp8kv", "fp8-x16", "fp8kv-x16")
+QUANTIZATIONS = ("none", "fp8", "fp8kv")
 _warmed: list[bool] = []   # a run has warmed this process up
 
 
@@ -196,7 +191,7 @@ def _engine(args, B: int, mode: str, variants: list[str], quant: str) -> tuple[E
         ([(f"m{i}", 2 * RANK) for i in range(B)] if "merged" in variants else [])
     config = EngineConfig(model=f"dummy:{args.preset}", dummy_layers=args.layers, dtype="bfloat16",
                           quantization=None if quant == "none" else "fp8",
-                          kv_cache_dtype="fp8" if quant.startswith("fp8kv") else "auto",
+                          kv_cache_dtype="fp8" if quant == "fp8kv" else "auto",
                           max_num_seqs=B, max_num_batched_tokens=max(2048, B), max_gpu_adapters=len(names),
                           max_lora_rank=max(rank for _, rank in names), max_cpu_adapters=0,
                           enforce_eager=(mode == "eager"), cuda_graph_max_batch=B, max_model_len=1024)
@@ -216,8 +211,6 @@ def run_group(args, B: int, mode: str, variants: list[str], copy_gbs: float,
               quant: str = "none") -> tuple[list[dict], dict]:
     """Each variant `--repeats` times in one engine, interleaved: a row per variant (its median run), and with
     `--profile` each variant's kernel times (step_profile.py)."""
-    # read at each call: set for this engine's warm-up, graphs and runs
-    fp8_gemm.X_F16 = attention_launchers.F16_DOTS = quant.endswith("-x16")
     engine, setup_s = _engine(args, B, mode, variants, quant)
     print(f"B={B} {mode} {quant} engine for {','.join(variants)}: set up in {setup_s:.0f} s", flush=True)
     model = engine.runner.model
@@ -241,7 +234,7 @@ def run_group(args, B: int, mode: str, variants: list[str], copy_gbs: float,
         res = ordered[(len(ordered) - 1) // 2]   # the median run (the lower middle of an even count)
         used = {"backbone": 0, "shared": 1, "distinct": B, "composed": 2 * B, "merged": 2 * B}[variant]
         ctx = res["mean_full_context"] or 0
-        kv = kv_bytes(model, int(ctx * B)) // (2 if quant.startswith("fp8kv") else 1)   # (kv_bytes: 16-bit values)
+        kv = kv_bytes(model, int(ctx * B)) // (2 if quant == "fp8kv" else 1)   # (kv_bytes: 16-bit values)
         floor_ms = (weight_bytes(model, B) + kv +
                     used * adapter_bytes(model)) / (copy_gbs * 1e9) * 1e3   # (merged: rank 32 = 2 × rank 16)
         row = dict(batch=B, mode=mode, variant=variant, quantization=quant, setup_s=setup_s, floor_ms=floor_ms,
@@ -258,7 +251,6 @@ def run_group(args, B: int, mode: str, variants: list[str], copy_gbs: float,
     engine.close()
     del engine, model
     torch.cuda.empty_cache()
-    fp8_gemm.X_F16 = attention_launchers.F16_DOTS = False
     return rows, profiles
 
 
@@ -278,8 +270,7 @@ def markdown(res: dict) -> str:
     for r in res["rows"]:
         step, gpu = r["full_decode_step_ms"], r.get("full_decode_gpu_ms")
         rel = f"{r['tokens_per_s'] / base[key(r)]:.3f}" if key(r) in base else "–"
-        weights = {"none": "bf16", "fp8kv": "fp8, fp8 KV", "fp8-x16": "fp8 (fp16 route)",
-                   "fp8kv-x16": "fp8 (fp16 route), fp8 KV"}.get(r.get("quantization", "none"), r.get("quantization"))
+        weights = {"none": "bf16", "fp8kv": "fp8, fp8 KV"}.get(r.get("quantization", "none"), r.get("quantization"))
         steps = (f"{step:.2f} | {gpu:.2f} | " if gpu else f"{step:.2f} | – | ") if step else "– | – | "
         floor = f"{r['floor_ms']:.2f} | {step / r['floor_ms']:.2f}× | " if step else "– | – | "
         name = r["variant"]

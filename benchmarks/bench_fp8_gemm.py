@@ -7,10 +7,10 @@ layer, side by side in one run.
   scale per output column (`--quantization fp8`, compressed-tensors) and with 128×128 block scales (transformers'
   `fp8`); the floors are each weight's bytes over the copy bandwidth measured in the same run (bf16: 2 bytes an
   element, FP8: 1). `--configs-out` writes each shape's fastest per-column tiles at the first row count (the file
-  ops/gemm/fp8.py reads, tuned_fp8.json, when written there); W8A8 (below) at the same rows; and, as a diagnostic
-  of what converting q costs, the FP8 kernel's default tiles on x in fp16 (q converted by the hardware's paired
-  e4m3 → fp16 instruction, where bf16 x takes ops/e4m3.py's integer operations), and that route for bf16 x as
-  the engine would run it (`x_f16`: quantize_kernel.py's `rows_to_f16` launch first);
+  ops/gemm/fp8.py reads, tuned_fp8.json, when written there); cuBLAS's W8A8 (below) at the same rows; and the
+  kernel's W8A8 (what LORAPLEX_FP8_W8A8 picks on Hopper: `quantize_rows_fused`'s launch, then q read by the FP8
+  tensor cores) over its own sweep of tiles 64 columns wide or more (`--w8a8-configs-out` writes its fastest,
+  tuned_fp8_w8a8.json);
 - prompt rows (128, 512, 1337, 2048; 1337 as an engine step's rows, rarely a multiple of 16): cuBLAS bf16, W8A8
   (each row of x quantized to e4m3, then torch._scaled_mm: what LORAPLEX_FP8_W8A8 picks) and the weight
   dequantized for cuBLAS (the fallback).
@@ -53,16 +53,21 @@ SWEEP = [skinny.SkinnyConfig(block_n=bn, block_k=bk, stages=st)
          for bn, bk, st in itertools.product((32, 64, 128), (128, 256, 512), (3, 4))] + \
         [skinny.SkinnyConfig(block_n=bn, block_k=bk, stages=4, split_k=sp)   # wider tiles, K split to keep programs
          for bn, bk, sp in itertools.product((64, 128), (128, 256), (2, 4))]
+# the W8A8 kernel's tiles: 64 columns or more (narrower ones' e4m3 products run as fp16 mma.sync on Hopper), and
+# 512-wide K steps in splits too (x's e4m3 tile is as small as q's)
+W8A8_SWEEP = [c for c in SWEEP if c.block_n >= 64] + \
+    [skinny.SkinnyConfig(block_n=bn, block_k=512, stages=st, split_k=sp)
+     for bn, st, sp in itertools.product((64, 128), (3,), (2, 4))]
 LAYOUTS = {"column": None, "block128": (128, 128)}
 DEVICE, DTYPE = "cuda", torch.bfloat16
 
 
 def _smoke_settings() -> None:
     """--smoke: everything on the CPU (Triton's interpreter, fp16) at 1/64th of the widths, one tile config."""
-    global DEVICE, DTYPE, SHAPES, SWEEP, ROTATION_BYTES, LAYOUTS
+    global DEVICE, DTYPE, SHAPES, SWEEP, W8A8_SWEEP, ROTATION_BYTES, LAYOUTS
     DEVICE, DTYPE, bench_skinny_gemm.SMOKE = "cpu", torch.float16, True
     SHAPES = {name: (n // 64, k // 64) for name, (n, k) in SHAPES.items()}
-    SWEEP = [skinny.SkinnyConfig(block_n=16, block_k=32, stages=1)]
+    SWEEP = W8A8_SWEEP = [skinny.SkinnyConfig(block_n=16, block_k=32, stages=1)]
     ROTATION_BYTES, LAYOUTS = 0, {"column": None, "block128": (32, 32)}
 
 
@@ -99,16 +104,37 @@ def tile_name(c: skinny.SkinnyConfig) -> str:
     return f"n{c.block_n}_k{c.block_k}_st{c.stages}" + (f"_s{c.split_k}" if c.split_k > 1 else "")
 
 
-def swept(names) -> list:
-    """The SWEEP configs of these keys, in sweep order."""
+def swept(names, sweep: list | None = None) -> list:
+    """The configs of these keys in `sweep` (default SWEEP), in sweep order."""
     wanted = set(names)
-    return [c for c in SWEEP if tile_name(c) in wanted]
+    return [c for c in (SWEEP if sweep is None else sweep) if tile_name(c) in wanted]
 
 
-def decode_entry(name: str, M: int, bf16: list, fp8: dict, copy_gbs: float,
-                 column_tiles: list | None = None) -> dict:
-    """One shape at M decode rows. `column_tiles`: the per-column layout's tiles to time (None: the whole sweep);
-    the 128×128 layout always sweeps its (few) tiles."""
+def sweep_tiles(x: torch.Tensor, ms: list, configs: list, ref: torch.Tensor, tolerance: float, **kw) -> dict:
+    """{tile name: µs per call, or the error's text} of fp8_skinny_linear(x, m, config=c, **kw) over `configs`,
+    each checked against `ref` first; configs that the GPU's shared memory would cut are skipped."""
+    timed = {}
+    for c in configs:
+        w_bytes = 1 if x.element_size() == 2 else None   # as fp8_skinny_linear fits its tiles
+        if skinny.launched_config(c, x.shape[0], x, w_bytes) != c or c.block_k > ms[0].block[1] and \
+                ms[0].scale.shape[1] > 1:
+            continue
+        try:
+            check(fp8_skinny_linear(x, ms[0], config=c, **kw), ref, tolerance)
+            timed[tile_name(c)] = per_call_us([lambda m=m, c=c: fp8_skinny_linear(x, m, config=c, **kw) for m in ms])
+        except Exception as err:  # noqa: BLE001 - one config's failure (resources, compile) is reported
+            timed[tile_name(c)] = repr(err)[:200]
+    return timed
+
+
+def fastest(timed: dict) -> str | None:
+    times = {k: v for k, v in timed.items() if isinstance(v, float)}
+    return min(times, key=times.get) if times else None
+
+
+def decode_entry(name: str, M: int, bf16: list, fp8: dict, copy_gbs: float, tiles: dict) -> dict:
+    """One shape at M decode rows. `tiles`: {"column" and "w8a8": the tiles to time (None: the whole sweep)}; the
+    128×128 layout always sweeps its (few) tiles."""
     N, K = SHAPES[name]
     x = torch.randn(M, K, device=DEVICE).to(DTYPE)
     cfg = skinny.default_config(N, K, x.device)
@@ -118,30 +144,19 @@ def decode_entry(name: str, M: int, bf16: list, fp8: dict, copy_gbs: float,
              w8a8=per_call_us([lambda m=m: w8a8_linear(x, m) for m in fp8["column"]]))
     for layout, ms in fp8.items():
         ref = F.linear(x, ms[0].dequantize(DTYPE))
-        timed = {}
-        for c in (SWEEP if layout != "column" or column_tiles is None else column_tiles):
-            w_bytes = 1 if x.element_size() == 2 else None   # as fp8_skinny_linear fits its tiles
-            if skinny.launched_config(c, M, x, w_bytes) != c or (layout != "column" and c.block_k > ms[0].block[1]):
-                continue
-            try:
-                check(fp8_skinny_linear(x, ms[0], config=c), ref)
-                timed[tile_name(c)] = per_call_us(
-                    [lambda m=m, c=c: fp8_skinny_linear(x, m, config=c) for m in ms])
-            except Exception as err:  # noqa: BLE001 - one config's failure (resources, compile) is reported
-                timed[tile_name(c)] = repr(err)[:200]
-        times = {k: v for k, v in timed.items() if isinstance(v, float)}
-        best = min(times, key=times.get) if times else None
-        e[f"fp8_{layout}"] = dict(best=best, us=times.get(best), default_us=per_call_us(
+        timed = sweep_tiles(x, ms, SWEEP if layout != "column" or tiles["column"] is None else tiles["column"], ref,
+                            2e-2)
+        best = fastest(timed)
+        e[f"fp8_{layout}"] = dict(best=best, us=timed.get(best), default_us=per_call_us(
             [lambda m=m: fp8_skinny_linear(x, m) for m in ms]), sweep=timed,
             default=fp8_gemm.default_config(N, K, x.device).__dict__)
-    # Diagnostic: the same kernel and tiles on x in fp16, where q converts by the hardware's paired e4m3 → fp16
-    # instruction instead of bf16's integer operations: how much of the kernel's time the conversion is
-    x16 = x.to(torch.float16)
-    check(fp8_skinny_linear(x16, fp8["column"][0]), F.linear(x16, fp8["column"][0].dequantize(torch.float16)))
-    e["fp8_column_f16x_us"] = per_call_us([lambda m=m: fp8_skinny_linear(x16, m) for m in fp8["column"]])
-    # the fp16 route for bf16 x as the engine would run it (X_F16: rows_to_f16's launch, then the kernel)
-    check(fp8_skinny_linear(x, fp8["column"][0], x_f16=True), F.linear(x, fp8["column"][0].dequantize(DTYPE)))
-    e["fp8_column_x16_us"] = per_call_us([lambda m=m: fp8_skinny_linear(x, m, x_f16=True) for m in fp8["column"]])
+    ms, ref = fp8["column"], F.linear(x, fp8["column"][0].dequantize(DTYPE))
+    # W8A8 over its own tiles: quantize_rows_fused's launch, then the kernel on e4m3 products
+    timed = sweep_tiles(x, ms, W8A8_SWEEP if tiles["w8a8"] is None else tiles["w8a8"], ref, 1 / 16, quantize_x=True)
+    best = fastest(timed)
+    e["fp8_w8a8_kernel"] = dict(best=best, us=timed.get(best), default_us=per_call_us(
+        [lambda m=m: fp8_skinny_linear(x, m, quantize_x=True) for m in ms]), sweep=timed,
+        default=fp8_gemm.default_config(N, K, x.device, w8a8=True).__dict__)
     return e
 
 
@@ -166,8 +181,8 @@ def layer_sums(result: dict, M: int) -> dict:
             ("w8a8", lambda e: e["w8a8"]),
             ("fp8_column", lambda e: e["fp8_column"]["us"] or float("nan")),
             ("fp8_column_default", lambda e: e["fp8_column"]["default_us"]),
-            ("fp8_column_f16x", lambda e: e["fp8_column_f16x_us"]),
-            ("fp8_column_x16", lambda e: e["fp8_column_x16_us"]),
+            ("fp8_w8a8_kernel", lambda e: e["fp8_w8a8_kernel"]["us"] or float("nan")),
+            ("fp8_w8a8_kernel_default", lambda e: e["fp8_w8a8_kernel"]["default_us"]),
             ("fp8_block128", lambda e: e["fp8_block128"]["us"] or float("nan")))}
     return out
 
@@ -179,6 +194,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--md", type=Path)
     ap.add_argument("--configs-out", type=Path, help="write each shape's fastest per-column FP8 tiles (JSON)")
+    ap.add_argument("--w8a8-configs-out", type=Path, help="the same for the kernel's W8A8")
     ap.add_argument("--smoke", action="store_true", help="a CPU run of everything at toy sizes (CI)")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -189,20 +205,23 @@ def main(argv=None) -> None:
                   date=datetime.date.today().isoformat(), torch=torch.__version__,
                   triton=__import__("triton").__version__, settings=envs.snapshot(), copy_gbs=copy_gbs, decode={},
                   prompt={}, layer={})
-    best_tiles: dict[str, list] = {}
+    best_tiles: dict[str, dict] = {}
     for name, (N, K) in SHAPES.items():
         w = torch.randn(N, K, device=DEVICE).to(DTYPE) * K ** -0.5
         copies = max(2, -(-ROTATION_BYTES // (N * K)))
         bf16 = [w.clone() for _ in range(max(2, copies // 2))]
         fp8 = {layout: fp8_copies(w, block, copies) for layout, block in LAYOUTS.items()}
         for M in (int(r) for r in args.rows.split(",")):
-            e = result["decode"][f"{name}@{M}"] = decode_entry(name, M, bf16, fp8, copy_gbs, best_tiles.get(name))
-            if name not in best_tiles:   # the first row count's fastest per-column tiles, retried at the others
-                sweep = e["fp8_column"]["sweep"]
-                fastest = sorted((v, k) for k, v in sweep.items() if isinstance(v, float))[:TOP]
-                best_tiles[name] = swept(k for _, k in fastest)
+            tiles = best_tiles.get(name, dict(column=None, w8a8=None))
+            e = result["decode"][f"{name}@{M}"] = decode_entry(name, M, bf16, fp8, copy_gbs, tiles)
+            if name not in best_tiles:   # the first row count's fastest tiles, retried at the others
+                best_tiles[name] = {key: swept((k for _, k in sorted(
+                    (v, k) for k, v in e[entry]["sweep"].items() if isinstance(v, float))[:TOP]), sweep)
+                    for key, entry, sweep in (("column", "fp8_column", SWEEP),
+                                              ("w8a8", "fp8_w8a8_kernel", W8A8_SWEEP))}
             print(f"{name} @{M}: bf16 {e['skinny_bf16']:.1f} fp8 {e['fp8_column']['us']} / "
-                  f"{e['fp8_block128']['us']} floor {e['floor_fp8_us']:.1f}", flush=True)
+                  f"{e['fp8_block128']['us']} w8a8 kernel "
+                  f"{e['fp8_w8a8_kernel']['us']} floor {e['floor_fp8_us']:.1f}", flush=True)
         for M in (int(r) for r in args.prompt_rows.split(",")):
             e = result["prompt"][f"{name}@{M}"] = prompt_entry(name, M, bf16, fp8["column"])
             print(f"{name} @{M}: bf16 {e['cublas_bf16']:.1f} w8a8 {e['w8a8']:.1f} deq {e['dequantized']:.1f}",
@@ -219,17 +238,20 @@ def main(argv=None) -> None:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     if args.md:
         args.md.write_text(markdown(result))
-    if args.configs_out:
-        args.configs_out.write_text(json.dumps(fastest_tiles(result, int(args.rows.split(",")[0])), indent=1) + "\n")
+    first = int(args.rows.split(",")[0])
+    for path, entry, sweep in ((args.configs_out, "fp8_column", SWEEP),
+                               (args.w8a8_configs_out, "fp8_w8a8_kernel", W8A8_SWEEP)):
+        if path:
+            path.write_text(json.dumps(fastest_tiles(result, first, entry, sweep), indent=1) + "\n")
 
 
-def fastest_tiles(result: dict, M: int) -> dict:
-    """{"N,K": SkinnyConfig fields}: each shape's fastest per-column tiles at M rows (skinny.load_configs' format)."""
-    out = {"_note": f"bench_fp8_gemm.py's fastest per-column FP8 tiles at {M} rows, {result['gpu']}, {result['date']}"}
+def fastest_tiles(result: dict, M: int, entry: str, sweep: list) -> dict:
+    """{"N,K": SkinnyConfig fields}: each shape's fastest tiles of `entry` at M rows (skinny.load_configs' format)."""
+    out = {"_note": f"bench_fp8_gemm.py's fastest {entry} tiles at {M} rows, {result['gpu']}, {result['date']}"}
     for name, (N, K) in SHAPES.items():
-        best = result["decode"][f"{name}@{M}"]["fp8_column"]["best"]
+        best = result["decode"][f"{name}@{M}"][entry]["best"]
         if best is not None:
-            out[f"{N},{K}"] = swept([best])[0].__dict__
+            out[f"{N},{K}"] = swept([best], sweep)[0].__dict__
     return out
 
 
@@ -238,14 +260,14 @@ def markdown(r: dict) -> str:
              f"torch {r['torch']}, Triton {r['triton']}; copy bandwidth {r['copy_gbs']:.0f} GB/s; µs per call in "
              "CUDA graphs over rotating weight copies.", "", "A layer's four projections at decode rows:", "",
              "| model @ rows | bf16 floor | FP8 floor | cuBLAS bf16 | Triton bf16 | FP8 per column (best / default "
-             "tiles) | FP8 128×128 | W8A8 | FP8, fp16 x (diagnostic) | FP8, fp16 route (x16) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "tiles) | FP8 128×128 | cuBLAS W8A8 | FP8 W8A8 kernel (best / default tiles) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for M, models in r["layer"].items():
         for model, s in models.items():
             lines.append(f"| {model} @ {M} | {s['floor_bf16']} | {s['floor_fp8']} | {s['cublas_bf16']} | "
                          f"{s['skinny_bf16']} | {s['fp8_column']} / {s['fp8_column_default']} | "
-                         f"{s['fp8_block128']} | {s['w8a8']} | {s.get('fp8_column_f16x', '–')} | "
-                         f"{s.get('fp8_column_x16', '–')} |")
+                         f"{s['fp8_block128']} | {s['w8a8']} | {s['fp8_w8a8_kernel']} / "
+                         f"{s['fp8_w8a8_kernel_default']} |")
     lines += ["", "Prompt rows: cuBLAS bf16 against W8A8 (quantize + torch._scaled_mm) and the dequantized weight:", "",
               "| shape @ rows | cuBLAS bf16 | W8A8 | dequantized + cuBLAS |", "|---|---:|---:|---:|"]
     for key, e in r["prompt"].items():

@@ -9,8 +9,9 @@ subprocess is this file run as a script:
     TRITON_INTERPRET=0 python tests/test_attention_compile.py 90 bf16 prefill
 
 The "fp8kv" family compiles the three kernels over float8 e4m3 caches (bf16, fp16 and fp32 activations) for Hopper:
-Triton converts e4m3 from sm_89 on, so the engine refuses an FP8 KV cache on older GPUs. With bf16 the tiles convert
-by ops/e4m3.py's integer operations (E4M3_PTX), none through fp16.
+Triton converts e4m3 from sm_89 on, so the engine refuses an FP8 KV cache on older GPUs. With bf16 the prompt tiles
+convert by ops/e4m3.py's integer operations (E4M3_PTX), none through fp16; the decode tiles by the paired e4m3 → fp16
+instruction into fp16 dots (F16_DOTS).
 """
 from __future__ import annotations
 
@@ -156,10 +157,13 @@ def compile_kind(arch: int, dtype: str, kind: str) -> int:
         build(ak._decode_reduce_kernel, with_ones(ak._decode_reduce_kernel, dict(HEAD_DIM=128, SPLITS_PAD=2)),
               al.REDUCE_WARPS, 1)
     elif kind == "fp8kv":
-        wanted = dtype == "bf16"   # the launchers' choice for compiled kernels: ops/e4m3.py's conversion for bf16 q
-        if al.decode_constexprs(128, 4, PAGE, False, tdtype, al.decode_config(128, tdtype), fp8_kv=True)["E4M3_PTX"] \
-                != wanted:
-            raise RuntimeError(f"fp8kv {dtype}: the launchers' E4M3_PTX is not {wanted}")
+        # the launchers' choice for compiled kernels and bf16 q: ops/e4m3.py's conversion for prompts, fp16 dots for
+        # decode
+        wanted = dtype == "bf16"
+        cfg = al.decode_config(128, tdtype)
+        if al.prefill_constexprs(4, 128, PAGE, 0, tdtype, al.prefill_config(128, tdtype), fp8_kv=True)["E4M3_PTX"] \
+                != wanted or al.decode_constexprs(128, 4, PAGE, False, tdtype, cfg, fp8_kv=True)["F16_DOTS"] != wanted:
+            raise RuntimeError(f"fp8kv {dtype}: the launchers' E4M3_PTX or F16_DOTS is not {wanted}")
         for D, Hkv in ((128, 8), (64, 32)):
             build(sk._store_kv_kernel, sk.store_kv_constexprs(Hkv, D, fp8=True), sk.STORE_WARPS, 1,
                   dict(FP8_KV, slot_ptr="*i64"))
@@ -172,9 +176,6 @@ def compile_kind(arch: int, dtype: str, kind: str) -> int:
             partials = {} if split else {"part_o_ptr": "*" + dtype, "part_ml_ptr": "*" + dtype}
             build(ak._decode_kernel, al.decode_constexprs(G, D, PAGE, split, tdtype, cfg, fp8_kv=True),
                   cfg.num_warps, cfg.num_stages, dict(FP8_KV, **partials))
-            if dtype == "bf16":   # the fp16 dots' variant (launchers.F16_DOTS)
-                build(ak._decode_kernel, dict(al.decode_constexprs(G, D, PAGE, split, tdtype, cfg, fp8_kv=True),
-                                              F16_DOTS=True), cfg.num_warps, cfg.num_stages, dict(FP8_KV, **partials))
     else:
         raise ValueError(f"unknown kernel family {kind!r}")
     return n

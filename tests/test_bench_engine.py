@@ -52,8 +52,8 @@ def test_each_pool_is_as_wide_as_its_adapters(bench, variants, rank, adapters):
         assert all(set([w] if isinstance(w, str) else w) <= names for w in wanted)
 
 
-@pytest.mark.parametrize("quant, weights, kv", [("none", None, "auto"), ("fp8", "fp8", "auto"), ("fp8kv", "fp8", "fp8"),
-                                                ("fp8-x16", "fp8", "auto"), ("fp8kv-x16", "fp8", "fp8")])
+@pytest.mark.parametrize("quant, weights, kv", [("none", None, "auto"), ("fp8", "fp8", "auto"),
+                                                ("fp8kv", "fp8", "fp8")])
 def test_quantizations_name_the_weights_and_the_kv_cache(bench, quant, weights, kv):
     assert quant in bench.QUANTIZATIONS
     engine, _ = bench._engine(SimpleNamespace(preset="llama-2-7b", layers=1), 4, "graphs", ["backbone"], quant)

@@ -70,44 +70,26 @@ def test_fp8_skinny_linear_matches_the_float64_loop(case, with_bias, dtype):
 
 
 @interpreted
-@pytest.mark.parametrize("case", [0, 1, 4, 6, 7])
-def test_the_fp16_route_matches_the_float64_loop_on_bf16_rows(case):
-    """X_F16 (bf16 x through `rows_to_f16`, fp16 products, r[m] in the epilogue) against the loop, rows from 1e-30
-    to 1e30 (past fp16's range either way: each row's power of two brings it in), bias and K splits included."""
+@pytest.mark.parametrize("case", [0, 1, 3, 6, 7])
+def test_the_w8a8_kernel_matches_the_float64_loop_of_its_quantized_rows(case):
+    """quantize_x (W8A8 at decode rows: x quantized a row by `quantize_rows`, e4m3 products, sx[m] in the
+    epilogue): the loop over the quantized rows to bf16's rounding, and within W8A8's documented error (Σ|x||w|/16
+    a row) of the unquantized x; rows from 1e-20 to 1e20, bias, block scales and K splits included."""
     M, N, K, block, cfg = CASES[case]
     m = random_matrix(N, K, block, seed=case)
-    g = torch.Generator().manual_seed(200 + case)
-    x = (torch.randn(M, K, generator=g) * torch.logspace(-30, 30, M)[:, None]).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(300 + case)
+    x = (torch.randn(M, K, generator=g) * torch.logspace(-20, 20, M)[:, None]).to(torch.bfloat16)
     bias = torch.randn(N, generator=g).to(torch.bfloat16)
-    y = fp8_skinny_linear(x, m, bias, config=cfg, x_f16=True)
-    want = loop_f64(x, m, bias)
+    y = fp8_skinny_linear(x, m, bias, config=cfg, quantize_x=True)
     assert y.dtype == torch.bfloat16 and y.shape == (M, N)
+    xq, sx = quantize_rows(x)
+    want = loop_f64(xq.double() * sx.double(), m, bias)
     torch.testing.assert_close(y.double(), want, rtol=1e-2, atol=1e-2)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_rows_to_f16_scales_each_row_by_a_power_of_two_exactly(dtype):
-    """quantize_kernel.py's `rows_to_f16` (the interpreter here): x16 · r equals x bit for bit for every value down
-    to 2^-31 of its row's largest; each row's largest lands in [2^14, 2^15); a zero row keeps r = 1."""
-    from loraplex.ops.gemm.quantize_kernel import rows_to_f16
-    g = torch.Generator().manual_seed(12)
-    wide = dtype == torch.bfloat16   # (rows as small as 1e-25 keep e above the clamp at -100)
-    x = torch.randn(7, 300, generator=g) * torch.logspace(-25 if wide else -4, 30 if wide else 4, 7)[:, None]
-    x[3] = 0
-    x[4, :3] = torch.tensor([65504.0, -1e-3, 2.0 ** -14])
-    x = x.to(dtype)
-    x16, r = rows_to_f16(x)
-    assert x16.dtype == torch.float16 and r.shape == (7,)
-    assert r[3] == 1 and torch.equal(x16[3], torch.zeros(300, dtype=torch.float16))
-    assert torch.equal(torch.log2(r), torch.log2(r).round())   # powers of two
-    big = x16.float().abs().amax(dim=1)
-    assert ((big >= 2 ** 14) & (big < 2 ** 15))[torch.arange(7) != 3].all()
-    back = x16.double() * r.double()[:, None]
-    kept = x.double().abs() >= 2.0 ** -31 * x.double().abs().amax(dim=1, keepdim=True)
-    assert torch.equal(back[kept], x.double()[kept])
-    assert ((back - x.double()).abs() <= 2.0 ** -38 * x.double().abs().amax(dim=1, keepdim=True)).all()
-    with pytest.raises(ValueError, match="bf16 or fp16"):
-        rows_to_f16(x.float())
+    exact = loop_f64(x, m, bias)
+    size = loop_f64(x.double().abs(), Fp8Matrix(m.qweight.double().abs(), m.scale, m.block), None)
+    assert ((y.double() - exact).abs() <= size / 16 + 1e-2 * exact.abs() + 1e-2).all()
+    with pytest.raises(ValueError, match="quantize_x takes bf16 or fp16 x, not torch.float32"):
+        fp8_skinny_linear(x.float(), m, config=cfg, quantize_x=True)
 
 
 def test_default_tiles_move_the_dense_tiles_bytes_a_step(monkeypatch):
@@ -125,9 +107,15 @@ def test_default_tiles_move_the_dense_tiles_bytes_a_step(monkeypatch):
     assert (o.block_n, o.block_k) == (64, 512)
     assert skinny.fit_config(o, 32, 2, 232448, w_bytes=1) == SkinnyConfig(block_n=64, block_k=512, stages=3)
     assert skinny.fit_config(o, 32, 2, 232448) == SkinnyConfig(block_n=64, block_k=512, stages=2)  # 2-byte count
+    # W8A8: at least 64 columns (a Hopper wgmma's rows), the same K step
+    for n, k in ((12288, 4096), (4096, 11008)):
+        got, w8 = fp8.default_config(n, k, cpu), fp8.default_config(n, k, cpu, w8a8=True)
+        assert w8 == SkinnyConfig(block_n=max(64, got.block_n), block_k=got.block_k, split_k=got.split_k,
+                                  warps=got.warps, stages=got.stages)
     tuned = SkinnyConfig(block_n=32, block_k=256, stages=5)
-    monkeypatch.setattr(fp8, "TUNED", {(4096, 4096): tuned})
+    monkeypatch.setattr(fp8, "TUNED", {"weight-only": {(4096, 4096): tuned}})
     assert fp8.default_config(4096, 4096, cpu) == tuned
+    assert fp8.default_config(4096, 4096, cpu, w8a8=True) != tuned
 
 
 def test_fp8_skinny_linear_refuses_bad_arguments():
@@ -203,12 +191,18 @@ def test_the_quantize_kernel_gives_quantize_rows_bits(dtype):
 
 def test_linear_picks_the_kernel_w8a8_or_the_dequantized_weight(monkeypatch):
     """Decode rows take the Triton kernel where the dense Triton GEMM would run (here: the interpreter with
-    LORAPLEX_SKINNY_GEMM=on); more rows take W8A8 where LORAPLEX_FP8_W8A8 allows and the scales are per column,
-    else the dequantized weight. ops/gemm/linear.py routes an Fp8Matrix here and a tensor to the dense GEMM."""
+    LORAPLEX_SKINNY_GEMM=on), W8A8 where LORAPLEX_FP8_W8A8 takes it (`decode_w8a8`); more rows take W8A8 where
+    LORAPLEX_FP8_W8A8 allows and the scales are per column, else the dequantized weight. ops/gemm/linear.py routes
+    an Fp8Matrix here and a tensor to the dense GEMM."""
     calls = []
     for name in ("fp8_skinny_linear", "w8a8_linear"):
         real = getattr(fp8, name)
         monkeypatch.setattr(fp8, name, lambda *a, _n=name, _r=real, **kw: calls.append(_n) or _r(*a, **kw))
+    bf16 = torch.randn(4, 64).bfloat16()
+    for setting, wanted in (("off", (False, False, False)), ("on", (True, True, False)),
+                            ("auto", (False, False, False))):   # auto: bf16 on Hopper only (this is a CPU)
+        monkeypatch.setattr(fp8, "W8A8", setting)
+        assert tuple(fp8.decode_w8a8(bf16.to(d)) for d in (torch.bfloat16, torch.float16, torch.float32)) == wanted
     per_col, blocks = random_matrix(32, 64, (1, 64), seed=5), random_matrix(32, 64, (32, 32), seed=6)
     small, large = torch.randn(4, 64).half(), torch.randn(48, 64).half()
     monkeypatch.setattr(skinny, "SETTING", "off")
@@ -225,12 +219,20 @@ def test_linear_picks_the_kernel_w8a8_or_the_dequantized_weight(monkeypatch):
     assert not fp8.w8a8_takes(large, per_col)   # auto: bf16 on CUDA Hopper GPUs only
     monkeypatch.setattr(fp8, "_on_hopper", lambda device: True)   # (only the predicate runs: no kernel)
     assert fp8.w8a8_takes(large.bfloat16(), per_col) and not fp8.w8a8_takes(large, per_col)   # fp16: not auto
+    assert fp8.decode_w8a8(bf16) and not fp8.decode_w8a8(bf16.half())
+    monkeypatch.setattr(fp8, "_on_hopper", lambda device: False)
     assert envs.fp8_w8a8() == "auto"
     if ops.triton_interpreted():
         monkeypatch.setattr(skinny, "SETTING", "on")
         assert gemm.takes_input(small, per_col) and not gemm.takes_input(large, per_col)
         gemm.linear(small, blocks)
         assert calls == ["w8a8_linear", "fp8_skinny_linear"]
+        monkeypatch.setattr(fp8, "W8A8", "on")   # decode rows through the kernel's W8A8: x's rows quantized
+        xq, sx = quantize_rows(small)
+        want, plain = loop_f64(xq.double() * sx.double(), per_col, None), loop_f64(small, per_col, None)
+        y = gemm.linear(small, per_col).double()
+        assert calls[-1] == "fp8_skinny_linear" and (y - want).abs().max() < 0.1 * (y - plain).abs().max()
+        torch.testing.assert_close(y, want, rtol=2e-3, atol=2e-3)
 
 
 @pytest.mark.gpu
@@ -249,10 +251,17 @@ def test_fp8_skinny_linear_in_bf16_on_the_gpu(M, block):
     split = SkinnyConfig(block_n=128, block_k=128, stages=4, split_k=4)
     for _ in range(2):
         torch.testing.assert_close(fp8_skinny_linear(x, m, config=split).double().cpu(), want, rtol=1e-2, atol=1e-2)
-    # the fp16 route (X_F16), whole and split
-    for cfg in (None, split):
-        torch.testing.assert_close(fp8_skinny_linear(x, m, config=cfg, x_f16=True).double().cpu(), want, rtol=1e-2,
-                                   atol=1e-2)
+    # W8A8: the loop over x's quantized rows (the CPU's quantize_rows, bit for bit the GPU's), to bf16's rounding
+    # plus what the e4m3 MMAs drop inside a K step (2^-10 of the sum of the products' magnitudes bounds it)
+    xq, sx = quantize_rows(x.cpu())
+    want_q = loop_f64(xq.double() * sx.double(), m, None)
+    size = loop_f64((xq.double() * sx.double()).abs(), Fp8Matrix(m.qweight.double().abs().cpu(), m.scale.cpu(),
+                                                                  m.block), None)
+    for cfg in (None, split, SkinnyConfig(block_n=64, block_k=512, stages=3)):
+        got = fp8_skinny_linear(x, m, config=cfg, quantize_x=True).double().cpu()
+        err = (got - want_q).abs() - 1e-2 * want_q.abs()
+        print(f"W8A8 {cfg}: largest error past bf16's rounding {(err / size).max().item():.2e} of Σ|xq·w|")
+        assert (err <= 2.0 ** -10 * size).all()
 
 
 @pytest.mark.gpu
@@ -302,10 +311,13 @@ def test_bench_fp8_gemm_smoke(monkeypatch, tmp_path):
     bench = load_benchmark(monkeypatch, "bench_fp8_gemm")
     monkeypatch.setattr(load_benchmark(monkeypatch, "bench_skinny_gemm"), "SMOKE", False)   # (restored after)
     out, md = tmp_path / "fp8.json", tmp_path / "fp8.md"
-    bench.main(["--smoke", "--rows", "2", "--prompt-rows", "40", "--out", str(out), "--md", str(md)])
+    tuned = tmp_path / "tuned_w8a8.json"
+    bench.main(["--smoke", "--rows", "2", "--prompt-rows", "40", "--out", str(out), "--md", str(md),
+                "--w8a8-configs-out", str(tuned)])
     result = json.loads(out.read_text())
     assert len(result["decode"]) == len(result["prompt"]) == len(bench.SHAPES)
     for e in result["decode"].values():
-        assert e["fp8_column"]["us"] > 0 and e["fp8_block128"]["us"] > 0, e
+        assert e["fp8_column"]["us"] > 0 and e["fp8_block128"]["us"] > 0 and e["fp8_w8a8_kernel"]["us"] > 0, e
+    assert len(skinny.load_configs(tuned)) == len(bench.SHAPES)
     assert set(result["layer"]["2"]) == {"Llama-2-7B", "Llama-3-8B"}
     assert "| Llama-3-8B @ 2 |" in md.read_text()

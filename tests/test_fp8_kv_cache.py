@@ -464,10 +464,9 @@ def test_engine_config_and_flags_take_kv_cache_dtype(capsys):
 
 @interpreted
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_fp16_dots_over_an_e4m3_cache_match_the_float64_loop(monkeypatch, num_splits):
-    """launchers.F16_DOTS (decode, bf16 q): tiles to fp16, q scaled into fp16 by a power of two a program (its rows
-    here from 1e-3 to 1e6, past fp16's range), fp16 dots: within bf16's output rounding of the loop."""
-    monkeypatch.setattr(ak, "F16_DOTS", True)
+def test_fp16_dots_over_an_e4m3_cache_match_the_float64_loop(num_splits):
+    """F16_DOTS (decode, bf16 q, the launchers' choice): tiles to fp16, q scaled into fp16 by a power of two a program
+    (its rows here from 1e-3 to 1e6, past fp16's range), fp16 dots: within bf16's output rounding of the loop."""
     assert ak.decode_constexprs(2, 32, 16, False, torch.bfloat16, ak.decode_config(32, torch.bfloat16), True)["F16_DOTS"]
     assert not ak.decode_constexprs(2, 32, 16, False, torch.float16, ak.decode_config(32, torch.float16), True)["F16_DOTS"]
     case, _ = _fp8_case(stable_seed("fp8-f16", num_splits), DECODE, torch.float32, Hq=6, Hkv=2, D=32, bs=16)
@@ -484,7 +483,7 @@ def test_fp16_dots_over_an_e4m3_cache_match_the_float64_loop(monkeypatch, num_sp
 @pytest.mark.parametrize("seqs, window", [([(0, 300), (40, 1), (700, 129), (1500, 1), (0, 2)], 0),
                                           ([(0, 1), (900, 1), (2500, 1), (63, 1)], 0),
                                           ([(100, 64), (600, 1), (1000, 1)], 256)], ids=["mixed", "decode", "window"])
-def test_gpu_bf16_kernels_match_the_reference_on_an_e4m3_cache(seqs, window, monkeypatch):
+def test_gpu_bf16_kernels_match_the_reference_on_an_e4m3_cache(seqs, window):
     """Llama-3 heads (32 over 8, head_dim 128): the store's bytes equal the reference's (IEEE division, rounding
     done before the cast), attention within bf16's output rounding of the reference (fp32 on the same cache)."""
     rng = np.random.default_rng(stable_seed("fp8-gpu", len(seqs), window))
@@ -500,8 +499,5 @@ def test_gpu_bf16_kernels_match_the_reference_on_an_e4m3_cache(seqs, window, mon
     # the reference in fp32 on the same cache (q exact in fp32): the bf16 tolerance of test_attention_gpu.py
     reference = ops.paged_attention(case.q.float(), *case.args()[1:], **case.kwargs(), k_scale=ks, v_scale=vs,
                                     backend="reference")
-    out = _attend(case, "triton", k_scale=ks, v_scale=vs)
-    assert max_err(out, reference.double(), case.owned_rows()) <= 2.5e-2
-    monkeypatch.setattr(ak, "F16_DOTS", True)   # decode rows through the fp16 dots
-    out = _attend(case, "triton", k_scale=ks, v_scale=vs)
+    out = _attend(case, "triton", k_scale=ks, v_scale=vs)   # decode rows through the fp16 dots, prompts through bf16
     assert max_err(out, reference.double(), case.owned_rows()) <= 2.5e-2

@@ -282,7 +282,7 @@ def fp8_gemm(dtype: str, arch: int) -> None:
         ptx = _compile(k, dict(x_ptr="*" + dtype, q_ptr="*fp8e4nv", s_ptr="*fp32", bias_ptr="*" + dtype,
                                y_ptr="*" + dtype, part_ptr="*fp32", count_ptr="*i32", r_ptr="*fp32"),
                        dict(HAS_BIAS=not per_step, PER_STEP_SCALE=per_step, EVEN_N=True, EVEN_K=True,
-                            IEEE=dtype == "fp32", FAST_BF16=dtype == "bf16", X_F16=False, SPLIT_K=split,
+                            IEEE=dtype == "fp32", FAST_BF16=dtype == "bf16", X_E4M3=False, SPLIT_K=split,
                             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k), arch, 4, stages,
                        divisible=("N", "K", "k_per_split", "stride_xm", "stride_qn", "stride_ym", "scale_bk"))
         what = (f"fp8_gemm {dtype} sm_{arch} per_step {per_step} m{block_m} n{block_n} k{block_k} st{stages} "
@@ -297,20 +297,16 @@ def fp8_gemm(dtype: str, arch: int) -> None:
         bound = shared_bytes(SkinnyConfig(block_n=block_n, block_k=block_k, stages=stages), block_m,
                              4 if dtype == "fp32" else 2, w_bytes=None if dtype == "fp32" else 1)
         assert 0 < COMPILED_SHARED[0] <= bound, f"{what}: {COMPILED_SHARED[0]} bytes of shared memory, bound {bound}"
-    if dtype == "bf16":   # the fp16 route (X_F16): x in fp16, q by the paired hardware conversion, fp16 products
+    if dtype == "bf16":   # W8A8 (X_E4M3): x quantized to e4m3 a row, q straight into the FP8 tensor cores
         for split in (1, 4):
-            ptx = _compile(k, dict(x_ptr="*fp16", q_ptr="*fp8e4nv", s_ptr="*fp32", bias_ptr="*bf16", y_ptr="*bf16",
+            ptx = _compile(k, dict(x_ptr="*fp8e4nv", q_ptr="*fp8e4nv", s_ptr="*fp32", bias_ptr="*bf16", y_ptr="*bf16",
                                    part_ptr="*fp32", count_ptr="*i32", r_ptr="*fp32"),
                            dict(HAS_BIAS=True, PER_STEP_SCALE=False, EVEN_N=True, EVEN_K=True, IEEE=False,
-                                FAST_BF16=False, X_F16=True, SPLIT_K=split, BLOCK_M=32, BLOCK_N=32, BLOCK_K=256),
+                                FAST_BF16=False, X_E4M3=True, SPLIT_K=split, BLOCK_M=32, BLOCK_N=64, BLOCK_K=256),
                            arch, 4, 4, divisible=("N", "K", "k_per_split", "stride_xm", "stride_qn", "stride_ym"))
-            what = f"fp8_gemm fp16 route sm_{arch} split {split}"
-            assert "cvt.rn.f16x2.e4m3x2" in ptx and "fma.rn.bf16x2" not in ptx, f"{what}: not the paired conversion"
-            assert ".f16.f16" in ptx and "cp.async" in ptx, f"{what}: no fp16 MMA or unpipelined loads"
-        from loraplex.ops.gemm.quantize_kernel import _rows_to_f16_kernel
-        ptx = _compile(_rows_to_f16_kernel, dict(x_ptr="*bf16", y_ptr="*fp16", r_ptr="*fp32"), dict(BLOCK=16384),
-                       arch, 32, divisible=("K", "stride_x", "stride_y"))
-        assert "mul.f32" in ptx or "mul.rn.f32" in ptx, f"rows_to_f16 sm_{arch}: no scaling"
+            what = f"fp8_gemm W8A8 sm_{arch} split {split}"
+            assert "fma.rn.bf16x2" not in ptx and "cvt.rn.f16x2.e4m3x2" not in ptx, f"{what}: q converted"
+            assert ".e4m3.e4m3" in ptx and "cp.async" in ptx, f"{what}: no e4m3 MMAs or unpipelined loads"
     # the prompt GEMM's activations quantized a row a program (quantize_kernel.py): IEEE divisions, as torch's
     from loraplex.ops.gemm.quantize_kernel import _quantize_rows_kernel
     for block in (4096, 16384):

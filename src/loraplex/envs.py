@@ -17,10 +17,11 @@ tuned configs) call the accessor once then, so those settings must be set before
 |                         |         |                         | everywhere); read at import                             |
 | LORAPLEX_SKINNY_CONFIGS | (unset) | a JSON file's path      | tuned tiles of that GEMM per weight shape, replacing    |
 |                         |         |                         | the bundled ops/gemm/tuned_h200.json; read at import    |
-| LORAPLEX_FP8_W8A8       | auto    | auto, on, off           | prompts' GEMMs with FP8 weights on the FP8 tensor cores |
+| LORAPLEX_FP8_W8A8       | auto    | auto, on, off           | GEMMs with FP8 weights on the FP8 tensor cores          |
 |                         |         |                         | (activations quantized per row): auto (bf16 on Hopper   |
 |                         |         |                         | GPUs), on (wherever torch._scaled_mm runs: the CPU      |
-|                         |         |                         | too), off (the weight dequantized); read at import      |
+|                         |         |                         | too), off (weight-only: decode kernels convert the      |
+|                         |         |                         | weight, prompts dequantize it); read at import          |
 | LORAPLEX_FAST_LAUNCH    | auto    | auto, on, off           | ops/launch.py's direct kernel launches: auto (with the  |
 |                         |         |                         | Triton versions they were checked against), on, or off  |
 |                         |         |                         | (every launch through Triton: for debugging)            |
@@ -64,10 +65,11 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "benchmarks/bench_skinny_gemm.py --configs-out writes), replacing the bundled "
              "ops/gemm/tuned_h200.json; read at import"),
     Variable("LORAPLEX_FP8_W8A8", "auto", ("auto", "on", "off"), True,
-             "prompts' GEMMs with FP8 weights (a scale per output column) on the FP8 tensor cores, each row of the "
-             "activations quantized by its amax: auto (bf16 activations on Hopper GPUs, compute capability 9.x), on "
-             "(bf16 or fp16 wherever torch._scaled_mm runs, the CPU included), off (the weight dequantized for "
-             "cuBLAS) (ops/gemm/fp8.py); read at import"),
+             "GEMMs with FP8 weights on the FP8 tensor cores, each row of the activations quantized by its amax "
+             "(decode rows: the Triton kernel; prompts: torch._scaled_mm, a scale per output column): auto (bf16 "
+             "activations on Hopper GPUs, compute capability 9.x), on (bf16 or fp16 wherever torch._scaled_mm "
+             "runs, the CPU included), off (weight-only: the decode kernel converts the weight in registers, "
+             "prompts' weights are dequantized for cuBLAS) (ops/gemm/fp8.py); read at import"),
     Variable("LORAPLEX_FAST_LAUNCH", "auto", ("auto", "on", "off"), True,
              "ops/launch.py's direct kernel launches: auto (with the Triton versions they were checked against), "
              "on, or off (every launch through Triton's own path: for debugging)"),

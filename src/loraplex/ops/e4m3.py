@@ -53,7 +53,7 @@ _E4M3_MAX: tl.constexpr = tl.constexpr(E4M3_MAX)   # (a jitted function reads on
 def f16_range_scales(amax):
     """(2^-e, 2^e), fp32, e = clamp(floor(log2(amax)) - 14, -100, 113) (0 for amax 0): values scaled by 2^-e have
     their largest in [2^14, 2^15), so bf16 values convert to fp16 exactly down to 2^-31 of it. For the fp16 routes
-    (the FP8 GEMM's X_F16, attention's F16_DOTS), where e4m3 converts to fp16 by one paired instruction."""
+    (decode attention's F16_DOTS), where e4m3 converts to fp16 by one paired instruction."""
     e = (amax.to(tl.int32, bitcast=True) >> 23) - 127 - 14   # (a subnormal amax reads as -141: clamped)
     e = tl.where(amax > 0, tl.minimum(tl.maximum(e, -100), 113), 0)
     return ((127 - e) << 23).to(tl.float32, bitcast=True), ((127 + e) << 23).to(tl.float32, bitcast=True)

@@ -4,8 +4,10 @@
 
 `linear(x, m, bias)` = x @ wᵀ + bias by the first of:
 - decode rows (1 to DECODE_MAX_ROWS) on GPUs with FP8 conversions (compute capability 8.9 on), where the
-  dense Triton GEMM would run (LORAPLEX_SKINNY_GEMM): `fp8_skinny_linear`, weight-only (fp8_kernels.py: q's
-  tiles converted in registers, half the bytes of a bf16 weight read);
+  dense Triton GEMM would run (LORAPLEX_SKINNY_GEMM): `fp8_skinny_linear` (fp8_kernels.py, half the bytes of a
+  bf16 weight read), W8A8 where LORAPLEX_FP8_W8A8 takes it (`decode_w8a8`: each row of x quantized to e4m3 by its
+  amax first, q read by the FP8 tensor cores as it is: a Llama-2-7B layer at 32 rows in 93 µs against 111 µs
+  weight-only, H100), else weight-only (q's tiles converted to x's dtype in registers);
 - other rows (prompts; decode rows too where the Triton kernel is off), a scale per output column, bf16 x, on
   Hopper GPUs (LORAPLEX_FP8_W8A8 "auto", read at import; "on": bf16 or fp16 anywhere torch._scaled_mm runs, the
   CPU included; "off" never): `w8a8_linear`, the FP8 tensor cores with each row of x quantized to e4m3 by its
@@ -31,15 +33,13 @@ FP8 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 W8A8 = envs.fp8_w8a8()   # "auto", "on" or "off"
 _KERNEL = []   # its Launcher, made on first use: Triton is imported only where the kernel runs
-# Tiles per weight shape from a sweep of the FP8 kernel (bench_fp8_gemm.py --configs-out), where one has been run;
-# other shapes take `default_config`'s rule.
-TUNED_FILE = Path(__file__).with_name("tuned_fp8.json")
-TUNED: dict[tuple[int, int], skinny.SkinnyConfig] = skinny.load_configs(TUNED_FILE) if TUNED_FILE.exists() else {}
+# Tiles per weight shape from sweeps of the FP8 kernel, weight-only and W8A8 (bench_fp8_gemm.py --configs-out and
+# --w8a8-configs-out), where one has been run; other shapes take `default_config`'s rule.
+TUNED_FILES = {"weight-only": Path(__file__).with_name("tuned_fp8.json"),
+               "w8a8": Path(__file__).with_name("tuned_fp8_w8a8.json")}
+TUNED: dict[str, dict[tuple[int, int], skinny.SkinnyConfig]] = {
+    kind: skinny.load_configs(path) for kind, path in TUNED_FILES.items() if path.exists()}
 MAX_BLOCK_K = 512
-# bf16 decode rows through the kernel's fp16 route (`rows_to_f16`, then q converted by the hardware's paired
-# instruction) rather than ops/e4m3.py's integer conversion. Off until benchmarks/bench_fp8_gemm.py's `x16` column
-# and bench_engine.py --fp8-x16 measure it faster; read at call time.
-X_F16 = False
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class Fp8Matrix:
 def linear(x: torch.Tensor, m: Fp8Matrix, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ wᵀ (+ bias) by the GEMM the module docstring picks."""
     if takes_input(x, m):
-        return fp8_skinny_linear(x, m, bias)
+        return fp8_skinny_linear(x, m, bias, quantize_x=decode_w8a8(x))
     if w8a8_takes(x, m):
         return w8a8_linear(x, m, bias)
     return F.linear(x, m.dequantize(x.dtype), bias)
@@ -84,6 +84,14 @@ def takes_input(x: torch.Tensor, m: Fp8Matrix) -> bool:
     if not skinny.takes(x.dtype, x.device):
         return False
     return not x.is_cuda or fp8_capable(x.device.index)
+
+
+def decode_w8a8(x: torch.Tensor) -> bool:
+    """Does the decode kernel quantize x (W8A8) rather than convert q (weight-only)? LORAPLEX_FP8_W8A8 as for
+    prompts: "auto" for bf16 on Hopper GPUs, "on" for bf16 and fp16 anywhere, "off" never."""
+    if W8A8 == "off" or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    return W8A8 == "on" or x.dtype == torch.bfloat16 and _on_hopper(x.device)
 
 
 def w8a8_takes(x: torch.Tensor, m: Fp8Matrix) -> bool:
@@ -127,27 +135,30 @@ def w8a8_linear(x: torch.Tensor, m: Fp8Matrix, bias: torch.Tensor | None = None)
 
 
 def fp8_skinny_linear(x: torch.Tensor, m: Fp8Matrix, bias: torch.Tensor | None = None,
-                      config: skinny.SkinnyConfig | None = None, x_f16: bool | None = None) -> torch.Tensor:
+                      config: skinny.SkinnyConfig | None = None, quantize_x: bool = False) -> torch.Tensor:
     """x [M, K] @ wᵀ (+ bias [N]) into a new [M, N] tensor of x's dtype, M ≤ skinny.MAX_ROWS, by fp8_kernels.py's
-    kernel; x, bias of one float dtype on q's device, unit stride along K. `x_f16` (None: X_F16): bf16 x through
-    the kernel's fp16 route (quantize_kernel.py's `rows_to_f16` first)."""
+    kernel; x, bias of one float dtype on q's device, unit stride along K. `quantize_x`: W8A8, x (bf16 or fp16)
+    quantized a row by `quantize_rows` first (on a GPU in one launch), else weight-only."""
     M, K = _check(x, m, bias)
-    x_f16 = (X_F16 if x_f16 is None else x_f16) and x.dtype == torch.bfloat16
+    if quantize_x and x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"fp8_skinny_linear: quantize_x takes bf16 or fp16 x, not {x.dtype}")
     N = m.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
     if config is None:
-        config = default_config(N, K, x.device)
+        config = default_config(N, K, x.device, w8a8=quantize_x)
     # e4m3 tiles take a byte an element in shared memory beside 16-bit x (fp32 x's products convert them to fp32 there)
     config = skinny.launched_config(config, M, x, w_bytes=1 if x.element_size() == 2 else None)
     block_k = _k_step(m, K, config.block_k)
     per_step = m.scale.shape[1] > 1
     split, k_per_split = skinny.split_plan(K, block_k, config.split_k)   # (whole K steps: none straddles a scale)
     part, count = skinny.split_buffers(x.device, split, N) if split > 1 else (out, out)
-    if x_f16:
-        from .quantize_kernel import rows_to_f16
-        x, r = rows_to_f16(x)
+    if quantize_x and x.is_cuda:
+        from .quantize_kernel import quantize_rows_fused
+        x, r = quantize_rows_fused(x)
+    elif quantize_x:
+        x, r = quantize_rows(x)
     else:
         r = m.scale   # (unread)
     args = (x, m.qweight, m.scale, bias if bias is not None else out, out, part, count, r, M, N, K, k_per_split,
@@ -159,22 +170,25 @@ def fp8_skinny_linear(x: torch.Tensor, m: Fp8Matrix, bias: torch.Tensor | None =
     consts = dict(HAS_BIAS=bias is not None, PER_STEP_SCALE=per_step, EVEN_N=N % config.block_n == 0,
                   EVEN_K=K % block_k == 0, IEEE=x.dtype == torch.float32,
                   # bf16 x on the GPU: q converted by ops/e4m3.py's inline PTX (compiled kernels only)
-                  FAST_BF16=x.dtype == torch.bfloat16 and x.is_cuda and _KERNEL[0].compiles, X_F16=x_f16,
+                  FAST_BF16=x.dtype == torch.bfloat16 and x.is_cuda and _KERNEL[0].compiles, X_E4M3=quantize_x,
                   SPLIT_K=split, BLOCK_M=skinny.block_m(M), BLOCK_N=config.block_n, BLOCK_K=block_k)
     _KERNEL[0]((-(-N // config.block_n), split), args, consts, config.warps, config.stages)
     return out
 
 
-def default_config(n: int, k: int, device: torch.device) -> skinny.SkinnyConfig:
-    """The FP8 kernel's tiles for a weight of shape (n, k): tuned (TUNED), else the dense kernel's for that shape
-    with twice its K step (at most MAX_BLOCK_K), so that a step moves as many bytes as the dense tile's does. A
-    decode GEMM is bound by the bytes each program keeps in flight; with the dense tiles an e4m3 weight kept half as
-    many and measured no faster than bf16 (a batch-32 Llama-2-7B decode step 1.12× the bf16 one, H100)."""
-    tuned = TUNED.get((n, k))
+def default_config(n: int, k: int, device: torch.device, w8a8: bool = False) -> skinny.SkinnyConfig:
+    """The FP8 kernel's tiles for a weight of shape (n, k), weight-only or W8A8: tuned (TUNED), else the dense
+    kernel's for that shape with twice its K step (at most MAX_BLOCK_K), so that a step moves as many bytes as the
+    dense tile's does; W8A8 at least 64 columns (a Hopper wgmma's rows: Triton converts narrower tiles' e4m3 operands
+    to fp16 for mma.sync). A decode GEMM is bound by the bytes each program keeps in flight; with the dense tiles an
+    e4m3 weight kept half as many and measured no faster than bf16 (a batch-32 Llama-2-7B decode step 1.12× the
+    bf16 one, H100)."""
+    tuned = TUNED.get("w8a8" if w8a8 else "weight-only", {}).get((n, k))
     if tuned is not None:
         return tuned
     dense = skinny.default_config(n, k, device)
-    return replace(dense, block_k=min(2 * dense.block_k, MAX_BLOCK_K))
+    wide = max(64, dense.block_n) if w8a8 else dense.block_n
+    return replace(dense, block_n=wide, block_k=min(2 * dense.block_k, MAX_BLOCK_K))
 
 
 def _k_step(m: Fp8Matrix, K: int, wanted: int = 128) -> int | None:

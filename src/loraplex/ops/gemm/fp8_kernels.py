@@ -15,12 +15,14 @@ exact in x's dtype (e4m3's 3-bit mantissa and range fit fp16 and bf16), so the p
 first, up to the scale's rounding.
 
 For bf16 x on the GPU (FAST_BF16) q's bytes become bf16 by integer operations, four at a time (ops/e4m3.py):
-Triton's own conversion bound the kernel below the memory's rate. X_F16 (an fp16 route for bf16 x, measured
-against it by benchmarks/bench_fp8_gemm.py): x arrives as quantize_kernel.py's `rows_to_f16` (x = x16 · r[m], exact),
-q converts to fp16 by the hardware's paired instruction, the products are fp16's, and the epilogue multiplies
-row m by r[m]:
+Triton's own conversion bound the kernel below the memory's rate. With X_E4M3 (W8A8) x arrives quantized a row,
+x ≈ xq · sx[m] (quantize_kernel.py's `quantize_rows_fused`), q goes into the FP8 tensor cores as it is, no
+conversion, and the epilogue multiplies row m by sx[m]:
 
-    y[m, n] = round(r[m] · Σ_j scale[n // scale_bn, j] · (Σ_{k in K block j} x16[m, k] · q[n, k]) + bias[n])
+    y[m, n] = round(sx[m] · Σ_j scale[n // scale_bn, j] · (Σ_{k in K block j} xq[m, k] · q[n, k]) + bias[n])
+
+Hopper's e4m3 MMAs add into their accumulator with fewer bits than fp32's (Triton lets them by default), so each K
+step's sum joins the fp32 sum by an fp32 add, as block-scaled FP8 GEMMs do.
 
 As ops/gemm/kernels.py's dense kernel (whose layout this follows: w's rows on the MMA's long side, 32 rows of x
 filling a Hopper wgmma's N), decode is bound by reading the weight, here half the bytes: program (n tile, split)
@@ -41,7 +43,7 @@ from .kernels import _split_sum
 def _fp8_skinny_kernel(x_ptr, q_ptr, s_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, r_ptr, M, N, K, k_per_split,
                        stride_xm, stride_qn, stride_sn, stride_ym, scale_bn, scale_bk, HAS_BIAS: tl.constexpr,
                        PER_STEP_SCALE: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
-                       FAST_BF16: tl.constexpr, X_F16: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                       FAST_BF16: tl.constexpr, X_E4M3: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
     pid_n = tl.program_id(0)
@@ -62,8 +64,8 @@ def _fp8_skinny_kernel(x_ptr, q_ptr, s_ptr, bias_ptr, y_ptr, part_ptr, count_ptr
             q = tl.load(q_rows + offs_k[None, :])
         else:
             q = tl.load(q_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < k_hi)[None, :], other=0.0)
-        if X_F16:
-            w = q.to(tl.float16)
+        if X_E4M3:
+            w = q
         elif FAST_BF16:
             w = e4m3_to_bf16(q)
         else:
@@ -77,6 +79,8 @@ def _fp8_skinny_kernel(x_ptr, q_ptr, s_ptr, bias_ptr, y_ptr, part_ptr, count_ptr
                 acc += tl.dot(w, x) * s[:, None]
         elif IEEE:   # fp32 activations: full fp32 products, not TF32
             acc = tl.dot(w, x, acc, input_precision="ieee")
+        elif X_E4M3:   # each K step's e4m3 products summed apart, then added in fp32 (the docstring)
+            acc += tl.dot(w, x, max_num_imprecise_acc=BLOCK_K)
         else:
             acc = tl.dot(w, x, acc)
     out_mask = n_mask[:, None] & m_mask[None, :]
@@ -84,22 +88,22 @@ def _fp8_skinny_kernel(x_ptr, q_ptr, s_ptr, bias_ptr, y_ptr, part_ptr, count_ptr
     r_rows = r_ptr + offs_m
     if SPLIT_K == 1:
         _store_y(acc, s_rows, r_rows, bias_ptr, y_ptrs, offs_n, n_mask, m_mask, out_mask, HAS_BIAS, PER_STEP_SCALE,
-                 X_F16)
+                 X_E4M3)
     else:
         last, total = _split_sum(acc, part_ptr, count_ptr, pid_n, pid_k, offs_m, offs_n, out_mask, N, SPLIT_K,
                                  BLOCK_M)
         if last:
             _store_y(total, s_rows, r_rows, bias_ptr, y_ptrs, offs_n, n_mask, m_mask, out_mask, HAS_BIAS,
-                     PER_STEP_SCALE, X_F16)
+                     PER_STEP_SCALE, X_E4M3)
 
 
 @triton.jit
 def _store_y(acc, s_rows, r_rows, bias_ptr, y_ptrs, offs_n, n_mask, m_mask, out_mask, HAS_BIAS: tl.constexpr,
-             PER_STEP_SCALE: tl.constexpr, X_F16: tl.constexpr):
-    """y = round(acc · the column's scale (one K block) · the row's r (X_F16) + bias)."""
+             PER_STEP_SCALE: tl.constexpr, X_E4M3: tl.constexpr):
+    """y = round(acc · the column's scale (one K block) · the row's sx (X_E4M3) + bias)."""
     if not PER_STEP_SCALE:
         acc *= tl.load(s_rows, mask=n_mask, other=0.0)[:, None]
-    if X_F16:
+    if X_E4M3:
         acc *= tl.load(r_rows, mask=m_mask, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
