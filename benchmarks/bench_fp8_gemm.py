@@ -114,10 +114,9 @@ def sweep_tiles(x: torch.Tensor, ms: list, configs: list, ref: torch.Tensor, tol
     """{tile name: µs per call, or the error's text} of fp8_skinny_linear(x, m, config=c, **kw) over `configs`,
     each checked against `ref` first; configs that the GPU's shared memory would cut are skipped."""
     timed = {}
+    read = x.to(torch.float8_e4m3fn) if kw.get("quantize_x") else x   # x as the kernel reads it
     for c in configs:
-        w_bytes = 1 if x.element_size() == 2 else None   # as fp8_skinny_linear fits its tiles
-        if skinny.launched_config(c, x.shape[0], x, w_bytes) != c or c.block_k > ms[0].block[1] and \
-                ms[0].scale.shape[1] > 1:
+        if fp8_gemm.fitted_config(c, read) != c or c.block_k > ms[0].block[1] and ms[0].scale.shape[1] > 1:
             continue
         try:
             check(fp8_skinny_linear(x, ms[0], config=c, **kw), ref, tolerance)

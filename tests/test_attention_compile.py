@@ -162,7 +162,7 @@ def compile_kind(arch: int, dtype: str, kind: str) -> int:
         wanted = dtype == "bf16"
         cfg = al.decode_config(128, tdtype)
         if al.prefill_constexprs(4, 128, PAGE, 0, tdtype, al.prefill_config(128, tdtype), fp8_kv=True)["E4M3_PTX"] \
-                != wanted or al.decode_constexprs(128, 4, PAGE, False, tdtype, cfg, fp8_kv=True)["F16_DOTS"] != wanted:
+                != wanted or al.decode_constexprs(4, 128, PAGE, False, tdtype, cfg, fp8_kv=True)["F16_DOTS"] != wanted:
             raise RuntimeError(f"fp8kv {dtype}: the launchers' E4M3_PTX or F16_DOTS is not {wanted}")
         for D, Hkv in ((128, 8), (64, 32)):
             build(sk._store_kv_kernel, sk.store_kv_constexprs(Hkv, D, fp8=True), sk.STORE_WARPS, 1,

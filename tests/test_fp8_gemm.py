@@ -1,5 +1,5 @@
-"""ops/gemm/fp8.py: the FP8 weight-only decode kernel and the W8A8 GEMM against float64 loops of their documented
-sums (the kernel in Triton's CPU interpreter here, in bf16 on a GPU), and which GEMM `linear` picks."""
+"""ops/gemm/fp8.py: the FP8 decode kernel (weight-only and W8A8) and the prompts' W8A8 GEMM against float64 loops of
+their documented sums (the kernel in Triton's CPU interpreter here, in bf16 on a GPU), and which GEMM `linear` picks."""
 from __future__ import annotations
 
 import pytest
@@ -90,6 +90,8 @@ def test_the_w8a8_kernel_matches_the_float64_loop_of_its_quantized_rows(case):
     assert ((y.double() - exact).abs() <= size / 16 + 1e-2 * exact.abs() + 1e-2).all()
     with pytest.raises(ValueError, match="quantize_x takes bf16 or fp16 x, not torch.float32"):
         fp8_skinny_linear(x.float(), m, config=cfg, quantize_x=True)
+    with pytest.raises(ValueError, match="K steps of at least 32"):
+        fp8_skinny_linear(x, random_matrix(N, K, (16, 16), seed=1), quantize_x=True)
 
 
 def test_default_tiles_move_the_dense_tiles_bytes_a_step(monkeypatch):
@@ -113,9 +115,19 @@ def test_default_tiles_move_the_dense_tiles_bytes_a_step(monkeypatch):
         assert w8 == SkinnyConfig(block_n=max(64, got.block_n), block_k=got.block_k, split_k=got.split_k,
                                   warps=got.warps, stages=got.stages)
     tuned = SkinnyConfig(block_n=32, block_k=256, stages=5)
-    monkeypatch.setattr(fp8, "TUNED", {"weight-only": {(4096, 4096): tuned}})
+    tuned_w8 = SkinnyConfig(block_n=64, block_k=256, stages=4)
+    monkeypatch.setattr(fp8, "TUNED", {"weight-only": {(4096, 4096): tuned}, "w8a8": {(4096, 4096): tuned_w8}})
     assert fp8.default_config(4096, 4096, cpu) == tuned
-    assert fp8.default_config(4096, 4096, cpu, w8a8=True) != tuned
+    assert fp8.default_config(4096, 4096, cpu, w8a8=True) == tuned_w8
+
+
+def test_the_bundled_w8a8_tiles_are_wide_enough_for_wgmma():
+    """tuned_fp8_w8a8.json loads into TUNED["w8a8"], every tile 64 columns or wider (narrower e4m3 dots run as
+    fp16 mma.sync on Hopper) with K steps of at least W8A8_MIN_K."""
+    tiles = skinny.load_configs(fp8.TUNED_FILES["w8a8"])
+    assert tiles and tiles == fp8.TUNED["w8a8"]
+    assert all(c.block_n >= 64 and c.block_k >= fp8.W8A8_MIN_K for c in tiles.values())
+    assert (4096, 4096) in tiles and (12288, 4096) in tiles   # Llama-2-7B's o and q/k/v
 
 
 def test_fp8_skinny_linear_refuses_bad_arguments():
@@ -199,11 +211,14 @@ def test_linear_picks_the_kernel_w8a8_or_the_dequantized_weight(monkeypatch):
         real = getattr(fp8, name)
         monkeypatch.setattr(fp8, name, lambda *a, _n=name, _r=real, **kw: calls.append(_n) or _r(*a, **kw))
     bf16 = torch.randn(4, 64).bfloat16()
+    per_col, blocks = random_matrix(32, 64, (1, 64), seed=5), random_matrix(32, 64, (32, 32), seed=6)
+    narrow = random_matrix(32, 64, (16, 16), seed=7)   # K steps of 16: too short for an e4m3 dot
     for setting, wanted in (("off", (False, False, False)), ("on", (True, True, False)),
                             ("auto", (False, False, False))):   # auto: bf16 on Hopper only (this is a CPU)
         monkeypatch.setattr(fp8, "W8A8", setting)
-        assert tuple(fp8.decode_w8a8(bf16.to(d)) for d in (torch.bfloat16, torch.float16, torch.float32)) == wanted
-    per_col, blocks = random_matrix(32, 64, (1, 64), seed=5), random_matrix(32, 64, (32, 32), seed=6)
+        assert tuple(fp8.decode_w8a8(bf16.to(d), per_col) for d in (torch.bfloat16, torch.float16,
+                                                                    torch.float32)) == wanted
+        assert fp8.decode_w8a8(bf16, blocks) == wanted[0] and not fp8.decode_w8a8(bf16, narrow)
     small, large = torch.randn(4, 64).half(), torch.randn(48, 64).half()
     monkeypatch.setattr(skinny, "SETTING", "off")
     monkeypatch.setattr(fp8, "W8A8", "off")
@@ -219,7 +234,7 @@ def test_linear_picks_the_kernel_w8a8_or_the_dequantized_weight(monkeypatch):
     assert not fp8.w8a8_takes(large, per_col)   # auto: bf16 on CUDA Hopper GPUs only
     monkeypatch.setattr(fp8, "_on_hopper", lambda device: True)   # (only the predicate runs: no kernel)
     assert fp8.w8a8_takes(large.bfloat16(), per_col) and not fp8.w8a8_takes(large, per_col)   # fp16: not auto
-    assert fp8.decode_w8a8(bf16) and not fp8.decode_w8a8(bf16.half())
+    assert fp8.decode_w8a8(bf16, per_col) and not fp8.decode_w8a8(bf16.half(), per_col)
     monkeypatch.setattr(fp8, "_on_hopper", lambda device: False)
     assert envs.fp8_w8a8() == "auto"
     if ops.triton_interpreted():

@@ -272,7 +272,8 @@ def fp8_gemm(dtype: str, arch: int) -> None:
     sm_80's turn) sm_89, the first GPUs with FP8: e4m3 loads pipelined with asynchronous copies, 16-bit products
     on tensor-core MMAs, within the shared memory skinny.shared_bytes bounds (for 1-byte weights beside 16-bit x; fp32
     x's dot stages them as fp32). The default tiles of
-    o's and down's shapes (64 × 512 in 4 stages, which fit_config cuts to 3 at 32 rows) among them."""
+    o's and down's shapes (64 × 512 in 4 stages, which fit_config cuts to 3 at 32 rows) among them. For bf16, W8A8
+    (X_E4M3): e4m3 x, q unconverted into e4m3 MMAs (wgmma on sm_90), a scale per column and 128×128 blocks."""
     from loraplex.ops.gemm.fp8_kernels import _fp8_skinny_kernel as k
     from loraplex.ops.gemm.skinny import SkinnyConfig, shared_bytes
     arch = 89 if arch == 80 else arch
@@ -298,15 +299,19 @@ def fp8_gemm(dtype: str, arch: int) -> None:
                              4 if dtype == "fp32" else 2, w_bytes=None if dtype == "fp32" else 1)
         assert 0 < COMPILED_SHARED[0] <= bound, f"{what}: {COMPILED_SHARED[0]} bytes of shared memory, bound {bound}"
     if dtype == "bf16":   # W8A8 (X_E4M3): x quantized to e4m3 a row, q straight into the FP8 tensor cores
-        for split in (1, 4):
+        for per_step, block_k, split in ((False, 256, 1), (False, 256, 4), (True, 128, 1)):
             ptx = _compile(k, dict(x_ptr="*fp8e4nv", q_ptr="*fp8e4nv", s_ptr="*fp32", bias_ptr="*bf16", y_ptr="*bf16",
                                    part_ptr="*fp32", count_ptr="*i32", r_ptr="*fp32"),
-                           dict(HAS_BIAS=True, PER_STEP_SCALE=False, EVEN_N=True, EVEN_K=True, IEEE=False,
-                                FAST_BF16=False, X_E4M3=True, SPLIT_K=split, BLOCK_M=32, BLOCK_N=64, BLOCK_K=256),
-                           arch, 4, 4, divisible=("N", "K", "k_per_split", "stride_xm", "stride_qn", "stride_ym"))
-            what = f"fp8_gemm W8A8 sm_{arch} split {split}"
+                           dict(HAS_BIAS=True, PER_STEP_SCALE=per_step, EVEN_N=True, EVEN_K=True, IEEE=False,
+                                FAST_BF16=False, X_E4M3=True, SPLIT_K=split, BLOCK_M=32, BLOCK_N=64,
+                                BLOCK_K=block_k), arch, 4, 4,
+                           divisible=("N", "K", "k_per_split", "stride_xm", "stride_qn", "stride_ym", "scale_bk"))
+            what = f"fp8_gemm W8A8 sm_{arch} per_step {per_step} split {split}"
             assert "fma.rn.bf16x2" not in ptx and "cvt.rn.f16x2.e4m3x2" not in ptx, f"{what}: q converted"
             assert ".e4m3.e4m3" in ptx and "cp.async" in ptx, f"{what}: no e4m3 MMAs or unpipelined loads"
+            assert arch != 90 or "wgmma.mma_async" in ptx, f"{what}: no wgmma"
+            bound = shared_bytes(SkinnyConfig(block_n=64, block_k=block_k, stages=4), 32, 1)
+            assert 0 < COMPILED_SHARED[0] <= bound, f"{what}: {COMPILED_SHARED[0]} bytes of shared memory, bound {bound}"
     # the prompt GEMM's activations quantized a row a program (quantize_kernel.py): IEEE divisions, as torch's
     from loraplex.ops.gemm.quantize_kernel import _quantize_rows_kernel
     for block in (4096, 16384):

@@ -1,8 +1,9 @@
 """float8 e4m3 inside Triton kernels. `e4m3_to_bf16`: e4m3 → bf16 by integer operations, for the FP8 weights' decode
-GEMM (ops/gemm/fp8_kernels.py) and attention over an e4m3 KV cache (ops/attention/kernels.py). `round_to_e4m3`:
-fp32 rounded to e4m3's values as torch rounds, for the KV cache's store (ops/attention/store_kernel.py) and the
-activations' per-row quantization (ops/gemm/quantize_kernel.py). `f16_range_scales`: the powers of two that bring
-a row into fp16's range, for the fp16 routes.
+GEMM when weight-only (ops/gemm/fp8_kernels.py) and prompt attention over an e4m3 KV cache (ops/attention/kernels.py).
+`round_to_e4m3`: fp32 rounded to e4m3's values as torch rounds, for the KV cache's store
+(ops/attention/store_kernel.py) and the activations' per-row quantization (ops/gemm/quantize_kernel.py).
+`f16_range_scales`: the powers of two that bring a row into fp16's range, for decode attention's fp16 dots
+(ops/attention/kernels.py's F16_DOTS).
 
 Triton's own conversion to bf16 goes through fp16 and converts each value again (sm_90 PTX: `cvt.rn.f16x2.e4m3x2`
 then `cvt.bf16.f16` per value, at a fraction of the integer rate); at the FP8 GEMM's tuned tiles it bound a

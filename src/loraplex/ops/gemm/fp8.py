@@ -40,6 +40,7 @@ TUNED_FILES = {"weight-only": Path(__file__).with_name("tuned_fp8.json"),
 TUNED: dict[str, dict[tuple[int, int], skinny.SkinnyConfig]] = {
     kind: skinny.load_configs(path) for kind, path in TUNED_FILES.items() if path.exists()}
 MAX_BLOCK_K = 512
+W8A8_MIN_K = 32   # the K step of Triton's e4m3 dots
 
 
 @dataclass(frozen=True)
@@ -68,15 +69,16 @@ class Fp8Matrix:
 def linear(x: torch.Tensor, m: Fp8Matrix, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ wᵀ (+ bias) by the GEMM the module docstring picks."""
     if takes_input(x, m):
-        return fp8_skinny_linear(x, m, bias, quantize_x=decode_w8a8(x))
+        return fp8_skinny_linear(x, m, bias, quantize_x=decode_w8a8(x, m))
     if w8a8_takes(x, m):
         return w8a8_linear(x, m, bias)
     return F.linear(x, m.dequantize(x.dtype), bias)
 
 
 def takes_input(x: torch.Tensor, m: Fp8Matrix) -> bool:
-    """Does `linear(x, m)` run the Triton weight-only kernel (so that ops/lora/overlap.py may order a shrink
-    after it, as after the dense Triton GEMM)?"""
+    """Does `linear(x, m)` run the Triton decode kernel (so that ops/lora/overlap.py may order a shrink after it,
+    as after the dense Triton GEMM; with W8A8 the quantize launch before it changes nothing there: every launch
+    waits for the one before)?"""
     if x.dim() != 2 or not 0 < x.shape[0] <= skinny.DECODE_MAX_ROWS or x.stride(1) != 1:
         return False
     if not _kernel_reads(m, x):
@@ -86,10 +88,13 @@ def takes_input(x: torch.Tensor, m: Fp8Matrix) -> bool:
     return not x.is_cuda or fp8_capable(x.device.index)
 
 
-def decode_w8a8(x: torch.Tensor) -> bool:
+def decode_w8a8(x: torch.Tensor, m: Fp8Matrix) -> bool:
     """Does the decode kernel quantize x (W8A8) rather than convert q (weight-only)? LORAPLEX_FP8_W8A8 as for
-    prompts: "auto" for bf16 on Hopper GPUs, "on" for bf16 and fp16 anywhere, "off" never."""
+    prompts: "auto" for bf16 on Hopper GPUs, "on" for bf16 and fp16 anywhere, "off" never; and scale blocks at
+    least W8A8_MIN_K wide along K (an e4m3 dot's K step)."""
     if W8A8 == "off" or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if m.scale.shape[1] > 1 and m.block[1] < W8A8_MIN_K:
         return False
     return W8A8 == "on" or x.dtype == torch.bfloat16 and _on_hopper(x.device)
 
@@ -148,12 +153,9 @@ def fp8_skinny_linear(x: torch.Tensor, m: Fp8Matrix, bias: torch.Tensor | None =
         return out
     if config is None:
         config = default_config(N, K, x.device, w8a8=quantize_x)
-    # e4m3 tiles take a byte an element in shared memory beside 16-bit x (fp32 x's products convert them to fp32 there)
-    config = skinny.launched_config(config, M, x, w_bytes=1 if x.element_size() == 2 else None)
-    block_k = _k_step(m, K, config.block_k)
-    per_step = m.scale.shape[1] > 1
-    split, k_per_split = skinny.split_plan(K, block_k, config.split_k)   # (whole K steps: none straddles a scale)
-    part, count = skinny.split_buffers(x.device, split, N) if split > 1 else (out, out)
+    if quantize_x and _k_step(m, K, config.block_k) < W8A8_MIN_K:
+        raise ValueError(f"fp8_skinny_linear: quantize_x needs K steps of at least {W8A8_MIN_K}; scale blocks "
+                         f"{m.block} and tiles {config} give {_k_step(m, K, config.block_k)}")
     if quantize_x and x.is_cuda:
         from .quantize_kernel import quantize_rows_fused
         x, r = quantize_rows_fused(x)
@@ -161,6 +163,11 @@ def fp8_skinny_linear(x: torch.Tensor, m: Fp8Matrix, bias: torch.Tensor | None =
         x, r = quantize_rows(x)
     else:
         r = m.scale   # (unread)
+    config = fitted_config(config, x)
+    block_k = _k_step(m, K, config.block_k)
+    per_step = m.scale.shape[1] > 1
+    split, k_per_split = skinny.split_plan(K, block_k, config.split_k)   # (whole K steps: none straddles a scale)
+    part, count = skinny.split_buffers(x.device, split, N) if split > 1 else (out, out)
     args = (x, m.qweight, m.scale, bias if bias is not None else out, out, part, count, r, M, N, K, k_per_split,
             x.stride(0), m.qweight.stride(0), m.scale.stride(0), out.stride(0), m.block[0], m.block[1])
     if not _KERNEL:
@@ -174,6 +181,12 @@ def fp8_skinny_linear(x: torch.Tensor, m: Fp8Matrix, bias: torch.Tensor | None =
                   SPLIT_K=split, BLOCK_M=skinny.block_m(M), BLOCK_N=config.block_n, BLOCK_K=block_k)
     _KERNEL[0]((-(-N // config.block_n), split), args, consts, config.warps, config.stages)
     return out
+
+
+def fitted_config(config: skinny.SkinnyConfig, x: torch.Tensor) -> skinny.SkinnyConfig:
+    """The tiles a launch on x (as the kernel reads it: e4m3 with W8A8) runs: `config` fitted to the GPU's shared
+    memory. e4m3 tiles take a byte an element beside x's (fp32 x's products convert them to fp32 there)."""
+    return skinny.launched_config(config, x.shape[0], x, w_bytes=1 if x.element_size() <= 2 else None)
 
 
 def default_config(n: int, k: int, device: torch.device, w8a8: bool = False) -> skinny.SkinnyConfig:

@@ -1,5 +1,5 @@
-"""Triton kernel of a projection with FP8 weights for few rows (decode steps), weight-only: y = x @ wᵀ (+ bias),
-x [M, K] in the model's dtype, w given as e4m3 `q [N, K]` and fp32 scales over blocks (ops/gemm/fp8.py's
+"""Triton kernel of a projection with FP8 weights for few rows (decode steps): y = x @ wᵀ (+ bias), weight-only
+(x [M, K] in the model's dtype) or W8A8 (X_E4M3 below), w given as e4m3 `q [N, K]` and fp32 scales over blocks (ops/gemm/fp8.py's
 `Fp8Matrix`: w[n, k] = q[n, k] · scale[n // scale_bn, k // scale_bk]).
 
 For every row m < M and column n < N (fp32 sums, rounded once to y's dtype):
@@ -26,8 +26,8 @@ step's sum joins the fp32 sum by an fp32 add, as block-scaled FP8 GEMMs do.
 
 As ops/gemm/kernels.py's dense kernel (whose layout this follows: w's rows on the MMA's long side, 32 rows of x
 filling a Hopper wgmma's N), decode is bound by reading the weight, here half the bytes: program (n tile, split)
-streams a [BLOCK_N, K / SPLIT_K] block of q beside x's [BLOCK_M, K / SPLIT_K] in 16 bits. With 32-column tiles x's
-bytes are twice q's; a K split lets wider tiles keep enough programs.
+streams a [BLOCK_N, K / SPLIT_K] block of q beside x's [BLOCK_M, K / SPLIT_K] (16 bits, 8 with X_E4M3). With
+32-column tiles 16-bit x's bytes are twice q's; a K split lets wider tiles keep enough programs.
 """
 from __future__ import annotations
 
