@@ -501,3 +501,19 @@ def test_gpu_bf16_kernels_match_the_reference_on_an_e4m3_cache(seqs, window):
                                     backend="reference")
     out = _attend(case, "triton", k_scale=ks, v_scale=vs)   # decode rows through the fp16 dots, prompts through bf16
     assert max_err(out, reference.double(), case.owned_rows()) <= 2.5e-2
+
+
+@interpreted
+def test_bench_fp8_attention_smoke(monkeypatch, tmp_path):
+    """benchmarks/bench_fp8_attention.py --smoke (the interpreter, toy heads): every candidate tile's decode over the
+    e4m3 cache against the reference path, for both models' heads; the markdown is written."""
+    from benchmark_modules import load_benchmark
+    bench = load_benchmark(monkeypatch, "bench_fp8_attention")
+    out, md = tmp_path / "a.json", tmp_path / "a.md"
+    bench.main(["--smoke", "--out", str(out), "--md", str(md)])
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == len(bench.HEAD_SHAPES)
+    for r in rows:
+        assert set(r["max_abs_err"]) == set(bench.candidates(r["D"])) and max(r["max_abs_err"].values()) <= 0.05, r
+    assert bench.candidates(128)["2x keys"].block_n == 2 * ak.DECODE_CONFIGS[128].block_n
+    assert md.read_text().startswith("# Decode attention over an e4m3 KV cache")

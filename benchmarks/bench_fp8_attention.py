@@ -1,0 +1,151 @@
+"""Decode attention over an FP8 (e4m3) KV cache on the GPU, bf16 queries: the decode kernel's tiles swept.
+
+The kernel's decode tiles (ops/attention/launchers.py's DECODE_CONFIGS) were sized for 16-bit caches: two
+resident programs an SM with two K/V tiles in flight each cover HBM's latency. An e4m3 tile of the same keys
+moves half the bytes, so each program keeps half as many in flight (the FP8 GEMM's tiles needed twice the K step
+for the same reason). Per case, side by side in one run: the same batch over a bf16 cache (today's tiles), then
+the e4m3 cache with today's tiles and each of CANDIDATES (wider key steps, more stages or warps, longer splits),
+beside the floor of the e4m3 bytes over the copy bandwidth measured in the same run. Every e4m3 output is
+checked against the reference path on the same cache first.
+
+Llama-2-7B and Llama-3-8B heads, batches 32 and 128 × contexts 512 and 4096, one query row a sequence, in CUDA
+graphs over rotating input sets (bench_attention.py's `Paged`: disjoint shuffled pages, L2 cleared between uses);
+medians of CUDA-event timings after warm-up.
+
+    python benchmarks/bench_fp8_attention.py --out benchmarks/results/fp8_attention.json \
+        --md benchmarks/results/fp8_attention.md
+    TRITON_INTERPRET=1 python benchmarks/bench_fp8_attention.py --smoke   # tiny shapes on the CPU, no timing
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_attention import HEAD_SHAPES, Paged, _rotations  # noqa: E402
+
+from loraplex import envs, ops  # noqa: E402
+from loraplex.ops.attention import launchers as ak  # noqa: E402
+
+BATCHES, CONTEXTS = [32, 128], [512, 4096]
+E4M3 = torch.float8_e4m3fn
+
+
+def candidates(head_dim: int) -> dict[str, ak.DecodeConfig]:
+    """Today's tiles for 16-bit caches, then the variants to time over an e4m3 cache."""
+    base = ak.DECODE_CONFIGS[head_dim]
+    wide = replace(base, block_n=2 * base.block_n)
+    return {"today": base, "2x keys": wide, "2x keys, 2 stages": replace(wide, num_stages=2),
+            "2x keys, 8 warps": replace(wide, num_warps=8), "4 stages": replace(base, num_stages=4),
+            "2x keys, splits of 512": replace(wide, min_split_tokens=512),
+            "4x keys, 8 warps, 2 stages": replace(base, block_n=4 * base.block_n, num_warps=8, num_stages=2)}
+
+
+def to_e4m3(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 cache, fp32 scale [1]): one scale for the tensor, its largest value at 448."""
+    scale = (cache.float().abs().amax() / 448).reshape(1)
+    return (cache.float() / scale).clamp(-448, 448).to(E4M3), scale
+
+
+def decode_fn(p: Paged, i: int, k, v, cfg: ak.DecodeConfig, k_scale=None, v_scale=None):
+    """Set i's decode launch through the launcher with tiles `cfg` (paged.py's checks run once, in `check`)."""
+    st = p.sets[i]
+    return lambda: ak.decode(st["q"], k, v, st["block_tables"], p.seq_lens, p.query_start, st["out"],
+                             max_seq_len=p.max_seq_len, scale=p.scale, window=0, cfg=cfg, k_scale=k_scale,
+                             v_scale=v_scale)
+
+
+def bench_case(name: str, heads, batch: int, ctx: int, copy_gbs: float | None, gen, device, smoke: bool) -> dict:
+    Hq, Hkv, D = heads
+    rot = 1 if smoke else _rotations(batch * ctx * Hkv * D * 2)   # (the e4m3 sets' bytes)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float16   # (the interpreter has no bf16 dots)
+    p = Paged([ctx - 1] * batch, [1] * batch, Hq, Hkv, D, dtype, device, rot, gen,
+              "triton" if smoke and ops.triton_interpreted() else None)
+    (k8, ks), (v8, vs) = to_e4m3(p.k_cache), to_e4m3(p.v_cache)
+    e4m3_bytes = batch * ctx * Hkv * D * 2
+    row = dict(model=name, Hq=Hq, Hkv=Hkv, D=D, batch=batch, context=ctx, rotations=rot, e4m3_bytes=e4m3_bytes,
+               configs={k: asdict(c) for k, c in candidates(D).items()}, us={}, max_abs_err={})
+    st = p.sets[0]
+    reference = ops.paged_attention(st["q"], k8, v8, st["block_tables"], p.seq_lens, p.query_start,
+                                    max_query_len=1, max_seq_len=p.max_seq_len, scale=p.scale, k_scale=ks,
+                                    v_scale=vs, backend="reference").float()
+    for label, cfg in candidates(D).items():
+        decode_fn(p, 0, k8, v8, cfg, ks, vs)()
+        row["max_abs_err"][label] = (st["out"].float() - reference).abs().max().item()
+        if not smoke:
+            row["us"][label] = _graph_time([decode_fn(p, i, k8, v8, cfg, ks, vs) for i in range(rot)])
+    if not smoke:
+        row["bf16_cache_us"] = _graph_time([decode_fn(p, i, p.k_cache, p.v_cache, ak.decode_config(D, dtype))
+                                            for i in range(rot)])
+        row["floor_us"] = e4m3_bytes / copy_gbs / 1e3
+        row["best"] = min(row["us"], key=row["us"].get)
+    return row
+
+
+def _graph_time(fns) -> float:
+    from bench_lora_ops import graphed, time_us
+    return time_us([graphed(f) for f in fns])
+
+
+def markdown(env: dict, rows: list[dict]) -> str:
+    labels = list(rows[0]["us"]) if rows and rows[0]["us"] else []
+    lines = [f"# Decode attention over an e4m3 KV cache — {env['device']}, {env['date']}", "",
+             f"torch {env['torch']}, Triton {env['triton']}; bf16 queries, block size 16; copy bandwidth "
+             f"{env.get('copy_gbs', 0):.0f} GB/s; µs per launch in CUDA graphs. The floor: the e4m3 K and V bytes "
+             "over the copy bandwidth. Tiles: "
+             + "; ".join(f"{k} = {v['block_n']} keys, {v['num_warps']} warps, {v['num_stages']} stages, splits of "
+                         f"{v['min_split_tokens']}+" for k, v in (rows[0]["configs"].items() if rows else [])), "",
+             "| model | batch | context | bf16 cache | e4m3 floor | " + " | ".join(labels) + " |",
+             "|---|---:|---:|---:|---:|" + "---:|" * len(labels)]
+    for r in rows:
+        cells = [f"**{r['us'][k]:.1f}**" if k == r.get("best") else f"{r['us'][k]:.1f}" for k in labels]
+        lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | {r.get('bf16_cache_us', 0):.1f} | "
+                     f"{r.get('floor_us', 0):.1f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--md", type=Path)
+    ap.add_argument("--models", default=",".join(HEAD_SHAPES))
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, no timing: the set-up and each tile's output")
+    args = ap.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda" and not args.smoke:
+        raise SystemExit("bench_fp8_attention needs a CUDA GPU (or --smoke)")
+    gen = torch.Generator(device=device).manual_seed(0)
+    env = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+               date=datetime.date.today().isoformat(), torch=torch.__version__,
+               triton=getattr(sys.modules.get("triton"), "__version__", "?"), settings=envs.snapshot())
+    copy_gbs = None
+    if not args.smoke:
+        from bench_lora_ops import copy_bandwidth_gbs
+        copy_gbs = env["copy_gbs"] = copy_bandwidth_gbs()
+    rows = []
+    for name in args.models.split(","):
+        heads = HEAD_SHAPES[name] if not args.smoke else (HEAD_SHAPES[name][0] // 8, HEAD_SHAPES[name][1] // 8, 32)
+        for ctx in CONTEXTS if not args.smoke else [40]:
+            for batch in BATCHES if not args.smoke else [3]:
+                rows.append(bench_case(name, heads, batch, ctx, copy_gbs, gen, device, args.smoke))
+                print(json.dumps({k: v for k, v in rows[-1].items() if k != "configs"}), flush=True)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    if args.out:
+        args.out.write_text(json.dumps({"env": env, "rows": rows}, indent=1) + "\n")
+    if args.md:
+        args.md.write_text(markdown(env, rows))
+    bad = [(r["model"], r["batch"], r["context"], k) for r in rows for k, e in r["max_abs_err"].items()
+           if not e <= 0.05]
+    if bad:   # (NaN compares false, so it lands here too)
+        raise SystemExit(f"outputs off the reference path by more than 0.05: {bad}")
+
+
+if __name__ == "__main__":
+    main()
