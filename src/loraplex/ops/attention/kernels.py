@@ -37,8 +37,8 @@ An e4m3 cache (FP8_KV) is read as is: each K and V tile is converted to q's dtyp
 every e4m3 value is a bf16, fp16 and fp32 value; for bf16 q on the GPU by ops/e4m3.py's integer operations,
 E4M3_PTX, where Triton's conversion goes through fp16), k_scale is folded into the softmax scale and v_scale
 into the output's normalisation (the split decode's partial sums), so the scales cost two scalar loads a
-program. F16_DOTS (decode over an e4m3 cache with bf16 q, measured faster than E4M3_PTX there): the tiles
-convert to fp16 by the hardware's paired instruction instead, q is scaled into fp16 by a power of two (exact;
+program. E4M3_PTX is the prompt kernel's; decode over an e4m3 cache with bf16 q takes F16_DOTS (measured faster
+there): the tiles convert to fp16 by the hardware's paired instruction, q is scaled into fp16 by a power of two (exact;
 ops/e4m3.py's `f16_range_scales`, the power folded into the softmax scale) and the dots, P·V's included, run in
 fp16.
 
@@ -214,7 +214,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ml
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt,
                    G: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                    PAGE: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, FP8_KV: tl.constexpr,
-                   E4M3_PTX: tl.constexpr, F16_DOTS: tl.constexpr):
+                   F16_DOTS: tl.constexpr):
     """The one query row of sequence program_id(0), G heads of kv head program_id(1), over keys
     [lo + split * chunk, lo + (split + 1) * chunk) ∩ [lo, seq_len) of split program_id(2)."""
     pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
@@ -251,7 +251,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ml
         pos = tl.zeros([M], tl.int32) + (seq_len - 1)  # the query row's position
         acc, m_i, l_i = _attend_range(acc, m_i, l_i, q, k_head, v_head, bt_row, start, end, pos, start, end, qk_scale,
                                       window, stride_kb, stride_kt, BLOCK_N, HEAD_DIM, PAGE, True, False, PRECISION,
-                                      E4M3_PTX, F16_DOTS)
+                                      False, F16_DOTS)
         if FP8_KV:
             acc = acc * tl.load(v_scale_ptr)
         if SPLIT:

@@ -92,7 +92,7 @@ def _scales(fp8: bool, k_scale: torch.Tensor | None, v_scale: torch.Tensor | Non
 
 def _e4m3_ptx(fp8_kv: bool, dtype: torch.dtype) -> bool:
     """E4M3_PTX: an e4m3 cache's tiles converted to bf16 by ops/e4m3.py (compiled kernels only, not the interpreter)."""
-    return fp8_kv and dtype == torch.bfloat16 and _DECODE.compiles
+    return fp8_kv and dtype == torch.bfloat16 and _PREFILL.compiles
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -154,10 +154,8 @@ def decode_constexprs(G: int, D: int, page: int, split: bool, dtype: torch.dtype
     """The decode kernel's compile-time parameters (also used by the ahead-of-time compile test). bf16 q over an
     e4m3 cache takes the fp16 dots (kernels.py's F16_DOTS: 6% less kernel time than ops/e4m3.py's bf16 conversion
     in a batch-32 decode step, H100)."""
-    f16_dots = fp8_kv and dtype == torch.bfloat16
     return dict(G=G, M=max(16, pow2(G)), BLOCK_N=cfg.block_n, HEAD_DIM=D, PAGE=page, SPLIT=split,
-                PRECISION=_precision(dtype), FP8_KV=fp8_kv, E4M3_PTX=_e4m3_ptx(fp8_kv, dtype) and not f16_dots,
-                F16_DOTS=f16_dots)
+                PRECISION=_precision(dtype), FP8_KV=fp8_kv, F16_DOTS=fp8_kv and dtype == torch.bfloat16)
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
