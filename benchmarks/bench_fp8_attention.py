@@ -1,10 +1,10 @@
 """Decode attention over an FP8 (e4m3) KV cache on the GPU, bf16 queries: the decode kernel's tiles swept.
 
-The kernel's decode tiles (ops/attention/launchers.py's DECODE_CONFIGS) were sized for 16-bit caches: two
-resident programs an SM with two K/V tiles in flight each cover HBM's latency. An e4m3 tile of the same keys
-moves half the bytes, so each program keeps half as many in flight (the FP8 GEMM's tiles needed twice the K step
-for the same reason). Per case, side by side in one run: the same batch over a bf16 cache (today's tiles), then
-the e4m3 cache with today's tiles and each of CANDIDATES (wider key steps, more stages or warps, longer splits),
+The kernel's decode tiles for 16-bit caches (ops/attention/launchers.py's DECODE_CONFIGS) keep two resident
+programs an SM with two K/V tiles in flight each, which covers HBM's latency. An e4m3 tile of the same keys moves
+half the bytes, so e4m3 caches take twice the keys a step (FP8_DECODE_CONFIGS). Per case, side by side in one run:
+the same batch over a bf16 cache (its tiles), then the e4m3 cache with today's tiles, the 16-bit ones and each of
+`candidates` (more stages or warps, shorter splits, wider key steps),
 beside the floor of the e4m3 bytes over the copy bandwidth measured in the same run. Every e4m3 output is
 checked against the reference path on the same cache first.
 
@@ -38,13 +38,13 @@ E4M3 = torch.float8_e4m3fn
 
 
 def candidates(head_dim: int) -> dict[str, ak.DecodeConfig]:
-    """Today's tiles for 16-bit caches, then the variants to time over an e4m3 cache."""
-    base = ak.DECODE_CONFIGS[head_dim]
-    wide = replace(base, block_n=2 * base.block_n)
-    return {"today": base, "2x keys": wide, "2x keys, 2 stages": replace(wide, num_stages=2),
-            "2x keys, 8 warps": replace(wide, num_warps=8), "4 stages": replace(base, num_stages=4),
-            "2x keys, splits of 512": replace(wide, min_split_tokens=512),
-            "4x keys, 8 warps, 2 stages": replace(base, block_n=4 * base.block_n, num_warps=8, num_stages=2)}
+    """The launcher's tiles for e4m3 caches ("today"), the 16-bit caches' tiles, then variants to time over an e4m3
+    cache."""
+    today, bf16 = ak.decode_config(head_dim, torch.bfloat16, fp8_kv=True), ak.DECODE_CONFIGS[head_dim]
+    return {"today": today, "16-bit tiles": bf16, "2 stages": replace(today, num_stages=2),
+            "8 warps": replace(today, num_warps=8), "4 stages": replace(today, num_stages=4),
+            "splits of 256": replace(today, min_split_tokens=256),
+            "2x keys, 8 warps, 2 stages": replace(today, block_n=2 * today.block_n, num_warps=8, num_stages=2)}
 
 
 def to_e4m3(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -160,7 +160,7 @@ def compile_kind(arch: int, dtype: str, kind: str) -> int:
         # the launchers' choice for compiled kernels and bf16 q: ops/e4m3.py's conversion for prompts, fp16 dots for
         # decode
         wanted = dtype == "bf16"
-        cfg = al.decode_config(128, tdtype)
+        cfg = al.decode_config(128, tdtype, fp8_kv=True)
         if al.prefill_constexprs(4, 128, PAGE, 0, tdtype, al.prefill_config(128, tdtype), fp8_kv=True)["E4M3_PTX"] \
                 != wanted or al.decode_constexprs(4, 128, PAGE, False, tdtype, cfg, fp8_kv=True)["F16_DOTS"] != wanted:
             raise RuntimeError(f"fp8kv {dtype}: the launchers' E4M3_PTX or F16_DOTS is not {wanted}")
@@ -172,7 +172,7 @@ def compile_kind(arch: int, dtype: str, kind: str) -> int:
             build(ak._prefill_kernel, al.prefill_constexprs(G, D, PAGE, window, tdtype, cfg, fp8_kv=True),
                   cfg.num_warps, cfg.num_stages, FP8_KV)
         for D, G, split in [(128, 4, False), (128, 4, True), (128, 1, True), (64, 8, False)]:
-            cfg = al.decode_config(D, tdtype)
+            cfg = al.decode_config(D, tdtype, fp8_kv=True)   # twice the 16-bit tiles' keys
             partials = {} if split else {"part_o_ptr": "*" + dtype, "part_ml_ptr": "*" + dtype}
             build(ak._decode_kernel, al.decode_constexprs(G, D, PAGE, split, tdtype, cfg, fp8_kv=True),
                   cfg.num_warps, cfg.num_stages, dict(FP8_KV, **partials))

@@ -462,6 +462,28 @@ def test_engine_config_and_flags_take_kv_cache_dtype(capsys):
 # GPUs: the kernels in bf16 against the reference on the same e4m3 cache
 
 
+def test_decode_over_an_e4m3_cache_takes_twice_the_keys_a_step(monkeypatch):
+    """An e4m3 cache's decode launch takes FP8_DECODE_CONFIGS (a tile of the 16-bit tiles' bytes: twice the keys,
+    splits of at least 512 tokens); a bf16 cache keeps DECODE_CONFIGS; fp32 its own."""
+    for D in ak.DECODE_CONFIGS:
+        fp8, bf16 = ak.decode_config(D, torch.bfloat16, fp8_kv=True), ak.decode_config(D, torch.bfloat16)
+        assert bf16 == ak.DECODE_CONFIGS[D] and fp8.block_n == 2 * bf16.block_n and fp8.min_split_tokens == 512
+    assert ak.decode_config(32, torch.float32, fp8_kv=True) == ak.FP32_DECODE_CONFIG
+    launched = []
+    monkeypatch.setattr(ak, "_DECODE", lambda grid, args, consts, warps, stages: launched.append(consts["BLOCK_N"]))
+    monkeypatch.setattr(ak, "_REDUCE", lambda *a: None)
+    case, _ = _fp8_case(stable_seed("fp8-tiles"), DECODE, torch.float32, Hq=4, Hkv=2, D=32, bs=16)
+    q = case.q.to(torch.bfloat16)
+    out = torch.empty_like(q)
+    one = torch.tensor([1.0])
+    ak.decode(q, *case.args()[1:], out, max_seq_len=case.max_seq_len, scale=case.scale, window=0, k_scale=one,
+              v_scale=one)
+    bf16_cache = case.k_cache.to(torch.bfloat16)
+    ak.decode(q, bf16_cache, bf16_cache, *case.args()[3:], out, max_seq_len=case.max_seq_len, scale=case.scale,
+              window=0)
+    assert launched == [2 * ak.DECODE_CONFIGS[32].block_n, ak.DECODE_CONFIGS[32].block_n]
+
+
 @interpreted
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_fp16_dots_over_an_e4m3_cache_match_the_float64_loop(num_splits):
@@ -515,5 +537,5 @@ def test_bench_fp8_attention_smoke(monkeypatch, tmp_path):
     assert len(rows) == len(bench.HEAD_SHAPES)
     for r in rows:
         assert set(r["max_abs_err"]) == set(bench.candidates(r["D"])) and max(r["max_abs_err"].values()) <= 0.05, r
-    assert bench.candidates(128)["2x keys"].block_n == 2 * ak.DECODE_CONFIGS[128].block_n
+    assert bench.candidates(128)["today"] == ak.decode_config(128, torch.bfloat16, fp8_kv=True)
     assert md.read_text().startswith("# Decode attention over an e4m3 KV cache")

@@ -254,9 +254,10 @@ def skinny_gemm(dtype: str, arch: int) -> None:
         ptx = _compile(k, dict(x_ptr="*" + dtype, w_ptr="*" + dtype, bias_ptr="*" + dtype, y_ptr="*" + dtype,
                                part_ptr="*fp32", count_ptr="*i32"),
                        dict(HAS_BIAS=split == 1, SPLIT_K=split, EVEN_N=True, EVEN_K=True, IEEE=dtype == "fp32",
-                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k), arch, 4, stages,
-                       divisible=("N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_ym"))
+                            PREFETCH=_prefetch(dtype, block_n), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k),
+                       arch, 4, stages, divisible=("N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_ym"))
         what = f"skinny_gemm {dtype} sm_{arch} split {split} m{block_m} n{block_n} k{block_k} st{stages}"
+        _prefetches(ptx, _prefetch(dtype, block_n), what)
         if dtype != "fp32":
             assert ("wgmma" if arch == 90 else "mma.sync") in ptx, f"{what}: no tensor-core MMA"
         assert "cp.async" in ptx, f"{what}: w's loads are not pipelined"
@@ -265,6 +266,20 @@ def skinny_gemm(dtype: str, arch: int) -> None:
         bound = shared_bytes(SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split, stages=stages), block_m,
                              4 if dtype == "fp32" else 2)
         assert 0 < COMPILED_SHARED[0] <= bound, f"{what}: {COMPILED_SHARED[0]} bytes of shared memory, bound {bound}"
+
+
+def _prefetch(dtype: str, block_n: int) -> int:
+    """The GEMMs' PREFETCH in these builds: the launchers' (skinny.PREFETCH_BYTES of a row) for 64-column tiles,
+    none for the others, so that both variants compile."""
+    from loraplex.ops.gemm.skinny import PREFETCH_BYTES
+    return PREFETCH_BYTES // {"fp32": 4, "fp8": 1}.get(dtype, 2) if block_n == 64 else 0
+
+
+def _prefetches(ptx: str, prefetch: int, what: str) -> None:
+    """With PREFETCH, one L2 prefetch a 128-byte line of the program's rows (kernels.py's prefetch_rows): its
+    instructions are in the PTX; without, none is."""
+    found = ptx.count("prefetch.global.L2")
+    assert (found > 0) == (prefetch > 0), f"{what}: {found} L2 prefetches with PREFETCH = {prefetch}"
 
 
 def fp8_gemm(dtype: str, arch: int) -> None:
@@ -283,11 +298,13 @@ def fp8_gemm(dtype: str, arch: int) -> None:
         ptx = _compile(k, dict(x_ptr="*" + dtype, q_ptr="*fp8e4nv", s_ptr="*fp32", bias_ptr="*" + dtype,
                                y_ptr="*" + dtype, part_ptr="*fp32", count_ptr="*i32", r_ptr="*fp32"),
                        dict(HAS_BIAS=not per_step, PER_STEP_SCALE=per_step, EVEN_N=True, EVEN_K=True,
-                            IEEE=dtype == "fp32", FAST_BF16=dtype == "bf16", X_E4M3=False, SPLIT_K=split,
+                            IEEE=dtype == "fp32", FAST_BF16=dtype == "bf16", X_E4M3=False,
+                            PREFETCH=_prefetch("fp8", block_n), SPLIT_K=split,
                             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k), arch, 4, stages,
                        divisible=("N", "K", "k_per_split", "stride_xm", "stride_qn", "stride_ym", "scale_bk"))
         what = (f"fp8_gemm {dtype} sm_{arch} per_step {per_step} m{block_m} n{block_n} k{block_k} st{stages} "
                 f"split {split}")
+        _prefetches(ptx, _prefetch("fp8", block_n), what)
         if split > 1:
             assert "atom.global" in ptx and "ld.global.cg" in ptx, f"{what}: no counter atomic or L2 loads"
         if dtype != "fp32":
@@ -303,10 +320,11 @@ def fp8_gemm(dtype: str, arch: int) -> None:
             ptx = _compile(k, dict(x_ptr="*fp8e4nv", q_ptr="*fp8e4nv", s_ptr="*fp32", bias_ptr="*bf16", y_ptr="*bf16",
                                    part_ptr="*fp32", count_ptr="*i32", r_ptr="*fp32"),
                            dict(HAS_BIAS=True, PER_STEP_SCALE=per_step, EVEN_N=True, EVEN_K=True, IEEE=False,
-                                FAST_BF16=False, X_E4M3=True, SPLIT_K=split, BLOCK_M=32, BLOCK_N=64,
-                                BLOCK_K=block_k), arch, 4, 4,
+                                FAST_BF16=False, X_E4M3=True, PREFETCH=_prefetch("fp8", 64), SPLIT_K=split,
+                                BLOCK_M=32, BLOCK_N=64, BLOCK_K=block_k), arch, 4, 4,
                            divisible=("N", "K", "k_per_split", "stride_xm", "stride_qn", "stride_ym", "scale_bk"))
             what = f"fp8_gemm W8A8 sm_{arch} per_step {per_step} split {split}"
+            _prefetches(ptx, _prefetch("fp8", 64), what)
             assert "fma.rn.bf16x2" not in ptx and "cvt.rn.f16x2.e4m3x2" not in ptx, f"{what}: q converted"
             assert ".e4m3.e4m3" in ptx and "cp.async" in ptx, f"{what}: no e4m3 MMAs or unpipelined loads"
             assert arch != 90 or "wgmma.mma_async" in ptx, f"{what}: no wgmma"

@@ -116,8 +116,9 @@ def test_launches_carry_the_programmatic_attribute_and_keep_their_results():
 
 
 def _check_ptx(ptx: str, forced: bool, seen: list, early: bool = False, after_gemm: bool = False) -> None:
-    """`early`: a kernel compiled with EARLY (ops/pdl.py's early reads): global loads, and nothing else that
-    touches memory, before the wait, and at least one of them (else the variant would be pointless).
+    """`early`: a kernel compiled with EARLY or PREFETCH (ops/pdl.py's early reads): global loads or L2
+    prefetches, and nothing else that touches memory, before the wait, and at least one of them (else the variant
+    would be pointless).
     `after_gemm`: the shrink's AFTER_GEMM variant (ops/pdl.py's pdl_release / pdl_wait_last): it releases its
     dependents before its first memory access and waits after its last (program (0, 0) alone: the others leave
     without it, so a branch past the wait is expected)."""
@@ -151,7 +152,7 @@ def _check_ptx(ptx: str, forced: bool, seen: list, early: bool = False, after_ge
     seen.append(2 if early and forced else 1)
 
 
-EARLY_LOAD = re.compile(r"^(@!?%p\d+\s+)?ld\.global\.")
+EARLY_LOAD = re.compile(r"^(@!?%p\d+\s+)?(ld\.global\.|prefetch\.global\.L2 )")
 PREDICATED = re.compile(r"^@!?(%p\d+)\s+(\S+)")
 
 
@@ -208,7 +209,7 @@ if __name__ == "__main__":
     def checked_compile(*args, **kwargs):
         compiled = real_compile(*args, **kwargs)
         if args[0].fn.fn.__name__.endswith("_kernel"):   # not a helper compiled alone (test_fused_compile.lora_loads)
-            _check_ptx(compiled.asm["ptx"], forced, seen, early=_is_early(args[0]),
+            _check_ptx(compiled.asm["ptx"], forced, seen, early=_is_early(args[0]) or _is_early(args[0], "PREFETCH"),
                        after_gemm=_is_early(args[0], "AFTER_GEMM"))
         return compiled
 

@@ -35,22 +35,25 @@ import triton
 import triton.language as tl
 
 from ..e4m3 import e4m3_to_bf16
-from ..pdl import pdl_start
-from .kernels import _split_sum
+from ..pdl import pdl_deferred_start, pdl_start
+from .kernels import _split_sum, prefetch_rows
 
 
 @triton.jit
 def _fp8_skinny_kernel(x_ptr, q_ptr, s_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, r_ptr, M, N, K, k_per_split,
                        stride_xm, stride_qn, stride_sn, stride_ym, scale_bn, scale_bk, HAS_BIAS: tl.constexpr,
                        PER_STEP_SCALE: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
-                       FAST_BF16: tl.constexpr, X_E4M3: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
+                       FAST_BF16: tl.constexpr, X_E4M3: tl.constexpr, PREFETCH: tl.constexpr, SPLIT_K: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pdl_start(PREFETCH > 0)   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one (after PREFETCH)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if PREFETCH > 0:   # q's first bytes into L2 while the kernel before finishes (kernels.py's prefetch_rows)
+        prefetch_rows(q_ptr, offs_n, N, stride_qn, k_lo, k_hi, PREFETCH, 128)
+    pdl_deferred_start(PREFETCH > 0)
     offs_m = tl.arange(0, BLOCK_M)
     n_mask = offs_n < N
     m_mask = offs_m < M

@@ -13,21 +13,26 @@ reduce launch after them). Here program (n tile, k split) streams a
 32 rows of x fill a Hopper wgmma's N = 32), and with SPLIT_K > 1 the split that finishes last for its n tile
 (a counter per tile, reset by that program, so graphs replay) sums the fp32 partials in split order and stores
 y: one launch, and the same bits whichever split finishes last.
+
+With PDL (ops/pdl.py) a program first asks L2 for the first PREFETCH elements of each of its weight rows
+(`prefetch_rows`, skinny.PREFETCH_BYTES), then waits for the kernel before it: the weight starts streaming while
+that kernel finishes. A Llama-2-7B layer's four GEMMs at 32 rows, each after an RMSNorm launch: 152.7 against
+155.2 µs in bf16, 97.3 against 100.8 with FP8 weights (W8A8), H100; 1 KB a row the same, 2 KB slower.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from ..pdl import pdl_start
+from ..pdl import pdl_deferred_start, pdl_start
 
 
 @triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, stride_xm,
                         stride_wn, stride_ym, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_N: tl.constexpr,
-                        EVEN_K: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
-    pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
+                        EVEN_K: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pdl_start(PREFETCH > 0)   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one (after PREFETCH)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -36,6 +41,9 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, M, N
     m_mask = offs_m < M
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
+    if PREFETCH > 0:
+        prefetch_rows(w_ptr, offs_n, N, stride_wn, k_lo, k_hi, PREFETCH, 1024 // w_ptr.dtype.element_ty.primitive_bitwidth)
+    pdl_deferred_start(PREFETCH > 0)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     x_cols = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -85,3 +93,15 @@ def _split_sum(acc, part_ptr, count_ptr, pid_n, pid_k, offs_m, offs_n, out_mask,
             total += tl.load(part_ptr + s * BLOCK_M * N + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
         tl.atomic_xchg(count_ptr + pid_n, 0)   # ready for the next launch (and graph replay)
     return last, total
+
+
+@triton.jit
+def prefetch_rows(w_ptr, offs_n, N, stride_wn, k_lo, k_hi, SPAN: tl.constexpr, LINE: tl.constexpr):
+    """Ask L2 for the first SPAN elements from k_lo (up to k_hi) of the weight rows offs_n, one `prefetch` a
+    128-byte line of LINE elements. The GEMMs' early reads (ops/pdl.py): before the PDL wait, so that a program's
+    weight starts streaming while the kernel before it finishes; no kernel of a forward writes a weight."""
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    cols = tl.minimum(k_lo + tl.arange(0, SPAN // LINE) * LINE, k_hi - 1)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                              [w_ptr + rows[:, None] * stride_wn + cols[None, :]], dtype=tl.int32, is_pure=False,
+                              pack=1)

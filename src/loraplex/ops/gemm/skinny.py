@@ -33,6 +33,9 @@ MAX_ROWS = 64
 DECODE_MAX_ROWS = 32   # `linear` takes skinny_linear for forwards of at most this many rows
 SETTING = envs.triton_gemm()   # "auto", "on" or "off"
 _KERNEL = []   # its Launcher, made on first use: Triton is imported only where the kernel runs
+# With PDL, each program of the decode GEMMs (this one and fp8_kernels.py's) asks L2 for the first PREFETCH_BYTES of
+# each of its weight rows before it waits for the kernel before it (kernels.py's prefetch_rows).
+PREFETCH_BYTES = 512
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -281,12 +284,20 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     part, count = split_buffers(x.device, split, N) if split > 1 else (out, out)
     args = (x, weight, bias if bias is not None else out, out, part, count, M, N, K, k_per_split, x.stride(0),
             weight.stride(0), out.stride(0))
-    consts = dict(HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_N=N % config.block_n == 0,
-                  EVEN_K=K % config.block_k == 0, IEEE=x.dtype == torch.float32, BLOCK_M=block_m,
-                  BLOCK_N=config.block_n, BLOCK_K=config.block_k)
     if not _KERNEL:
         from ..launch import Launcher
         from .kernels import _skinny_gemm_kernel
         _KERNEL.append(Launcher(_skinny_gemm_kernel))
+    consts = dict(HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_N=N % config.block_n == 0,
+                  EVEN_K=K % config.block_k == 0, IEEE=x.dtype == torch.float32,
+                  PREFETCH=prefetch_elements(weight, _KERNEL[0].compiles), BLOCK_M=block_m, BLOCK_N=config.block_n,
+                  BLOCK_K=config.block_k)
     _KERNEL[0]((tiles, split), args, consts, config.warps, config.stages)
     return out
+
+
+def prefetch_elements(weight: torch.Tensor, compiles: bool) -> int:
+    """The decode GEMMs' PREFETCH constexpr for a weight of this element size: PREFETCH_BYTES of each row where PDL
+    is on (a compiled kernel on a GPU), else 0 (no prefetch: without PDL there is nothing to overlap)."""
+    from .. import pdl
+    return PREFETCH_BYTES // weight.element_size() if pdl.PDL and compiles and weight.is_cuda else 0
