@@ -171,7 +171,8 @@ def compile_kind(arch: int, dtype: str, kind: str) -> int:
             cfg = al.prefill_config(D, tdtype)
             build(ak._prefill_kernel, al.prefill_constexprs(G, D, PAGE, window, tdtype, cfg, fp8_kv=True),
                   cfg.num_warps, cfg.num_stages, FP8_KV)
-        for D, G, split in [(128, 4, False), (128, 4, True), (128, 1, True), (64, 8, False)]:
+        for D, G, split in [(128, 4, False), (128, 4, True), (128, 1, True), (64, 8, False), (32, 4, True),
+                            (256, 2, False)]:
             cfg = al.decode_config(D, tdtype, fp8_kv=True)   # twice the 16-bit tiles' keys
             partials = {} if split else {"part_o_ptr": "*" + dtype, "part_ml_ptr": "*" + dtype}
             build(ak._decode_kernel, al.decode_constexprs(G, D, PAGE, split, tdtype, cfg, fp8_kv=True),

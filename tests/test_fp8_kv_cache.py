@@ -458,10 +458,6 @@ def test_engine_config_and_flags_take_kv_cache_dtype(capsys):
     assert "--kv-cache-dtype" in err and "invalid choice" in err
 
 
-# ---------------------------------------------------------------------------------------------
-# GPUs: the kernels in bf16 against the reference on the same e4m3 cache
-
-
 def test_decode_over_an_e4m3_cache_takes_twice_the_keys_a_step(monkeypatch):
     """An e4m3 cache's decode launch takes FP8_DECODE_CONFIGS (a tile of the 16-bit tiles' bytes: twice the keys,
     splits of at least 512 tokens); a bf16 cache keeps DECODE_CONFIGS; fp32 its own."""
@@ -482,6 +478,10 @@ def test_decode_over_an_e4m3_cache_takes_twice_the_keys_a_step(monkeypatch):
     ak.decode(q, bf16_cache, bf16_cache, *case.args()[3:], out, max_seq_len=case.max_seq_len, scale=case.scale,
               window=0)
     assert launched == [2 * ak.DECODE_CONFIGS[32].block_n, ak.DECODE_CONFIGS[32].block_n]
+
+
+# ---------------------------------------------------------------------------------------------
+# GPUs: the kernels in bf16 against the reference on the same e4m3 cache
 
 
 @interpreted
@@ -537,5 +537,7 @@ def test_bench_fp8_attention_smoke(monkeypatch, tmp_path):
     assert len(rows) == len(bench.HEAD_SHAPES)
     for r in rows:
         assert set(r["max_abs_err"]) == set(bench.candidates(r["D"])) and max(r["max_abs_err"].values()) <= 0.05, r
-    assert bench.candidates(128)["today"] == ak.decode_config(128, torch.bfloat16, fp8_kv=True)
+    tiles = bench.candidates(128)
+    assert tiles["16-bit tiles"] == ak.DECODE_CONFIGS[128]
+    assert tiles["today"].block_n == 2 * ak.DECODE_CONFIGS[128].block_n
     assert md.read_text().startswith("# Decode attention over an e4m3 KV cache")

@@ -154,6 +154,31 @@ def test_fit_config_keeps_launches_within_the_gpus_shared_memory():
                         assert fitted == cfg
 
 
+def test_the_prefetch_spans_prefetch_bytes_of_a_row_only_with_pdl_on_a_gpu(monkeypatch):
+    """prefetch_elements (the GEMMs' PREFETCH): PREFETCH_BYTES of a row in the weight's elements for a compiled
+    kernel on a GPU with PDL on, else 0; a PREFETCH_BYTES that is not whole lines is refused by name."""
+    from loraplex.ops import pdl
+
+    class Weight:   # (the CPU has no CUDA tensor: what prefetch_elements reads of one)
+        def __init__(self, size: int, cuda: bool = True):
+            self.size, self.is_cuda = size, cuda
+
+        def element_size(self) -> int:
+            return self.size
+
+    monkeypatch.setattr(pdl, "PDL", True)
+    assert [skinny_gemm.prefetch_elements(Weight(b), True) for b in (1, 2, 4)] == \
+        [skinny_gemm.PREFETCH_BYTES // b for b in (1, 2, 4)]
+    assert skinny_gemm.prefetch_elements(Weight(1), False) == 0   # the interpreter
+    assert skinny_gemm.prefetch_elements(Weight(1, cuda=False), True) == 0
+    monkeypatch.setattr(skinny_gemm, "PREFETCH_BYTES", 384)
+    with pytest.raises(ValueError, match="PREFETCH_BYTES"):
+        skinny_gemm.prefetch_elements(Weight(1), True)
+    monkeypatch.setattr(pdl, "PDL", False)
+    monkeypatch.setattr(skinny_gemm, "PREFETCH_BYTES", 512)
+    assert skinny_gemm.prefetch_elements(Weight(1), True) == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)])
 @pytest.mark.parametrize("rows", [1, 8, 32])

@@ -20,7 +20,10 @@ what no kernel of a forward writes: the batch's rows' slots and a composed batch
 copies before the forward's first kernel) and the adapter pool's ranks, scalings and B stacks (written by adapter
 loads into slots no running batch reads). Its first statement is then `pdl_start(True)`, which waits for nothing,
 and it calls `pdl_deferred_start(True)` after those loads and before any other memory access (tests/test_pdl.py
-checks the PTX: loads only before the wait). With PDL the loads run while the kernel before is finishing.
+checks the PTX: loads only before the wait). With PDL the loads run while the kernel before is finishing. The
+decode GEMMs (ops/gemm/kernels.py, fp8_kernels.py with PREFETCH) do the same with L2 prefetches of their weights'
+first bytes, which no kernel of a forward writes; a prefetch returns nothing to the program, and its own loads of
+the weight come after its wait.
 
 Late wait (ops/lora/shrink_kernels.py's shrink with AFTER_GEMM: ops/lora/overlap.py's "after" order): a fused
 projection's shrink is launched right after its GEMM, which reads the same x, and releases the next kernel first

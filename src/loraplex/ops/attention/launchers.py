@@ -52,7 +52,7 @@ PREFILL_CONFIGS = {16: PrefillConfig(128, 64, 4, 3), 32: PrefillConfig(128, 64, 
 DECODE_CONFIGS = {16: DecodeConfig(256, 4, 3), 32: DecodeConfig(256, 4, 3), 64: DecodeConfig(128, 4, 3),
                   128: DecodeConfig(64, 4, 3), 256: DecodeConfig(32, 4, 3)}
 # e4m3 caches: twice the keys a step, so that a tile moves the bytes of the 16-bit one, and splits of at least 512
-# tokens. Over the 16-bit tiles: 12-19% less time at Llama-2-7B's heads, batch 32-128 and contexts 512-4096, and
+# tokens. Over the 16-bit tiles: 11-19% less time at Llama-2-7B's heads, batch 32-128 and contexts 512-4096, and
 # 30% at Llama-3-8B's batch 32, context 512 (bench_fp8_attention.py, H100); more warps or stages, or 4x keys, lost.
 FP8_DECODE_CONFIGS = {d: replace(c, block_n=2 * c.block_n, min_split_tokens=512) for d, c in DECODE_CONFIGS.items()}
 # fp32 caches (tests, CPU-sized models) take twice the bytes per tile: the 16-bit tiles would need up

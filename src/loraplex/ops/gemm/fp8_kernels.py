@@ -45,7 +45,7 @@ def _fp8_skinny_kernel(x_ptr, q_ptr, s_ptr, bias_ptr, y_ptr, part_ptr, count_ptr
                        PER_STEP_SCALE: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
                        FAST_BF16: tl.constexpr, X_E4M3: tl.constexpr, PREFETCH: tl.constexpr, SPLIT_K: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pdl_start(PREFETCH > 0)   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one (after PREFETCH)
+    pdl_start(PREFETCH > 0)   # ops/pdl.py: with PDL, wait for the grids before this one (after PREFETCH)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     k_lo = pid_k * k_per_split

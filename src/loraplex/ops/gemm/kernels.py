@@ -16,8 +16,7 @@ y: one launch, and the same bits whichever split finishes last.
 
 With PDL (ops/pdl.py) a program first asks L2 for the first PREFETCH elements of each of its weight rows
 (`prefetch_rows`, skinny.PREFETCH_BYTES), then waits for the kernel before it: the weight starts streaming while
-that kernel finishes. A Llama-2-7B layer's four GEMMs at 32 rows, each after an RMSNorm launch: 152.7 against
-155.2 µs in bf16, 97.3 against 100.8 with FP8 weights (W8A8), H100; 1 KB a row the same, 2 KB slower.
+that kernel finishes (docs/design-notes.md has the measurements).
 """
 from __future__ import annotations
 
@@ -32,7 +31,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, M, N
                         stride_wn, stride_ym, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_N: tl.constexpr,
                         EVEN_K: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pdl_start(PREFETCH > 0)   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one (after PREFETCH)
+    pdl_start(PREFETCH > 0)   # ops/pdl.py: with PDL, wait for the grids before this one (after PREFETCH)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -42,7 +41,8 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, M, N
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     if PREFETCH > 0:
-        prefetch_rows(w_ptr, offs_n, N, stride_wn, k_lo, k_hi, PREFETCH, 1024 // w_ptr.dtype.element_ty.primitive_bitwidth)
+        prefetch_rows(w_ptr, offs_n, N, stride_wn, k_lo, k_hi, PREFETCH,
+                      1024 // w_ptr.dtype.element_ty.primitive_bitwidth)   # (LINE: the elements of 128 bytes)
     pdl_deferred_start(PREFETCH > 0)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     x_cols = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm
@@ -98,8 +98,10 @@ def _split_sum(acc, part_ptr, count_ptr, pid_n, pid_k, offs_m, offs_n, out_mask,
 @triton.jit
 def prefetch_rows(w_ptr, offs_n, N, stride_wn, k_lo, k_hi, SPAN: tl.constexpr, LINE: tl.constexpr):
     """Ask L2 for the first SPAN elements from k_lo (up to k_hi) of the weight rows offs_n, one `prefetch` a
-    128-byte line of LINE elements. The GEMMs' early reads (ops/pdl.py): before the PDL wait, so that a program's
-    weight starts streaming while the kernel before it finishes; no kernel of a forward writes a weight."""
+    128-byte line of LINE elements (SPAN a power-of-two multiple of LINE: skinny.prefetch_elements); rows past N
+    read row N - 1's and columns past k_hi column k_hi - 1's, so that every address is the weight's. The GEMMs'
+    early reads (ops/pdl.py): before the PDL wait, so that a program's weight starts streaming while the kernel
+    before it finishes."""
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     cols = tl.minimum(k_lo + tl.arange(0, SPAN // LINE) * LINE, k_hi - 1)
     tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",

@@ -298,6 +298,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def prefetch_elements(weight: torch.Tensor, compiles: bool) -> int:
     """The decode GEMMs' PREFETCH constexpr for a weight of this element size: PREFETCH_BYTES of each row where PDL
-    is on (a compiled kernel on a GPU), else 0 (no prefetch: without PDL there is nothing to overlap)."""
+    is on (a compiled kernel on a GPU), else 0 (no prefetch: without PDL there is nothing to overlap).
+    PREFETCH_BYTES is 0 (none) or a power of two of at least 128 (whole 128-byte lines: kernels.py's prefetch_rows)."""
     from .. import pdl
+    if PREFETCH_BYTES and (PREFETCH_BYTES < 128 or PREFETCH_BYTES & (PREFETCH_BYTES - 1)):
+        raise ValueError(f"PREFETCH_BYTES must be 0 or a power of two of at least 128, got {PREFETCH_BYTES}")
     return PREFETCH_BYTES // weight.element_size() if pdl.PDL and compiles and weight.is_cuda else 0
