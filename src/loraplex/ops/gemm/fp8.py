@@ -92,25 +92,24 @@ def decode_w8a8(x: torch.Tensor, m: Fp8Matrix) -> bool:
     """Does the decode kernel quantize x (W8A8) rather than convert q (weight-only)? LORAPLEX_FP8_W8A8 as for
     prompts: "auto" for bf16 on Hopper GPUs, "on" for bf16 and fp16 anywhere, "off" never; and scale blocks at
     least W8A8_MIN_K wide along K (an e4m3 dot's K step)."""
-    if W8A8 == "off" or x.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    if m.scale.shape[1] > 1 and m.block[1] < W8A8_MIN_K:
-        return False
-    return W8A8 == "on" or x.dtype == torch.bfloat16 and _on_hopper(x.device)
+    return _w8a8_setting_takes(x) and not (m.scale.shape[1] > 1 and m.block[1] < W8A8_MIN_K)
 
 
 def w8a8_takes(x: torch.Tensor, m: Fp8Matrix) -> bool:
     """Does `linear(x, m)` take `w8a8_linear` (see the module docstring)?"""
-    if W8A8 == "off" or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16):
+    if x.dim() != 2 or not _w8a8_setting_takes(x):
         return False
     if m.qweight.dtype != FP8 or tuple(m.scale.shape) != (m.shape[0], 1) or m.scale.dtype != torch.float32:
         return False   # a scale per output column only
     n, k = m.shape
-    if n % 16 or k % 16:   # cuBLASLt's FP8 GEMMs' alignment
+    return not (n % 16 or k % 16)   # cuBLASLt's FP8 GEMMs' alignment
+
+
+def _w8a8_setting_takes(x: torch.Tensor) -> bool:
+    """LORAPLEX_FP8_W8A8 for x: "auto" bf16 on Hopper GPUs, "on" bf16 or fp16 anywhere, "off" never."""
+    if W8A8 == "off" or x.dtype not in (torch.bfloat16, torch.float16):
         return False
-    if W8A8 == "on":
-        return True
-    return x.dtype == torch.bfloat16 and _on_hopper(x.device)
+    return W8A8 == "on" or x.dtype == torch.bfloat16 and _on_hopper(x.device)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,15 +125,19 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x32 / s).clamp_(-E4M3_MAX, E4M3_MAX).to(FP8), s
 
 
+def _quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows(x)`: on a GPU in one launch (quantize_kernel.py, the same bits)."""
+    if x.is_cuda:
+        from .quantize_kernel import quantize_rows_fused
+        return quantize_rows_fused(x)
+    return quantize_rows(x)
+
+
 def w8a8_linear(x: torch.Tensor, m: Fp8Matrix, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ wᵀ (+ bias) on the FP8 tensor cores: y[i, n] = round(sx[i] · scale[n, 0] · Σ_k xq[i, k] · q[n, k] +
     bias[n]), (xq, sx) = `quantize_rows(x)` (on a GPU in one launch: quantize_kernel.py); w must have a scale per
     output column."""
-    if x.is_cuda:
-        from .quantize_kernel import quantize_rows_fused
-        xq, sx = quantize_rows_fused(x)
-    else:
-        xq, sx = quantize_rows(x)
+    xq, sx = _quantized(x)
     y = torch._scaled_mm(xq, m.qweight.t(), scale_a=sx, scale_b=m.scale.view(1, -1), out_dtype=x.dtype)
     return y if bias is None else y.add_(bias)
 
@@ -156,13 +159,7 @@ def fp8_skinny_linear(x: torch.Tensor, m: Fp8Matrix, bias: torch.Tensor | None =
     if quantize_x and _k_step(m, K, config.block_k) < W8A8_MIN_K:
         raise ValueError(f"fp8_skinny_linear: quantize_x needs K steps of at least {W8A8_MIN_K}; scale blocks "
                          f"{m.block} and tiles {config} give {_k_step(m, K, config.block_k)}")
-    if quantize_x and x.is_cuda:
-        from .quantize_kernel import quantize_rows_fused
-        x, r = quantize_rows_fused(x)
-    elif quantize_x:
-        x, r = quantize_rows(x)
-    else:
-        r = m.scale   # (unread)
+    x, r = _quantized(x) if quantize_x else (x, m.scale)   # (r unread weight-only)
     config = fitted_config(config, x)
     block_k = _k_step(m, K, config.block_k)
     per_step = m.scale.shape[1] > 1
