@@ -70,20 +70,25 @@ def _no_approx(ptx: str, what: str) -> None:
 
 def rms_norm(dtype: str, arch: int) -> None:
     from loraplex.ops.fused import kernels as fk
-    # (residual, LoRA delta, weight dtype, BLOCK, ONE_PASS): one pass at Llama widths and a small tile,
-    # the tiled loop; with and without a delta (ops/lora/overlap.py: a LoraDelta, taken only by rows with a slot).
-    variants = ((True, False, dtype, 8192, True), (False, False, dtype, 128, True), (True, True, dtype, 8192, True),
-                (False, True, dtype, 128, True), (True, False, "fp32", 4096, False), (True, True, "fp32", 4096, False))
-    for has_res, has_delta, w_dtype, block, one_pass in variants:
+    # (residual, LoRA delta, weight dtype, BLOCK, ONE_PASS, QUANTIZE): one pass at Llama widths and a small tile,
+    # the tiled loop; with and without a delta (ops/lora/overlap.py: a LoraDelta, taken only by rows with a slot);
+    # one-pass rows also quantized to e4m3 (for a W8A8 GEMM after the norm).
+    variants = ((True, False, dtype, 8192, True, True), (False, False, dtype, 128, True, False),
+                (True, True, dtype, 8192, True, True), (False, True, dtype, 128, True, False),
+                (True, False, "fp32", 4096, False, False), (True, True, "fp32", 4096, False, False))
+    for has_res, has_delta, w_dtype, block, one_pass, quantize in variants:
+        quantize = quantize and arch >= 89   # (e4m3 needs sm_89: FP8 weights' GPUs)
         types = dict(x_ptr="*" + dtype, d_ptr="*fp32" if has_delta else "*" + dtype, r_ptr="*" + dtype,
                      w_ptr="*" + w_dtype, out_ptr="*" + dtype, s_ptr="*" + dtype,
-                     rows_ptr="*i32" if has_delta else "*" + dtype)
+                     rows_ptr="*i32" if has_delta else "*" + dtype, q_ptr="*fp8e4nv" if quantize else "*" + dtype,
+                     qs_ptr="*fp32" if quantize else "*" + dtype)
         ptx = _compile(fk._rms_norm_kernel, types, dict(HAS_DELTA=has_delta, HAS_ROWS=has_delta, HAS_RESIDUAL=has_res,
                                                         WRITE_S=has_res or has_delta, BLOCK=block,
-                                                        ONE_PASS=one_pass, COMPILED=True),
+                                                        ONE_PASS=one_pass, QUANTIZE=quantize, COMPILED=True),
                        arch, max(1, min(16, block // 512)))
         what = f"rms_norm {dtype} weight {w_dtype} residual={has_res} delta={has_delta} BLOCK={block}"
         _no_approx(ptx, what)
+        assert not quantize or "div.rn.f32" in ptx, f"{what}: the e4m3 quantization's divisions must be IEEE"
         assert re.search(r"mul\.rn(\.ftz)?\.f32", ptx), f"{what}: sum·(1/H) must be a separate product before + eps"
 
 
@@ -140,10 +145,15 @@ def rms_norm_lora_split(dtype: str, arch: int) -> None:
                        arch, max(1, min(4, block // 128)))
         _no_approx(ptx, f"rms_norm_lora_split sums {dtype} SPLIT_K={split_k} BLOCK_R={block_r} EARLY={early} "
                         f"EXTRAS={extras}")
-    ptx = _compile(k._rms_scale_kernel, dict(s_ptr="*" + dtype, w_ptr="*" + dtype, out_ptr="*" + dtype,
-                                             sumsq_ptr="*fp32"), dict(BLOCK_C=8, BLOCK=512, COMPILED=True), arch, 4)
-    _no_approx(ptx, f"rms_norm_lora_split scale {dtype}")
-    assert re.search(r"mul\.rn(\.ftz)?\.f32", ptx), "sum·(1/H) must be a separate product before + eps"
+    for block, quantize in ((512, False), (4096, arch >= 89)):   # a chunk; a whole row, quantized to e4m3 too
+        ptx = _compile(k._rms_scale_kernel, dict(s_ptr="*" + dtype, w_ptr="*" + dtype, out_ptr="*" + dtype,
+                                                 sumsq_ptr="*fp32", q_ptr="*fp8e4nv" if quantize else "*" + dtype,
+                                                 qs_ptr="*fp32" if quantize else "*" + dtype),
+                       dict(BLOCK_C=8, BLOCK=block, QUANTIZE=quantize, COMPILED=True), arch,
+                       max(1, min(16, block // 512)) if quantize else 4)
+        _no_approx(ptx, f"rms_norm_lora_split scale {dtype} BLOCK={block}")
+        assert re.search(r"mul\.rn(\.ftz)?\.f32", ptx), "sum·(1/H) must be a separate product before + eps"
+        assert not quantize or "div.rn.f32" in ptx, "the e4m3 quantization's divisions must be IEEE"
 
 
 def silu_lora(dtype: str, arch: int) -> None:

@@ -50,9 +50,11 @@ class DecoderLayer(nn.Module):
         """One layer: `(hidden, residual, pending)` in and out; `pending` is the LoRA the previous projection (the
         last layer's down) left for this layer's first RMSNorm to add."""
         T, L = hidden.shape[0], self.layer
+        # FP8 weights under W8A8: each RMSNorm also writes its output quantized a row, for the GEMM after it
+        x_e4m3 = self.qkv_proj.e4m3_input(hidden)
         x, residual = rms_norm(hidden, self.input_layernorm, self.eps, residual=residual, delta=pending,
-                               backend=backend)                     # + down's LoRA of the layer before
-        qkv, pending = self.qkv_proj(x, plan)
+                               e4m3=x_e4m3, backend=backend)        # + down's LoRA of the layer before
+        qkv, pending = self.qkv_proj(x, plan, x_e4m3)
         q = qkv[:, :self.q_width].view(T, self.num_heads, self.head_dim)
         k = qkv[:, self.q_width:self.q_width + self.kv_width].view(T, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_width + self.kv_width:].view(T, self.num_kv_heads, self.head_dim)
@@ -64,9 +66,10 @@ class DecoderLayer(nn.Module):
                                max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len, scale=self.scale,
                                sliding_window=self.sliding_window, k_scale=k_scale, v_scale=v_scale, backend=backend)
         out, pending = self.o_proj(attn.view(T, self.q_width), plan)
+        x_e4m3 = self.gate_up_proj.e4m3_input(out)
         x, residual = rms_norm(out, self.post_attention_layernorm, self.eps, residual=residual, delta=pending,
-                               backend=backend)                     # + o's LoRA
-        gate_up, pending = self.gate_up_proj(x, plan)
+                               e4m3=x_e4m3, backend=backend)        # + o's LoRA
+        gate_up, pending = self.gate_up_proj(x, plan, x_e4m3)
         act = silu_and_mul(gate_up, delta=pending, backend=backend)  # + gate/up's LoRA
         out, pending = self.down_proj(act, plan)
         return out, residual, pending

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops.gemm.fp8 import QuantizedRows
+from .fp8.gemm import e4m3_input
 from .fp8.weight import Fp8Weight
 from .lora_plan import LoraPlan, Pending
 
@@ -28,10 +30,17 @@ class LoraLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
-    def forward(self, x: torch.Tensor, plan: LoraPlan) -> tuple[torch.Tensor, Pending]:
+    def forward(self, x: torch.Tensor, plan: LoraPlan,
+                x_e4m3: QuantizedRows | None = None) -> tuple[torch.Tensor, Pending]:
         """`(y, pending)`: y the projection with its LoRA added, or without it where `pending` carries it for the op
-        after this projection to add (`LoraPlan.linear` says which)."""
-        return plan.linear(x, self.weight, self.bias, self.layer, self.parts)
+        after this projection to add (`LoraPlan.linear` says which). `x_e4m3`: x quantized a row by the op that made
+        it (`e4m3_input`'s buffers), for the FP8 GEMM."""
+        return plan.linear(x, self.weight, self.bias, self.layer, self.parts, x_e4m3)
+
+    def e4m3_input(self, x_like: torch.Tensor) -> QuantizedRows | None:
+        """Buffers for this projection's input quantized a row where its GEMM quantizes it (FP8 weights under W8A8,
+        models/fp8/gemm.py), for the op that makes the input to fill; None elsewhere."""
+        return e4m3_input(self.weight, x_like)
 
     def use_fp8(self, block: tuple[int, int], parts: int, input_scale: bool) -> Fp8Weight:
         """Replace the dense weight by an uninitialised `Fp8Weight` of the same shape on the same device, with

@@ -29,6 +29,7 @@ from ..ops.lora import overlap
 from ..ops.lora.batch import LoraBatch
 from ..ops.lora.delta import LoraDelta
 from ..ops.lora.product import LoraProduct
+from ..ops.gemm.fp8 import QuantizedRows
 from .fp8.gemm import BaseWeight, base_linear, gemm_operand   # the base GEMM for a dense or an FP8 weight
 
 if TYPE_CHECKING:
@@ -90,24 +91,25 @@ class LoraPlan:
         return cls("tiles", pool, batch)
 
     def linear(self, x: torch.Tensor, weight: BaseWeight, bias: torch.Tensor | None, layer: int,
-               parts: tuple[str, ...]) -> tuple[torch.Tensor, Pending]:
+               parts: tuple[str, ...], x_e4m3: QuantizedRows | None = None) -> tuple[torch.Tensor, Pending]:
         """`x @ weightᵀ + bias` plus each row's adapter's LoRA of the projections `parts` (fused: one launch for all
         slices): added into the output, or returned as `pending` for the next op to add. An FP8 weight takes the
-        FP8 GEMMs (models/fp8/gemm.py); the LoRA reads the same x either way."""
+        FP8 GEMMs (models/fp8/gemm.py), with x quantized a row where `x_e4m3` is given; the LoRA reads the same x
+        either way."""
         if self.kind == "none":
-            return base_linear(x, weight, bias), None
+            return base_linear(x, weight, bias, x_e4m3), None
         a, b, ranks, scalings = self.pool.stacks(layer, parts)
         if self.kind in ("decode", "beside"):   # ops/lora/overlap.py runs the GEMM beside the LoRA kernels
             weight = gemm_operand(weight)
         if self.kind == "decode":
             if parts[0] in self.expand_in_consumer:
                 return overlap.linear_with_lora_product(x, weight, bias, a, b, self.batch, ranks, scalings,
-                                                        side=self.capturing)
+                                                        side=self.capturing, x_e4m3=x_e4m3)
             return overlap.linear_with_lora_delta(x, weight, bias, a, b, self.batch, ranks, scalings,
-                                                  side=self.capturing)
+                                                  side=self.capturing, x_e4m3=x_e4m3)
         if self.kind == "beside":
-            return overlap.linear_with_lora(x, weight, bias, a, b, self.batch, ranks, scalings), None
-        y = base_linear(x, weight, bias)
+            return overlap.linear_with_lora(x, weight, bias, a, b, self.batch, ranks, scalings, x_e4m3), None
+        y = base_linear(x, weight, bias, x_e4m3)
         if self.kind == "tiles":   # the model's own arguments: the checks of ops.add_lora cost more host time than
             from ..ops.lora import sgmv   # the kernels take in eager steps
             return sgmv.add_lora(y, x, a, b, self.batch, ranks, scalings, 0), None

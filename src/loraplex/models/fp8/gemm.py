@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from ...ops.gemm import fp8
 from ...ops.gemm import linear as gemm
+from ...ops.gemm.fp8 import QuantizedRows
 from .weight import Fp8Weight
 
 BaseWeight = torch.Tensor | Fp8Weight
@@ -20,6 +22,16 @@ def gemm_operand(weight: BaseWeight) -> gemm.GemmWeight:
     return weight.matrix if isinstance(weight, Fp8Weight) else weight
 
 
-def base_linear(x: torch.Tensor, weight: BaseWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`x @ wᵀ + bias` for a weight of either kind."""
-    return gemm.linear(x, gemm_operand(weight), bias)
+def base_linear(x: torch.Tensor, weight: BaseWeight, bias: torch.Tensor | None = None,
+                x_e4m3: QuantizedRows | None = None) -> torch.Tensor:
+    """`x @ wᵀ + bias` for a weight of either kind; `x_e4m3`: x quantized a row (`e4m3_input`'s buffers, filled)."""
+    return gemm.linear(x, gemm_operand(weight), bias, x_e4m3)
+
+
+def e4m3_input(weight: BaseWeight, x_like: torch.Tensor) -> QuantizedRows | None:
+    """Empty buffers for the projection's input quantized a row, where its GEMM quantizes that input (an FP8 weight
+    under W8A8: ops/gemm/fp8.py's `quantizes_x`), for the op that makes the input to fill as it writes it (ops/fused's
+    RMSNorm); None elsewhere. `x_like`: a tensor of the input's shape, dtype and device."""
+    if not isinstance(weight, Fp8Weight) or not fp8.quantizes_x(x_like, weight.matrix):
+        return None
+    return QuantizedRows.empty(x_like)

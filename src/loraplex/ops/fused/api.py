@@ -21,6 +21,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..gemm.fp8 import QuantizedRows, quantize_rows
 from ..lora.api import _bump_version, _on, resolve_backend
 from ..lora.checks import FLOAT_DTYPES, _desc
 from ..lora.delta import LoraDelta
@@ -117,7 +118,7 @@ def _plus_delta(t: torch.Tensor, delta, keep: torch.Tensor | None = None) -> tor
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: torch.Tensor | None = None,
-             delta: torch.Tensor | LoraDelta | LoraProduct | None = None,
+             delta: torch.Tensor | LoraDelta | LoraProduct | None = None, e4m3: QuantizedRows | None = None,
              backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of x, or of `residual + x`; returns `(normed, s)`.
 
@@ -141,19 +142,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: tor
     than PyTorch, which can move the mean, hence rsqrt, by a few fp32 ulps: fp32 outputs of such
     a row move with it (≤ 8 ulps), 16-bit ones only where n sits next to a rounding boundary
     (rare elements, ≤ 2 ulps after the product with weight).
+
+    `e4m3` (ops/gemm/fp8.py's buffers for normed's rows, e.g. `QuantizedRows.empty(x)`): also filled with normed
+    quantized a row, `fp8.quantize_rows(normed)`'s bits, for an FP8 GEMM that would quantize it (W8A8). Triton: by
+    the program that writes the row (by a launch of its own past 8192 columns).
     """
     check_rms_args(x, weight, eps, residual, delta)
     T, H = x.shape
+    if e4m3 is not None:
+        e4m3.check(x, "e4m3")
     if resolve_backend(backend, x.device) == "reference":
-        return _rms_norm_reference(x, weight, eps, residual, delta)
+        out, s = _rms_norm_reference(x, weight, eps, residual, delta)
+        if e4m3 is not None:
+            q, scale = quantize_rows(out)
+            e4m3.q.copy_(q)
+            e4m3.scale.copy_(scale)
+        return out, s
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     fresh_s = residual is not None or delta is not None
     s = torch.empty((T, H), dtype=x.dtype, device=x.device) if fresh_s else x
     with _on(x.device):
         if isinstance(delta, LoraProduct):
-            fused_lora_kernels.rms_norm(x, weight, eps, residual, out, s, delta)
+            fused_lora_kernels.rms_norm(x, weight, eps, residual, out, s, delta, e4m3=e4m3)
         else:
-            fused_kernels.rms_norm(x, weight, eps, residual, out, s if fresh_s else None, **_kernel_delta(delta))
+            fused_kernels.rms_norm(x, weight, eps, residual, out, s if fresh_s else None, e4m3=e4m3,
+                                   **_kernel_delta(delta))
     return out, s
 
 

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from ..gemm.quantize_kernel import quantize_rows_fused, store_quantized_row
 from ..launch import Launcher, pow2
 from ..pdl import pdl_start
 
@@ -109,11 +110,13 @@ def _norm_input(x_row, d_row, r_row, s_row, offs, mask, take, HAS_DELTA: tl.cons
 
 @triton.jit
 def _norm_output(v, rstd, w_row, out_row, offs, mask, COMPILED: tl.constexpr):
-    """out = (weight * (v * rstd rounded to the dtype)) rounded to the dtype."""
+    """out = (weight * (v * rstd rounded to the dtype)) rounded to the dtype; returns out in fp32 (0 where masked)."""
     DT = out_row.dtype.element_ty
     n = _round(v * rstd, DT, COMPILED)
     w = tl.load(w_row + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_row + offs, _round(w * n, DT, COMPILED).to(DT), mask=mask)
+    y = _round(w * n, DT, COMPILED)
+    tl.store(out_row + offs, y.to(DT), mask=mask)
+    return y
 
 
 @triton.jit
@@ -128,11 +131,12 @@ def _rstd(sum_sq, inv_h, eps, COMPILED: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, d_ptr, rows_ptr, r_ptr, w_ptr, out_ptr, s_ptr, H, inv_h, eps, stride_x, stride_d,
-                     stride_r, stride_out, stride_s, HAS_DELTA: tl.constexpr, HAS_ROWS: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr, WRITE_S: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
-                     COMPILED: tl.constexpr):
-    """One program per row: out[row] = weight * normalize(s[row]), s = x (+ delta) (+ residual)."""
+def _rms_norm_kernel(x_ptr, d_ptr, rows_ptr, r_ptr, w_ptr, out_ptr, s_ptr, q_ptr, qs_ptr, H, inv_h, eps, stride_x,
+                     stride_d, stride_r, stride_out, stride_s, stride_q, HAS_DELTA: tl.constexpr,
+                     HAS_ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, WRITE_S: tl.constexpr, BLOCK: tl.constexpr,
+                     ONE_PASS: tl.constexpr, QUANTIZE: tl.constexpr, COMPILED: tl.constexpr):
+    """One program per row: out[row] = weight * normalize(s[row]), s = x (+ delta) (+ residual); QUANTIZE (ONE_PASS
+    only): out[row] quantized to e4m3 too, q[row] and its scale qs[row] (ops/gemm/quantize_kernel.py's bits)."""
     pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
     row = tl.program_id(0).to(tl.int64)
     take = _takes_delta(rows_ptr, row, HAS_ROWS)
@@ -147,7 +151,9 @@ def _rms_norm_kernel(x_ptr, d_ptr, rows_ptr, r_ptr, w_ptr, out_ptr, s_ptr, H, in
         mask = offs < H
         v = _norm_input(x_row, d_row, r_row, s_row, offs, mask, take, HAS_DELTA, HAS_RESIDUAL, WRITE_S, COMPILED)
         rstd = _rstd(tl.sum(v * v, axis=0), inv_h, eps, COMPILED)
-        _norm_output(v, rstd, w_ptr, out_row, offs, mask, COMPILED)
+        y = _norm_output(v, rstd, w_ptr, out_row, offs, mask, COMPILED)
+        if QUANTIZE:
+            store_quantized_row(y, offs, mask, q_ptr + row * stride_q, qs_ptr + row)
     else:
         # Wide rows: sum the squares tile by tile, then re-read (and re-add: recomputing
         # x + delta + residual gives the same bits and needs no ordering against our own stores).
@@ -314,9 +320,10 @@ def _inv(n: int) -> float:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
              out: torch.Tensor, s_out: torch.Tensor | None, max_block: int | None = None,
-             delta: torch.Tensor | None = None, delta_rows: torch.Tensor | None = None) -> None:
+             delta: torch.Tensor | None = None, delta_rows: torch.Tensor | None = None, e4m3=None) -> None:
     """out = weight * normalize(s); s = x (+ delta) (+ residual) written to s_out when either is given.
-    `delta_rows` (a LoraDelta's row_slot): only rows with a slot ≥ 0 take the delta."""
+    `delta_rows` (a LoraDelta's row_slot): only rows with a slot ≥ 0 take the delta. `e4m3` (ops/gemm/fp8.py's
+    QuantizedRows): out quantized a row into it, by the same program where the row fits one pass."""
     T, H = x.shape
     if T == 0:
         return
@@ -328,11 +335,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     s = s_out if s_out is not None else out
     d = delta if has_delta else x
     rows = delta_rows if delta_rows is not None else x
-    args = (x, d, rows, r, weight, out, s, H, _inv(H), float(eps), x.stride(0), d.stride(0), r.stride(0),
-            out.stride(0), s.stride(0))
+    quantize = e4m3 is not None and one_pass
+    q, qs = (e4m3.q, e4m3.scale) if quantize else (out, out)
+    args = (x, d, rows, r, weight, out, s, q, qs, H, _inv(H), float(eps), x.stride(0), d.stride(0), r.stride(0),
+            out.stride(0), s.stride(0), q.stride(0))
     _RMS((T,), args, dict(HAS_DELTA=has_delta, HAS_ROWS=has_delta and delta_rows is not None, HAS_RESIDUAL=has_res,
-                          WRITE_S=s_out is not None, BLOCK=block, ONE_PASS=one_pass, COMPILED=COMPILED),
-         max(1, min(16, block // 512)), 1)
+                          WRITE_S=s_out is not None, BLOCK=block, ONE_PASS=one_pass, QUANTIZE=quantize,
+                          COMPILED=COMPILED), max(1, min(16, block // 512)), 1)
+    if e4m3 is not None and not quantize:   # rows too wide for one program's registers
+        quantize_rows_fused(out, e4m3.q, e4m3.scale)
 
 
 def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor, block: int = SILU_BLOCK,

@@ -184,14 +184,15 @@ def _early(R: int, lora) -> bool:
     return R <= _block_r(R) and lora.early_reads
 
 
-def rms_norm(x, weight, eps: float, residual, out, s_out, lora, block: int | None = None) -> None:
+def rms_norm(x, weight, eps: float, residual, out, s_out, lora, block: int | None = None, e4m3=None) -> None:
     """`fused_kernels.rms_norm` on x plus the LoraProduct `lora` (one slice), s always written; each row over
-    programs of `block` columns (None: RMS_SPLIT), rms_split.py's two launches."""
+    programs of `block` columns (None: RMS_SPLIT), rms_split.py's two launches; `e4m3`: out quantized a row too."""
     if x.shape[0] == 0:
         return
     from . import rms_split   # imports this module's jit helpers
     R = lora.part.shape[3]
-    rms_split.rms_norm(x, weight, eps, residual, out, s_out, lora, block or RMS_SPLIT, _tiles(R), _early(R, lora))
+    rms_split.rms_norm(x, weight, eps, residual, out, s_out, lora, block or RMS_SPLIT, _tiles(R), _early(R, lora),
+                       e4m3)
 
 
 def silu_and_mul(gate_up, out, lora, block: int | None = None) -> None:

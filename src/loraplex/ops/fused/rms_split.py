@@ -6,7 +6,8 @@ for the plain RMSNorm). Here the row is cut into chunks of BLOCK columns:
 
     1. program (row, chunk): s = round(x + delta) (+ residual, rounded), stored; sumsq[row, chunk] = Σ s²
     2. program (row, chunk): rstd from Σ_chunk sumsq[row, :] (a fixed order: deterministic);
-       out = weight · normalize(s) over the chunk
+       out = weight · normalize(s) over the chunk (with `e4m3`, one program a row that also quantizes it: the
+       row's amax needs all of it, and launch 2 reads no adapter)
 
 with delta each row's expanded product (lora_kernels.py's loop), the sums and roundings of fused/kernels.py's
 RMSNorm but the order of the sum of squares (chunk by chunk), and every run gives the same bits. 512 columns
@@ -19,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernels import COMPILED, _inv, _norm_output, _round, _rstd
+from .kernels import COMPILED, RMS_MAX_BLOCK, _inv, _norm_output, _round, _rstd
+from ..gemm.quantize_kernel import quantize_rows_fused, store_quantized_row
 from .lora_kernels import _product, _slot_of, _v
 from ..lora.b_blocks import _load_rank_block, _pair_b, _pair_scalars, _pair_slots, _pair_sum, _pair_v, \
     _pairs_after_first
@@ -122,13 +124,17 @@ def _scale_step(s_ptr, sumsq_ptr, H, inv_h, eps, stride_s, CHUNKS, BLOCK_C: tl.c
 
 
 @triton.jit
-def _rms_scale_kernel(s_ptr, w_ptr, out_ptr, sumsq_ptr, H, inv_h, eps, stride_s, stride_out, CHUNKS,
-                      BLOCK_C: tl.constexpr, BLOCK: tl.constexpr, COMPILED: tl.constexpr):
-    """Program (row, chunk): rstd of the row from its chunks' sums of squares, then the chunk normalised."""
+def _rms_scale_kernel(s_ptr, w_ptr, out_ptr, sumsq_ptr, q_ptr, qs_ptr, H, inv_h, eps, stride_s, stride_out,
+                      stride_q, CHUNKS, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr, QUANTIZE: tl.constexpr,
+                      COMPILED: tl.constexpr):
+    """Program (row, chunk): rstd of the row from its chunks' sums of squares, then the chunk normalised;
+    QUANTIZE (one chunk: the whole row): the row quantized to e4m3 too (ops/gemm/quantize_kernel.py's bits)."""
     pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
     row, rstd, v, offs, mask = _scale_step(s_ptr, sumsq_ptr, H, inv_h, eps, stride_s, CHUNKS, BLOCK_C, BLOCK,
                                            COMPILED)
-    _norm_output(v, rstd, w_ptr, out_ptr + row * stride_out, offs, mask, COMPILED)
+    y = _norm_output(v, rstd, w_ptr, out_ptr + row * stride_out, offs, mask, COMPILED)
+    if QUANTIZE:
+        store_quantized_row(y, offs, mask, q_ptr + row * stride_q, qs_ptr + row)
 
 
 _SUMS = Launcher(_rms_lora_sums_kernel)
@@ -155,11 +161,21 @@ def sums(x, residual, s_out, lora, block: int, tiles: dict, early: bool = False)
     return sumsq
 
 
-def rms_norm(x, weight, eps: float, residual, out, s_out, lora, block: int, tiles: dict, early: bool = False) -> None:
+def rms_norm(x, weight, eps: float, residual, out, s_out, lora, block: int, tiles: dict, early: bool = False,
+             e4m3=None) -> None:
     """lora_kernels.rms_norm's op with each row cut into chunks of `block` columns (see above);
-    `tiles`: the rank-tile constexprs (lora_kernels.py's `_tiles`); `early`: launch 1's early reads (one rank tile)."""
+    `tiles`: the rank-tile constexprs (lora_kernels.py's `_tiles`); `early`: launch 1's early reads (one rank tile);
+    `e4m3` (ops/gemm/fp8.py's QuantizedRows): out quantized a row into it, by launch 2 with one program a row (rows
+    up to fused/kernels.py's RMS_MAX_BLOCK; wider ones by a launch of their own)."""
     T, H = x.shape
     sumsq = sums(x, residual, s_out, lora, block, tiles, early)
     block, chunks = chunking(H, block)
-    _SCALE((T, chunks), (s_out, weight, out, sumsq, H, _inv(H), float(eps), s_out.stride(0), out.stride(0), chunks),
-           dict(BLOCK_C=pow2(chunks), BLOCK=block, COMPILED=COMPILED), max(1, min(4, block // 128)), 1)
+    quantize = e4m3 is not None and pow2(H) <= RMS_MAX_BLOCK
+    q, qs = (e4m3.q, e4m3.scale) if quantize else (out, out)
+    width = pow2(H) if quantize else block
+    _SCALE((T, 1 if quantize else chunks),
+           (s_out, weight, out, sumsq, q, qs, H, _inv(H), float(eps), s_out.stride(0), out.stride(0), q.stride(0),
+            chunks), dict(BLOCK_C=pow2(chunks), BLOCK=width, QUANTIZE=quantize, COMPILED=COMPILED),
+           max(1, min(16, width // 512)) if quantize else max(1, min(4, block // 128)), 1)
+    if e4m3 is not None and not quantize:
+        quantize_rows_fused(out, e4m3.q, e4m3.scale)

@@ -15,7 +15,9 @@
   scaled GEMM takes on every torch this runs with (bf16 output, sm_90);
 - else w dequantized to x's dtype for this call and cuBLAS (the CPU's reference path, and 128×128 block scales
   for prompts).
-The LoRA kernels read x as it is: the activations are quantized for the base GEMM only.
+The LoRA kernels read x as it is: the activations are quantized for the base GEMM only. Where `quantizes_x` says
+a GEMM quantizes x, the op that makes x may quantize it as it writes it (ops/fused's RMSNorm): `linear`'s `x_e4m3`,
+the same bits as `quantize_rows(x)`, spares the GEMM its quantize launch.
 """
 from __future__ import annotations
 
@@ -66,13 +68,49 @@ class Fp8Matrix:
         return (self.qweight.to(torch.float32) * full[:out, :cols]).to(dtype)
 
 
-def linear(x: torch.Tensor, m: Fp8Matrix, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ wᵀ (+ bias) by the GEMM the module docstring picks."""
+@dataclass(frozen=True)
+class QuantizedRows:
+    """x [M, K] quantized a row as `quantize_rows` does: `q` e4m3 [M, K], `scale` fp32 [M, 1] (x ≈ q · scale)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+    @classmethod
+    def empty(cls, like: torch.Tensor) -> "QuantizedRows":
+        """Uninitialised buffers for the rows of a 2-D tensor shaped as `like`, on its device."""
+        return cls(torch.empty(like.shape, dtype=FP8, device=like.device),
+                   torch.empty(like.shape[0], 1, dtype=torch.float32, device=like.device))
+
+    def check(self, x: torch.Tensor, name: str) -> None:
+        """ValueError naming `name` unless these are buffers for x's rows (contiguous, on x's device)."""
+        q, s = self.q, self.scale
+        if (q.dtype != FP8 or q.shape != x.shape or not q.is_contiguous() or s.dtype != torch.float32
+                or tuple(s.shape) != (x.shape[0], 1) or not s.is_contiguous() or q.device != x.device
+                or s.device != x.device):
+            raise ValueError(f"{name} must be contiguous {FP8} {tuple(x.shape)} and float32 ({x.shape[0]}, 1) on "
+                             f"{x.device}, got {q.dtype} {tuple(q.shape)} and {s.dtype} {tuple(s.shape)} on "
+                             f"{q.device}")
+
+
+def linear(x: torch.Tensor, m: Fp8Matrix, bias: torch.Tensor | None = None,
+           x_e4m3: QuantizedRows | None = None) -> torch.Tensor:
+    """x @ wᵀ (+ bias) by the GEMM the module docstring picks; `x_e4m3`: x already quantized (`quantize_rows`'s
+    bits), used where the GEMM quantizes x (`quantizes_x`), else unread."""
     if takes_input(x, m):
-        return fp8_skinny_linear(x, m, bias, quantize_x=decode_w8a8(x, m))
+        quantize = decode_w8a8(x, m)
+        return fp8_skinny_linear(x, m, bias, quantize_x=quantize, x_e4m3=x_e4m3 if quantize else None)
     if w8a8_takes(x, m):
-        return w8a8_linear(x, m, bias)
+        return w8a8_linear(x, m, bias, x_e4m3)
     return F.linear(x, m.dequantize(x.dtype), bias)
+
+
+def quantizes_x(x: torch.Tensor, m: Fp8Matrix) -> bool:
+    """Does `linear(x, m)` quantize x a row (the decode kernel's W8A8 or `w8a8_linear`), so that x quantized by
+    the op that makes it (`x_e4m3`) spares it a launch? x may stand in for that op's output: its shape, dtype,
+    device and strides decide."""
+    if takes_input(x, m):
+        return decode_w8a8(x, m)
+    return w8a8_takes(x, m)
 
 
 def takes_input(x: torch.Tensor, m: Fp8Matrix) -> bool:
@@ -133,23 +171,33 @@ def _quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_rows(x)
 
 
-def w8a8_linear(x: torch.Tensor, m: Fp8Matrix, bias: torch.Tensor | None = None) -> torch.Tensor:
+def w8a8_linear(x: torch.Tensor, m: Fp8Matrix, bias: torch.Tensor | None = None,
+                x_e4m3: QuantizedRows | None = None) -> torch.Tensor:
     """x @ wᵀ (+ bias) on the FP8 tensor cores: y[i, n] = round(sx[i] · scale[n, 0] · Σ_k xq[i, k] · q[n, k] +
-    bias[n]), (xq, sx) = `quantize_rows(x)` (on a GPU in one launch: quantize_kernel.py); w must have a scale per
-    output column."""
-    xq, sx = _quantized(x)
+    bias[n]), (xq, sx) = `quantize_rows(x)` (on a GPU in one launch: quantize_kernel.py), or `x_e4m3` where given;
+    w must have a scale per output column."""
+    if x_e4m3 is not None:
+        x_e4m3.check(x, "w8a8_linear: x_e4m3")
+        xq, sx = x_e4m3.q, x_e4m3.scale
+    else:
+        xq, sx = _quantized(x)
     y = torch._scaled_mm(xq, m.qweight.t(), scale_a=sx, scale_b=m.scale.view(1, -1), out_dtype=x.dtype)
     return y if bias is None else y.add_(bias)
 
 
 def fp8_skinny_linear(x: torch.Tensor, m: Fp8Matrix, bias: torch.Tensor | None = None,
-                      config: skinny.SkinnyConfig | None = None, quantize_x: bool = False) -> torch.Tensor:
+                      config: skinny.SkinnyConfig | None = None, quantize_x: bool = False,
+                      x_e4m3: QuantizedRows | None = None) -> torch.Tensor:
     """x [M, K] @ wᵀ (+ bias [N]) into a new [M, N] tensor of x's dtype, M ≤ skinny.MAX_ROWS, by fp8_kernels.py's
     kernel; x, bias of one float dtype on q's device, unit stride along K. `quantize_x`: W8A8, x (bf16 or fp16)
-    quantized a row by `quantize_rows` first (on a GPU in one launch), else weight-only."""
+    quantized a row by `quantize_rows` first (on a GPU in one launch) or given so (`x_e4m3`), else weight-only."""
     M, K = _check(x, m, bias)
     if quantize_x and x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"fp8_skinny_linear: quantize_x takes bf16 or fp16 x, not {x.dtype}")
+    if x_e4m3 is not None:
+        if not quantize_x:
+            raise ValueError("fp8_skinny_linear: x_e4m3 is given but quantize_x is off (weight-only reads x)")
+        x_e4m3.check(x, "fp8_skinny_linear: x_e4m3")
     N = m.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
@@ -159,7 +207,10 @@ def fp8_skinny_linear(x: torch.Tensor, m: Fp8Matrix, bias: torch.Tensor | None =
     if quantize_x and _k_step(m, K, config.block_k) < W8A8_MIN_K:
         raise ValueError(f"fp8_skinny_linear: quantize_x needs K steps of at least {W8A8_MIN_K}; scale blocks "
                          f"{m.block} and tiles {config} give {_k_step(m, K, config.block_k)}")
-    x, r = _quantized(x) if quantize_x else (x, m.scale)   # (r unread weight-only)
+    if x_e4m3 is not None:
+        x, r = x_e4m3.q, x_e4m3.scale
+    else:
+        x, r = _quantized(x) if quantize_x else (x, m.scale)   # (r unread weight-only)
     config = fitted_config(config, x)
     block_k = _k_step(m, K, config.block_k)
     per_step = m.scale.shape[1] > 1

@@ -5,15 +5,18 @@ from __future__ import annotations
 import torch
 
 from . import fp8, skinny
-from .fp8 import Fp8Matrix
+from .fp8 import Fp8Matrix, QuantizedRows
 
 GemmWeight = torch.Tensor | Fp8Matrix
 
 
-def linear(x: torch.Tensor, weight: GemmWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ wᵀ (+ bias)."""
+def linear(x: torch.Tensor, weight: GemmWeight, bias: torch.Tensor | None = None,
+           x_e4m3: QuantizedRows | None = None) -> torch.Tensor:
+    """x @ wᵀ (+ bias); `x_e4m3`: x quantized a row, for an FP8 weight's GEMM (fp8.linear's)."""
     if type(weight) is Fp8Matrix:
-        return fp8.linear(x, weight, bias)
+        return fp8.linear(x, weight, bias, x_e4m3)
+    if x_e4m3 is not None:
+        raise ValueError("linear: x_e4m3 is for FP8 weights; this weight is a dense tensor")
     return skinny.linear(x, weight, bias)
 
 

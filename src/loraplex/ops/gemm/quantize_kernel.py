@@ -30,26 +30,35 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.
     offs = tl.arange(0, BLOCK)
     mask = offs < K
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    store_quantized_row(x, offs, mask, q_ptr + row * stride_q, s_ptr + row)
+
+
+@triton.jit
+def store_quantized_row(x, offs, mask, q_row, s_at):
+    """The docstring's row quantization of a whole row x (fp32, 0 where masked off), stored: q at q_row + offs,
+    s at s_at. Also the RMSNorm kernels' (ops/fused), which quantize the row they write."""
     amax = tl.max(tl.abs(x), axis=0)
     s = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
     q = round_to_e4m3(tl.math.div_rn(x, s))   # exact in e4m3: the cast below does not round
-    tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row, s)
+    tl.store(q_row + offs, q.to(q_row.dtype.element_ty), mask=mask)
+    tl.store(s_at, s)
 
 
 _QUANTIZE = Launcher(_quantize_rows_kernel)
 
 
-def quantize_rows_fused(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(xq e4m3 [M, K], s fp32 [M, 1]) of x [M, K] (fp32, fp16 or bf16, unit stride along K), in one launch."""
+def quantize_rows_fused(x: torch.Tensor, xq: torch.Tensor | None = None,
+                        s: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(xq e4m3 [M, K], s fp32 [M, 1]) of x [M, K] (fp32, fp16 or bf16, unit stride along K), in one launch;
+    into `xq` and `s` where given (contiguous, of those shapes and dtypes: the callers' own buffers)."""
     if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"quantize_rows_fused takes a 2-D float tensor with unit stride along K, not {x.dtype} "
                          f"{tuple(x.shape)} with strides {x.stride()}")
     M, K = x.shape
     if K > MAX_K:
         raise ValueError(f"quantize_rows_fused: rows of {K} values, more than {MAX_K}")
-    xq = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(M, 1, dtype=torch.float32, device=x.device)
+    xq = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device) if xq is None else xq
+    s = torch.empty(M, 1, dtype=torch.float32, device=x.device) if s is None else s
     if M and K:
         block = pow2(K)
         _QUANTIZE((M,), (x, xq, s, K, x.stride(0), xq.stride(0)), dict(BLOCK=block), min(32, max(4, block // 512)), 1)

@@ -36,6 +36,7 @@ import torch
 
 from .. import pdl
 from ..gemm import linear as gemm
+from ..gemm.fp8 import QuantizedRows
 from ..gemm.linear import GemmWeight
 from .batch import LoraBatch
 from .delta import LoraDelta
@@ -82,45 +83,48 @@ def _usable_side(device: torch.device) -> torch.cuda.Stream | None:
 
 
 def _beside_gemm(x: torch.Tensor, weight: GemmWeight, bias: torch.Tensor | None, side: bool,
-                 work: Callable[[], None]) -> torch.Tensor:
-    """`gemm.linear(x, weight, bias)` (a dense or an FP8 weight) with `work` (LoRA kernels that read only x) queued
-    before it: on a side stream that forks after x is ready and joins after the GEMM when `side` (capture only) and
-    one is usable, else on the current stream. Tensors `work` writes must be allocated by the caller on the main
-    stream."""
+                 work: Callable[[], None], x_e4m3: QuantizedRows | None = None) -> torch.Tensor:
+    """`gemm.linear(x, weight, bias, x_e4m3)` (a dense or an FP8 weight) with `work` (LoRA kernels that read only x)
+    queued before it: on a side stream that forks after x is ready and joins after the GEMM when `side` (capture
+    only) and one is usable, else on the current stream. Tensors `work` writes must be allocated by the caller on
+    the main stream."""
     stream = _usable_side(x.device) if side else None
     if stream is None:
         work()
-        return gemm.linear(x, weight, bias)
+        return gemm.linear(x, weight, bias, x_e4m3)
     main = torch.cuda.current_stream(x.device)
     stream.wait_stream(main)    # x is ready
     with torch.cuda.stream(stream):
         work()
-    y = gemm.linear(x, weight, bias)
+    y = gemm.linear(x, weight, bias, x_e4m3)
     main.wait_stream(stream)
     return y
 
 
 def linear_with_lora(x: torch.Tensor, weight: GemmWeight, bias: torch.Tensor | None,
                      lora_a: list[torch.Tensor], lora_b: list[torch.Tensor], batch: LoraBatch,
-                     ranks: list[torch.Tensor], scalings: list[torch.Tensor]) -> torch.Tensor:
-    """`linear(x, weight, bias)` plus `sgmv.add_lora` of the slices, the shrink on a side stream beside the GEMM
-    (capture only), the expand after it: bit-identical to the plain order."""
+                     ranks: list[torch.Tensor], scalings: list[torch.Tensor],
+                     x_e4m3: QuantizedRows | None = None) -> torch.Tensor:
+    """`linear(x, weight, bias, x_e4m3)` plus `sgmv.add_lora` of the slices, the shrink on a side stream beside the
+    GEMM (capture only), the expand after it: bit-identical to the plain order."""
     from . import sgmv   # Triton: imported where it runs, so that the CPU path needs none
     cfg = sgmv.config_for(batch.block_m)
     if _usable_side(x.device) is None:
-        return sgmv.add_lora(gemm.linear(x, weight, bias), x, lora_a, lora_b, batch, ranks, scalings, 0, cfg)
+        return sgmv.add_lora(gemm.linear(x, weight, bias, x_e4m3), x, lora_a, lora_b, batch, ranks, scalings, 0,
+                             cfg)
     part = sgmv.new_partials(x, lora_a, batch, cfg)
-    y = _beside_gemm(x, weight, bias, True, lambda: sgmv.shrink_into(part, x, lora_a, ranks, batch, cfg))
+    y = _beside_gemm(x, weight, bias, True, lambda: sgmv.shrink_into(part, x, lora_a, ranks, batch, cfg), x_e4m3)
     sgmv.expand_from(y, part, lora_b, ranks, scalings, batch, 0, cfg)
     return y
 
 
 def linear_with_lora_delta(x: torch.Tensor, weight: GemmWeight, bias: torch.Tensor | None,
                            lora_a: list[torch.Tensor], lora_b: list[torch.Tensor], batch: LoraBatch,
-                           ranks: list[torch.Tensor], scalings: list[torch.Tensor], *,
-                           side: bool) -> tuple[torch.Tensor, LoraDelta]:
-    """`(linear(x, weight, bias), delta)`, delta the fp32 `[T, ΣN]` LoRA product of the slices in the rows with an
-    adapter (the other rows are not written), for the consumer to add. `side`: on a side stream (capture only)."""
+                           ranks: list[torch.Tensor], scalings: list[torch.Tensor], *, side: bool,
+                           x_e4m3: QuantizedRows | None = None) -> tuple[torch.Tensor, LoraDelta]:
+    """`(linear(x, weight, bias, x_e4m3), delta)`, delta the fp32 `[T, ΣN]` LoRA product of the slices in the rows
+    with an adapter (the other rows are not written), for the consumer to add. `side`: on a side stream (capture
+    only)."""
     from . import sgmv
     cfg = sgmv.config_for(batch.block_m)
     part = sgmv.new_partials(x, lora_a, batch, cfg)
@@ -130,23 +134,25 @@ def linear_with_lora_delta(x: torch.Tensor, weight: GemmWeight, bias: torch.Tens
         sgmv.shrink_into(part, x, lora_a, ranks, batch, cfg)
         sgmv.expand_from(values, part, lora_b, ranks, scalings, batch, 0, cfg, accumulate=False)
 
-    return _beside_gemm(x, weight, bias, side, work), LoraDelta(values, batch.row_slot)
+    return _beside_gemm(x, weight, bias, side, work, x_e4m3), LoraDelta(values, batch.row_slot)
 
 
 def linear_with_lora_product(x: torch.Tensor, weight: GemmWeight, bias: torch.Tensor | None,
                              lora_a: list[torch.Tensor], lora_b: list[torch.Tensor], batch: LoraBatch,
-                             ranks: list[torch.Tensor], scalings: list[torch.Tensor], *,
-                             side: bool) -> tuple[torch.Tensor, LoraProduct]:
-    """`(linear(x, weight, bias), product)`, the product the shrink of the slices left for the consumer to expand
-    (ops/lora/product.py). The shrink runs where `shrink_order` puts it; "side" only when `side` (capture only)."""
+                             ranks: list[torch.Tensor], scalings: list[torch.Tensor], *, side: bool,
+                             x_e4m3: QuantizedRows | None = None) -> tuple[torch.Tensor, LoraProduct]:
+    """`(linear(x, weight, bias, x_e4m3), product)`, the product the shrink of the slices left for the consumer to
+    expand (ops/lora/product.py). The shrink runs where `shrink_order` puts it; "side" only when `side` (capture
+    only)."""
     from . import sgmv
     cfg = sgmv.config_for(batch.block_m)
     part = sgmv.new_partials(x, lora_a, batch, cfg)
     if shrink_order(x, weight) == "after":
-        y = gemm.linear(x, weight, bias)
+        y = gemm.linear(x, weight, bias, x_e4m3)
         sgmv.shrink_into(part, x, lora_a, ranks, batch, cfg, after_gemm=True)
     else:
-        y = _beside_gemm(x, weight, bias, side, lambda: sgmv.shrink_into(part, x, lora_a, ranks, batch, cfg))
+        y = _beside_gemm(x, weight, bias, side, lambda: sgmv.shrink_into(part, x, lora_a, ranks, batch, cfg),
+                         x_e4m3)
     # a composed batch's members after the first: the consumer adds them with the first (product.py)
     lanes = batch.lanes if batch.composed else 1
     return y, LoraProduct(part, tuple(lora_b), tuple(ranks), tuple(scalings), batch.row_slot,
