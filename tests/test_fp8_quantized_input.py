@@ -11,6 +11,7 @@ import torch
 from loraplex import ops
 from loraplex.ops.fused import api as fused
 from loraplex.ops.fused import kernels as fused_kernels
+from loraplex.ops.fused import lora_kernels as fused_lora_kernels
 from loraplex.ops.gemm import fp8, skinny
 from loraplex.ops.gemm.fp8 import FP8, Fp8Matrix, QuantizedRows, quantize_rows
 from loraplex.ops.lora.delta import LoraDelta
@@ -31,16 +32,20 @@ def _assert_quantized_rows(e4m3: QuantizedRows, normed: torch.Tensor, what: str)
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("delta, residual, H, max_block", [
-    (None, True, 200, None), (None, False, 96, None), ("dense", True, 200, None), ("lora_delta", True, 200, None),
-    ("product", True, 200, None), ("product", False, 96, None), (None, True, 200, 64), ("product", True, 200, 64)])
-def test_rms_norm_quantizes_the_rows_it_writes(backend, dtype, delta, residual, H, max_block, monkeypatch):
-    """Every RMSNorm path (plain, a dense or LoraDelta delta, a LoraProduct's two launches; rows past the one-pass
-    width, `max_block`, by a launch of their own): normed and s as without `e4m3`, and `e4m3` holds normed quantized
-    a row by quantize_rows, bit for bit. Rows of very different sizes, and one all zero (its scale 1)."""
-    gen = torch.Generator().manual_seed(stable_seed("rms-e4m3", str(dtype), delta, residual, H, max_block))
+@pytest.mark.parametrize("delta, residual, H, max_block, split", [
+    (None, True, 200, None, None), (None, False, 96, None, None), ("dense", True, 200, None, None),
+    ("lora_delta", True, 200, None, None), ("product", True, 200, None, None), ("product", False, 96, None, None),
+    ("product", True, 200, None, 64), (None, True, 200, 64, None), ("product", True, 200, 64, 64)])
+def test_rms_norm_quantizes_the_rows_it_writes(backend, dtype, delta, residual, H, max_block, split, monkeypatch):
+    """Every RMSNorm path (plain, a dense or LoraDelta delta, a LoraProduct's two launches, its rows over chunks of
+    `split` columns; rows past the one-pass width, `max_block`, by a launch of their own): normed and s as without
+    `e4m3`, and `e4m3` holds normed quantized a row by quantize_rows, bit for bit. Rows of very different sizes, and
+    one all zero (its scale 1)."""
+    gen = torch.Generator().manual_seed(stable_seed("rms-e4m3", str(dtype), delta, residual, H, max_block, split))
     if max_block:
         monkeypatch.setattr(fused_kernels, "RMS_MAX_BLOCK", max_block)
+    if split:
+        monkeypatch.setattr(fused_lora_kernels, "RMS_SPLIT", split)
     T = 9
     x = rows_with_scales(gen, T, H, dtype, large=False) * torch.logspace(-2, 2, T)[:, None].to(dtype)
     x[3] = 0
@@ -112,26 +117,38 @@ def test_linear_passes_the_rows_only_where_it_quantizes(monkeypatch):
     assert torch.equal(fp8.linear(x, m, x_e4m3=given), want)
     monkeypatch.setattr(fp8, "W8A8", "off")
     assert not fp8.quantizes_x(x, m)
+    with pytest.raises(ValueError, match="dequantizes the weight"):   # (no GEMM quantizes x: rows not taken)
+        fp8.linear(x, m, x_e4m3=given)
     with pytest.raises(ValueError, match="dense tensor"):
         gemm.linear(x, torch.randn(48, 64).bfloat16(), x_e4m3=given)
 
 
 @pytest.mark.parametrize("decode_kernel", [False, pytest.param(True, marks=interpreted)])
 def test_the_layer_hands_its_norms_rows_to_the_gemms(decode_kernel, monkeypatch):
-    """An FP8 model under W8A8 ("on"), a prompt step then a decode step: each layer's two RMSNorms quantize their
-    output for q/k/v's and gate/up's GEMMs, so that the GEMMs quantize only o's and down's inputs (2 of 4 a layer);
-    the logits are the bits of the same model with no rows handed over. `decode_kernel`: the decode step through the
-    Triton decode GEMM (interpreter), else the CPU's prompt GEMM (torch._scaled_mm) for both steps."""
+    """An FP8 model under W8A8 ("on") with adapters on two of three sequences, a prompt step then a decode step:
+    each layer's two RMSNorms quantize their output for q/k/v's and gate/up's GEMMs, so that the GEMMs quantize only
+    o's and down's inputs (2 of 4 a layer); the logits are the bits of the same model with no rows handed over.
+    `decode_kernel`: Triton's interpreter, the "decode" LoRA plan (the GEMMs beside the LoRA kernels, o's and down's
+    products expanded by the RMSNorms after them) and the Triton decode GEMM; else the CPU's reference plan and
+    prompt GEMM (torch._scaled_mm)."""
+    from loraplex.adapters.pool import AdapterPool
+    from loraplex.adapters.synthetic import read_synthetic, synthetic_spec
     from loraplex.models import ForwardBatch, KVCache, ModelConfig, SequenceChunk, dummy_model, lora_linear
     from loraplex.ops.gemm import quantize_kernel
     from model_fixtures import hf_config
     config = ModelConfig.from_dict(hf_config("llama-gqa-llama3rope").to_dict())
     dtype = torch.float16 if decode_kernel else torch.bfloat16   # (the interpreter has no bf16 dots)
     model = dummy_model(config, dtype=dtype, seed=5, quantization="fp8")
+    pool = AdapterPool(config, num_slots=3, max_rank=8, dtype=dtype, device="cpu")
+    for slot in (1, 2):
+        pool.write(slot, read_synthetic(synthetic_spec(f"a{slot}", config, 8, seed=slot), dtype, pin=False))
     if decode_kernel:
         model.backend = "triton"
         monkeypatch.setattr(skinny, "SETTING", "on")
     monkeypatch.setattr(fp8, "W8A8", "on")
+    from loraplex.models.lora_plan import LoraPlan
+    kinds, real_make = [], LoraPlan.make
+    monkeypatch.setattr(LoraPlan, "make", lambda *a, **kw: kinds.append(real_make(*a, **kw)) or kinds[-1])
     quantized = []   # the widths of the rows the GEMMs quantize themselves
     real_rows, real_fused = fp8.quantize_rows, quantize_kernel.quantize_rows_fused
     monkeypatch.setattr(fp8, "quantize_rows", lambda t: quantized.append(t.shape[1]) or real_rows(t))
@@ -142,12 +159,13 @@ def test_the_layer_hands_its_norms_rows_to_the_gemms(decode_kernel, monkeypatch)
         kv = KVCache(config, 8, 16, dtype=dtype)
         tables = [[0, 1], [2, 3], [4, 5]]
         prompts = [[(7 * i + 3 * j) % config.vocab_size for j in range(5 + 3 * i)] for i in range(3)]
-        steps = [[SequenceChunk(p, 0, t) for p, t in zip(prompts, tables)],
-                 [SequenceChunk([11 * i + 1], len(p), t) for i, (p, t) in enumerate(zip(prompts, tables))]]
+        slots = [1, -1, 2]
+        steps = [[SequenceChunk(p, 0, t, s) for p, t, s in zip(prompts, tables, slots)],
+                 [SequenceChunk([11 * i + 1], len(p), t, s) for i, (p, t, s) in enumerate(zip(prompts, tables, slots))]]
         logits = []
         for chunks in steps:
             batch = ForwardBatch.build(chunks, block_size=16, num_blocks=8, vocab_size=config.vocab_size)
-            logits.append(model(batch, kv))
+            logits.append(model(batch, kv, pool))
         return logits
 
     handed = run()
@@ -156,9 +174,11 @@ def test_the_layer_hands_its_norms_rows_to_the_gemms(decode_kernel, monkeypatch)
     monkeypatch.setattr(lora_linear, "e4m3_input", lambda weight, x_like: None)
     plain = run()
     assert all(torch.equal(a, b) for a, b in zip(handed, plain))
+    assert [p.kind for p in kinds] == ["decode" if decode_kernel else "reference"] * 4
     layers, H, I = config.num_hidden_layers, config.hidden_size, config.intermediate_size
-    assert sorted(quantized) == sorted([H, H, H, I] * 2 * layers)   # q/k/v, o, gate/up, down; two steps
-    assert sorted(by_gemms) == sorted([H, I] * 2 * layers)           # o's and down's only
+    O = config.num_attention_heads * config.head_dim
+    assert sorted(quantized) == sorted([H, O, H, I] * 2 * layers)   # q/k/v, o, gate/up, down; two steps
+    assert sorted(by_gemms) == sorted([O, I] * 2 * layers)           # o's and down's only
 
 
 @pytest.mark.gpu
@@ -181,5 +201,6 @@ def test_gpu_rms_norm_quantizes_as_the_quantize_launch_does(delta):
     x, r, w = x.cuda(), r.cuda(), w.cuda()
     e4m3 = QuantizedRows.empty(x)
     out, _ = fused.rms_norm(x, w, 1e-5, residual=r, delta=d, e4m3=e4m3)
+    assert torch.equal(out, fused.rms_norm(x, w, 1e-5, residual=r, delta=d)[0])   # (the product: one program a row)
     q, scale = quantize_rows_fused(out)
     assert torch.equal(e4m3.scale, scale) and torch.equal(e4m3.q.view(torch.uint8), q.view(torch.uint8))

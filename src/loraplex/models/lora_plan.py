@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..ops import add_lora, resolve_backend
+from ..ops.gemm.fp8 import QuantizedRows
 from ..ops.lora import overlap
 from ..ops.lora.batch import LoraBatch
 from ..ops.lora.delta import LoraDelta
 from ..ops.lora.product import LoraProduct
-from ..ops.gemm.fp8 import QuantizedRows
 from .fp8.gemm import BaseWeight, base_linear, gemm_operand   # the base GEMM for a dense or an FP8 weight
 
 if TYPE_CHECKING:

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from ..gemm.fp8 import QuantizedRows
 from ..gemm.quantize_kernel import quantize_rows_fused, store_quantized_row
 from ..launch import Launcher, pow2
 from ..pdl import pdl_start
@@ -138,6 +139,7 @@ def _rms_norm_kernel(x_ptr, d_ptr, rows_ptr, r_ptr, w_ptr, out_ptr, s_ptr, q_ptr
     """One program per row: out[row] = weight * normalize(s[row]), s = x (+ delta) (+ residual); QUANTIZE (ONE_PASS
     only): out[row] quantized to e4m3 too, q[row] and its scale qs[row] (ops/gemm/quantize_kernel.py's bits)."""
     pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
+    tl.static_assert(ONE_PASS or not QUANTIZE, "QUANTIZE needs the row in one pass")
     row = tl.program_id(0).to(tl.int64)
     take = _takes_delta(rows_ptr, row, HAS_ROWS)
     x_row = x_ptr + row * stride_x
@@ -320,7 +322,8 @@ def _inv(n: int) -> float:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
              out: torch.Tensor, s_out: torch.Tensor | None, max_block: int | None = None,
-             delta: torch.Tensor | None = None, delta_rows: torch.Tensor | None = None, e4m3=None) -> None:
+             delta: torch.Tensor | None = None, delta_rows: torch.Tensor | None = None,
+             e4m3: QuantizedRows | None = None) -> None:
     """out = weight * normalize(s); s = x (+ delta) (+ residual) written to s_out when either is given.
     `delta_rows` (a LoraDelta's row_slot): only rows with a slot ≥ 0 take the delta. `e4m3` (ops/gemm/fp8.py's
     QuantizedRows): out quantized a row into it, by the same program where the row fits one pass."""

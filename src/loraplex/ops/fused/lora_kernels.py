@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .kernels import COMPILED, _round, _silu_mul
+from ..gemm.fp8 import QuantizedRows
 from ..launch import Launcher, pow2
 from ..lora.b_blocks import _load_rank_block, member_r, _pair_b, _pair_scalars, _pair_slots, _pair_sum, _pair_v, \
     _pairs_after_first
@@ -184,7 +185,8 @@ def _early(R: int, lora) -> bool:
     return R <= _block_r(R) and lora.early_reads
 
 
-def rms_norm(x, weight, eps: float, residual, out, s_out, lora, block: int | None = None, e4m3=None) -> None:
+def rms_norm(x, weight, eps: float, residual, out, s_out, lora, block: int | None = None,
+             e4m3: QuantizedRows | None = None) -> None:
     """`fused_kernels.rms_norm` on x plus the LoraProduct `lora` (one slice), s always written; each row over
     programs of `block` columns (None: RMS_SPLIT), rms_split.py's two launches; `e4m3`: out quantized a row too."""
     if x.shape[0] == 0:

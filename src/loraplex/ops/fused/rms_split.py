@@ -20,9 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernels import COMPILED, RMS_MAX_BLOCK, _inv, _norm_output, _round, _rstd
-from ..gemm.quantize_kernel import quantize_rows_fused, store_quantized_row
+from . import kernels as fused_kernels
+from .kernels import COMPILED, _inv, _norm_output, _round, _rstd
 from .lora_kernels import _product, _slot_of, _v
+from ..gemm.fp8 import QuantizedRows
+from ..gemm.quantize_kernel import quantize_rows_fused, store_quantized_row
 from ..lora.b_blocks import _load_rank_block, _pair_b, _pair_scalars, _pair_slots, _pair_sum, _pair_v, \
     _pairs_after_first
 from ..launch import Launcher, pow2
@@ -162,7 +164,7 @@ def sums(x, residual, s_out, lora, block: int, tiles: dict, early: bool = False)
 
 
 def rms_norm(x, weight, eps: float, residual, out, s_out, lora, block: int, tiles: dict, early: bool = False,
-             e4m3=None) -> None:
+             e4m3: QuantizedRows | None = None) -> None:
     """lora_kernels.rms_norm's op with each row cut into chunks of `block` columns (see above);
     `tiles`: the rank-tile constexprs (lora_kernels.py's `_tiles`); `early`: launch 1's early reads (one rank tile);
     `e4m3` (ops/gemm/fp8.py's QuantizedRows): out quantized a row into it, by launch 2 with one program a row (rows
@@ -170,7 +172,7 @@ def rms_norm(x, weight, eps: float, residual, out, s_out, lora, block: int, tile
     T, H = x.shape
     sumsq = sums(x, residual, s_out, lora, block, tiles, early)
     block, chunks = chunking(H, block)
-    quantize = e4m3 is not None and pow2(H) <= RMS_MAX_BLOCK
+    quantize = e4m3 is not None and pow2(H) <= fused_kernels.RMS_MAX_BLOCK
     q, qs = (e4m3.q, e4m3.scale) if quantize else (out, out)
     width = pow2(H) if quantize else block
     _SCALE((T, 1 if quantize else chunks),

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from ... import envs
 from . import skinny
+from .quantized_rows import QuantizedRows
 
 FP8 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -68,39 +69,16 @@ class Fp8Matrix:
         return (self.qweight.to(torch.float32) * full[:out, :cols]).to(dtype)
 
 
-@dataclass(frozen=True)
-class QuantizedRows:
-    """x [M, K] quantized a row as `quantize_rows` does: `q` e4m3 [M, K], `scale` fp32 [M, 1] (x ≈ q · scale)."""
-
-    q: torch.Tensor
-    scale: torch.Tensor
-
-    @classmethod
-    def empty(cls, like: torch.Tensor) -> "QuantizedRows":
-        """Uninitialised buffers for the rows of a 2-D tensor shaped as `like`, on its device."""
-        return cls(torch.empty(like.shape, dtype=FP8, device=like.device),
-                   torch.empty(like.shape[0], 1, dtype=torch.float32, device=like.device))
-
-    def check(self, x: torch.Tensor, name: str) -> None:
-        """ValueError naming `name` unless these are buffers for x's rows (contiguous, on x's device)."""
-        q, s = self.q, self.scale
-        if (q.dtype != FP8 or q.shape != x.shape or not q.is_contiguous() or s.dtype != torch.float32
-                or tuple(s.shape) != (x.shape[0], 1) or not s.is_contiguous() or q.device != x.device
-                or s.device != x.device):
-            raise ValueError(f"{name} must be contiguous {FP8} {tuple(x.shape)} and float32 ({x.shape[0]}, 1) on "
-                             f"{x.device}, got {q.dtype} {tuple(q.shape)} and {s.dtype} {tuple(s.shape)} on "
-                             f"{q.device}")
-
-
 def linear(x: torch.Tensor, m: Fp8Matrix, bias: torch.Tensor | None = None,
            x_e4m3: QuantizedRows | None = None) -> torch.Tensor:
     """x @ wᵀ (+ bias) by the GEMM the module docstring picks; `x_e4m3`: x already quantized (`quantize_rows`'s
-    bits), used where the GEMM quantizes x (`quantizes_x`), else unread."""
-    if takes_input(x, m):
-        quantize = decode_w8a8(x, m)
-        return fp8_skinny_linear(x, m, bias, quantize_x=quantize, x_e4m3=x_e4m3 if quantize else None)
+    bits), where the GEMM quantizes x (`quantizes_x`); elsewhere it is refused."""
+    if takes_input(x, m):   # (fp8_skinny_linear refuses x_e4m3 where it reads x weight-only)
+        return fp8_skinny_linear(x, m, bias, quantize_x=decode_w8a8(x, m), x_e4m3=x_e4m3)
     if w8a8_takes(x, m):
         return w8a8_linear(x, m, bias, x_e4m3)
+    if x_e4m3 is not None:
+        raise ValueError("fp8.linear: x_e4m3 is given but this GEMM dequantizes the weight and reads x as it is")
     return F.linear(x, m.dequantize(x.dtype), bias)
 
 
