@@ -88,7 +88,8 @@ class ModelRunner:
             self.max_model_len = capacity
         self.graphs: StepGraphs | None = None
         if self.device.type == "cuda":
-            compile_lora_kernels(c, self.adapters.pool, self.model.dtype, compositions=self._max_members > 1)
+            compile_lora_kernels(c, self.adapters.pool, self.model.dtype, compositions=self._max_members > 1,
+                                 kv=self.kv)
         if self.device.type == "cuda" and not config.enforce_eager:
             torch.cuda.set_device(self.device)   # capture on our GPU
             self.graphs = StepGraphs(self.model, self.kv, self.adapters.pool, max_seq_len=self.max_model_len,
