@@ -104,36 +104,19 @@ def silu(dtype: str, arch: int) -> None:
         assert "div.rn.f32" in ptx, f"silu {dtype}: the division must be IEEE"
 
 
-def kv_pointers(store: bool, dtype: str, arch: int, stand_in: str) -> tuple[dict, dict]:
-    """(pointer types, constexprs) of RoPE's store into the paged cache (ops/attention's `store_heads`): a cache of
-    the activations' dtype, or e4m3 where the GPU has it (sm_89 on); without the store, `stand_in` pointers as the
-    launchers pass."""
-    fp8 = store and arch >= 89
-    cache = "*fp8e4nv" if fp8 else "*" + dtype
-    types = dict(kc_ptr=cache, vc_ptr=cache, slot_ptr="*i32", ks_ptr="*fp32", vs_ptr="*fp32") if store else \
-        dict(kc_ptr=stand_in, vc_ptr=stand_in, slot_ptr=stand_in, ks_ptr=stand_in, vs_ptr=stand_in)
-    return types, dict(STORE=store, KV_FP8=fp8)
-
-
 def rope(dtype: str, arch: int) -> None:
     from loraplex.ops.fused import kernels as fk
-    # (positions, BLOCK_H, BLOCK_D, delta, store): k and v into the paged cache too (STORE; e4m3 from sm_89)
-    for pos, block_h, block_d, has_delta, store in (("i64", 16, 64, False, False), ("i32", 1, 32, False, True),
-                                                    ("i64", 16, 64, True, True)):
-        kv_types, kv_consts = kv_pointers(store, dtype, arch, "*" + dtype)
+    for pos, block_h, block_d, has_delta in (("i64", 16, 64, False), ("i32", 1, 32, False), ("i64", 16, 64, True)):
         ptx = _compile(fk._rope_kernel, dict(q_ptr="*" + dtype, k_ptr="*" + dtype, v_ptr="*" + dtype,
                                              d_ptr="*fp32" if has_delta else "*" + dtype, pos_ptr="*" + pos,
-                                             inv_freq_ptr="*fp32", rows_ptr="*i32" if has_delta else "*" + pos,
-                                             **kv_types),
-                       dict(HAS_DELTA=has_delta, HAS_ROWS=has_delta, BLOCK_H=block_h, BLOCK_D=block_d, COMPILED=True,
-                            **kv_consts),
+                                             inv_freq_ptr="*fp32", rows_ptr="*i32" if has_delta else "*" + pos),
+                       dict(HAS_DELTA=has_delta, HAS_ROWS=has_delta, BLOCK_H=block_h, BLOCK_D=block_d, COMPILED=True),
                        arch,
                        max(1, min(4, block_h * block_d // 256)))
-        what = f"rope {dtype} positions {pos} BLOCK_H={block_h} BLOCK_D={block_d} delta={has_delta} {kv_consts}"
+        what = f"rope {dtype} positions {pos} BLOCK_H={block_h} BLOCK_D={block_d} delta={has_delta}"
         _no_approx(ptx, what)
         # Every product that feeds the rotation's sums is rounded on its own (4 per element pair).
         assert len(re.findall(r"mul\.rn(?:\.ftz)?\.f32", ptx)) >= 4, f"{what}: products must be mul.rn"
-        assert not kv_consts["KV_FP8"] or "div.rn.f32" in ptx, f"{what}: the e4m3 store's divisions must be IEEE"
 
 
 # The consumers of a LoraProduct (ops/fused/lora_kernels.py, rms_split.py, rope_lora.py), with the constexprs their
@@ -194,21 +177,18 @@ def rope_lora(dtype: str, arch: int) -> None:
     from loraplex.ops.fused import rope_lora as k
     # (positions, SPLIT_K, BLOCK_R, ONE_R_TILE, BLOCK_H, BLOCK_D, EARLY): D=128 heads ROPE_HEADS at a time; D=64
     # one head per program, two rank tiles; one head per program with the early reads.
-    # STORE: k and v into the paged cache too (kv_pointers)
-    for pos, split_k, block_r, one_r, block_h, block_d, early, extras, store in (
-            ("i64", 8, 16, True, k.ROPE_HEADS, 64, False, False, True), ("i32", 2, 32, False, 1, 32, False, True, False),
-            ("i64", 8, 16, True, k.ROPE_HEADS, 64, True, True, True), ("i64", 1, 16, True, 1, 64, True, False, True),
-            ("i64", 1, 16, True, 1, 64, True, False, False)):
-        kv_types, kv_consts = kv_pointers(store, dtype, arch, "*" + dtype)
+    for pos, split_k, block_r, one_r, block_h, block_d, early, extras in (
+            ("i64", 8, 16, True, k.ROPE_HEADS, 64, False, False), ("i32", 2, 32, False, 1, 32, False, True),
+            ("i64", 8, 16, True, k.ROPE_HEADS, 64, True, True), ("i64", 1, 16, True, 1, 64, True, False)):
         types = dict(q_ptr="*" + dtype, k_ptr="*" + dtype, v_ptr="*" + dtype, pos_ptr="*" + pos,
                      inv_freq_ptr="*fp32", b0="*" + dtype, b1="*" + dtype, b2="*" + dtype, rk0="*i32", rk1="*i32",
-                     rk2="*i32", sc0="*fp32", sc1="*fp32", sc2="*fp32", **LORA_POINTERS, **kv_types)
+                     rk2="*i32", sc0="*fp32", sc1="*fp32", sc2="*fp32", **LORA_POINTERS)
         ptx = _compile(k._rope_lora_kernel, types,
                        dict(ONE_R_TILE=one_r, SPLIT_K=split_k, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_D=block_d,
-                            COMPILED=True, EARLY=early, EXTRAS=extras, MEMBER_R=16, **kv_consts), arch,
+                            COMPILED=True, EARLY=early, EXTRAS=extras, MEMBER_R=16), arch,
                        max(1, min(4, block_h * block_d // 128)) * (2 if extras else 1))   # rope_lora.apply_rope's
         what = (f"rope_lora {dtype} positions {pos} SPLIT_K={split_k} BLOCK_R={block_r} BLOCK_H={block_h} "
-                f"BLOCK_D={block_d} EARLY={early} EXTRAS={extras} {kv_consts}")
+                f"BLOCK_D={block_d} EARLY={early} EXTRAS={extras}")
         _no_approx(ptx, what)
         # As rope: every product that feeds the rotation's sums is rounded on its own.
         assert len(re.findall(r"mul\.rn(?:\.ftz)?\.f32", ptx)) >= 4, f"{what}: products must be mul.rn"
@@ -236,15 +216,13 @@ def lora_loads(dtype: str, arch: int) -> None:
     from loraplex.ops.lora import expand_kernels, sgmv
     div = ("R", "I", "H", "HALF", "n0", "n1", "n2", "n3", "c0", "c1", "c2", "c3", "n_per_prog", "stride_pm",
            "stride_p_split", "stride_p_slice", "stride_gu", "stride_out", "stride_x", "stride_r", "stride_s",
-           "stride_ym", "stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "page", "stride_cb",
-           "stride_ct", "stride_ch")
+           "stride_ym", "stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh")
     # (EARLY, EXTRAS, BLOCK_R, ONE_R_TILE): a plain product of a rank-16 pool, and a composed one of a rank-32 pool
     # (two members of rank ≤ 16 a step: ops/lora/b_blocks.py)
     for early, extras, block_r in ((True, False, 16), (False, False, 16), (True, True, 32)):
         tiles = dict(ONE_R_TILE=True, SPLIT_K=1, BLOCK_R=block_r, COMPILED=True, EARLY=early, EXTRAS=extras,
                      MEMBER_R=16)
         what = f"{dtype} sm_{arch} EARLY={early} EXTRAS={extras}"
-        kv_types, kv_consts = kv_pointers(True, dtype, arch, "*" + dtype)   # (a decode step's RoPE stores k and v)
         ptx = _compile(k._silu_and_mul_lora_kernel, dict(gu_ptr="*" + dtype, out_ptr="*" + dtype, b0="*" + dtype,
                                                          b1="*" + dtype, rk0="*i32", rk1="*i32", sc0="*fp32",
                                                          sc1="*fp32", **LORA_POINTERS),
@@ -253,9 +231,8 @@ def lora_loads(dtype: str, arch: int) -> None:
         ptx = _compile(rope._rope_lora_kernel, dict(q_ptr="*" + dtype, k_ptr="*" + dtype, v_ptr="*" + dtype,
                                                  pos_ptr="*i64", inv_freq_ptr="*fp32", b0="*" + dtype, b1="*" + dtype,
                                                  b2="*" + dtype, rk0="*i32", rk1="*i32", rk2="*i32", sc0="*fp32",
-                                                 sc1="*fp32", sc2="*fp32", **LORA_POINTERS, **kv_types),
-                       dict(tiles, BLOCK_H=rope.ROPE_HEADS, BLOCK_D=64, **kv_consts), arch, 4 if extras else 2,
-                       divisible=div)
+                                                 sc1="*fp32", sc2="*fp32", **LORA_POINTERS),
+                       dict(tiles, BLOCK_H=rope.ROPE_HEADS, BLOCK_D=64), arch, 4 if extras else 2, divisible=div)
         _vector_b_loads(ptx, dtype, f"rope_lora {what}", rope=True)
         ptx = _compile(ks._rms_lora_sums_kernel, dict(x_ptr="*" + dtype, r_ptr="*" + dtype, s_ptr="*" + dtype,
                                                       sumsq_ptr="*fp32", b_ptr="*" + dtype, rank_ptr="*i32",

@@ -88,8 +88,7 @@ class ModelRunner:
             self.max_model_len = capacity
         self.graphs: StepGraphs | None = None
         if self.device.type == "cuda":
-            compile_lora_kernels(c, self.adapters.pool, self.model.dtype, compositions=self._max_members > 1,
-                                 kv=self.kv)
+            compile_lora_kernels(c, self.adapters.pool, self.model.dtype, compositions=self._max_members > 1)
         if self.device.type == "cuda" and not config.enforce_eager:
             torch.cuda.set_device(self.device)   # capture on our GPU
             self.graphs = StepGraphs(self.model, self.kv, self.adapters.pool, max_seq_len=self.max_model_len,

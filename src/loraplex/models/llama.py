@@ -16,8 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..adapters.pool import AdapterPool
-from ..ops import paged_attention
-from ..ops.attention.paged import KvSlots
+from ..ops import paged_attention, store_kv
 from ..ops.attention import KV_FP8
 from ..ops.fused.api import apply_rope, rms_norm, silu_and_mul
 from ..ops.gemm.skinny import linear as base_linear   # a Triton GEMM for few rows on GPUs, else F.linear
@@ -59,9 +58,10 @@ class DecoderLayer(nn.Module):
         q = qkv[:, :self.q_width].view(T, self.num_heads, self.head_dim)
         k = qkv[:, self.q_width:self.q_width + self.kv_width].view(T, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_width + self.kv_width:].view(T, self.num_kv_heads, self.head_dim)
+        apply_rope(q, k, batch.positions, inv_freq, v=None if pending is None else v, delta=pending,
+                   backend=backend)                                 # + q/k/v's LoRA
         k_scale, v_scale = kv.scales(L)                              # (None unless the cache is FP8)
-        apply_rope(q, k, batch.positions, inv_freq, v=v, delta=pending,     # + q/k/v's LoRA; k and v into the cache
-                   kv=KvSlots(kv.k[L], kv.v[L], batch.slot_mapping, k_scale, v_scale), backend=backend)
+        store_kv(k, v, kv.k[L], kv.v[L], batch.slot_mapping, k_scale=k_scale, v_scale=v_scale, backend=backend)
         attn = paged_attention(q, kv.k[L], kv.v[L], batch.block_tables, batch.seq_lens, batch.query_start,
                                max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len, scale=self.scale,
                                sliding_window=self.sliding_window, k_scale=k_scale, v_scale=v_scale, backend=backend)

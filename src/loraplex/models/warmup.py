@@ -18,7 +18,6 @@ import torch
 
 from ..adapters.pool import AdapterPool
 from ..ops import LoraBatch
-from ..ops.attention.paged import KvSlots
 from ..ops.fused import api as fused
 from ..ops.launch import precompile
 from ..ops.lora import sgmv
@@ -26,7 +25,6 @@ from ..ops.lora.batch import LARGE_BLOCK_M, SMALL_BLOCK_M
 from ..ops.lora.batch_plan import MAX_MEMBERS
 from ..ops.lora.product import LoraProduct
 from .config import ModelConfig
-from .kv_cache import KVCache
 from .lora_plan import DECODE_EXPAND_IN_CONSUMER, DECODE_MAX_ROWS
 
 log = logging.getLogger("loraplex.models")
@@ -37,22 +35,21 @@ CALLS = ((("q_proj", "k_proj", "v_proj"), "hidden"), (("o_proj",), "attention"),
 
 
 def compile_lora_kernels(config: ModelConfig, pool: AdapterPool, dtype: torch.dtype, *,
-                         compositions: bool = False, kv: KVCache | None = None) -> int:
+                         compositions: bool = False) -> int:
     """Launch each variant once on a tile whose adapter slots have rank 0 (nothing is computed; the
     fp32-product variants store zeros into their scratch buffers); returns the number of launches.
     `compositions`: also the variants of batches that combine adapters (ops/lora/batch.py's composed
-    batches: the weighted shrink, and the expand that adds every member of a row). `kv`: the model's cache, into
-    which RoPE stores k and v (its variants with the store, on padding rows: nothing is written). The same calls
-    run first under ops/launch.py's `precompile`, which compiles the variants on every CPU at once."""
+    batches: the weighted shrink, and the expand that adds every member of a row). The same calls run first
+    under ops/launch.py's `precompile`, which compiles the variants on every CPU at once."""
     device = pool.device
     start = time.perf_counter()
     zeroed = 2 if compositions and pool.num_slots > 1 else 1
     saved = pool.ranks[:, :, :zeroed].clone()
     pool.ranks[:, :, :zeroed] = 0   # slots 0 (and 1) read nothing, whatever they hold
     try:
-        precompile(lambda: _launch_variants(config, pool, dtype, compositions, zeroed, kv))
+        precompile(lambda: _launch_variants(config, pool, dtype, compositions, zeroed))
         compiled = time.perf_counter()
-        launches = _launch_variants(config, pool, dtype, compositions, zeroed, kv)
+        launches = _launch_variants(config, pool, dtype, compositions, zeroed)
     finally:
         pool.ranks[:, :, :zeroed] = saved
     if device.type == "cuda":
@@ -63,7 +60,7 @@ def compile_lora_kernels(config: ModelConfig, pool: AdapterPool, dtype: torch.dt
 
 
 def _launch_variants(config: ModelConfig, pool: AdapterPool, dtype: torch.dtype, compositions: bool,
-                     zeroed: int, kv: KVCache | None) -> int:
+                     zeroed: int) -> int:
     """`compile_lora_kernels`' calls, on slots 0 (and 1, `zeroed` 2) of rank 0; returns their number."""
     device, launches = pool.device, 0
     widths = {"hidden": config.hidden_size, "attention": config.num_attention_heads * config.head_dim,
@@ -86,16 +83,14 @@ def _launch_variants(config: ModelConfig, pool: AdapterPool, dtype: torch.dtype,
                 cfg = dataclasses.replace(base, split_k=split_k, n_chunks=n_chunks)
                 sgmv.add_lora(y, x, a, b, batch, ranks, scalings, 0, cfg, accumulate=accumulate)
                 launches += 1
-    return launches + _compile_consumers(config, pool, dtype, compositions, kv)
+    return launches + _compile_consumers(config, pool, dtype, compositions)
 
 
-def _compile_consumers(config: ModelConfig, pool: AdapterPool, dtype: torch.dtype, compositions: bool,
-                       kv: KVCache | None) -> int:
+def _compile_consumers(config: ModelConfig, pool: AdapterPool, dtype: torch.dtype, compositions: bool) -> int:
     """The consumers that expand a projection's product (models/lora_plan.py's "decode" forwards: RMSNorm for o and
     down, SiLU-and-mul for gate/up, RoPE for q/k/v), for every K-split count the shrink can pick in forwards of up
     to DECODE_MAX_ROWS rows, on rows of slot 0 (rank 0 here: nothing read); with `compositions` also their
-    variants for a composed batch's product (rows whose other members are slot 0 too). RoPE stores k and v into
-    `kv`'s layer (padding rows, slot -1: nothing is written), as the model's layers call it."""
+    variants for a composed batch's product (rows whose other members are slot 0 too)."""
     device, c = pool.device, config
     cfg = sgmv.config_for(SMALL_BLOCK_M)
     R = pool.max_rank
@@ -133,11 +128,8 @@ def _compile_consumers(config: ModelConfig, pool: AdapterPool, dtype: torch.dtyp
             k = qkv[:, hq * d:(hq + hkv) * d].view(rows, hkv, d)
             v = qkv[:, (hq + hkv) * d:].view(rows, hkv, d)
             inv_freq = torch.ones(d // 2, dtype=torch.float32, device=device)
-            slots = None if kv is None else KvSlots(kv.k[layer], kv.v[layer],
-                                                    torch.full((rows,), -1, dtype=torch.int32, device=device),
-                                                    *kv.scales(layer))
             fused.apply_rope(q, k, torch.zeros(rows, dtype=torch.int32, device=device), inv_freq, v=v,
-                             delta=product(("q_proj", "k_proj", "v_proj")), kv=slots)
+                             delta=product(("q_proj", "k_proj", "v_proj")))
             launches += 1
     return launches
 

@@ -16,8 +16,8 @@ relies on changes (including a buffer the caching allocator hands from one kerne
 output).
 
 Early reads (ops/fused/lora_kernels.py's consumers and rms_split.py's first launch): a kernel may read, before its wait,
-what no kernel of a forward writes: the batch's rows' slots and a composed batch's other members', and the
-tokens' KV-cache slots (RoPE's store; all written by copies before the forward's first kernel) and the adapter pool's ranks, scalings and B stacks (written by adapter
+what no kernel of a forward writes: the batch's rows' slots and a composed batch's other members' (written by
+copies before the forward's first kernel) and the adapter pool's ranks, scalings and B stacks (written by adapter
 loads into slots no running batch reads). Its first statement is then `pdl_start(True)`, which waits for nothing,
 and it calls `pdl_deferred_start(True)` after those loads and before any other memory access (tests/test_pdl.py
 checks the PTX: loads only before the wait). With PDL the loads run while the kernel before is finishing. The

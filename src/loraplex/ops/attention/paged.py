@@ -22,8 +22,6 @@ metadata on the host. Arguments are checked as checks.py says.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..lora.api import _bump_version, _on, resolve_backend
@@ -39,8 +37,8 @@ else:
     from . import launchers
     from . import store_kernel
 
-__all__ = ["KV_FP8", "TRITON_HEAD_DIMS", "KvSlots", "check_attention_args", "checked_paged_attention",
-           "paged_attention", "store_kv"]
+__all__ = ["KV_FP8", "TRITON_HEAD_DIMS", "check_attention_args", "checked_paged_attention", "paged_attention",
+           "store_kv"]
 Scale = float | torch.Tensor | None   # an e4m3 cache's dequantization scale (the module docstring)
 
 _REFERENCE_SCORE_ELEMENTS = 1 << 25  # scores held at once per sequence by the reference (128 MiB fp32)
@@ -48,18 +46,6 @@ _REFERENCE_SCORE_ELEMENTS = 1 << 25  # scores held at once per sequence by the r
 
 # ---------------------------------------------------------------------------------------------
 # store_kv
-
-
-@dataclass(frozen=True)
-class KvSlots:
-    """Where a step's keys and values go: `store_kv`'s arguments but k and v. An op that finishes k and v (RoPE,
-    ops/fused's `apply_rope(kv=)`) takes it to write them into the cache itself, spared a launch."""
-
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    slot_mapping: torch.Tensor
-    k_scale: Scale = None
-    v_scale: Scale = None
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -84,21 +70,6 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     below num_blocks * block_size (the reference checks this; the Triton path cannot without a host
     sync). One launch for k and v; never syncs with the host.
     """
-    slots = KvSlots(k_cache, v_cache, slot_mapping, k_scale, v_scale)
-    check_store(k, v, slots)
-    if k.shape[0] == 0:
-        return
-    if resolve_backend(backend, k.device) == "triton":
-        with _on(k.device):
-            store_kernel.store_kv(k, v, k_cache, v_cache, slot_mapping, *_scale_tensors(k_cache, k_scale, v_scale))
-        stored(slots)
-        return
-    _store_kv_reference(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-
-
-def check_store(k: torch.Tensor, v: torch.Tensor, slots: KvSlots) -> None:
-    """`store_kv`'s checks of k, v and where they go (an op that stores them itself runs them too)."""
-    k_cache, v_cache, slot_mapping = slots.k_cache, slots.v_cache, slots.slot_mapping
     for name, t in (("k", k), ("v", v)):
         check_tensor(t, name, 3, None)
         check_rows(t, name)
@@ -115,34 +86,21 @@ def check_store(k: torch.Tensor, v: torch.Tensor, slots: KvSlots) -> None:
         raise ValueError(f"k [T, Hkv, D] = {desc(k)} does not fit the cache's [num_blocks, block_size, Hkv={Hkv}, "
                          f"D={D}]: {desc(k_cache)}")
     check_cache_dtype(k_cache.dtype, k.dtype, "k")
-    check_scales(slots.k_scale, slots.v_scale, k_cache.dtype, device)
+    check_scales(k_scale, v_scale, k_cache.dtype, device)
     check_tensor(slot_mapping, "slot_mapping", 1, None)
     if slot_mapping.device != device:
         raise ValueError(f"slot_mapping is on {slot_mapping.device} but k is on {device}")
     if slot_mapping.dtype not in (torch.int32, torch.int64) or slot_mapping.shape[0] != T:
         raise ValueError(f"slot_mapping must be int32 or int64 [T={T}], got {desc(slot_mapping)}")
-
-
-def store_reference(k: torch.Tensor, v: torch.Tensor, slots: KvSlots) -> None:
-    """`store_kv` by the reference (checked arguments)."""
-    if k.shape[0]:
-        _store_kv_reference(k, v, slots.k_cache, slots.v_cache, slots.slot_mapping, slots.k_scale, slots.v_scale)
-
-
-def store_kernel_args(slots: KvSlots) -> tuple:
-    """What a kernel that stores k and v as `store_kv` does takes (store_kernel.py's `store_heads`): the caches, the
-    slots, the scales (fp32 tensors; the caches stand in without FP8), the block size and the caches' strides."""
-    k_cache = slots.k_cache
-    k_scale, v_scale = _scale_tensors(k_cache, slots.k_scale, slots.v_scale)
-    fp8 = k_cache.dtype == KV_FP8
-    return (k_cache, slots.v_cache, slots.slot_mapping, k_scale if fp8 else k_cache, v_scale if fp8 else k_cache,
-            k_cache.shape[1], k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
-
-
-def stored(slots: KvSlots) -> None:
-    """Bump the caches' versions after a kernel wrote them (autograd's in-place bookkeeping, as every op here)."""
-    _bump_version(slots.k_cache)
-    _bump_version(slots.v_cache)
+    if T == 0:
+        return
+    if resolve_backend(backend, device) == "triton":
+        with _on(device):
+            store_kernel.store_kv(k, v, k_cache, v_cache, slot_mapping, *_scale_tensors(k_cache, k_scale, v_scale))
+        _bump_version(k_cache)
+        _bump_version(v_cache)
+        return
+    _store_kv_reference(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def _scale_tensors(cache: torch.Tensor, k_scale: Scale, v_scale: Scale) -> tuple:

@@ -20,8 +20,6 @@ from ..pdl import pdl_start
 from .checks import KV_FP8
 
 STORE_WARPS = 4
-
-
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, num_kv_heads, page,
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch,
@@ -38,21 +36,13 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_p
         t64 = t.to(tl.int64)
         k = tl.load(k_ptr + t64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
         v = tl.load(v_ptr + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-        store_heads(k_cache_ptr, k_scale_ptr, slot, page, stride_cb, stride_ct, stride_ch, offs_h, offs_d, k, mask, FP8)
-        store_heads(v_cache_ptr, v_scale_ptr, slot, page, stride_cb, stride_ct, stride_ch, offs_h, offs_d, v, mask, FP8)
-
-
-@triton.jit
-def store_heads(cache_ptr, scale_ptr, slot, page, stride_cb, stride_ct, stride_ch, offs_h, cols, x, mask,
-                FP8: tl.constexpr):
-    """cache[slot, heads offs_h, columns cols] = x ([heads, columns], where `mask`), as `store_kv` writes one
-    token's k or v: with FP8 the e4m3 of x / scale (fp32, IEEE-rounded division), clamped to ±448. The caller
-    skips slot < 0. Also RoPE's (ops/fused), which stores the k and v it finishes."""
-    if FP8:
-        x = round_to_e4m3(tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr)))
-    # Slot s is token s % page of block s // page; the caches' strides say where that is.
-    dst = (slot // page) * stride_cb + (slot % page) * stride_ct + offs_h[:, None] * stride_ch + cols[None, :]
-    tl.store(cache_ptr + dst, x.to(cache_ptr.dtype.element_ty), mask=mask)
+        if FP8:
+            k = round_to_e4m3(tl.math.div_rn(k.to(tl.float32), tl.load(k_scale_ptr)))
+            v = round_to_e4m3(tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)))
+        # Slot s is token s % page of block s // page; the caches' strides say where that is.
+        dst = (slot // page) * stride_cb + (slot % page) * stride_ct + offs_h[:, None] * stride_ch + offs_d[None, :]
+        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 _STORE = Launcher(_store_kv_kernel)

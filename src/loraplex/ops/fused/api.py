@@ -21,7 +21,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..attention.paged import KvSlots, check_store, store_kernel_args, store_reference, stored
 from ..gemm.fp8 import QuantizedRows, quantize_rows
 from ..lora.api import _bump_version, _on, resolve_backend
 from ..lora.checks import FLOAT_DTYPES, _desc
@@ -263,7 +262,7 @@ def silu_and_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None,
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *,
                v: torch.Tensor | None = None, delta: torch.Tensor | LoraDelta | LoraProduct | None = None,
-               kv: KvSlots | None = None, backend: str | None = None) -> None:
+               backend: str | None = None) -> None:
     """Rotary embedding of q and k in place (transformers' rotate_half convention).
 
     `q [T, Hq, D]`, `k [T, Hkv, D]` of one dtype, last dimension contiguous, any token and head
@@ -287,10 +286,6 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_fr
     v must not overlap q or k; a LoraDelta's rows without an adapter take nothing. `delta` may also be a
     three-slice (q, k, v) LoraProduct: one program per
     (token, q|k|v, block of heads) expands its heads' products as it loads them.
-
-    With `kv` (ops/attention's KvSlots) and `v`, the final k and v are then written into the paged cache as
-    `store_kv(k, v, kv.k_cache, kv.v_cache, kv.slot_mapping, k_scale=kv.k_scale, v_scale=kv.v_scale)` writes
-    them, bit for bit, by the same launch (the Triton kernels store the heads they finish).
     """
     _float_rows(q, "q", "[T, Hq, D]", 3)
     _float_rows(k, "k", "[T, Hkv, D]", 3)
@@ -321,12 +316,8 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_fr
             raise ValueError(f"v must be {q.dtype} [T={T}, Hkv={k.shape[1]}, D={D}] as k, got {_desc(v)}")
         _writable(v, "v")
         _delta(delta, "delta", T, (q.shape[1] * D, k.shape[1] * D, k.shape[1] * D), q, "q")
-    elif v is not None and kv is None:
-        raise ValueError("v is only taken with a delta or kv")
-    if kv is not None:
-        if v is None:
-            raise ValueError("kv stores k and v: pass v too")
-        check_store(k, v, kv)
+    elif v is not None:
+        raise ValueError("v is only taken with a delta")
     if resolve_backend(backend, q.device) == "reference":
         if delta is not None:
             widths = (q.shape[1] * D, k.shape[1] * D, k.shape[1] * D)
@@ -334,21 +325,16 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_fr
             for t, d in zip((q, k, v), dense.split(widths, dim=1)):
                 t.copy_(_plus_delta(t, d, keep))
         _rope_reference(q, k, positions, inv_freq)
-        if kv is not None:
-            store_reference(k, v, kv)
         return
-    kv_args = store_kernel_args(kv) if kv is not None else None
     with _on(q.device):
         if isinstance(delta, LoraProduct):
-            rope_lora.apply_rope(q, k, v, positions, inv_freq, delta, kv=kv_args)
+            rope_lora.apply_rope(q, k, v, positions, inv_freq, delta)
         else:
-            fused_kernels.apply_rope(q, k, positions, inv_freq, v=v, kv=kv_args, **_kernel_delta(delta))
+            fused_kernels.apply_rope(q, k, positions, inv_freq, v=v, **_kernel_delta(delta))
     _bump_version(q)
     _bump_version(k)
-    if delta is not None:
+    if v is not None:
         _bump_version(v)
-    if kv is not None:
-        stored(kv)
 
 
 def _rope_reference(q, k, positions, inv_freq):

@@ -34,7 +34,6 @@ from triton.language.extra import libdevice
 
 from ..gemm.fp8 import QuantizedRows
 from ..gemm.quantize_kernel import quantize_rows_fused, store_quantized_row
-from ..attention.store_kernel import store_heads
 from ..launch import Launcher, pow2
 from ..pdl import pdl_start
 
@@ -242,13 +241,10 @@ def _rotate(x1, x2, c, s, DT: tl.constexpr, COMPILED: tl.constexpr):
 
 
 @triton.jit
-def _rotate_heads(base, d_base, num_heads, stride_h, HALF, c, s, offs_d, d_mask, take, cache, scale_ptr, slot, page,
-                  stride_cb, stride_ct, stride_ch, HAS_DELTA: tl.constexpr, STORE: tl.constexpr, KV_FP8: tl.constexpr,
+def _rotate_heads(base, d_base, num_heads, stride_h, HALF, c, s, offs_d, d_mask, take, HAS_DELTA: tl.constexpr,
                   BLOCK_H: tl.constexpr, COMPILED: tl.constexpr):
     """x1' = x1·cos − x2·sin, x2' = x2·cos + x1·sin for every head of one token, each op rounded;
-    with HAS_DELTA each head first takes its LoRA delta (`d_base`: heads of 2·HALF fp32, contiguous).
-    STORE (k): the rotated heads also go to the cache at `slot` (ops/attention's `store_heads`; none where
-    slot < 0)."""
+    with HAS_DELTA each head first takes its LoRA delta (`d_base`: heads of 2·HALF fp32, contiguous)."""
     DT = base.dtype.element_ty
     for h0 in range(0, num_heads, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
@@ -262,53 +258,30 @@ def _rotate_heads(base, d_base, num_heads, stride_h, HALF, c, s, offs_d, d_mask,
         o1, o2 = _rotate(x1, x2, c, s, DT, COMPILED)
         tl.store(p1, o1.to(DT), mask=mask)
         tl.store(p1 + HALF, o2.to(DT), mask=mask)
-        if STORE:
-            _store_halves(cache, scale_ptr, slot, page, stride_cb, stride_ct, stride_ch, offs_h, offs_d, HALF,
-                          o1.to(DT), o2.to(DT), mask, KV_FP8)
 
 
 @triton.jit
-def _add_heads(base, d_base, num_heads, stride_h, HALF, offs_d, d_mask, take, cache, scale_ptr, slot, page, stride_cb,
-               stride_ct, stride_ch, HAS_DELTA: tl.constexpr, STORE: tl.constexpr, KV_FP8: tl.constexpr,
-               BLOCK_H: tl.constexpr, COMPILED: tl.constexpr):
-    """v's heads of one token: HAS_DELTA x = round(x + delta), in place; STORE: into the cache at `slot` (none
-    where slot < 0)."""
+def _add_heads(base, d_base, num_heads, stride_h, HALF, offs_d, d_mask, take, BLOCK_H: tl.constexpr,
+               COMPILED: tl.constexpr):
+    """x = round(x + delta) for every head of one token (v's LoRA delta), in place."""
     DT = base.dtype.element_ty
     for h0 in range(0, num_heads, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
         mask = (offs_h < num_heads)[:, None] & d_mask[None, :]
         for half in tl.static_range(2):
             p = base + offs_h[:, None] * stride_h + (half * HALF + offs_d)[None, :]
-            x = tl.load(p, mask=mask, other=0.0)
-            if HAS_DELTA:
-                dp = offs_h[:, None] * (2 * HALF) + (half * HALF + offs_d)[None, :]
-                x = _add_delta(x.to(tl.float32), d_base, dp, mask, take, DT, True, COMPILED).to(DT)
-                tl.store(p, x, mask=mask)
-            if STORE:
-                store_heads(cache, scale_ptr, slot, page, stride_cb, stride_ct, stride_ch, offs_h, half * HALF + offs_d,
-                            x, mask & ((offs_h * 0 + slot) >= 0)[:, None], KV_FP8)
-
-
-@triton.jit
-def _store_halves(cache, scale_ptr, slot, page, stride_cb, stride_ct, stride_ch, offs_h, offs_d, HALF, x1, x2, mask,
-                  KV_FP8: tl.constexpr):
-    """Both halves of heads `offs_h` of one token (x1: columns offs_d, x2: HALF on) into the cache at `slot`; none
-    where slot < 0."""
-    keep = mask & ((offs_h * 0 + slot) >= 0)[:, None]   # (a tensor: the interpreter masks with no scalar)
-    store_heads(cache, scale_ptr, slot, page, stride_cb, stride_ct, stride_ch, offs_h, offs_d, x1, keep, KV_FP8)
-    store_heads(cache, scale_ptr, slot, page, stride_cb, stride_ct, stride_ch, offs_h, offs_d + HALF, x2, keep, KV_FP8)
+            dp = offs_h[:, None] * (2 * HALF) + (half * HALF + offs_d)[None, :]
+            x = _add_delta(tl.load(p, mask=mask, other=0.0).to(tl.float32), d_base, dp, mask, take, DT, True,
+                           COMPILED)
+            tl.store(p, x.to(DT), mask=mask)
 
 
 @triton.jit
 def _rope_kernel(q_ptr, k_ptr, v_ptr, d_ptr, rows_ptr, pos_ptr, inv_freq_ptr, HQ, HKV, HALF, stride_qt, stride_qh,
-                 stride_kt, stride_kh, stride_vt, stride_vh, stride_dt, stride_pos, kc_ptr, vc_ptr, slot_ptr, ks_ptr,
-                 vs_ptr, page, stride_cb, stride_ct, stride_ch, HAS_DELTA: tl.constexpr, HAS_ROWS: tl.constexpr,
-                 STORE: tl.constexpr, KV_FP8: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                 COMPILED: tl.constexpr):
+                 stride_kt, stride_kh, stride_vt, stride_vh, stride_dt, stride_pos, HAS_DELTA: tl.constexpr,
+                 HAS_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, COMPILED: tl.constexpr):
     """One program per token: cos/sin of position · inv_freq (fp32, rounded to q's dtype), then all heads
-    of q and k. HAS_DELTA: q, k and v first take their LoRA delta (`d`: [q | k | v] fp32 per token). STORE: k
-    (rotated) and v also go to the paged cache, as ops/attention's `store_kv` writes them (`slot_ptr`: the
-    tokens' slots; `ks_ptr`, `vs_ptr`: an e4m3 cache's scales, KV_FP8)."""
+    of q and k. HAS_DELTA: q, k and v first take their LoRA delta (`d`: [q | k | v] fp32 per token)."""
     pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
     t = tl.program_id(0).to(tl.int64)
     DT = q_ptr.dtype.element_ty
@@ -317,18 +290,13 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, d_ptr, rows_ptr, pos_ptr, inv_freq_ptr, HQ
     c, s = _cos_sin(pos_ptr + t * stride_pos, inv_freq_ptr, offs_d, d_mask, DT, COMPILED)
     d_row = d_ptr + t * stride_dt
     take = _takes_delta(rows_ptr, t, HAS_ROWS)
-    slot = t   # (unread without STORE)
-    if STORE:
-        slot = tl.load(slot_ptr + t).to(tl.int64)
-    _rotate_heads(q_ptr + t * stride_qt, d_row, HQ, stride_qh, HALF, c, s, offs_d, d_mask, take, kc_ptr, ks_ptr, slot,
-                  page, stride_cb, stride_ct, stride_ch, HAS_DELTA, False, KV_FP8, BLOCK_H, COMPILED)
-    _rotate_heads(k_ptr + t * stride_kt, d_row + HQ * 2 * HALF, HKV, stride_kh, HALF, c, s, offs_d, d_mask, take,
-                  kc_ptr, ks_ptr, slot, page, stride_cb, stride_ct, stride_ch, HAS_DELTA, STORE, KV_FP8, BLOCK_H,
+    _rotate_heads(q_ptr + t * stride_qt, d_row, HQ, stride_qh, HALF, c, s, offs_d, d_mask, take, HAS_DELTA, BLOCK_H,
                   COMPILED)
-    if HAS_DELTA or STORE:
+    _rotate_heads(k_ptr + t * stride_kt, d_row + HQ * 2 * HALF, HKV, stride_kh, HALF, c, s, offs_d, d_mask, take,
+                  HAS_DELTA, BLOCK_H, COMPILED)
+    if HAS_DELTA:
         _add_heads(v_ptr + t * stride_vt, d_row + (HQ + HKV) * 2 * HALF, HKV, stride_vh, HALF, offs_d, d_mask, take,
-                   vc_ptr, vs_ptr, slot, page, stride_cb, stride_ct, stride_ch, HAS_DELTA, STORE, KV_FP8, BLOCK_H,
-                   COMPILED)
+                   BLOCK_H, COMPILED)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -398,10 +366,9 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor, block: int = SILU_BLO
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                tile: int | None = None, v: torch.Tensor | None = None, delta: torch.Tensor | None = None,
-               delta_rows: torch.Tensor | None = None, kv: tuple | None = None) -> None:
+               delta_rows: torch.Tensor | None = None) -> None:
     """Rotate q and k in place (one launch, one program per token); with `delta` ([q | k | v] fp32
-    per token), q, k and v first take it (only tokens `delta_rows` gives a slot ≥ 0, if it is given); with `kv`
-    (ops/attention's `store_kernel_args`), k and v then go to the paged cache too."""
+    per token), q, k and v first take it (only tokens `delta_rows` gives a slot ≥ 0, if it is given)."""
     T, Hq, D = q.shape
     if T == 0:
         return
@@ -410,14 +377,10 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_fr
     block_d = pow2(half)
     block_h = min(pow2(max(Hq, k.shape[1])), max(1, tile // block_d))
     has_delta = delta is not None
-    v = v if v is not None else k   # unused pointers without a delta or a store
-    d = delta if has_delta else q
+    v, d = (v, delta) if has_delta else (k, q)   # unused pointers without a delta
     rows = delta_rows if has_delta and delta_rows is not None else positions
-    store = kv is not None
-    kv = kv if store else (q, q, positions, q, q, 1, 0, 0, 0)
     args = (q, k, v, d, rows, positions, inv_freq, Hq, k.shape[1], half, q.stride(0), q.stride(1), k.stride(0),
-            k.stride(1), v.stride(0), v.stride(1), d.stride(0), positions.stride(0), *kv)
-    _ROPE((T,), args, dict(HAS_DELTA=has_delta, HAS_ROWS=has_delta and delta_rows is not None, STORE=store,
-                           KV_FP8=store and kv[0].dtype == torch.float8_e4m3fn, BLOCK_H=block_h, BLOCK_D=block_d,
-                           COMPILED=COMPILED),
+            k.stride(1), v.stride(0), v.stride(1), d.stride(0), positions.stride(0))
+    _ROPE((T,), args, dict(HAS_DELTA=has_delta, HAS_ROWS=has_delta and delta_rows is not None, BLOCK_H=block_h,
+                           BLOCK_D=block_d, COMPILED=COMPILED),
           max(1, min(4, block_h * block_d // 256)), 1)

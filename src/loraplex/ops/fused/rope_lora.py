@@ -3,13 +3,11 @@ products are added, v's product added, in place, one program per (token, q/k/v, 
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
 from .kernels import COMPILED, _cos_sin, _rotate, _round
 from .lora_kernels import _early, _tiles, _v
-from ..attention.store_kernel import store_heads
 from ..launch import Launcher, pow2
 from ..lora.b_blocks import _load_rank_block_exact, _pair_b, _pair_scalars, _pair_slots, _pair_sum, _pair_v, \
     _pairs_after_first
@@ -38,12 +36,11 @@ def _product_2d(part_row, b_slot, rank, scale, cols, mask, R, stride_p_split, v,
 
 @triton.jit
 def _heads(base, stride_h, num_heads, h0, part_row, b_ptr, rank_ptr, scale_ptr, slot, has, R, stride_p_split, HALF,
-           c, s, offs_d, d_mask, cache, kv_scale, kv_slot, page, stride_cb, stride_ct, stride_ch, ROTATE: tl.constexpr,
-           TO_CACHE: tl.constexpr, KV_FP8: tl.constexpr, ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr,
+           c, s, offs_d, d_mask, ROTATE: tl.constexpr, ONE_R_TILE: tl.constexpr, SPLIT_K: tl.constexpr,
            BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, COMPILED: tl.constexpr):
     """Heads h0..h0+BLOCK_H of one token (none past `num_heads`: k and v have fewer with GQA): each half
     takes its product (rows with an adapter), then q and k rotate (ROTATE); v is only stored back when it
-    changed. TO_CACHE (k and v under STORE): the heads also go to the paged cache at `kv_slot`."""
+    changed."""
     DT = base.dtype.element_ty
     offs_h = h0 + tl.arange(0, BLOCK_H)
     mask = (offs_h < num_heads)[:, None] & d_mask[None, :]
@@ -63,9 +60,6 @@ def _heads(base, stride_h, num_heads, h0, part_row, b_ptr, rank_ptr, scale_ptr, 
         x1 = _round(x1 + d1, DT, COMPILED)
         x2 = _round(x2 + d2, DT, COMPILED)
     _store_heads(p1, HALF, x1, x2, c, s, mask, ROTATE, has, COMPILED)
-    if TO_CACHE:
-        _cache_heads(x1, x2, c, s, ROTATE, cache, kv_scale, kv_slot, page, stride_cb, stride_ct, stride_ch, offs_h,
-                     offs_d, HALF, mask, DT, KV_FP8, COMPILED)
 
 
 @triton.jit
@@ -82,30 +76,6 @@ def _store_heads(p1, HALF, x1, x2, c, s, mask, rotate, has, COMPILED: tl.constex
 
 
 @triton.jit
-def _cache_heads(x1, x2, c, s, is_k, cache, kv_scale, kv_slot, page, stride_cb, stride_ct, stride_ch, offs_h, offs_d,
-                 HALF, mask, DT: tl.constexpr, KV_FP8: tl.constexpr, COMPILED: tl.constexpr):
-    """k's heads (`is_k`: rotated as `_store_heads` rotates them, the same bits) or v's (as they are) of one token
-    into the paged cache at `kv_slot` (ops/attention's `store_heads`; none where kv_slot < 0)."""
-    if is_k:
-        x1, x2 = _rotate(x1, x2, c, s, DT, COMPILED)
-    keep = mask & ((offs_h * 0 + kv_slot) >= 0)[:, None]   # (a tensor: the interpreter masks with no scalar)
-    store_heads(cache, kv_scale, kv_slot, page, stride_cb, stride_ct, stride_ch, offs_h, offs_d, x1.to(DT), keep,
-                KV_FP8)
-    store_heads(cache, kv_scale, kv_slot, page, stride_cb, stride_ct, stride_ch, offs_h, offs_d + HALF, x2.to(DT),
-                keep, KV_FP8)
-
-
-@triton.jit
-def _cache_kv(x1, x2, c, s, which, kc_ptr, vc_ptr, ks_ptr, vs_ptr, kv_slot, page, stride_cb, stride_ct, stride_ch,
-              offs_h, offs_d, HALF, mask, DT: tl.constexpr, KV_FP8: tl.constexpr, COMPILED: tl.constexpr):
-    """`_cache_heads` for a program of q, k or v (`which`): k's and v's heads go to their caches, q's nowhere."""
-    if which > 0:
-        is_k = which == 1
-        _cache_heads(x1, x2, c, s, is_k, tl.where(is_k, kc_ptr, vc_ptr), tl.where(is_k, ks_ptr, vs_ptr), kv_slot, page,
-                     stride_cb, stride_ct, stride_ch, offs_h, offs_d, HALF, mask, DT, KV_FP8, COMPILED)
-
-
-@triton.jit
 def _load_halves(q_ptr, k_ptr, v_ptr, is_q, is_k, stride_qh, stride_kh, stride_vh, offs_h, offs_d, mask, HALF):
     """(first halves' pointers, both halves in fp32) of q's, k's or v's heads `offs_h` of the token."""
     base = tl.where(is_q, q_ptr, tl.where(is_k, k_ptr, v_ptr))
@@ -117,9 +87,8 @@ def _load_halves(q_ptr, k_ptr, v_ptr, is_q, is_k, stride_qh, stride_kh, stride_v
 @triton.jit
 def _rope_early(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_row, slot, has, b0, b1, b2, rk0, rk1, rk2, sc0, sc1,
                 sc2, R, stride_p_split, stride_p_slice, HQ, HKV, HALF, stride_qh, stride_kh, stride_vh, which, h0,
-                kc_ptr, vc_ptr, ks_ptr, vs_ptr, kv_slot, page, stride_cb, stride_ct, stride_ch,
                 SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                STORE: tl.constexpr, KV_FP8: tl.constexpr, COMPILED: tl.constexpr):
+                COMPILED: tl.constexpr):
     """`_heads` for q, k or v (`which`) with the slice's rank, scaling and both halves' B blocks read first, then
     the kernel's deferred PDL wait (ops/pdl.py's early reads), then the rest: the same sums and roundings. `q_ptr`,
     `k_ptr`, `v_ptr`: the token's rows."""
@@ -152,18 +121,13 @@ def _rope_early(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_row, slot, has,
         x2 = _round(x2 + tl.sum(b2_.to(tl.float32) * lv[None, None, :], axis=2) * scale, DT, COMPILED)
     c, s = _cos_sin(pos_ptr, inv_freq_ptr, offs_d, d_mask, DT, COMPILED)
     _store_heads(p1, HALF, x1, x2, c, s, mask, which < 2, has, COMPILED)
-    if STORE:
-        _cache_kv(x1, x2, c, s, which, kc_ptr, vc_ptr, ks_ptr, vs_ptr, kv_slot, page, stride_cb, stride_ct, stride_ch,
-                  offs_h, offs_d, HALF, mask, DT, KV_FP8, COMPILED)
 
 
 @triton.jit
 def _rope_composed(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_row, row_slot_ptr, extra_ptr, t, T, extra_lanes,
                    stride_pm, b0, b1, b2, rk0, rk1, rk2, sc0, sc1, sc2, R, stride_p_split, stride_p_slice, HQ, HKV,
-                   HALF, stride_qh, stride_kh, stride_vh, which, h0, kc_ptr, vc_ptr, ks_ptr, vs_ptr, kv_slot, page,
-                   stride_cb, stride_ct, stride_ch, SPLIT_K: tl.constexpr, MEMBER_R: tl.constexpr,
-                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, STORE: tl.constexpr, KV_FP8: tl.constexpr,
-                   COMPILED: tl.constexpr, EARLY: tl.constexpr):
+                   HALF, stride_qh, stride_kh, stride_vh, which, h0, SPLIT_K: tl.constexpr, MEMBER_R: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, COMPILED: tl.constexpr, EARLY: tl.constexpr):
     """`_rope_early` for a composed product: the row's members two at a time (ops/lora/b_blocks.py), members
     0 and 1's slots, ranks, scalings and first B blocks (both halves) read before the deferred PDL wait where EARLY.
     `q_ptr`, `k_ptr`, `v_ptr`: the token's rows."""
@@ -202,9 +166,6 @@ def _rope_composed(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_row, row_slo
         x2 = _round(x2 + d2, DT, COMPILED)
     c, s = _cos_sin(pos_ptr, inv_freq_ptr, offs_d, d_mask, DT, COMPILED)
     _store_heads(p1, HALF, x1, x2, c, s, mask, which < 2, has, COMPILED)
-    if STORE:
-        _cache_kv(x1, x2, c, s, which, kc_ptr, vc_ptr, ks_ptr, vs_ptr, kv_slot, page, stride_cb, stride_ct, stride_ch,
-                  offs_h, offs_d, HALF, mask, DT, KV_FP8, COMPILED)
 
 
 @triton.jit
@@ -221,38 +182,29 @@ def _token_slot(row_slot_ptr, part_ptr, t, stride_pm):
 def _rope_lora_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_ptr, row_slot_ptr, b0, b1, b2, rk0, rk1, rk2,
                       sc0, sc1, sc2, R, stride_p_split, stride_p_slice, stride_pm, extra_ptr, T, extra_lanes, HQ, HKV,
                       HALF, stride_qt,
-                      stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_pos, kc_ptr, vc_ptr, slot_ptr,
-                      ks_ptr, vs_ptr, page, stride_cb, stride_ct, stride_ch, ONE_R_TILE: tl.constexpr,
+                      stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_pos, ONE_R_TILE: tl.constexpr,
                       SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                      COMPILED: tl.constexpr, EARLY: tl.constexpr, EXTRAS: tl.constexpr, MEMBER_R: tl.constexpr,
-                      STORE: tl.constexpr, KV_FP8: tl.constexpr):
+                      COMPILED: tl.constexpr, EARLY: tl.constexpr, EXTRAS: tl.constexpr, MEMBER_R: tl.constexpr):
     """Program (token, q|k|v, head block): q/k/v heads take their slice's product; q and k rotate.
     EARLY (one rank tile): the row's slot, the slice's rank and scaling and its B blocks are read before the PDL
-    wait (ops/pdl.py's early reads; `_rope_early`). EXTRAS: a composed product (`_rope_composed`). STORE: k's and
-    v's programs also write their heads into the paged cache, as ops/attention's `store_kv` (kernels.py's
-    `_rope_kernel` takes the same arguments)."""
+    wait (ops/pdl.py's early reads; `_rope_early`). EXTRAS: a composed product (`_rope_composed`)."""
     pdl_start(EARLY)   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first (EARLY: below)
     t = tl.program_id(0).to(tl.int64)
     which = tl.program_id(1)
     h0 = tl.program_id(2) * BLOCK_H
-    kv_slot = t   # (unread without STORE)
-    if STORE:
-        kv_slot = tl.load(slot_ptr + t).to(tl.int64)
     # k and v have fewer head blocks with GQA; a program past them loads and stores nothing of q/k/v
     if EXTRAS:
         _rope_composed(q_ptr + t * stride_qt, k_ptr + t * stride_kt, v_ptr + t * stride_vt, pos_ptr + t * stride_pos,
                        inv_freq_ptr, part_ptr + t * stride_pm, row_slot_ptr, extra_ptr, t, T, extra_lanes, stride_pm,
                        b0, b1, b2, rk0, rk1, rk2, sc0, sc1, sc2, R, stride_p_split, stride_p_slice, HQ, HKV, HALF,
-                       stride_qh, stride_kh, stride_vh, which, h0, kc_ptr, vc_ptr, ks_ptr, vs_ptr, kv_slot, page,
-                       stride_cb, stride_ct, stride_ch, SPLIT_K, MEMBER_R, BLOCK_H, BLOCK_D, STORE, KV_FP8, COMPILED,
+                       stride_qh, stride_kh, stride_vh, which, h0, SPLIT_K, MEMBER_R, BLOCK_H, BLOCK_D, COMPILED,
                        EARLY)
     elif EARLY:
         has, slot, part_row = _token_slot(row_slot_ptr, part_ptr, t, stride_pm)
         _rope_early(q_ptr + t * stride_qt, k_ptr + t * stride_kt, v_ptr + t * stride_vt, pos_ptr + t * stride_pos,
                     inv_freq_ptr, part_row, slot, has, b0, b1, b2, rk0, rk1, rk2, sc0, sc1, sc2, R, stride_p_split,
-                    stride_p_slice, HQ, HKV, HALF, stride_qh, stride_kh, stride_vh, which, h0, kc_ptr, vc_ptr, ks_ptr,
-                    vs_ptr, kv_slot, page, stride_cb, stride_ct, stride_ch, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D, STORE,
-                    KV_FP8, COMPILED)
+                    stride_p_slice, HQ, HKV, HALF, stride_qh, stride_kh, stride_vh, which, h0, SPLIT_K, BLOCK_R,
+                    BLOCK_H, BLOCK_D, COMPILED)
     elif h0 < tl.where(which == 0, HQ, HKV):
         DT = q_ptr.dtype.element_ty
         offs_d = tl.arange(0, BLOCK_D)
@@ -261,16 +213,15 @@ def _rope_lora_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, part_ptr, row_
         has, slot, part_row = _token_slot(row_slot_ptr, part_ptr, t, stride_pm)
         if which == 0:
             _heads(q_ptr + t * stride_qt, stride_qh, HQ, h0, part_row, b0, rk0, sc0, slot, has, R, stride_p_split,
-                   HALF, c, s, offs_d, d_mask, kc_ptr, ks_ptr, kv_slot, page, stride_cb, stride_ct, stride_ch, True,
-                   False, KV_FP8, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D, COMPILED)
+                   HALF, c, s, offs_d, d_mask, True, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D, COMPILED)
         elif which == 1:
             _heads(k_ptr + t * stride_kt, stride_kh, HKV, h0, part_row + stride_p_slice, b1, rk1, sc1, slot, has, R,
-                   stride_p_split, HALF, c, s, offs_d, d_mask, kc_ptr, ks_ptr, kv_slot, page, stride_cb, stride_ct,
-                   stride_ch, True, STORE, KV_FP8, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D, COMPILED)
+                   stride_p_split, HALF, c, s, offs_d, d_mask, True, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D,
+                   COMPILED)
         else:
             _heads(v_ptr + t * stride_vt, stride_vh, HKV, h0, part_row + 2 * stride_p_slice, b2, rk2, sc2, slot, has,
-                   R, stride_p_split, HALF, c, s, offs_d, d_mask, vc_ptr, vs_ptr, kv_slot, page, stride_cb, stride_ct,
-                   stride_ch, False, STORE, KV_FP8, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H, BLOCK_D, COMPILED)
+                   R, stride_p_split, HALF, c, s, offs_d, d_mask, False, ONE_R_TILE, SPLIT_K, BLOCK_R, BLOCK_H,
+                   BLOCK_D, COMPILED)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,9 +232,8 @@ ROPE_HEADS = 4   # heads per program (a sweep on an H200: 2 and 1 measured no fa
 _ROPE = Launcher(_rope_lora_kernel)
 
 
-def apply_rope(q, k, v, positions, inv_freq, lora, heads: int | None = None, kv: tuple | None = None) -> None:
-    """`fused_kernels.apply_rope` on q/k/v plus the LoraProduct `lora` (three slices); v takes its product; with
-    `kv` (ops/attention's `store_kernel_args`), k and v then go to the paged cache too."""
+def apply_rope(q, k, v, positions, inv_freq, lora, heads: int | None = None) -> None:
+    """`fused_kernels.apply_rope` on q/k/v plus the LoraProduct `lora` (three slices); v takes its product."""
     T, Hq, D = q.shape
     if T == 0:
         return
@@ -295,13 +245,10 @@ def apply_rope(q, k, v, positions, inv_freq, lora, heads: int | None = None, kv:
     args = (q, k, v, positions, inv_freq, p, row_slot, b0, b1, b2, rk0, rk1, rk2, sc0, sc1, sc2, R, sp, ss, sm,
             extra, lanes_t, extra_lanes, Hq, Hkv, half, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), positions.stride(0))
-    store = kv is not None
-    args += kv if store else (q, q, positions, q, q, 1, 0, 0, 0)   # unused pointers without a store
     grid = (T, 3, -(-max(Hq, Hkv) // block_h))
     composed = lora.lanes > 1
     # a composed product holds two members' B blocks of both halves: twice the warps (at Llama's 4 heads of 64
     # columns and a rank-32 pool, sm_90 code spilled 482 bytes a thread at 2 warps and none at 4)
     warps = max(1, min(4, block_h * block_d // 128)) * (2 if composed else 1)
     _ROPE(grid, args, dict(**_tiles(R), SPLIT_K=p.shape[0], BLOCK_H=block_h, BLOCK_D=block_d, COMPILED=COMPILED,
-                           EARLY=_early(R, lora), EXTRAS=composed, STORE=store,
-                           KV_FP8=store and kv[0].dtype == torch.float8_e4m3fn), warps, 1)
+                           EARLY=_early(R, lora), EXTRAS=composed), warps, 1)
