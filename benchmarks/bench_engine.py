@@ -23,8 +23,9 @@ step: weights + KV of the batch's contexts + each used adapter once, over the co
 measured in the same run.
 
 `--repeats N` runs each variant N times, interleaved across the variants (so drift over the call hits each
-alike), and reports each variant's median-throughput run beside all N throughputs. The full-batch decode
-steps' GPU span (inputs, forward, sampling on the GPU) is reported beside their wall time.
+alike), and reports each variant's median-throughput run beside every run's tokens/s, full-batch decode step and
+prompt steps' seconds (the prompt steps can move a short run's tokens/s while the decode step holds). The full-batch
+decode steps' GPU span (inputs, forward, sampling on the GPU) is reported beside their wall time.
 
     python benchmarks/bench_engine.py --batches 32,256 --repeats 3 \
         --out benchmarks/results/engine.json --md benchmarks/results/engine.md
@@ -67,6 +68,7 @@ def run(engine: Engine, work: list[list[int]], adapters: list[str | None]) -> di
     params = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
     engine.stats["overlapped_steps"] = 0
     torch.cuda.synchronize()
+    started = time.time()   # (wall-clock: beside gpu_engine.sh's clock log)
     start = time.perf_counter()
     for i, (p, a) in enumerate(zip(work, adapters)):
         engine.add_request(f"r{i}", p, params, a)
@@ -89,7 +91,8 @@ def run(engine: Engine, work: list[list[int]], adapters: list[str | None]) -> di
     full_gpu = [g for g in (s.gpu_seconds for s in full_steps) if g is not None]
     # the steps with prompts (eager): their GPU span beside their wall time tells host time from GPU time
     prompt_gpu = [g for g in (s.gpu_seconds for s in steps if not s.decode) if g is not None]
-    return dict(seconds=seconds, breakdown=breakdown, step_seconds=round(sum(s.seconds for s in steps), 3),
+    return dict(started=started, seconds=seconds, breakdown=breakdown,
+                step_seconds=round(sum(s.seconds for s in steps), 3),
                 output_tokens=out_tokens, tokens_per_s=out_tokens / seconds, steps=len(steps),
                 decode_steps=sum(s.decode for s in steps), graph_steps=sum(s.graphed for s in steps),
                 overlapped_steps=engine.stats["overlapped_steps"],
@@ -238,7 +241,12 @@ def run_group(args, B: int, mode: str, variants: list[str], copy_gbs: float,
         floor_ms = (weight_bytes(model, B) + kv +
                     used * adapter_bytes(model)) / (copy_gbs * 1e9) * 1e3   # (merged: rank 32 = 2 × rank 16)
         row = dict(batch=B, mode=mode, variant=variant, quantization=quant, setup_s=setup_s, floor_ms=floor_ms,
-                   repeats_tokens_per_s=[round(r["tokens_per_s"], 1) for r in runs[variant]], **res)
+                   repeats_tokens_per_s=[round(r["tokens_per_s"], 1) for r in runs[variant]],
+                   # each run's decode step and prompt steps: which of the two moved a run's tokens/s
+                   repeats_decode_step_ms=[None if r["full_decode_step_ms"] is None else
+                                           round(r["full_decode_step_ms"], 3) for r in runs[variant]],
+                   repeats_prompt_seconds=[r["prompt_steps_seconds"] for r in runs[variant]],
+                   repeats_started=[round(r["started"], 1) for r in runs[variant]], **res)
         rows.append(row)
         step = f"{row['full_decode_step_ms']:.2f} ms" if row["full_decode_step_ms"] else "–"
         print(f"B={B} {mode} {quant} {variant}: {row['tokens_per_s']:.0f} tokens/s, full-batch decode step {step}, "
@@ -280,11 +288,25 @@ def markdown(res: dict) -> str:
     lines += ["", "Floor: (weights + KV bytes of the batch's mean context + each used adapter once) / copy "
               "bandwidth. Step times are wall times of the engine's whole step (host work included); the GPU span "
               "is the step's inputs, forward and sampling on the GPU."]
+    if repeats > 1:
+        lines += ["", "Each run in order, tokens/s / full-batch decode step (ms) / all prompt steps (s):"]
+        lines += [f"- {r['batch']} {r['mode']} {r.get('quantization', 'none')} {r['variant']}: "
+                  + "; ".join(_run_cells(r)) for r in res["rows"]]
     if any(r["variant"] in COMPOSE_VARIANTS for r in res["rows"]):
         lines += ["", "composed: two rank-16 adapters a request (0.7 / 0.3); merged: one rank-32 adapter a request; "
                   + ("both in one pool of rank 32." if res.get("compose_pool") == "shared" else
                      "each in a pool as wide as its adapters (16 and 32).")]
     return "\n".join(lines) + "\n"
+
+
+def _run_cells(row: dict) -> list[str]:
+    """'tokens/s / decode step / prompt steps' of each of a row's runs (rows of older results: tokens/s only)."""
+    n = len(row["repeats_tokens_per_s"])
+    steps = row.get("repeats_decode_step_ms") or [None] * n
+    prompts = row.get("repeats_prompt_seconds") or [None] * n
+    fmt = lambda v, spec: "–" if v is None else format(v, spec)   # noqa: E731
+    return [f"{t:.0f} / {fmt(d, '.2f')} / {fmt(p, '.3f')}"
+            for t, d, p in zip(row["repeats_tokens_per_s"], steps, prompts)]
 
 
 if __name__ == "__main__":

@@ -58,3 +58,20 @@ def test_quantizations_name_the_weights_and_the_kv_cache(bench, quant, weights, 
     assert quant in bench.QUANTIZATIONS
     engine, _ = bench._engine(SimpleNamespace(preset="llama-2-7b", layers=1), 4, "graphs", ["backbone"], quant)
     assert (engine.config.quantization, engine.config.kv_cache_dtype) == (weights, kv)
+
+
+def test_markdown_lists_each_runs_decode_step_and_prompt_steps(bench):
+    """With repeats, every run's tokens/s, decode step and prompt steps (which of them moved a run); rows of older
+    results, which kept tokens/s only, show dashes for the rest."""
+    row = dict(batch=32, mode="graphs", variant="backbone", quantization="fp8kv", tokens_per_s=4332.0,
+               full_decode_step_ms=5.25, full_decode_gpu_ms=5.33, floor_ms=3.37, prefill_step_ms=40.9,
+               prefill_gpu_ms=40.2, graph_steps=249, steps=261, repeats_tokens_per_s=[4697.7, 4249.9, 4332.0],
+               repeats_decode_step_ms=[5.251, 5.262, 5.248], repeats_prompt_seconds=[0.371, 0.489, 0.478])
+    old = dict(row, variant="distinct", repeats_tokens_per_s=[3736.1, 3805.0])
+    del old["repeats_decode_step_ms"], old["repeats_prompt_seconds"]
+    res = dict(gpu="NVIDIA H100", date="2026-12-06", preset="llama-2-7b", rank=16, output_tokens=128, copy_gbs=3000.0,
+               repeats=3, rows=[row, old])
+    lines = bench.markdown(res).splitlines()
+    assert "- 32 graphs fp8kv backbone: 4698 / 5.25 / 0.371; 4250 / 5.26 / 0.489; 4332 / 5.25 / 0.478" in lines
+    assert "- 32 graphs fp8kv distinct: 3736 / – / –; 3805 / – / –" in lines
+    assert not any(line.startswith("- ") for line in bench.markdown(dict(res, repeats=1)).splitlines())
