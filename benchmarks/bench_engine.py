@@ -120,6 +120,9 @@ def main(argv=None) -> None:
                     help="comma-separated: none (bf16), fp8 (FP8 weights), fp8kv (FP8 weights and an FP8 KV cache)")
     ap.add_argument("--compose-pool", choices=("own", "shared"), default="own",
                     help="composed and merged in pools as wide as their adapters (own) or in one R = 32 pool")
+    ap.add_argument("--graph-prompt-tokens", type=int, default=None,
+                    help="EngineConfig.cuda_graph_max_prompt_tokens (default: the engine's): prompt steps of up to "
+                         "this many prompt tokens replay CUDA graphs, larger ones run eagerly")
     ap.add_argument("--profile", type=Path,
                     help="also write each engine's kernel times of full-batch decode steps and of prompt steps, a "
                          "column per variant (step_profile.py), to this markdown file")
@@ -131,11 +134,14 @@ def main(argv=None) -> None:
             ap.error(f"--quantizations: {q!r} is not one of {', '.join(QUANTIZATIONS)}")
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.graph_prompt_tokens is not None and args.graph_prompt_tokens < 0:
+        ap.error(f"--graph-prompt-tokens must be at least 0, got {args.graph_prompt_tokens}")
     copy_gbs = copy_bandwidth_gbs()
     result = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,
                   preset=args.preset, layers=args.layers, rank=RANK, output_tokens=OUTPUT_TOKENS, repeats=args.repeats,
                   settings=envs.snapshot(),   # the LORAPLEX_* settings the run had
-                  compose_pool=args.compose_pool, copy_gbs=copy_gbs, rows=[], profiles={})
+                  compose_pool=args.compose_pool, graph_prompt_tokens=_graph_prompt_tokens(args), copy_gbs=copy_gbs,
+                  rows=[], profiles={})
     for B in map(int, args.batches.split(",")):
         for mode in args.modes.split(","):
             if mode == "eager" and str(B) not in args.eager_batches.split(","):
@@ -197,7 +203,8 @@ def _engine(args, B: int, mode: str, variants: list[str], quant: str) -> tuple[E
                           kv_cache_dtype="fp8" if quant == "fp8kv" else "auto",
                           max_num_seqs=B, max_num_batched_tokens=max(2048, B), max_gpu_adapters=len(names),
                           max_lora_rank=max(rank for _, rank in names), max_cpu_adapters=0,
-                          enforce_eager=(mode == "eager"), cuda_graph_max_batch=B, max_model_len=1024)
+                          enforce_eager=(mode == "eager"), cuda_graph_max_batch=B, max_model_len=1024,
+                          cuda_graph_max_prompt_tokens=_graph_prompt_tokens(args))
     t0 = time.perf_counter()
     engine = Engine(config)
     setup_s = time.perf_counter() - t0
@@ -208,6 +215,12 @@ def _engine(args, B: int, mode: str, variants: list[str], quant: str) -> tuple[E
     for name, _ in names:
         engine.adapters.wait_resident(name, timeout=600)
     return engine, setup_s
+
+
+def _graph_prompt_tokens(args) -> int:
+    """--graph-prompt-tokens, or EngineConfig's default where it is not given."""
+    given = getattr(args, "graph_prompt_tokens", None)
+    return EngineConfig.cuda_graph_max_prompt_tokens if given is None else given
 
 
 def run_group(args, B: int, mode: str, variants: list[str], copy_gbs: float,
@@ -246,6 +259,7 @@ def run_group(args, B: int, mode: str, variants: list[str], copy_gbs: float,
                    repeats_decode_step_ms=[None if r["full_decode_step_ms"] is None else
                                            round(r["full_decode_step_ms"], 3) for r in runs[variant]],
                    repeats_prompt_seconds=[r["prompt_steps_seconds"] for r in runs[variant]],
+                   repeats_prompt_gpu_seconds=[r["prompt_steps_gpu_seconds"] for r in runs[variant]],
                    repeats_started=[round(r["started"], 1) for r in runs[variant]], **res)
         rows.append(row)
         step = f"{row['full_decode_step_ms']:.2f} ms" if row["full_decode_step_ms"] else "–"
@@ -268,6 +282,8 @@ def markdown(res: dict) -> str:
              f"{res['preset']} dummy weights, bf16, rank-{res['rank']} adapters on all 7 projections; prompts "
              f"128–512 tokens, {res['output_tokens']} output tokens each, all submitted at once. Copy bandwidth "
              f"{res['copy_gbs']:.0f} GB/s."
+             + (f" Prompt steps of up to {res['graph_prompt_tokens']} prompt tokens replay CUDA graphs."
+                if "graph_prompt_tokens" in res else "")
              + (f" Each row is the median-throughput run of {repeats}, the variants' runs interleaved." if repeats > 1
                 else ""), "",
              "| max seqs | mode | weights | adapters | tokens/s | vs backbone | full-batch decode step (ms) "
@@ -289,7 +305,8 @@ def markdown(res: dict) -> str:
               "bandwidth. Step times are wall times of the engine's whole step (host work included); the GPU span "
               "is the step's inputs, forward and sampling on the GPU."]
     if repeats > 1:
-        lines += ["", "Each run in order, tokens/s / full-batch decode step (ms) / all prompt steps (s):"]
+        lines += ["", "Each run in order, tokens/s / full-batch decode step (ms) / all prompt steps (s, and their GPU "
+                  "spans' sum where recorded):"]
         lines += [f"- {r['batch']} {r['mode']} {r.get('quantization', 'none')} {r['variant']}: "
                   + "; ".join(_run_cells(r)) for r in res["rows"]]
     if any(r["variant"] in COMPOSE_VARIANTS for r in res["rows"]):
@@ -304,9 +321,10 @@ def _run_cells(row: dict) -> list[str]:
     n = len(row["repeats_tokens_per_s"])
     steps = row.get("repeats_decode_step_ms") or [None] * n
     prompts = row.get("repeats_prompt_seconds") or [None] * n
+    prompt_gpu = row.get("repeats_prompt_gpu_seconds") or [None] * n
     fmt = lambda v, spec: "–" if v is None else format(v, spec)   # noqa: E731
-    return [f"{t:.0f} / {fmt(d, '.2f')} / {fmt(p, '.3f')}"
-            for t, d, p in zip(row["repeats_tokens_per_s"], steps, prompts)]
+    return [f"{t:.0f} / {fmt(d, '.2f')} / {fmt(p, '.3f')}" + ("" if g is None else f" (GPU {g:.3f})")
+            for t, d, p, g in zip(row["repeats_tokens_per_s"], steps, prompts, prompt_gpu)]
 
 
 if __name__ == "__main__":

@@ -75,3 +75,27 @@ def test_markdown_lists_each_runs_decode_step_and_prompt_steps(bench):
     assert "- 32 graphs fp8kv backbone: 4698 / 5.25 / 0.371; 4250 / 5.26 / 0.489; 4332 / 5.25 / 0.478" in lines
     assert "- 32 graphs fp8kv distinct: 3736 / – / –; 3805 / – / –" in lines
     assert not any(line.startswith("- ") for line in bench.markdown(dict(res, repeats=1)).splitlines())
+
+
+def test_markdown_gives_each_runs_prompt_gpu_spans_and_the_graphed_prompt_tokens(bench):
+    """Runs that recorded their prompt steps' GPU spans show them beside the wall time (host-bound prompt steps
+    show as a GPU span that waits on the host); results name the prompt tokens that CUDA graphs cover."""
+    row = dict(batch=32, mode="graphs", variant="backbone", quantization="fp8kv", tokens_per_s=4581.0,
+               full_decode_step_ms=5.19, full_decode_gpu_ms=5.26, floor_ms=3.35, prefill_step_ms=38.4,
+               prefill_gpu_ms=36.8, graph_steps=249, steps=261, repeats_tokens_per_s=[4581.3, 4631.9],
+               repeats_decode_step_ms=[5.19, 5.18], repeats_prompt_seconds=[0.444, 0.417],
+               repeats_prompt_gpu_seconds=[0.4312, 0.4011])
+    res = dict(gpu="NVIDIA H100", date="2026-12-06", preset="llama-2-7b", rank=16, output_tokens=128, copy_gbs=3000.0,
+               repeats=2, graph_prompt_tokens=2048, rows=[row])
+    text = bench.markdown(res)
+    assert "- 32 graphs fp8kv backbone: 4581 / 5.19 / 0.444 (GPU 0.431); 4632 / 5.18 / 0.417 (GPU 0.401)" in text
+    assert "Prompt steps of up to 2048 prompt tokens replay CUDA graphs." in text
+
+
+@pytest.mark.parametrize("given", [None, 0, 2048])
+def test_graph_prompt_tokens_reach_the_engine(bench, given):
+    from loraplex.config import EngineConfig
+    args = SimpleNamespace(preset="llama-2-7b", layers=1, graph_prompt_tokens=given)
+    engine, _ = bench._engine(args, 4, "graphs", ["backbone"], "none")
+    want = EngineConfig(model="m").cuda_graph_max_prompt_tokens if given is None else given
+    assert engine.config.cuda_graph_max_prompt_tokens == want

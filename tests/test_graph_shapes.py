@@ -23,6 +23,7 @@ def test_buckets():
     assert mixed_buckets(256, 100) == ([16, 32, 64, 128, 256], [16, 32, 64, 100])
     assert mixed_buckets(10, 16) == ([10], [16])
     assert mixed_buckets(32, 0) == ([], [])
+    assert mixed_buckets(32, 2048) == ([16, 32], [16, 32, 64, 128, 256, 512, 1024, 2048])
 
 
 def test_every_shape_is_listed_once_most_rows_first():

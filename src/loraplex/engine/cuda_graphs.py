@@ -35,7 +35,7 @@ from ..models.llama import LlamaForCausalLM
 
 log = logging.getLogger("loraplex.engine")
 
-PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512)
+PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
 
 # The graph variants, by what the step's sequences use (lora_variant)
 BASE, LORA, COMPOSED = "base", "lora", "composed"
