@@ -282,7 +282,7 @@ def markdown(res: dict) -> str:
              f"{res['preset']} dummy weights, bf16, rank-{res['rank']} adapters on all 7 projections; prompts "
              f"128–512 tokens, {res['output_tokens']} output tokens each, all submitted at once. Copy bandwidth "
              f"{res['copy_gbs']:.0f} GB/s."
-             + (f" Prompt steps of up to {res['graph_prompt_tokens']} prompt tokens replay CUDA graphs."
+             + (f" In graph mode, steps with up to {res['graph_prompt_tokens']} prompt tokens replay CUDA graphs too."
                 if "graph_prompt_tokens" in res else "")
              + (f" Each row is the median-throughput run of {repeats}, the variants' runs interleaved." if repeats > 1
                 else ""), "",

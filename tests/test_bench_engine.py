@@ -89,7 +89,7 @@ def test_markdown_gives_each_runs_prompt_gpu_spans_and_the_graphed_prompt_tokens
                repeats=2, graph_prompt_tokens=2048, rows=[row])
     text = bench.markdown(res)
     assert "- 32 graphs fp8kv backbone: 4581 / 5.19 / 0.444 (GPU 0.431); 4632 / 5.18 / 0.417 (GPU 0.401)" in text
-    assert "Prompt steps of up to 2048 prompt tokens replay CUDA graphs." in text
+    assert "In graph mode, steps with up to 2048 prompt tokens replay CUDA graphs too." in text
 
 
 @pytest.mark.parametrize("given", [None, 0, 2048])
