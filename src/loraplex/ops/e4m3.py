@@ -1,7 +1,8 @@
 """float8 e4m3 inside Triton kernels. `e4m3_to_bf16`: e4m3 → bf16 by integer operations, for the FP8 weights' decode
 GEMM when weight-only (ops/gemm/fp8_kernels.py) and prompt attention over an e4m3 KV cache (ops/attention/kernels.py).
-`round_to_e4m3`: fp32 rounded to e4m3's values as torch rounds, for the KV cache's store
-(ops/attention/store_kernel.py) and the activations' per-row quantization (ops/gemm/quantize_kernel.py).
+`to_e4m3`: fp32 to e4m3 as torch rounds (clamped to ±448), for the KV cache's store (ops/attention/store_kernel.py)
+and the activations' per-row quantization (ops/gemm/quantize_kernel.py, the RMSNorms' e4m3 output): the hardware's
+conversion where compiled, `round_to_e4m3` (fp32 rounded to e4m3's values by integer operations) in the interpreter.
 `f16_range_scales`: the powers of two that bring a row into fp16's range, for decode attention's fp16 dots
 (ops/attention/kernels.py's F16_DOTS).
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .. import envs
 from .gemm.fp8 import E4M3_MAX
 
 
@@ -58,6 +60,25 @@ def f16_range_scales(amax):
     e = (amax.to(tl.int32, bitcast=True) >> 23) - 127 - 14   # (a subnormal amax reads as -141: clamped)
     e = tl.where(amax > 0, tl.minimum(tl.maximum(e, -100), 113), 0)
     return ((127 - e) << 23).to(tl.float32, bitcast=True), ((127 + e) << 23).to(tl.float32, bitcast=True)
+
+
+_INTERPRETED: tl.constexpr = tl.constexpr(envs.triton_interpret())
+# Two fp32 values to e4m3, rounded to nearest (ties to even) and saturated (beyond ±448, infinities included, to
+# ±448; NaN stays NaN): the first value in the low byte. Triton's own cast takes this instruction on sm_90 but goes
+# through fp16 rounded toward zero on sm_89.
+_F32_TO_E4M3X2 = tl.constexpr("cvt.rn.satfinite.e4m3x2.f32 $0, $2, $1;")
+
+
+@triton.jit
+def to_e4m3(x):
+    """fp32 x rounded to the nearest e4m3 value (ties to even), as float8 e4m3, values beyond ±448 to ±448 (NaN stays
+    NaN): torch's rounding of x clamped. Compiled, by the hardware's paired conversion (sm_89 on); in Triton's
+    interpreter by `round_to_e4m3` first, whose values the cast then keeps (the interpreter's own cast rounds wrongly
+    where the mantissa carries into the exponent)."""
+    if _INTERPRETED:
+        return round_to_e4m3(x).to(tl.float8e4nv)
+    q = tl.inline_asm_elementwise(_F32_TO_E4M3X2, "=h,r,r", [x.to(tl.float32)], dtype=tl.uint8, is_pure=True, pack=2)
+    return q.to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..e4m3 import round_to_e4m3
+from ..e4m3 import to_e4m3
 from ..launch import Launcher, pow2
 from ..pdl import pdl_start
 from .checks import KV_FP8
@@ -37,8 +37,8 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_p
         k = tl.load(k_ptr + t64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
         v = tl.load(v_ptr + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
         if FP8:
-            k = round_to_e4m3(tl.math.div_rn(k.to(tl.float32), tl.load(k_scale_ptr)))
-            v = round_to_e4m3(tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)))
+            k = to_e4m3(tl.math.div_rn(k.to(tl.float32), tl.load(k_scale_ptr)))
+            v = to_e4m3(tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)))
         # Slot s is token s % page of block s // page; the caches' strides say where that is.
         dst = (slot // page) * stride_cb + (slot % page) * stride_ct + offs_h[:, None] * stride_ch + offs_d[None, :]
         tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..e4m3 import round_to_e4m3
+from ..e4m3 import to_e4m3
 from ..launch import Launcher, pow2
 from ..pdl import pdl_start
 
@@ -39,8 +39,7 @@ def store_quantized_row(x, offs, mask, q_row, s_at):
     s at s_at. Also the RMSNorm kernels' (ops/fused), which quantize the row they write."""
     amax = tl.max(tl.abs(x), axis=0)
     s = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
-    q = round_to_e4m3(tl.math.div_rn(x, s))   # exact in e4m3: the cast below does not round
-    tl.store(q_row + offs, q.to(q_row.dtype.element_ty), mask=mask)
+    tl.store(q_row + offs, to_e4m3(tl.math.div_rn(x, s)), mask=mask)
     tl.store(s_at, s)
 
 
