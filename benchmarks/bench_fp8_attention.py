@@ -33,20 +33,18 @@ from bench_attention import HEAD_SHAPES, Paged, _rotations  # noqa: E402
 from loraplex import envs, ops  # noqa: E402
 from loraplex.ops.attention import launchers as ak  # noqa: E402
 
-BATCHES, CONTEXTS = [32, 128], [256, 512, 4096]
+BATCHES, CONTEXTS = [32, 128], [512, 4096]
 E4M3 = torch.float8_e4m3fn
 
 
 def candidates(head_dim: int) -> dict[str, ak.DecodeConfig]:
     """The launcher's tiles for e4m3 caches ("today"), the 16-bit caches' tiles, then variants to time over an e4m3
     cache."""
-    today = ak.decode_config(head_dim, torch.bfloat16, fp8_kv=True)
-    grid = replace(today, persistent_per_sm=0)
-    return {"today": today, "a program an item": grid, "2 stages": replace(grid, num_stages=2),
-            "persistent 2/SM": replace(today, persistent_per_sm=2, num_stages=3),
-            "persistent 1/SM, 4 stages": replace(today, persistent_per_sm=1, num_stages=4),
-            "persistent 3/SM, 2 stages": replace(today, persistent_per_sm=3, num_stages=2),
-            "persistent 4/SM, 2 stages": replace(today, persistent_per_sm=4, num_stages=2)}
+    today, bf16 = ak.decode_config(head_dim, torch.bfloat16, fp8_kv=True), ak.DECODE_CONFIGS[head_dim]
+    return {"today": today, "16-bit tiles": bf16, "2 stages": replace(today, num_stages=2),
+            "8 warps": replace(today, num_warps=8), "4 stages": replace(today, num_stages=4),
+            "splits of 256": replace(today, min_split_tokens=256),
+            "2x keys, 8 warps, 2 stages": replace(today, block_n=2 * today.block_n, num_warps=8, num_stages=2)}
 
 
 def to_e4m3(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,12 +81,8 @@ def bench_case(name: str, heads, batch: int, ctx: int, copy_gbs: float | None, g
         if not smoke:
             row["us"][label] = _graph_time([decode_fn(p, i, k8, v8, cfg, ks, vs) for i in range(rot)])
     if not smoke:
-        bf16 = ak.decode_config(D, dtype)
-        row["bf16_cache_us"] = _graph_time([decode_fn(p, i, p.k_cache, p.v_cache, bf16) for i in range(rot)])
-        for label, cfg in {"a program an item": replace(bf16, persistent_per_sm=0),
-                           "persistent 2/SM": replace(bf16, persistent_per_sm=2)}.items():
-            row[f"bf16_cache_{label}_us"] = _graph_time([decode_fn(p, i, p.k_cache, p.v_cache, cfg)
-                                                         for i in range(rot)])
+        row["bf16_cache_us"] = _graph_time([decode_fn(p, i, p.k_cache, p.v_cache, ak.decode_config(D, dtype))
+                                            for i in range(rot)])
         row["floor_us"] = e4m3_bytes / copy_gbs / 1e3
         row["best"] = min(row["us"], key=row["us"].get)
     return row
@@ -107,14 +101,12 @@ def markdown(env: dict, rows: list[dict]) -> str:
              "over the copy bandwidth. Tiles: "
              + "; ".join(f"{k} = {v['block_n']} keys, {v['num_warps']} warps, {v['num_stages']} stages, splits of "
                          f"{v['min_split_tokens']}+" for k, v in (rows[0]["configs"].items() if rows else [])), "",
-             "| model | batch | context | bf16 cache | bf16, a program an item | bf16, persistent 2/SM | e4m3 floor | "
-             + " | ".join(labels) + " |",
-             "|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(labels)]
+             "| model | batch | context | bf16 cache | e4m3 floor | " + " | ".join(labels) + " |",
+             "|---|---:|---:|---:|---:|" + "---:|" * len(labels)]
     for r in rows:
         cells = [f"**{r['us'][k]:.1f}**" if k == r.get("best") else f"{r['us'][k]:.1f}" for k in labels]
-        bf16 = [r.get(f"bf16_cache{k}_us", 0) for k in ("", "_a program an item", "_persistent 2/SM")]
-        lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | " + " | ".join(f"{u:.1f}" for u in bf16)
-                     + f" | {r.get('floor_us', 0):.1f} | " + " | ".join(cells) + " |")
+        lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | {r.get('bf16_cache_us', 0):.1f} | "
+                     f"{r.get('floor_us', 0):.1f} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -90,7 +90,6 @@ FP32_PREFILL_VARIANTS = [(32, 1, 0), (128, 4, 4096), (256, 3, 0)]
 FP32_DECODE_VARIANTS = [(32, 16, True), (128, 4, False), (256, 3, True)]
 # Shared memory one program may use (bytes): a variant over it compiles but fails at launch.
 SMEM_LIMIT = {90: 227 * 1024, 80: 163 * 1024}
-PERSISTENT_ITEMS = (2, 64)   # a persistent decode program's item lists: the shortest and the longest
 STORE_VARIANTS = [(D, Hkv, "i32") for D in HEAD_DIMS for Hkv in (8, 32)] + [(128, 8, "i64")]  # (D, Hkv, slot dtype)
 
 
@@ -100,7 +99,6 @@ def compile_kind(arch: int, dtype: str, kind: str) -> int:
 
     from loraplex.ops.attention import kernels as ak
     from loraplex.ops.attention import launchers as al
-    from loraplex.ops.attention import persistent_kernel as pk
     from loraplex.ops.attention import store_kernel as sk
 
     tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
@@ -157,12 +155,6 @@ def compile_kind(arch: int, dtype: str, kind: str) -> int:
         for split in (False, True) if dtype != "fp32" else ():
             consts = with_ones(ak._decode_kernel, al.decode_constexprs(4, 128, PAGE, split, tdtype, cfg))
             build(ak._decode_kernel, consts, cfg.num_warps, cfg.num_stages, partials(split))
-        for D, G, split in decode_variants:
-            cfg = al.decode_config(D, tdtype)
-            if not split and cfg.persistent_per_sm:
-                for items in PERSISTENT_ITEMS:
-                    build(pk._decode_persistent_kernel, al.persistent_constexprs(G, D, PAGE, items, tdtype, cfg),
-                          cfg.num_warps, cfg.num_stages)
         for D in HEAD_DIMS:
             for splits_pad in (2, 64):
                 build(ak._decode_reduce_kernel, dict(HEAD_DIM=D, SPLITS_PAD=splits_pad), al.REDUCE_WARPS, 1)
@@ -189,11 +181,6 @@ def compile_kind(arch: int, dtype: str, kind: str) -> int:
             partials = {} if split else {"part_o_ptr": "*" + dtype, "part_ml_ptr": "*" + dtype}
             build(ak._decode_kernel, al.decode_constexprs(G, D, PAGE, split, tdtype, cfg, fp8_kv=True),
                   cfg.num_warps, cfg.num_stages, dict(FP8_KV, **partials))
-            if not split and cfg.persistent_per_sm:
-                for items in PERSISTENT_ITEMS:
-                    build(pk._decode_persistent_kernel,
-                          al.persistent_constexprs(G, D, PAGE, items, tdtype, cfg, fp8_kv=True), cfg.num_warps,
-                          cfg.num_stages, FP8_KV)
     else:
         raise ValueError(f"unknown kernel family {kind!r}")
     return n

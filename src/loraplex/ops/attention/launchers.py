@@ -13,7 +13,6 @@ import torch
 from ..launch import Launcher, cdiv, pow2
 from .checks import KV_FP8
 from .kernels import _decode_kernel, _decode_reduce_kernel, _prefill_kernel
-from .persistent_kernel import _decode_persistent_kernel
 
 LOG2E = 1.4426950408889634   # the kernels' softmax runs in exp2: the scale carries log2(e)
 UNSPLIT_CHUNK = 1 << 30  # "tokens per split" with one split: the whole context, whatever max_seq_len says
@@ -37,8 +36,6 @@ class DecodeConfig:
     # (two resident programs per SM, 2 × 2 tiles in flight, already cover HBM latency: ~64 KB per SM)
     min_split_tokens: int = 256   # ...but give each split at least this many tokens (more splits cost a reduce)
     max_splits: int = 64
-    persistent_per_sm: int = 0    # unsplit launches: this many programs an SM walking every item's tiles
-    # (persistent_kernel.py); 0: a program a (sequence, kv head)
 
 
 # Fixed tables keyed on head_dim, for sm_90 (no autotuning here; revisit with a sweep on the GPU).
@@ -52,8 +49,8 @@ class DecodeConfig:
 PREFILL_CONFIGS = {16: PrefillConfig(128, 64, 4, 3), 32: PrefillConfig(128, 64, 4, 3),
                    64: PrefillConfig(128, 64, 4, 3), 128: PrefillConfig(128, 64, 8, 3),
                    256: PrefillConfig(64, 32, 4, 2)}
-DECODE_CONFIGS = {d: DecodeConfig(n, 4, 3, persistent_per_sm=2)
-                  for d, n in ((16, 256), (32, 256), (64, 128), (128, 64), (256, 32))}
+DECODE_CONFIGS = {16: DecodeConfig(256, 4, 3), 32: DecodeConfig(256, 4, 3), 64: DecodeConfig(128, 4, 3),
+                  128: DecodeConfig(64, 4, 3), 256: DecodeConfig(32, 4, 3)}
 # e4m3 caches: twice the keys a step, so that a tile moves the bytes of the 16-bit one, and splits of at least 512
 # tokens. Over the 16-bit tiles: 11-19% less time at Llama-2-7B's heads, batch 32-128 and contexts 512-4096, and
 # 30% at Llama-3-8B's batch 32, context 512 (bench_fp8_attention.py, H100); more warps or stages, or 4x keys, lost.
@@ -77,8 +74,6 @@ def decode_config(head_dim: int, dtype: torch.dtype, fp8_kv: bool = False) -> De
 REDUCE_WARPS = 4
 _PREFILL = Launcher(_prefill_kernel)
 _DECODE = Launcher(_decode_kernel)
-_PERSISTENT = Launcher(_decode_persistent_kernel)
-MAX_PERSISTENT_ITEMS = 64   # items a persistent program takes at most: more programs beyond
 _REDUCE = Launcher(_decode_reduce_kernel)
 
 
@@ -170,22 +165,6 @@ def decode_constexprs(G: int, D: int, page: int, split: bool, dtype: torch.dtype
                 PRECISION=_precision(dtype), FP8_KV=fp8_kv, F16_DOTS=fp8_kv and dtype == torch.bfloat16)
 
 
-def persistent_grid(num_items: int, programs: int) -> tuple[int, int]:
-    """(programs, ITEMS) of a persistent decode launch over `num_items` (sequence, kv head) items: up to `programs`
-    programs, more where one would take over MAX_PERSISTENT_ITEMS items; ITEMS the power of two ≥ 2 that holds a
-    program's share."""
-    programs = max(1, min(num_items, max(programs, cdiv(num_items, MAX_PERSISTENT_ITEMS))))
-    return programs, max(2, pow2(cdiv(num_items, programs)))
-
-
-def persistent_constexprs(G: int, D: int, page: int, items: int, dtype: torch.dtype, cfg: DecodeConfig,
-                          fp8_kv: bool = False) -> dict:
-    """The persistent decode kernel's compile-time parameters (also used by the ahead-of-time compile test)."""
-    consts = decode_constexprs(G, D, page, False, dtype, cfg, fp8_kv)
-    del consts["SPLIT"]
-    return dict(consts, ITEMS=items)
-
-
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
            seq_lens: torch.Tensor, query_start: torch.Tensor, out: torch.Tensor, *, max_seq_len: int, scale: float,
            window: int, num_splits: int | None = None, cfg: DecodeConfig | None = None,
@@ -203,13 +182,6 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
                k_cache.stride(2), block_tables.stride(0))
     scales = _scales(fp8, k_scale, v_scale, q)
     consts = decode_constexprs(G, D, page, splits > 1, q.dtype, cfg, fp8)
-    if splits == 1 and cfg.persistent_per_sm > 0:
-        programs, items = persistent_grid(S * Hkv, cfg.persistent_per_sm * _num_sms(q.device))
-        args = (q, k_cache, v_cache, out, block_tables, seq_lens, query_start, *scales, scale * LOG2E, window, S, Hkv,
-                *strides)
-        consts = persistent_constexprs(G, D, page, items, q.dtype, cfg, fp8)
-        _PERSISTENT((programs,), args, consts, cfg.num_warps, cfg.num_stages)
-        return
     if splits == 1:  # no partials: the program writes out itself (the partial pointers are unused)
         args = (q, k_cache, v_cache, out, out, out, block_tables, seq_lens, query_start, *scales, scale * LOG2E,
                 window, chunk, Hq, 1, 0, *strides)
