@@ -110,13 +110,13 @@ def test_linear_passes_the_rows_only_where_it_quantizes(monkeypatch):
     gen = torch.Generator().manual_seed(stable_seed("linear-e4m3"))
     x, m = torch.randn(40, 64, generator=gen).bfloat16(), _matrix(gen, 48, 64)
     monkeypatch.setattr(fp8, "W8A8", "on")
-    assert fp8.quantizes_x(x, m)
+    assert fp8.quantizes_x(x, m) and fp8.route(x, m) == fp8.PROMPT_W8A8
     want = fp8.linear(x, m)
     given = QuantizedRows(*quantize_rows(x))
     monkeypatch.setattr(fp8, "quantize_rows", lambda t: pytest.fail("quantized x again"))
     assert torch.equal(fp8.linear(x, m, x_e4m3=given), want)
     monkeypatch.setattr(fp8, "W8A8", "off")
-    assert not fp8.quantizes_x(x, m)
+    assert not fp8.quantizes_x(x, m) and fp8.route(x, m) == fp8.DEQUANTIZED
     with pytest.raises(ValueError, match="dequantizes the weight"):   # (no GEMM quantizes x: rows not taken)
         fp8.linear(x, m, x_e4m3=given)
     with pytest.raises(ValueError, match="dense tensor"):

@@ -71,24 +71,35 @@ class Fp8Matrix:
 
 def linear(x: torch.Tensor, m: Fp8Matrix, bias: torch.Tensor | None = None,
            x_e4m3: QuantizedRows | None = None) -> torch.Tensor:
-    """x @ wᵀ (+ bias) by the GEMM the module docstring picks; `x_e4m3`: x already quantized (`quantize_rows`'s
-    bits), where the GEMM quantizes x (`quantizes_x`); elsewhere it is refused."""
-    if takes_input(x, m):   # (fp8_skinny_linear refuses x_e4m3 where it reads x weight-only)
-        return fp8_skinny_linear(x, m, bias, quantize_x=decode_w8a8(x, m), x_e4m3=x_e4m3)
-    if w8a8_takes(x, m):
+    """x @ wᵀ (+ bias) by the GEMM the module docstring picks (`route`); `x_e4m3`: x already quantized
+    (`quantize_rows`'s bits), where the GEMM quantizes x (`quantizes_x`); elsewhere it is refused."""
+    gemm = route(x, m)
+    if gemm in (DECODE_W8A8, DECODE_WEIGHT_ONLY):   # (fp8_skinny_linear refuses x_e4m3 where it reads x weight-only)
+        return fp8_skinny_linear(x, m, bias, quantize_x=gemm == DECODE_W8A8, x_e4m3=x_e4m3)
+    if gemm == PROMPT_W8A8:
         return w8a8_linear(x, m, bias, x_e4m3)
     if x_e4m3 is not None:
         raise ValueError("fp8.linear: x_e4m3 is given but this GEMM dequantizes the weight and reads x as it is")
     return F.linear(x, m.dequantize(x.dtype), bias)
 
 
+# The GEMMs `linear` picks among (`route`)
+DECODE_W8A8, DECODE_WEIGHT_ONLY, PROMPT_W8A8, DEQUANTIZED = "decode-w8a8", "decode-weight-only", "w8a8", "dequantized"
+
+
+def route(x: torch.Tensor, m: Fp8Matrix) -> str:
+    """Which GEMM `linear(x, m)` runs, in the module docstring's order: the Triton decode kernel W8A8 or weight-only,
+    `w8a8_linear`, or the weight dequantized. x may stand in for the input: its shape, dtype, device and strides
+    decide."""
+    if takes_input(x, m):
+        return DECODE_W8A8 if decode_w8a8(x, m) else DECODE_WEIGHT_ONLY
+    return PROMPT_W8A8 if w8a8_takes(x, m) else DEQUANTIZED
+
+
 def quantizes_x(x: torch.Tensor, m: Fp8Matrix) -> bool:
     """Does `linear(x, m)` quantize x a row (the decode kernel's W8A8 or `w8a8_linear`), so that x quantized by
-    the op that makes it (`x_e4m3`) spares it a launch? x may stand in for that op's output: its shape, dtype,
-    device and strides decide."""
-    if takes_input(x, m):
-        return decode_w8a8(x, m)
-    return w8a8_takes(x, m)
+    the op that makes it (`x_e4m3`) spares it a launch?"""
+    return route(x, m) in (DECODE_W8A8, PROMPT_W8A8)
 
 
 def takes_input(x: torch.Tensor, m: Fp8Matrix) -> bool:
