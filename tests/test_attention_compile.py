@@ -22,13 +22,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from test_fused_compile import rounds_by_conversion
+
 pytestmark = pytest.mark.compile
 
 ARCHS = [90, 80]
 DTYPES = ["bf16", "fp16"]
 KINDS = ["store", "prefill", "decode"]
 FP8_KV = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}   # the caches' type in the fp8kv family
-E4M3_BY_INTEGERS = "0f46800000"   # 16384.0 in PTX: ops/e4m3.py's round_to_e4m3 (the interpreter's rounding)
 HEAD_DIMS = (16, 32, 64, 128, 256)
 SM80_HEAD_DIMS = (64, 128)
 PAGE = 16  # the system's default block size (a constexpr: each block size is its own variant)
@@ -121,8 +122,7 @@ def compile_kind(arch: int, dtype: str, kind: str) -> int:
                 raise RuntimeError(f"{kernel.fn.__name__} {consts}: not fp16 dots on the paired conversion")
         elif consts.get("E4M3_PTX") and ("fma.rn.bf16x2" not in ptx or "cvt.bf16.f16" in ptx):
             raise RuntimeError(f"{kernel.fn.__name__} {consts}: an e4m3 tile converted by Triton, not ops/e4m3.py")
-        elif consts.get("FP8") and ("cvt.rn.satfinite.e4m3x2.f32" not in ptx or E4M3_BY_INTEGERS in ptx):
-            # the store: ops/e4m3.py's to_e4m3, not round_to_e4m3's integer operations (its 16384.0)
+        elif consts.get("FP8") and not rounds_by_conversion(ptx):   # the store: ops/e4m3.py's to_e4m3
             raise RuntimeError(f"{kernel.fn.__name__} {consts}: k and v not rounded by the paired conversion")
         n += 1
 

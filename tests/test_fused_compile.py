@@ -27,9 +27,10 @@ ARCHS = (90, 80)
 DTYPES = ("fp16", "bf16", "fp32")
 
 
-def _rounds_by_conversion(ptx: str) -> bool:
+def rounds_by_conversion(ptx: str) -> bool:
     """e4m3 rounded by ops/e4m3.py's to_e4m3, the hardware's paired conversion (which Triton's own cast takes on
-    sm_90 only), and not by round_to_e4m3's integer operations (their 16384.0: the interpreter's rounding)."""
+    sm_90 only), and not by round_to_e4m3's integer operations (their 16384.0: the interpreter's rounding). Also
+    test_attention_compile.py's check of the KV store."""
     return "cvt.rn.satfinite.e4m3x2.f32" in ptx and "0f46800000" not in ptx
 
 
@@ -95,7 +96,7 @@ def rms_norm(dtype: str, arch: int) -> None:
         what = f"rms_norm {dtype} weight {w_dtype} residual={has_res} delta={has_delta} BLOCK={block}"
         _no_approx(ptx, what)
         assert not quantize or "div.rn.f32" in ptx, f"{what}: the e4m3 quantization's divisions must be IEEE"
-        assert not quantize or _rounds_by_conversion(ptx), f"{what}: e4m3 not rounded by the paired conversion"
+        assert not quantize or rounds_by_conversion(ptx), f"{what}: e4m3 not rounded by the paired conversion"
         assert re.search(r"mul\.rn(\.ftz)?\.f32", ptx), f"{what}: sum·(1/H) must be a separate product before + eps"
 
 
@@ -161,7 +162,7 @@ def rms_norm_lora_split(dtype: str, arch: int) -> None:
         _no_approx(ptx, f"rms_norm_lora_split scale {dtype} BLOCK={block}")
         assert re.search(r"mul\.rn(\.ftz)?\.f32", ptx), "sum·(1/H) must be a separate product before + eps"
         assert not quantize or "div.rn.f32" in ptx, "the e4m3 quantization's divisions must be IEEE"
-        assert not quantize or _rounds_by_conversion(ptx), "e4m3 not rounded by the paired conversion"
+        assert not quantize or rounds_by_conversion(ptx), "e4m3 not rounded by the paired conversion"
 
 
 def silu_lora(dtype: str, arch: int) -> None:
@@ -356,7 +357,7 @@ def fp8_gemm(dtype: str, arch: int) -> None:
         _no_approx(ptx, f"quantize_rows {dtype} sm_{arch} BLOCK={block}")
         assert "div.rn.f32" in ptx, f"quantize_rows {dtype} sm_{arch}: the divisions must be IEEE"
         # rounded by the hardware's conversion (ops/e4m3.py's to_e4m3), not round_to_e4m3's integer operations
-        assert _rounds_by_conversion(ptx), f"quantize_rows {dtype} sm_{arch}: not the paired conversion"
+        assert rounds_by_conversion(ptx), f"quantize_rows {dtype} sm_{arch}: not the paired conversion"
 
 
 KERNELS = {"rms_norm": rms_norm, "silu_and_mul": silu, "rope": rope, "rms_norm_lora_split": rms_norm_lora_split,
