@@ -116,7 +116,7 @@ def silu(dtype: str, arch: int) -> None:
         what = f"silu {dtype} BLOCK={block} delta={has_delta} quantize={quantize}"
         _no_approx(ptx, what)
         assert "div.rn.f32" in ptx, f"{what}: the division must be IEEE"
-        assert not quantize or _rounds_by_conversion(ptx), f"{what}: e4m3 not rounded by the paired conversion"
+        assert not quantize or rounds_by_conversion(ptx), f"{what}: e4m3 not rounded by the paired conversion"
 
 
 def rope(dtype: str, arch: int) -> None:
