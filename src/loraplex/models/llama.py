@@ -50,8 +50,7 @@ class DecoderLayer(nn.Module):
         """One layer: `(hidden, residual, pending)` in and out; `pending` is the LoRA the previous projection (the
         last layer's down) left for this layer's first RMSNorm to add."""
         T, L = hidden.shape[0], self.layer
-        # FP8 weights under W8A8: each RMSNorm, and SiLU-and-mul, also writes its output quantized a row, for the GEMM
-        # after it
+        # FP8 weights under W8A8: each RMSNorm also writes its output quantized a row, for the GEMM after it
         x_e4m3 = self.qkv_proj.e4m3_input(hidden)
         x, residual = rms_norm(hidden, self.input_layernorm, self.eps, residual=residual, delta=pending,
                                e4m3=x_e4m3, backend=backend)        # + down's LoRA of the layer before
@@ -71,9 +70,8 @@ class DecoderLayer(nn.Module):
         x, residual = rms_norm(out, self.post_attention_layernorm, self.eps, residual=residual, delta=pending,
                                e4m3=x_e4m3, backend=backend)        # + o's LoRA
         gate_up, pending = self.gate_up_proj(x, plan, x_e4m3)
-        x_e4m3 = self.down_proj.e4m3_input(gate_up[:, :gate_up.shape[1] // 2])   # (act's shape, dtype and device)
-        act = silu_and_mul(gate_up, delta=pending, e4m3=x_e4m3, backend=backend)  # + gate/up's LoRA
-        out, pending = self.down_proj(act, plan, x_e4m3)
+        act = silu_and_mul(gate_up, delta=pending, backend=backend)  # + gate/up's LoRA
+        out, pending = self.down_proj(act, plan)
         return out, residual, pending
 
 

@@ -32,7 +32,6 @@ try:  # as in api.py: without Triton the reference path runs
 except ImportError:  # pragma: no cover - triton is a dependency on Linux
     fused_kernels = None
 else:
-    from ..gemm.quantize_kernel import quantize_rows_fused
     from . import kernels as fused_kernels
     from . import lora_kernels as fused_lora_kernels
     from . import rope_lora
@@ -209,7 +208,7 @@ def _rms_norm_reference(x, weight, eps, residual, delta=None):
 
 
 def silu_and_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None,
-                 delta: torch.Tensor | LoraDelta | LoraProduct | None = None, e4m3: QuantizedRows | None = None,
+                 delta: torch.Tensor | LoraDelta | LoraProduct | None = None,
                  backend: str | None = None) -> torch.Tensor:
     """`silu(gate) * up` from a fused gate/up GEMM output; returns `[T, I]` (`out` when given).
 
@@ -226,11 +225,6 @@ def silu_and_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None,
     which is LlamaMLP's `act_fn(gate_proj(x)) * up_proj(x)`. Triton: exp from libdevice (CUDA's
     expf, as PyTorch's kernel), IEEE division; results agree with PyTorch's CUDA silu unless the
     two compilers contract `1 + exp(-g)` differently.
-
-    `e4m3` (ops/gemm/fp8.py's buffers for out's rows, e.g. `QuantizedRows.empty(out)`): also filled with out
-    quantized a row, `fp8.quantize_rows(out)`'s bits, for an FP8 GEMM that would quantize it (W8A8). Triton: by the
-    program that writes the row (a program a row then), or by a launch of its own (a LoraProduct delta, rows past
-    32,768 columns).
     """
     _float_rows(gate_up, "gate_up", "[T, 2*I]", 2)
     T, width = gate_up.shape
@@ -247,25 +241,17 @@ def silu_and_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None,
         _writable(out, "out")
     if delta is not None:
         _delta(delta, "delta", T, (I, I), gate_up, "gate_up")
-    if e4m3 is not None:
-        e4m3.check(out, "e4m3")
     if resolve_backend(backend, gate_up.device) == "reference":
         gate_up = _plus_delta(gate_up, delta)
         # silu on a contiguous gate, as transformers' gate_proj output is: PyTorch's CPU silu takes
         # a scalar path for each inner loop's tail, so a strided view would round differently there.
         torch.mul(F.silu(gate_up[:, :I].contiguous()), gate_up[:, I:], out=out)
-        if e4m3 is not None:
-            q, scale = quantize_rows(out)
-            e4m3.q.copy_(q)
-            e4m3.scale.copy_(scale)
         return out
     with _on(gate_up.device):
         if isinstance(delta, LoraProduct):
             fused_lora_kernels.silu_and_mul(gate_up, out, delta)
-            if e4m3 is not None:
-                quantize_rows_fused(out, e4m3.q, e4m3.scale)
         else:
-            fused_kernels.silu_and_mul(gate_up, out, e4m3=e4m3, **_kernel_delta(delta))
+            fused_kernels.silu_and_mul(gate_up, out, **_kernel_delta(delta))
     _bump_version(out)
     return out
 

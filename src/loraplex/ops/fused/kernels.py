@@ -192,12 +192,10 @@ def _silu_mul(g, u, DT: tl.constexpr, COMPILED: tl.constexpr):
 
 
 @triton.jit
-def _silu_and_mul_kernel(gu_ptr, d_ptr, rows_ptr, out_ptr, q_ptr, qs_ptr, I, stride_gu, stride_d, stride_out, stride_q,
-                         HAS_DELTA: tl.constexpr, HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr, QUANTIZE: tl.constexpr,
-                         COMPILED: tl.constexpr):
+def _silu_and_mul_kernel(gu_ptr, d_ptr, rows_ptr, out_ptr, I, stride_gu, stride_d, stride_out,
+                         HAS_DELTA: tl.constexpr, HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr, COMPILED: tl.constexpr):
     """Program (row, column block): out = round(round(silu(gate)) * up), silu(g) = g / (1 + exp(-g));
-    gate and up first take their LoRA delta when HAS_DELTA (each sum rounded). QUANTIZE (one block a row): out[row]
-    quantized to e4m3 too, q[row] and its scale qs[row] (ops/gemm/quantize_kernel.py's bits)."""
+    gate and up first take their LoRA delta when HAS_DELTA (each sum rounded)."""
     pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
     row = tl.program_id(0).to(tl.int64)
     take = _takes_delta(rows_ptr, row, HAS_ROWS)
@@ -210,10 +208,7 @@ def _silu_and_mul_kernel(gu_ptr, d_ptr, rows_ptr, out_ptr, q_ptr, qs_ptr, I, str
                    HAS_DELTA, COMPILED)
     u = _add_delta(tl.load(gu_row + I + offs, mask=mask, other=0.0).to(tl.float32), d_row + I, offs, mask, take,
                    DT, HAS_DELTA, COMPILED)
-    y = _silu_mul(g, u, DT, COMPILED)   # out's values, in fp32
-    tl.store(out_ptr + row * stride_out + offs, y.to(DT), mask=mask)
-    if QUANTIZE:
-        store_quantized_row(tl.where(mask, y, 0.0), offs, mask, q_ptr + row * stride_q, qs_ptr + row)
+    tl.store(out_ptr + row * stride_out + offs, _silu_mul(g, u, DT, COMPILED).to(DT), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -312,7 +307,6 @@ INTERPRETED = type(_rms_norm_kernel).__name__ == "InterpretedFunction"
 COMPILED = not INTERPRETED
 RMS_MAX_BLOCK = 8192  # rows up to this width are normalised from registers in one pass
 SILU_BLOCK = 1024
-QUANTIZE_MAX_I = 32768   # SiLU-and-mul rows quantized by the program that writes them (gate, up and out in registers)
 ROPE_TILE = 1024  # heads × half head dim rotated per step
 _RMS = Launcher(_rms_norm_kernel)
 _SILU = Launcher(_silu_and_mul_kernel)
@@ -356,26 +350,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor, block: int = SILU_BLOCK,
-                 delta: torch.Tensor | None = None, delta_rows: torch.Tensor | None = None,
-                 e4m3: QuantizedRows | None = None) -> None:
+                 delta: torch.Tensor | None = None, delta_rows: torch.Tensor | None = None) -> None:
     """out = silu(gate_up[:, :I]) * gate_up[:, I:] (each half plus its delta first, in the rows `delta_rows`
-    gives a slot ≥ 0 if it is given), rounded as transformers rounds. `e4m3` (ops/gemm/fp8.py's QuantizedRows): out
-    quantized a row into it, by the program that writes the row (one a row: up to QUANTIZE_MAX_I columns)."""
+    gives a slot ≥ 0 if it is given), rounded as transformers rounds."""
     T, I = out.shape
     if T == 0:
         return
-    quantize = e4m3 is not None and I <= QUANTIZE_MAX_I
-    block = pow2(I) if quantize else min(pow2(I), block)
+    block = min(pow2(I), block)
     d = delta if delta is not None else gate_up
     rows = delta_rows if delta_rows is not None else gate_up
-    q, qs = (e4m3.q, e4m3.scale) if quantize else (out, out)
-    _SILU((T, -(-I // block)), (gate_up, d, rows, out, q, qs, I, gate_up.stride(0), d.stride(0), out.stride(0),
-                                q.stride(0)),
+    _SILU((T, -(-I // block)), (gate_up, d, rows, out, I, gate_up.stride(0), d.stride(0), out.stride(0)),
           dict(HAS_DELTA=delta is not None, HAS_ROWS=delta is not None and delta_rows is not None, BLOCK=block,
-               QUANTIZE=quantize, COMPILED=COMPILED),
-          min(32, max(4, block // 512)) if quantize else max(1, min(4, block // 256)), 1)
-    if e4m3 is not None and not quantize:   # rows too wide for one program's registers
-        quantize_rows_fused(out, e4m3.q, e4m3.scale)
+               COMPILED=COMPILED), max(1, min(4, block // 256)), 1)
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
