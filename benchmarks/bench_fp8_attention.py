@@ -4,7 +4,7 @@ The kernel's decode tiles for 16-bit caches (ops/attention/launchers.py's DECODE
 programs an SM with two K/V tiles in flight each, which covers HBM's latency. An e4m3 tile of the same keys moves
 half the bytes, so e4m3 caches take twice the keys a step (FP8_DECODE_CONFIGS). Per case, side by side in one run:
 the same batch over a bf16 cache (its tiles), then the e4m3 cache with today's tiles, the 16-bit ones and each of
-`candidates` (more stages or warps, shorter splits, wider key steps),
+`candidates` (more or fewer stages and warps, shorter splits, wider or narrower key steps),
 beside the floor of the e4m3 bytes over the copy bandwidth measured in the same run. Every e4m3 output is
 checked against the reference path on the same cache first.
 
@@ -41,10 +41,19 @@ def candidates(head_dim: int) -> dict[str, ak.DecodeConfig]:
     """The launcher's tiles for e4m3 caches ("today"), the 16-bit caches' tiles, then variants to time over an e4m3
     cache."""
     today, bf16 = ak.decode_config(head_dim, torch.bfloat16, fp8_kv=True), ak.DECODE_CONFIGS[head_dim]
+    half = today.block_n // 2
     return {"today": today, "16-bit tiles": bf16, "2 stages": replace(today, num_stages=2),
             "8 warps": replace(today, num_warps=8), "4 stages": replace(today, num_stages=4),
             "splits of 256": replace(today, min_split_tokens=256),
-            "2x keys, 8 warps, 2 stages": replace(today, block_n=2 * today.block_n, num_warps=8, num_stages=2)}
+            "2x keys, 8 warps, 2 stages": replace(today, block_n=2 * today.block_n, num_warps=8, num_stages=2),
+            "2 warps": replace(today, num_warps=2),
+            "1 warp": replace(today, num_warps=1),
+            "2 warps, 4 stages": replace(today, num_warps=2, num_stages=4),
+            "2 warps, half keys": replace(today, block_n=half, num_warps=2),
+            "1 warp, half keys, 4 stages": replace(today, block_n=half, num_warps=1, num_stages=4),
+            "2 warps, splits of 256": replace(today, num_warps=2, min_split_tokens=256),
+            "half keys, 2 stages": replace(today, block_n=half, num_stages=2),
+            "half keys, 2 warps, 2 stages": replace(today, block_n=half, num_warps=2, num_stages=2)}
 
 
 def to_e4m3(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
