@@ -124,8 +124,14 @@ def main(argv=None) -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--md", type=Path)
     ap.add_argument("--models", default=",".join(HEAD_SHAPES))
+    ap.add_argument("--only", help="words separated by ';': time only the candidates whose labels contain one (and "
+                    "today's tiles)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, no timing: the set-up and each tile's output")
     args = ap.parse_args(argv)
+    if args.only:
+        global candidates
+        every, words = candidates, args.only.split(";")
+        candidates = lambda d: {k: c for k, c in every(d).items() if k == "today" or any(w in k for w in words)}  # noqa: E731
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.smoke:
         raise SystemExit("bench_fp8_attention needs a CUDA GPU (or --smoke)")
