@@ -37,9 +37,19 @@ BATCHES, CONTEXTS = [32, 128], [512, 4096]
 E4M3 = torch.float8_e4m3fn
 
 
-def candidates(head_dim: int) -> dict[str, ak.DecodeConfig]:
+def candidates(head_dim: int, only: list[str] | None = None) -> dict[str, ak.DecodeConfig]:
     """The launcher's tiles for e4m3 caches ("today"), the 16-bit caches' tiles, then variants to time over an e4m3
-    cache."""
+    cache; with `only`, today's and those whose labels contain one of its words."""
+    every = _all_candidates(head_dim)
+    if not only:
+        return every
+    unmatched = [w for w in only if not any(w in label for label in every)]
+    if unmatched:
+        raise SystemExit(f"--only: no candidate's label contains {unmatched}; the labels: {list(every)}")
+    return {k: c for k, c in every.items() if k == "today" or any(w in k for w in only)}
+
+
+def _all_candidates(head_dim: int) -> dict[str, ak.DecodeConfig]:
     today, bf16 = ak.decode_config(head_dim, torch.bfloat16, fp8_kv=True), ak.DECODE_CONFIGS[head_dim]
     half = today.block_n // 2
     return {"today": today, "16-bit tiles": bf16, "2 stages": replace(today, num_stages=2),
@@ -70,7 +80,8 @@ def decode_fn(p: Paged, i: int, k, v, cfg: ak.DecodeConfig, k_scale=None, v_scal
                              v_scale=v_scale)
 
 
-def bench_case(name: str, heads, batch: int, ctx: int, copy_gbs: float | None, gen, device, smoke: bool) -> dict:
+def bench_case(name: str, heads, batch: int, ctx: int, copy_gbs: float | None, gen, device, smoke: bool,
+               only: list[str] | None = None) -> dict:
     Hq, Hkv, D = heads
     rot = 1 if smoke else _rotations(batch * ctx * Hkv * D * 2)   # (the e4m3 sets' bytes)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16   # (the interpreter has no bf16 dots)
@@ -78,13 +89,14 @@ def bench_case(name: str, heads, batch: int, ctx: int, copy_gbs: float | None, g
               "triton" if smoke and ops.triton_interpreted() else None)
     (k8, ks), (v8, vs) = to_e4m3(p.k_cache), to_e4m3(p.v_cache)
     e4m3_bytes = batch * ctx * Hkv * D * 2
+    tiles = candidates(D, only)
     row = dict(model=name, Hq=Hq, Hkv=Hkv, D=D, batch=batch, context=ctx, rotations=rot, e4m3_bytes=e4m3_bytes,
-               configs={k: asdict(c) for k, c in candidates(D).items()}, us={}, max_abs_err={})
+               configs={k: asdict(c) for k, c in tiles.items()}, us={}, max_abs_err={})
     st = p.sets[0]
     reference = ops.paged_attention(st["q"], k8, v8, st["block_tables"], p.seq_lens, p.query_start,
                                     max_query_len=1, max_seq_len=p.max_seq_len, scale=p.scale, k_scale=ks,
                                     v_scale=vs, backend="reference").float()
-    for label, cfg in candidates(D).items():
+    for label, cfg in tiles.items():
         decode_fn(p, 0, k8, v8, cfg, ks, vs)()
         row["max_abs_err"][label] = (st["out"].float() - reference).abs().max().item()
         if not smoke:
@@ -128,10 +140,8 @@ def main(argv=None) -> None:
                     "today's tiles)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, no timing: the set-up and each tile's output")
     args = ap.parse_args(argv)
-    if args.only:
-        global candidates
-        every, words = candidates, args.only.split(";")
-        candidates = lambda d: {k: c for k, c in every(d).items() if k == "today" or any(w in k for w in words)}  # noqa: E731
+    only = args.only.split(";") if args.only else None
+    candidates(128, only)   # a word of --only that names no candidate stops the run here, before any timing
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.smoke:
         raise SystemExit("bench_fp8_attention needs a CUDA GPU (or --smoke)")
@@ -148,7 +158,7 @@ def main(argv=None) -> None:
         heads = HEAD_SHAPES[name] if not args.smoke else (HEAD_SHAPES[name][0] // 8, HEAD_SHAPES[name][1] // 8, 32)
         for ctx in CONTEXTS if not args.smoke else [40]:
             for batch in BATCHES if not args.smoke else [3]:
-                rows.append(bench_case(name, heads, batch, ctx, copy_gbs, gen, device, args.smoke))
+                rows.append(bench_case(name, heads, batch, ctx, copy_gbs, gen, device, args.smoke, only))
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "configs"}), flush=True)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
