@@ -54,10 +54,10 @@ _E4M3_MAX: tl.constexpr = tl.constexpr(E4M3_MAX)   # (a jitted function reads on
 
 @triton.jit
 def _range_scales(amax, TOP: tl.constexpr):
-    """(2^-e, 2^e), fp32, e = clamp(floor(log2(amax)) - TOP, -100, 113) (0 for amax 0): values scaled by 2^-e have
-    their largest in [2^TOP, 2^(TOP + 1))."""
+    """(2^-e, 2^e), fp32, e = clamp(floor(log2(amax)) - TOP, -100, 127 - TOP) (0 for amax 0): values scaled by 2^-e
+    have their largest in [2^TOP, 2^(TOP + 1)) for every finite fp32 amax from 2^(TOP - 100) up."""
     e = (amax.to(tl.int32, bitcast=True) >> 23) - 127 - TOP   # (a subnormal amax reads as -127 - TOP: clamped)
-    e = tl.where(amax > 0, tl.minimum(tl.maximum(e, -100), 113), 0)
+    e = tl.where(amax > 0, tl.minimum(tl.maximum(e, -100), 127 - TOP), 0)
     return ((127 - e) << 23).to(tl.float32, bitcast=True), ((127 + e) << 23).to(tl.float32, bitcast=True)
 
 
