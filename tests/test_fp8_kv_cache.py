@@ -551,7 +551,8 @@ def test_gpu_bf16_kernels_match_the_reference_on_an_e4m3_cache(seqs, window):
 def test_gpu_e4m3_qk_matches_the_reference_on_an_e4m3_cache(Hq, Hkv):
     """The decode tiles with q·k as an e4m3 tensor-core dot (DecodeConfig.qk_e4m3; compiled, where the interpreter
     cannot say how Hopper's e4m3 dot accumulates), split and unsplit, against the reference (fp32 on the same cache):
-    within 1.5e-2, where these inputs give ~8e-3 in float64 and 0.029-0.034 with q's lo part dropped."""
+    within 1.5e-2: a float64 simulation of the kernel's roundings on these inputs gives ~8e-3, and 0.029-0.034 with
+    q's lo part dropped."""
     rng = np.random.default_rng(stable_seed("fp8-qk-gpu", Hq, Hkv))
     case = make_case(rng, [(0, 1), (300, 1), (2500, 1), (63, 1), (1030, 1)], Hq=Hq, Hkv=Hkv, D=128, bs=16,
                      dtype=torch.bfloat16, window=0, device="cuda")
