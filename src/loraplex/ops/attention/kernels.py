@@ -272,11 +272,11 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ml
         else:
             q = tl.load(q_ptr + row * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                         mask=m_mask[:, None], other=0.0)
-        if F16_DOTS and not QK_E4M3:   # q = q16 · 2^e: q16 into the dots, 2^e into the softmax scale
-            q32 = q.to(tl.float32)
-            down, up = f16_range_scales(tl.max(tl.max(tl.abs(q32), axis=1), axis=0))
-            q = (q32 * down).to(tl.float16)
-            qk_scale = qk_scale * up
+            if F16_DOTS:   # q = q16 · 2^e: q16 into the dots, 2^e into the softmax scale
+                q32 = q.to(tl.float32)
+                down, up = f16_range_scales(tl.max(tl.max(tl.abs(q32), axis=1), axis=0))
+                q = (q32 * down).to(tl.float16)
+                qk_scale = qk_scale * up
         bt_row = block_tables_ptr + s.to(tl.int64) * stride_bt
         k_head = k_cache_ptr + kvh * stride_kh
         v_head = v_cache_ptr + kvh * stride_kh
