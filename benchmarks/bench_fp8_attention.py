@@ -4,7 +4,7 @@ The kernel's decode tiles for 16-bit caches (ops/attention/launchers.py's DECODE
 programs an SM with two K/V tiles in flight each, which covers HBM's latency. An e4m3 tile of the same keys moves
 half the bytes, so e4m3 caches take twice the keys a step (FP8_DECODE_CONFIGS). Per case, side by side in one run:
 the same batch over a bf16 cache (its tiles), then the e4m3 cache with today's tiles, the 16-bit ones and each of
-`candidates` (more or fewer stages and warps, shorter splits, wider or narrower key steps, q·k as an e4m3 dot),
+`candidates` (more or fewer stages and warps, shorter splits, wider or narrower key steps),
 beside the floor of the e4m3 bytes over the copy bandwidth measured in the same run. Every e4m3 output is
 checked against the reference path on the same cache first.
 
@@ -63,13 +63,7 @@ def _all_candidates(head_dim: int) -> dict[str, ak.DecodeConfig]:
             "1 warp, half keys, 4 stages": replace(today, block_n=half, num_warps=1, num_stages=4),
             "2 warps, splits of 256": replace(today, num_warps=2, min_split_tokens=256),
             "half keys, 2 stages": replace(today, block_n=half, num_stages=2),
-            "half keys, 2 warps, 2 stages": replace(today, block_n=half, num_warps=2, num_stages=2),
-            # q·k as an e4m3 tensor-core dot over K's bytes as loaded (launchers.py's DecodeConfig.qk_e4m3)
-            "e4m3 q·k": replace(today, qk_e4m3=True),
-            "e4m3 q·k, 2 stages": replace(today, qk_e4m3=True, num_stages=2),
-            "e4m3 q·k, 8 warps": replace(today, qk_e4m3=True, num_warps=8),
-            "e4m3 q·k, half keys": replace(today, qk_e4m3=True, block_n=half),
-            "e4m3 q·k, half keys, 2 stages": replace(today, qk_e4m3=True, block_n=half, num_stages=2)}
+            "half keys, 2 warps, 2 stages": replace(today, block_n=half, num_warps=2, num_stages=2)}
 
 
 def to_e4m3(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,7 +11,7 @@ subprocess is this file run as a script:
 The "fp8kv" family compiles the three kernels over float8 e4m3 caches (bf16, fp16 and fp32 activations) for Hopper:
 Triton converts e4m3 from sm_89 on, so the engine refuses an FP8 KV cache on older GPUs. With bf16 the prompt tiles
 convert by ops/e4m3.py's integer operations (E4M3_PTX), none through fp16; the decode tiles by the paired e4m3 → fp16
-instruction into fp16 dots (F16_DOTS); tiles with `qk_e4m3` (QK_E4M3) take an e4m3 dot for q·k on sm_90.
+instruction into fp16 dots (F16_DOTS).
 """
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 
 import pytest
 
@@ -118,10 +117,7 @@ def compile_kind(arch: int, dtype: str, kind: str) -> int:
             raise RuntimeError(f"{kernel.fn.__name__} {consts} needs {compiled.metadata.shared} bytes of shared "
                                f"memory; sm_{arch} has {SMEM_LIMIT[arch]}")
         ptx = compiled.asm["ptx"]
-        if consts.get("QK_E4M3"):   # q·k on Hopper's e4m3 tensor cores over K's bytes, p·V in fp16
-            if (arch >= 90 and ".e4m3.e4m3" not in ptx) or ".f16.f16" not in ptx:
-                raise RuntimeError(f"{kernel.fn.__name__} {consts}: q·k not an e4m3 dot, or p·V not in fp16")
-        elif consts.get("F16_DOTS"):
+        if consts.get("F16_DOTS"):
             if "cvt.rn.f16x2.e4m3x2" not in ptx or "fma.rn.bf16x2" in ptx or ".f16.f16" not in ptx:
                 raise RuntimeError(f"{kernel.fn.__name__} {consts}: not fp16 dots on the paired conversion")
         elif consts.get("E4M3_PTX") and ("fma.rn.bf16x2" not in ptx or "cvt.bf16.f16" in ptx):
@@ -185,12 +181,6 @@ def compile_kind(arch: int, dtype: str, kind: str) -> int:
             partials = {} if split else {"part_o_ptr": "*" + dtype, "part_ml_ptr": "*" + dtype}
             build(ak._decode_kernel, al.decode_constexprs(G, D, PAGE, split, tdtype, cfg, fp8_kv=True),
                   cfg.num_warps, cfg.num_stages, dict(FP8_KV, **partials))
-        for G, block_n, stages in [(1, 128, 3), (4, 64, 2)] if dtype != "fp32" else ():   # DecodeConfig.qk_e4m3
-            cfg = replace(al.decode_config(128, tdtype, fp8_kv=True), block_n=block_n, num_stages=stages, qk_e4m3=True)
-            consts = al.decode_constexprs(G, 128, PAGE, True, tdtype, cfg, fp8_kv=True)
-            if not consts["QK_E4M3"]:
-                raise RuntimeError(f"fp8kv {dtype}: DecodeConfig.qk_e4m3 did not give QK_E4M3")
-            build(ak._decode_kernel, consts, cfg.num_warps, cfg.num_stages, FP8_KV)
     else:
         raise ValueError(f"unknown kernel family {kind!r}")
     return n

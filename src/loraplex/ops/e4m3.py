@@ -3,8 +3,8 @@ GEMM when weight-only (ops/gemm/fp8_kernels.py) and prompt attention over an e4m
 `to_e4m3`: fp32 to e4m3 as torch rounds (clamped to ±448), for the KV cache's store (ops/attention/store_kernel.py)
 and the activations' per-row quantization (ops/gemm/quantize_kernel.py, the RMSNorms' e4m3 output): the hardware's
 conversion where compiled, `round_to_e4m3` (fp32 rounded to e4m3's values by integer operations) in the interpreter.
-`f16_range_scales` and `e4m3_range_scales`: the powers of two that bring a tile into fp16's or e4m3's range, for
-decode attention's fp16 dots and e4m3 q·k (ops/attention/kernels.py's F16_DOTS and QK_E4M3).
+`f16_range_scales`: the powers of two that bring a row into fp16's range, for decode attention's fp16 dots
+(ops/attention/kernels.py's F16_DOTS).
 
 Triton's own conversion to bf16 goes through fp16 and converts each value again (sm_90 PTX: `cvt.rn.f16x2.e4m3x2`
 then `cvt.bf16.f16` per value, at a fraction of the integer rate); at the FP8 GEMM's tuned tiles it bound a
@@ -53,26 +53,13 @@ _E4M3_MAX: tl.constexpr = tl.constexpr(E4M3_MAX)   # (a jitted function reads on
 
 
 @triton.jit
-def _range_scales(amax, TOP: tl.constexpr):
-    """(2^-e, 2^e), fp32, e = clamp(floor(log2(amax)) - TOP, -100, 127 - TOP) (0 for amax 0): values scaled by 2^-e
-    have their largest in [2^TOP, 2^(TOP + 1)) for every finite fp32 amax from 2^(TOP - 100) up."""
-    e = (amax.to(tl.int32, bitcast=True) >> 23) - 127 - TOP   # (a subnormal amax reads as -127 - TOP: clamped)
-    e = tl.where(amax > 0, tl.minimum(tl.maximum(e, -100), 127 - TOP), 0)
-    return ((127 - e) << 23).to(tl.float32, bitcast=True), ((127 + e) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def f16_range_scales(amax):
-    """`_range_scales` with the largest value in [2^14, 2^15), so bf16 values convert to fp16 exactly down to 2^-31 of
-    it. For the fp16 routes (decode attention's F16_DOTS), where e4m3 converts to fp16 by one paired instruction."""
-    return _range_scales(amax, 14)
-
-
-@triton.jit
-def e4m3_range_scales(amax):
-    """`_range_scales` with the largest value in [2^7, 2^8), under e4m3's 448: for q split into e4m3 parts (decode
-    attention's QK_E4M3)."""
-    return _range_scales(amax, 7)
+    """(2^-e, 2^e), fp32, e = clamp(floor(log2(amax)) - 14, -100, 113) (0 for amax 0): values scaled by 2^-e have
+    their largest in [2^14, 2^15), so bf16 values convert to fp16 exactly down to 2^-31 of it. For the fp16 routes
+    (decode attention's F16_DOTS), where e4m3 converts to fp16 by one paired instruction."""
+    e = (amax.to(tl.int32, bitcast=True) >> 23) - 127 - 14   # (a subnormal amax reads as -141: clamped)
+    e = tl.where(amax > 0, tl.minimum(tl.maximum(e, -100), 113), 0)
+    return ((127 - e) << 23).to(tl.float32, bitcast=True), ((127 + e) << 23).to(tl.float32, bitcast=True)
 
 
 _INTERPRETED: tl.constexpr = tl.constexpr(envs.triton_interpret())

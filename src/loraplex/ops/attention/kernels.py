@@ -40,11 +40,7 @@ into the output's normalisation (the split decode's partial sums), so the scales
 program. E4M3_PTX is the prompt kernel's; decode over an e4m3 cache with bf16 q takes F16_DOTS (measured faster
 there): the tiles convert to fp16 by the hardware's paired instruction, q is scaled into fp16 by a power of two (exact;
 ops/e4m3.py's `f16_range_scales`, the power folded into the softmax scale) and the dots, P·V's included, run in
-fp16. Tiles that ask for QK_E4M3 (launchers.py's `DecodeConfig.qk_e4m3`, up to 16 q heads a kv head) skip K's
-conversion: q, scaled by a power of two into e4m3's range, is split into e4m3 parts hi and lo = (q - hi) · 16, placed
-in rows [0, 16) and [16, 32) of a 64-row tile (zeros below), so that q·k is one e4m3 tensor-core dot (Hopper's
-wgmma takes 64 rows) over K's bytes as loaded; the dot's row groups are summed (hi + lo / 16) into the 16 rows'
-scores, and the softmax and P·V (fp16) run on 16 rows as before.
+fp16.
 
 The caches are addressed through their strides (block, token, head; D innermost), so both a contiguous
 `[num_blocks, block_size, Hkv, D]` cache and the head-major one `KVCache` keeps (`[num_blocks, Hkv,
@@ -57,7 +53,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..e4m3 import e4m3_range_scales, e4m3_to_bf16, f16_range_scales, to_e4m3
+from ..e4m3 import e4m3_to_bf16, f16_range_scales
 from ..pdl import pdl_start
 
 # Running maxima start finite: a row whose first tiles are all masked (sliding window) then gets
@@ -70,19 +66,10 @@ NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)
 
 
 @triton.jit
-def _online_softmax_step(acc, m_i, l_i, q, k, v, qk_scale, keep, MASKED: tl.constexpr, PRECISION: tl.constexpr,
-                         QK_E4M3: tl.constexpr = False):
+def _online_softmax_step(acc, m_i, l_i, q, k, v, qk_scale, keep, MASKED: tl.constexpr, PRECISION: tl.constexpr):
     """One key tile of flash attention: rescale the running (acc, max, sum) and add this tile.
-    Scores are in log2 units (qk_scale includes log2 e); `keep` is only read when MASKED. QK_E4M3: q is
-    `_e4m3_q_parts`' tile of 4 × M rows and k is e4m3, so the dot's rows come in four groups of M (hi, lo · 16, zeros,
-    zeros) that add up to the M rows' scores."""
-    if QK_E4M3:
-        groups = tl.arange(0, 4)
-        weight = tl.where(groups == 0, 1.0, tl.where(groups == 1, 0.0625, 0.0))
-        qk4 = tl.reshape(tl.dot(q, tl.trans(k)), [4, q.shape[0] // 4, k.shape[0]])
-        qk = tl.sum(qk4 * weight[:, None, None], axis=0) * qk_scale
-    else:
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    Scores are in log2 units (qk_scale includes log2 e); `keep` is only read when MASKED."""
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     if MASKED:
         qk = tl.where(keep, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -97,7 +84,7 @@ def _online_softmax_step(acc, m_i, l_i, q, k, v, qk_scale, keep, MASKED: tl.cons
 def _attend_range(acc, m_i, l_i, q, k_head, v_head, bt_row, n_begin, n_end, pos, kv_lo, kv_hi, qk_scale, window,
                   stride_kb, stride_kt, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                   MASKED: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, E4M3_PTX: tl.constexpr,
-                  F16_DOTS: tl.constexpr, QK_E4M3: tl.constexpr = False):
+                  F16_DOTS: tl.constexpr):
     """Flash-attention steps over the key tiles starting at n_begin, n_begin + BLOCK_N, ... < n_end.
 
     Keys outside [kv_lo, kv_hi) are never read (nor their block table entries). MASKED tiles also
@@ -122,9 +109,7 @@ def _attend_range(acc, m_i, l_i, q, k_head, v_head, bt_row, n_begin, n_end, pos,
         else:
             k = tl.load(k_head + tok[:, None] + offs_d[None, :])
             v = tl.load(v_head + tok[:, None] + offs_d[None, :])
-        if QK_E4M3:   # k's e4m3 bytes into the dot as loaded; v in fp16 (exact)
-            v = v.to(tl.float16)
-        elif F16_DOTS:   # an e4m3 cache's tiles in fp16 (exact), q in fp16 too
+        if F16_DOTS:   # an e4m3 cache's tiles in fp16 (exact), q in fp16 too
             k = k.to(tl.float16)
             v = v.to(tl.float16)
         elif E4M3_PTX:   # an e4m3 cache's tiles in bf16 (exact)
@@ -136,7 +121,7 @@ def _attend_range(acc, m_i, l_i, q, k_head, v_head, bt_row, n_begin, n_end, pos,
         keep = n_mask[None, :] & (offs_n[None, :] <= pos[:, None])
         if WINDOW:
             keep = keep & (offs_n[None, :] > pos[:, None] - window)
-        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, qk_scale, keep, MASKED, PRECISION, QK_E4M3)
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, qk_scale, keep, MASKED, PRECISION)
         blk = blk_next
     return acc, m_i, l_i
 
@@ -223,30 +208,13 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
 
 
 @triton.jit
-def _e4m3_q_parts(q_row, head0, G, stride_qh, qk_scale, M: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """(q8, qk_scale): the G heads of q's row from head0, scaled by a power of two into e4m3's range and split into
-    e4m3 parts, hi = e4m3(q) in rows [0, M) and lo = e4m3((q - hi) · 16) in rows [M, 2M) of a 4M-row tile (zeros
-    below: the e4m3 tensor-core dot takes 64 rows), for `_online_softmax_step`'s QK_E4M3; the power of two goes into
-    the softmax scale. hi + lo / 16 carries about 7 bits of each value's mantissa."""
-    offs = tl.arange(0, 4 * M)
-    part = offs // M
-    keep = (offs % M < G) & (part < 2)
-    q = tl.load(q_row + (head0 + offs % M)[:, None] * stride_qh + tl.arange(0, HEAD_DIM)[None, :],
-                mask=keep[:, None], other=0.0).to(tl.float32)
-    down, up = e4m3_range_scales(tl.max(tl.max(tl.abs(q), axis=1), axis=0))
-    q = q * down
-    lo = (q - to_e4m3(q).to(tl.float32)) * 16.0
-    return to_e4m3(tl.where(part[:, None] == 0, q, lo)), qk_scale * up
-
-
-@triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ml_ptr,
                    block_tables_ptr, seq_lens_ptr, query_start_ptr, k_scale_ptr, v_scale_ptr,
                    qk_scale, window, chunk, num_q_heads, num_splits, ml_stride,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt,
                    G: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                    PAGE: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, FP8_KV: tl.constexpr,
-                   F16_DOTS: tl.constexpr, QK_E4M3: tl.constexpr):
+                   F16_DOTS: tl.constexpr):
     """The one query row of sequence program_id(0), G heads of kv head program_id(1), over keys
     [lo + split * chunk, lo + (split + 1) * chunk) ∩ [lo, seq_len) of split program_id(2)."""
     pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
@@ -265,18 +233,15 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ml
         m_mask = offs_m < G
         head = kvh * G + offs_m
         row = q_begin.to(tl.int64)
+        q = tl.load(q_ptr + row * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=m_mask[:, None], other=0.0)
         if FP8_KV:  # K = k_cache · k_scale, V = v_cache · v_scale (the splits' sums are linear in V)
             qk_scale = qk_scale * tl.load(k_scale_ptr)
-        if QK_E4M3:
-            q, qk_scale = _e4m3_q_parts(q_ptr + row * stride_qt, kvh * G, G, stride_qh, qk_scale, M, HEAD_DIM)
-        else:
-            q = tl.load(q_ptr + row * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                        mask=m_mask[:, None], other=0.0)
-            if F16_DOTS:   # q = q16 · 2^e: q16 into the dots, 2^e into the softmax scale
-                q32 = q.to(tl.float32)
-                down, up = f16_range_scales(tl.max(tl.max(tl.abs(q32), axis=1), axis=0))
-                q = (q32 * down).to(tl.float16)
-                qk_scale = qk_scale * up
+        if F16_DOTS:   # q = q16 · 2^e: q16 into the dots, 2^e into the softmax scale
+            q32 = q.to(tl.float32)
+            down, up = f16_range_scales(tl.max(tl.max(tl.abs(q32), axis=1), axis=0))
+            q = (q32 * down).to(tl.float16)
+            qk_scale = qk_scale * up
         bt_row = block_tables_ptr + s.to(tl.int64) * stride_bt
         k_head = k_cache_ptr + kvh * stride_kh
         v_head = v_cache_ptr + kvh * stride_kh
@@ -286,7 +251,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ml
         pos = tl.zeros([M], tl.int32) + (seq_len - 1)  # the query row's position
         acc, m_i, l_i = _attend_range(acc, m_i, l_i, q, k_head, v_head, bt_row, start, end, pos, start, end, qk_scale,
                                       window, stride_kb, stride_kt, BLOCK_N, HEAD_DIM, PAGE, True, False, PRECISION,
-                                      False, F16_DOTS, QK_E4M3)
+                                      False, F16_DOTS)
         if FP8_KV:
             acc = acc * tl.load(v_scale_ptr)
         if SPLIT:

@@ -36,9 +36,6 @@ class DecodeConfig:
     # (two resident programs per SM, 2 × 2 tiles in flight, already cover HBM latency: ~64 KB per SM)
     min_split_tokens: int = 256   # ...but give each split at least this many tokens (more splits cost a reduce)
     max_splits: int = 64
-    # e4m3 caches, 16-bit q, up to 16 q heads a kv head, head_dim ≥ 32: q·k as an e4m3 tensor-core dot over K's bytes
-    # as loaded, q split into two e4m3 parts (kernels.py's QK_E4M3)
-    qk_e4m3: bool = False
 
 
 # Fixed tables keyed on head_dim, for sm_90 (no autotuning here; revisit with a sweep on the GPU).
@@ -163,13 +160,9 @@ def decode_constexprs(G: int, D: int, page: int, split: bool, dtype: torch.dtype
                       fp8_kv: bool = False) -> dict:
     """The decode kernel's compile-time parameters (also used by the ahead-of-time compile test). bf16 q over an
     e4m3 cache takes the fp16 dots (kernels.py's F16_DOTS: 6% less kernel time than ops/e4m3.py's bf16 conversion
-    in a batch-32 decode step, H100). Tiles with `qk_e4m3` take QK_E4M3 where it applies: an e4m3 cache, 16-bit q, one
-    16-row group of q heads, and head_dim ≥ 32 (an e4m3 dot's K step)."""
-    M = max(16, pow2(G))
-    return dict(G=G, M=M, BLOCK_N=cfg.block_n, HEAD_DIM=D, PAGE=page, SPLIT=split,
-                PRECISION=_precision(dtype), FP8_KV=fp8_kv, F16_DOTS=fp8_kv and dtype == torch.bfloat16,
-                QK_E4M3=cfg.qk_e4m3 and fp8_kv and dtype in (torch.bfloat16, torch.float16) and M == 16
-                and D >= 32)
+    in a batch-32 decode step, H100)."""
+    return dict(G=G, M=max(16, pow2(G)), BLOCK_N=cfg.block_n, HEAD_DIM=D, PAGE=page, SPLIT=split,
+                PRECISION=_precision(dtype), FP8_KV=fp8_kv, F16_DOTS=fp8_kv and dtype == torch.bfloat16)
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
