@@ -6,11 +6,11 @@ layer, side by side in one run.
   of it at the first row count, its TOP fastest per-column tiles at the others), with a
   scale per output column (`--quantization fp8`, compressed-tensors) and with 128×128 block scales (transformers'
   `fp8`); the floors are each weight's bytes over the copy bandwidth measured in the same run (bf16: 2 bytes an
-  element, FP8: 1). `--configs-out` writes each shape's fastest per-column tiles at the first row count (the file
-  ops/gemm/fp8.py reads, tuned_fp8.json, when written there); cuBLAS's W8A8 (below) at the same rows; and the
-  kernel's W8A8 (what LORAPLEX_FP8_W8A8 picks on Hopper: `quantize_rows_fused`'s launch, then q read by the FP8
-  tensor cores) over its own sweep of tiles 64 columns wide or more (`--w8a8-configs-out` writes its fastest,
-  tuned_fp8_w8a8.json);
+  element, FP8: 1); cuBLAS's W8A8 (below) at the same rows; and the kernel's W8A8 (what LORAPLEX_FP8_W8A8 picks on
+  Hopper: `quantize_rows_fused`'s launch, then q read by the FP8 tensor cores) over its own sweep of tiles 64
+  columns wide or more. `--tuned-out DIR` writes each shape's fastest per-column and W8A8 tiles at the first row
+  count into DIR, in the files ops/gemm/fp8.py reads for this GPU (tuned_fp8_<gpu>.json, tuned_fp8_w8a8_<gpu>.json)
+  when DIR is src/loraplex/ops/gemm;
 - prompt rows (128, 512, 1337, 2048; 1337 as an engine step's rows, rarely a multiple of 16): cuBLAS bf16, W8A8
   (each row of x quantized to e4m3, then torch._scaled_mm: what LORAPLEX_FP8_W8A8 picks) and the weight
   dequantized for cuBLAS (the fallback).
@@ -18,7 +18,7 @@ Every timing replays a CUDA graph of calls over rotating weight copies (together
 CUDA-event timings after warm-up. Each FP8 output is checked against the dequantized weight's cuBLAS product first.
 
     python benchmarks/bench_fp8_gemm.py --out benchmarks/results/fp8_gemm.json --md benchmarks/results/fp8_gemm.md \
-        --configs-out src/loraplex/ops/gemm/tuned_fp8.json
+        --tuned-out src/loraplex/ops/gemm
 """
 from __future__ import annotations
 
@@ -53,11 +53,14 @@ SWEEP = [skinny.SkinnyConfig(block_n=bn, block_k=bk, stages=st)
          for bn, bk, st in itertools.product((32, 64, 128), (128, 256, 512), (3, 4))] + \
         [skinny.SkinnyConfig(block_n=bn, block_k=bk, stages=4, split_k=sp)   # wider tiles, K split to keep programs
          for bn, bk, sp in itertools.product((64, 128), (128, 256), (2, 4))]
-# the W8A8 kernel's tiles: 64 columns or more (narrower ones' e4m3 products run as fp16 mma.sync on Hopper), and
-# 512-wide K steps in splits too (x's e4m3 tile is as small as q's)
+# the W8A8 kernel's tiles: 64 columns or more (narrower ones' e4m3 products run as fp16 mma.sync on Hopper),
+# 512-wide K steps in splits too (x's e4m3 tile is as small as q's), and deeper pipelines (more bytes in flight a
+# program, for an H200's bandwidth; tiles past the shared memory are skipped)
 W8A8_SWEEP = [c for c in SWEEP if c.block_n >= 64] + \
     [skinny.SkinnyConfig(block_n=bn, block_k=512, stages=st, split_k=sp)
-     for bn, st, sp in itertools.product((64, 128), (3,), (2, 4))]
+     for bn, st, sp in itertools.product((64, 128), (3,), (2, 4))] + \
+    [skinny.SkinnyConfig(block_n=bn, block_k=bk, stages=st)
+     for bn, bk, st in itertools.product((64, 128), (256, 512), (5, 6))]
 LAYOUTS = {"column": None, "block128": (128, 128)}
 DEVICE, DTYPE = "cuda", torch.bfloat16
 
@@ -192,8 +195,8 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt-rows", default="128,512,1337,2048")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--md", type=Path)
-    ap.add_argument("--configs-out", type=Path, help="write each shape's fastest per-column FP8 tiles (JSON)")
-    ap.add_argument("--w8a8-configs-out", type=Path, help="the same for the kernel's W8A8")
+    ap.add_argument("--tuned-out", type=Path, help="a folder: write each shape's fastest per-column and W8A8 tiles "
+                    "there, in ops/gemm/fp8.py's files for this GPU")
     ap.add_argument("--smoke", action="store_true", help="a CPU run of everything at toy sizes (CI)")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -238,9 +241,10 @@ def main(argv=None) -> None:
     if args.md:
         args.md.write_text(markdown(result))
     first = int(args.rows.split(",")[0])
-    for path, entry, sweep in ((args.configs_out, "fp8_column", SWEEP),
-                               (args.w8a8_configs_out, "fp8_w8a8_kernel", W8A8_SWEEP)):
-        if path:
+    gpu = "h100" if args.smoke else fp8_gemm.tuned_gpu(torch.device(DEVICE))
+    for kind, entry, sweep in (("weight-only", "fp8_column", SWEEP), ("w8a8", "fp8_w8a8_kernel", W8A8_SWEEP)):
+        if args.tuned_out:
+            path = args.tuned_out / fp8_gemm.TUNED_FILES[(kind, gpu)].name
             path.write_text(json.dumps(fastest_tiles(result, first, entry, sweep), indent=1) + "\n")
 
 

@@ -5,7 +5,7 @@
 #   model         bench_model.py: one decode and prefill forward beside its floors
 #   gemm          bench_skinny_gemm.py: the decode GEMM against cuBLAS, and its tuned tiles (~9 min)
 #   fp8_gemm      bench_fp8_gemm.py: FP8 weights' GEMMs against bf16, and the FP8 kernel's tuned tiles
-#                 ($OUT/tuned_fp8.json, tuned_fp8_w8a8.json: copy them to src/loraplex/ops/gemm/)
+#                 ($OUT/tuned_fp8_<gpu>.json, tuned_fp8_w8a8_<gpu>.json: copy them to src/loraplex/ops/gemm/)
 #   fp8_attention bench_fp8_attention.py: decode attention over an e4m3 KV cache, its tiles swept
 #   compose_ops   bench_compose_ops.py: a layer's LoRA calls with two adapters a row against single and merged ones
 #   adapter_load  bench_adapter_load.py: disk → host → GPU slot, and 100 adapters through the cache
@@ -24,7 +24,7 @@ for name in "$@"; do
     gemm) cmd=(benchmarks/bench_skinny_gemm.py --out "$OUT/skinny_gemm.json" --md "$OUT/skinny_gemm.md"
                --configs-out "$OUT/skinny_configs.json") ;;
     fp8_gemm) cmd=(benchmarks/bench_fp8_gemm.py --out "$OUT/fp8_gemm.json" --md "$OUT/fp8_gemm.md"
-                   --configs-out "$OUT/tuned_fp8.json" --w8a8-configs-out "$OUT/tuned_fp8_w8a8.json") ;;
+                   --tuned-out "$OUT") ;;
     fp8_attention) cmd=(benchmarks/bench_fp8_attention.py --out "$OUT/fp8_attention.json" --md "$OUT/fp8_attention.md") ;;
     compose_ops) cmd=(benchmarks/bench_compose_ops.py --out "$OUT/compose_ops.json" --md "$OUT/compose_ops.md") ;;
     adapter_load) cmd=(benchmarks/bench_adapter_load.py --out "$OUT/adapter_load.json" --md "$OUT/adapter_load.md") ;;

@@ -116,18 +116,44 @@ def test_default_tiles_move_the_dense_tiles_bytes_a_step(monkeypatch):
                                   warps=got.warps, stages=got.stages)
     tuned = SkinnyConfig(block_n=32, block_k=256, stages=5)
     tuned_w8 = SkinnyConfig(block_n=64, block_k=256, stages=4)
-    monkeypatch.setattr(fp8, "TUNED", {"weight-only": {(4096, 4096): tuned}, "w8a8": {(4096, 4096): tuned_w8}})
+    monkeypatch.setattr(fp8, "TUNED", {("weight-only", "h100"): {(4096, 4096): tuned},
+                                       ("w8a8", "h100"): {(4096, 4096): tuned_w8}})
     assert fp8.default_config(4096, 4096, cpu) == tuned
     assert fp8.default_config(4096, 4096, cpu, w8a8=True) == tuned_w8
 
 
+def test_each_gpu_reads_its_own_tuned_tiles_else_the_h100s(monkeypatch):
+    """An H200 reads tuned_fp8*_h200.json's tiles where the sweep ran there, else the H100's (other GPUs and the CPU
+    read the H100's); a shape in neither takes the rule."""
+    h100, h200 = SkinnyConfig(block_n=64, block_k=256, stages=4), SkinnyConfig(block_n=128, block_k=512, stages=3)
+    monkeypatch.setattr(fp8, "TUNED", {("w8a8", "h100"): {(4096, 4096): h100, (12288, 4096): h100},
+                                       ("w8a8", "h200"): {(4096, 4096): h200}})
+    for name, gpu in (("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA A100-SXM4-80GB", "h100"),
+                      ("NVIDIA GH200 480GB", "h100")):
+        fp8._tuned_gpu.cache_clear()
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None, name=name: name)
+        cuda = torch.device("cuda", 0)
+        assert fp8.tuned_gpu(cuda) == gpu, name
+        assert fp8.default_config(4096, 4096, cuda, w8a8=True) == (h200 if gpu == "h200" else h100), name
+        assert fp8.default_config(12288, 4096, cuda, w8a8=True) == h100, name   # not swept on the H200
+        rule = fp8.default_config(22016, 4096, cuda, w8a8=True)
+        assert rule.block_n >= 64 and rule not in (h100, h200), name
+    fp8._tuned_gpu.cache_clear()
+    assert fp8.tuned_gpu(torch.device("cpu")) == "h100"
+
+
 def test_the_bundled_w8a8_tiles_are_wide_enough_for_wgmma():
-    """tuned_fp8_w8a8.json loads into TUNED["w8a8"], every tile 64 columns or wider (narrower e4m3 dots run as
-    fp16 mma.sync on Hopper) with K steps of at least W8A8_MIN_K."""
-    tiles = skinny.load_configs(fp8.TUNED_FILES["w8a8"])
-    assert tiles and tiles == fp8.TUNED["w8a8"]
-    assert all(c.block_n >= 64 and c.block_k >= fp8.W8A8_MIN_K for c in tiles.values())
-    assert (4096, 4096) in tiles and (12288, 4096) in tiles   # Llama-2-7B's o and q/k/v
+    """Each GPU's tuned_fp8_w8a8_<gpu>.json loads into TUNED, every tile 64 columns or wider (narrower e4m3 dots
+    run as fp16 mma.sync on Hopper) with K steps of at least W8A8_MIN_K; the H100's, the fallback, is bundled."""
+    assert fp8.TUNED_FILES[("w8a8", fp8.FALLBACK_GPU)].exists()
+    for gpu in fp8.TUNED_GPUS:
+        path = fp8.TUNED_FILES[("w8a8", gpu)]
+        if not path.exists():
+            continue
+        tiles = skinny.load_configs(path)
+        assert tiles and tiles == fp8.TUNED[("w8a8", gpu)]
+        assert all(c.block_n >= 64 and c.block_k >= fp8.W8A8_MIN_K for c in tiles.values()), path.name
+        assert (4096, 4096) in tiles and (12288, 4096) in tiles   # Llama-2-7B's o and q/k/v
 
 
 def test_fp8_skinny_linear_refuses_bad_arguments():
@@ -326,13 +352,13 @@ def test_bench_fp8_gemm_smoke(monkeypatch, tmp_path):
     bench = load_benchmark(monkeypatch, "bench_fp8_gemm")
     monkeypatch.setattr(load_benchmark(monkeypatch, "bench_skinny_gemm"), "SMOKE", False)   # (restored after)
     out, md = tmp_path / "fp8.json", tmp_path / "fp8.md"
-    tuned = tmp_path / "tuned_w8a8.json"
     bench.main(["--smoke", "--rows", "2", "--prompt-rows", "40", "--out", str(out), "--md", str(md),
-                "--w8a8-configs-out", str(tuned)])
+                "--tuned-out", str(tmp_path)])
     result = json.loads(out.read_text())
     assert len(result["decode"]) == len(result["prompt"]) == len(bench.SHAPES)
     for e in result["decode"].values():
         assert e["fp8_column"]["us"] > 0 and e["fp8_block128"]["us"] > 0 and e["fp8_w8a8_kernel"]["us"] > 0, e
-    assert len(skinny.load_configs(tuned)) == len(bench.SHAPES)
+    for name in ("tuned_fp8_h100.json", "tuned_fp8_w8a8_h100.json"):   # the files fp8.py reads, the CPU's
+        assert len(skinny.load_configs(tmp_path / name)) == len(bench.SHAPES), name
     assert set(result["layer"]["2"]) == {"Llama-2-7B", "Llama-3-8B"}
     assert "| Llama-3-8B @ 2 |" in md.read_text()
