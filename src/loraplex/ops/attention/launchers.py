@@ -12,6 +12,7 @@ import torch
 
 from ..launch import Launcher, cdiv, pow2
 from .checks import KV_FP8
+from .fma_decode_kernel import _fma_decode_kernel
 from .kernels import _decode_kernel, _decode_reduce_kernel, _prefill_kernel
 
 LOG2E = 1.4426950408889634   # the kernels' softmax runs in exp2: the scale carries log2(e)
@@ -36,6 +37,7 @@ class DecodeConfig:
     # (two resident programs per SM, 2 × 2 tiles in flight, already cover HBM latency: ~64 KB per SM)
     min_split_tokens: int = 256   # ...but give each split at least this many tokens (more splits cost a reduce)
     max_splits: int = 64
+    fma: bool = False   # fma_decode_kernel.py (fp32 FMAs over tiles in registers) rather than tensor-core dots
 
 
 # Fixed tables keyed on head_dim, for sm_90 (no autotuning here; revisit with a sweep on the GPU).
@@ -74,6 +76,7 @@ def decode_config(head_dim: int, dtype: torch.dtype, fp8_kv: bool = False) -> De
 REDUCE_WARPS = 4
 _PREFILL = Launcher(_prefill_kernel)
 _DECODE = Launcher(_decode_kernel)
+_FMA_DECODE = Launcher(_fma_decode_kernel)
 _REDUCE = Launcher(_decode_reduce_kernel)
 
 
@@ -160,7 +163,9 @@ def decode_constexprs(G: int, D: int, page: int, split: bool, dtype: torch.dtype
                       fp8_kv: bool = False) -> dict:
     """The decode kernel's compile-time parameters (also used by the ahead-of-time compile test). bf16 q over an
     e4m3 cache takes the fp16 dots (kernels.py's F16_DOTS: 6% less kernel time than ops/e4m3.py's bf16 conversion
-    in a batch-32 decode step, H100)."""
+    in a batch-32 decode step, H100). The FMA kernel (`cfg.fma`) computes in fp32 whatever the dtypes."""
+    if cfg.fma:
+        return dict(G=G, G_PAD=pow2(G), BLOCK_N=cfg.block_n, HEAD_DIM=D, PAGE=page, SPLIT=split, FP8_KV=fp8_kv)
     return dict(G=G, M=max(16, pow2(G)), BLOCK_N=cfg.block_n, HEAD_DIM=D, PAGE=page, SPLIT=split,
                 PRECISION=_precision(dtype), FP8_KV=fp8_kv, F16_DOTS=fp8_kv and dtype == torch.bfloat16)
 
@@ -182,17 +187,18 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
                k_cache.stride(2), block_tables.stride(0))
     scales = _scales(fp8, k_scale, v_scale, q)
     consts = decode_constexprs(G, D, page, splits > 1, q.dtype, cfg, fp8)
+    kernel = _FMA_DECODE if cfg.fma else _DECODE
     if splits == 1:  # no partials: the program writes out itself (the partial pointers are unused)
         args = (q, k_cache, v_cache, out, out, out, block_tables, seq_lens, query_start, *scales, scale * LOG2E,
                 window, chunk, Hq, 1, 0, *strides)
-        _DECODE((S, Hkv, 1), args, consts, cfg.num_warps, cfg.num_stages)
+        kernel((S, Hkv, 1), args, consts, cfg.num_warps, cfg.num_stages)
         return
     n_part = S * Hq * splits
     buf = torch.empty(n_part * (D + 2), dtype=torch.float32, device=q.device)  # one allocation: acc, then max, sum
     part_o, part_ml = buf[:n_part * D], buf[n_part * D:]
     args = (q, k_cache, v_cache, out, part_o, part_ml, block_tables, seq_lens, query_start, *scales, scale * LOG2E,
             window, chunk, Hq, splits, n_part, *strides)
-    _DECODE((S, Hkv, splits), args, consts, cfg.num_warps, cfg.num_stages)
+    kernel((S, Hkv, splits), args, consts, cfg.num_warps, cfg.num_stages)
     args = (part_o, part_ml, out, seq_lens, query_start, window, chunk, Hq, splits, n_part, out.stride(0),
             out.stride(1))
     _REDUCE((S, Hq), args, dict(HEAD_DIM=D, SPLITS_PAD=pow2(splits)), REDUCE_WARPS, 1)
