@@ -1,6 +1,6 @@
 """The FMA decode kernel (ops/attention/fma_decode_kernel.py, DecodeConfig.fma) against the float64 loop of
 test_attention, in Triton's interpreter: e4m3 caches with scales (as the FP8 KV cache runs it) and 16/32-bit ones,
-one or several query heads a kv head (padded to a power of two), splits with the shared reduce, sliding windows,
+one or several query heads a kv head, splits with the shared reduce, sliding windows,
 head-major caches, tiles that straddle pages and contexts that end mid-tile; poisoned layouts (NaN past each
 context, garbage block ids) as test_attention builds them. On GPUs (`-m gpu`) it runs in bf16 against the reference.
 """
@@ -65,19 +65,24 @@ def test_over_16_and_32_bit_caches_matches_the_float64_loop(dtype, cfg):
 
 
 def test_fma_tiles_take_their_own_kernel_and_constexprs(monkeypatch):
-    """`fma` picks fma_decode_kernel.py's kernel with G padded to a power of two and no dot settings; other tiles
-    keep the dot kernel."""
+    """`fma` picks fma_decode_kernel.py's kernel, a program per query head, without the dots' settings; other tiles
+    keep the dot kernel, a program per kv head."""
     consts = ak.decode_constexprs(3, 128, 16, True, torch.bfloat16, FMA, True)
-    assert consts == dict(G=3, G_PAD=4, BLOCK_N=16, HEAD_DIM=128, PAGE=16, SPLIT=True, FP8_KV=True)
+    assert consts == dict(G=3, BLOCK_N=16, R=4, HEAD_DIM=128, PAGE=16, SPLIT=True, FP8_KV=True)
+    # R: 8 lanes read a 128-byte e4m3 key, so a warp holds 4 keys side by side (16-bit keys: 2; 4 warps: 4 times more)
+    for D, nbytes, cfg, r in ((128, 1, FMA, 4), (128, 2, FMA, 2), (128, 4, FMA, 1), (32, 1, FMA, 16),
+                              (128, 1, ak.DecodeConfig(64, 4, 1, fma=True), 16), (32, 1, ak.DecodeConfig(8, 1, 1), 8)):
+        assert ak.fma_key_streams(D, nbytes, cfg) == r, (D, nbytes, cfg)
     assert "F16_DOTS" in ak.decode_constexprs(3, 128, 16, True, torch.bfloat16, ak.DecodeConfig(64, 4, 3), True)
     launched = []
-    monkeypatch.setattr(ak, "_DECODE", lambda *a: launched.append("dots"))
-    monkeypatch.setattr(ak, "_FMA_DECODE", lambda *a: launched.append("fma"))
+    monkeypatch.setattr(ak, "_DECODE", lambda grid, *a: launched.append(("dots", grid)))
+    monkeypatch.setattr(ak, "_FMA_DECODE", lambda grid, *a: launched.append(("fma", grid)))
     case, _, ks, vs = _case(stable_seed("fma-pick"), Hq=4, Hkv=2)
     for cfg in (FMA, ak.DecodeConfig(16, 4, 2)):
         ak.decode(*case.args(), torch.empty_like(case.q), max_seq_len=case.max_seq_len, scale=case.scale, window=0,
                   num_splits=1, cfg=cfg, k_scale=ks, v_scale=vs)
-    assert launched == ["fma", "dots"]
+    S = len(DECODE)
+    assert launched == [("fma", (S, 4, 1)), ("dots", (S, 2, 1))]
 
 
 @pytest.mark.gpu

@@ -165,9 +165,18 @@ def decode_constexprs(G: int, D: int, page: int, split: bool, dtype: torch.dtype
     e4m3 cache takes the fp16 dots (kernels.py's F16_DOTS: 6% less kernel time than ops/e4m3.py's bf16 conversion
     in a batch-32 decode step, H100). The FMA kernel (`cfg.fma`) computes in fp32 whatever the dtypes."""
     if cfg.fma:
-        return dict(G=G, G_PAD=pow2(G), BLOCK_N=cfg.block_n, HEAD_DIM=D, PAGE=page, SPLIT=split, FP8_KV=fp8_kv)
+        return dict(G=G, BLOCK_N=cfg.block_n, R=fma_key_streams(D, 1 if fp8_kv else dtype.itemsize, cfg), HEAD_DIM=D,
+                    PAGE=page, SPLIT=split, FP8_KV=fp8_kv)
     return dict(G=G, M=max(16, pow2(G)), BLOCK_N=cfg.block_n, HEAD_DIM=D, PAGE=page, SPLIT=split,
                 PRECISION=_precision(dtype), FP8_KV=fp8_kv, F16_DOTS=fp8_kv and dtype == torch.bfloat16)
+
+
+def fma_key_streams(head_dim: int, cache_bytes: int, cfg: DecodeConfig) -> int:
+    """The FMA kernel's R: keys of a tile side by side in a program's lanes, each lane reading 16 bytes of a key
+    (what Triton's layout of the tile gives: head_dim · cache_bytes / 16 lanes a key, the warp's other lanes on
+    other keys, each warp on keys of its own), so that each stream's running max and sum stay in its lanes."""
+    lanes_a_key = min(32, max(1, head_dim * cache_bytes // 16))
+    return min(cfg.block_n, 32 // lanes_a_key * cfg.num_warps)
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -182,7 +191,8 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
     G = Hq // Hkv
     fp8 = k_cache.dtype == KV_FP8
     cfg = cfg or decode_config(D, q.dtype, fp8)
-    splits, chunk = plan_decode(S, Hkv, max_seq_len, window, q.device, cfg, num_splits)
+    heads = Hq if cfg.fma else Hkv   # the FMA kernel's programs take a query head each, the dots' a kv head
+    splits, chunk = plan_decode(S, heads, max_seq_len, window, q.device, cfg, num_splits)
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
                k_cache.stride(2), block_tables.stride(0))
     scales = _scales(fp8, k_scale, v_scale, q)
@@ -191,14 +201,14 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
     if splits == 1:  # no partials: the program writes out itself (the partial pointers are unused)
         args = (q, k_cache, v_cache, out, out, out, block_tables, seq_lens, query_start, *scales, scale * LOG2E,
                 window, chunk, Hq, 1, 0, *strides)
-        kernel((S, Hkv, 1), args, consts, cfg.num_warps, cfg.num_stages)
+        kernel((S, heads, 1), args, consts, cfg.num_warps, cfg.num_stages)
         return
     n_part = S * Hq * splits
     buf = torch.empty(n_part * (D + 2), dtype=torch.float32, device=q.device)  # one allocation: acc, then max, sum
     part_o, part_ml = buf[:n_part * D], buf[n_part * D:]
     args = (q, k_cache, v_cache, out, part_o, part_ml, block_tables, seq_lens, query_start, *scales, scale * LOG2E,
             window, chunk, Hq, splits, n_part, *strides)
-    kernel((S, Hkv, splits), args, consts, cfg.num_warps, cfg.num_stages)
+    kernel((S, heads, splits), args, consts, cfg.num_warps, cfg.num_stages)
     args = (part_o, part_ml, out, seq_lens, query_start, window, chunk, Hq, splits, n_part, out.stride(0),
             out.stride(1))
     _REDUCE((S, Hq), args, dict(HEAD_DIM=D, SPLITS_PAD=pow2(splits)), REDUCE_WARPS, 1)
