@@ -53,6 +53,18 @@ def test_over_e4m3_caches_matches_the_float64_loop(Hq, Hkv, num_splits, window):
 
 
 @interpreted
+@pytest.mark.parametrize("D, bs, cfg", [(128, 16, ak.DecodeConfig(64, 2, 1, fma=True)),
+                                        (64, 32, ak.DecodeConfig(32, 1, 1, fma=True))], ids=["d128-r8", "d64-r8"])
+def test_llama_head_sizes_with_several_keys_a_lane_stream(D, bs, cfg):
+    """Head sizes where a tile holds several keys a stream (C > 1: 64 keys over R = 8 streams at D = 128 with two
+    warps; 32 over 8 at D = 64), over pages of 16 and 32 tokens, split and with a window."""
+    assert cfg.block_n // ak.fma_key_streams(D, 1, cfg) > 1
+    case, oracle, ks, vs = _case(stable_seed("fma-heads", D), Hq=4, Hkv=2, D=D, bs=bs, window=70)
+    out = _decode(case, cfg, 2, ks, vs)
+    assert max_err(out, oracle, case.owned_rows()) <= TOL[torch.float32]
+
+
+@interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("cfg", [FMA, ak.DecodeConfig(block_n=32, num_warps=2, num_stages=1, fma=True)],
                          ids=["16keys", "32keys-straddling-16-token-pages"])
