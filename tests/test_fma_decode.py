@@ -40,9 +40,8 @@ def _decode(case, cfg, num_splits=None, k_scale=None, v_scale=None) -> torch.Ten
 
 
 @interpreted
-@pytest.mark.parametrize("Hq, Hkv", [(4, 4), (6, 2), (8, 1)], ids=["mha", "gqa3", "mqa8"])
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("window", [0, 40])
+@pytest.mark.parametrize("Hq, Hkv, num_splits, window", [(4, 4, 1, 0), (4, 4, 3, 40), (6, 2, 3, 0), (8, 1, 1, 40)],
+                         ids=["mha", "mha-split-window", "gqa3-split", "mqa8-window"])
 def test_over_e4m3_caches_matches_the_float64_loop(Hq, Hkv, num_splits, window):
     """Keys and values in e4m3 scaled by K_SCALE and V_SCALE, fp32 queries: fp32 FMAs on exactly dequantized
     values, the fp32 tolerance."""
