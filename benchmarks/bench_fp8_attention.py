@@ -68,12 +68,13 @@ def _all_candidates(head_dim: int) -> dict[str, ak.DecodeConfig]:
             **{f"fma {n} keys, {w} warp{'s' if w > 1 else ''}": replace(today, block_n=n, num_warps=w, num_stages=1,
                                                                      fma=True)
                for n, w in FMA_TILES},
-            "fma 32 keys, 1 warp, splits of 256": replace(today, block_n=32, num_warps=1, num_stages=1, fma=True,
-                                                          min_split_tokens=256)}
+            "fma 16 keys, 2 warps, splits of 256": replace(today, block_n=16, num_warps=2, num_stages=1, fma=True,
+                                                           min_split_tokens=256)}
 
 
-# the FMA kernel's tiles (keys a step, warps): one warp reduces without shared memory
-FMA_TILES = ((16, 1), (32, 1), (64, 1), (32, 2), (64, 2), (128, 4))
+# the FMA kernel's tiles (keys a step, warps) at head_dim 128: 2 or 4 keys a lane stream (sm_90: 124-193 registers,
+# no spills; 8 keys a stream spill)
+FMA_TILES = ((8, 1), (16, 1), (16, 2), (32, 2), (32, 4), (64, 4))
 
 
 def to_e4m3(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

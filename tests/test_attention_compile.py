@@ -183,7 +183,7 @@ def compile_kind(arch: int, dtype: str, kind: str) -> int:
             build(ak._decode_kernel, al.decode_constexprs(G, D, PAGE, split, tdtype, cfg, fp8_kv=True),
                   cfg.num_warps, cfg.num_stages, dict(FP8_KV, **partials))
         for (D, G, split), (block_n, warps) in zip([(128, 1, False), (128, 1, True), (128, 4, False), (64, 8, True)],
-                                                   [(16, 1), (32, 1), (32, 2), (64, 4)]):
+                                                   [(16, 1), (16, 2), (32, 4), (64, 4)]):
             cfg = al.DecodeConfig(block_n, warps, 1, fma=True)   # fma_decode_kernel.py: no shared memory in one warp
             partials = {} if split else {"part_o_ptr": "*" + dtype, "part_ml_ptr": "*" + dtype}
             build(fk._fma_decode_kernel, al.decode_constexprs(G, D, PAGE, split, tdtype, cfg, fp8_kv=True), warps, 1,
