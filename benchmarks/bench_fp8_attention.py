@@ -72,9 +72,9 @@ def _all_candidates(head_dim: int) -> dict[str, ak.DecodeConfig]:
                                                            min_split_tokens=256)}
 
 
-# the FMA kernel's tiles (keys a step, warps) at head_dim 128: 2 or 4 keys a lane stream (sm_90: 124-193 registers,
-# no spills; 8 keys a stream spill)
-FMA_TILES = ((8, 1), (16, 1), (16, 2), (32, 2), (32, 4), (64, 4))
+# the FMA kernel's tiles (keys a step, warps) at head_dim 128: 1, 2 or 4 keys a lane stream (sm_90 bf16 q: 84-94,
+# 124-128 and 192-193 registers, no spills; 8 keys a stream spill)
+FMA_TILES = ((8, 1), (16, 1), (8, 2), (16, 2), (32, 2), (16, 4), (32, 4), (64, 4))
 
 
 def to_e4m3(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
