@@ -201,6 +201,10 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.smoke:
         _smoke_settings()
+    gpu = fp8_gemm.FALLBACK_GPU if args.smoke else fp8_gemm.tuned_gpu(torch.device(DEVICE))
+    if args.tuned_out and gpu is None:   # refused before the sweep, rather than written over another GPU's files
+        raise SystemExit(f"--tuned-out: ops/gemm/fp8.py reads tuned tiles for {', '.join(fp8_gemm.TUNED_GPUS)} "
+                         f"only, not {torch.cuda.get_device_name()!r}; add it to TUNED_GPUS first")
     torch.manual_seed(0)
     copy_gbs = 1.0 if args.smoke else copy_bandwidth_gbs()
     result = dict(gpu="cpu (smoke run)" if args.smoke else torch.cuda.get_device_name(),
@@ -240,12 +244,16 @@ def main(argv=None) -> None:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     if args.md:
         args.md.write_text(markdown(result))
-    first = int(args.rows.split(",")[0])
-    gpu = "h100" if args.smoke else fp8_gemm.tuned_gpu(torch.device(DEVICE))
+    if args.tuned_out:
+        write_tuned(result, args.tuned_out, int(args.rows.split(",")[0]), gpu)
+
+
+def write_tuned(result: dict, folder: Path, M: int, gpu: str) -> None:
+    """Each shape's fastest per-column and W8A8 tiles at M rows into `folder`, in the files ops/gemm/fp8.py reads for
+    `gpu` (one of its TUNED_GPUS)."""
     for kind, entry, sweep in (("weight-only", "fp8_column", SWEEP), ("w8a8", "fp8_w8a8_kernel", W8A8_SWEEP)):
-        if args.tuned_out:
-            path = args.tuned_out / fp8_gemm.TUNED_FILES[(kind, gpu)].name
-            path.write_text(json.dumps(fastest_tiles(result, first, entry, sweep), indent=1) + "\n")
+        path = folder / fp8_gemm.TUNED_FILES[(kind, gpu)].name
+        path.write_text(json.dumps(fastest_tiles(result, M, entry, sweep), indent=1) + "\n")
 
 
 def fastest_tiles(result: dict, M: int, entry: str, sweep: list) -> dict:

@@ -75,6 +75,22 @@ def test_over_16_and_32_bit_caches_matches_the_float64_loop(dtype, cfg):
     assert max_err(out, oracle, case.owned_rows()) <= TOL[dtype]
 
 
+@interpreted
+def test_splits_planned_over_query_heads(monkeypatch):
+    """Left to plan its splits, a launch counts the FMA kernel's programs a query head each (the interpreter's 4
+    "SMs" × 2 programs over 2 sequences × 4 query heads: 1 split; over 1 sequence × 2 heads: 4), and the split
+    launch matches the loop."""
+    grids = []
+    real = ak._FMA_DECODE
+    monkeypatch.setattr(ak, "_FMA_DECODE", lambda grid, *a: (grids.append(grid), real(grid, *a)))
+    cfg = ak.DecodeConfig(16, 1, 1, fma=True, min_split_tokens=32)
+    for seqs, Hq, Hkv in (([(150, 1), (90, 1)], 4, 2), ([(150, 1)], 2, 1)):
+        case, oracle, ks, vs = _case(stable_seed("fma-plan", Hq), Hq=Hq, Hkv=Hkv, seqs=seqs)
+        out = _decode(case, cfg, None, ks, vs)
+        assert max_err(out, oracle, case.owned_rows()) <= TOL[torch.float32]
+    assert grids == [(2, 4, 1), (1, 2, 4)]
+
+
 def test_fma_tiles_take_their_own_kernel_and_constexprs(monkeypatch):
     """`fma` picks fma_decode_kernel.py's kernel, a program per query head, without the dots' settings; other tiles
     keep the dot kernel, a program per kv head."""
@@ -94,6 +110,8 @@ def test_fma_tiles_take_their_own_kernel_and_constexprs(monkeypatch):
                   num_splits=1, cfg=cfg, k_scale=ks, v_scale=vs)
     S = len(DECODE)
     assert launched == [("fma", (S, 4, 1)), ("dots", (S, 2, 1))]
+    with pytest.raises(ValueError, match="block_n: 24 keys"):   # a step that would leave keys out of its streams
+        ak.decode_constexprs(1, 128, 16, False, torch.bfloat16, ak.DecodeConfig(24, 1, 1, fma=True), True)
 
 
 @pytest.mark.gpu

@@ -123,13 +123,13 @@ def test_default_tiles_move_the_dense_tiles_bytes_a_step(monkeypatch):
 
 
 def test_each_gpu_reads_its_own_tuned_tiles_else_the_h100s(monkeypatch):
-    """An H200 reads tuned_fp8*_h200.json's tiles where the sweep ran there, else the H100's (other GPUs and the CPU
-    read the H100's); a shape in neither takes the rule."""
+    """An H200 reads tuned_fp8*_h200.json's tiles where the sweep ran there, else the H100's; GPUs no sweep ran on
+    (tuned_gpu None; a GH200 until one does) and the CPU read the H100's; a shape in neither takes the rule."""
     h100, h200 = SkinnyConfig(block_n=64, block_k=256, stages=4), SkinnyConfig(block_n=128, block_k=512, stages=3)
     monkeypatch.setattr(fp8, "TUNED", {("w8a8", "h100"): {(4096, 4096): h100, (12288, 4096): h100},
                                        ("w8a8", "h200"): {(4096, 4096): h200}})
-    for name, gpu in (("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA A100-SXM4-80GB", "h100"),
-                      ("NVIDIA GH200 480GB", "h100")):
+    for name, gpu in (("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA A100-SXM4-80GB", None),
+                      ("NVIDIA GH200 480GB", None)):
         fp8._tuned_gpu.cache_clear()
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None, name=name: name)
         cuda = torch.device("cuda", 0)
@@ -139,7 +139,20 @@ def test_each_gpu_reads_its_own_tuned_tiles_else_the_h100s(monkeypatch):
         rule = fp8.default_config(22016, 4096, cuda, w8a8=True)
         assert rule.block_n >= 64 and rule not in (h100, h200), name
     fp8._tuned_gpu.cache_clear()
-    assert fp8.tuned_gpu(torch.device("cpu")) == "h100"
+    assert fp8.tuned_gpu(torch.device("cpu")) is None
+    assert fp8.default_config(4096, 4096, torch.device("cpu"), w8a8=True) == h100
+
+
+def test_bench_fp8_gemm_refuses_to_write_tiles_for_a_gpu_without_its_files(monkeypatch, tmp_path):
+    """--tuned-out on a GPU of no TUNED_GPUS stops before the sweep, naming the GPU, rather than writing its tiles
+    over the H100's."""
+    from benchmark_modules import load_benchmark
+    bench = load_benchmark(monkeypatch, "bench_fp8_gemm")
+    monkeypatch.setattr(fp8, "tuned_gpu", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA L40S")
+    with pytest.raises(SystemExit, match="not 'NVIDIA L40S'"):
+        bench.main(["--tuned-out", str(tmp_path)])
+    assert not list(tmp_path.iterdir())
 
 
 def test_the_bundled_w8a8_tiles_are_wide_enough_for_wgmma():

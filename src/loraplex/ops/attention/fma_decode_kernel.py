@@ -22,8 +22,7 @@ import triton
 import triton.language as tl
 
 from ..pdl import pdl_start
-
-NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)   # finite running maxima: exp2(-inf - NEG_BIG) = 0, not NaN
+from .kernels import NEG_BIG   # finite running maxima: exp2(-inf - NEG_BIG) = 0, not NaN
 
 
 @triton.jit
@@ -43,13 +42,14 @@ def _load_tile(k_head, v_head, bt_row, n0, end, stride_kb, stride_kt, C: tl.cons
 
 
 @triton.jit
-def _attend(q, k_head, v_head, bt_row, start, end, stride_kb, stride_kt, BLOCK_N: tl.constexpr,
-                     R: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr):
+def _attend(q, k_head, v_head, bt_row, start, end, stride_kb, stride_kt, BLOCK_N: tl.constexpr, R: tl.constexpr,
+            HEAD_DIM: tl.constexpr, PAGE: tl.constexpr):
     """(unnormalised out [HEAD_DIM], max, sum) of one query head (q [HEAD_DIM], scaled into log2 units) over keys
     [start, end). A tile's keys are [C, R] (key n0 + c · R + r): each of the R key streams keeps its own running
     max, sum and output, combined once at the end, so a step reduces over D (a lane's 16 bytes and a few lanes) and
     over C (within a lane) only. Everything stays in the tiles' layout."""
     C: tl.constexpr = BLOCK_N // R
+    tl.static_assert(C * R == BLOCK_N, "a tile's keys must fill its R streams")
     q3 = q[None, None, :]
     m_i = tl.full([R], NEG_BIG, tl.float32)
     l_i = tl.zeros([R], tl.float32)

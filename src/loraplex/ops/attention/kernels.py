@@ -31,7 +31,8 @@ decode-only batch (max_query_len == 1) only the second:
   fill G of its 64-128 tile rows, so there the wasted tensor-core work would outlast the reads.)
   With one split the program writes `out` directly; with more, each writes fp32 partials
   (unnormalised acc, running max, running sum) and the reduce kernel (grid (S, Hq)) combines
-  the splits a sequence's context reaches.
+  the splits a sequence's context reaches. fma_decode_kernel.py computes the same rows in FMAs, a program a
+  query head, with the same partials and reduce.
 
 An e4m3 cache (FP8_KV) is read as is: each K and V tile is converted to q's dtype after its load (exact:
 every e4m3 value is a bf16, fp16 and fp32 value; for bf16 q on the GPU by ops/e4m3.py's integer operations,

@@ -1,6 +1,6 @@
-"""Launchers of the paged-attention kernels (kernels.py, which describes them): tile tables per head size, the
-split of a decode launch, and the launches. Arguments arrive validated (paged.py); these only pick tiles and
-launch.
+"""Launchers of the paged-attention kernels (kernels.py, which describes them, and fma_decode_kernel.py): tile
+tables per head size, the split of a decode launch, and the launches. Arguments arrive validated (paged.py); these
+only pick tiles and launch.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class DecodeConfig:
     block_n: int     # keys per step
     num_warps: int
     num_stages: int
-    programs_per_sm: float = 2.0  # split the context until S × Hkv × splits reaches this many programs per SM
+    programs_per_sm: float = 2.0  # split the context until S × heads × splits reaches this many programs per SM
     # (two resident programs per SM, 2 × 2 tiles in flight, already cover HBM latency: ~64 KB per SM)
     min_split_tokens: int = 256   # ...but give each split at least this many tokens (more splits cost a reduce)
     max_splits: int = 64
@@ -139,18 +139,18 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
     _PREFILL(grid, args, consts, cfg.num_warps, cfg.num_stages)
 
 
-def plan_decode(num_seqs: int, num_kv_heads: int, max_seq_len: int, window: int, device: torch.device,
+def plan_decode(num_seqs: int, heads: int, max_seq_len: int, window: int, device: torch.device,
                 cfg: DecodeConfig, num_splits: int | None = None) -> tuple[int, int]:
     """(splits, tokens per split) for a decode launch, from host ints only.
 
-    Without splits the grid is S × Hkv programs; when that is under `programs_per_sm` per SM (a
-    small batch), the context is cut into up to `max_splits` contiguous ranges of at least
-    `min_split_tokens` tokens so long contexts still fill the GPU. Ranges are whole BLOCK_N
-    steps. `num_splits` forces the count (tests; it may come out lower after rounding).
+    Without splits the grid is S × heads programs (kv heads; query heads for the FMA kernel); when that is under
+    `programs_per_sm` per SM (a small batch), the context is cut into up to `max_splits` contiguous ranges of at least
+    `min_split_tokens` tokens so long contexts still fill the GPU. Ranges are whole BLOCK_N steps. `num_splits` forces
+    the count (tests; it may come out lower after rounding).
     """
     longest = max(1, min(max_seq_len, window) if window > 0 else max_seq_len)  # keys one query reads, at most
     if num_splits is None:
-        wanted = math.ceil(cfg.programs_per_sm * _num_sms(device) / max(1, num_seqs * num_kv_heads))
+        wanted = math.ceil(cfg.programs_per_sm * _num_sms(device) / max(1, num_seqs * heads))
         num_splits = min(wanted, cfg.max_splits, longest // cfg.min_split_tokens)
     if num_splits <= 1:
         return 1, UNSPLIT_CHUNK
@@ -174,7 +174,11 @@ def decode_constexprs(G: int, D: int, page: int, split: bool, dtype: torch.dtype
 def fma_key_streams(head_dim: int, cache_bytes: int, cfg: DecodeConfig) -> int:
     """The FMA kernel's R: keys of a tile side by side in a program's lanes, each lane reading 16 bytes of a key
     (what Triton's layout of the tile gives: head_dim · cache_bytes / 16 lanes a key, the warp's other lanes on
-    other keys, each warp on keys of its own), so that each stream's running max and sum stay in its lanes."""
+    other keys, each warp on keys of its own), so that each stream's running max and sum stay in its lanes. Keys of
+    more than 512 bytes take more than a warp's lanes: R is then the warps, and the layout may differ (the results
+    do not: R only says which lanes reduce). Raises ValueError for a key step that is not a power of two."""
+    if cfg.block_n & (cfg.block_n - 1):
+        raise ValueError(f"DecodeConfig.block_n: {cfg.block_n} keys a step; the FMA kernel takes a power of two")
     lanes_a_key = min(32, max(1, head_dim * cache_bytes // 16))
     return min(cfg.block_n, 32 // lanes_a_key * cfg.num_warps)
 
