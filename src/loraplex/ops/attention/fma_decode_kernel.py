@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from ..pdl import pdl_start
-from .kernels import NEG_BIG   # finite running maxima: exp2(-inf - NEG_BIG) = 0, not NaN
+from .kernels import NEG_BIG, decode_keys   # NEG_BIG: finite running maxima (exp2(-inf - NEG_BIG) = 0)
 
 
 @triton.jit
@@ -86,13 +86,8 @@ def _fma_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, par
     s = tl.program_id(0)
     head = tl.program_id(1)
     sp = tl.program_id(2)
-    q_begin = tl.load(query_start_ptr + s)
-    q_end = tl.load(query_start_ptr + s + 1)
-    seq_len = tl.load(seq_lens_ptr + s)
-    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
-    start = lo + sp * chunk
-    end = tl.minimum(start + chunk, seq_len)
-    if (q_end - q_begin == 1) & (start < end):  # sequences with more rows are the prefill kernel's
+    q_begin, _, start, end, active = decode_keys(query_start_ptr, seq_lens_ptr, s, sp, window, chunk)
+    if active:
         offs_d = tl.arange(0, HEAD_DIM)
         row = q_begin.to(tl.int64)
         if FP8_KV:  # K = k_cache · k_scale: the scale joins the softmax's
