@@ -171,7 +171,6 @@ def _write(result: dict, args) -> None:
 
 COMPOSE_VARIANTS = ("composed", "merged")
 QUANTIZATIONS = ("none", "fp8", "fp8kv")
-_warmed: list[bool] = []   # a run has warmed this process up
 
 
 def _groups(variants: list[str], shared_compose_pool: bool) -> list[list[str]]:
@@ -237,11 +236,11 @@ def run_group(args, B: int, mode: str, variants: list[str], copy_gbs: float,
         for variant in variants[repeat % len(variants):] + variants[:repeat % len(variants)]:
             adapters = [_adapter(variant, i, B) for i in range(len(work))]
             if repeat == 0:
-                # warm-up: the process's first run sees every step shape (Triton compiles, allocator settles); later
-                # ones only need the allocator and caches settled
-                n, t0 = len(work) if not _warmed else B, time.perf_counter()
-                run(engine, work[:n], adapters[:n])
-                _warmed.append(True)
+                # warm-up: a whole run of each variant, so that it sees every step shape with its own kernels (the
+                # LoRA kernels' variants by the batches' shapes: the backbone's run launches none of them), and the
+                # allocator settles
+                t0 = time.perf_counter()
+                run(engine, work, adapters)
                 print(f"B={B} {mode} {quant} {variant}: warmed up in {time.perf_counter() - t0:.0f} s", flush=True)
             runs[variant].append(run(engine, work, adapters))
     rows = []
