@@ -4,8 +4,7 @@ The kernel's decode tiles for 16-bit caches (ops/attention/launchers.py's DECODE
 programs an SM with two K/V tiles in flight each, which covers HBM's latency. An e4m3 tile of the same keys moves
 half the bytes, so e4m3 caches take twice the keys a step (FP8_DECODE_CONFIGS). Per case, side by side in one run:
 the same batch over a bf16 cache (its tiles), then the e4m3 cache with today's tiles, the 16-bit ones and each of
-`candidates` (more or fewer stages and warps, shorter splits, wider or narrower key steps, and the FMA kernel's tiles:
-fma_decode_kernel.py, fp32 FMAs over tiles in registers, no tensor cores),
+`candidates` (more or fewer stages and warps, shorter splits, wider or narrower key steps),
 beside the floor of the e4m3 bytes over the copy bandwidth measured in the same run. Every e4m3 output is
 checked against the reference path on the same cache first.
 
@@ -64,17 +63,7 @@ def _all_candidates(head_dim: int) -> dict[str, ak.DecodeConfig]:
             "1 warp, half keys, 4 stages": replace(today, block_n=half, num_warps=1, num_stages=4),
             "2 warps, splits of 256": replace(today, num_warps=2, min_split_tokens=256),
             "half keys, 2 stages": replace(today, block_n=half, num_stages=2),
-            "half keys, 2 warps, 2 stages": replace(today, block_n=half, num_warps=2, num_stages=2),
-            **{f"fma {n} keys, {w} warp{'s' if w > 1 else ''}": replace(today, block_n=n, num_warps=w, num_stages=1,
-                                                                     fma=True)
-               for n, w in FMA_TILES},
-            "fma 16 keys, 2 warps, splits of 256": replace(today, block_n=16, num_warps=2, num_stages=1, fma=True,
-                                                           min_split_tokens=256)}
-
-
-# the FMA kernel's tiles (keys a step, warps) at head_dim 128: 1, 2 or 4 keys a lane stream (sm_90 bf16 q: 84-94,
-# 124-128 and 192-193 registers, no spills; 8 keys a stream spill)
-FMA_TILES = ((8, 1), (16, 1), (8, 2), (16, 2), (32, 2), (16, 4), (32, 4), (64, 4))
+            "half keys, 2 warps, 2 stages": replace(today, block_n=half, num_warps=2, num_stages=2)}
 
 
 def to_e4m3(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,10 +8,10 @@ subprocess is this file run as a script:
 
     TRITON_INTERPRET=0 python tests/test_attention_compile.py 90 bf16 prefill
 
-The "fp8kv" family compiles the four kernels (fma_decode_kernel.py's too) over float8 e4m3 caches (bf16, fp16 and fp32
-activations) for Hopper: Triton converts e4m3 from sm_89 on, so the engine refuses an FP8 KV cache on older GPUs. With
-bf16 the prompt tiles convert by ops/e4m3.py's integer operations (E4M3_PTX), none through fp16; the decode tiles by the
-paired e4m3 → fp16 instruction into fp16 dots (F16_DOTS).
+The "fp8kv" family compiles the three kernels over float8 e4m3 caches (bf16, fp16 and fp32 activations) for Hopper:
+Triton converts e4m3 from sm_89 on, so the engine refuses an FP8 KV cache on older GPUs. With bf16 the prompt tiles
+convert by ops/e4m3.py's integer operations (E4M3_PTX), none through fp16; the decode tiles by the paired e4m3 → fp16
+instruction into fp16 dots (F16_DOTS).
 """
 from __future__ import annotations
 
@@ -98,7 +98,6 @@ def compile_kind(arch: int, dtype: str, kind: str) -> int:
     """Compile every listed variant of one kernel family with the launchers' settings; returns how many."""
     import torch
 
-    from loraplex.ops.attention import fma_decode_kernel as fk
     from loraplex.ops.attention import kernels as ak
     from loraplex.ops.attention import launchers as al
     from loraplex.ops.attention import store_kernel as sk
@@ -156,11 +155,6 @@ def compile_kind(arch: int, dtype: str, kind: str) -> int:
         for split in (False, True) if dtype != "fp32" else ():
             consts = with_ones(ak._decode_kernel, al.decode_constexprs(4, 128, PAGE, split, tdtype, cfg))
             build(ak._decode_kernel, consts, cfg.num_warps, cfg.num_stages, partials(split))
-        if dtype != "fp32":   # fma_decode_kernel.py over a 16-bit cache (also what test_pdl.py checks of it)
-            fma = al.DecodeConfig(16, 2, 1, fma=True)
-            for split in (False, True):
-                build(fk._fma_decode_kernel, al.decode_constexprs(4, 128, PAGE, split, tdtype, fma), fma.num_warps, 1,
-                      partials(split))
         for D in HEAD_DIMS:
             for splits_pad in (2, 64):
                 build(ak._decode_reduce_kernel, dict(HEAD_DIM=D, SPLITS_PAD=splits_pad), al.REDUCE_WARPS, 1)
@@ -187,12 +181,6 @@ def compile_kind(arch: int, dtype: str, kind: str) -> int:
             partials = {} if split else {"part_o_ptr": "*" + dtype, "part_ml_ptr": "*" + dtype}
             build(ak._decode_kernel, al.decode_constexprs(G, D, PAGE, split, tdtype, cfg, fp8_kv=True),
                   cfg.num_warps, cfg.num_stages, dict(FP8_KV, **partials))
-        for (D, G, split), (block_n, warps) in zip([(128, 1, False), (128, 1, True), (128, 4, False), (64, 8, True)],
-                                                   [(16, 1), (16, 2), (32, 4), (64, 4)]):
-            cfg = al.DecodeConfig(block_n, warps, 1, fma=True)   # fma_decode_kernel.py
-            partials = {} if split else {"part_o_ptr": "*" + dtype, "part_ml_ptr": "*" + dtype}
-            build(fk._fma_decode_kernel, al.decode_constexprs(G, D, PAGE, split, tdtype, cfg, fp8_kv=True), warps, 1,
-                  dict(FP8_KV, **partials))
     else:
         raise ValueError(f"unknown kernel family {kind!r}")
     return n

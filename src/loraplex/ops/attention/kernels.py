@@ -31,8 +31,7 @@ decode-only batch (max_query_len == 1) only the second:
   fill G of its 64-128 tile rows, so there the wasted tensor-core work would outlast the reads.)
   With one split the program writes `out` directly; with more, each writes fp32 partials
   (unnormalised acc, running max, running sum) and the reduce kernel (grid (S, Hq)) combines
-  the splits a sequence's context reaches. fma_decode_kernel.py computes the same rows in FMAs, a program a
-  query head, with the same partials and reduce.
+  the splits a sequence's context reaches.
 
 An e4m3 cache (FP8_KV) is read as is: each K and V tile is converted to q's dtype after its load (exact:
 every e4m3 value is a bf16, fp16 and fp32 value; for bf16 q on the GPU by ops/e4m3.py's integer operations,
@@ -209,21 +208,6 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
 
 
 @triton.jit
-def decode_keys(query_start_ptr, seq_lens_ptr, s, sp, window, chunk):
-    """(q_begin, seq_len, start, end, active) of split sp of sequence s in a decode launch: its first query row, its
-    context, the keys [start, end) = [lo + sp · chunk, lo + (sp + 1) · chunk) ∩ [lo, seq_len) of the split (lo: the
-    window's first key), and whether the program has work (one query row, the prefill kernel takes longer ones, and
-    a non-empty range)."""
-    q_begin = tl.load(query_start_ptr + s)
-    q_end = tl.load(query_start_ptr + s + 1)
-    seq_len = tl.load(seq_lens_ptr + s)
-    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
-    start = lo + sp * chunk
-    end = tl.minimum(start + chunk, seq_len)
-    return q_begin, seq_len, start, end, (q_end - q_begin == 1) & (start < end)
-
-
-@triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ml_ptr,
                    block_tables_ptr, seq_lens_ptr, query_start_ptr, k_scale_ptr, v_scale_ptr,
                    qk_scale, window, chunk, num_q_heads, num_splits, ml_stride,
@@ -237,8 +221,13 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ml
     s = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
-    q_begin, seq_len, start, end, active = decode_keys(query_start_ptr, seq_lens_ptr, s, sp, window, chunk)
-    if active:
+    q_begin = tl.load(query_start_ptr + s)
+    q_end = tl.load(query_start_ptr + s + 1)
+    seq_len = tl.load(seq_lens_ptr + s)
+    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    start = lo + sp * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    if (q_end - q_begin == 1) & (start < end):  # sequences with more rows are the prefill kernel's
         offs_m = tl.arange(0, M)
         offs_d = tl.arange(0, HEAD_DIM)
         m_mask = offs_m < G

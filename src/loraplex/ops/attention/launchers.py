@@ -1,6 +1,6 @@
-"""Launchers of the paged-attention kernels (kernels.py, which describes them, and fma_decode_kernel.py): tile
-tables per head size, the split of a decode launch, and the launches. Arguments arrive validated (paged.py); these
-only pick tiles and launch.
+"""Launchers of the paged-attention kernels (kernels.py, which describes them): tile tables per head size, the
+split of a decode launch, and the launches. Arguments arrive validated (paged.py); these only pick tiles and
+launch.
 """
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import torch
 
 from ..launch import Launcher, cdiv, pow2
 from .checks import KV_FP8
-from .fma_decode_kernel import _fma_decode_kernel
 from .kernels import _decode_kernel, _decode_reduce_kernel, _prefill_kernel
 
 LOG2E = 1.4426950408889634   # the kernels' softmax runs in exp2: the scale carries log2(e)
@@ -33,11 +32,10 @@ class DecodeConfig:
     block_n: int     # keys per step
     num_warps: int
     num_stages: int
-    programs_per_sm: float = 2.0  # split the context until S × heads × splits reaches this many programs per SM
+    programs_per_sm: float = 2.0  # split the context until S × Hkv × splits reaches this many programs per SM
     # (two resident programs per SM, 2 × 2 tiles in flight, already cover HBM latency: ~64 KB per SM)
     min_split_tokens: int = 256   # ...but give each split at least this many tokens (more splits cost a reduce)
     max_splits: int = 64
-    fma: bool = False   # fma_decode_kernel.py (fp32 FMAs over tiles in registers) rather than tensor-core dots
 
 
 # Fixed tables keyed on head_dim, for sm_90 (no autotuning here; revisit with a sweep on the GPU).
@@ -76,7 +74,6 @@ def decode_config(head_dim: int, dtype: torch.dtype, fp8_kv: bool = False) -> De
 REDUCE_WARPS = 4
 _PREFILL = Launcher(_prefill_kernel)
 _DECODE = Launcher(_decode_kernel)
-_FMA_DECODE = Launcher(_fma_decode_kernel)
 _REDUCE = Launcher(_decode_reduce_kernel)
 
 
@@ -139,18 +136,18 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
     _PREFILL(grid, args, consts, cfg.num_warps, cfg.num_stages)
 
 
-def plan_decode(num_seqs: int, heads: int, max_seq_len: int, window: int, device: torch.device,
+def plan_decode(num_seqs: int, num_kv_heads: int, max_seq_len: int, window: int, device: torch.device,
                 cfg: DecodeConfig, num_splits: int | None = None) -> tuple[int, int]:
     """(splits, tokens per split) for a decode launch, from host ints only.
 
-    Without splits the grid is S × heads programs (kv heads; query heads for the FMA kernel); when that is under
-    `programs_per_sm` per SM (a small batch), the context is cut into up to `max_splits` contiguous ranges of at least
-    `min_split_tokens` tokens so long contexts still fill the GPU. Ranges are whole BLOCK_N steps. `num_splits` forces
-    the count (tests; it may come out lower after rounding).
+    Without splits the grid is S × Hkv programs; when that is under `programs_per_sm` per SM (a
+    small batch), the context is cut into up to `max_splits` contiguous ranges of at least
+    `min_split_tokens` tokens so long contexts still fill the GPU. Ranges are whole BLOCK_N
+    steps. `num_splits` forces the count (tests; it may come out lower after rounding).
     """
     longest = max(1, min(max_seq_len, window) if window > 0 else max_seq_len)  # keys one query reads, at most
     if num_splits is None:
-        wanted = math.ceil(cfg.programs_per_sm * _num_sms(device) / max(1, num_seqs * heads))
+        wanted = math.ceil(cfg.programs_per_sm * _num_sms(device) / max(1, num_seqs * num_kv_heads))
         num_splits = min(wanted, cfg.max_splits, longest // cfg.min_split_tokens)
     if num_splits <= 1:
         return 1, UNSPLIT_CHUNK
@@ -163,24 +160,9 @@ def decode_constexprs(G: int, D: int, page: int, split: bool, dtype: torch.dtype
                       fp8_kv: bool = False) -> dict:
     """The decode kernel's compile-time parameters (also used by the ahead-of-time compile test). bf16 q over an
     e4m3 cache takes the fp16 dots (kernels.py's F16_DOTS: 6% less kernel time than ops/e4m3.py's bf16 conversion
-    in a batch-32 decode step, H100). The FMA kernel (`cfg.fma`) computes in fp32 whatever the dtypes."""
-    if cfg.fma:
-        return dict(G=G, BLOCK_N=cfg.block_n, R=fma_key_streams(D, 1 if fp8_kv else dtype.itemsize, cfg), HEAD_DIM=D,
-                    PAGE=page, SPLIT=split, FP8_KV=fp8_kv)
+    in a batch-32 decode step, H100)."""
     return dict(G=G, M=max(16, pow2(G)), BLOCK_N=cfg.block_n, HEAD_DIM=D, PAGE=page, SPLIT=split,
                 PRECISION=_precision(dtype), FP8_KV=fp8_kv, F16_DOTS=fp8_kv and dtype == torch.bfloat16)
-
-
-def fma_key_streams(head_dim: int, cache_bytes: int, cfg: DecodeConfig) -> int:
-    """The FMA kernel's R: keys of a tile side by side in a program's lanes, each lane reading 16 bytes of a key
-    (what Triton's layout of the tile gives: head_dim · cache_bytes / 16 lanes a key, the warp's other lanes on
-    other keys, each warp on keys of its own), so that each stream's running max and sum stay in its lanes. Keys of
-    more than 512 bytes take more than a warp's lanes: R is then the warps, and the layout may differ (the results
-    do not: R only says which lanes reduce). Raises ValueError for a key step that is not a power of two."""
-    if cfg.block_n & (cfg.block_n - 1):
-        raise ValueError(f"DecodeConfig.block_n: {cfg.block_n} keys a step; the FMA kernel takes a power of two")
-    lanes_a_key = min(32, max(1, head_dim * cache_bytes // 16))
-    return min(cfg.block_n, 32 // lanes_a_key * cfg.num_warps)
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -195,24 +177,22 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
     G = Hq // Hkv
     fp8 = k_cache.dtype == KV_FP8
     cfg = cfg or decode_config(D, q.dtype, fp8)
-    heads = Hq if cfg.fma else Hkv   # the FMA kernel's programs take a query head each, the dots' a kv head
-    splits, chunk = plan_decode(S, heads, max_seq_len, window, q.device, cfg, num_splits)
+    splits, chunk = plan_decode(S, Hkv, max_seq_len, window, q.device, cfg, num_splits)
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
                k_cache.stride(2), block_tables.stride(0))
     scales = _scales(fp8, k_scale, v_scale, q)
     consts = decode_constexprs(G, D, page, splits > 1, q.dtype, cfg, fp8)
-    kernel = _FMA_DECODE if cfg.fma else _DECODE
     if splits == 1:  # no partials: the program writes out itself (the partial pointers are unused)
         args = (q, k_cache, v_cache, out, out, out, block_tables, seq_lens, query_start, *scales, scale * LOG2E,
                 window, chunk, Hq, 1, 0, *strides)
-        kernel((S, heads, 1), args, consts, cfg.num_warps, cfg.num_stages)
+        _DECODE((S, Hkv, 1), args, consts, cfg.num_warps, cfg.num_stages)
         return
     n_part = S * Hq * splits
     buf = torch.empty(n_part * (D + 2), dtype=torch.float32, device=q.device)  # one allocation: acc, then max, sum
     part_o, part_ml = buf[:n_part * D], buf[n_part * D:]
     args = (q, k_cache, v_cache, out, part_o, part_ml, block_tables, seq_lens, query_start, *scales, scale * LOG2E,
             window, chunk, Hq, splits, n_part, *strides)
-    kernel((S, heads, splits), args, consts, cfg.num_warps, cfg.num_stages)
+    _DECODE((S, Hkv, splits), args, consts, cfg.num_warps, cfg.num_stages)
     args = (part_o, part_ml, out, seq_lens, query_start, window, chunk, Hq, splits, n_part, out.stride(0),
             out.stride(1))
     _REDUCE((S, Hq), args, dict(HEAD_DIM=D, SPLITS_PAD=pow2(splits)), REDUCE_WARPS, 1)
