@@ -11,6 +11,7 @@ import json
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -318,6 +319,11 @@ def test_migration_keeps_the_stream_and_the_greedy_output(cluster):
     cluster.wait(lambda: all(r["running"] == 0 and r["waiting"] == 0 for r in cluster.reports().values()),
                  "every replica idle")
     cluster.hold({short: 64 - 12, roomy: 0})   # 12 blocks of 8 tokens: three prompts, not their 40 tokens each
+    # ...and in the ingress's own view (its gauges), which the router chooses from and which tells the short replica
+    # its peer's room: on a loaded machine it can lag the reports read here by seconds
+    cluster.wait(lambda: all(set(cluster.metric(f"loraplex_replica_num_requests_{g}").values()) == {0.0}
+                             for g in ("running", "waiting")), "every replica idle in the ingress's view")
+    time.sleep(1.0)   # a few of the ingress's rounds of peer rooms (upkeep.PEERS_EVERY_S)
     try:
         async def main():
             async with httpx.AsyncClient(base_url=cluster.url, timeout=120) as client:
