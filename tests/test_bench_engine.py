@@ -1,5 +1,5 @@
 """benchmarks/bench_engine.py's engines (the benchmark itself needs a GPU): which variants share an engine, and
-each engine's pool (its width, its slots and the adapters made resident)."""
+each engine's pool (its width, its slots and the adapters made resident), and the runs of a group (warm-ups and timed runs)."""
 from types import SimpleNamespace
 
 import pytest
@@ -99,3 +99,27 @@ def test_graph_prompt_tokens_reach_the_engine(bench, given):
     engine, _ = bench._engine(args, 4, "graphs", ["backbone"], "none")
     want = EngineConfig(model="m").cuda_graph_max_prompt_tokens if given is None else given
     assert engine.config.cuda_graph_max_prompt_tokens == want
+
+
+def test_every_variant_warms_up_with_a_whole_run(bench, monkeypatch):
+    """Each variant's first run is a warm-up over all the requests (its own kernels see every step shape: the
+    backbone's launch no LoRA kernel), then `repeats` timed runs; the rows come from the timed runs only."""
+    calls = []
+
+    def fake_run(engine, work, adapters):
+        calls.append((adapters[0], len(work)))
+        return dict(tokens_per_s=float(len(calls)), full_decode_step_ms=1.0, prompt_steps_seconds=0.1,
+                    prompt_steps_gpu_seconds=0.1, started=0.0, mean_full_context=100.0)
+
+    model = SimpleNamespace(config=SimpleNamespace(vocab_size=100))
+    engine = SimpleNamespace(runner=SimpleNamespace(model=model), close=lambda: None)
+    monkeypatch.setattr(bench, "_engine", lambda *a: (engine, 0.0))
+    monkeypatch.setattr(bench, "run", fake_run)
+    for name in ("kv_bytes", "weight_bytes", "adapter_bytes"):
+        monkeypatch.setattr(bench, name, lambda *a: 1)
+    args = SimpleNamespace(waves=2, repeats=2, profile=None)
+    rows, _ = bench.run_group(args, 4, "graphs", ["backbone", "distinct"], copy_gbs=1.0)
+    # round 1: backbone warm-up + run, distinct warm-up + run; round 2 (rotated): distinct, backbone
+    assert calls == [(None, 8), (None, 8), ("a0", 8), ("a0", 8), ("a0", 8), (None, 8)]
+    assert {r["variant"]: r["repeats_tokens_per_s"] for r in rows} == {"backbone": [2.0, 6.0],
+                                                                       "distinct": [4.0, 5.0]}
