@@ -1,5 +1,5 @@
-"""benchmarks/bench_engine.py's engines (the benchmark itself needs a GPU): which variants share an engine, and
-each engine's pool (its width, its slots and the adapters made resident), and the runs of a group (warm-ups and timed runs)."""
+"""benchmarks/bench_engine.py's engines (the benchmark itself needs a GPU): which variants share an engine, each
+engine's pool (its width, its slots and the adapters made resident), and a group's runs (warm-ups, timed runs)."""
 from types import SimpleNamespace
 
 import pytest
