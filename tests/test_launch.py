@@ -76,3 +76,97 @@ def test_inside_compile_ahead_launcher_calls_launch_nothing(caplog):
     with caplog.at_level("WARNING", logger="loraplex.ops"):
         launch.precompile(broken)
     assert "compiling kernels ahead failed (RuntimeError: no such variant)" in caplog.text and not launch._AHEAD
+
+
+class _Compiled:
+    """A compiled kernel's stand-in: the direct launch hands it its arguments."""
+    function = packed_metadata = None
+
+    def run(self, *args):
+        raise AssertionError("recorded by the test's _launch, never run")
+
+
+def _direct_launcher(monkeypatch, interpreted):
+    """A Launcher of a real JITFunction (built from the interpreted kernel's source) on its direct path, whose
+    `_launch` records (args, specs, ordered constexprs) instead of launching."""
+    from triton.runtime.jit import JITFunction
+    kernel = interpreted if type(interpreted).__name__ == "JITFunction" else JITFunction(interpreted.fn,
+                                                                                         **interpreted.kwargs)
+    monkeypatch.setattr(launch, "_fast_enabled", lambda: True)
+    launcher = launch.Launcher(kernel)
+    seen = []
+    monkeypatch.setattr(launcher, "_launch", lambda grid, args, constexprs, warps, stages, specs, ordered:
+                        seen.append((list(args), list(specs), ordered)))
+    return launcher, seen
+
+
+def _full_specs(launcher, args):
+    return [launch._plain_spec(a) if i in launcher._plain else launch._spec(a) for i, a in enumerate(args)]
+
+
+def test_prepared_launch_keys_its_arguments_as_a_plain_launch_does(monkeypatch):
+    """`launcher.prepare(...)(*values)` launches the arguments a plain launch of the same call would, keyed by the
+    same specs: the dynamic values (an unaligned view among them) where given, the prepared ones elsewhere, a
+    do_not_specialize int keyed by its width only; and the prepared launch keeps none of the first call's dynamic
+    tensors alive."""
+    from loraplex.ops.lora import sgmv
+    launcher, seen = _direct_launcher(monkeypatch, sgmv._sgmv_expand_kernel)
+    n = len(launcher.kernel.arg_names) - len(launcher._const_names)
+    t = torch.randn(64, dtype=torch.float32)
+    args = [t if i % 3 else 16 * i + 1 for i in range(n)]
+    plain_pos = launcher._plain[0]
+    args[plain_pos] = 1   # a do_not_specialize int: 1 is keyed like any other int32
+    constexprs = {name: i for i, name in enumerate(launcher._const_names)}
+    dynamic = (0, 1, 2, plain_pos)
+    prepared = launcher.prepare((3,), tuple(args), constexprs, 4, 2, dynamic)
+    assert all(prepared.args[i] is None for i in dynamic)
+    calls = [(torch.randn(8), torch.randn(8, dtype=torch.float16)[1:], 32, 2**40),
+             (torch.randn(8), torch.randn(8, dtype=torch.float16), 17, 5)]
+    for values in calls:
+        prepared(*values)
+        launched, specs, ordered = seen.pop()
+        expected = list(args)
+        for i, v in zip(dynamic, values):
+            expected[i] = v
+        assert all(a is b for a, b in zip(launched, expected)) and len(launched) == len(expected)
+        assert specs == _full_specs(launcher, expected)
+        assert ordered == tuple(constexprs[name] for name in launcher._const_names)
+    with pytest.raises(TypeError, match="takes 4 dynamic arguments, got 3"):
+        prepared(*calls[0][:3])
+    with pytest.raises(ValueError, match="dynamic positions must be distinct, ascending"):
+        launcher.prepare((3,), tuple(args), constexprs, 4, 2, (2, 1))
+
+
+def test_sgmv_launches_over_a_batch_are_prepared_once_and_key_each_calls_tensors(monkeypatch):
+    """add_lora builds its two launches at a batch's first call and reuses them for later calls of the same shapes
+    (one entry a launch in `batch.launches`); each call's tensors reach the kernel and its key, an unaligned x of
+    the same strides included, and a batch's `update_` drops them."""
+    import numpy as np
+
+    from loraplex.ops import LoraBatch
+    from loraplex.ops.lora import sgmv
+    from lora_cases import make_case
+    shrink, shrink_seen = _direct_launcher(monkeypatch, sgmv._sgmv_shrink_kernel)
+    expand, expand_seen = _direct_launcher(monkeypatch, sgmv._sgmv_expand_kernel)
+    monkeypatch.setattr(sgmv, "_SHRINK", shrink)
+    monkeypatch.setattr(sgmv, "_EXPAND", expand)
+    case = make_case(np.random.default_rng(5), seg_lens=[3, 2, 4], popularity="distinct", K=32, Ns=(24, 16), R=8)
+    batch = case.batch()
+    shifted = torch.randn(case.x.numel() + 1, dtype=case.x.dtype)[1:].view(case.x.shape)
+    for x in (case.x, shifted):   # the second: the same shape and strides, one element off 16-byte alignment
+        y = case.y0.clone()
+        sgmv.add_lora(y, x, case.lora_a, case.lora_b, batch, case.ranks, case.scalings, 0)
+        (s_args, s_specs, _), (e_args, e_specs, _) = shrink_seen.pop(), expand_seen.pop()
+        assert s_args[0] is x and e_args[0] is y and s_args[1] is e_args[1]   # part: the shrink's output
+        assert s_args[8] is case.lora_a[0] and s_args[9] is case.lora_a[1] and e_args[7] is case.lora_b[0]
+        assert s_specs == _full_specs(shrink, s_args) and e_specs == _full_specs(expand, e_args)
+        assert s_specs[0] == launch._spec(x) and s_args[sgmv._sgmv_shrink_kernel.arg_names.index("stride_xm")] == \
+            x.stride(0)
+    assert launch._spec(case.x) != launch._spec(shifted)
+    assert sum(k[0] in ("shrink", "expand") for k in batch.launches) == 2
+    capacity = LoraBatch.with_capacity(16, 4, "cpu", num_slots=8)
+    sgmv.add_lora(torch.zeros(16, 40), torch.randn(16, 32), case.lora_a, case.lora_b, capacity, case.ranks,
+                  case.scalings, 0)
+    assert capacity.launches
+    capacity.update_([5], [1])
+    assert not capacity.launches

@@ -154,10 +154,20 @@ class Launcher:
         if not self.enabled or _hooks_installed():
             self.kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages, **_PDL_OPTIONS)
             return
-        device = torch.cuda.current_device()
         specs = tuple(map(_spec, args))
         if self._plain:
             specs = tuple(_plain_spec(a) if i in self._plain else sp for i, (a, sp) in enumerate(zip(args, specs)))
+        self._launch(grid, args, constexprs, num_warps, num_stages, specs, self.in_order(constexprs))
+
+    def in_order(self, constexprs: dict) -> tuple:
+        """The constexpr values in the kernel's parameter order (how the compiled kernel takes them)."""
+        return tuple(constexprs[name] for name in self._const_names)
+
+    def _launch(self, grid: tuple, args, constexprs: dict, num_warps: int, num_stages: int, specs,
+                ordered: tuple) -> None:
+        """The direct launch of the variant keyed by `specs` (each argument's `_spec`), through Triton the first
+        time (compiling it if needed); `ordered`: `in_order(constexprs)`."""
+        device = torch.cuda.current_device()
         key = (device, num_warps, num_stages, *constexprs.values(), *specs)
         compiled = self._compiled.get(key)
         if compiled is None:
@@ -167,5 +177,65 @@ class Launcher:
         self.direct_launches += 1
         grid = tuple(grid) + (1, 1)
         compiled.run(grid[0], grid[1], grid[2], driver.active.get_current_stream(device), compiled.function,
-                     compiled.packed_metadata, None, None, None,
-                     *args, *(constexprs[name] for name in self._const_names))
+                     compiled.packed_metadata, None, None, None, *args, *ordered)
+
+    def prepare(self, grid: tuple, args: tuple, constexprs: dict, num_warps: int, num_stages: int,
+                dynamic: range | tuple[int, ...]) -> "PreparedLaunch":
+        """This launch with every argument but those at positions `dynamic` fixed (see PreparedLaunch)."""
+        return PreparedLaunch(self, grid, args, constexprs, num_warps, num_stages, dynamic)
+
+
+class PreparedLaunch:
+    """A launch whose grid, constexprs and arguments are fixed but for those at positions `dynamic`:
+    `prepared(*values)` ≡ `launcher(grid, args with values at dynamic, constexprs, num_warps, num_stages)`.
+
+    Eager prompt steps launch hundreds of kernels whose arguments repeat from layer to layer but for a few tensors
+    (the LoRA kernels: ~35 arguments, ~10 of them tensors that change). Keying only those each call keeps the
+    direct launch's check of what Triton specializes on (`_spec`) for every argument that can change.
+    """
+
+    def __init__(self, launcher: Launcher, grid: tuple, args: tuple, constexprs: dict, num_warps: int,
+                 num_stages: int, dynamic: range | tuple[int, ...]) -> None:
+        dynamic = tuple(dynamic)
+        if list(dynamic) != sorted(set(dynamic)) or (dynamic and not 0 <= dynamic[0] <= dynamic[-1] < len(args)):
+            raise ValueError(f"dynamic positions must be distinct, ascending and below {len(args)}, got {dynamic}")
+        self.launcher, self.grid, self.constexprs = launcher, grid, constexprs
+        self.num_warps, self.num_stages = num_warps, num_stages
+        self.args, self.dynamic, self.runs = list(args), dynamic, _runs(dynamic)
+        self.specs: list | None = None
+        if launcher.enabled:
+            plain = launcher._plain
+            self.specs = [_plain_spec(a) if i in plain else _spec(a) for i, a in enumerate(args)]
+            self._spec_of = [(_plain_spec if i in plain else _spec) for i in dynamic]
+            self._ordered = launcher.in_order(constexprs)
+        for i in dynamic:   # not kept alive by the launch: each call brings its own
+            self.args[i] = None
+
+    def __call__(self, *values) -> None:
+        if len(values) != len(self.dynamic):
+            raise TypeError(f"this launch takes {len(self.dynamic)} dynamic arguments, got {len(values)}")
+        launcher, args = self.launcher, self.args.copy()
+        for start, stop, first in self.runs:   # slices: ~2x faster than position by position
+            args[start:stop] = values[first:first + stop - start]
+        if _AHEAD or not launcher.enabled or _hooks_installed():
+            launcher(self.grid, tuple(args), self.constexprs, self.num_warps, self.num_stages)
+            return
+        specs, dynamic_specs = self.specs.copy(), list(map(_call, self._spec_of, values))
+        for start, stop, first in self.runs:
+            specs[start:stop] = dynamic_specs[first:first + stop - start]
+        launcher._launch(self.grid, args, self.constexprs, self.num_warps, self.num_stages, specs, self._ordered)
+
+
+def _call(f, value):
+    return f(value)
+
+
+def _runs(positions: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """Ascending positions as runs of consecutive ones: (start, stop, index of start among the positions)."""
+    runs: list[tuple[int, int, int]] = []
+    for j, i in enumerate(positions):
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1, runs[-1][2])
+        else:
+            runs.append((i, i + 1, j))
+    return runs

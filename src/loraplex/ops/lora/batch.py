@@ -112,6 +112,9 @@ class LoraBatch:
     shrink_work_end: torch.Tensor | None = field(default=None, repr=False)
     extra_slot: torch.Tensor | None = field(default=None, repr=False)
     _capacity: tuple[int, int, int, int] | None = field(default=None, repr=False)  # rows, segments, slots, members
+    # the SGMV launches over this batch, by the shapes they serve (ops/lora/sgmv.py): built at a forward's first
+    # layer, reused by the others
+    launches: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.composed:   # the shrink walks the expand's tiles; entries are rows
@@ -241,6 +244,7 @@ class LoraBatch:
         self.group_slots, self.group_bounds = values["group_slots"], values["group_bounds"]
         self.shrink_group_slots = values["shrink_group_slots"]
         self.shrink_group_bounds = values["shrink_group_bounds"]
+        self.launches.clear()
         return self
 
 

@@ -137,6 +137,28 @@ def shrink_into(part: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],
     """Launch shrink writing `part[split, slice, entry, :rank]` (fp32 `[split_k, slices, batch.num_entries, R]`;
     entries are rows unless the batch is composed). `after_gemm`: launched
     right after a GEMM over the same x, the shrink's programs may run beside it (the kernel's AFTER_GEMM)."""
+    key = ("shrink", len(lora_a), part.shape, part.stride(), x.shape[1], x.stride(), x.dtype, lora_a[0].shape,
+           lora_a[0].stride(), lora_a[0].dtype, cfg, after_gemm)
+    launch = batch.launches.get(key, _UNSET)
+    if launch is _UNSET:
+        launch = batch.launches[key] = _shrink_launch(part, x, lora_a, ranks, batch, cfg, after_gemm)
+    if launch is not None:
+        launch(x, part, *lora_a, *ranks)
+
+
+_UNSET = object()
+
+
+def _dynamic(first: int, num_slices: int, per_slice: int) -> tuple[int, ...]:
+    """The positions of the arguments that change from call to call over one batch: the output and input (0, 1),
+    and from `first` the `per_slice` groups of MAX_SLICES tensors (A, or B, ranks and scalings), of which the first
+    `num_slices` are used. The rest are the batch's tiles, sizes and the unused slices' placeholders, which the
+    kernel never reads (the first call's tensors of the adapter pool, which outlives the batch, stand in)."""
+    return (0, 1, *(first + g * MAX_SLICES + i for g in range(per_slice) for i in range(num_slices)))
+
+
+def _shrink_launch(part, x, lora_a, ranks, batch, cfg: KernelConfig, after_gemm: bool):
+    """The shrink's launch over `batch` for these shapes (None: an empty grid), its tensors as they are now."""
     num_slices = len(lora_a)
     split_k = part.shape[0]
     _, R, K = lora_a[0].shape
@@ -145,18 +167,20 @@ def shrink_into(part: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],
     k_per_split = cdiv(cdiv(K, split_k), cfg.shrink_block_k) * cfg.shrink_block_k
     grid = (batch.num_shrink_work * num_slices * r_tiles, split_k)
     if grid[0] == 0:
-        return
+        return None
     pad = MAX_SLICES - num_slices
     precision = "tf32x3" if x.dtype == torch.float32 else "tf32"  # ignored for 16-bit inputs
     weights = batch.shrink_weights if batch.composed else batch.shrink_rows   # (unread unless COMPOSED)
     args = (x, part, batch.shrink_rows, batch.shrink_entries, weights, batch.shrink_work_slot,
-            batch.shrink_work_start, batch.shrink_work_end, *lora_a, *[lora_a[0]] * pad, *ranks, *[ranks[0]] * pad, K, k_per_split, r_tiles, R,
+            batch.shrink_work_start, batch.shrink_work_end, *lora_a, *[lora_a[0]] * pad, *ranks, *[ranks[0]] * pad,
+            K, k_per_split, r_tiles, R,
             x.stride(0), x.stride(1), lora_a[0].stride(0), lora_a[0].stride(1),
             part.stride(0), part.stride(1), part.stride(2))
-    _SHRINK(grid, args, dict(NUM_SLICES=num_slices, BLOCK_M=batch.block_m, BLOCK_R=block_r,
-                             BLOCK_K=cfg.shrink_block_k, PRECISION=precision,
-                             ROWWISE=cfg.rowwise and block_r <= 32, AFTER_GEMM=after_gemm, COMPOSED=batch.composed),
-            cfg.shrink_warps, cfg.shrink_stages)
+    return _SHRINK.prepare(grid, args, dict(NUM_SLICES=num_slices, BLOCK_M=batch.block_m, BLOCK_R=block_r,
+                                            BLOCK_K=cfg.shrink_block_k, PRECISION=precision,
+                                            ROWWISE=cfg.rowwise and block_r <= 32, AFTER_GEMM=after_gemm,
+                                            COMPOSED=batch.composed),
+                           cfg.shrink_warps, cfg.shrink_stages, _dynamic(8, num_slices, 2))
 
 
 def expand_from(y: torch.Tensor, part: torch.Tensor, lora_b: list[torch.Tensor], ranks: list[torch.Tensor],
@@ -166,6 +190,18 @@ def expand_from(y: torch.Tensor, part: torch.Tensor, lora_b: list[torch.Tensor],
     batch's members before y rounds; with `accumulate=False`, that sum is stored instead (zeros for slices of rank
     0; rows without an adapter are left as they were): y is an fp32 delta buffer (a LoraDelta,
     ops/lora/overlap.py)."""
+    key = ("expand", tuple(b.shape for b in lora_b), lora_b[0].dtype, y.stride(), y.dtype, part.shape,
+           part.stride(), y_offset, cfg, accumulate)
+    launch = batch.launches.get(key, _UNSET)
+    if launch is _UNSET:
+        launch = batch.launches[key] = _expand_launch(y, part, lora_b, ranks, scalings, batch, y_offset, cfg,
+                                                      accumulate)
+    if launch is not None:
+        launch(y, part, *lora_b, *ranks, *scalings)
+
+
+def _expand_launch(y, part, lora_b, ranks, scalings, batch, y_offset: int, cfg: KernelConfig, accumulate: bool):
+    """The expand's launch over `batch` for these shapes (None: an empty grid), its tensors as they are now."""
     num_slices = len(lora_b)
     R = lora_b[0].shape[2]
     ns = [b.shape[1] for b in lora_b]
@@ -173,7 +209,7 @@ def expand_from(y: torch.Tensor, part: torch.Tensor, lora_b: list[torch.Tensor],
     n_chunks, n_per_prog = choose_n_chunks(batch.num_work * num_slices, max(ns), y.device, cfg)
     grid = (batch.num_work * num_slices * n_chunks,)
     if grid[0] == 0:
-        return
+        return None
     pad = MAX_SLICES - num_slices
     # bf16 keeps fp32's exponent range, so v splits into two bf16 halves without overflow; fp16 would
     # overflow past 65504, so fp16 (exactly representable in fp32) takes the fp32 product.
@@ -187,21 +223,25 @@ def expand_from(y: torch.Tensor, part: torch.Tensor, lora_b: list[torch.Tensor],
             *lora_b, *[lora_b[0]] * pad, *ranks, *[ranks[0]] * pad, *scalings, *[scalings[0]] * pad,
             *ns, *[0] * pad, *cols, *[0] * pad, n_chunks, n_per_prog, R, batch.num_rows, batch.lanes - 1,
             y.stride(0), y.stride(1), part.stride(0), part.stride(1), part.stride(2))
-    _EXPAND(grid, args, dict(NUM_SLICES=num_slices, SPLIT_K=part.shape[0], BLOCK_M=batch.block_m,
-                             BLOCK_N=cfg.expand_block_n, BLOCK_R=block_r, ONE_R_TILE=R <= block_r,
-                             PRECISION=precision, ACCUMULATE=accumulate, ROWWISE=cfg.rowwise,
-                             ROWS_BLOCK_N=rows_block_n_for(cfg, 2 * member_r if composed else block_r),
-                             TILE_PREFETCH=cfg.tile_prefetch, COMPOSED=composed, MEMBER_R=member_r),
-            cfg.expand_warps, cfg.expand_stages)
+    return _EXPAND.prepare(grid, args, dict(NUM_SLICES=num_slices, SPLIT_K=part.shape[0], BLOCK_M=batch.block_m,
+                                            BLOCK_N=cfg.expand_block_n, BLOCK_R=block_r, ONE_R_TILE=R <= block_r,
+                                            PRECISION=precision, ACCUMULATE=accumulate, ROWWISE=cfg.rowwise,
+                                            ROWS_BLOCK_N=rows_block_n_for(cfg, 2 * member_r if composed else block_r),
+                                            TILE_PREFETCH=cfg.tile_prefetch, COMPOSED=composed, MEMBER_R=member_r),
+                           cfg.expand_warps, cfg.expand_stages, _dynamic(7, num_slices, 3))
 
 
 def new_partials(x: torch.Tensor, lora_a: list[torch.Tensor], batch, cfg: KernelConfig) -> torch.Tensor:
     """The shrink's fp32 output `[split_k, slices, batch.num_entries, R]`, split K ways by the rule above (for
     `batch.split_work` tiles)."""
     num_slices, R, E = len(lora_a), lora_a[0].shape[1], batch.num_entries
-    split_k = choose_split_k(batch.split_work * num_slices * cdiv(R, _block_r(R)), x.shape[1], x.device, cfg,
-                             num_slices * E * R * 4)
-    return torch.empty((split_k, num_slices, E, R), dtype=torch.float32, device=x.device)
+    key = ("partials", num_slices, R, x.shape[1], x.device, cfg)
+    shape = batch.launches.get(key)
+    if shape is None:
+        split_k = choose_split_k(batch.split_work * num_slices * cdiv(R, _block_r(R)), x.shape[1], x.device, cfg,
+                                 num_slices * E * R * 4)
+        shape = batch.launches[key] = (split_k, num_slices, E, R)
+    return torch.empty(shape, dtype=torch.float32, device=x.device)
 
 
 def add_lora(y, x, lora_a, lora_b, batch, ranks, scalings, y_offset: int, cfg: KernelConfig | None = None, *,
