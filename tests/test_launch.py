@@ -95,8 +95,11 @@ def _direct_launcher(monkeypatch, interpreted):
     monkeypatch.setattr(launch, "_fast_enabled", lambda: True)
     launcher = launch.Launcher(kernel)
     seen = []
-    monkeypatch.setattr(launcher, "_launch", lambda grid, args, constexprs, warps, stages, specs, ordered:
-                        seen.append((list(args), list(specs), ordered)))
+    def record(grid, args, constexprs, warps, stages, specs, ordered, raw=None):
+        if raw is not None:   # the compiled kernel's arguments: the same, each tensor as its address
+            assert raw == [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
+        seen.append((list(args), list(specs), ordered))
+    monkeypatch.setattr(launcher, "_launch", record)
     return launcher, seen
 
 

@@ -164,9 +164,11 @@ class Launcher:
         return tuple(constexprs[name] for name in self._const_names)
 
     def _launch(self, grid: tuple, args, constexprs: dict, num_warps: int, num_stages: int, specs,
-                ordered: tuple) -> None:
+                ordered: tuple, raw=None) -> None:
         """The direct launch of the variant keyed by `specs` (each argument's `_spec`), through Triton the first
-        time (compiling it if needed); `ordered`: `in_order(constexprs)`."""
+        time (compiling it if needed); `ordered`: `in_order(constexprs)`. `raw`: the arguments with each tensor as
+        its address, for the compiled kernel (where given): Triton's launcher takes an int address as it is, but
+        asks the CUDA driver about a tensor's (cuPointerGetAttribute), a call per pointer argument."""
         device = torch.cuda.current_device()
         key = (device, num_warps, num_stages, *constexprs.values(), *specs)
         compiled = self._compiled.get(key)
@@ -177,7 +179,7 @@ class Launcher:
         self.direct_launches += 1
         grid = tuple(grid) + (1, 1)
         compiled.run(grid[0], grid[1], grid[2], driver.active.get_current_stream(device), compiled.function,
-                     compiled.packed_metadata, None, None, None, *args, *ordered)
+                     compiled.packed_metadata, None, None, None, *(args if raw is None else raw), *ordered)
 
     def prepare(self, grid: tuple, args: tuple, constexprs: dict, num_warps: int, num_stages: int,
                 dynamic: range | tuple[int, ...]) -> "PreparedLaunch":
@@ -210,6 +212,8 @@ class PreparedLaunch:
             self._ordered = launcher.in_order(constexprs)
         for i in dynamic:   # not kept alive by the launch: each call brings its own
             self.args[i] = None
+        # the compiled kernel's arguments: the fixed tensors' addresses (self.args keeps the tensors alive)
+        self.raw = [_address(a) for a in self.args]
 
     def __call__(self, *values) -> None:
         if len(values) != len(self.dynamic):
@@ -221,13 +225,20 @@ class PreparedLaunch:
             launcher(self.grid, tuple(args), self.constexprs, self.num_warps, self.num_stages)
             return
         specs, dynamic_specs = self.specs.copy(), list(map(_call, self._spec_of, values))
+        raw, addresses = self.raw.copy(), list(map(_address, values))
         for start, stop, first in self.runs:
             specs[start:stop] = dynamic_specs[first:first + stop - start]
-        launcher._launch(self.grid, args, self.constexprs, self.num_warps, self.num_stages, specs, self._ordered)
+            raw[start:stop] = addresses[first:first + stop - start]
+        launcher._launch(self.grid, args, self.constexprs, self.num_warps, self.num_stages, specs, self._ordered,
+                         raw)
 
 
 def _call(f, value):
     return f(value)
+
+
+def _address(arg, _tensor=torch.Tensor):
+    return arg.data_ptr() if isinstance(arg, _tensor) else arg
 
 
 def _runs(positions: tuple[int, ...]) -> list[tuple[int, int, int]]:
