@@ -78,40 +78,31 @@ def test_inside_compile_ahead_launcher_calls_launch_nothing(caplog):
     assert "compiling kernels ahead failed (RuntimeError: no such variant)" in caplog.text and not launch._AHEAD
 
 
-class _Compiled:
-    """A compiled kernel's stand-in: the direct launch hands it its arguments."""
-    function = packed_metadata = None
-
-    def run(self, *args):
-        raise AssertionError("recorded by the test's _launch, never run")
-
-
 def _direct_launcher(monkeypatch, interpreted):
     """A Launcher of a real JITFunction (built from the interpreted kernel's source) on its direct path, whose
-    `_launch` records (args, specs, ordered constexprs) instead of launching."""
+    `_launch` records (args, specs, ordered constexprs, raw) instead of launching."""
     from triton.runtime.jit import JITFunction
     kernel = interpreted if type(interpreted).__name__ == "JITFunction" else JITFunction(interpreted.fn,
                                                                                          **interpreted.kwargs)
     monkeypatch.setattr(launch, "_fast_enabled", lambda: True)
     launcher = launch.Launcher(kernel)
     seen = []
+
     def record(grid, args, constexprs, warps, stages, specs, ordered, raw=None):
-        if raw is not None:   # the compiled kernel's arguments: the same, each tensor as its address
-            assert raw == [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
-        seen.append((list(args), list(specs), ordered))
+        seen.append((list(args), list(specs), ordered, raw))
     monkeypatch.setattr(launcher, "_launch", record)
     return launcher, seen
 
 
-def _full_specs(launcher, args):
-    return [launch._plain_spec(a) if i in launcher._plain else launch._spec(a) for i, a in enumerate(args)]
+def _addresses(args):
+    return [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
 
 
 def test_prepared_launch_keys_its_arguments_as_a_plain_launch_does(monkeypatch):
-    """`launcher.prepare(...)(*values)` launches the arguments a plain launch of the same call would, keyed by the
-    same specs: the dynamic values (an unaligned view among them) where given, the prepared ones elsewhere, a
-    do_not_specialize int keyed by its width only; and the prepared launch keeps none of the first call's dynamic
-    tensors alive."""
+    """`launcher.prepare(...)(*values)` launches what a plain launch of the same call would, keyed by the same specs:
+    the dynamic values (an unaligned view among them) where given, the prepared ones elsewhere, a do_not_specialize
+    int keyed by its width only; the compiled kernel gets each tensor as its address; and the prepared launch keeps
+    none of the first call's dynamic tensors alive."""
     from loraplex.ops.lora import sgmv
     launcher, seen = _direct_launcher(monkeypatch, sgmv._sgmv_expand_kernel)
     n = len(launcher.kernel.arg_names) - len(launcher._const_names)
@@ -127,13 +118,16 @@ def test_prepared_launch_keys_its_arguments_as_a_plain_launch_does(monkeypatch):
              (torch.randn(8), torch.randn(8, dtype=torch.float16), 17, 5)]
     for values in calls:
         prepared(*values)
-        launched, specs, ordered = seen.pop()
+        launched, specs, ordered, raw = seen.pop()
         expected = list(args)
         for i, v in zip(dynamic, values):
             expected[i] = v
-        assert all(a is b for a, b in zip(launched, expected)) and len(launched) == len(expected)
-        assert specs == _full_specs(launcher, expected)
-        assert ordered == tuple(constexprs[name] for name in launcher._const_names)
+        launcher((3,), tuple(expected), constexprs, 4, 2)   # the plain launch of the same call, recorded
+        plain_args, plain_specs, plain_ordered, plain_raw = seen.pop()
+        assert len(launched) == len(plain_args) and all(a is b for a, b in zip(launched, plain_args))
+        assert specs == plain_specs and ordered == plain_ordered
+        assert plain_raw is None and raw == _addresses(expected)
+    assert launch._spec(calls[0][1]) != launch._spec(calls[1][1])
     with pytest.raises(TypeError, match="takes 4 dynamic arguments, got 3"):
         prepared(*calls[0][:3])
     with pytest.raises(ValueError, match="dynamic positions must be distinct, ascending"):
@@ -142,8 +136,9 @@ def test_prepared_launch_keys_its_arguments_as_a_plain_launch_does(monkeypatch):
 
 def test_sgmv_launches_over_a_batch_are_prepared_once_and_key_each_calls_tensors(monkeypatch):
     """add_lora builds its two launches at a batch's first call and reuses them for later calls of the same shapes
-    (one entry a launch in `batch.launches`); each call's tensors reach the kernel and its key, an unaligned x of
-    the same strides included, and a batch's `update_` drops them."""
+    (one entry a launch in `batch.launches`); each call's tensors reach the kernel at their slices' places and its
+    key, an unaligned x of the same strides included; the unused slices get placeholders; and a batch's `update_`
+    drops the launches."""
     import numpy as np
 
     from loraplex.ops import LoraBatch
@@ -156,15 +151,27 @@ def test_sgmv_launches_over_a_batch_are_prepared_once_and_key_each_calls_tensors
     case = make_case(np.random.default_rng(5), seg_lens=[3, 2, 4], popularity="distinct", K=32, Ns=(24, 16), R=8)
     batch = case.batch()
     shifted = torch.randn(case.x.numel() + 1, dtype=case.x.dtype)[1:].view(case.x.shape)
-    for x in (case.x, shifted):   # the second: the same shape and strides, one element off 16-byte alignment
+    clone = lambda ts: [t.clone() for t in ts]   # noqa: E731
+    calls = [(case.x, case.lora_a, case.lora_b, case.ranks, case.scalings),
+             # the second: the same shapes and strides, x one element off 16-byte alignment, every tensor new
+             (shifted, clone(case.lora_a), clone(case.lora_b), clone(case.ranks), clone(case.scalings))]
+    S, M = len(case.lora_a), sgmv.MAX_SLICES
+    for x, lora_a, lora_b, ranks, scalings in calls:
         y = case.y0.clone()
-        sgmv.add_lora(y, x, case.lora_a, case.lora_b, batch, case.ranks, case.scalings, 0)
-        (s_args, s_specs, _), (e_args, e_specs, _) = shrink_seen.pop(), expand_seen.pop()
+        sgmv.add_lora(y, x, lora_a, lora_b, batch, ranks, scalings, 0)
+        (s_args, s_specs, _, s_raw), (e_args, e_specs, _, e_raw) = shrink_seen.pop(), expand_seen.pop()
         assert s_args[0] is x and e_args[0] is y and s_args[1] is e_args[1]   # part: the shrink's output
-        assert s_args[8] is case.lora_a[0] and s_args[9] is case.lora_a[1] and e_args[7] is case.lora_b[0]
-        assert s_specs == _full_specs(shrink, s_args) and e_specs == _full_specs(expand, e_args)
-        assert s_specs[0] == launch._spec(x) and s_args[sgmv._sgmv_shrink_kernel.arg_names.index("stride_xm")] == \
-            x.stride(0)
+        assert all(s_args[8 + i] is lora_a[i] and s_args[8 + M + i] is ranks[i] for i in range(S))
+        assert all(e_args[7 + i] is lora_b[i] and e_args[7 + M + i] is ranks[i] and e_args[7 + 2 * M + i] is
+                   scalings[i] for i in range(S))
+        pads = [s_args[8 + i] for i in range(S, M)] + [e_args[7 + 2 * M + i] for i in range(S, M)]
+        assert all(p is sgmv._placeholder(p.device, p.dtype) for p in pads)
+        assert s_specs[0] == launch._spec(x) and s_raw == _addresses(s_args) and e_raw == _addresses(e_args)
+        for launcher, seen, args, specs in ((shrink, shrink_seen, s_args, s_specs), (expand, expand_seen, e_args,
+                                                                                      e_specs)):
+            prepared = next(v for v in batch.launches.values() if getattr(v, "launcher", None) is launcher)
+            launcher(prepared.grid, tuple(args), prepared.constexprs, prepared.num_warps, prepared.num_stages)
+            assert seen.pop()[1] == specs   # the plain launch of the same arguments keys them alike
     assert launch._spec(case.x) != launch._spec(shifted)
     assert sum(k[0] in ("shrink", "expand") for k in batch.launches) == 2
     capacity = LoraBatch.with_capacity(16, 4, "cpu", num_slots=8)

@@ -204,7 +204,7 @@ class PreparedLaunch:
         self.launcher, self.grid, self.constexprs = launcher, grid, constexprs
         self.num_warps, self.num_stages = num_warps, num_stages
         self.args, self.dynamic, self.runs = list(args), dynamic, _runs(dynamic)
-        self.specs: list | None = None
+        self.specs: list | None = None   # None: prepared without direct launches, every call goes through Triton
         if launcher.enabled:
             plain = launcher._plain
             self.specs = [_plain_spec(a) if i in plain else _spec(a) for i, a in enumerate(args)]
@@ -221,7 +221,7 @@ class PreparedLaunch:
         launcher, args = self.launcher, self.args.copy()
         for start, stop, first in self.runs:   # slices: ~2x faster than position by position
             args[start:stop] = values[first:first + stop - start]
-        if _AHEAD or not launcher.enabled or _hooks_installed():
+        if _AHEAD or self.specs is None or not launcher.enabled or _hooks_installed():
             launcher(self.grid, tuple(args), self.constexprs, self.num_warps, self.num_stages)
             return
         specs, dynamic_specs = self.specs.copy(), list(map(_call, self._spec_of, values))

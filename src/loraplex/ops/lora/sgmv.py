@@ -152,9 +152,21 @@ _UNSET = object()
 def _dynamic(first: int, num_slices: int, per_slice: int) -> tuple[int, ...]:
     """The positions of the arguments that change from call to call over one batch: the output and input (0, 1),
     and from `first` the `per_slice` groups of MAX_SLICES tensors (A, or B, ranks and scalings), of which the first
-    `num_slices` are used. The rest are the batch's tiles, sizes and the unused slices' placeholders, which the
-    kernel never reads (the first call's tensors of the adapter pool, which outlives the batch, stand in)."""
+    `num_slices` are used. The rest are the batch's tiles, sizes and the unused slices' placeholders."""
     return (0, 1, *(first + g * MAX_SLICES + i for g in range(per_slice) for i in range(num_slices)))
+
+
+@functools.lru_cache(maxsize=None)
+def _placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """What an unused slice's tensor arguments point at (the kernel never reads them): one small tensor of the
+    dtype, 16-byte aligned, so that the compiled variant does not depend on the call's tensors. (Allocated, not
+    written: no kernel of its own, even where a CUDA graph is being captured.)"""
+    return torch.empty(16, dtype=dtype, device=device)
+
+
+def _pads(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The placeholders of the slices past `tensors` up to MAX_SLICES."""
+    return [_placeholder(tensors[0].device, tensors[0].dtype)] * (MAX_SLICES - len(tensors))
 
 
 def _shrink_launch(part, x, lora_a, ranks, batch, cfg: KernelConfig, after_gemm: bool):
@@ -168,11 +180,10 @@ def _shrink_launch(part, x, lora_a, ranks, batch, cfg: KernelConfig, after_gemm:
     grid = (batch.num_shrink_work * num_slices * r_tiles, split_k)
     if grid[0] == 0:
         return None
-    pad = MAX_SLICES - num_slices
     precision = "tf32x3" if x.dtype == torch.float32 else "tf32"  # ignored for 16-bit inputs
     weights = batch.shrink_weights if batch.composed else batch.shrink_rows   # (unread unless COMPOSED)
     args = (x, part, batch.shrink_rows, batch.shrink_entries, weights, batch.shrink_work_slot,
-            batch.shrink_work_start, batch.shrink_work_end, *lora_a, *[lora_a[0]] * pad, *ranks, *[ranks[0]] * pad,
+            batch.shrink_work_start, batch.shrink_work_end, *lora_a, *_pads(lora_a), *ranks, *_pads(ranks),
             K, k_per_split, r_tiles, R,
             x.stride(0), x.stride(1), lora_a[0].stride(0), lora_a[0].stride(1),
             part.stride(0), part.stride(1), part.stride(2))
@@ -220,7 +231,7 @@ def _expand_launch(y, part, lora_b, ranks, scalings, batch, y_offset: int, cfg: 
     composed = batch.composed and batch.lanes > 1   # (a composition of one weighted member expands as a plain row)
     extra_slot = batch.extra_slot if composed else batch.row_slot   # (unread unless COMPOSED)
     args = (y, part, batch.sorted_rows, batch.work_slot, batch.work_start, batch.work_end, extra_slot,
-            *lora_b, *[lora_b[0]] * pad, *ranks, *[ranks[0]] * pad, *scalings, *[scalings[0]] * pad,
+            *lora_b, *_pads(lora_b), *ranks, *_pads(ranks), *scalings, *_pads(scalings),
             *ns, *[0] * pad, *cols, *[0] * pad, n_chunks, n_per_prog, R, batch.num_rows, batch.lanes - 1,
             y.stride(0), y.stride(1), part.stride(0), part.stride(1), part.stride(2))
     return _EXPAND.prepare(grid, args, dict(NUM_SLICES=num_slices, SPLIT_K=part.shape[0], BLOCK_M=batch.block_m,
