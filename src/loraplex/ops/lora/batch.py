@@ -112,8 +112,8 @@ class LoraBatch:
     shrink_work_end: torch.Tensor | None = field(default=None, repr=False)
     extra_slot: torch.Tensor | None = field(default=None, repr=False)
     _capacity: tuple[int, int, int, int] | None = field(default=None, repr=False)  # rows, segments, slots, members
-    # the SGMV launches over this batch, by the shapes they serve (ops/lora/sgmv.py): built at a forward's first
-    # layer, reused by the others
+    # the SGMV launches over this batch and the shapes of their partials, by the shapes they serve
+    # (ops/lora/sgmv.py): built at a forward's first layer, reused by the others
     launches: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:

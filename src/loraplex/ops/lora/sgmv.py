@@ -146,7 +146,7 @@ def shrink_into(part: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],
         launch(x, part, *lora_a, *ranks)
 
 
-_UNSET = object()
+_UNSET = object()   # `launches.get(key, _UNSET)`: the key (with the config's dataclass hash) hashed once a call
 
 
 def _dynamic(first: int, num_slices: int, per_slice: int) -> tuple[int, ...]:
