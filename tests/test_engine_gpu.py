@@ -29,13 +29,13 @@ def default_engines(served):
         llm.close()
 
 
-def _graphs_and_eager_agree(served, seed: int, check, engines=None, **settings) -> None:
-    """12 greedy requests (the base model and every adapter), run with CUDA graphs and eagerly (the shared
-    `engines`, else two made with `settings`): the same tokens both ways, and transformers + PEFT's.
-    `check(llm, eager)` runs after each engine's requests."""
+def _graphs_and_eager_agree(served, seed: int, check, engines=None, lengths=(4, 50), **settings) -> None:
+    """12 greedy requests (the base model and every adapter; prompts of `lengths` tokens), run with CUDA graphs and
+    eagerly (the shared `engines`, else two made with `settings`): the same tokens both ways, and transformers +
+    PEFT's. `check(llm, eager)` runs after each engine's requests."""
     _, adapters, oracle = served
     names = [None, *adapters]
-    prompts = random_prompts(12, VOCAB, (4, 50), seed=seed)
+    prompts = random_prompts(12, VOCAB, lengths, seed=seed)
     which = [names[i % len(names)] for i in range(len(prompts))]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     results = {}
@@ -157,6 +157,23 @@ def test_prompts_admitted_beside_a_step_in_flight_replay_mixed_graphs(served):
     assert outs["first"] == oracle.greedy([7, 8, 9], "qv-r4", 30)
     for i, prompt in enumerate(prompts):
         assert outs[f"r{i}"] == oracle.greedy(prompt, names[i % 4], 8), (i, names[i % 4])
+
+
+def test_prompt_steps_past_256_tokens_replay_the_stepped_buckets(served, monkeypatch):
+    """With max_num_batched_tokens 640, steps of 257 to 640 rows (whole and chunked prompts) replay the wide mixed
+    graphs (16 sequences beside 384, 512 or 624 prompt tokens): the same tokens as eager, and transformers + PEFT's."""
+    from loraplex.engine import cuda_graphs
+    keys: list = []
+    key_for = cuda_graphs.GraphShapes.key_for
+    monkeypatch.setattr(cuda_graphs.GraphShapes, "key_for", lambda self, chunks: keys.append(key_for(self, chunks))
+                        or keys[-1])
+
+    def check(llm, eager):
+        if not eager:
+            assert llm.engine.runner.graphs.shapes.wide_prompts == [384, 512, 624]   # 16 sequences + 624: 640 rows
+    _graphs_and_eager_agree(served, 24, check, lengths=(150, 230), max_num_batched_tokens=640)
+    replayed = {prompt for _, prompt in filter(None, keys)}
+    assert 624 in replayed and replayed & {384, 512}, sorted(replayed)
 
 
 @pytest.mark.gpu_memory

@@ -162,7 +162,7 @@ def test_mixed_graph_batch_holds_prompt_chunks_beside_decodes():
     the logits rows those of the chunks that need logits, in order."""
     g = ForwardBatch.for_graph(4, 40, block_size=BS, num_blocks=32, vocab_size=100, num_adapter_slots=3,
                                device="cpu", max_prompt_tokens=8)
-    assert g.num_tokens == 12 and g.max_query_len == 8 and g.input_ids.shape == (12,)
+    assert g.num_tokens == 12 and g.max_query_len == 12 and g.input_ids.shape == (12,)
     ptrs = [t.data_ptr() for t in (g.input_ids, g.logits_rows, g.lora.row_slot)]
     chunks = [SequenceChunk([7], 17, [1, 7, 3], 2),                        # a decode
               SequenceChunk([1, 2, 3, 4, 5], 0, [4], 1, needs_logits=False),  # a prompt's first chunk
@@ -175,12 +175,15 @@ def test_mixed_graph_batch_holds_prompt_chunks_beside_decodes():
     assert g.query_start.tolist() == [0, 1, 6, 9, 9] and g.seq_lens.tolist() == [18, 5, 11, 0]
     assert g.logits_rows.tolist() == [0, 8, 0, 0] and g.logits_seqs == (0, 2)
     assert g.lora.row_slot.tolist() == [2, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1]
-    assert g.lora.num_rows == 12 and g.max_query_len == 8
-    with pytest.raises(ValueError, match="sequence 0: a graph batch for 8 prompt tokens got chunks of several "
-                                         "tokens with 9 together"):
-        g.update_([SequenceChunk([1] * 5, 0, [1]), SequenceChunk([1] * 4, 0, [2])])
+    assert g.lora.num_rows == 12
+    with pytest.raises(ValueError, match="a graph batch of 12 rows got chunks of 13 rows together"):
+        g.update_([SequenceChunk([1] * 8, 0, [1]), SequenceChunk([1] * 4, 0, [2]), SequenceChunk([1], 3, [3])])
     g.update_([SequenceChunk([1] * 8, 0, [1])] + [SequenceChunk([1], 3, [i]) for i in (2, 3, 4)])  # full: 12 rows
     assert g.query_start.tolist() == [0, 8, 9, 10, 11] and g.logits_rows.tolist() == [7, 8, 9, 10]
+    # prompt chunks take the rows the decodes leave: 11 prompt tokens beside one decode
+    g.update_([SequenceChunk(list(range(1, 8)), 0, [1]), SequenceChunk([1], 3, [2]), SequenceChunk([9] * 4, 0, [3])])
+    assert g.query_start.tolist() == [0, 7, 8, 12, 12] and g.input_ids.tolist() == [*range(1, 8), 1, 9, 9, 9, 9]
+    assert g.slot_mapping.tolist()[-4:] == [3 * BS + i for i in range(4)] and g.seq_lens.tolist() == [7, 4, 4, 0]
 
 
 def test_empty_batch_is_refused():

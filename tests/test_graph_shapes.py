@@ -19,11 +19,31 @@ def prompt(n: int, cached: int = 0) -> SequenceChunk:
 def test_buckets():
     assert graph_buckets(32) == [1, 2, 4, 8, 16, 32]
     assert graph_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
-    assert mixed_buckets(32, 256) == ([16, 32], [16, 32, 64, 128, 256])
-    assert mixed_buckets(256, 100) == ([16, 32, 64, 128, 256], [16, 32, 64, 100])
-    assert mixed_buckets(10, 16) == ([10], [16])
-    assert mixed_buckets(32, 0) == ([], [])
-    assert mixed_buckets(32, 2048) == ([16, 32], [16, 32, 64, 128, 256, 512, 1024, 2048])
+    assert mixed_buckets(32, 256) == ([16, 32], [16, 32, 64, 128, 256], [])
+    assert mixed_buckets(256, 100) == ([16, 32, 64, 128, 256], [16, 32, 64, 100], [])
+    assert mixed_buckets(10, 16) == ([10], [16], [])
+    assert mixed_buckets(32, 0) == ([], [], [])
+    # past 256 prompt tokens: the largest sequence bucket only, every 128 tokens, its rows up to max_rows
+    assert mixed_buckets(32, 2048, 2048) == ([16, 32], [16, 32, 64, 128, 256], [*range(384, 1921, 128), 2016])
+    assert mixed_buckets(256, 2048, 2048) == ([16, 32, 64, 128, 256], [16, 32, 64, 128, 256],
+                                              [*range(384, 1665, 128), 1792])
+    assert mixed_buckets(32, 700) == ([16, 32], [16, 32, 64, 128, 256], [384, 512, 640, 700])
+    assert mixed_buckets(32, 384, 4096) == ([16, 32], [16, 32, 64, 128, 256], [384])
+    assert mixed_buckets(256, 2048, 512) == ([16, 32, 64, 128, 256], [16, 32, 64, 128, 256], [])
+
+
+def test_large_prompt_steps_take_the_fewest_rows_that_hold_them():
+    """Decodes and prompt chunks share a graph's rows: a step pads to the next 128 rows past 256 prompt tokens,
+    whatever its number of sequences."""
+    shapes = GraphShapes.make(32, 4096, 2048, 2048)
+    assert shapes.key_for(decode(20) + [prompt(1337)]) == (32, 1408)   # 1,357 rows in 1,440
+    assert shapes.key_for(decode(8) + [prompt(257)]) == (16, 256)      # 265 rows in 272
+    assert shapes.key_for([prompt(280)]) == (32, 256)                  # 280 rows in 288
+    assert shapes.key_for([prompt(300)]) == (32, 384)                  # 300 rows in 416
+    assert shapes.key_for(decode(2) + [prompt(1000), prompt(1046)]) == (32, 2016)   # 2,048 rows: the budget
+    assert shapes.key_for([prompt(2049)]) is None                      # more prompt tokens than graphs take
+    assert shapes.max_rows() == 2048
+    assert GraphShapes.make(32, 4096, 256, 2048).key_for([prompt(257)]) is None
 
 
 def test_every_shape_is_listed_once_most_rows_first():
@@ -39,7 +59,9 @@ def test_every_shape_is_listed_once_most_rows_first():
     (decode(1), (1, 0)), (decode(3), (4, 0)), (decode(17), (32, 0)), (decode(33), None),
     (decode(5) + [prompt(7)], (16, 16)),          # a prompt chunk beside decodes: a mixed graph
     ([prompt(1)], (1, 0)),                        # a one-token prompt is a row like a decode
-    ([prompt(17)], (16, 32)),
+    ([prompt(17)], (16, 16)),                     # 17 rows in 32: prompt chunks take the rows decodes leave
+    ([prompt(40)], (16, 32)),
+    (decode(10) + [prompt(22)], (16, 16)),
     (decode(20) + [prompt(30), prompt(30)], (32, 64)),
     (decode(31) + [prompt(64)], (32, 64)),
     (decode(31) + [prompt(65)], None),            # more prompt tokens than any graph holds: eager

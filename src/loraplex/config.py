@@ -116,10 +116,10 @@ class EngineConfig:
     cuda_graph_max_batch: int = field(default=256, metadata={
         "group": "execution", "advanced": True,
         "help": "Largest decode batch, in sequences, replayed from a CUDA graph."})
-    cuda_graph_max_prompt_tokens: int = field(default=256, metadata={
+    cuda_graph_max_prompt_tokens: int = field(default=2048, metadata={
         "group": "execution", "advanced": True,
-        "help": "Most prompt tokens in a step replayed from a CUDA graph; 0: decode steps "
-                "only."})
+        "help": "Most prompt tokens in a step replayed from a CUDA graph (at most max_num_batched_tokens; buckets of "
+                "16 to 256 tokens, then every 128); larger steps run eagerly; 0: decode steps only."})
     freeze_gc_heap: bool = field(default=True, metadata={
         "group": "execution", "advanced": True,
         "help": "Freeze the objects alive after start-up (gc.freeze), so that Python's full "

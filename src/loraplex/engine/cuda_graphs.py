@@ -35,8 +35,12 @@ from ..models.llama import LlamaForCausalLM
 
 log = logging.getLogger("loraplex.engine")
 
-PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
-
+# Mixed steps' prompt-token buckets: powers of two up to 256 for every sequence bucket; past 256, the largest sequence
+# bucket only, every PROMPT_BUCKET_STEP tokens. A graph runs its whole shape whatever the step holds, so large shapes
+# stay close together: a step pads < 128 rows, where powers of two padded a 1,337-token step 53%
+# (docs/design-notes.md).
+PROMPT_BUCKETS = (16, 32, 64, 128, 256)
+PROMPT_BUCKET_STEP = 128
 # The graph variants, by what the step's sequences use (lora_variant)
 BASE, LORA, COMPOSED = "base", "lora", "composed"
 
@@ -59,53 +63,75 @@ def graph_buckets(max_batch: int) -> list[int]:
     return sorted(set(sizes + [max_batch]))
 
 
-def mixed_buckets(max_batch: int, max_prompt_tokens: int) -> tuple[list[int], list[int]]:
-    """Mixed steps: sequence buckets 16, 32, 64, ... (powers of two) up to `max_batch` (always one,
-    and fewer buckets than decodes have: each mixed graph is captured for every prompt bucket), and
-    prompt-token buckets of PROMPT_BUCKETS up to `max_prompt_tokens` (always one). Empty lists when
-    `max_prompt_tokens` is 0."""
+def mixed_buckets(max_batch: int, max_prompt_tokens: int, max_rows: int | None = None
+                  ) -> tuple[list[int], list[int], list[int]]:
+    """Mixed steps' shapes, (sequence buckets, prompt buckets, wide prompt buckets); empty lists when
+    `max_prompt_tokens` is 0. Every sequence bucket (16, 32, 64, ... powers of two, up to `max_batch`, always one) is
+    captured with every prompt bucket (PROMPT_BUCKETS up to `max_prompt_tokens`, always one); past 256 prompt tokens
+    only `max_batch` sequences are, with the wide buckets: every PROMPT_BUCKET_STEP tokens, as long as the graph's
+    rows (`max_batch` + bucket) stay within what a step may hold, `max_rows` (max_num_batched_tokens; default
+    `max_batch` + `max_prompt_tokens`), the last one reaching it. A step's decodes and prompt chunks share its
+    graph's rows (ForwardBatch.for_graph), so a wide graph pads a step by less than PROMPT_BUCKET_STEP rows whatever
+    its number of sequences."""
     if max_prompt_tokens <= 0:
-        return [], []
+        return [], [], []
     seqs = sorted({b for b in (16, 32, 64, 128, 256, 512, 1024) if b < max_batch} | {max_batch})
-    prompts = sorted({p for p in PROMPT_BUCKETS if p < max_prompt_tokens} | {max_prompt_tokens})
-    return seqs, prompts
+    small = min(max_prompt_tokens, PROMPT_BUCKETS[-1])
+    prompts = sorted({p for p in PROMPT_BUCKETS if p < small} | {small})
+    top = min(max_prompt_tokens, (max_batch + max_prompt_tokens if max_rows is None else max_rows) - max_batch)
+    wide = list(range(small + PROMPT_BUCKET_STEP, top, PROMPT_BUCKET_STEP)) + ([top] if top > small else [])
+    return seqs, prompts, wide
 
 
 def prompt_tokens(chunks: Sequence[SequenceChunk]) -> int:
-    """Rows of the chunks of several tokens (prompt chunks): what a mixed graph's prompt bucket bounds."""
+    """Rows of the chunks of several tokens (prompt chunks)."""
     return sum(len(c.token_ids) for c in chunks if len(c.token_ids) > 1)
 
 
 @dataclass
 class GraphShapes:
     """Which graphs exist, as (sequences, prompt tokens): (b, 0) for decode buckets, (s, p) for mixed
-    ones; and which of them runs a step (host only)."""
+    ones (s + p rows, which the step's decodes and prompt chunks share); and which of them runs a step (host
+    only). A step with more than `max_prompt_tokens` prompt tokens runs eagerly."""
 
     buckets: list[int]
     mixed_seqs: list[int]
     mixed_prompts: list[int]
+    wide_prompts: list[int]
     max_seq_len: int
+    max_prompt_tokens: int = 0
 
     @classmethod
-    def make(cls, max_batch: int, max_seq_len: int, max_prompt_tokens: int = 0) -> "GraphShapes":
-        return cls(graph_buckets(max_batch), *mixed_buckets(max_batch, max_prompt_tokens), max_seq_len)
+    def make(cls, max_batch: int, max_seq_len: int, max_prompt_tokens: int = 0,
+             max_rows: int | None = None) -> "GraphShapes":
+        return cls(graph_buckets(max_batch), *mixed_buckets(max_batch, max_prompt_tokens, max_rows), max_seq_len,
+                   max_prompt_tokens)
+
+    def __post_init__(self) -> None:
+        mixed = [(s, p) for s in self.mixed_seqs for p in self.mixed_prompts]
+        mixed += [(self.mixed_seqs[-1], p) for p in self.wide_prompts]
+        self._mixed = sorted(mixed, key=lambda sp: (sp[0] + sp[1], sp[0]))   # fewest rows first
 
     def all(self) -> list[tuple[int, int]]:
         """Every shape, most rows first (smaller graphs then reuse the larger ones' memory)."""
-        mixed = [(s, p) for s in self.mixed_seqs for p in self.mixed_prompts]
-        return sorted(mixed + [(b, 0) for b in self.buckets], key=lambda sp: (-(sp[0] + sp[1]), -sp[1]))
+        return sorted(self._mixed + [(b, 0) for b in self.buckets], key=lambda sp: (-(sp[0] + sp[1]), -sp[1]))
+
+    def max_rows(self) -> int:
+        """The rows of the largest graph (what its forward's temporaries grow with)."""
+        return max(s + p for s, p in self.all())
 
     def key_for(self, chunks: Sequence[SequenceChunk]) -> tuple[int, int] | None:
-        """The smallest shape that runs this step; None if none does (it runs eagerly)."""
+        """The shape of fewest rows that runs this step; None if none does (it runs eagerly)."""
         if not chunks or max(c.num_cached + len(c.token_ids) for c in chunks) > self.max_seq_len:
             return None
         prompt = prompt_tokens(chunks)
         if prompt == 0:
             seqs = next((b for b in self.buckets if b >= len(chunks)), None)
             return None if seqs is None else (seqs, 0)
-        seqs = next((b for b in self.mixed_seqs if b >= len(chunks)), None)
-        bound = next((p for p in self.mixed_prompts if p >= prompt), None)
-        return None if seqs is None or bound is None else (seqs, bound)
+        if prompt > self.max_prompt_tokens:
+            return None
+        n, rows = len(chunks), sum(len(c.token_ids) for c in chunks)
+        return next(((s, p) for s, p in self._mixed if s >= n and s + p >= rows), None)
 
 
 @dataclass
@@ -116,9 +142,10 @@ class _Graph:
 
 class StepGraphs:
     def __init__(self, model: LlamaForCausalLM, kv: KVCache, pool: AdapterPool | None, *, max_batch: int,
-                 max_seq_len: int, max_prompt_tokens: int = 0, max_members: int = 1) -> None:
+                 max_seq_len: int, max_prompt_tokens: int = 0, max_rows: int | None = None,
+                 max_members: int = 1) -> None:
         self.model, self.kv, self.pool = model, kv, pool
-        self.shapes = GraphShapes.make(max_batch, max_seq_len, max_prompt_tokens)
+        self.shapes = GraphShapes.make(max_batch, max_seq_len, max_prompt_tokens, max_rows)
         # the variants captured for every shape: COMPOSED where a request may combine adapters (max_members > 1)
         self.variants = [BASE] if pool is None else [BASE, LORA] + ([COMPOSED] if max_members > 1 else [])
         self.max_members = max_members
@@ -140,9 +167,10 @@ class StepGraphs:
                 self._graphs[(seqs, prompt, variant)] = self._capture(seqs, prompt, variant)
         torch.cuda.synchronize()
         sh = self.shapes
-        log.info("captured %d CUDA graphs (decode batches %s; mixed: sequences %s × prompt tokens %s; variants %s) "
-                 "in %.1f s", len(self._graphs), sh.buckets, sh.mixed_seqs, sh.mixed_prompts,
-                 ", ".join(self.variants), time.perf_counter() - start)
+        log.info("captured %d CUDA graphs (decode batches %s; mixed: sequences %s × prompt tokens %s, and %s "
+                 "sequences beside prompt tokens %s; variants %s) in %.1f s", len(self._graphs), sh.buckets,
+                 sh.mixed_seqs, sh.mixed_prompts, sh.mixed_seqs[-1:], sh.wide_prompts, ", ".join(self.variants),
+                 time.perf_counter() - start)
 
     def _warm_ups(self) -> None:
         """Every graph's warm-up forward: under `precompile`, with its Triton kernels compiled, not launched, on

@@ -22,13 +22,28 @@ from ..ops.attention import KV_FP8
 from ..ops.gemm.fp8 import fp8_capable
 from ..sampling import PendingSample, Sampler, SamplingParams
 from ..models.warmup import compile_lora_kernels
-from .cuda_graphs import StepGraphs
+from .cuda_graphs import GraphShapes, StepGraphs
 from .scheduler import ScheduledChunk
 from .sequence import Sequence
 
 log = logging.getLogger("loraplex.engine")
 
 GRAPH_MEMORY_RESERVE = 512 << 20   # CUDA graphs' private memory pool and the sampler's temporaries
+
+
+def _profile_lens(tokens: int, seqs: int) -> list[int]:
+    """The profile step's sequence lengths: `tokens` spread over `seqs` sequences."""
+    return [tokens // seqs + (1 if i < tokens % seqs else 0) for i in range(seqs)]
+
+
+def graph_pool_bytes(activations: int, profile_rows: int, graph_rows: int) -> int:
+    """The KV budget's allowance for the CUDA graphs' private pool: GRAPH_MEMORY_RESERVE, or the activations of the
+    largest graph's forward where they need more. A forward's temporaries grow with its rows, so a graph of
+    `graph_rows` takes that share of the `activations` measured for a step of `profile_rows` (the pool is shared:
+    graphs are captured largest first and replayed one at a time)."""
+    if profile_rows <= 0:
+        raise ValueError(f"graph_pool_bytes: profile_rows must be positive, got {profile_rows}")
+    return max(GRAPH_MEMORY_RESERVE, -(-activations * graph_rows // profile_rows))
 
 
 class GpuSpan:
@@ -93,9 +108,8 @@ class ModelRunner:
             torch.cuda.set_device(self.device)   # capture on our GPU
             self.graphs = StepGraphs(self.model, self.kv, self.adapters.pool, max_seq_len=self.max_model_len,
                                      max_batch=self.graph_batch,
-                                     max_prompt_tokens=min(config.cuda_graph_max_prompt_tokens,
-                                                           config.max_num_batched_tokens),
-                                     max_members=self._max_members)
+                                     max_prompt_tokens=self._graph_prompt_tokens,
+                                     max_rows=config.max_num_batched_tokens, max_members=self._max_members)
             self.graphs.capture()
         # after the captures: each hands PyTorch's cached pinned blocks back to CUDA (adapters/pinned_reserve.py)
         self.adapters.reserve_host_memory(config.adapter_host_reserve_gib)   # nothing off CUDA
@@ -160,16 +174,20 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        self._profile_step()
+        profile_kv = self._profile_step()
         torch.cuda.synchronize(self.device)
-        activations = torch.cuda.max_memory_allocated(self.device) - before
+        # (the step's throwaway KV cache is no temporary of a forward: the budget below holds the real one)
+        activations = torch.cuda.max_memory_allocated(self.device) - before - profile_kv
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         others = total - free - torch.cuda.memory_reserved(self.device)   # CUDA context, other processes
-        # CUDA graphs: their private pool (the reserve) and the logits buffer they share (StepGraphs)
+        # CUDA graphs: their private pool and the logits buffer they share (StepGraphs)
         graph_logits = 0 if cfg.enforce_eager else self.graph_batch * c.vocab_size * 4
-        budget = total * cfg.gpu_memory_utilization - others - before - activations - GRAPH_MEMORY_RESERVE - \
-            graph_logits
+        pool = GRAPH_MEMORY_RESERVE if cfg.enforce_eager else graph_pool_bytes(
+            activations, cfg.max_num_batched_tokens,
+            GraphShapes.make(self.graph_batch, self.max_model_len, self._graph_prompt_tokens,
+                             cfg.max_num_batched_tokens).max_rows())
+        budget = total * cfg.gpu_memory_utilization - others - before - activations - pool - graph_logits
         blocks = int(budget // per_block)
         if blocks < 1:
             raise ValueError(f"no GPU memory left for the KV cache: {total / 2**30:.1f} GiB × "
@@ -179,15 +197,22 @@ class ModelRunner:
                              f"or max_num_batched_tokens, or raise gpu_memory_utilization")
         return blocks
 
-    def _profile_step(self) -> None:
-        """One forward + sample of the largest step the settings allow, on a throwaway cache."""
+    @property
+    def _graph_prompt_tokens(self) -> int:
+        """The most prompt rows a mixed-step graph holds (StepGraphs' max_prompt_tokens)."""
+        return min(self.config.cuda_graph_max_prompt_tokens, self.config.max_num_batched_tokens)
+
+    def _profile_step(self) -> int:
+        """One forward + sample of the largest step the settings allow, on a throwaway cache; returns that cache's
+        bytes."""
         cfg, c = self.config, self.model.config
         tokens = cfg.max_num_batched_tokens
         seqs = min(cfg.max_num_seqs, tokens)
-        lens = [tokens // seqs + (1 if i < tokens % seqs else 0) for i in range(seqs)]
+        lens = _profile_lens(tokens, seqs)
         blocks_each = [-(-n // cfg.block_size) for n in lens]
         kv = KVCache(c, sum(blocks_each), cfg.block_size, dtype=self.kv_dtype, device=self.device,
                      **self.kv_scales)
+        kv_bytes = sum(blocks_each) * KVCache.bytes_per_block(c, cfg.block_size, self.kv_dtype)
         # every sequence with as many adapters as a request may combine: the LoRA path's largest temporaries
         members = min(self._max_members, self.adapters.pool.num_slots)
         lora = dict(adapter_slot=0) if self._max_members == 1 else \
@@ -204,6 +229,7 @@ class ModelRunner:
             logits = self.model(batch, kv, self.adapters.pool)
             self.sampler(logits, [SamplingParams(top_p=0.9, top_k=50)] * len(lens), [None] * len(lens))
         del kv, batch, logits
+        return kv_bytes
 
     # ---- one step ---------------------------------------------------------------------------------
     def launch(self, chunks: Seq[ScheduledChunk], inputs: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -91,9 +91,9 @@ class ForwardBatch:
         """A batch whose tensors, sizes and launch grids stay fixed, so that a forward captured on
         it replays correctly after `update_`.
 
-        It holds up to `max_seqs` sequences: decodes (one row each) and, when `max_prompt_tokens` > 0,
-        prompt chunks of several rows with at most that many rows together (a mixed step). It always
-        has `max_seqs + max_prompt_tokens` rows and `max_seqs` logits rows; rows past the real ones
+        It holds up to `max_seqs` sequences in `max_seqs + max_prompt_tokens` rows: decodes (one row each)
+        and, when `max_prompt_tokens` > 0, prompt chunks of several rows, which may take every row the
+        decodes leave (a mixed step). It always has those rows and `max_seqs` logits rows; rows past the real ones
         write no KV (slot -1), use no adapter and belong to no sequence, and sequences past the real
         ones have no rows. `max_seq_len` bounds every context the batch will hold (it fixes the
         attention's split-KV plan). `has_adapters` is True: whether LoRA runs is decided by passing a
@@ -111,15 +111,15 @@ class ForwardBatch:
         views = list(torch.split(buffer, sizes))
         views[5] = views[5].view(max_seqs, max_blocks)
         lora = LoraBatch.with_capacity(rows, max_seqs, device, num_slots=num_adapter_slots, max_members=max_members)
-        return cls(*views, lora=lora, num_tokens=rows, max_query_len=max(1, max_prompt_tokens),
+        return cls(*views, lora=lora, num_tokens=rows, max_query_len=rows if max_prompt_tokens else 1,
                    max_seq_len=max_seq_len, logits_seqs=tuple(range(max_seqs)), has_adapters=True,
                    block_size=block_size, num_blocks=num_blocks, vocab_size=vocab_size, _buffer=buffer,
                    _capacity=max_seqs, _num_adapter_slots=num_adapter_slots, _max_prompt_tokens=max_prompt_tokens)
 
     def update_(self, chunks: Sequence[SequenceChunk]) -> "ForwardBatch":
         """Rewrite a `for_graph` batch with up to `max_seqs` chunks (one host-to-device copy for the
-        batch, one for its LoraBatch): one-token chunks, and chunks of several tokens with at most
-        `max_prompt_tokens` tokens together. Logits row i belongs to `logits_seqs[i]` (the chunks that
+        batch, one for its LoraBatch): one-token chunks, and where it has room for prompt tokens chunks of several,
+        in at most its rows together. Logits row i belongs to `logits_seqs[i]` (the chunks that
         need logits, in order); later logits rows are padding. Do not call it while a replay reading
         the batch still runs."""
         if self._buffer is None:
@@ -129,14 +129,12 @@ class ForwardBatch:
             raise ValueError(f"a graph batch for {S} sequences got {len(chunks)}")
         host = _layout(chunks, self.block_size, self.num_blocks, self.vocab_size, self._num_adapter_slots)
         lens, slots, weights = host.pop("lens"), host.pop("slots"), host.pop("weights")
-        prompt = int(lens[lens > 1].sum())
-        if prompt > P:
+        if not P and (lens > 1).any():
             first = int(np.argmax(lens > 1))
-            if not P:
-                raise ValueError(f"sequence {first}: a graph batch takes decode chunks of one token, "
-                                 f"got {int(lens[first])}")
-            raise ValueError(f"sequence {first}: a graph batch for {P} prompt tokens got chunks of several tokens "
-                             f"with {prompt} together")
+            raise ValueError(f"sequence {first}: a graph batch takes decode chunks of one token, "
+                             f"got {int(lens[first])}")
+        if lens.sum() > S + P:
+            raise ValueError(f"a graph batch of {S + P} rows got chunks of {int(lens.sum())} rows together")
         if host["seq_lens"].max() > self.max_seq_len:
             raise ValueError(f"sequence {int(np.argmax(host['seq_lens']))}: context {int(host['seq_lens'].max())} "
                              f"exceeds the graph batch's max_seq_len={self.max_seq_len}")
