@@ -46,6 +46,15 @@ def test_large_prompt_steps_take_the_fewest_rows_that_hold_them():
     assert GraphShapes.make(32, 4096, 256, 2048).key_for([prompt(257)]) is None
 
 
+@pytest.mark.parametrize("batch, prompt_tokens, budget, rows", [
+    (256, 2048, 2048, 2048), (32, 2048, 2048, 2048),   # the defaults: the wide graphs reach the step budget
+    (256, 256, 2048, 512), (256, 0, 2048, 256),         # no wide graphs; decode graphs only
+    (32, 2048, 8192, 2080)])                             # prompt tokens bound them below a larger budget
+def test_the_largest_graph_holds_at_most_a_steps_rows(batch, prompt_tokens, budget, rows):
+    """What the KV budget sizes the graphs' memory pool by (engine/model_runner.py)."""
+    assert GraphShapes.make(batch, 4096, prompt_tokens, budget).max_rows() == rows
+
+
 def test_every_shape_is_listed_once_most_rows_first():
     shapes = GraphShapes.make(32, 1024, 64)
     listed = shapes.all()
