@@ -160,8 +160,9 @@ def test_prompts_admitted_beside_a_step_in_flight_replay_mixed_graphs(served):
 
 
 def test_prompt_steps_past_256_tokens_replay_the_stepped_buckets(served, monkeypatch):
-    """With max_num_batched_tokens 640, steps of 257 to 640 rows (whole and chunked prompts) replay the wide mixed
-    graphs (16 sequences beside 384, 512 or 624 prompt tokens): the same tokens as eager, and transformers + PEFT's."""
+    """With max_num_batched_tokens 640, steps of 273 to 640 rows (whole and chunked prompts, some longer than their
+    graph's prompt bucket) replay the wide mixed graphs (16 sequences beside 384, 512 or 624 prompt tokens): the same
+    tokens as eager, and transformers + PEFT's."""
     from loraplex.engine import cuda_graphs
     keys: list = []
     key_for = cuda_graphs.GraphShapes.key_for

@@ -67,12 +67,12 @@ def mixed_buckets(max_batch: int, max_prompt_tokens: int, max_rows: int | None =
                   ) -> tuple[list[int], list[int], list[int]]:
     """Mixed steps' shapes, (sequence buckets, prompt buckets, wide prompt buckets); empty lists when
     `max_prompt_tokens` is 0. Every sequence bucket (16, 32, 64, ... powers of two, up to `max_batch`, always one) is
-    captured with every prompt bucket (PROMPT_BUCKETS up to `max_prompt_tokens`, always one); past 256 prompt tokens
-    only `max_batch` sequences are, with the wide buckets: every PROMPT_BUCKET_STEP tokens, as long as the graph's
-    rows (`max_batch` + bucket) stay within what a step may hold, `max_rows` (max_num_batched_tokens; default
-    `max_batch` + `max_prompt_tokens`), the last one reaching it. A step's decodes and prompt chunks share its
-    graph's rows (ForwardBatch.for_graph), so a wide graph pads a step by less than PROMPT_BUCKET_STEP rows whatever
-    its number of sequences."""
+    captured with the prompt buckets (PROMPT_BUCKETS up to `max_prompt_tokens`, always one; GraphShapes drops shapes
+    that another of fewer rows outdoes, given a step's `max_rows` rows); past 256 prompt tokens only `max_batch` sequences are, with the wide buckets:
+    every PROMPT_BUCKET_STEP tokens up to min(`max_prompt_tokens`, `max_rows` - `max_batch`), always that one.
+    `max_rows`: the most rows a step holds (max_num_batched_tokens; default unbounded). A step's decodes and prompt
+    chunks share its graph's rows (ForwardBatch.for_graph), so a wide graph pads a step by less than
+    PROMPT_BUCKET_STEP rows whatever its number of sequences."""
     if max_prompt_tokens <= 0:
         return [], [], []
     seqs = sorted({b for b in (16, 32, 64, 128, 256, 512, 1024) if b < max_batch} | {max_batch})
@@ -100,23 +100,32 @@ class GraphShapes:
     wide_prompts: list[int]
     max_seq_len: int
     max_prompt_tokens: int = 0
+    max_rows: int | None = None   # the most rows a step holds (max_num_batched_tokens), where known
 
     @classmethod
     def make(cls, max_batch: int, max_seq_len: int, max_prompt_tokens: int = 0,
              max_rows: int | None = None) -> "GraphShapes":
         return cls(graph_buckets(max_batch), *mixed_buckets(max_batch, max_prompt_tokens, max_rows), max_seq_len,
-                   max_prompt_tokens)
+                   max_prompt_tokens, max_rows)
 
     def __post_init__(self) -> None:
         mixed = [(s, p) for s in self.mixed_seqs for p in self.mixed_prompts]
         mixed += [(self.mixed_seqs[-1], p) for p in self.wide_prompts]
-        self._mixed = sorted(mixed, key=lambda sp: (sp[0] + sp[1], sp[0]))   # fewest rows first
+        self._mixed = sorted((sp for sp in mixed if not self._outdone(sp, mixed)),
+                             key=lambda sp: (sp[0] + sp[1], sp[0]))   # fewest rows first
+
+    def _outdone(self, shape: tuple[int, int], mixed: list[tuple[int, int]]) -> bool:
+        """Whether another shape holds every step `shape` holds (steps have at most max_rows rows) in fewer rows, or
+        in as many with room for more sequences: then `shape` is not captured."""
+        s, p = shape
+        need = s + p if self.max_rows is None else min(s + p, self.max_rows)
+        return any(s2 >= s and need <= s2 + p2 and (s2 + p2, -s2) < (s + p, -s) for s2, p2 in mixed)
 
     def all(self) -> list[tuple[int, int]]:
         """Every shape, most rows first (smaller graphs then reuse the larger ones' memory)."""
         return sorted(self._mixed + [(b, 0) for b in self.buckets], key=lambda sp: (-(sp[0] + sp[1]), -sp[1]))
 
-    def max_rows(self) -> int:
+    def largest_graph_rows(self) -> int:
         """The rows of the largest graph (what its forward's temporaries grow with)."""
         return max(s + p for s, p in self.all())
 

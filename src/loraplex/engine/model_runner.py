@@ -186,7 +186,7 @@ class ModelRunner:
         pool = GRAPH_MEMORY_RESERVE if cfg.enforce_eager else graph_pool_bytes(
             activations, cfg.max_num_batched_tokens,
             GraphShapes.make(self.graph_batch, self.max_model_len, self._graph_prompt_tokens,
-                             cfg.max_num_batched_tokens).max_rows())
+                             cfg.max_num_batched_tokens).largest_graph_rows())
         budget = total * cfg.gpu_memory_utilization - others - before - activations - pool - graph_logits
         blocks = int(budget // per_block)
         if blocks < 1:
@@ -199,7 +199,7 @@ class ModelRunner:
 
     @property
     def _graph_prompt_tokens(self) -> int:
-        """The most prompt rows a mixed-step graph holds (StepGraphs' max_prompt_tokens)."""
+        """The most prompt tokens of a step that replays a graph (StepGraphs' max_prompt_tokens)."""
         return min(self.config.cuda_graph_max_prompt_tokens, self.config.max_num_batched_tokens)
 
     def _profile_step(self) -> int:
