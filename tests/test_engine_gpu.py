@@ -159,10 +159,12 @@ def test_prompts_admitted_beside_a_step_in_flight_replay_mixed_graphs(served):
         assert outs[f"r{i}"] == oracle.greedy(prompt, names[i % 4], 8), (i, names[i % 4])
 
 
-def test_prompt_steps_past_256_tokens_replay_the_stepped_buckets(served, monkeypatch):
+@pytest.mark.parametrize("seqs, wide", [(16, [384, 512, 624]), (32, [384, 512, 608])])
+def test_prompt_steps_past_256_tokens_replay_the_wide_graphs(served, monkeypatch, seqs, wide):
     """With max_num_batched_tokens 640, steps of 273 to 640 rows (whole and chunked prompts, some longer than their
-    graph's prompt bucket) replay the wide mixed graphs (16 sequences beside 384, 512 or 624 prompt tokens): the same
-    tokens as eager, and transformers + PEFT's."""
+    graph's prompt bucket) replay the wide mixed graphs (`seqs` sequences beside `wide` prompt tokens, the last up to
+    640 rows): the same tokens as eager, and transformers + PEFT's. With 32 sequences the smaller shapes come in two
+    sequence buckets, (16, 32) left out for (32, 16)."""
     from loraplex.engine import cuda_graphs
     keys: list = []
     key_for = cuda_graphs.GraphShapes.key_for
@@ -171,10 +173,10 @@ def test_prompt_steps_past_256_tokens_replay_the_stepped_buckets(served, monkeyp
 
     def check(llm, eager):
         if not eager:
-            assert llm.engine.runner.graphs.shapes.wide_prompts == [384, 512, 624]   # 16 sequences + 624: 640 rows
-    _graphs_and_eager_agree(served, 24, check, lengths=(150, 230), max_num_batched_tokens=640)
+            assert llm.engine.runner.graphs.shapes.wide_prompts == wide
+    _graphs_and_eager_agree(served, 24, check, lengths=(150, 230), max_num_seqs=seqs, max_num_batched_tokens=640)
     replayed = {prompt for _, prompt in filter(None, keys)}
-    assert 624 in replayed and replayed & {384, 512}, sorted(replayed)
+    assert wide[-1] in replayed and replayed & set(wide[:-1]), sorted(replayed)
 
 
 @pytest.mark.gpu_memory

@@ -67,9 +67,9 @@ def mixed_buckets(max_batch: int, max_prompt_tokens: int, max_rows: int | None =
                   ) -> tuple[list[int], list[int], list[int]]:
     """Mixed steps' shapes, (sequence buckets, prompt buckets, wide prompt buckets); empty lists when
     `max_prompt_tokens` is 0. Every sequence bucket (16, 32, 64, ... powers of two, up to `max_batch`, always one) is
-    captured with the prompt buckets (PROMPT_BUCKETS up to `max_prompt_tokens`, always one; GraphShapes drops shapes
-    that another of fewer rows outdoes, given a step's `max_rows` rows); past 256 prompt tokens only `max_batch` sequences are, with the wide buckets:
-    every PROMPT_BUCKET_STEP tokens up to min(`max_prompt_tokens`, `max_rows` - `max_batch`), always that one.
+    captured with the prompt buckets (PROMPT_BUCKETS up to `max_prompt_tokens`, always one; GraphShapes leaves out
+    the shapes another outdoes); past 256 prompt tokens only `max_batch` sequences are, with the wide buckets: every
+    PROMPT_BUCKET_STEP tokens up to min(`max_prompt_tokens`, `max_rows` - `max_batch`), always that one.
     `max_rows`: the most rows a step holds (max_num_batched_tokens; default unbounded). A step's decodes and prompt
     chunks share its graph's rows (ForwardBatch.for_graph), so a wide graph pads a step by less than
     PROMPT_BUCKET_STEP rows whatever its number of sequences."""
