@@ -41,6 +41,7 @@ log = logging.getLogger("loraplex.engine")
 # (docs/design-notes.md).
 PROMPT_BUCKETS = (16, 32, 64, 128, 256)
 PROMPT_BUCKET_STEP = 128
+
 # The graph variants, by what the step's sequences use (lora_variant)
 BASE, LORA, COMPOSED = "base", "lora", "composed"
 
