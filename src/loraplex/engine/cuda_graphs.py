@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 from ..adapters.pool import AdapterPool
 from ..models.forward_batch import ForwardBatch, SequenceChunk
@@ -172,9 +173,10 @@ class StepGraphs:
         from ..ops.launch import precompile   # (Triton: imported where graphs are captured, on a GPU)
         start = time.perf_counter()
         precompile(self._warm_ups)
-        for seqs, prompt in self.shapes.all():
-            for variant in self.variants:
-                self._graphs[(seqs, prompt, variant)] = self._capture(seqs, prompt, variant)
+        keys = [(seqs, prompt, variant) for seqs, prompt in self.shapes.all() for variant in self.variants]
+        # a bar where the output is a terminal (tqdm's disable=None): a start captures ~50-150 graphs, ~0.3 s each
+        for seqs, prompt, variant in tqdm(keys, desc="capturing CUDA graphs", unit="graph", disable=None):
+            self._graphs[(seqs, prompt, variant)] = self._capture(seqs, prompt, variant)
         torch.cuda.synchronize()
         sh = self.shapes
         log.info("captured %d CUDA graphs (decode batches %s; mixed: sequences %s × prompt tokens %s, and %s "
