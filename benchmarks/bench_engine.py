@@ -303,6 +303,11 @@ def markdown(res: dict) -> str:
     lines += ["", "Floor: (weights + KV bytes of the batch's mean context + each used adapter once) / copy "
               "bandwidth. Step times are wall times of the engine's whole step (host work included); the GPU span "
               "is the step's inputs, forward and sampling on the GPU."]
+    starts = {f"{r['batch']} {r['mode']} {r.get('quantization', 'none')}": r["setup_s"] for r in res["rows"]
+              if r.get("setup_s") is not None}
+    if starts:   # the captures grow with the graphs' shapes (cuda_graph_max_prompt_tokens)
+        lines += ["", "Engine start-up (weights, KV sizing, kernels, CUDA graphs), s: "
+                  + "; ".join(f"{name} {s:.0f}" for name, s in starts.items()) + "."]
     if repeats > 1:
         lines += ["", "Each run in order, tokens/s / full-batch decode step (ms) / all prompt steps (s, and their GPU "
                   "spans' sum where recorded):"]

@@ -84,12 +84,16 @@ def test_markdown_gives_each_runs_prompt_gpu_spans_and_the_graphed_prompt_tokens
                full_decode_step_ms=5.19, full_decode_gpu_ms=5.26, floor_ms=3.35, prefill_step_ms=38.4,
                prefill_gpu_ms=36.8, graph_steps=249, steps=261, repeats_tokens_per_s=[4581.3, 4631.9],
                repeats_decode_step_ms=[5.19, 5.18], repeats_prompt_seconds=[0.444, 0.417],
-               repeats_prompt_gpu_seconds=[0.4312, 0.4011])
+               repeats_prompt_gpu_seconds=[0.4312, 0.4011], setup_s=33.97)
+    other = dict(row, batch=256, variant="distinct", setup_s=68.4)
     res = dict(gpu="NVIDIA H100", date="2026-12-06", preset="llama-2-7b", rank=16, output_tokens=128, copy_gbs=3000.0,
-               repeats=2, graph_prompt_tokens=2048, rows=[row])
+               repeats=2, graph_prompt_tokens=2048, rows=[row, dict(row, variant="distinct"), other])
     text = bench.markdown(res)
     assert "- 32 graphs fp8kv backbone: 4581 / 5.19 / 0.444 (GPU 0.431); 4632 / 5.18 / 0.417 (GPU 0.401)" in text
     assert "In graph mode, steps with up to 2048 prompt tokens replay CUDA graphs too." in text
+    # each engine's start once (its variants share it): what the CUDA graphs' captures add to it
+    assert "Engine start-up (weights, KV sizing, kernels, CUDA graphs), s: 32 graphs fp8kv 34; " \
+           "256 graphs fp8kv 68." in text
 
 
 @pytest.mark.parametrize("given", [None, 0, 2048])
