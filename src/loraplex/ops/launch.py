@@ -154,10 +154,15 @@ class Launcher:
         if not self.enabled or _hooks_installed():
             self.kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages, **_PDL_OPTIONS)
             return
+        self._launch(grid, args, constexprs, num_warps, num_stages, self.specs(args), self.in_order(constexprs))
+
+    def specs(self, args) -> tuple:
+        """What Triton specializes each argument on (`_spec`; `_plain_spec` for parameters marked
+        do_not_specialize)."""
         specs = tuple(map(_spec, args))
         if self._plain:
             specs = tuple(_plain_spec(a) if i in self._plain else sp for i, (a, sp) in enumerate(zip(args, specs)))
-        self._launch(grid, args, constexprs, num_warps, num_stages, specs, self.in_order(constexprs))
+        return specs
 
     def in_order(self, constexprs: dict) -> tuple:
         """The constexpr values in the kernel's parameter order (how the compiled kernel takes them)."""
@@ -206,9 +211,8 @@ class PreparedLaunch:
         self.args, self.dynamic, self.runs = list(args), dynamic, _runs(dynamic)
         self.specs: list | None = None   # None: prepared without direct launches, every call goes through Triton
         if launcher.enabled:
-            plain = launcher._plain
-            self.specs = [_plain_spec(a) if i in plain else _spec(a) for i, a in enumerate(args)]
-            self._spec_of = [(_plain_spec if i in plain else _spec) for i in dynamic]
+            self.specs = list(launcher.specs(args))
+            self._spec_of = [(_plain_spec if i in launcher._plain else _spec) for i in dynamic]
             self._ordered = launcher.in_order(constexprs)
         for i in dynamic:   # not kept alive by the launch: each call brings its own
             self.args[i] = None
