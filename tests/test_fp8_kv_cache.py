@@ -458,15 +458,16 @@ def test_engine_config_and_flags_take_kv_cache_dtype(capsys):
     assert "--kv-cache-dtype" in err and "invalid choice" in err
 
 
-def test_decode_over_an_e4m3_cache_takes_twice_the_keys_a_step(monkeypatch):
-    """An e4m3 cache's decode launch takes FP8_DECODE_CONFIGS (a tile of the 16-bit tiles' bytes: twice the keys,
-    splits of at least 512 tokens); a bf16 cache keeps DECODE_CONFIGS; fp32 its own."""
+def test_decode_over_an_e4m3_cache_takes_its_own_tiles(monkeypatch):
+    """An e4m3 cache's decode launch takes FP8_DECODE_CONFIGS (the 16-bit tiles' keys at 2 warps, splits of at least
+    512 tokens); a bf16 cache keeps DECODE_CONFIGS; fp32 its own."""
     for D in ak.DECODE_CONFIGS:
         fp8, bf16 = ak.decode_config(D, torch.bfloat16, fp8_kv=True), ak.decode_config(D, torch.bfloat16)
-        assert bf16 == ak.DECODE_CONFIGS[D] and fp8.block_n == 2 * bf16.block_n and fp8.min_split_tokens == 512
+        assert bf16 == ak.DECODE_CONFIGS[D] and fp8.block_n == bf16.block_n and fp8.num_warps == 2 != bf16.num_warps
+        assert fp8.min_split_tokens == 512
     assert ak.decode_config(32, torch.float32, fp8_kv=True) == ak.FP32_DECODE_CONFIG
     launched = []
-    monkeypatch.setattr(ak, "_DECODE", lambda grid, args, consts, warps, stages: launched.append(consts["BLOCK_N"]))
+    monkeypatch.setattr(ak, "_DECODE", lambda grid, args, consts, warps, stages: launched.append(warps))
     monkeypatch.setattr(ak, "_REDUCE", lambda *a: None)
     case, _ = _fp8_case(stable_seed("fp8-tiles"), DECODE, torch.float32, Hq=4, Hkv=2, D=32, bs=16)
     q = case.q.to(torch.bfloat16)
@@ -477,7 +478,7 @@ def test_decode_over_an_e4m3_cache_takes_twice_the_keys_a_step(monkeypatch):
     bf16_cache = case.k_cache.to(torch.bfloat16)
     ak.decode(q, bf16_cache, bf16_cache, *case.args()[3:], out, max_seq_len=case.max_seq_len, scale=case.scale,
               window=0)
-    assert launched == [2 * ak.DECODE_CONFIGS[32].block_n, ak.DECODE_CONFIGS[32].block_n]
+    assert launched == [2, ak.DECODE_CONFIGS[32].num_warps]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -539,9 +540,10 @@ def test_bench_fp8_attention_smoke(monkeypatch, tmp_path):
         assert set(r["max_abs_err"]) == set(bench.candidates(r["D"])) and max(r["max_abs_err"].values()) <= 0.05, r
     tiles = bench.candidates(128)
     assert tiles["16-bit tiles"] == ak.DECODE_CONFIGS[128]
-    assert tiles["today"].block_n == 2 * ak.DECODE_CONFIGS[128].block_n
+    assert tiles["today"] == ak.decode_config(128, torch.bfloat16, fp8_kv=True)
+    assert tiles["2x keys, 4 warps"].block_n == 2 * tiles["today"].block_n   # the former e4m3 tiles
     assert md.read_text().startswith("# Decode attention over an e4m3 KV cache")
-    assert set(bench.candidates(128, ["2 warps, half keys", "1 warp"])) == {
-        "today", "2 warps, half keys", "1 warp", "1 warp, half keys, 4 stages"}
+    assert set(bench.candidates(128, ["half keys", "1 warp"])) == {
+        "today", "half keys", "1 warp", "half keys, 1 warp", "half keys, 4 stages"}
     with pytest.raises(SystemExit, match="'3 warps'"):   # --only's word that names no candidate
         bench.candidates(128, ["2 warps", "3 warps"])

@@ -4,7 +4,7 @@ GEMM when weight-only (ops/gemm/fp8_kernels.py) and prompt attention over an e4m
 and the activations' per-row quantization (ops/gemm/quantize_kernel.py, the RMSNorms' e4m3 output): the hardware's
 conversion where compiled, `round_to_e4m3` (fp32 rounded to e4m3's values by integer operations) in the interpreter.
 `f16_range_scales`: the powers of two that bring a row into fp16's range, for decode attention's fp16 dots
-(ops/attention/kernels.py's F16_DOTS).
+(ops/attention/kernels.py's F16_DOTS), and `e4m3_to_f16_in_place`: e4m3 → fp16 where a tile is, for its V tiles.
 
 Triton's own conversion to bf16 goes through fp16 and converts each value again (sm_90 PTX: `cvt.rn.f16x2.e4m3x2`
 then `cvt.bf16.f16` per value, at a fraction of the integer rate); at the FP8 GEMM's tuned tiles it bound a
@@ -49,6 +49,31 @@ def e4m3_to_bf16(q):
                                      is_pure=True, pack=4)
 
 
+_INTERPRETED: tl.constexpr = tl.constexpr(envs.triton_interpret())
+# Four e4m3 bytes to fp16 by the paired conversion (exact), declared impure: Triton then converts the tile in the
+# layout it was loaded in, rather than moving the conversion into the layout of the dot that reads the result.
+_E4M3X4_TO_F16 = tl.constexpr("""{
+.reg .b16 lo, hi;
+mov.b32 {lo, hi}, $2;
+cvt.rn.f16x2.e4m3x2 $0, lo;
+cvt.rn.f16x2.e4m3x2 $1, hi;
+}""")
+
+
+@triton.jit
+def e4m3_to_f16_in_place(q):
+    """q (float8 e4m3) as fp16, exactly, converted in q's own layout. For a tile read by a dot along its rows (decode
+    attention's V: the keys are the dot's reduction): Triton would otherwise convert it in the dot's operand layout,
+    and an 8-bit operand whose reduction runs across rows loads from shared memory a byte at a time (128 single-byte
+    loads a thread a key step at the decode tiles, plus their packing); converted first, the fp16 tile goes through
+    shared memory with 16-byte stores and `ldmatrix` (sm_90 PTX, Triton 3.6, decode at head size 128, 64 keys and
+    2 warps: 813 against 1,311 instructions a thread a key step). The interpreter casts."""
+    if _INTERPRETED:
+        return q.to(tl.float16)
+    return tl.inline_asm_elementwise(_E4M3X4_TO_F16, "=r,=r,r", [q.to(tl.uint8, bitcast=True)], dtype=tl.float16,
+                                     is_pure=False, pack=4)
+
+
 _E4M3_MAX: tl.constexpr = tl.constexpr(E4M3_MAX)   # (a jitted function reads only constexpr globals)
 
 
@@ -62,7 +87,6 @@ def f16_range_scales(amax):
     return ((127 - e) << 23).to(tl.float32, bitcast=True), ((127 + e) << 23).to(tl.float32, bitcast=True)
 
 
-_INTERPRETED: tl.constexpr = tl.constexpr(envs.triton_interpret())
 # Two fp32 values to e4m3, rounded to nearest (ties to even) and saturated (beyond ±448, infinities included, to
 # ±448; NaN stays NaN): the first value in the low byte. Triton's own cast takes this instruction on sm_90 but goes
 # through fp16 rounded toward zero on sm_89.
