@@ -120,7 +120,7 @@ def markdown(env: dict, rows: list[dict]) -> str:
              f"{env.get('copy_gbs', 0):.0f} GB/s; µs per launch in CUDA graphs. The floor: the e4m3 K and V bytes "
              "over the copy bandwidth. Tiles: "
              + "; ".join(f"{k} = {v['block_n']} keys, {v['num_warps']} warps, {v['num_stages']} stages, splits of "
-                         f"{v['min_split_tokens']}+"  for k, v in (rows[0]["configs"].items() if rows else [])), "",
+                         f"{v['min_split_tokens']}+" for k, v in (rows[0]["configs"].items() if rows else [])), "",
              "| model | batch | context | bf16 cache | e4m3 floor | " + " | ".join(labels) + " |",
              "|---|---:|---:|---:|---:|" + "---:|" * len(labels)]
     for r in rows:

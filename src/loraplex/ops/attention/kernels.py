@@ -38,9 +38,9 @@ every e4m3 value is a bf16, fp16 and fp32 value; for bf16 q on the GPU by ops/e4
 E4M3_PTX, where Triton's conversion goes through fp16), k_scale is folded into the softmax scale and v_scale
 into the output's normalisation (the split decode's partial sums), so the scales cost two scalar loads a
 program. E4M3_PTX is the prompt kernel's; decode over an e4m3 cache with bf16 q takes F16_DOTS (measured faster
-there): the tiles convert to fp16 by the hardware's paired instruction (V's in the layout it was loaded in, by ops/e4m3.py's
-`e4m3_to_f16_in_place`), q is scaled into fp16 by a power of two (exact; ops/e4m3.py's `f16_range_scales`, the
-power folded into the softmax scale) and the dots, P·V's included, run in fp16.
+there): the tiles convert to fp16 by the hardware's paired instruction (V's in the layout it was loaded in, by
+ops/e4m3.py's `e4m3_to_f16_in_place`), q is scaled into fp16 by a power of two (exact; ops/e4m3.py's
+`f16_range_scales`, the power folded into the softmax scale) and the dots, P·V's included, run in fp16.
 
 The caches are addressed through their strides (block, token, head; D innermost), so both a contiguous
 `[num_blocks, block_size, Hkv, D]` cache and the head-major one `KVCache` keeps (`[num_blocks, Hkv,
