@@ -11,7 +11,6 @@ import json
 import random
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -323,7 +322,9 @@ def test_migration_keeps_the_stream_and_the_greedy_output(cluster):
     # its peer's room: on a loaded machine it can lag the reports read here by seconds
     cluster.wait(lambda: all(set(cluster.metric(f"loraplex_replica_num_requests_{g}").values()) == {0.0}
                              for g in ("running", "waiting")), "every replica idle in the ingress's view")
-    time.sleep(1.0)   # a few of the ingress's rounds of peer rooms (upkeep.PEERS_EVERY_S)
+    # ...and the short replica told the roomy one's free blocks (the ingress's rounds of peer rooms, upkeep.py)
+    cluster.wait(lambda: (r := cluster.reports())[short]["peer_free_kv_blocks"] == [r[roomy]["free_kv_blocks"]],
+                 "the short replica knows its peer's room")
     try:
         async def main():
             async with httpx.AsyncClient(base_url=cluster.url, timeout=120) as client:

@@ -181,7 +181,9 @@ class EngineReplica:
                 counters = {"received": dict(self.received), "ended": dict(self.ended)}
             except RuntimeError:   # a new origin's key added meanwhile (on the event loop): next time
                 return
-            self._report = {**engine_report(engine, self.held_blocks), **counters, "busy_s": self.busy_s}
+            # the peers' free KV blocks as the ingress last pushed them: where a request could migrate to
+            self._report = {**engine_report(engine, self.held_blocks), **counters, "busy_s": self.busy_s,
+                            "peer_free_kv_blocks": engine.peers.snapshot()}
 
 
 def _register_initial(engine: ReplicaEngine, adapters: dict[str, str], packed: list[str],
