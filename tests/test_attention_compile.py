@@ -11,7 +11,8 @@ subprocess is this file run as a script:
 The "fp8kv" family compiles the three kernels over float8 e4m3 caches (bf16, fp16 and fp32 activations) for Hopper:
 Triton converts e4m3 from sm_89 on, so the engine refuses an FP8 KV cache on older GPUs. With bf16 the prompt tiles
 convert by ops/e4m3.py's integer operations (E4M3_PTX), none through fp16; the decode tiles by the paired e4m3 → fp16
-instruction into fp16 dots (F16_DOTS), with no byte-wide shared-memory loads (V converted in its load's layout).
+instruction into fp16 dots (F16_DOTS); with 16-bit q, no byte-wide shared-memory loads (V converted in its load's
+layout).
 """
 from __future__ import annotations
 
@@ -118,11 +119,12 @@ def compile_kind(arch: int, dtype: str, kind: str) -> int:
             raise RuntimeError(f"{kernel.fn.__name__} {consts} needs {compiled.metadata.shared} bytes of shared "
                                f"memory; sm_{arch} has {SMEM_LIMIT[arch]}")
         ptx = compiled.asm["ptx"]
+        if (consts.get("FP8_KV") and dtype != "fp32" and kernel.fn.__name__ == "_decode_kernel"
+                and re.search(r"ld\.shared\.[bu]8", ptx)):   # V converted in the dot's layout, not in place
+            raise RuntimeError(f"{kernel.fn.__name__} {consts}: a tile read from shared memory a byte at a time")
         if consts.get("F16_DOTS"):
             if "cvt.rn.f16x2.e4m3x2" not in ptx or "fma.rn.bf16x2" in ptx or ".f16.f16" not in ptx:
                 raise RuntimeError(f"{kernel.fn.__name__} {consts}: not fp16 dots on the paired conversion")
-            if re.search(r"ld\.shared\.[bu]8", ptx):   # V converted in the dot's layout (ops/e4m3.py's in_place)
-                raise RuntimeError(f"{kernel.fn.__name__} {consts}: a tile read from shared memory a byte at a time")
         elif consts.get("E4M3_PTX") and ("fma.rn.bf16x2" not in ptx or "cvt.bf16.f16" in ptx):
             raise RuntimeError(f"{kernel.fn.__name__} {consts}: an e4m3 tile converted by Triton, not ops/e4m3.py")
         elif consts.get("FP8") and not rounds_by_conversion(ptx):   # the store: ops/e4m3.py's to_e4m3

@@ -40,7 +40,8 @@ into the output's normalisation (the split decode's partial sums), so the scales
 program. E4M3_PTX is the prompt kernel's; decode over an e4m3 cache with bf16 q takes F16_DOTS (measured faster
 there): the tiles convert to fp16 by the hardware's paired instruction (V's in the layout it was loaded in, by
 ops/e4m3.py's `e4m3_to_f16_in_place`), q is scaled into fp16 by a power of two (exact; ops/e4m3.py's
-`f16_range_scales`, the power folded into the softmax scale) and the dots, P·V's included, run in fp16.
+`f16_range_scales`, the power folded into the softmax scale) and the dots, P·V's included, run in fp16. fp16 q
+(an fp16 model's) takes the same fp16 tiles, unscaled.
 
 The caches are addressed through their strides (block, token, head; D innermost), so both a contiguous
 `[num_blocks, block_size, Hkv, D]` cache and the head-major one `KVCache` keeps (`[num_blocks, Hkv,
@@ -83,8 +84,7 @@ def _online_softmax_step(acc, m_i, l_i, q, k, v, qk_scale, keep, MASKED: tl.cons
 @triton.jit
 def _attend_range(acc, m_i, l_i, q, k_head, v_head, bt_row, n_begin, n_end, pos, kv_lo, kv_hi, qk_scale, window,
                   stride_kb, stride_kt, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                  MASKED: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, E4M3_PTX: tl.constexpr,
-                  F16_DOTS: tl.constexpr):
+                  MASKED: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, E4M3_PTX: tl.constexpr):
     """Flash-attention steps over the key tiles starting at n_begin, n_begin + BLOCK_N, ... < n_end.
 
     Keys outside [kv_lo, kv_hi) are never read (nor their block table entries). MASKED tiles also
@@ -95,6 +95,8 @@ def _attend_range(acc, m_i, l_i, q, k_head, v_head, bt_row, n_begin, n_end, pos,
     K/V loads as direct ones and keeps num_stages - 1 tiles in flight (with the ids loaded in the
     same iteration it keeps one)."""
     offs_d = tl.arange(0, HEAD_DIM)
+    # fp16 q (F16_DOTS's scaled bf16 q, or an fp16 model's) over an e4m3 cache: fp16 tiles, V's converted in place
+    F16_TILES: tl.constexpr = (k_head.dtype.element_ty == tl.float8e4nv) and (q.dtype == tl.float16)
     first = n_begin + tl.arange(0, BLOCK_N)
     blk = tl.load(bt_row + first // PAGE, mask=(first >= kv_lo) & (first < kv_hi), other=0)
     for n0 in range(n_begin, n_end, BLOCK_N):
@@ -109,7 +111,7 @@ def _attend_range(acc, m_i, l_i, q, k_head, v_head, bt_row, n_begin, n_end, pos,
         else:
             k = tl.load(k_head + tok[:, None] + offs_d[None, :])
             v = tl.load(v_head + tok[:, None] + offs_d[None, :])
-        if F16_DOTS:   # an e4m3 cache's tiles in fp16 (exact), q in fp16 too
+        if F16_TILES:   # an e4m3 cache's tiles in fp16 (exact)
             k = k.to(tl.float16)
             v = e4m3_to_f16_in_place(v)   # (converted into the dot's layout, V would load a byte at a time)
         elif E4M3_PTX:   # an e4m3 cache's tiles in bf16 (exact)
@@ -194,13 +196,13 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
             acc, m_i, l_i = _attend_range(acc, m_i, l_i, q, k_head, v_head, bt_row, kv_lo // BLOCK_N * BLOCK_N,
                                           tl.minimum(full_lo, kv_hi), pos, kv_lo, kv_hi, qk_scale, window,
                                           stride_kb, stride_kt, BLOCK_N, HEAD_DIM, PAGE, True, WINDOW, PRECISION,
-                                          E4M3_PTX, False)
+                                          E4M3_PTX)
         acc, m_i, l_i = _attend_range(acc, m_i, l_i, q, k_head, v_head, bt_row, full_lo, full_hi, pos, kv_lo, kv_hi,
                                       qk_scale, window, stride_kb, stride_kt, BLOCK_N, HEAD_DIM, PAGE, False, WINDOW,
-                                      PRECISION, E4M3_PTX, False)
+                                      PRECISION, E4M3_PTX)
         acc, m_i, l_i = _attend_range(acc, m_i, l_i, q, k_head, v_head, bt_row, tl.maximum(full_lo, full_hi), kv_hi,
                                       pos, kv_lo, kv_hi, qk_scale, window, stride_kb, stride_kt, BLOCK_N, HEAD_DIM,
-                                      PAGE, True, WINDOW, PRECISION, E4M3_PTX, False)
+                                      PAGE, True, WINDOW, PRECISION, E4M3_PTX)
         l_safe = tl.where(l_i > 0, l_i, 1.0)  # rows outside the tile have no keys; they are not stored
         o = acc * (out_scale / l_safe)[:, None]
         tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -251,7 +253,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ml
         pos = tl.zeros([M], tl.int32) + (seq_len - 1)  # the query row's position
         acc, m_i, l_i = _attend_range(acc, m_i, l_i, q, k_head, v_head, bt_row, start, end, pos, start, end, qk_scale,
                                       window, stride_kb, stride_kt, BLOCK_N, HEAD_DIM, PAGE, True, False, PRECISION,
-                                      False, F16_DOTS)
+                                      False)
         if FP8_KV:
             acc = acc * tl.load(v_scale_ptr)
         if SPLIT:
