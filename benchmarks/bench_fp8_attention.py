@@ -3,7 +3,8 @@
 The kernel's decode tiles for 16-bit caches (ops/attention/launchers.py's DECODE_CONFIGS) keep two resident
 programs an SM with two K/V tiles in flight each, which covers HBM's latency. e4m3 caches take the same keys a step
 at 2 warps (FP8_DECODE_CONFIGS): an e4m3 tile of them moves half the bytes, and twice the keys at 4 warps (the 16-bit
-tile's bytes) ran slower once V's tile converted in its load's layout. Per case, side by side in one run:
+tile's bytes) ran slower in 7 of 8 cases once V's tile converted in its load's layout. Per case, side by side in one
+run:
 the same batch over a bf16 cache (its tiles), then the e4m3 cache with today's tiles, the 16-bit ones and each of
 `candidates` (more or fewer stages and warps, shorter splits, wider or narrower key steps),
 beside the floor of the e4m3 bytes over the copy bandwidth measured in the same run. Every e4m3 output is
@@ -93,7 +94,7 @@ def bench_case(name: str, heads, batch: int, ctx: int, copy_gbs: float | None, g
     reference = ops.paged_attention(st["q"], k8, v8, st["block_tables"], p.seq_lens, p.query_start,
                                     max_query_len=1, max_seq_len=p.max_seq_len, scale=p.scale, k_scale=ks,
                                     v_scale=vs, backend="reference").float()
-    if not smoke:   # a throwaway timing: the first one of a large case ran ~16% slow, its tiles timed again later not
+    if not smoke:   # a throwaway timing: the first one of a large case ran ~17% slow, its tiles timed again later not
         _graph_time([decode_fn(p, i, k8, v8, tiles["today"], ks, vs) for i in range(rot)])
     for label, cfg in tiles.items():
         decode_fn(p, 0, k8, v8, cfg, ks, vs)()

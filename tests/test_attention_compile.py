@@ -120,7 +120,7 @@ def compile_kind(arch: int, dtype: str, kind: str) -> int:
                                f"memory; sm_{arch} has {SMEM_LIMIT[arch]}")
         ptx = compiled.asm["ptx"]
         if (consts.get("FP8_KV") and dtype != "fp32" and kernel.fn.__name__ == "_decode_kernel"
-                and re.search(r"ld\.shared\.[bu]8", ptx)):   # V converted in the dot's layout, not in place
+                and re.search(r"ld\.shared(?:::cta)?(?:\.v[24])?\.[bsu]8\b", ptx)):   # V converted in the dot's layout, not in place
             raise RuntimeError(f"{kernel.fn.__name__} {consts}: a tile read from shared memory a byte at a time")
         if consts.get("F16_DOTS"):
             if "cvt.rn.f16x2.e4m3x2" not in ptx or "fma.rn.bf16x2" in ptx or ".f16.f16" not in ptx:
@@ -182,7 +182,7 @@ def compile_kind(arch: int, dtype: str, kind: str) -> int:
                   cfg.num_warps, cfg.num_stages, FP8_KV)
         for D, G, split in [(128, 4, False), (128, 4, True), (128, 1, True), (64, 8, False), (32, 4, True),
                             (256, 2, False)]:
-            cfg = al.decode_config(D, tdtype, fp8_kv=True)   # twice the 16-bit tiles' keys
+            cfg = al.decode_config(D, tdtype, fp8_kv=True)   # the 16-bit tiles' keys at 2 warps
             partials = {} if split else {"part_o_ptr": "*" + dtype, "part_ml_ptr": "*" + dtype}
             build(ak._decode_kernel, al.decode_constexprs(G, D, PAGE, split, tdtype, cfg, fp8_kv=True),
                   cfg.num_warps, cfg.num_stages, dict(FP8_KV, **partials))

@@ -506,11 +506,13 @@ def test_fp16_dots_over_an_e4m3_cache_match_the_float64_loop(num_splits):
 @pytest.mark.parametrize("seqs, window", [([(0, 300), (40, 1), (700, 129), (1500, 1), (0, 2)], 0),
                                           ([(0, 1), (900, 1), (2500, 1), (63, 1)], 0),
                                           ([(100, 64), (600, 1), (1000, 1)], 256)], ids=["mixed", "decode", "window"])
-def test_gpu_bf16_kernels_match_the_reference_on_an_e4m3_cache(seqs, window):
-    """Llama-3 heads (32 over 8, head_dim 128): the store's bytes equal the reference's (IEEE division, rounding
-    done before the cast), attention within bf16's output rounding of the reference (fp32 on the same cache)."""
-    rng = np.random.default_rng(stable_seed("fp8-gpu", len(seqs), window))
-    case = make_case(rng, seqs, Hq=32, Hkv=8, D=128, bs=16, dtype=torch.bfloat16, window=window, device="cuda")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_kernels_match_the_reference_on_an_e4m3_cache(seqs, window, dtype):
+    """Llama-3 heads (32 over 8, head_dim 128), bf16 and fp16 models: the store's bytes equal the reference's (IEEE
+    division, rounding done before the cast), attention within bf16's output rounding of the reference (fp32 on the
+    same cache). fp16 q takes the fp16 tiles with V converted in place in both kernels; bf16 q, in decode."""
+    rng = np.random.default_rng(stable_seed("fp8-gpu", len(seqs), window, str(dtype)))
+    case = make_case(rng, seqs, Hq=32, Hkv=8, D=128, bs=16, dtype=dtype, window=window, device="cuda")
     case.k_cache, case.v_cache = quantize(case.k_cache, K_SCALE), quantize(case.v_cache, V_SCALE)
     ks, vs = torch.tensor([K_SCALE], device="cuda"), torch.tensor([V_SCALE], device="cuda")
     slots = torch.randperm(case.k_cache.shape[0] * 16, device="cuda")[:case.k.shape[0]]
@@ -545,5 +547,6 @@ def test_bench_fp8_attention_smoke(monkeypatch, tmp_path):
     assert md.read_text().startswith("# Decode attention over an e4m3 KV cache")
     assert set(bench.candidates(128, ["half keys", "1 warp"])) == {
         "today", "half keys", "1 warp", "half keys, 1 warp", "half keys, 4 stages"}
-    with pytest.raises(SystemExit, match="'3 warps'"):   # --only's word that names no candidate
-        bench.candidates(128, ["2 warps", "3 warps"])
+    with pytest.raises(SystemExit, match="'3 warps'") as stop:   # --only's word that names no candidate
+        bench.candidates(128, ["2 stages", "3 warps"])
+    assert "'2 stages'" not in str(stop.value).split("the labels")[0]

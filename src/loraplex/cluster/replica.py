@@ -181,7 +181,7 @@ class EngineReplica:
                 counters = {"received": dict(self.received), "ended": dict(self.ended)}
             except RuntimeError:   # a new origin's key added meanwhile (on the event loop): next time
                 return
-            # the peers' free KV blocks as the ingress last pushed them: where a request could migrate to
+            # the peers' free KV blocks as the ingress last pushed them, less this replica's bookings since
             self._report = {**engine_report(engine, self.held_blocks), **counters, "busy_s": self.busy_s,
                             "peer_free_kv_blocks": engine.peers.snapshot()}
 

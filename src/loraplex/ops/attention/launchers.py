@@ -51,10 +51,11 @@ PREFILL_CONFIGS = {16: PrefillConfig(128, 64, 4, 3), 32: PrefillConfig(128, 64, 
                    256: PrefillConfig(64, 32, 4, 2)}
 DECODE_CONFIGS = {16: DecodeConfig(256, 4, 3), 32: DecodeConfig(256, 4, 3), 64: DecodeConfig(128, 4, 3),
                   128: DecodeConfig(64, 4, 3), 256: DecodeConfig(32, 4, 3)}
-# e4m3 caches: the 16-bit tiles' keys at 2 warps, and splits of at least 512 tokens. Against twice the keys at 4
-# warps (the tiles of equal bytes): 0.4-7% less time at Llama-2-7B's and Llama-3-8B's heads, batch 32-128, contexts
-# 512-4096, and a batch-32 decode step of 5.03 against 5.24 ms (Llama-2-7B, H100; bench_fp8_attention.py,
-# results/fp8_h100/fp8_attention_v_in_place.md). Measured at head size 128; the other sizes follow the same rule.
+# e4m3 caches: the 16-bit tiles' keys at 2 warps, and splits of at least 512 tokens. Against the former tiles (twice
+# the keys at 4 warps, V converted in the dot's layout): 0.3-7% less time at Llama-2-7B's and Llama-3-8B's heads,
+# batch 32-128, contexts 512-4096 (bench_fp8_attention.py), and a batch-32 decode step of 5.03 against 5.24 ms
+# (bench_engine.py, Llama-2-7B; H100, results/fp8_h100/v_in_place.md). Measured at head size 128; the other sizes
+# follow the same rule.
 FP8_DECODE_CONFIGS = {d: replace(c, num_warps=2, min_split_tokens=512) for d, c in DECODE_CONFIGS.items()}
 # fp32 caches (tests, CPU-sized models) take twice the bytes per tile: the 16-bit tiles would need up
 # to 320 KB of shared memory, these small ones ≤ 136 KB (prefill) and ≤ 100 KB (decode) at D=256.
