@@ -12,7 +12,7 @@ The "fp8kv" family compiles the three kernels over float8 e4m3 caches (bf16, fp1
 Triton converts e4m3 from sm_89 on, so the engine refuses an FP8 KV cache on older GPUs. With bf16 the prompt tiles
 convert by ops/e4m3.py's integer operations (E4M3_PTX), none through fp16; the decode tiles by the paired e4m3 → fp16
 instruction into fp16 dots (F16_DOTS); with 16-bit q, no byte-wide shared-memory loads (V converted in its load's
-layout).
+layout), on Hopper and on sm_89 (Ada: its mma.sync reads the prompt kernel's V from registers too).
 """
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ DECODE_VARIANTS = ([(D, 1, split) for D in HEAD_DIMS for split in (False, True)]
 FP32_PREFILL_VARIANTS = [(32, 1, 0), (128, 4, 4096), (256, 3, 0)]
 FP32_DECODE_VARIANTS = [(32, 16, True), (128, 4, False), (256, 3, True)]
 # Shared memory one program may use (bytes): a variant over it compiles but fails at launch.
-SMEM_LIMIT = {90: 227 * 1024, 80: 163 * 1024}
+SMEM_LIMIT = {90: 227 * 1024, 89: 99 * 1024, 80: 163 * 1024}
 STORE_VARIANTS = [(D, Hkv, "i32") for D in HEAD_DIMS for Hkv in (8, 32)] + [(128, 8, "i64")]  # (D, Hkv, slot dtype)
 
 
@@ -119,7 +119,7 @@ def compile_kind(arch: int, dtype: str, kind: str) -> int:
             raise RuntimeError(f"{kernel.fn.__name__} {consts} needs {compiled.metadata.shared} bytes of shared "
                                f"memory; sm_{arch} has {SMEM_LIMIT[arch]}")
         ptx = compiled.asm["ptx"]
-        if (consts.get("FP8_KV") and dtype != "fp32" and kernel.fn.__name__ == "_decode_kernel"
+        if (consts.get("FP8_KV") and dtype != "fp32"
                 and re.search(r"ld\.shared(?:::cta)?(?:\.v[24])?\.[bsu]8\b", ptx)):   # V converted in the dot's layout, not in place
             raise RuntimeError(f"{kernel.fn.__name__} {consts}: a tile read from shared memory a byte at a time")
         if consts.get("F16_DOTS"):
@@ -194,7 +194,7 @@ def compile_kind(arch: int, dtype: str, kind: str) -> int:
 # (arch, dtype, kernel family) per subprocess; fp32 (tf32x3 dots) for Hopper only.
 JOBS = [(arch, dtype, kind) for arch in ARCHS for dtype in DTYPES for kind in KINDS] + \
        [(90, "fp32", "prefill"), (90, "fp32", "decode"), (90, "bf16", "fp8kv"), (90, "fp16", "fp8kv"),
-        (90, "fp32", "fp8kv")]
+        (90, "fp32", "fp8kv"), (89, "bf16", "fp8kv")]
 
 
 def _compile_in_subprocess(arch: int, dtype: str, kind: str) -> subprocess.CompletedProcess:

@@ -43,10 +43,11 @@ fma.rn.bf16x2 $1, h, c, z;
 
 
 @triton.jit
-def e4m3_to_bf16(q):
-    """q (float8 e4m3, finite) as bf16, exactly (see _E4M3_TO_BF16); compiled PTX only (not Triton's interpreter)."""
+def e4m3_to_bf16(q, IN_PLACE: tl.constexpr = False):
+    """q (float8 e4m3, finite) as bf16, exactly (see _E4M3_TO_BF16); compiled PTX only (not Triton's interpreter).
+    IN_PLACE: converted in q's own layout, as `e4m3_to_f16_in_place` (for a tile read by a dot along its rows)."""
     return tl.inline_asm_elementwise(_E4M3_TO_BF16, "=r,=r,r", [q.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16,
-                                     is_pure=True, pack=4)
+                                     is_pure=not IN_PLACE, pack=4)
 
 
 _INTERPRETED: tl.constexpr = tl.constexpr(envs.triton_interpret())

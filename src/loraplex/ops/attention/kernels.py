@@ -114,9 +114,9 @@ def _attend_range(acc, m_i, l_i, q, k_head, v_head, bt_row, n_begin, n_end, pos,
         if F16_TILES:   # an e4m3 cache's tiles in fp16 (exact)
             k = k.to(tl.float16)
             v = e4m3_to_f16_in_place(v)   # (converted into the dot's layout, V would load a byte at a time)
-        elif E4M3_PTX:   # an e4m3 cache's tiles in bf16 (exact)
+        elif E4M3_PTX:   # an e4m3 cache's tiles in bf16 (exact); V's in place, as above (sm_89's mma.sync reads it)
             k = e4m3_to_bf16(k)
-            v = e4m3_to_bf16(v)
+            v = e4m3_to_bf16(v, IN_PLACE=True)
         else:   # an e4m3 cache's tiles in q's dtype (exact); otherwise nothing to do
             k = k.to(q.dtype)
             v = v.to(q.dtype)
