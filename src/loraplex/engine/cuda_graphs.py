@@ -152,11 +152,9 @@ class _Graph:
 
 
 class StepGraphs:
-    def __init__(self, model: LlamaForCausalLM, kv: KVCache, pool: AdapterPool | None, *, max_batch: int,
-                 max_seq_len: int, max_prompt_tokens: int = 0, max_rows: int | None = None,
+    def __init__(self, model: LlamaForCausalLM, kv: KVCache, pool: AdapterPool | None, shapes: GraphShapes, *,
                  max_members: int = 1) -> None:
-        self.model, self.kv, self.pool = model, kv, pool
-        self.shapes = GraphShapes.make(max_batch, max_seq_len, max_prompt_tokens, max_rows)
+        self.model, self.kv, self.pool, self.shapes = model, kv, pool, shapes
         # the variants captured for every shape: COMPOSED where a request may combine adapters (max_members > 1)
         self.variants = [BASE] if pool is None else [BASE, LORA] + ([COMPOSED] if max_members > 1 else [])
         self.max_members = max_members
@@ -167,7 +165,8 @@ class StepGraphs:
         # sm90) per stream it has run on, so a stream per graph would pin one each; the warm-up on the capture
         # stream allocates it outside the graph pool.
         self._streams: dict[int, torch.cuda.Stream] = {}
-        self._logits = torch.empty((max_batch, model.config.vocab_size), dtype=torch.float32, device=kv.device)
+        self._logits = torch.empty((shapes.buckets[-1], model.config.vocab_size), dtype=torch.float32,
+                                   device=kv.device)   # (the largest decode bucket: max_batch)
 
     def capture(self) -> None:
         from ..ops.launch import precompile   # (Triton: imported where graphs are captured, on a GPU)

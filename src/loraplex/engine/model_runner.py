@@ -106,10 +106,8 @@ class ModelRunner:
             compile_lora_kernels(c, self.adapters.pool, self.model.dtype, compositions=self._max_members > 1)
         if self.device.type == "cuda" and not config.enforce_eager:
             torch.cuda.set_device(self.device)   # capture on our GPU
-            self.graphs = StepGraphs(self.model, self.kv, self.adapters.pool, max_seq_len=self.max_model_len,
-                                     max_batch=self.graph_batch,
-                                     max_prompt_tokens=self._graph_prompt_tokens,
-                                     max_rows=config.max_num_batched_tokens, max_members=self._max_members)
+            self.graphs = StepGraphs(self.model, self.kv, self.adapters.pool, self._graph_shapes(),
+                                     max_members=self._max_members)
             self.graphs.capture()
         # after the captures: each hands PyTorch's cached pinned blocks back to CUDA (adapters/pinned_reserve.py)
         self.adapters.reserve_host_memory(config.adapter_host_reserve_gib)   # nothing off CUDA
@@ -184,9 +182,7 @@ class ModelRunner:
         # CUDA graphs: their private pool and the logits buffer they share (StepGraphs)
         graph_logits = 0 if cfg.enforce_eager else self.graph_batch * c.vocab_size * 4
         pool = GRAPH_MEMORY_RESERVE if cfg.enforce_eager else graph_pool_bytes(
-            activations, cfg.max_num_batched_tokens,
-            GraphShapes.make(self.graph_batch, self.max_model_len, self._graph_prompt_tokens,
-                             cfg.max_num_batched_tokens).largest_graph_rows())
+            activations, cfg.max_num_batched_tokens, self._graph_shapes().largest_graph_rows())
         budget = total * cfg.gpu_memory_utilization - others - before - activations - pool - graph_logits
         blocks = int(budget // per_block)
         if blocks < 1:
@@ -197,10 +193,13 @@ class ModelRunner:
                              f"or max_num_batched_tokens, or raise gpu_memory_utilization")
         return blocks
 
-    @property
-    def _graph_prompt_tokens(self) -> int:
-        """The most prompt tokens of a step that replays a graph (StepGraphs' max_prompt_tokens)."""
-        return min(self.config.cuda_graph_max_prompt_tokens, self.config.max_num_batched_tokens)
+    def _graph_shapes(self) -> GraphShapes:
+        """The CUDA graphs' shapes at the settings and the current max_model_len (the KV budget sizes their pool
+        before the cache may lower max_model_len; the rows, which size it, do not depend on it)."""
+        cfg = self.config
+        return GraphShapes.make(self.graph_batch, self.max_model_len,
+                                min(cfg.cuda_graph_max_prompt_tokens, cfg.max_num_batched_tokens),
+                                cfg.max_num_batched_tokens)
 
     def _profile_step(self) -> int:
         """One forward + sample of the largest step the settings allow, on a throwaway cache; returns that cache's
