@@ -53,14 +53,17 @@ SWEEP = [skinny.SkinnyConfig(block_n=bn, block_k=bk, stages=st)
          for bn, bk, st in itertools.product((32, 64, 128), (128, 256, 512), (3, 4))] + \
         [skinny.SkinnyConfig(block_n=bn, block_k=bk, stages=4, split_k=sp)   # wider tiles, K split to keep programs
          for bn, bk, sp in itertools.product((64, 128), (128, 256), (2, 4))]
-# the W8A8 kernel's tiles: 64 columns or more (narrower ones' e4m3 products run as fp16 mma.sync on Hopper),
+# the W8A8 kernel's tiles: 64 columns or more (narrower ones' e4m3 products run as fp16 mma.sync on Hopper) unless
+# x's rows take the wgmma's long side (swap_ab),
 # 512-wide K steps in splits too (x's e4m3 tile is as small as q's), and deeper pipelines (more bytes in flight a
 # program, for an H200's bandwidth; tiles past the shared memory are skipped)
 W8A8_SWEEP = [c for c in SWEEP if c.block_n >= 64] + \
     [skinny.SkinnyConfig(block_n=bn, block_k=512, stages=st, split_k=sp)
      for bn, st, sp in itertools.product((64, 128), (3,), (2, 4))] + \
     [skinny.SkinnyConfig(block_n=bn, block_k=bk, stages=st)
-     for bn, bk, st in itertools.product((64, 128), (256, 512), (5, 6))]
+     for bn, bk, st in itertools.product((64, 128), (256, 512), (5, 6))] + \
+    [skinny.SkinnyConfig(block_n=bn, block_k=bk, stages=st, swap_ab=True)   # x's rows on the wgmma's long side:
+     for bn, bk, st in itertools.product((16, 32), (256, 512), (3, 4, 6))]   # narrow tiles, more programs
 LAYOUTS = {"column": None, "block128": (128, 128)}
 DEVICE, DTYPE = "cuda", torch.bfloat16
 
@@ -103,8 +106,10 @@ TOP = 3   # per-column tiles retried at the row counts after the first (the firs
 
 
 def tile_name(c: skinny.SkinnyConfig) -> str:
-    """A swept config's key in the results (`n64_k512_st3`, `n128_k256_st4_s4` with a K split)."""
-    return f"n{c.block_n}_k{c.block_k}_st{c.stages}" + (f"_s{c.split_k}" if c.split_k > 1 else "")
+    """A swept config's key in the results (`n64_k512_st3`, `n128_k256_st4_s4` with a K split, `n32_k256_st4_sw`
+    with x's rows on the wgmma's long side, `_w8` at 8 warps)."""
+    return (f"n{c.block_n}_k{c.block_k}_st{c.stages}" + (f"_s{c.split_k}" if c.split_k > 1 else "")
+            + (f"_w{c.warps}" if c.warps != 4 else "") + ("_sw" if c.swap_ab else ""))
 
 
 def swept(names, sweep: list | None = None) -> list:

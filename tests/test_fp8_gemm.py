@@ -46,6 +46,11 @@ CASES = [  # M, N, K, block, config
     (5, 100, 300, (1, 300), SkinnyConfig(block_n=32, block_k=64, split_k=3)),  # K splits, a short last one
     (9, 64, 512, (32, 128), SkinnyConfig(block_n=32, block_k=128, split_k=4)),  # splits over block scales
     (2, 48, 160, (1, 160), SkinnyConfig(block_n=16, block_k=32, split_k=8)),    # 5 K steps over 8 splits
+    # swap_ab: x's rows on the long side (a 64-row tile), w's on the short one
+    (1, 64, 64, (1, 64), SkinnyConfig(block_n=32, block_k=32, swap_ab=True)),
+    (5, 100, 300, (1, 300), SkinnyConfig(block_n=16, block_k=64, swap_ab=True)),     # N and K past the tiles
+    (9, 64, 512, (32, 128), SkinnyConfig(block_n=32, block_k=128, split_k=4, swap_ab=True)),  # splits, block scales
+    (33, 48, 160, (1, 32), SkinnyConfig(block_n=16, block_k=32, swap_ab=True)),      # rows past 32
 ]
 
 
@@ -70,7 +75,7 @@ def test_fp8_skinny_linear_matches_the_float64_loop(case, with_bias, dtype):
 
 
 @interpreted
-@pytest.mark.parametrize("case", [0, 1, 3, 6, 7])
+@pytest.mark.parametrize("case", [0, 1, 3, 6, 7, 9, 10, 11])
 def test_the_w8a8_kernel_matches_the_float64_loop_of_its_quantized_rows(case):
     """quantize_x (W8A8 at decode rows: x quantized a row by `quantize_rows`, e4m3 products, sx[m] in the
     epilogue): the loop over the quantized rows to bf16's rounding, and within W8A8's documented error (Σ|x||w|/16
@@ -157,7 +162,8 @@ def test_bench_fp8_gemm_refuses_to_write_tiles_for_a_gpu_without_its_files(monke
 
 def test_the_bundled_w8a8_tiles_are_wide_enough_for_wgmma():
     """Each GPU's tuned_fp8_w8a8_<gpu>.json loads into TUNED, every tile 64 columns or wider (narrower e4m3 dots
-    run as fp16 mma.sync on Hopper) with K steps of at least W8A8_MIN_K; the H100's, the fallback, is bundled."""
+    run as fp16 mma.sync on Hopper) unless x's rows take the wgmma's long side (swap_ab), with K steps of at least
+    W8A8_MIN_K; the H100's, the fallback, is bundled."""
     assert fp8.TUNED_FILES[("w8a8", fp8.FALLBACK_GPU)].exists()
     for gpu in fp8.TUNED_GPUS:
         path = fp8.TUNED_FILES[("w8a8", gpu)]
@@ -165,7 +171,7 @@ def test_the_bundled_w8a8_tiles_are_wide_enough_for_wgmma():
             continue
         tiles = skinny.load_configs(path)
         assert tiles and tiles == fp8.TUNED[("w8a8", gpu)]
-        assert all(c.block_n >= 64 and c.block_k >= fp8.W8A8_MIN_K for c in tiles.values()), path.name
+        assert all((c.block_n >= 64 or c.swap_ab) and c.block_k >= fp8.W8A8_MIN_K for c in tiles.values()), path.name
         assert (4096, 4096) in tiles and (12288, 4096) in tiles   # Llama-2-7B's o and q/k/v
 
 
@@ -311,7 +317,9 @@ def test_fp8_skinny_linear_in_bf16_on_the_gpu(M, block):
     want_q = loop_f64(xq.double() * sx.double(), m, None)
     size = loop_f64((xq.double() * sx.double()).abs(), Fp8Matrix(m.qweight.double().abs().cpu(), m.scale.cpu(),
                                                                   m.block), None)
-    for cfg in (None, split, SkinnyConfig(block_n=64, block_k=512, stages=3)):
+    swapped = SkinnyConfig(block_n=32, block_k=256, stages=4, swap_ab=True)   # x's rows on the wgmma's long side
+    for cfg in (None, split, SkinnyConfig(block_n=64, block_k=512, stages=3), swapped,
+                SkinnyConfig(block_n=16, block_k=128, stages=4, split_k=2, swap_ab=True)):
         got = fp8_skinny_linear(x, m, config=cfg, quantize_x=True).double().cpu()
         err = (got - want_q).abs() - 1e-2 * want_q.abs()
         print(f"W8A8 {cfg}: largest error past bf16's rounding {(err / size).max().item():.2e} of Σ|xq·w|")

@@ -112,6 +112,10 @@ def test_arguments_are_checked():
         SkinnyConfig(block_k=48)
     with pytest.raises(ValueError, match="split_k=0"):
         SkinnyConfig(split_k=0)
+    with pytest.raises(ValueError, match="swap_ab=1"):
+        SkinnyConfig(swap_ab=1)
+    with pytest.raises(ValueError, match="only the FP8 kernel"):
+        skinny_linear(x, w, config=SkinnyConfig(block_n=16, block_k=32, swap_ab=True))
     assert skinny_linear(torch.randn(0, 32), w).shape == (0, 16)
     bias = torch.randn(16)
     assert torch.equal(skinny_linear(torch.randn(3, 0), torch.randn(16, 0), bias), bias.expand(3, 16))

@@ -220,7 +220,8 @@ def fp8_skinny_linear(x: torch.Tensor, m: Fp8Matrix, bias: torch.Tensor | None =
                   # bf16 x on the GPU: q converted by ops/e4m3.py's inline PTX (compiled kernels only)
                   FAST_BF16=x.dtype == torch.bfloat16 and x.is_cuda and _KERNEL[0].compiles, X_E4M3=quantize_x,
                   PREFETCH=skinny.prefetch_elements(m.qweight, _KERNEL[0].compiles), SPLIT_K=split,
-                  BLOCK_M=skinny.block_m(M), BLOCK_N=config.block_n, BLOCK_K=block_k)
+                  SWAP_AB=config.swap_ab, BLOCK_M=skinny.tile_rows(config, M), BLOCK_N=config.block_n,
+                  BLOCK_K=block_k)
     _KERNEL[0]((-(-N // config.block_n), split), args, consts, config.warps, config.stages)
     return out
 

@@ -27,7 +27,11 @@ step's sum joins the fp32 sum by an fp32 add, as block-scaled FP8 GEMMs do.
 As ops/gemm/kernels.py's dense kernel (whose layout this follows: w's rows on the MMA's long side, 32 rows of x
 filling a Hopper wgmma's N), decode is bound by reading the weight, here half the bytes: program (n tile, split)
 streams a [BLOCK_N, K / SPLIT_K] block of q beside x's [BLOCK_M, K / SPLIT_K] (16 bits, 8 with X_E4M3). With
-32-column tiles 16-bit x's bytes are twice q's; a K split lets wider tiles keep enough programs.
+32-column tiles 16-bit x's bytes are twice q's; a K split lets wider tiles keep enough programs. An e4m3 wgmma has
+64 rows at least (Triton lowers narrower e4m3 dots to fp16 `mma.sync`), so W8A8 tiles of w are 64 rows or more, and
+o's and down's 4,096 columns make 64 programs, half an H100's SMs; SWAP_AB puts x's rows (padded to 64: masked, never
+read) on the long side and w's BLOCK_N rows on the short one, where 16 or 32 make more programs, each reading all
+of x's K block beside its own.
 """
 from __future__ import annotations
 
@@ -44,7 +48,7 @@ def _fp8_skinny_kernel(x_ptr, q_ptr, s_ptr, bias_ptr, y_ptr, part_ptr, count_ptr
                        stride_xm, stride_qn, stride_sn, stride_ym, scale_bn, scale_bk, HAS_BIAS: tl.constexpr,
                        PER_STEP_SCALE: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
                        FAST_BF16: tl.constexpr, X_E4M3: tl.constexpr, PREFETCH: tl.constexpr, SPLIT_K: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pdl_start(PREFETCH > 0)   # ops/pdl.py: with PDL, wait for the grids before this one (after PREFETCH)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -58,9 +62,12 @@ def _fp8_skinny_kernel(x_ptr, q_ptr, s_ptr, bias_ptr, y_ptr, part_ptr, count_ptr
     n_mask = offs_n < N
     m_mask = offs_m < M
     q_rows = q_ptr + offs_n.to(tl.int64)[:, None] * stride_qn
-    x_cols = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm
+    x_at = x_ptr + offs_m.to(tl.int64) * stride_xm
     s_rows = s_ptr + (offs_n // scale_bn).to(tl.int64) * stride_sn
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if SWAP_AB:   # acc is yᵀ's tile until the loop ends
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)
         if EVEN_N and EVEN_K:   # N and K multiples of the tiles (published widths): no masks on q
@@ -73,19 +80,16 @@ def _fp8_skinny_kernel(x_ptr, q_ptr, s_ptr, bias_ptr, y_ptr, part_ptr, count_ptr
             w = e4m3_to_bf16(q)
         else:
             w = q.to(x_ptr.dtype.element_ty)
-        x = tl.load(x_cols + offs_k[:, None], mask=m_mask[None, :] & (offs_k < k_hi)[:, None], other=0.0)
-        if PER_STEP_SCALE:   # this step's K block's scale for each row of q
-            s = tl.load(s_rows + k // scale_bk, mask=n_mask, other=0.0)
-            if IEEE:
-                acc += tl.dot(w, x, input_precision="ieee") * s[:, None]
-            else:
-                acc += tl.dot(w, x) * s[:, None]
-        elif IEEE:   # fp32 activations: full fp32 products, not TF32
-            acc = tl.dot(w, x, acc, input_precision="ieee")
-        elif X_E4M3:   # each K step's e4m3 products summed apart, then added in fp32 (the docstring)
-            acc += tl.dot(w, x, max_num_imprecise_acc=BLOCK_K)
+        k_mask = offs_k < k_hi
+        if SWAP_AB:   # x [BLOCK_M, BLOCK_K] on the MMA's long side, wᵀ (K-major, as an e4m3 wgmma's B must be)
+            x = tl.load(x_at[:, None] + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            acc = _dot_step(acc, x, tl.trans(w), s_rows, k, scale_bk, n_mask, 1, PER_STEP_SCALE, IEEE, X_E4M3,
+                            BLOCK_K)
         else:
-            acc = tl.dot(w, x, acc)
+            x = tl.load(x_at[None, :] + offs_k[:, None], mask=m_mask[None, :] & k_mask[:, None], other=0.0)
+            acc = _dot_step(acc, w, x, s_rows, k, scale_bk, n_mask, 0, PER_STEP_SCALE, IEEE, X_E4M3, BLOCK_K)
+    if SWAP_AB:
+        acc = tl.trans(acc)
     out_mask = n_mask[:, None] & m_mask[None, :]
     y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
     r_rows = r_ptr + offs_m
@@ -98,6 +102,27 @@ def _fp8_skinny_kernel(x_ptr, q_ptr, s_ptr, bias_ptr, y_ptr, part_ptr, count_ptr
         if last:
             _store_y(total, s_rows, r_rows, bias_ptr, y_ptrs, offs_n, n_mask, m_mask, out_mask, HAS_BIAS,
                      PER_STEP_SCALE, X_E4M3)
+
+
+@triton.jit
+def _dot_step(acc, a, b, s_rows, k, scale_bk, n_mask, N_AXIS: tl.constexpr, PER_STEP_SCALE: tl.constexpr,
+              IEEE: tl.constexpr, X_E4M3: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + a @ b for one K step, w's rows along acc's axis N_AXIS: scaled by this step's K block's scale of each
+    row of q (PER_STEP_SCALE), in full fp32 products for fp32 x (IEEE), each e4m3 step's sum added in fp32 (X_E4M3)."""
+    if PER_STEP_SCALE:
+        s = tl.load(s_rows + k // scale_bk, mask=n_mask, other=0.0)
+        s = s[:, None] if N_AXIS == 0 else s[None, :]
+        if IEEE:
+            acc += tl.dot(a, b, input_precision="ieee") * s
+        else:
+            acc += tl.dot(a, b) * s
+    elif IEEE:   # fp32 activations: full fp32 products, not TF32
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    elif X_E4M3:   # each K step's e4m3 products summed apart, then added in fp32 (the docstring)
+        acc += tl.dot(a, b, max_num_imprecise_acc=BLOCK_K)
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
 
 
 @triton.jit

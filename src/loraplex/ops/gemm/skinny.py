@@ -41,13 +41,16 @@ _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 @dataclass(frozen=True)
 class SkinnyConfig:
-    """Tiles and launch settings: each program streams a [block_n, K / split_k] block of w."""
+    """Tiles and launch settings: each program streams a [block_n, K / split_k] block of w. `swap_ab` (the FP8
+    kernel's, ops/gemm/fp8_kernels.py): x's rows, padded to 64, on the MMA's long side and w's block_n rows on its
+    short one, so that tiles narrower than a wgmma's 64 rows make more programs."""
 
     block_n: int = 64
     block_k: int = 128
     split_k: int = 1
     warps: int = 4
     stages: int = 4
+    swap_ab: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "block_k"):
@@ -58,6 +61,8 @@ class SkinnyConfig:
             raise ValueError(f"SkinnyConfig.split_k={self.split_k}: expected 1 to 16")
         if self.warps not in (1, 2, 4, 8) or self.stages < 1:
             raise ValueError(f"SkinnyConfig: warps={self.warps} (1, 2, 4 or 8), stages={self.stages} (≥ 1)")
+        if not isinstance(self.swap_ab, bool):
+            raise ValueError(f"SkinnyConfig.swap_ab={self.swap_ab!r}: expected true or false")
 
 
 def pick_config(n: int, k: int, sms: int) -> SkinnyConfig:
@@ -103,7 +108,13 @@ def launched_config(config: SkinnyConfig, rows: int, x: torch.Tensor, w_bytes: i
     `config` fitted to the GPU's shared memory (as given in the interpreter, which has no such limit)."""
     if not x.is_cuda:
         return config
-    return fit_config(config, _block_m(rows), x.element_size(), _shared_limit(x.device.index), w_bytes)
+    return fit_config(config, tile_rows(config, rows), x.element_size(), _shared_limit(x.device.index), w_bytes)
+
+
+def tile_rows(config: SkinnyConfig, rows: int) -> int:
+    """The height of x's tile (BLOCK_M) in a launch of `config` over `rows` rows: a power of two of at least 16, and
+    at least 64 with swap_ab (x's rows on a wgmma's long side)."""
+    return max(64, _block_m(rows)) if config.swap_ab else _block_m(rows)
 
 
 @functools.lru_cache(maxsize=None)
@@ -277,6 +288,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return out.copy_(bias.expand(M, N) if bias is not None else torch.zeros_like(out))
     if config is None:
         config = _picked(N, K, x.device.index if x.is_cuda else None)
+    if config.swap_ab:
+        raise ValueError(f"skinny_linear: {config} has swap_ab, which only the FP8 kernel (ops/gemm/fp8.py) takes")
     block_m = _block_m(M)
     config = launched_config(config, M, x)
     split, k_per_split = split_plan(K, config.block_k, config.split_k)
