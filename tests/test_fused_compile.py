@@ -318,7 +318,7 @@ def fp8_gemm(dtype: str, arch: int) -> None:
                                y_ptr="*" + dtype, part_ptr="*fp32", count_ptr="*i32", r_ptr="*fp32"),
                        dict(HAS_BIAS=not per_step, PER_STEP_SCALE=per_step, EVEN_N=True, EVEN_K=True,
                             IEEE=dtype == "fp32", FAST_BF16=dtype == "bf16", X_E4M3=False,
-                            PREFETCH=_prefetch("fp8", block_n), SPLIT_K=split,
+                            PREFETCH=_prefetch("fp8", block_n), SPLIT_K=split, SWAP_AB=False,
                             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k), arch, 4, stages,
                        divisible=("N", "K", "k_per_split", "stride_xm", "stride_qn", "stride_ym", "scale_bk"))
         what = (f"fp8_gemm {dtype} sm_{arch} per_step {per_step} m{block_m} n{block_n} k{block_k} st{stages} "
@@ -334,20 +334,25 @@ def fp8_gemm(dtype: str, arch: int) -> None:
         bound = shared_bytes(SkinnyConfig(block_n=block_n, block_k=block_k, stages=stages), block_m,
                              4 if dtype == "fp32" else 2, w_bytes=None if dtype == "fp32" else 1)
         assert 0 < COMPILED_SHARED[0] <= bound, f"{what}: {COMPILED_SHARED[0]} bytes of shared memory, bound {bound}"
-    if dtype == "bf16":   # W8A8 (X_E4M3): x quantized to e4m3 a row, q straight into the FP8 tensor cores
-        for per_step, block_k, split in ((False, 256, 1), (False, 256, 4), (True, 128, 1)):
+    if dtype == "bf16":   # W8A8 (X_E4M3): x quantized to e4m3 a row, q straight into the FP8 tensor cores; swap_ab:
+        # x's rows (a 64-row tile) on the MMA's long side, w's 32 or 16 on the short one, still e4m3 wgmma on sm_90
+        for per_step, block_k, split, swap, block_n in ((False, 256, 1, False, 64), (False, 256, 4, False, 64),
+                                                        (True, 128, 1, False, 64), (False, 256, 1, True, 32),
+                                                        (True, 128, 2, True, 16)):
+            block_m = 64 if swap else 32
             ptx = _compile(k, dict(x_ptr="*fp8e4nv", q_ptr="*fp8e4nv", s_ptr="*fp32", bias_ptr="*bf16", y_ptr="*bf16",
                                    part_ptr="*fp32", count_ptr="*i32", r_ptr="*fp32"),
                            dict(HAS_BIAS=True, PER_STEP_SCALE=per_step, EVEN_N=True, EVEN_K=True, IEEE=False,
-                                FAST_BF16=False, X_E4M3=True, PREFETCH=_prefetch("fp8", 64), SPLIT_K=split,
-                                BLOCK_M=32, BLOCK_N=64, BLOCK_K=block_k), arch, 4, 4,
+                                FAST_BF16=False, X_E4M3=True, PREFETCH=_prefetch("fp8", block_n), SPLIT_K=split,
+                                SWAP_AB=swap, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k), arch, 4, 4,
                            divisible=("N", "K", "k_per_split", "stride_xm", "stride_qn", "stride_ym", "scale_bk"))
-            what = f"fp8_gemm W8A8 sm_{arch} per_step {per_step} split {split}"
-            _prefetches(ptx, _prefetch("fp8", 64), what)
+            what = f"fp8_gemm W8A8 sm_{arch} per_step {per_step} split {split} swap_ab {swap} n{block_n}"
+            _prefetches(ptx, _prefetch("fp8", block_n), what)
             assert "fma.rn.bf16x2" not in ptx and "cvt.rn.f16x2.e4m3x2" not in ptx, f"{what}: q converted"
             assert ".e4m3.e4m3" in ptx and "cp.async" in ptx, f"{what}: no e4m3 MMAs or unpipelined loads"
-            assert arch != 90 or "wgmma.mma_async" in ptx, f"{what}: no wgmma"
-            bound = shared_bytes(SkinnyConfig(block_n=64, block_k=block_k, stages=4), 32, 1)
+            mma = f"wgmma.mma_async.sync.aligned.m64n{block_m if not swap else block_n}k32.f32.e4m3.e4m3"
+            assert arch != 90 or mma in ptx, f"{what}: no {mma}"
+            bound = shared_bytes(SkinnyConfig(block_n=block_n, block_k=block_k, stages=4), block_m, 1)
             assert 0 < COMPILED_SHARED[0] <= bound, f"{what}: {COMPILED_SHARED[0]} bytes of shared memory, bound {bound}"
     # the prompt GEMM's activations quantized a row a program (quantize_kernel.py): IEEE divisions, as torch's
     from loraplex.ops.gemm.quantize_kernel import _quantize_rows_kernel
