@@ -173,8 +173,8 @@ def compile_kind(arch: int, dtype: str, kind: str) -> int:
         if al.prefill_constexprs(4, 128, PAGE, 0, tdtype, al.prefill_config(128, tdtype), fp8_kv=True)["E4M3_PTX"] \
                 != wanted or al.decode_constexprs(4, 128, PAGE, False, tdtype, cfg, fp8_kv=True)["F16_DOTS"] != wanted:
             raise RuntimeError(f"fp8kv {dtype}: the launchers' E4M3_PTX or F16_DOTS is not {wanted}")
-        for D, Hkv in ((128, 8), (64, 32)):
-            build(sk._store_kv_kernel, sk.store_kv_constexprs(Hkv, D, fp8=True), sk.STORE_WARPS, 1,
+        for D, Hkv, narrow in ((128, 8, False), (64, 32, False), (128, 32, True)):   # narrow: decode steps' programs
+            build(sk._store_kv_kernel, sk.store_kv_constexprs(Hkv, D, fp8=True, narrow=narrow), sk.STORE_WARPS, 1,
                   dict(FP8_KV, slot_ptr="*i64"))
         for D, G, window in [(128, 1, 0), (128, 4, 4096), (64, 4, 0)]:
             cfg = al.prefill_config(D, tdtype)

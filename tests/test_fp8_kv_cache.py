@@ -29,6 +29,7 @@ from fp8_kv_fixtures import ENGINE, LOGPROB_TOL, Fp8KvOracle, generate_fp8, logp
 from loraplex import ops
 from loraplex.ops.attention import KV_FP8
 from loraplex.ops.attention import launchers as ak
+from loraplex.ops.attention import store_kernel
 from test_attention import BACKENDS, TOL, interpreted, make_case, attention_f64, max_err, stable_seed
 
 E4M3_MAX = 448.0
@@ -61,12 +62,16 @@ def quantize(cache: torch.Tensor, scale: float) -> torch.Tensor:
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("head_major", [False, True])
-def test_store_into_e4m3_is_the_nearest_value_of_k_over_its_scale(backend, dtype, head_major):
+@pytest.mark.parametrize("narrow", [False, True])
+def test_store_into_e4m3_is_the_nearest_value_of_k_over_its_scale(backend, dtype, head_major, narrow, monkeypatch):
     """Magnitudes over five decades: subnormal quotients (< 2^-6), normal ones, and ones past 448 that saturate;
-    padding rows skipped, every other slot untouched; k and v strided views of one fused buffer."""
+    padding rows skipped, every other slot untouched; k and v strided views of one fused buffer. The kernel's wide
+    programs (all 9 heads) and its narrow ones (2 heads at a time, then 1), picked by the SM count it is told."""
+    monkeypatch.setattr(store_kernel, "num_sms", lambda device: 10_000 if narrow else 1)
     rng = np.random.default_rng(stable_seed("fp8-store", backend, str(dtype), head_major))
     gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
-    nb, bs, T, Hkv, D = 6, 8, 19, 3, 32
+    nb, bs, T, Hkv, D = 6, 8, 19, 9, 256
+    assert store_kernel.narrow_programs(T, Hkv, D, True, store_kernel.num_sms(None)) == narrow
     qkv = torch.randn(T, 5 * Hkv * D, generator=gen) * 10 ** (torch.rand(T, 5 * Hkv * D, generator=gen) * 5 - 4)
     qkv = qkv.to(dtype)
     k, v = qkv[:, 3 * Hkv * D:4 * Hkv * D].view(T, Hkv, D), qkv[:, 4 * Hkv * D:].view(T, Hkv, D)
@@ -86,6 +91,18 @@ def test_store_into_e4m3_is_the_nearest_value_of_k_over_its_scale(backend, dtype
         assert torch.equal(got.double(), expect)
     quotients = (k.float() / K_SCALE).abs()
     assert (quotients > E4M3_MAX).any() and (quotients < 2 ** -6).any()   # both ends were exercised
+
+
+def test_the_store_takes_narrow_programs_where_wide_ones_would_leave_sms_idle():
+    """Into an e4m3 cache a decode step's tokens (Llama-2-7B's 32 kv heads: one wide program a token) take programs of
+    512 elements; prompt steps, batches that fill the GPU and tokens of fewer than 2,048 elements (Llama-3-8B's 8 kv
+    heads) keep whole-head programs of up to 4,096; a 16-bit cache always does."""
+    sk = store_kernel
+    assert sk.narrow_programs(32, 32, 128, True, 132) and sk.narrow_programs(1, 16, 128, True, 132)
+    assert not sk.narrow_programs(32, 8, 128, True, 132) and not sk.narrow_programs(32, 32, 128, False, 132)
+    assert not sk.narrow_programs(132, 32, 128, True, 132) and not sk.narrow_programs(2048, 32, 128, True, 132)
+    assert sk.store_kv_constexprs(32, 128, True, narrow=True)["BLOCK_H"] == 4
+    assert sk.store_kv_constexprs(32, 128, True)["BLOCK_H"] == 32
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

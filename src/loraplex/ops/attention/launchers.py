@@ -84,7 +84,7 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     # On the CPU (Triton's interpreter) pretend to a small GPU, as sgmv does.
     if device.type != "cuda":
         return 4
@@ -149,7 +149,7 @@ def plan_decode(num_seqs: int, num_kv_heads: int, max_seq_len: int, window: int,
     """
     longest = max(1, min(max_seq_len, window) if window > 0 else max_seq_len)  # keys one query reads, at most
     if num_splits is None:
-        wanted = math.ceil(cfg.programs_per_sm * _num_sms(device) / max(1, num_seqs * num_kv_heads))
+        wanted = math.ceil(cfg.programs_per_sm * num_sms(device) / max(1, num_seqs * num_kv_heads))
         num_splits = min(wanted, cfg.max_splits, longest // cfg.min_split_tokens)
     if num_splits <= 1:
         return 1, UNSPLIT_CHUNK

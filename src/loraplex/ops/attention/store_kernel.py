@@ -18,6 +18,7 @@ from ..e4m3 import to_e4m3
 from ..launch import Launcher, pow2
 from ..pdl import pdl_start
 from .checks import KV_FP8
+from .launchers import num_sms
 
 STORE_WARPS = 4
 @triton.jit
@@ -46,13 +47,30 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_p
 
 
 _STORE = Launcher(_store_kv_kernel)
+WIDE = 4096   # elements of k (and of v) a program
+# Into an e4m3 cache each value is divided in IEEE: where wide programs of NARROW_FROM elements or more would leave
+# SMs idle (a decode step's 32 tokens of Llama-2-7B: 32 programs, 64 divisions a thread), programs of NARROW elements
+# make several times as many. Prompt steps keep the wide ones (eight times their thousands of programs took longer),
+# and so do Llama-3-8B's 1,024-element tokens (8 kv heads; no faster split in two).
+NARROW = 512
+NARROW_FROM = 2048
 
 
-def store_kv_constexprs(Hkv: int, D: int, fp8: bool = False) -> dict:
-    """The store kernel's compile-time parameters: whole heads, up to 4096 elements of k (and of v) a program."""
+def store_kv_constexprs(Hkv: int, D: int, fp8: bool = False, narrow: bool = False) -> dict:
+    """The store kernel's compile-time parameters: whole heads, up to WIDE (`narrow`: NARROW) elements of k (and of v)
+    a program."""
     block_d = pow2(D)
-    return dict(HEAD_DIM=D, BLOCK_H=min(pow2(Hkv), max(1, 4096 // block_d)), BLOCK_D=block_d,
-                FP8=fp8)
+    elements = NARROW if narrow else WIDE
+    return dict(HEAD_DIM=D, BLOCK_H=min(pow2(Hkv), max(1, elements // block_d)), BLOCK_D=block_d, FP8=fp8)
+
+
+def narrow_programs(T: int, Hkv: int, D: int, fp8: bool, sms: int) -> bool:
+    """Does a store of T tokens into an e4m3 (`fp8`) cache take NARROW programs: would the WIDE ones hold
+    NARROW_FROM elements or more and be fewer than the GPU's `sms`?"""
+    wide = store_kv_constexprs(Hkv, D)
+    if not fp8 or min(Hkv, wide["BLOCK_H"]) * D < NARROW_FROM:
+        return False
+    return T * -(-Hkv // wide["BLOCK_H"]) < sms
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -61,7 +79,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """One launch, grid (T, head groups). `k_scale`, `v_scale`: fp32 tensors of one element, for an e4m3 cache."""
     T, Hkv, D = k.shape
     fp8 = k_cache.dtype == KV_FP8
-    consts = store_kv_constexprs(Hkv, D, fp8)
+    consts = store_kv_constexprs(Hkv, D, fp8, narrow_programs(T, Hkv, D, fp8, num_sms(k.device)))
     grid = (T, -(-Hkv // consts["BLOCK_H"]))
     # without FP8 the scale pointers are never read: any tensor will do
     args = (k, v, k_cache, v_cache, slot_mapping, k_scale if fp8 else k, v_scale if fp8 else k, Hkv,

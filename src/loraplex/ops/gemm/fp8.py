@@ -236,7 +236,8 @@ def default_config(n: int, k: int, device: torch.device, w8a8: bool = False) -> 
     """The FP8 kernel's tiles for a weight of shape (n, k), weight-only or W8A8: tuned for `device`'s GPU or the
     fallback's (TUNED), else the dense kernel's for that shape with twice its K step (at most MAX_BLOCK_K), so that a
     step moves as many bytes as the dense tile's does; W8A8 at least 64 columns (a Hopper wgmma's rows: Triton converts
-    narrower tiles' e4m3 operands to fp16 for mma.sync). A decode GEMM is bound by the bytes each program keeps in
+    narrower tiles' e4m3 operands to fp16 for mma.sync; tuned tiles of 16 or 32 put x's rows there instead, swap_ab).
+    A decode GEMM is bound by the bytes each program keeps in
     flight; with the dense tiles an e4m3 weight kept half as many and measured no faster than bf16 (a batch-32
     Llama-2-7B decode step 1.12× the bf16 one, H100)."""
     kind = "w8a8" if w8a8 else "weight-only"
