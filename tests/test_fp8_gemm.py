@@ -59,11 +59,16 @@ CASES = [  # M, N, K, block, config
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_fp8_skinny_linear_matches_the_float64_loop(case, with_bias, dtype):
+    """Weight-only (x in its own dtype); swap_ab's tiles are W8A8's alone and refused here."""
     M, N, K, block, cfg = CASES[case]
     m = random_matrix(N, K, block, seed=case)
     g = torch.Generator().manual_seed(100 + case)
     x = torch.randn(M, K, generator=g).to(dtype)
     bias = torch.randn(N, generator=g).to(dtype) if with_bias else None
+    if cfg is not None and cfg.swap_ab:
+        with pytest.raises(ValueError, match="swap_ab, which takes W8A8"):
+            fp8_skinny_linear(x, m, bias, config=cfg)
+        return
     y = fp8_skinny_linear(x, m, bias, config=cfg)
     want = loop_f64(x, m, bias)
     assert y.dtype == dtype and y.shape == (M, N)
@@ -75,7 +80,7 @@ def test_fp8_skinny_linear_matches_the_float64_loop(case, with_bias, dtype):
 
 
 @interpreted
-@pytest.mark.parametrize("case", [0, 1, 3, 6, 7, 9, 10, 11])
+@pytest.mark.parametrize("case", [0, 1, 3, 6, 7, 9, 10, 11, 12])
 def test_the_w8a8_kernel_matches_the_float64_loop_of_its_quantized_rows(case):
     """quantize_x (W8A8 at decode rows: x quantized a row by `quantize_rows`, e4m3 products, sx[m] in the
     epilogue): the loop over the quantized rows to bf16's rounding, and within W8A8's documented error (Σ|x||w|/16
@@ -169,7 +174,7 @@ def test_the_bundled_w8a8_tiles_are_wide_enough_for_wgmma():
         path = fp8.TUNED_FILES[("w8a8", gpu)]
         if not path.exists():
             continue
-        tiles = skinny.load_configs(path)
+        tiles = skinny.load_configs(path, swap_ab=True)
         assert tiles and tiles == fp8.TUNED[("w8a8", gpu)]
         assert all((c.block_n >= 64 or c.swap_ab) and c.block_k >= fp8.W8A8_MIN_K for c in tiles.values()), path.name
         assert (4096, 4096) in tiles and (12288, 4096) in tiles   # Llama-2-7B's o and q/k/v
@@ -380,6 +385,6 @@ def test_bench_fp8_gemm_smoke(monkeypatch, tmp_path):
     for e in result["decode"].values():
         assert e["fp8_column"]["us"] > 0 and e["fp8_block128"]["us"] > 0 and e["fp8_w8a8_kernel"]["us"] > 0, e
     for name in ("tuned_fp8_h100.json", "tuned_fp8_w8a8_h100.json"):   # the files fp8.py reads, the CPU's
-        assert len(skinny.load_configs(tmp_path / name)) == len(bench.SHAPES), name
+        assert len(skinny.load_configs(tmp_path / name, swap_ab=True)) == len(bench.SHAPES), name
     assert set(result["layer"]["2"]) == {"Llama-2-7B", "Llama-3-8B"}
     assert "| Llama-3-8B @ 2 |" in md.read_text()

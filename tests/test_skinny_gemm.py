@@ -242,13 +242,16 @@ def test_tuned_configs_load_from_the_file_the_bench_writes(tmp_path):
     assert skinny_gemm.load_configs(str(good)) == {(4096, 4096): SkinnyConfig(128, 256, 2, 4, 3)}
     for text, match in (("[1]", "expected an object"), ("{", "cannot read it as JSON"),
                         ('{"4096": {}}', "entry '4096'"), ('{"8,8": {"block_n": 24}}', "block_n=24"),
-                        ('{"8,8": {"tile": 4}}', "entry '8,8'")):
+                        ('{"8,8": {"tile": 4}}', "entry '8,8'"),
+                        ('{"8,8": {"block_n": 32, "swap_ab": true}}', "swap_ab is the FP8 kernel's")):
         bad = tmp_path / "bad.json"
         bad.write_text(text)
         with pytest.raises(ValueError, match=match):
             skinny_gemm.load_configs(str(bad))
     with pytest.raises(ValueError, match="cannot read"):
         skinny_gemm.load_configs(str(tmp_path / "missing.json"))
+    bad.write_text('{"8,8": {"block_n": 32, "swap_ab": true}}')   # the FP8 kernel's files may hold them
+    assert skinny_gemm.load_configs(str(bad), swap_ab=True) == {(8, 8): SkinnyConfig(block_n=32, swap_ab=True)}
 
 
 def test_the_tuned_tiles_ship_as_data_and_a_file_can_replace_them(tmp_path):

@@ -50,8 +50,8 @@ _STORE = Launcher(_store_kv_kernel)
 WIDE = 4096   # elements of k (and of v) a program
 # Into an e4m3 cache each value is divided in IEEE: where wide programs of NARROW_FROM elements or more would leave
 # SMs idle (a decode step's 32 tokens of Llama-2-7B: 32 programs, 64 divisions a thread), programs of NARROW elements
-# make several times as many. Prompt steps keep the wide ones (eight times their thousands of programs took longer),
-# and so do Llama-3-8B's 1,024-element tokens (8 kv heads; no faster split in two).
+# make several times as many. Steps of more tokens keep the wide ones, whose grid already fills the GPU (narrow ones
+# there only multiply the programs), and so do tokens of fewer elements (benchmarks/results/fp8_h100/swap_ab.md).
 NARROW = 512
 NARROW_FROM = 2048
 

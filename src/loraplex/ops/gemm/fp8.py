@@ -45,7 +45,7 @@ FALLBACK_GPU = "h100"
 TUNED_FILES = {(kind, gpu): Path(__file__).with_name(f"tuned_fp8{suffix}_{gpu}.json")
                for kind, suffix in (("weight-only", ""), ("w8a8", "_w8a8")) for gpu in TUNED_GPUS}
 TUNED: dict[tuple[str, str], dict[tuple[int, int], skinny.SkinnyConfig]] = {
-    key: skinny.load_configs(path) for key, path in TUNED_FILES.items() if path.exists()}
+    key: skinny.load_configs(path, swap_ab=True) for key, path in TUNED_FILES.items() if path.exists()}
 MAX_BLOCK_K = 512
 W8A8_MIN_K = 32   # the K step of Triton's e4m3 dots
 
@@ -197,6 +197,8 @@ def fp8_skinny_linear(x: torch.Tensor, m: Fp8Matrix, bias: torch.Tensor | None =
         return out
     if config is None:
         config = default_config(N, K, x.device, w8a8=quantize_x)
+    if config.swap_ab and not quantize_x:
+        raise ValueError(f"fp8_skinny_linear: {config} has swap_ab, which takes W8A8 (quantize_x) only")
     if quantize_x and _k_step(m, K, config.block_k) < W8A8_MIN_K:
         raise ValueError(f"fp8_skinny_linear: quantize_x needs K steps of at least {W8A8_MIN_K}; scale blocks "
                          f"{m.block} and tiles {config} give {_k_step(m, K, config.block_k)}")
@@ -236,10 +238,9 @@ def default_config(n: int, k: int, device: torch.device, w8a8: bool = False) -> 
     """The FP8 kernel's tiles for a weight of shape (n, k), weight-only or W8A8: tuned for `device`'s GPU or the
     fallback's (TUNED), else the dense kernel's for that shape with twice its K step (at most MAX_BLOCK_K), so that a
     step moves as many bytes as the dense tile's does; W8A8 at least 64 columns (a Hopper wgmma's rows: Triton converts
-    narrower tiles' e4m3 operands to fp16 for mma.sync; tuned tiles of 16 or 32 put x's rows there instead, swap_ab).
-    A decode GEMM is bound by the bytes each program keeps in
-    flight; with the dense tiles an e4m3 weight kept half as many and measured no faster than bf16 (a batch-32
-    Llama-2-7B decode step 1.12× the bf16 one, H100)."""
+    narrower tiles' e4m3 operands to fp16 for mma.sync; tuned W8A8 tiles of 16 or 32 put x's rows there instead,
+    swap_ab). A decode GEMM is bound by the bytes each program keeps in flight; with the dense tiles an e4m3 weight
+    kept half as many and measured no faster than bf16 (a batch-32 Llama-2-7B decode step 1.12× the bf16 one, H100)."""
     kind = "w8a8" if w8a8 else "weight-only"
     for gpu in dict.fromkeys((tuned_gpu(device) or FALLBACK_GPU, FALLBACK_GPU)):
         tuned = TUNED.get((kind, gpu), {}).get((n, k))

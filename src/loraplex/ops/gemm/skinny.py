@@ -111,10 +111,13 @@ def launched_config(config: SkinnyConfig, rows: int, x: torch.Tensor, w_bytes: i
     return fit_config(config, tile_rows(config, rows), x.element_size(), _shared_limit(x.device.index), w_bytes)
 
 
+WGMMA_ROWS = 64   # a Hopper wgmma's M; within MAX_ROWS, the rows split_buffers' partials hold
+
+
 def tile_rows(config: SkinnyConfig, rows: int) -> int:
     """The height of x's tile (BLOCK_M) in a launch of `config` over `rows` rows: a power of two of at least 16, and
-    at least 64 with swap_ab (x's rows on a wgmma's long side)."""
-    return max(64, _block_m(rows)) if config.swap_ab else _block_m(rows)
+    at least WGMMA_ROWS with swap_ab (x's rows on a wgmma's long side)."""
+    return max(WGMMA_ROWS, _block_m(rows)) if config.swap_ab else _block_m(rows)
 
 
 @functools.lru_cache(maxsize=None)
@@ -168,10 +171,10 @@ def split_buffers(device: torch.device, split: int, n: int) -> tuple[torch.Tenso
     return got
 
 
-def load_configs(path: str | Path) -> dict[tuple[int, int], SkinnyConfig]:
+def load_configs(path: str | Path, swap_ab: bool = False) -> dict[tuple[int, int], SkinnyConfig]:
     """Tuned configs per weight shape from a JSON file {"N,K": {SkinnyConfig's fields}} (bench_skinny_gemm.py's
     --configs-out; keys starting with "_" are notes, skipped); a malformed file is an error that names it and the
-    entry."""
+    entry, as is an entry with swap_ab unless `swap_ab` allows it (the FP8 kernel's files)."""
     try:
         raw = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
@@ -185,6 +188,8 @@ def load_configs(path: str | Path) -> dict[tuple[int, int], SkinnyConfig]:
         try:
             n, k = (int(v) for v in key.split(","))
             configs[(n, k)] = SkinnyConfig(**fields)
+            if configs[(n, k)].swap_ab and not swap_ab:
+                raise ValueError("swap_ab is the FP8 kernel's (ops/gemm/fp8.py); this GEMM does not take it")
         except (ValueError, TypeError) as e:
             raise ValueError(f"LORAPLEX_SKINNY_CONFIGS={str(path)!r}: entry {key!r}: {e}") from e
     return configs
