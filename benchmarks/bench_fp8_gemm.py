@@ -8,9 +8,9 @@ layer, side by side in one run.
   `fp8`); the floors are each weight's bytes over the copy bandwidth measured in the same run (bf16: 2 bytes an
   element, FP8: 1); cuBLAS's W8A8 (below) at the same rows; and the kernel's W8A8 (what LORAPLEX_FP8_W8A8 picks on
   Hopper: `quantize_rows_fused`'s launch, then q read by the FP8 tensor cores) over its own sweep of tiles 64
-  columns wide or more. `--tuned-out DIR` writes each shape's fastest per-column and W8A8 tiles at the first row
-  count into DIR, in the files ops/gemm/fp8.py reads for this GPU (tuned_fp8_<gpu>.json, tuned_fp8_w8a8_<gpu>.json)
-  when DIR is src/loraplex/ops/gemm;
+  columns wide or more, and of 16 or 32 with x's rows on the wgmma's long side (swap_ab). `--tuned-out DIR` writes each shape's fastest per-column and W8A8 tiles at the first row
+  count into DIR, in the files ops/gemm/fp8_tiles.py reads for this GPU (tuned_fp8_<gpu>.json,
+  tuned_fp8_w8a8_<gpu>.json) when DIR is src/loraplex/ops/gemm;
 - prompt rows (128, 512, 1337, 2048; 1337 as an engine step's rows, rarely a multiple of 16): cuBLAS bf16, W8A8
   (each row of x quantized to e4m3, then torch._scaled_mm: what LORAPLEX_FP8_W8A8 picks) and the weight
   dequantized for cuBLAS (the fallback).
@@ -39,7 +39,7 @@ from bench_skinny_gemm import per_call_us  # noqa: E402
 
 from loraplex import envs  # noqa: E402
 from loraplex.ops.gemm import skinny  # noqa: E402
-from loraplex.ops.gemm import fp8 as fp8_gemm  # noqa: E402
+from loraplex.ops.gemm import fp8_tiles  # noqa: E402
 from loraplex.ops.gemm.fp8 import Fp8Matrix, fp8_skinny_linear, quantize_rows, w8a8_linear  # noqa: E402
 
 SHAPES = {"l2.qkv": (12288, 4096), "l2.o": (4096, 4096), "l2.gate_up": (22016, 4096), "l2.down": (4096, 11008),
@@ -124,7 +124,7 @@ def sweep_tiles(x: torch.Tensor, ms: list, configs: list, ref: torch.Tensor, tol
     timed = {}
     read = x.to(torch.float8_e4m3fn) if kw.get("quantize_x") else x   # x as the kernel reads it
     for c in configs:
-        if fp8_gemm.fitted_config(c, read) != c or c.block_k > ms[0].block[1] and ms[0].scale.shape[1] > 1:
+        if fp8_tiles.fitted_config(c, read) != c or c.block_k > ms[0].block[1] and ms[0].scale.shape[1] > 1:
             continue
         try:
             check(fp8_skinny_linear(x, ms[0], config=c, **kw), ref, tolerance)
@@ -156,14 +156,14 @@ def decode_entry(name: str, M: int, bf16: list, fp8: dict, copy_gbs: float, tile
         best = fastest(timed)
         e[f"fp8_{layout}"] = dict(best=best, us=timed.get(best), default_us=per_call_us(
             [lambda m=m: fp8_skinny_linear(x, m) for m in ms]), sweep=timed,
-            default=fp8_gemm.default_config(N, K, x.device).__dict__)
+            default=fp8_tiles.default_config(N, K, x.device).__dict__)
     ms, ref = fp8["column"], F.linear(x, fp8["column"][0].dequantize(DTYPE))
     # W8A8 over its own tiles: quantize_rows_fused's launch, then the kernel on e4m3 products
     timed = sweep_tiles(x, ms, W8A8_SWEEP if tiles["w8a8"] is None else tiles["w8a8"], ref, 1 / 16, quantize_x=True)
     best = fastest(timed)
     e["fp8_w8a8_kernel"] = dict(best=best, us=timed.get(best), default_us=per_call_us(
         [lambda m=m: fp8_skinny_linear(x, m, quantize_x=True) for m in ms]), sweep=timed,
-        default=fp8_gemm.default_config(N, K, x.device, w8a8=True).__dict__)
+        default=fp8_tiles.default_config(N, K, x.device, w8a8=True).__dict__)
     return e
 
 
@@ -201,14 +201,14 @@ def main(argv=None) -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--md", type=Path)
     ap.add_argument("--tuned-out", type=Path, help="a folder: write each shape's fastest per-column and W8A8 tiles "
-                    "there, in ops/gemm/fp8.py's files for this GPU")
+                    "there, in ops/gemm/fp8_tiles.py's files for this GPU")
     ap.add_argument("--smoke", action="store_true", help="a CPU run of everything at toy sizes (CI)")
     args = ap.parse_args(argv)
     if args.smoke:
         _smoke_settings()
-    gpu = fp8_gemm.FALLBACK_GPU if args.smoke else fp8_gemm.tuned_gpu(torch.device(DEVICE))
+    gpu = fp8_tiles.FALLBACK_GPU if args.smoke else fp8_tiles.tuned_gpu(torch.device(DEVICE))
     if args.tuned_out and gpu is None:   # refused before the sweep, rather than written over another GPU's files
-        raise SystemExit(f"--tuned-out: ops/gemm/fp8.py reads tuned tiles for {', '.join(fp8_gemm.TUNED_GPUS)} "
+        raise SystemExit(f"--tuned-out: ops/gemm/fp8_tiles.py reads tuned tiles for {', '.join(fp8_tiles.TUNED_GPUS)} "
                          f"only, not {torch.cuda.get_device_name()!r}; add it to TUNED_GPUS first")
     torch.manual_seed(0)
     copy_gbs = 1.0 if args.smoke else copy_bandwidth_gbs()
@@ -254,10 +254,10 @@ def main(argv=None) -> None:
 
 
 def write_tuned(result: dict, folder: Path, M: int, gpu: str) -> None:
-    """Each shape's fastest per-column and W8A8 tiles at M rows into `folder`, in the files ops/gemm/fp8.py reads for
-    `gpu` (one of its TUNED_GPUS)."""
+    """Each shape's fastest per-column and W8A8 tiles at M rows into `folder`, in the files ops/gemm/fp8_tiles.py
+    reads for `gpu` (one of its TUNED_GPUS)."""
     for kind, entry, sweep in (("weight-only", "fp8_column", SWEEP), ("w8a8", "fp8_w8a8_kernel", W8A8_SWEEP)):
-        path = folder / fp8_gemm.TUNED_FILES[(kind, gpu)].name
+        path = folder / fp8_tiles.TUNED_FILES[(kind, gpu)].name
         path.write_text(json.dumps(fastest_tiles(result, M, entry, sweep), indent=1) + "\n")
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from loraplex import envs, ops
-from loraplex.ops.gemm import fp8, skinny
+from loraplex.ops.gemm import fp8, fp8_tiles, skinny
 from loraplex.ops.gemm import linear as gemm
 from loraplex.ops.gemm.fp8 import FP8, Fp8Matrix, fp8_skinny_linear, quantize_rows, w8a8_linear
 from loraplex.ops.gemm.skinny import SkinnyConfig
@@ -109,48 +109,48 @@ def test_default_tiles_move_the_dense_tiles_bytes_a_step(monkeypatch):
     MAX_BLOCK_K): as many bytes a step from a 1-byte weight. At 32 rows on an H100/H200 (232,448 bytes of shared
     memory a block) o's and down's 64 × 512 tiles keep 3 of their 4 stages; tuned tiles, where given, win."""
     cpu = torch.device("cpu")
-    monkeypatch.setattr(fp8, "TUNED", {})
+    monkeypatch.setattr(fp8_tiles, "TUNED", {})
     for n, k in ((12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008), (6144, 4096)):
-        dense, got = skinny.default_config(n, k, cpu), fp8.default_config(n, k, cpu)
-        assert got == SkinnyConfig(block_n=dense.block_n, block_k=min(2 * dense.block_k, fp8.MAX_BLOCK_K),
+        dense, got = skinny.default_config(n, k, cpu), fp8_tiles.default_config(n, k, cpu)
+        assert got == SkinnyConfig(block_n=dense.block_n, block_k=min(2 * dense.block_k, fp8_tiles.MAX_BLOCK_K),
                                    split_k=dense.split_k, warps=dense.warps, stages=dense.stages), (n, k)
-        assert got.block_n * got.block_k == dense.block_n * dense.block_k * 2 or got.block_k == fp8.MAX_BLOCK_K
-    o = fp8.default_config(4096, 4096, cpu)
+        assert got.block_n * got.block_k == dense.block_n * dense.block_k * 2 or got.block_k == fp8_tiles.MAX_BLOCK_K
+    o = fp8_tiles.default_config(4096, 4096, cpu)
     assert (o.block_n, o.block_k) == (64, 512)
     assert skinny.fit_config(o, 32, 2, 232448, w_bytes=1) == SkinnyConfig(block_n=64, block_k=512, stages=3)
     assert skinny.fit_config(o, 32, 2, 232448) == SkinnyConfig(block_n=64, block_k=512, stages=2)  # 2-byte count
     # W8A8: at least 64 columns (a Hopper wgmma's rows), the same K step
     for n, k in ((12288, 4096), (4096, 11008)):
-        got, w8 = fp8.default_config(n, k, cpu), fp8.default_config(n, k, cpu, w8a8=True)
+        got, w8 = fp8_tiles.default_config(n, k, cpu), fp8_tiles.default_config(n, k, cpu, w8a8=True)
         assert w8 == SkinnyConfig(block_n=max(64, got.block_n), block_k=got.block_k, split_k=got.split_k,
                                   warps=got.warps, stages=got.stages)
     tuned = SkinnyConfig(block_n=32, block_k=256, stages=5)
     tuned_w8 = SkinnyConfig(block_n=64, block_k=256, stages=4)
-    monkeypatch.setattr(fp8, "TUNED", {("weight-only", "h100"): {(4096, 4096): tuned},
+    monkeypatch.setattr(fp8_tiles, "TUNED", {("weight-only", "h100"): {(4096, 4096): tuned},
                                        ("w8a8", "h100"): {(4096, 4096): tuned_w8}})
-    assert fp8.default_config(4096, 4096, cpu) == tuned
-    assert fp8.default_config(4096, 4096, cpu, w8a8=True) == tuned_w8
+    assert fp8_tiles.default_config(4096, 4096, cpu) == tuned
+    assert fp8_tiles.default_config(4096, 4096, cpu, w8a8=True) == tuned_w8
 
 
 def test_each_gpu_reads_its_own_tuned_tiles_else_the_h100s(monkeypatch):
     """An H200 reads tuned_fp8*_h200.json's tiles where the sweep ran there, else the H100's; GPUs no sweep ran on
     (tuned_gpu None; a GH200 until one does) and the CPU read the H100's; a shape in neither takes the rule."""
     h100, h200 = SkinnyConfig(block_n=64, block_k=256, stages=4), SkinnyConfig(block_n=128, block_k=512, stages=3)
-    monkeypatch.setattr(fp8, "TUNED", {("w8a8", "h100"): {(4096, 4096): h100, (12288, 4096): h100},
+    monkeypatch.setattr(fp8_tiles, "TUNED", {("w8a8", "h100"): {(4096, 4096): h100, (12288, 4096): h100},
                                        ("w8a8", "h200"): {(4096, 4096): h200}})
     for name, gpu in (("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA A100-SXM4-80GB", None),
                       ("NVIDIA GH200 480GB", None)):
-        fp8._tuned_gpu.cache_clear()
+        fp8_tiles._tuned_gpu.cache_clear()
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None, name=name: name)
         cuda = torch.device("cuda", 0)
-        assert fp8.tuned_gpu(cuda) == gpu, name
-        assert fp8.default_config(4096, 4096, cuda, w8a8=True) == (h200 if gpu == "h200" else h100), name
-        assert fp8.default_config(12288, 4096, cuda, w8a8=True) == h100, name   # not swept on the H200
-        rule = fp8.default_config(22016, 4096, cuda, w8a8=True)
+        assert fp8_tiles.tuned_gpu(cuda) == gpu, name
+        assert fp8_tiles.default_config(4096, 4096, cuda, w8a8=True) == (h200 if gpu == "h200" else h100), name
+        assert fp8_tiles.default_config(12288, 4096, cuda, w8a8=True) == h100, name   # not swept on the H200
+        rule = fp8_tiles.default_config(22016, 4096, cuda, w8a8=True)
         assert rule.block_n >= 64 and rule not in (h100, h200), name
-    fp8._tuned_gpu.cache_clear()
-    assert fp8.tuned_gpu(torch.device("cpu")) is None
-    assert fp8.default_config(4096, 4096, torch.device("cpu"), w8a8=True) == h100
+    fp8_tiles._tuned_gpu.cache_clear()
+    assert fp8_tiles.tuned_gpu(torch.device("cpu")) is None
+    assert fp8_tiles.default_config(4096, 4096, torch.device("cpu"), w8a8=True) == h100
 
 
 def test_bench_fp8_gemm_refuses_to_write_tiles_for_a_gpu_without_its_files(monkeypatch, tmp_path):
@@ -158,7 +158,7 @@ def test_bench_fp8_gemm_refuses_to_write_tiles_for_a_gpu_without_its_files(monke
     over the H100's."""
     from benchmark_modules import load_benchmark
     bench = load_benchmark(monkeypatch, "bench_fp8_gemm")
-    monkeypatch.setattr(fp8, "tuned_gpu", lambda device: None)
+    monkeypatch.setattr(fp8_tiles, "tuned_gpu", lambda device: None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA L40S")
     with pytest.raises(SystemExit, match="not 'NVIDIA L40S'"):
         bench.main(["--tuned-out", str(tmp_path)])
@@ -169,13 +169,13 @@ def test_the_bundled_w8a8_tiles_are_wide_enough_for_wgmma():
     """Each GPU's tuned_fp8_w8a8_<gpu>.json loads into TUNED, every tile 64 columns or wider (narrower e4m3 dots
     run as fp16 mma.sync on Hopper) unless x's rows take the wgmma's long side (swap_ab), with K steps of at least
     W8A8_MIN_K; the H100's, the fallback, is bundled."""
-    assert fp8.TUNED_FILES[("w8a8", fp8.FALLBACK_GPU)].exists()
-    for gpu in fp8.TUNED_GPUS:
-        path = fp8.TUNED_FILES[("w8a8", gpu)]
+    assert fp8_tiles.TUNED_FILES[("w8a8", fp8_tiles.FALLBACK_GPU)].exists()
+    for gpu in fp8_tiles.TUNED_GPUS:
+        path = fp8_tiles.TUNED_FILES[("w8a8", gpu)]
         if not path.exists():
             continue
         tiles = skinny.load_configs(path, swap_ab=True)
-        assert tiles and tiles == fp8.TUNED[("w8a8", gpu)]
+        assert tiles and tiles == fp8_tiles.TUNED[("w8a8", gpu)]
         assert all((c.block_n >= 64 or c.swap_ab) and c.block_k >= fp8.W8A8_MIN_K for c in tiles.values()), path.name
         assert (4096, 4096) in tiles and (12288, 4096) in tiles   # Llama-2-7B's o and q/k/v
 
@@ -384,7 +384,7 @@ def test_bench_fp8_gemm_smoke(monkeypatch, tmp_path):
     assert len(result["decode"]) == len(result["prompt"]) == len(bench.SHAPES)
     for e in result["decode"].values():
         assert e["fp8_column"]["us"] > 0 and e["fp8_block128"]["us"] > 0 and e["fp8_w8a8_kernel"]["us"] > 0, e
-    for name in ("tuned_fp8_h100.json", "tuned_fp8_w8a8_h100.json"):   # the files fp8.py reads, the CPU's
+    for name in ("tuned_fp8_h100.json", "tuned_fp8_w8a8_h100.json"):   # the files fp8_tiles.py reads, the CPU's
         assert len(skinny.load_configs(tmp_path / name, swap_ab=True)) == len(bench.SHAPES), name
     assert set(result["layer"]["2"]) == {"Llama-2-7B", "Llama-3-8B"}
     assert "| Llama-3-8B @ 2 |" in md.read_text()
