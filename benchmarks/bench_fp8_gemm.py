@@ -8,9 +8,10 @@ layer, side by side in one run.
   `fp8`); the floors are each weight's bytes over the copy bandwidth measured in the same run (bf16: 2 bytes an
   element, FP8: 1); cuBLAS's W8A8 (below) at the same rows; and the kernel's W8A8 (what LORAPLEX_FP8_W8A8 picks on
   Hopper: `quantize_rows_fused`'s launch, then q read by the FP8 tensor cores) over its own sweep of tiles 64
-  columns wide or more, and of 16 or 32 with x's rows on the wgmma's long side (swap_ab). `--tuned-out DIR` writes each shape's fastest per-column and W8A8 tiles at the first row
-  count into DIR, in the files ops/gemm/fp8_tiles.py reads for this GPU (tuned_fp8_<gpu>.json,
-  tuned_fp8_w8a8_<gpu>.json) when DIR is src/loraplex/ops/gemm;
+  columns wide or more, and of 16 or 32 with x's rows on the wgmma's long side (swap_ab). `--tuned-out DIR`
+  writes each shape's fastest per-column and W8A8 tiles at the first row count into DIR, in the files
+  ops/gemm/fp8_tiles.py reads for this GPU (tuned_fp8_<gpu>.json, tuned_fp8_w8a8_<gpu>.json) when DIR is
+  src/loraplex/ops/gemm;
 - prompt rows (128, 512, 1337, 2048; 1337 as an engine step's rows, rarely a multiple of 16): cuBLAS bf16, W8A8
   (each row of x quantized to e4m3, then torch._scaled_mm: what LORAPLEX_FP8_W8A8 picks) and the weight
   dequantized for cuBLAS (the fallback).

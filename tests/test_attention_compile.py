@@ -119,8 +119,8 @@ def compile_kind(arch: int, dtype: str, kind: str) -> int:
             raise RuntimeError(f"{kernel.fn.__name__} {consts} needs {compiled.metadata.shared} bytes of shared "
                                f"memory; sm_{arch} has {SMEM_LIMIT[arch]}")
         ptx = compiled.asm["ptx"]
-        if (consts.get("FP8_KV") and dtype != "fp32"
-                and re.search(r"ld\.shared(?:::cta)?(?:\.v[24])?\.[bsu]8\b", ptx)):   # V converted in the dot's layout, not in place
+        # a tile read from shared memory a byte at a time: V converted in the dot's layout, not in place
+        if consts.get("FP8_KV") and dtype != "fp32" and re.search(r"ld\.shared(?:::cta)?(?:\.v[24])?\.[bsu]8\b", ptx):
             raise RuntimeError(f"{kernel.fn.__name__} {consts}: a tile read from shared memory a byte at a time")
         if consts.get("F16_DOTS"):
             if "cvt.rn.f16x2.e4m3x2" not in ptx or "fma.rn.bf16x2" in ptx or ".f16.f16" not in ptx:

@@ -42,7 +42,7 @@ def default_config(n: int, k: int, device: torch.device, w8a8: bool = False) -> 
         if tuned is not None:
             return tuned
     dense = skinny.default_config(n, k, device)
-    wide = max(64, dense.block_n) if w8a8 else dense.block_n
+    wide = max(skinny.WGMMA_ROWS, dense.block_n) if w8a8 else dense.block_n
     return replace(dense, block_n=wide, block_k=min(2 * dense.block_k, MAX_BLOCK_K))
 
 
