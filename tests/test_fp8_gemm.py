@@ -368,6 +368,29 @@ def test_w8a8_on_the_gpu_matches_the_cpu_loop():
     torch.testing.assert_close(w8a8_linear(x, m).double().cpu(), want, rtol=1e-2, atol=1e-1)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("M, K", [(32, 11008), (2048, 11008), (1337, 14336), (2048, 4096)])
+def test_the_quantize_kernel_on_the_gpu_gives_the_cpu_bits(M, K):
+    """quantize_rows_fused at decode and prompt rows of down's and o's widths (32 warps a program where the rows
+    leave SMs idle, 16 past the SM count, 8 for 4,096 values): the CPU's IEEE divisions' bits."""
+    if not torch.cuda.is_available() or not fp8.fp8_capable(torch.cuda.current_device()):
+        pytest.skip("needs a CUDA GPU of compute capability 8.9 or more")
+    from loraplex.ops.gemm.quantize_kernel import quantize_rows_fused
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16) * torch.logspace(-3, 3, M, device="cuda")[:, None]
+    xq, sx = quantize_rows(x.cpu())
+    got_q, got_s = quantize_rows_fused(x)
+    assert torch.equal(got_s.cpu(), sx) and torch.equal(got_q.cpu().view(torch.uint8), xq.view(torch.uint8))
+
+
+def test_quantize_warps_follow_the_rows_and_the_width():
+    """32 warps a row of 11,008 values (a 16,384-lane block) at a decode step's 32 rows, 16 past the SM count;
+    narrower rows ~16 values a thread whatever the rows."""
+    from loraplex.ops.gemm.quantize_kernel import quantize_warps
+    assert [quantize_warps(M, 16384, 132) for M in (1, 32, 132, 133, 2048)] == [32, 32, 32, 16, 16]
+    assert [quantize_warps(M, 4096, 132) for M in (32, 2048)] == [8, 8]
+    assert quantize_warps(2048, 512, 132) == 4
+
+
 @interpreted
 def test_bench_fp8_gemm_smoke(monkeypatch, tmp_path):
     """benchmarks/bench_fp8_gemm.py --smoke (toy shapes in the interpreter): every shape's decode and prompt entries,

@@ -114,14 +114,17 @@ def silu(dtype: str, arch: int) -> None:
 
 def rope(dtype: str, arch: int) -> None:
     from loraplex.ops.fused import kernels as fk
-    for pos, block_h, block_d, has_delta in (("i64", 16, 64, False), ("i32", 1, 32, False), ("i64", 16, 64, True)):
+    for pos, block_h, block_d, has_delta, split in (("i64", 16, 64, False, False), ("i32", 1, 32, False, False),
+                                                   ("i64", 16, 64, True, False), ("i64", 16, 64, False, True),
+                                                   ("i64", 16, 64, True, True)):
         ptx = _compile(fk._rope_kernel, dict(q_ptr="*" + dtype, k_ptr="*" + dtype, v_ptr="*" + dtype,
                                              d_ptr="*fp32" if has_delta else "*" + dtype, pos_ptr="*" + pos,
                                              inv_freq_ptr="*fp32", rows_ptr="*i32" if has_delta else "*" + pos),
-                       dict(HAS_DELTA=has_delta, HAS_ROWS=has_delta, BLOCK_H=block_h, BLOCK_D=block_d, COMPILED=True),
+                       dict(HAS_DELTA=has_delta, HAS_ROWS=has_delta, SPLIT_HEADS=split, BLOCK_H=block_h,
+                            BLOCK_D=block_d, COMPILED=True),
                        arch,
                        max(1, min(4, block_h * block_d // 256)))
-        what = f"rope {dtype} positions {pos} BLOCK_H={block_h} BLOCK_D={block_d} delta={has_delta}"
+        what = f"rope {dtype} positions {pos} BLOCK_H={block_h} BLOCK_D={block_d} delta={has_delta} split={split}"
         _no_approx(ptx, what)
         # Every product that feeds the rotation's sums is rounded on its own (4 per element pair).
         assert len(re.findall(r"mul\.rn(?:\.ftz)?\.f32", ptx)) >= 4, f"{what}: products must be mul.rn"

@@ -286,8 +286,11 @@ ROPE_REL = {dtype: 4 * torch.finfo(dtype).eps for dtype in DTYPES}
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("Hq, Hkv, D, layout, tile", [(4, 4, 64, "fused", 1024), (6, 2, 128, "padded", 1024),
                                                        (3, 1, 80, "interleaved", 1024), (6, 2, 128, "fused", 64)])
-def test_rope_kernel_matches_reference(dtype, Hq, Hkv, D, layout, tile):
-    """Strided q/k views of one buffer; tile=64 makes the kernel loop over heads one at a time."""
+@pytest.mark.parametrize("split", [False, True])
+def test_rope_kernel_matches_reference(dtype, Hq, Hkv, D, layout, tile, split, monkeypatch):
+    """Strided q/k views of one buffer; tile=64 makes the kernel loop over heads one at a time, or (`split`: a
+    program a chunk of heads) gives each head a program."""
+    monkeypatch.setattr(fused_kernels, "ROPE_SPLIT_TOKENS", 64 if split else 0)
     gen = torch.Generator().manual_seed(stable_seed(str(dtype), Hq, Hkv, D, layout, tile))
     T = 13
     q, k, qkv = qkv_views(gen, T, Hq, Hkv, D, dtype, layout)
@@ -546,8 +549,11 @@ def test_silu_and_mul_with_a_delta_is_silu_of_the_sum(backend, dtype):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("Hq, Hkv, D, tile", [(4, 2, 64, 1024), (6, 2, 128, 64), (3, 1, 80, 1024)])
-def test_rope_with_a_delta_rotates_the_sum_and_adds_v(backend, dtype, Hq, Hkv, D, tile, monkeypatch):
-    """q, k, v as views of one fused qkv output and its fp32 delta; tile=64 loops over heads."""
+@pytest.mark.parametrize("split", [False, True])
+def test_rope_with_a_delta_rotates_the_sum_and_adds_v(backend, dtype, Hq, Hkv, D, tile, split, monkeypatch):
+    """q, k, v as views of one fused qkv output and its fp32 delta; tile=64 loops over heads, or (`split`) gives
+    each head (of q, k and v) a program."""
+    monkeypatch.setattr(fused_kernels, "ROPE_SPLIT_TOKENS", 64 if split else 0)
     gen = torch.Generator().manual_seed(stable_seed("rope-delta", str(dtype), Hq, Hkv, D, tile))
     T = 9
     q, k, qkv = qkv_views(gen, T, Hq, Hkv, D, dtype, "fused")

@@ -279,7 +279,7 @@ def test_a_composed_graph_batch_splits_k_as_a_plain_one(monkeypatch):
     tiles, as a plain batch of the same rows does, not by the room its entries keep (Llama-2-7B's q/k/v on an
     H100's 132 SMs: 8 splits, where counting the room took 4); a built composed batch by its own entries' tiles."""
     from loraplex.ops.lora import sgmv
-    monkeypatch.setattr(sgmv, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(sgmv, "num_sms", lambda device: 132)
     cfg = sgmv.config_for(16)
     x, qkv = torch.empty(32, 4096), [torch.empty(64, 16, 4096)] * 3
     plain = LoraBatch.with_capacity(32, 32, "cpu", num_slots=64)

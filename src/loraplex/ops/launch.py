@@ -17,6 +17,7 @@ takes direct launches with other Triton versions too.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +39,19 @@ def cdiv(a: int, b: int) -> int:
 def pow2(n: int) -> int:
     """The smallest power of two ≥ n (1 for n ≤ 1)."""
     return 1 << (max(n, 1) - 1).bit_length()
+
+
+def num_sms(device: torch.device) -> int:
+    """The GPU's SM count, which launch rules size their grids by; on the CPU (Triton's interpreter) a small GPU's 4,
+    so that the rules' split and chunked paths run in the CPU tests."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 try:

@@ -4,13 +4,12 @@ launch.
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, replace
 
 import torch
 
-from ..launch import Launcher, cdiv, pow2
+from ..launch import Launcher, cdiv, num_sms, pow2
 from .checks import KV_FP8
 from .kernels import _decode_kernel, _decode_reduce_kernel, _prefill_kernel
 
@@ -77,18 +76,6 @@ REDUCE_WARPS = 4
 _PREFILL = Launcher(_prefill_kernel)
 _DECODE = Launcher(_decode_kernel)
 _REDUCE = Launcher(_decode_reduce_kernel)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def num_sms(device: torch.device) -> int:
-    # On the CPU (Triton's interpreter) pretend to a small GPU, as sgmv does.
-    if device.type != "cuda":
-        return 4
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 

@@ -15,10 +15,9 @@ import triton
 import triton.language as tl
 
 from ..e4m3 import to_e4m3
-from ..launch import Launcher, pow2
+from ..launch import Launcher, num_sms, pow2
 from ..pdl import pdl_start
 from .checks import KV_FP8
-from .launchers import num_sms
 
 STORE_WARPS = 4
 @triton.jit

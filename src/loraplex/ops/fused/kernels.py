@@ -241,14 +241,14 @@ def _rotate(x1, x2, c, s, DT: tl.constexpr, COMPILED: tl.constexpr):
 
 
 @triton.jit
-def _rotate_heads(base, d_base, num_heads, stride_h, HALF, c, s, offs_d, d_mask, take, HAS_DELTA: tl.constexpr,
+def _rotate_heads(base, d_base, h_lo, h_hi, stride_h, HALF, c, s, offs_d, d_mask, take, HAS_DELTA: tl.constexpr,
                   BLOCK_H: tl.constexpr, COMPILED: tl.constexpr):
-    """x1' = x1·cos − x2·sin, x2' = x2·cos + x1·sin for every head of one token, each op rounded;
+    """x1' = x1·cos − x2·sin, x2' = x2·cos + x1·sin for heads [h_lo, h_hi) of one token, each op rounded;
     with HAS_DELTA each head first takes its LoRA delta (`d_base`: heads of 2·HALF fp32, contiguous)."""
     DT = base.dtype.element_ty
-    for h0 in range(0, num_heads, BLOCK_H):
+    for h0 in range(h_lo, h_hi, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
-        mask = (offs_h < num_heads)[:, None] & d_mask[None, :]
+        mask = (offs_h < h_hi)[:, None] & d_mask[None, :]
         p1 = base + offs_h[:, None] * stride_h + offs_d[None, :]
         dp1 = offs_h[:, None] * (2 * HALF) + offs_d[None, :]
         x1 = _add_delta(tl.load(p1, mask=mask, other=0.0).to(tl.float32), d_base, dp1, mask, take, DT,
@@ -261,13 +261,13 @@ def _rotate_heads(base, d_base, num_heads, stride_h, HALF, c, s, offs_d, d_mask,
 
 
 @triton.jit
-def _add_heads(base, d_base, num_heads, stride_h, HALF, offs_d, d_mask, take, BLOCK_H: tl.constexpr,
+def _add_heads(base, d_base, h_lo, h_hi, stride_h, HALF, offs_d, d_mask, take, BLOCK_H: tl.constexpr,
                COMPILED: tl.constexpr):
-    """x = round(x + delta) for every head of one token (v's LoRA delta), in place."""
+    """x = round(x + delta) for heads [h_lo, h_hi) of one token (v's LoRA delta), in place."""
     DT = base.dtype.element_ty
-    for h0 in range(0, num_heads, BLOCK_H):
+    for h0 in range(h_lo, h_hi, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
-        mask = (offs_h < num_heads)[:, None] & d_mask[None, :]
+        mask = (offs_h < h_hi)[:, None] & d_mask[None, :]
         for half in tl.static_range(2):
             p = base + offs_h[:, None] * stride_h + (half * HALF + offs_d)[None, :]
             dp = offs_h[:, None] * (2 * HALF) + (half * HALF + offs_d)[None, :]
@@ -279,9 +279,11 @@ def _add_heads(base, d_base, num_heads, stride_h, HALF, offs_d, d_mask, take, BL
 @triton.jit
 def _rope_kernel(q_ptr, k_ptr, v_ptr, d_ptr, rows_ptr, pos_ptr, inv_freq_ptr, HQ, HKV, HALF, stride_qt, stride_qh,
                  stride_kt, stride_kh, stride_vt, stride_vh, stride_dt, stride_pos, HAS_DELTA: tl.constexpr,
-                 HAS_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, COMPILED: tl.constexpr):
-    """One program per token: cos/sin of position · inv_freq (fp32, rounded to q's dtype), then all heads
-    of q and k. HAS_DELTA: q, k and v first take their LoRA delta (`d`: [q | k | v] fp32 per token)."""
+                 HAS_ROWS: tl.constexpr, SPLIT_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                 COMPILED: tl.constexpr):
+    """Program (token, chunk): cos/sin of position · inv_freq (fp32, rounded to q's dtype), then the heads of q and k.
+    HAS_DELTA: q, k and v first take their LoRA delta (`d`: [q | k | v] fp32 per token). One program a token walks
+    all of them; SPLIT_HEADS: chunk c takes BLOCK_H heads, q's chunks first, then k's, then v's."""
     pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
     t = tl.program_id(0).to(tl.int64)
     DT = q_ptr.dtype.element_ty
@@ -290,13 +292,30 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, d_ptr, rows_ptr, pos_ptr, inv_freq_ptr, HQ
     c, s = _cos_sin(pos_ptr + t * stride_pos, inv_freq_ptr, offs_d, d_mask, DT, COMPILED)
     d_row = d_ptr + t * stride_dt
     take = _takes_delta(rows_ptr, t, HAS_ROWS)
-    _rotate_heads(q_ptr + t * stride_qt, d_row, HQ, stride_qh, HALF, c, s, offs_d, d_mask, take, HAS_DELTA, BLOCK_H,
-                  COMPILED)
-    _rotate_heads(k_ptr + t * stride_kt, d_row + HQ * 2 * HALF, HKV, stride_kh, HALF, c, s, offs_d, d_mask, take,
-                  HAS_DELTA, BLOCK_H, COMPILED)
-    if HAS_DELTA:
-        _add_heads(v_ptr + t * stride_vt, d_row + (HQ + HKV) * 2 * HALF, HKV, stride_vh, HALF, offs_d, d_mask, take,
-                   BLOCK_H, COMPILED)
+    q_base, k_base, v_base = q_ptr + t * stride_qt, k_ptr + t * stride_kt, v_ptr + t * stride_vt
+    dk_row, dv_row = d_row + HQ * 2 * HALF, d_row + (HQ + HKV) * 2 * HALF
+    if SPLIT_HEADS:
+        chunk = tl.program_id(1)
+        q_chunks = tl.cdiv(HQ, BLOCK_H)
+        k_chunks = tl.cdiv(HKV, BLOCK_H)
+        if chunk < q_chunks:
+            lo = chunk * BLOCK_H
+            _rotate_heads(q_base, d_row, lo, tl.minimum(lo + BLOCK_H, HQ), stride_qh, HALF, c, s, offs_d, d_mask,
+                          take, HAS_DELTA, BLOCK_H, COMPILED)
+        elif chunk < q_chunks + k_chunks:
+            lo = (chunk - q_chunks) * BLOCK_H
+            _rotate_heads(k_base, dk_row, lo, tl.minimum(lo + BLOCK_H, HKV), stride_kh, HALF, c, s, offs_d, d_mask,
+                          take, HAS_DELTA, BLOCK_H, COMPILED)
+        elif HAS_DELTA:
+            lo = (chunk - q_chunks - k_chunks) * BLOCK_H
+            _add_heads(v_base, dv_row, lo, tl.minimum(lo + BLOCK_H, HKV), stride_vh, HALF, offs_d, d_mask, take,
+                       BLOCK_H, COMPILED)
+    else:
+        _rotate_heads(q_base, d_row, 0, HQ, stride_qh, HALF, c, s, offs_d, d_mask, take, HAS_DELTA, BLOCK_H, COMPILED)
+        _rotate_heads(k_base, dk_row, 0, HKV, stride_kh, HALF, c, s, offs_d, d_mask, take, HAS_DELTA, BLOCK_H,
+                      COMPILED)
+        if HAS_DELTA:
+            _add_heads(v_base, dv_row, 0, HKV, stride_vh, HALF, offs_d, d_mask, take, BLOCK_H, COMPILED)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,6 +327,7 @@ COMPILED = not INTERPRETED
 RMS_MAX_BLOCK = 8192  # rows up to this width are normalised from registers in one pass
 SILU_BLOCK = 1024
 ROPE_TILE = 1024  # heads × half head dim rotated per step
+ROPE_SPLIT_TOKENS = 64  # steps of at most this many tokens: a program per chunk of heads (SPLIT_HEADS)
 _RMS = Launcher(_rms_norm_kernel)
 _SILU = Launcher(_silu_and_mul_kernel)
 _ROPE = Launcher(_rope_kernel)
@@ -381,6 +401,9 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_fr
     rows = delta_rows if has_delta and delta_rows is not None else positions
     args = (q, k, v, d, rows, positions, inv_freq, Hq, k.shape[1], half, q.stride(0), q.stride(1), k.stride(0),
             k.stride(1), v.stride(0), v.stride(1), d.stride(0), positions.stride(0))
-    _ROPE((T,), args, dict(HAS_DELTA=has_delta, HAS_ROWS=has_delta and delta_rows is not None, BLOCK_H=block_h,
-                           BLOCK_D=block_d, COMPILED=COMPILED),
+    split = T <= ROPE_SPLIT_TOKENS
+    chunks = -(-Hq // block_h) + -(-k.shape[1] // block_h) * (2 if has_delta else 1)
+    _ROPE((T, chunks) if split else (T,), args,
+          dict(HAS_DELTA=has_delta, HAS_ROWS=has_delta and delta_rows is not None, SPLIT_HEADS=split,
+               BLOCK_H=block_h, BLOCK_D=block_d, COMPILED=COMPILED),
           max(1, min(4, block_h * block_d // 256)), 1)

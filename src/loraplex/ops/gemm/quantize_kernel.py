@@ -17,10 +17,18 @@ import triton
 import triton.language as tl
 
 from ..e4m3 import to_e4m3
-from ..launch import Launcher, pow2
+from ..launch import Launcher, num_sms, pow2
 from ..pdl import pdl_start
 
 MAX_K = 65536   # a row in one program's registers: 64 fp32 values a thread at 32 warps
+
+
+def quantize_warps(M: int, block: int, sms: int) -> int:
+    """Warps a program for rows of `block` lanes: ~16 values a thread, at most 32 warps while the rows leave SMs
+    idle (a decode step's 32 rows), at most 16 once there are more rows than SMs. There a row of 11,008 or 14,336
+    values in 32 warps held an SM alone, its loads, reduction and stores in turn: 1.3-1.5× the time of 16 warps
+    (H100, prompt rows; docs/design-notes.md)."""
+    return min(32 if M <= sms else 16, max(4, block // 512))
 
 
 @triton.jit
@@ -60,5 +68,6 @@ def quantize_rows_fused(x: torch.Tensor, xq: torch.Tensor | None = None,
     s = torch.empty(M, 1, dtype=torch.float32, device=x.device) if s is None else s
     if M and K:
         block = pow2(K)
-        _QUANTIZE((M,), (x, xq, s, K, x.stride(0), xq.stride(0)), dict(BLOCK=block), min(32, max(4, block // 512)), 1)
+        _QUANTIZE((M,), (x, xq, s, K, x.stride(0), xq.stride(0)), dict(BLOCK=block),
+                  quantize_warps(M, block, num_sms(x.device)), 1)
     return xq, s

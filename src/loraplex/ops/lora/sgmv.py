@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from ..launch import Launcher, cdiv
+from ..launch import Launcher, cdiv, num_sms
 from . import b_blocks
 from .expand_kernels import _sgmv_expand_kernel
 from .shrink_kernels import ROWWISE_MAX_ROWS, _sgmv_shrink_kernel
@@ -84,16 +84,6 @@ def config_for(block_m: int) -> KernelConfig:
     return CONFIGS.get(block_m, CONFIGS[64])
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _num_sms(device: torch.device) -> int:
-    # On the CPU (Triton's interpreter) pretend to a small GPU so that split-K and N chunks are exercised.
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 4
-
 
 
 def _block_r(R: int) -> int:
@@ -117,7 +107,7 @@ def choose_split_k(num_programs: int, K: int, device: torch.device, cfg: KernelC
     the shrink near its program target. `partial_bytes`: the size of one split's fp32 partials."""
     if cfg.split_k is not None:
         return cfg.split_k
-    wanted = math.ceil(cfg.shrink_programs_per_sm * _num_sms(device) / max(num_programs, 1))
+    wanted = math.ceil(cfg.shrink_programs_per_sm * num_sms(device) / max(num_programs, 1))
     limit = min(wanted, MAX_SPLIT_K, max(1, K // cfg.shrink_block_k),
                 max(1, MAX_PARTIAL_BYTES // max(partial_bytes, 1)))
     return 1 << (limit.bit_length() - 1)
@@ -126,7 +116,7 @@ def choose_split_k(num_programs: int, K: int, device: torch.device, cfg: KernelC
 def choose_n_chunks(num_programs: int, N: int, device: torch.device, cfg: KernelConfig) -> tuple[int, int]:
     """(chunks, columns per program): N cut so that the expand has about its program target."""
     tiles = cdiv(N, cfg.expand_block_n)
-    chunks = cfg.n_chunks or math.ceil(cfg.expand_programs_per_sm * _num_sms(device) / max(num_programs, 1))
+    chunks = cfg.n_chunks or math.ceil(cfg.expand_programs_per_sm * num_sms(device) / max(num_programs, 1))
     chunks = max(1, min(chunks, tiles))
     per_prog = cdiv(tiles, chunks) * cfg.expand_block_n
     return cdiv(N, per_prog), per_prog
