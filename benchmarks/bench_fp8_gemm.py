@@ -64,9 +64,7 @@ W8A8_SWEEP = [c for c in SWEEP if c.block_n >= 64] + \
     [skinny.SkinnyConfig(block_n=bn, block_k=bk, stages=st)
      for bn, bk, st in itertools.product((64, 128), (256, 512), (5, 6))] + \
     [skinny.SkinnyConfig(block_n=bn, block_k=bk, stages=st, swap_ab=True)   # x's rows on the wgmma's long side:
-     for bn, bk, st in itertools.product((16, 32), (256, 512), (3, 4, 6))] + \
-    [skinny.SkinnyConfig(block_n=bn, block_k=256, stages=4, split_k=2, swap_ab=True)   # narrow tiles, more programs,
-     for bn in (16, 32)]                                                                 # and each half of x's K
+     for bn, bk, st in itertools.product((16, 32), (256, 512), (3, 4, 6))]
 LAYOUTS = {"column": None, "block128": (128, 128)}
 DEVICE, DTYPE = "cuda", torch.bfloat16
 
