@@ -283,6 +283,14 @@ ROPE_REL = {dtype: 4 * torch.finfo(dtype).eps for dtype in DTYPES}
 
 
 @interpreted
+def test_rope_splits_decode_steps_of_many_heads():
+    """A program per chunk of 16 heads (D = 128 in 1,024-element tiles) at a decode step of Llama-2-7B's 32 + 32
+    heads; Llama-3-8B's 32 + 8 (3 chunks) and steps past 64 tokens keep a program a token."""
+    assert fused_kernels.rope_splits(32, 32, 32, 16)
+    assert not fused_kernels.rope_splits(32, 32, 8, 16)
+    assert not fused_kernels.rope_splits(65, 32, 32, 16)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("Hq, Hkv, D, layout, tile", [(4, 4, 64, "fused", 1024), (6, 2, 128, "padded", 1024),
                                                        (3, 1, 80, "interleaved", 1024), (6, 2, 128, "fused", 64)])
@@ -291,6 +299,7 @@ def test_rope_kernel_matches_reference(dtype, Hq, Hkv, D, layout, tile, split, m
     """Strided q/k views of one buffer; tile=64 makes the kernel loop over heads one at a time, or (`split`: a
     program a chunk of heads) gives each head a program."""
     monkeypatch.setattr(fused_kernels, "ROPE_SPLIT_TOKENS", 64 if split else 0)
+    monkeypatch.setattr(fused_kernels, "ROPE_SPLIT_CHUNKS", 1)
     gen = torch.Generator().manual_seed(stable_seed(str(dtype), Hq, Hkv, D, layout, tile))
     T = 13
     q, k, qkv = qkv_views(gen, T, Hq, Hkv, D, dtype, layout)
@@ -554,6 +563,7 @@ def test_rope_with_a_delta_rotates_the_sum_and_adds_v(backend, dtype, Hq, Hkv, D
     """q, k, v as views of one fused qkv output and its fp32 delta; tile=64 loops over heads, or (`split`) gives
     each head (of q, k and v) a program."""
     monkeypatch.setattr(fused_kernels, "ROPE_SPLIT_TOKENS", 64 if split else 0)
+    monkeypatch.setattr(fused_kernels, "ROPE_SPLIT_CHUNKS", 1)
     gen = torch.Generator().manual_seed(stable_seed("rope-delta", str(dtype), Hq, Hkv, D, tile))
     T = 9
     q, k, qkv = qkv_views(gen, T, Hq, Hkv, D, dtype, "fused")
