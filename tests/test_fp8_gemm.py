@@ -384,11 +384,12 @@ def test_the_quantize_kernel_on_the_gpu_gives_the_cpu_bits(M, K):
 
 def test_quantize_warps_follow_the_rows_and_the_width():
     """32 warps a row of 11,008 values (a 16,384-lane block) at a decode step's 32 rows, 16 past the SM count;
-    narrower rows ~16 values a thread whatever the rows."""
+    narrower rows ~16 values a thread whatever the rows; wider ones 32 warps."""
     from loraplex.ops.gemm.quantize_kernel import quantize_warps
     assert [quantize_warps(M, 16384, 132) for M in (1, 32, 132, 133, 2048)] == [32, 32, 32, 16, 16]
     assert [quantize_warps(M, 4096, 132) for M in (32, 2048)] == [8, 8]
     assert quantize_warps(2048, 512, 132) == 4
+    assert quantize_warps(2048, 32768, 132) == 32   # past the measured widths
 
 
 @interpreted

@@ -261,13 +261,15 @@ def test_auto_backend_is_triton_on_cuda(monkeypatch):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [False, True])
-def test_lora_deltas_are_added_before_each_op(dtype, rows):
+@pytest.mark.parametrize("Hkv", [8, 32])
+def test_lora_deltas_are_added_before_each_op(dtype, rows, Hkv):
     """The compiled kernels with an fp32 LoRA delta (ops/lora/overlap.py) give, bit for bit, what they give
     on `(t.float() + delta)` rounded to the dtype, at Llama-2-7B widths; the inputs are not written.
     `rows`: the delta is a LoraDelta (ops/lora/delta.py) with rows without an adapter, whose values
-    (NaN here, as an unwritten buffer may hold) are never read: those rows' t stays as it is."""
-    gen = _gen("delta-gpu", str(dtype), rows)
-    T, H, I, Hq, Hkv, D = 32, 4096, 11008, 32, 8, 128
+    (NaN here, as an unwritten buffer may hold) are never read: those rows' t stays as it is. 32 kv heads: RoPE
+    runs a program per chunk of heads (`rope_splits`), 8: a program a token."""
+    gen = _gen("delta-gpu", str(dtype), rows, Hkv)
+    T, H, I, Hq, D = 32, 4096, 11008, 32, 128
     row_slot = torch.randint(0, 8, (T,), generator=gen, dtype=torch.int32)
     row_slot[::3] = -1
     row_slot = row_slot.to(CUDA)

@@ -78,8 +78,6 @@ _DECODE = Launcher(_decode_kernel)
 _REDUCE = Launcher(_decode_reduce_kernel)
 
 
-
-
 def _scales(fp8: bool, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
             q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The scale pointers a launch passes: unread without FP8_KV, so any tensor stands in."""

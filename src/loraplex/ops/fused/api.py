@@ -274,7 +274,8 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_fr
         q = q * cos + rotate_half(q) * sin                             # each product and the sum rounded
         k = k * cos + rotate_half(k) * sin                             #   to the dtype, as transformers
 
-    Triton: one program per token rotates all heads of q and k; cos/sin come from libdevice
+    Triton: one program per token rotates all heads of q and k (at decode steps of many heads, a program per
+    chunk of heads: `kernels.rope_splits`); cos/sin come from libdevice
     (CUDA's cosf/sinf, as torch.cos on CUDA: within 2 fp32 ulps of the exact cosine of the fp32
     angle for any angle, Payne-Hanek reduction past ~1e5 rad). The angle itself is fp32, as in
     transformers: at position 1e5 it is only good to ~4e-3 rad, the same error in both.

@@ -390,7 +390,7 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor, block: int = SILU_BLO
 def rope_splits(T: int, Hq: int, Hkv: int, block_h: int) -> bool:
     """Whether a RoPE launch runs a program per (token, chunk of heads) rather than per token: where a step's few
     tokens would leave SMs idle behind long programs. Measured at batch 32 (H100, FP8 backbone): Llama-2-7B's 64
-    heads a token (4 chunks) took 0.02-0.07 ms off the decode step; Llama-3-8B's 40 (3 chunks) ran 0.01-0.02 ms
+    heads a token (4 chunks) took 0.02-0.05 ms off the decode step; Llama-3-8B's 40 (3 chunks) ran 0.01-0.02 ms
     slower split (docs/design-notes.md)."""
     return T <= ROPE_SPLIT_TOKENS and cdiv(Hq, block_h) + cdiv(Hkv, block_h) >= ROPE_SPLIT_CHUNKS
 
@@ -398,7 +398,8 @@ def rope_splits(T: int, Hq: int, Hkv: int, block_h: int) -> bool:
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                tile: int | None = None, v: torch.Tensor | None = None, delta: torch.Tensor | None = None,
                delta_rows: torch.Tensor | None = None) -> None:
-    """Rotate q and k in place (one launch, one program per token); with `delta` ([q | k | v] fp32
+    """Rotate q and k in place (one launch: a program per token, or per token and chunk of heads where
+    `rope_splits`); with `delta` ([q | k | v] fp32
     per token), q, k and v first take it (only tokens `delta_rows` gives a slot ≥ 0, if it is given)."""
     T, Hq, D = q.shape
     if T == 0:

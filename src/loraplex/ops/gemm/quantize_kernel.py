@@ -21,14 +21,16 @@ from ..launch import Launcher, num_sms, pow2
 from ..pdl import pdl_start
 
 MAX_K = 65536   # a row in one program's registers: 64 fp32 values a thread at 32 warps
+PROMPT_CAPPED_BLOCK = 16384   # the widest block measured at 16 warps (`quantize_warps`)
 
 
 def quantize_warps(M: int, block: int, sms: int) -> int:
-    """Warps a program for rows of `block` lanes: ~16 values a thread, at most 32 warps while the rows leave SMs
-    idle (a decode step's 32 rows), at most 16 once there are more rows than SMs. There a row of 11,008 or 14,336
-    values in 32 warps held an SM alone, its loads, reduction and stores in turn: 1.3-1.5× the time of 16 warps
-    (H100, prompt rows; docs/design-notes.md)."""
-    return min(32 if M <= sms else 16, max(4, block // 512))
+    """Warps a program for rows of `block` lanes: ~16 values a thread, at most 32 warps, and at most 16 for blocks
+    of up to 16,384 lanes once there are more rows than SMs. There a row of 11,008 or 14,336 values in 32 warps
+    held an SM alone, its loads, reduction and stores in turn: ~1.5× the time of 16 warps (H100, prompt rows;
+    docs/design-notes.md). Wider rows (unmeasured) keep 32 warps, as a decode step's 32 rows do."""
+    cap = 16 if M > sms and block <= PROMPT_CAPPED_BLOCK else 32
+    return min(cap, max(4, block // 512))
 
 
 @triton.jit

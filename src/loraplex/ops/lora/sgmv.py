@@ -84,8 +84,6 @@ def config_for(block_m: int) -> KernelConfig:
     return CONFIGS.get(block_m, CONFIGS[64])
 
 
-
-
 def _block_r(R: int) -> int:
     return min(max(16, 1 << (max(R, 1) - 1).bit_length()), 64)
 
