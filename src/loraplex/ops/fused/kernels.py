@@ -399,8 +399,8 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_fr
                tile: int | None = None, v: torch.Tensor | None = None, delta: torch.Tensor | None = None,
                delta_rows: torch.Tensor | None = None) -> None:
     """Rotate q and k in place (one launch: a program per token, or per token and chunk of heads where
-    `rope_splits`); with `delta` ([q | k | v] fp32
-    per token), q, k and v first take it (only tokens `delta_rows` gives a slot ≥ 0, if it is given)."""
+    `rope_splits`); with `delta` ([q | k | v] fp32 per token), q, k and v first take it (only tokens
+    `delta_rows` gives a slot ≥ 0, if it is given)."""
     T, Hq, D = q.shape
     if T == 0:
         return
