@@ -11,7 +11,8 @@ layer, side by side in one run.
   columns wide or more, and of 16 or 32 with x's rows on the wgmma's long side (swap_ab). `--tuned-out DIR`
   writes each shape's fastest per-column and W8A8 tiles at the first row count into DIR, in the files
   ops/gemm/fp8_tiles.py reads for this GPU (tuned_fp8_<gpu>.json, tuned_fp8_w8a8_<gpu>.json) when DIR is
-  src/loraplex/ops/gemm;
+  src/loraplex/ops/gemm; `--w8a8-only` sweeps the W8A8 tiles alone (what Hopper's decode steps run: about half the
+  sweep's time) and writes their file alone;
 - prompt rows (128, 512, 1337, 2048; 1337 as an engine step's rows, rarely a multiple of 16): cuBLAS bf16, W8A8
   (each row of x quantized to e4m3, then torch._scaled_mm: what LORAPLEX_FP8_W8A8 picks) and the weight
   dequantized for cuBLAS (the fallback).
@@ -140,9 +141,11 @@ def fastest(timed: dict) -> str | None:
     return min(times, key=times.get) if times else None
 
 
-def decode_entry(name: str, M: int, bf16: list, fp8: dict, copy_gbs: float, tiles: dict) -> dict:
+def decode_entry(name: str, M: int, bf16: list, fp8: dict, copy_gbs: float, tiles: dict,
+                 w8a8_only: bool = False) -> dict:
     """One shape at M decode rows. `tiles`: {"column" and "w8a8": the tiles to time (None: the whole sweep)}; the
-    128×128 layout always sweeps its (few) tiles."""
+    128×128 layout always sweeps its (few) tiles. `w8a8_only`: the weight-only layouts time their default tiles
+    alone."""
     N, K = SHAPES[name]
     x = torch.randn(M, K, device=DEVICE).to(DTYPE)
     cfg = skinny.default_config(N, K, x.device)
@@ -152,8 +155,8 @@ def decode_entry(name: str, M: int, bf16: list, fp8: dict, copy_gbs: float, tile
              w8a8=per_call_us([lambda m=m: w8a8_linear(x, m) for m in fp8["column"]]))
     for layout, ms in fp8.items():
         ref = F.linear(x, ms[0].dequantize(DTYPE))
-        timed = sweep_tiles(x, ms, SWEEP if layout != "column" or tiles["column"] is None else tiles["column"], ref,
-                            2e-2)
+        timed = {} if w8a8_only else sweep_tiles(
+            x, ms, SWEEP if layout != "column" or tiles["column"] is None else tiles["column"], ref, 2e-2)
         best = fastest(timed)
         e[f"fp8_{layout}"] = dict(best=best, us=timed.get(best), default_us=per_call_us(
             [lambda m=m: fp8_skinny_linear(x, m) for m in ms]), sweep=timed,
@@ -203,6 +206,9 @@ def main(argv=None) -> None:
     ap.add_argument("--md", type=Path)
     ap.add_argument("--tuned-out", type=Path, help="a folder: write each shape's fastest per-column and W8A8 tiles "
                     "there, in ops/gemm/fp8_tiles.py's files for this GPU")
+    ap.add_argument("--w8a8-only", action="store_true", help="sweep only the W8A8 kernel's tiles (Hopper's decode "
+                    "GEMMs); the weight-only layouts time their default tiles, and --tuned-out writes the W8A8 file "
+                    "alone")
     ap.add_argument("--smoke", action="store_true", help="a CPU run of everything at toy sizes (CI)")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -225,7 +231,7 @@ def main(argv=None) -> None:
         fp8 = {layout: fp8_copies(w, block, copies) for layout, block in LAYOUTS.items()}
         for M in (int(r) for r in args.rows.split(",")):
             tiles = best_tiles.get(name, dict(column=None, w8a8=None))
-            e = result["decode"][f"{name}@{M}"] = decode_entry(name, M, bf16, fp8, copy_gbs, tiles)
+            e = result["decode"][f"{name}@{M}"] = decode_entry(name, M, bf16, fp8, copy_gbs, tiles, args.w8a8_only)
             if name not in best_tiles:   # the first row count's fastest tiles, retried at the others
                 best_tiles[name] = {key: swept((k for _, k in sorted(
                     (v, k) for k, v in e[entry]["sweep"].items() if isinstance(v, float))[:TOP]), sweep)
@@ -251,13 +257,14 @@ def main(argv=None) -> None:
     if args.md:
         args.md.write_text(markdown(result))
     if args.tuned_out:
-        write_tuned(result, args.tuned_out, int(args.rows.split(",")[0]), gpu)
+        write_tuned(result, args.tuned_out, int(args.rows.split(",")[0]), gpu, args.w8a8_only)
 
 
-def write_tuned(result: dict, folder: Path, M: int, gpu: str) -> None:
+def write_tuned(result: dict, folder: Path, M: int, gpu: str, w8a8_only: bool = False) -> None:
     """Each shape's fastest per-column and W8A8 tiles at M rows into `folder`, in the files ops/gemm/fp8_tiles.py
-    reads for `gpu` (one of its TUNED_GPUS)."""
-    for kind, entry, sweep in (("weight-only", "fp8_column", SWEEP), ("w8a8", "fp8_w8a8_kernel", W8A8_SWEEP)):
+    reads for `gpu` (one of its TUNED_GPUS); the W8A8 file alone where only its tiles were swept."""
+    kinds = (("weight-only", "fp8_column", SWEEP), ("w8a8", "fp8_w8a8_kernel", W8A8_SWEEP))
+    for kind, entry, sweep in kinds[1:] if w8a8_only else kinds:
         path = folder / fp8_tiles.TUNED_FILES[(kind, gpu)].name
         path.write_text(json.dumps(fastest_tiles(result, M, entry, sweep), indent=1) + "\n")
 

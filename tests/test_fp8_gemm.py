@@ -412,3 +412,11 @@ def test_bench_fp8_gemm_smoke(monkeypatch, tmp_path):
         assert len(skinny.load_configs(tmp_path / name, swap_ab=True)) == len(bench.SHAPES), name
     assert set(result["layer"]["2"]) == {"Llama-2-7B", "Llama-3-8B"}
     assert "| Llama-3-8B @ 2 |" in md.read_text()
+    w8a8_dir = tmp_path / "w8a8_only"   # the W8A8 tiles swept and written alone, the others at their defaults
+    w8a8_dir.mkdir()
+    bench.main(["--smoke", "--rows", "2", "--prompt-rows", "40", "--out", str(out), "--tuned-out", str(w8a8_dir),
+                "--w8a8-only"])
+    result = json.loads(out.read_text())
+    for e in result["decode"].values():
+        assert e["fp8_column"]["us"] is None and e["fp8_column"]["default_us"] > 0 and e["fp8_w8a8_kernel"]["us"] > 0
+    assert [p.name for p in w8a8_dir.iterdir()] == ["tuned_fp8_w8a8_h100.json"]
