@@ -11,8 +11,8 @@ layer, side by side in one run.
   columns wide or more, and of 16 or 32 with x's rows on the wgmma's long side (swap_ab). `--tuned-out DIR`
   writes each shape's fastest per-column and W8A8 tiles at the first row count into DIR, in the files
   ops/gemm/fp8_tiles.py reads for this GPU (tuned_fp8_<gpu>.json, tuned_fp8_w8a8_<gpu>.json) when DIR is
-  src/loraplex/ops/gemm; `--w8a8-only` sweeps the W8A8 tiles alone (what Hopper's decode steps run: about half the
-  sweep's time) and writes their file alone;
+  src/loraplex/ops/gemm; `--w8a8-only` sweeps the W8A8 tiles alone (what Hopper's decode steps run: 44 of a shape's 80
+  tiles) and writes their file alone;
 - prompt rows (128, 512, 1337, 2048; 1337 as an engine step's rows, rarely a multiple of 16): cuBLAS bf16, W8A8
   (each row of x quantized to e4m3, then torch._scaled_mm: what LORAPLEX_FP8_W8A8 picks) and the weight
   dequantized for cuBLAS (the fallback).
