@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ..e4m3 import to_e4m3
-from ..launch import Launcher, num_sms, pow2
+from ..launch import Launcher, cdiv, num_sms, pow2
 from ..pdl import pdl_start
 from .checks import KV_FP8
 
@@ -58,18 +58,20 @@ NARROW_FROM = 2048
 def store_kv_constexprs(Hkv: int, D: int, fp8: bool = False, narrow: bool = False) -> dict:
     """The store kernel's compile-time parameters: whole heads, up to WIDE (`narrow`: NARROW) elements of k (and of v)
     a program."""
-    block_d = pow2(D)
-    elements = NARROW if narrow else WIDE
-    return dict(HEAD_DIM=D, BLOCK_H=min(pow2(Hkv), max(1, elements // block_d)), BLOCK_D=block_d, FP8=fp8)
+    return dict(HEAD_DIM=D, BLOCK_H=_heads_a_program(Hkv, D, NARROW if narrow else WIDE), BLOCK_D=pow2(D), FP8=fp8)
+
+
+def _heads_a_program(Hkv: int, D: int, elements: int) -> int:
+    return min(pow2(Hkv), max(1, elements // pow2(D)))
 
 
 def narrow_programs(T: int, Hkv: int, D: int, fp8: bool, sms: int) -> bool:
     """Does a store of T tokens into an e4m3 (`fp8`) cache take NARROW programs: would the WIDE ones hold
     NARROW_FROM elements or more and be fewer than the GPU's `sms`?"""
-    wide = store_kv_constexprs(Hkv, D)
-    if not fp8 or min(Hkv, wide["BLOCK_H"]) * D < NARROW_FROM:
+    wide_heads = _heads_a_program(Hkv, D, WIDE)
+    if not fp8 or min(Hkv, wide_heads) * D < NARROW_FROM:
         return False
-    return T * -(-Hkv // wide["BLOCK_H"]) < sms
+    return T * cdiv(Hkv, wide_heads) < sms
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -79,7 +81,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     T, Hkv, D = k.shape
     fp8 = k_cache.dtype == KV_FP8
     consts = store_kv_constexprs(Hkv, D, fp8, narrow_programs(T, Hkv, D, fp8, num_sms(k.device)))
-    grid = (T, -(-Hkv // consts["BLOCK_H"]))
+    grid = (T, cdiv(Hkv, consts["BLOCK_H"]))
     # without FP8 the scale pointers are never read: any tensor will do
     args = (k, v, k_cache, v_cache, slot_mapping, k_scale if fp8 else k, v_scale if fp8 else k, Hkv,
             k_cache.shape[1], k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0),
