@@ -59,16 +59,16 @@ class Paged:
     (whose keys are in the cache too, as after store_kv)."""
 
     def __init__(self, cached: list[int], new: list[int], Hq: int, Hkv: int, D: int, dtype, device,
-                 rotations: int, gen: torch.Generator, backend: str | None = None):
+                 rotations: int, gen: torch.Generator, backend: str | None = None, block_size: int = BLOCK_SIZE):
         self.backend = backend
         self.lens = [c + n for c, n in zip(cached, new)]
         self.new = new
         self.Hq, self.Hkv, self.D = Hq, Hkv, D
-        blocks = [_cdiv(L, BLOCK_SIZE) for L in self.lens]
+        blocks = [_cdiv(L, block_size) for L in self.lens]
         per_set = sum(blocks)
         num_blocks = per_set * rotations
-        self.k_cache = torch.randn(num_blocks, BLOCK_SIZE, Hkv, D, generator=gen, device=device).to(dtype)
-        self.v_cache = torch.randn(num_blocks, BLOCK_SIZE, Hkv, D, generator=gen, device=device).to(dtype)
+        self.k_cache = torch.randn(num_blocks, block_size, Hkv, D, generator=gen, device=device).to(dtype)
+        self.v_cache = torch.randn(num_blocks, block_size, Hkv, D, generator=gen, device=device).to(dtype)
         perm = torch.randperm(num_blocks, generator=gen, device=device).to(torch.int32)
         S, width = len(self.lens), max(blocks)
         T = sum(new)

@@ -22,6 +22,9 @@ steps (schedule + forward + sample + postprocess), and beside them the memory fl
 step: weights + KV of the batch's contexts + each used adapter once, over the copy bandwidth
 measured in the same run.
 
+`--block-size`, `--kv-head-major` and `--even-split-tokens` set the KV cache's blocks, its layout and the decode
+attention's splits for every engine of the run: what a change to their defaults would be timed with.
+
 `--repeats N` runs each variant N times, interleaved across the variants (so drift over the call hits each
 alike), and reports each variant's median-throughput run beside every run's tokens/s, full-batch decode step and
 prompt steps' seconds (the prompt steps can move a short run's tokens/s while the decode step holds). The full-batch
@@ -41,6 +44,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -53,6 +57,8 @@ import step_profile  # noqa: E402
 from loraplex import SamplingParams, envs  # noqa: E402
 from loraplex.config import EngineConfig  # noqa: E402
 from loraplex.engine import Engine  # noqa: E402
+from loraplex.models import kv_cache  # noqa: E402
+from loraplex.ops.attention import launchers  # noqa: E402
 
 RANK = 16
 OUTPUT_TOKENS = 128
@@ -123,6 +129,12 @@ def main(argv=None) -> None:
     ap.add_argument("--graph-prompt-tokens", type=int, default=None,
                     help="EngineConfig.cuda_graph_max_prompt_tokens (default: the engine's): prompt steps of up to "
                          "this many prompt tokens replay CUDA graphs, larger ones run eagerly")
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="EngineConfig.block_size, tokens a KV-cache block (default: the engine's)")
+    ap.add_argument("--kv-head-major", action="store_true",
+                    help="lay each layer's KV cache out head-major (models/kv_cache.py's HEAD_MAJOR), to time it")
+    ap.add_argument("--even-split-tokens", type=int, default=None,
+                    help="the decode tiles' even_split_tokens (ops/attention/launchers.py), to time it")
     ap.add_argument("--profile", type=Path,
                     help="also write each engine's kernel times of full-batch decode steps and of prompt steps, a "
                          "column per variant (step_profile.py), to this markdown file")
@@ -136,12 +148,16 @@ def main(argv=None) -> None:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.graph_prompt_tokens is not None and args.graph_prompt_tokens < 0:
         ap.error(f"--graph-prompt-tokens must be at least 0, got {args.graph_prompt_tokens}")
+    if args.even_split_tokens is not None and args.even_split_tokens < 0:
+        ap.error(f"--even-split-tokens must be at least 0, got {args.even_split_tokens}")
+    _set_cache_and_tiles(args)
     copy_gbs = copy_bandwidth_gbs()
     result = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,
                   preset=args.preset, layers=args.layers, rank=RANK, output_tokens=OUTPUT_TOKENS, repeats=args.repeats,
                   settings=envs.snapshot(),   # the LORAPLEX_* settings the run had
                   compose_pool=args.compose_pool, graph_prompt_tokens=_graph_prompt_tokens(args), copy_gbs=copy_gbs,
-                  rows=[], profiles={})
+                  block_size=_block_size(args), kv_head_major=kv_cache.HEAD_MAJOR,
+                  even_split_tokens=launchers.DECODE_CONFIGS[128].even_split_tokens, rows=[], profiles={})
     for B in map(int, args.batches.split(",")):
         for mode in args.modes.split(","):
             if mode == "eager" and str(B) not in args.eager_batches.split(","):
@@ -167,6 +183,18 @@ def _write(result: dict, args) -> None:
                                 f"{result['date']}\n\n"
                                 + "\n".join(f"## {name}\n\n{step_profile.markdown(p)}"
                                             for name, p in result["profiles"].items()))
+
+
+def _set_cache_and_tiles(args) -> None:
+    """The cache layout and decode tiles of `--kv-head-major` and `--even-split-tokens`, for every engine of the run
+    (module defaults the engine reads: a layout or tiles to time before either becomes the default)."""
+    if args.kv_head_major:
+        kv_cache.HEAD_MAJOR = True
+    if args.even_split_tokens is not None:
+        for name in ("DECODE_CONFIGS", "FP8_DECODE_CONFIGS"):
+            tables = getattr(launchers, name)
+            setattr(launchers, name, {d: replace(c, even_split_tokens=args.even_split_tokens)
+                                      for d, c in tables.items()})
 
 
 COMPOSE_VARIANTS = ("composed", "merged")
@@ -203,7 +231,8 @@ def _engine(args, B: int, mode: str, variants: list[str], quant: str) -> tuple[E
                           max_num_seqs=B, max_num_batched_tokens=max(2048, B), max_gpu_adapters=len(names),
                           max_lora_rank=max(rank for _, rank in names), max_cpu_adapters=0,
                           enforce_eager=(mode == "eager"), cuda_graph_max_batch=B, max_model_len=1024,
-                          cuda_graph_max_prompt_tokens=_graph_prompt_tokens(args))
+                          cuda_graph_max_prompt_tokens=_graph_prompt_tokens(args),
+                          block_size=_block_size(args))
     t0 = time.perf_counter()
     engine = Engine(config)
     setup_s = time.perf_counter() - t0
@@ -214,6 +243,11 @@ def _engine(args, B: int, mode: str, variants: list[str], quant: str) -> tuple[E
     for name, _ in names:
         engine.adapters.wait_resident(name, timeout=600)
     return engine, setup_s
+
+
+def _block_size(args) -> int:
+    """--block-size, or EngineConfig's default where it is not given."""
+    return getattr(args, "block_size", None) or EngineConfig.block_size
 
 
 def _graph_prompt_tokens(args) -> int:
@@ -275,6 +309,14 @@ def run_group(args, B: int, mode: str, variants: list[str], copy_gbs: float,
     return rows, profiles
 
 
+def _cache_note(res: dict) -> str:
+    """The KV-cache block size, layout and decode splits where a run set them (earlier results lack the keys)."""
+    block, head_major, even = res.get("block_size", 16), res.get("kv_head_major"), res.get("even_split_tokens")
+    return ((f" KV-cache blocks of {block} tokens." if block != 16 else "")
+            + (" KV cache head-major." if head_major else "")
+            + (f" Decode splits share each context evenly, {even}+ tokens a split." if even else ""))
+
+
 def markdown(res: dict) -> str:
     repeats = res.get("repeats", 1)
     lines = [f"# Engine throughput — {res['gpu']}, {res['date']}", "",
@@ -284,7 +326,7 @@ def markdown(res: dict) -> str:
              + (f" In graph mode, steps with up to {res['graph_prompt_tokens']} prompt tokens replay CUDA graphs too."
                 if "graph_prompt_tokens" in res else "")
              + (f" Each row is the median-throughput run of {repeats}, the variants' runs interleaved." if repeats > 1
-                else ""), "",
+                else "") + _cache_note(res), "",
              "| max seqs | mode | weights | adapters | tokens/s | vs backbone | full-batch decode step (ms) "
              "| its GPU span (ms) | floor (ms) | of floor | prefill step (ms) | its GPU span (ms) | graph steps |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

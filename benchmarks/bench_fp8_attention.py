@@ -6,9 +6,12 @@ at 2 warps (FP8_DECODE_CONFIGS): an e4m3 tile of them moves half the bytes, and 
 tile's bytes) ran slower in 7 of 8 cases once V's tile converted in its load's layout. Per case, side by side in one
 run:
 the same batch over a bf16 cache (its tiles), then the e4m3 cache with today's tiles, the 16-bit ones and each of
-`candidates` (more or fewer stages and warps, shorter splits, wider or narrower key steps),
-beside the floor of the e4m3 bytes over the copy bandwidth measured in the same run. Every e4m3 output is
-checked against the reference path on the same cache first.
+`candidates` (more or fewer stages and warps, shorter splits, each context split evenly, wider or narrower key
+steps), and today's tiles over the e4m3 cache in each of `LAYOUTS` (each kv head's tokens of a block contiguous,
+blocks of 64 tokens), beside the floor of the e4m3 bytes over the copy bandwidth measured in the same run. Every
+e4m3 output is checked against the reference path on the same cache first.
+`--planned-len N` plans the splits for contexts of up to N tokens, as a CUDA graph plans them for the model's length
+(the engine benchmark's 1,024, a server's 4,096 or more); by default for the case's own context.
 
 Llama-2-7B and Llama-3-8B heads, batches 32 and 128 × contexts 512 and 4096, one query row a sequence, in CUDA
 graphs over rotating input sets (bench_attention.py's `Paged`: disjoint shuffled pages, L2 cleared between uses);
@@ -16,6 +19,7 @@ medians of CUDA-event timings after warm-up.
 
     python benchmarks/bench_fp8_attention.py --out benchmarks/results/fp8_attention.json \
         --md benchmarks/results/fp8_attention.md
+    python benchmarks/bench_fp8_attention.py --planned-len 4096 --only "even;major" --out ... --md ...
     TRITON_INTERPRET=1 python benchmarks/bench_fp8_attention.py --smoke   # tiny shapes on the CPU, no timing
 """
 from __future__ import annotations
@@ -45,10 +49,20 @@ def candidates(head_dim: int, only: list[str] | None = None) -> dict[str, ak.Dec
     every = _all_candidates(head_dim)
     if not only:
         return every
-    unmatched = [w for w in only if not any(w in label for label in every)]
+    unmatched = [w for w in only if not any(w in label for label in [*every, *LAYOUTS])]
     if unmatched:
         raise SystemExit(f"--only: no candidate's label contains {unmatched}; the labels: {list(every)}")
     return {k: c for k, c in every.items() if k == "today" or any(w in k for w in only)}
+
+
+def layouts(only: list[str] | None = None) -> dict[str, tuple[int, bool]]:
+    """`LAYOUTS`, or those whose labels contain a word of `only`."""
+    return {k: v for k, v in LAYOUTS.items() if not only or any(w in k for w in only)}
+
+
+def head_major(cache: torch.Tensor) -> torch.Tensor:
+    """The same values, viewed [blocks, block, Hkv, D] as the ops take them, each kv head's tokens contiguous."""
+    return cache.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def _all_candidates(head_dim: int) -> dict[str, ak.DecodeConfig]:
@@ -61,7 +75,15 @@ def _all_candidates(head_dim: int) -> dict[str, ak.DecodeConfig]:
             "1 warp": replace(today, num_warps=1),
             "half keys": replace(today, block_n=half), "half keys, 1 warp": replace(today, block_n=half, num_warps=1),
             "half keys, 4 stages": replace(today, block_n=half, num_stages=4),
-            "splits of 256": replace(today, min_split_tokens=256)}
+            "splits of 256": replace(today, min_split_tokens=256),
+            "even splits of 128+": replace(today, even_split_tokens=128),
+            "even splits of 256+": replace(today, even_split_tokens=256)}
+
+
+# Cache layouts timed with today's tiles: (tokens a block, each kv head's tokens of a block contiguous in memory).
+# Token-major blocks of 16 (the engine's) put a head's e4m3 keys of a token, 128 bytes at head size 128, 4 KB from
+# the next token's at Llama-2-7B's 32 kv heads.
+LAYOUTS = {"head-major": (16, True), "head-major, blocks of 64": (64, True)}
 
 
 def to_e4m3(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,43 +92,60 @@ def to_e4m3(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (cache.float() / scale).clamp(-448, 448).to(E4M3), scale
 
 
-def decode_fn(p: Paged, i: int, k, v, cfg: ak.DecodeConfig, k_scale=None, v_scale=None):
-    """Set i's decode launch through the launcher with tiles `cfg` (paged.py's checks run once, in `check`)."""
+def decode_fn(p: Paged, i: int, k, v, cfg: ak.DecodeConfig, k_scale=None, v_scale=None, planned_len: int = 0):
+    """Set i's decode launch through the launcher with tiles `cfg`, its splits planned for contexts of up to
+    `planned_len` tokens or, 0, the longest one's (paged.py's checks run once, in `check`)."""
     st = p.sets[i]
     return lambda: ak.decode(st["q"], k, v, st["block_tables"], p.seq_lens, p.query_start, st["out"],
-                             max_seq_len=p.max_seq_len, scale=p.scale, window=0, cfg=cfg, k_scale=k_scale,
-                             v_scale=v_scale)
+                             max_seq_len=max(planned_len, p.max_seq_len), scale=p.scale, window=0, cfg=cfg,
+                             k_scale=k_scale, v_scale=v_scale)
 
 
 def bench_case(name: str, heads, batch: int, ctx: int, copy_gbs: float | None, gen, device, smoke: bool,
-               only: list[str] | None = None) -> dict:
+               only: list[str] | None = None, planned_len: int = 0) -> dict:
     Hq, Hkv, D = heads
     rot = 1 if smoke else _rotations(batch * ctx * Hkv * D * 2)   # (the e4m3 sets' bytes)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16   # (the interpreter has no bf16 dots)
-    p = Paged([ctx - 1] * batch, [1] * batch, Hq, Hkv, D, dtype, device, rot, gen,
-              "triton" if smoke and ops.triton_interpreted() else None)
-    (k8, ks), (v8, vs) = to_e4m3(p.k_cache), to_e4m3(p.v_cache)
+    backend = "triton" if smoke and ops.triton_interpreted() else None
+    p = Paged([ctx - 1] * batch, [1] * batch, Hq, Hkv, D, dtype, device, rot, gen, backend)
     e4m3_bytes = batch * ctx * Hkv * D * 2
     tiles = candidates(D, only)
-    row = dict(model=name, Hq=Hq, Hkv=Hkv, D=D, batch=batch, context=ctx, rotations=rot, e4m3_bytes=e4m3_bytes,
-               configs={k: asdict(c) for k, c in tiles.items()}, us={}, max_abs_err={})
+    row = dict(model=name, Hq=Hq, Hkv=Hkv, D=D, batch=batch, context=ctx, planned_len=max(planned_len, ctx),
+               rotations=rot, e4m3_bytes=e4m3_bytes, configs={k: asdict(c) for k, c in tiles.items()}, us={},
+               max_abs_err={})
+    (k8, ks), (v8, vs) = to_e4m3(p.k_cache), to_e4m3(p.v_cache)
+    if not smoke:   # a throwaway timing: the first one of a large case ran ~17% slow, its tiles timed again later not
+        _graph_time([decode_fn(p, i, k8, v8, tiles["today"], ks, vs, planned_len) for i in range(rot)])
+    for label, cfg in tiles.items():
+        _time_tiles(row, label, p, k8, v8, ks, vs, cfg, planned_len, smoke)
+    if not smoke:
+        row["bf16_cache_us"] = _graph_time([decode_fn(p, i, p.k_cache, p.v_cache, ak.decode_config(D, dtype),
+                                                      planned_len=planned_len) for i in range(rot)])
+    for label, (block, heads_first) in layouts(only).items():
+        q = p if block == p.k_cache.shape[1] else Paged([ctx - 1] * batch, [1] * batch, Hq, Hkv, D, dtype, device,
+                                                        rot, gen, backend, block_size=block)
+        (k8, ks), (v8, vs) = to_e4m3(q.k_cache), to_e4m3(q.v_cache)
+        if heads_first:
+            k8, v8 = head_major(k8), head_major(v8)
+        _time_tiles(row, f"today, {label}", q, k8, v8, ks, vs, tiles["today"], planned_len, smoke)
+        del q, k8, v8
+    if not smoke:
+        row["floor_us"] = e4m3_bytes / copy_gbs / 1e3
+        row["best"] = min(row["us"], key=row["us"].get)
+    return row
+
+
+def _time_tiles(row: dict, label: str, p: Paged, k8, v8, ks, vs, cfg: ak.DecodeConfig, planned_len: int,
+                smoke: bool) -> None:
+    """Row's error against the reference path and (unless `smoke`) µs of tiles `cfg` over the e4m3 cache (k8, v8)."""
     st = p.sets[0]
     reference = ops.paged_attention(st["q"], k8, v8, st["block_tables"], p.seq_lens, p.query_start,
                                     max_query_len=1, max_seq_len=p.max_seq_len, scale=p.scale, k_scale=ks,
                                     v_scale=vs, backend="reference").float()
-    if not smoke:   # a throwaway timing: the first one of a large case ran ~17% slow, its tiles timed again later not
-        _graph_time([decode_fn(p, i, k8, v8, tiles["today"], ks, vs) for i in range(rot)])
-    for label, cfg in tiles.items():
-        decode_fn(p, 0, k8, v8, cfg, ks, vs)()
-        row["max_abs_err"][label] = (st["out"].float() - reference).abs().max().item()
-        if not smoke:
-            row["us"][label] = _graph_time([decode_fn(p, i, k8, v8, cfg, ks, vs) for i in range(rot)])
+    decode_fn(p, 0, k8, v8, cfg, ks, vs, planned_len)()
+    row["max_abs_err"][label] = (st["out"].float() - reference).abs().max().item()
     if not smoke:
-        row["bf16_cache_us"] = _graph_time([decode_fn(p, i, p.k_cache, p.v_cache, ak.decode_config(D, dtype))
-                                            for i in range(rot)])
-        row["floor_us"] = e4m3_bytes / copy_gbs / 1e3
-        row["best"] = min(row["us"], key=row["us"].get)
-    return row
+        row["us"][label] = _graph_time([decode_fn(p, i, k8, v8, cfg, ks, vs, planned_len) for i in range(len(p.sets))])
 
 
 def _graph_time(fns) -> float:
@@ -116,12 +155,16 @@ def _graph_time(fns) -> float:
 
 def markdown(env: dict, rows: list[dict]) -> str:
     labels = list(rows[0]["us"]) if rows and rows[0]["us"] else []
+    planned = f"contexts of up to {env['planned_len']:,} tokens" if env.get("planned_len") else "each case's context"
     lines = [f"# Decode attention over an e4m3 KV cache — {env['device']}, {env['date']}", "",
-             f"torch {env['torch']}, Triton {env['triton']}; bf16 queries, block size 16; copy bandwidth "
+             f"torch {env['torch']}, Triton {env['triton']}; bf16 queries, blocks of 16 tokens (token-major) unless "
+             f"a column says; splits planned for {planned}; copy bandwidth "
              f"{env.get('copy_gbs', 0):.0f} GB/s; µs per launch in CUDA graphs. The floor: the e4m3 K and V bytes "
              "over the copy bandwidth. Tiles: "
              + "; ".join(f"{k} = {v['block_n']} keys, {v['num_warps']} warps, {v['num_stages']} stages, splits of "
-                         f"{v['min_split_tokens']}+" for k, v in (rows[0]["configs"].items() if rows else [])), "",
+                         f"{v['min_split_tokens']}+" + (f", each context shared evenly in {v['even_split_tokens']}+"
+                                                        if v.get("even_split_tokens") else "")
+                         for k, v in (rows[0]["configs"].items() if rows else [])), "",
              "| model | batch | context | bf16 cache | e4m3 floor | " + " | ".join(labels) + " |",
              "|---|---:|---:|---:|---:|" + "---:|" * len(labels)]
     for r in rows:
@@ -139,6 +182,8 @@ def main(argv=None) -> None:
     ap.add_argument("--only", help="words separated by ';': time only the candidates whose labels contain one (and "
                     "today's tiles)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, no timing: the set-up and each tile's output")
+    ap.add_argument("--planned-len", type=int, default=0, help="plan the splits for contexts of up to this many "
+                    "tokens, as CUDA graphs do for the model's length (default: each case's own context)")
     args = ap.parse_args(argv)
     only = args.only.split(";") if args.only else None
     candidates(128, only)   # a word of --only that names no candidate stops the run here, before any timing
@@ -148,7 +193,8 @@ def main(argv=None) -> None:
     gen = torch.Generator(device=device).manual_seed(0)
     env = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                date=datetime.date.today().isoformat(), torch=torch.__version__,
-               triton=getattr(sys.modules.get("triton"), "__version__", "?"), settings=envs.snapshot())
+               triton=getattr(sys.modules.get("triton"), "__version__", "?"), settings=envs.snapshot(),
+               planned_len=args.planned_len)
     copy_gbs = None
     if not args.smoke:
         from bench_lora_ops import copy_bandwidth_gbs
@@ -158,7 +204,8 @@ def main(argv=None) -> None:
         heads = HEAD_SHAPES[name] if not args.smoke else (HEAD_SHAPES[name][0] // 8, HEAD_SHAPES[name][1] // 8, 32)
         for ctx in CONTEXTS if not args.smoke else [40]:
             for batch in BATCHES if not args.smoke else [3]:
-                rows.append(bench_case(name, heads, batch, ctx, copy_gbs, gen, device, args.smoke, only))
+                rows.append(bench_case(name, heads, batch, ctx, copy_gbs, gen, device, args.smoke, only,
+                                       args.planned_len))
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "configs"}), flush=True)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()

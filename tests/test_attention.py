@@ -10,7 +10,7 @@ The helpers here (make_case, attention_f64) are shared with test_attention_gpu.p
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -245,6 +245,34 @@ def test_decode_splits(num_splits, layout, window):
     out = torch.full(case.q.shape, float("nan"))
     ak.decode(*case.args(), out, max_seq_len=case.max_seq_len, scale=case.scale, window=window,
               num_splits=num_splits, cfg=cfg)
+    _check(case, out, torch.float32)
+
+
+@interpreted
+@pytest.mark.parametrize("layout", ["mha-d64-bs16", "gqa3-d32-bs16"])
+@pytest.mark.parametrize("window", [0, 40])
+def test_decode_even_splits_of_each_context(layout, window, monkeypatch):
+    """DecodeConfig.even_split_tokens: a launch planned for contexts of up to 4,096 tokens (as a CUDA graph plans for
+    the model's length) shares each sequence's own 1-151 tokens among its splits in whole 16-token steps (kernels.py's
+    split_span: 151 tokens as 48 + 48 + 48 + 7, 65 as 32 + 32 + 1 and no fourth), where a share of the longest context
+    (1,024 tokens a split) would leave every split but the first empty; the reduce reads the splits written and no
+    other (the partials' buffer starts as NaN)."""
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    rng = np.random.default_rng(stable_seed("even-splits", layout, window))
+    case = _case(rng, DECODE + [(64, 1), (80, 1)], layout, torch.float32, window=window)
+    cfg = ak.DecodeConfig(block_n=16, num_warps=4, num_stages=1, even_split_tokens=16)
+    plan = ak.plan_decode(len(DECODE) + 2, case.k_cache.shape[2], 4096, window, case.q.device, cfg, 4)
+    assert plan == ((3, 16) if window else (4, 16))
+    assert ak.plan_decode(len(DECODE) + 2, case.k_cache.shape[2], 4096, 0, case.q.device,
+                          replace(cfg, even_split_tokens=0), 4) == (4, 1024)
+    out = torch.full(case.q.shape, float("nan"))
+    ak.decode(*case.args(), out, max_seq_len=4096, scale=case.scale, window=window, num_splits=4, cfg=cfg)
     _check(case, out, torch.float32)
 
 

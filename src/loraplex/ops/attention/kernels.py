@@ -24,8 +24,10 @@ decode-only batch (max_query_len == 1) only the second:
 
 - `_decode_kernel` + `_decode_reduce_kernel` (sequences of 1 row): split-KV flash decoding.
   Grid (S, Hkv, splits): a program handles the G query heads of one kv head over a contiguous
-  range of `chunk` tokens of the context. tl.dot needs 16 rows, so the G heads are padded to
-  M = max(16, G_PAD) with masked rows: decode is memory bound, the padded rows cost only idle
+  range of its sequence's context: `split_span`'s tokens, at least `chunk` (the launcher's) and at least an even
+  share of this sequence's own context in whole BLOCK_N steps (so a chunk planned for the longest context a CUDA
+  graph may hold splits the shorter ones as evenly as the launcher asks). tl.dot needs 16 rows, so the G heads are
+  padded to M = max(16, G_PAD) with masked rows: decode is memory bound, the padded rows cost only idle
   tensor-core cycles, and the dot path lets Triton pipeline the K/V tile loads through shared
   memory (cp.async), which is what keeps HBM busy. (Inside the prefill kernel a decode row would
   fill G of its 64-128 tile rows, so there the wasted tensor-core work would outlast the reads.)
@@ -210,6 +212,13 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
 
 
 @triton.jit
+def split_span(context, chunk, num_splits, BLOCK_N: tl.constexpr):
+    """Tokens a split of a `context`-token range covers: `chunk`, or an even share of the context in whole BLOCK_N
+    steps where that is more (the decode kernel and its reduce agree through this)."""
+    return tl.maximum(chunk, tl.cdiv(tl.cdiv(context, num_splits), BLOCK_N) * BLOCK_N)
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ml_ptr,
                    block_tables_ptr, seq_lens_ptr, query_start_ptr, k_scale_ptr, v_scale_ptr,
                    qk_scale, window, chunk, num_q_heads, num_splits, ml_stride,
@@ -218,7 +227,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ml
                    PAGE: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, FP8_KV: tl.constexpr,
                    F16_DOTS: tl.constexpr):
     """The one query row of sequence program_id(0), G heads of kv head program_id(1), over keys
-    [lo + split * chunk, lo + (split + 1) * chunk) ∩ [lo, seq_len) of split program_id(2)."""
+    [lo + split · span, lo + (split + 1) · span) ∩ [lo, seq_len) of split program_id(2), span = `split_span`'s."""
     pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
     s = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -227,8 +236,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ml
     q_end = tl.load(query_start_ptr + s + 1)
     seq_len = tl.load(seq_lens_ptr + s)
     lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
-    start = lo + sp * chunk
-    end = tl.minimum(start + chunk, seq_len)
+    span = split_span(seq_len - lo, chunk, num_splits, BLOCK_N)
+    start = lo + sp * span
+    end = tl.minimum(start + span, seq_len)
     if (q_end - q_begin == 1) & (start < end):  # sequences with more rows are the prefill kernel's
         offs_m = tl.arange(0, M)
         offs_d = tl.arange(0, HEAD_DIM)
@@ -270,7 +280,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ml
 @triton.jit
 def _decode_reduce_kernel(part_o_ptr, part_ml_ptr, out_ptr, seq_lens_ptr, query_start_ptr,
                           window, chunk, num_q_heads, num_splits, ml_stride, stride_ot, stride_oh,
-                          HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
+                          HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
     """out[row, h] = Σ_split 2^(m_split - M) acc_split / Σ_split 2^(m_split - M) l_split over the
     splits this sequence's context reaches (the decode kernel wrote nothing for the others)."""
     pdl_start()   # ops/pdl.py: with LORAPLEX_PDL=on, wait for the grids before this one first
@@ -281,7 +291,8 @@ def _decode_reduce_kernel(part_o_ptr, part_ml_ptr, out_ptr, seq_lens_ptr, query_
     if q_end - q_begin == 1:
         seq_len = tl.load(seq_lens_ptr + s)
         lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
-        used = tl.minimum((seq_len - lo + chunk - 1) // chunk, num_splits)
+        span = split_span(seq_len - lo, chunk, num_splits, BLOCK_N)
+        used = tl.minimum((seq_len - lo + span - 1) // span, num_splits)
         offs_sp = tl.arange(0, SPLITS_PAD)
         sp_mask = offs_sp < used
         idx = (s * num_q_heads + h).to(tl.int64) * num_splits + offs_sp

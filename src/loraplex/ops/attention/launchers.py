@@ -35,6 +35,10 @@ class DecodeConfig:
     # (two resident programs per SM, 2 × 2 tiles in flight, already cover HBM latency: ~64 KB per SM)
     min_split_tokens: int = 256   # ...but give each split at least this many tokens (more splits cost a reduce)
     max_splits: int = 64
+    # 0: a split covers a share of the longest context the launch may see (max_seq_len: under CUDA graphs the
+    # model's length, so shorter contexts fill the first splits only); else at least this many tokens of each
+    # sequence's own context, evenly shared (kernels.py's split_span)
+    even_split_tokens: int = 0
 
 
 # Fixed tables keyed on head_dim, for sm_90 (no autotuning here; revisit with a sweep on the GPU).
@@ -130,7 +134,9 @@ def plan_decode(num_seqs: int, num_kv_heads: int, max_seq_len: int, window: int,
     Without splits the grid is S × Hkv programs; when that is under `programs_per_sm` per SM (a
     small batch), the context is cut into up to `max_splits` contiguous ranges of at least
     `min_split_tokens` tokens so long contexts still fill the GPU. Ranges are whole BLOCK_N
-    steps. `num_splits` forces the count (tests; it may come out lower after rounding).
+    steps. `num_splits` forces the count (tests; it may come out lower after rounding). The chunk is
+    the kernel's least split: with `even_split_tokens` that many tokens (whole steps), each sequence's
+    context then shared evenly by the kernel.
     """
     longest = max(1, min(max_seq_len, window) if window > 0 else max_seq_len)  # keys one query reads, at most
     if num_splits is None:
@@ -140,7 +146,11 @@ def plan_decode(num_seqs: int, num_kv_heads: int, max_seq_len: int, window: int,
         return 1, UNSPLIT_CHUNK
     chunk = cdiv(cdiv(longest, num_splits), cfg.block_n) * cfg.block_n
     splits = cdiv(longest, chunk)
-    return (splits, chunk) if splits > 1 else (1, UNSPLIT_CHUNK)
+    if splits <= 1:
+        return 1, UNSPLIT_CHUNK
+    if cfg.even_split_tokens:
+        chunk = min(chunk, cdiv(cfg.even_split_tokens, cfg.block_n) * cfg.block_n)
+    return splits, chunk
 
 
 def decode_constexprs(G: int, D: int, page: int, split: bool, dtype: torch.dtype, cfg: DecodeConfig,
@@ -182,4 +192,4 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
     _DECODE((S, Hkv, splits), args, consts, cfg.num_warps, cfg.num_stages)
     args = (part_o, part_ml, out, seq_lens, query_start, window, chunk, Hq, splits, n_part, out.stride(0),
             out.stride(1))
-    _REDUCE((S, Hq), args, dict(HEAD_DIM=D, SPLITS_PAD=pow2(splits)), REDUCE_WARPS, 1)
+    _REDUCE((S, Hq), args, dict(HEAD_DIM=D, SPLITS_PAD=pow2(splits), BLOCK_N=cfg.block_n), REDUCE_WARPS, 1)
