@@ -134,7 +134,8 @@ def main(argv=None) -> None:
     ap.add_argument("--kv-head-major", action="store_true",
                     help="lay each layer's KV cache out head-major (models/kv_cache.py's HEAD_MAJOR), to time it")
     ap.add_argument("--even-split-tokens", type=int, default=None,
-                    help="the decode tiles' even_split_tokens (ops/attention/launchers.py), to time it")
+                    help="the 16-bit and e4m3 caches' decode tiles' even_split_tokens (ops/attention/launchers.py), "
+                         "to time it")
     ap.add_argument("--profile", type=Path,
                     help="also write each engine's kernel times of full-batch decode steps and of prompt steps, a "
                          "column per variant (step_profile.py), to this markdown file")
@@ -148,6 +149,8 @@ def main(argv=None) -> None:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.graph_prompt_tokens is not None and args.graph_prompt_tokens < 0:
         ap.error(f"--graph-prompt-tokens must be at least 0, got {args.graph_prompt_tokens}")
+    if args.block_size is not None and args.block_size < 1:
+        ap.error(f"--block-size must be at least 1, got {args.block_size}")
     if args.even_split_tokens is not None and args.even_split_tokens < 0:
         ap.error(f"--even-split-tokens must be at least 0, got {args.even_split_tokens}")
     _set_cache_and_tiles(args)
@@ -157,7 +160,7 @@ def main(argv=None) -> None:
                   settings=envs.snapshot(),   # the LORAPLEX_* settings the run had
                   compose_pool=args.compose_pool, graph_prompt_tokens=_graph_prompt_tokens(args), copy_gbs=copy_gbs,
                   block_size=_block_size(args), kv_head_major=kv_cache.HEAD_MAJOR,
-                  even_split_tokens=launchers.DECODE_CONFIGS[128].even_split_tokens, rows=[], profiles={})
+                  even_split_tokens=args.even_split_tokens or 0, rows=[], profiles={})
     for B in map(int, args.batches.split(",")):
         for mode in args.modes.split(","):
             if mode == "eager" and str(B) not in args.eager_batches.split(","):
@@ -311,8 +314,8 @@ def run_group(args, B: int, mode: str, variants: list[str], copy_gbs: float,
 
 def _cache_note(res: dict) -> str:
     """The KV-cache block size, layout and decode splits where a run set them (earlier results lack the keys)."""
-    block, head_major, even = res.get("block_size", 16), res.get("kv_head_major"), res.get("even_split_tokens")
-    return ((f" KV-cache blocks of {block} tokens." if block != 16 else "")
+    block, head_major, even = res.get("block_size"), res.get("kv_head_major"), res.get("even_split_tokens")
+    return ((f" KV-cache blocks of {block} tokens." if block and block != EngineConfig.block_size else "")
             + (" KV cache head-major." if head_major else "")
             + (f" Decode splits share each context evenly, {even}+ tokens a split." if even else ""))
 

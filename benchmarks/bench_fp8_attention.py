@@ -51,7 +51,7 @@ def candidates(head_dim: int, only: list[str] | None = None) -> dict[str, ak.Dec
         return every
     unmatched = [w for w in only if not any(w in label for label in [*every, *LAYOUTS])]
     if unmatched:
-        raise SystemExit(f"--only: no candidate's label contains {unmatched}; the labels: {list(every)}")
+        raise SystemExit(f"--only: no candidate's label contains {unmatched}; the labels: {[*every, *LAYOUTS]}")
     return {k: c for k, c in every.items() if k == "today" or any(w in k for w in only)}
 
 
@@ -110,6 +110,8 @@ def bench_case(name: str, heads, batch: int, ctx: int, copy_gbs: float | None, g
     p = Paged([ctx - 1] * batch, [1] * batch, Hq, Hkv, D, dtype, device, rot, gen, backend)
     e4m3_bytes = batch * ctx * Hkv * D * 2
     tiles = candidates(D, only)
+    if max(planned_len, ctx) <= ctx:   # every context is the longest: even splits plan today's ranges
+        tiles = {k: c for k, c in tiles.items() if not c.even_split_tokens}
     row = dict(model=name, Hq=Hq, Hkv=Hkv, D=D, batch=batch, context=ctx, planned_len=max(planned_len, ctx),
                rotations=rot, e4m3_bytes=e4m3_bytes, configs={k: asdict(c) for k, c in tiles.items()}, us={},
                max_abs_err={})

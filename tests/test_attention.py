@@ -250,13 +250,14 @@ def test_decode_splits(num_splits, layout, window):
 
 @interpreted
 @pytest.mark.parametrize("layout", ["mha-d64-bs16", "gqa3-d32-bs16"])
-@pytest.mark.parametrize("window", [0, 40])
+@pytest.mark.parametrize("window", [0, 100])
 def test_decode_even_splits_of_each_context(layout, window, monkeypatch):
     """DecodeConfig.even_split_tokens: a launch planned for contexts of up to 4,096 tokens (as a CUDA graph plans for
     the model's length) shares each sequence's own 1-151 tokens among its splits in whole 16-token steps (kernels.py's
-    split_span: 151 tokens as 48 + 48 + 48 + 7, 65 as 32 + 32 + 1 and no fourth), where a share of the longest context
-    (1,024 tokens a split) would leave every split but the first empty; the reduce reads the splits written and no
-    other (the partials' buffer starts as NaN)."""
+    split_span: 151 tokens as 48 + 48 + 48 + 7, 65 as 32 + 32 + 1 and no fourth; a window of 100, 32-token splits from
+    the window's start), where a share of the longest context (1,024 tokens a split; 32 under the window) would leave
+    every split but the first empty; the reduce reads the splits written and no other (the partials' buffer starts
+    as NaN)."""
     empty = torch.empty
 
     def nan_empty(*args, **kwargs):
@@ -268,9 +269,11 @@ def test_decode_even_splits_of_each_context(layout, window, monkeypatch):
     case = _case(rng, DECODE + [(64, 1), (80, 1)], layout, torch.float32, window=window)
     cfg = ak.DecodeConfig(block_n=16, num_warps=4, num_stages=1, even_split_tokens=16)
     plan = ak.plan_decode(len(DECODE) + 2, case.k_cache.shape[2], 4096, window, case.q.device, cfg, 4)
-    assert plan == ((3, 16) if window else (4, 16))
+    assert plan == (4, 16)
     assert ak.plan_decode(len(DECODE) + 2, case.k_cache.shape[2], 4096, 0, case.q.device,
                           replace(cfg, even_split_tokens=0), 4) == (4, 1024)
+    with pytest.raises(ValueError, match="even_split_tokens"):
+        replace(cfg, even_split_tokens=-1)
     out = torch.full(case.q.shape, float("nan"))
     ak.decode(*case.args(), out, max_seq_len=4096, scale=case.scale, window=window, num_splits=4, cfg=cfg)
     _check(case, out, torch.float32)

@@ -162,9 +162,10 @@ def compile_kind(arch: int, dtype: str, kind: str) -> int:
             build(ak._decode_kernel, consts, cfg.num_warps, cfg.num_stages, partials(split))
         for D in HEAD_DIMS:
             for splits_pad in (2, 64):
-                build(ak._decode_reduce_kernel, dict(HEAD_DIM=D, SPLITS_PAD=splits_pad, BLOCK_N=64),
-                      al.REDUCE_WARPS, 1)
-        reduce_ones = with_ones(ak._decode_reduce_kernel, dict(HEAD_DIM=128, SPLITS_PAD=2, BLOCK_N=64))
+                consts = dict(HEAD_DIM=D, SPLITS_PAD=splits_pad, BLOCK_N=al.decode_config(D, tdtype).block_n)
+                build(ak._decode_reduce_kernel, consts, al.REDUCE_WARPS, 1)
+        reduce_ones = with_ones(ak._decode_reduce_kernel, dict(HEAD_DIM=128, SPLITS_PAD=2,
+                                                               BLOCK_N=al.decode_config(128, tdtype).block_n))
         build(ak._decode_reduce_kernel, reduce_ones, al.REDUCE_WARPS, 1)
     elif kind == "fp8kv":
         # the launchers' choice for compiled kernels and bf16 q: ops/e4m3.py's conversion for prompts, fp16 dots for

@@ -36,9 +36,13 @@ class DecodeConfig:
     min_split_tokens: int = 256   # ...but give each split at least this many tokens (more splits cost a reduce)
     max_splits: int = 64
     # 0: a split covers a share of the longest context the launch may see (max_seq_len: under CUDA graphs the
-    # model's length, so shorter contexts fill the first splits only); else at least this many tokens of each
-    # sequence's own context, evenly shared (kernels.py's split_span)
+    # model's length, so shorter contexts fill the first splits only); else each sequence's own context is shared
+    # evenly (kernels.py's split_span), in splits of at least this many tokens (at most that share of the longest)
     even_split_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.even_split_tokens < 0:
+            raise ValueError(f"even_split_tokens must be at least 0, got {self.even_split_tokens}")
 
 
 # Fixed tables keyed on head_dim, for sm_90 (no autotuning here; revisit with a sweep on the GPU).
@@ -148,7 +152,7 @@ def plan_decode(num_seqs: int, num_kv_heads: int, max_seq_len: int, window: int,
     splits = cdiv(longest, chunk)
     if splits <= 1:
         return 1, UNSPLIT_CHUNK
-    if cfg.even_split_tokens:
+    if cfg.even_split_tokens > 0:
         chunk = min(chunk, cdiv(cfg.even_split_tokens, cfg.block_n) * cfg.block_n)
     return splits, chunk
 
