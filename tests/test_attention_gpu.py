@@ -10,6 +10,8 @@
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -111,6 +113,20 @@ def test_forced_splits(num_splits):
     case = _llama_case(num_splits, seqs, LLAMA3, torch.bfloat16)
     out = torch.full(case.q.shape, float("nan"), dtype=case.q.dtype, device="cuda")
     ak.decode(*case.args(), out, max_seq_len=case.max_seq_len, scale=case.scale, window=0, num_splits=num_splits)
+    _check(case, out, sdpa_f32(case), torch.bfloat16)
+
+
+@pytest.mark.parametrize("heads", [LLAMA2, LLAMA3], ids=["llama2", "llama3"])
+@pytest.mark.parametrize("window", [0, 1000])
+def test_even_splits_planned_for_the_models_length(heads, window):
+    """DecodeConfig.even_split_tokens with the splits planned for 8,192 tokens (as a CUDA graph plans for the model's
+    length) over contexts of 18-2,501: each sequence's context shared among the splits (kernels.py's split_span)."""
+    seqs = [(400, 1), (17, 1), (1000, 1), (300, 0), (2500, 1), (64, 1)]
+    case = _llama_case(stable_seed("even", heads, window), seqs, heads, torch.bfloat16, window=window)
+    cfg = replace(ak.decode_config(128, torch.bfloat16), even_split_tokens=128)
+    assert ak.plan_decode(len(seqs), heads[1], 8192, window, case.q.device, cfg, 8)[1] == 128
+    out = torch.full(case.q.shape, float("nan"), dtype=case.q.dtype, device="cuda")
+    ak.decode(*case.args(), out, max_seq_len=8192, scale=case.scale, window=window, num_splits=8, cfg=cfg)
     _check(case, out, sdpa_f32(case), torch.bfloat16)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -527,7 +528,8 @@ def test_fp16_dots_over_an_e4m3_cache_match_the_float64_loop(num_splits):
 def test_gpu_kernels_match_the_reference_on_an_e4m3_cache(seqs, window, dtype):
     """Llama-3 heads (32 over 8, head_dim 128), bf16 and fp16 models: the store's bytes equal the reference's (IEEE
     division, rounding done before the cast), attention within bf16's output rounding of the reference (fp32 on the
-    same cache). fp16 q takes the fp16 tiles with V converted in place in both kernels; bf16 q, in decode."""
+    same cache). fp16 q takes the fp16 tiles with V converted in place in both kernels; bf16 q, in decode. The decode
+    batch again in even splits planned for 8,192 tokens (DecodeConfig.even_split_tokens)."""
     rng = np.random.default_rng(stable_seed("fp8-gpu", len(seqs), window, str(dtype)))
     case = make_case(rng, seqs, Hq=32, Hkv=8, D=128, bs=16, dtype=dtype, window=window, device="cuda")
     case.k_cache, case.v_cache = quantize(case.k_cache, K_SCALE), quantize(case.v_cache, V_SCALE)
@@ -543,6 +545,12 @@ def test_gpu_kernels_match_the_reference_on_an_e4m3_cache(seqs, window, dtype):
                                     backend="reference")
     out = _attend(case, "triton", k_scale=ks, v_scale=vs)   # decode rows through the fp16 dots, prompts through bf16
     assert max_err(out, reference.double(), case.owned_rows()) <= 2.5e-2
+    if window == 0 and len(seqs) == 4:   # decode rows alone: again in even splits planned for 8,192 tokens
+        cfg = replace(ak.decode_config(128, dtype, fp8_kv=True), even_split_tokens=128)
+        out = torch.full(case.q.shape, float("nan"), dtype=dtype, device="cuda")
+        ak.decode(case.q, case.k_cache, case.v_cache, *case.args()[3:6], out, max_seq_len=8192, scale=case.scale,
+                  window=0, num_splits=8, cfg=cfg, k_scale=ks, v_scale=vs)
+        assert max_err(out, reference.double(), case.owned_rows()) <= 2.5e-2
 
 
 @interpreted
