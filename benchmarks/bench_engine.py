@@ -22,8 +22,9 @@ steps (schedule + forward + sample + postprocess), and beside them the memory fl
 step: weights + KV of the batch's contexts + each used adapter once, over the copy bandwidth
 measured in the same run.
 
-`--block-size`, `--kv-head-major` and `--even-split-tokens` set the KV cache's blocks, its layout and the decode
-attention's splits for every engine of the run: what a change to their defaults would be timed with.
+`--block-size`, `--kv-head-major` and `--decode-tiles even_split_tokens=256,programs_per_sm=4` set the KV cache's
+blocks, its layout and the decode attention's tiles (any DecodeConfig field, for the 16-bit and e4m3 caches alike)
+for every engine of the run: what a change to their defaults would be timed with.
 
 `--repeats N` runs each variant N times, interleaved across the variants (so drift over the call hits each
 alike), and reports each variant's median-throughput run beside every run's tokens/s, full-batch decode step and
@@ -133,9 +134,9 @@ def main(argv=None) -> None:
                     help="EngineConfig.block_size, tokens a KV-cache block (default: the engine's)")
     ap.add_argument("--kv-head-major", action="store_true",
                     help="lay each layer's KV cache out head-major (models/kv_cache.py's HEAD_MAJOR), to time it")
-    ap.add_argument("--even-split-tokens", type=int, default=None,
-                    help="the 16-bit and e4m3 caches' decode tiles' even_split_tokens (ops/attention/launchers.py), "
-                         "to time it")
+    ap.add_argument("--decode-tiles", type=_tile_fields, default={}, metavar="FIELD=VALUE,...",
+                    help="decode attention's tiles (ops/attention/launchers.py's DecodeConfig fields) for the 16-bit "
+                         "and e4m3 caches, to time them")
     ap.add_argument("--profile", type=Path,
                     help="also write each engine's kernel times of full-batch decode steps and of prompt steps, a "
                          "column per variant (step_profile.py), to this markdown file")
@@ -151,8 +152,6 @@ def main(argv=None) -> None:
         ap.error(f"--graph-prompt-tokens must be at least 0, got {args.graph_prompt_tokens}")
     if args.block_size is not None and args.block_size < 1:
         ap.error(f"--block-size must be at least 1, got {args.block_size}")
-    if args.even_split_tokens is not None and args.even_split_tokens < 0:
-        ap.error(f"--even-split-tokens must be at least 0, got {args.even_split_tokens}")
     _set_cache_and_tiles(args)
     copy_gbs = copy_bandwidth_gbs()
     result = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,
@@ -160,7 +159,7 @@ def main(argv=None) -> None:
                   settings=envs.snapshot(),   # the LORAPLEX_* settings the run had
                   compose_pool=args.compose_pool, graph_prompt_tokens=_graph_prompt_tokens(args), copy_gbs=copy_gbs,
                   block_size=_block_size(args), kv_head_major=kv_cache.HEAD_MAJOR,
-                  even_split_tokens=args.even_split_tokens or 0, rows=[], profiles={})
+                  decode_tiles=args.decode_tiles, rows=[], profiles={})
     for B in map(int, args.batches.split(",")):
         for mode in args.modes.split(","):
             if mode == "eager" and str(B) not in args.eager_batches.split(","):
@@ -189,15 +188,35 @@ def _write(result: dict, args) -> None:
 
 
 def _set_cache_and_tiles(args) -> None:
-    """The cache layout and decode tiles of `--kv-head-major` and `--even-split-tokens`, for every engine of the run
+    """The cache layout and decode tiles of `--kv-head-major` and `--decode-tiles`, for every engine of the run
     (module defaults the engine reads: a layout or tiles to time before either becomes the default)."""
     if args.kv_head_major:
         kv_cache.HEAD_MAJOR = True
-    if args.even_split_tokens is not None:
+    if args.decode_tiles:
         for name in ("DECODE_CONFIGS", "FP8_DECODE_CONFIGS"):
             tables = getattr(launchers, name)
-            setattr(launchers, name, {d: replace(c, even_split_tokens=args.even_split_tokens)
-                                      for d, c in tables.items()})
+            setattr(launchers, name, {d: replace(c, **args.decode_tiles) for d, c in tables.items()})
+
+
+def _tile_fields(text: str) -> dict:
+    """`FIELD=VALUE,...` of DecodeConfig, each value of the field's type (argparse's type for --decode-tiles)."""
+    defaults = launchers.DECODE_CONFIGS[128]
+    fields = {}
+    for item in filter(None, text.split(",")):
+        name, eq, value = item.partition("=")
+        if not eq or not hasattr(defaults, name.strip()):
+            raise argparse.ArgumentTypeError(f"{item!r} is not FIELD=VALUE of a DecodeConfig field "
+                                             f"({', '.join(vars(defaults))})")
+        kind = type(getattr(defaults, name.strip()))
+        try:
+            fields[name.strip()] = kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name.strip()}: {value!r} is not of type {kind.__name__}") from None
+    try:
+        replace(defaults, **fields)   # the dataclass's own checks (e.g. a negative even_split_tokens)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return fields
 
 
 COMPOSE_VARIANTS = ("composed", "merged")
@@ -314,10 +333,10 @@ def run_group(args, B: int, mode: str, variants: list[str], copy_gbs: float,
 
 def _cache_note(res: dict) -> str:
     """The KV-cache block size, layout and decode splits where a run set them (earlier results lack the keys)."""
-    block, head_major, even = res.get("block_size"), res.get("kv_head_major"), res.get("even_split_tokens")
+    block, head_major, tiles = res.get("block_size"), res.get("kv_head_major"), res.get("decode_tiles")
     return ((f" KV-cache blocks of {block} tokens." if block and block != EngineConfig.block_size else "")
             + (" KV cache head-major." if head_major else "")
-            + (f" Decode splits share each context evenly, {even}+ tokens a split." if even else ""))
+            + (" Decode attention's tiles: " + ", ".join(f"{k}={v}" for k, v in tiles.items()) + "." if tiles else ""))
 
 
 def markdown(res: dict) -> str:

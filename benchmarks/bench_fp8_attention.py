@@ -77,7 +77,8 @@ def _all_candidates(head_dim: int) -> dict[str, ak.DecodeConfig]:
             "half keys, 4 stages": replace(today, block_n=half, num_stages=4),
             "splits of 256": replace(today, min_split_tokens=256),
             "even splits of 128+": replace(today, even_split_tokens=128),
-            "even splits of 256+": replace(today, even_split_tokens=256)}
+            "even splits of 256+": replace(today, even_split_tokens=256),
+            "even splits of 128+, 4 programs an SM": replace(today, even_split_tokens=128, programs_per_sm=4.0)}
 
 
 # Cache layouts timed with today's tiles: (tokens a block, each kv head's tokens of a block contiguous in memory).

@@ -129,22 +129,32 @@ def test_every_variant_warms_up_with_a_whole_run(bench, monkeypatch):
                                                                        "distinct": [4.0, 5.0]}
 
 
-def test_cache_layout_blocks_and_even_splits_reach_the_engines(bench, monkeypatch):
-    """--kv-head-major, --even-split-tokens and --block-size: the module defaults every engine of the run reads (put
-    back after the test), the block size in each engine's config, and a line of the report."""
+def test_cache_layout_blocks_and_decode_tiles_reach_the_engines(bench, monkeypatch):
+    """--kv-head-major, --decode-tiles and --block-size: the module defaults every engine of the run reads (put back
+    after the test), the block size in each engine's config, and a line of the report."""
     from loraplex.models import kv_cache
     from loraplex.ops.attention import launchers
     for module, name in ((kv_cache, "HEAD_MAJOR"), (launchers, "DECODE_CONFIGS"), (launchers, "FP8_DECODE_CONFIGS")):
         monkeypatch.setattr(module, name, getattr(module, name))
-    args = SimpleNamespace(preset="llama-2-7b", layers=1, kv_head_major=True, even_split_tokens=128, block_size=32)
+    tiles = bench._tile_fields("even_split_tokens=128,programs_per_sm=4")
+    assert tiles == {"even_split_tokens": 128, "programs_per_sm": 4.0}
+    args = SimpleNamespace(preset="llama-2-7b", layers=1, kv_head_major=True, decode_tiles=tiles, block_size=32)
     bench._set_cache_and_tiles(args)
     assert kv_cache.HEAD_MAJOR is True
-    assert {c.even_split_tokens for c in launchers.DECODE_CONFIGS.values()} == {128}
-    assert launchers.decode_config(128, bench.torch.bfloat16, fp8_kv=True).even_split_tokens == 128
-    assert launchers.decode_config(128, bench.torch.bfloat16, fp8_kv=True).num_warps == 2   # the e4m3 tiles kept
+    assert {(c.even_split_tokens, c.programs_per_sm) for c in launchers.DECODE_CONFIGS.values()} == {(128, 4.0)}
+    fp8 = launchers.decode_config(128, bench.torch.bfloat16, fp8_kv=True)
+    assert (fp8.even_split_tokens, fp8.num_warps) == (128, 2)   # the e4m3 tiles kept, the field set
     engine, _ = bench._engine(args, 4, "graphs", ["backbone"], "fp8kv")
     assert engine.config.block_size == 32
-    note = bench._cache_note(dict(block_size=32, kv_head_major=True, even_split_tokens=128))
-    assert note == " KV-cache blocks of 32 tokens. KV cache head-major. Decode splits share each context evenly, " \
-                   "128+ tokens a split."
+    note = bench._cache_note(dict(block_size=32, kv_head_major=True, decode_tiles=tiles))
+    assert note == " KV-cache blocks of 32 tokens. KV cache head-major. Decode attention's tiles: " \
+                   "even_split_tokens=128, programs_per_sm=4.0."
     assert bench._cache_note({}) == ""
+
+
+@pytest.mark.parametrize("text, match", [("warps=2", "not FIELD=VALUE"), ("block_n", "not FIELD=VALUE"),
+                                         ("block_n=x", "block_n: 'x' is not of type int"),
+                                         ("even_split_tokens=-1", "even_split_tokens must be at least 0")])
+def test_decode_tiles_refuse_unknown_fields_and_bad_values(bench, text, match):
+    with pytest.raises(bench.argparse.ArgumentTypeError, match=match):
+        bench._tile_fields(text)

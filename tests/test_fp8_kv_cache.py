@@ -578,7 +578,7 @@ def test_bench_fp8_attention_smoke(monkeypatch, tmp_path):
     rows = json.loads(out.read_text())["rows"]   # splits planned as a graph for a 4,096-token model plans them
     assert {r["planned_len"] for r in rows} == {4096}
     assert set(rows[0]["max_abs_err"]) == {"today", "even splits of 128+", "even splits of 256+",
-                                          "today, head-major, blocks of 64"}
+                                          "even splits of 128+, 4 programs an SM", "today, head-major, blocks of 64"}
     assert max(e for r in rows for e in r["max_abs_err"].values()) <= 0.05
     assert set(bench.layouts(["blocks of 64"])) == {"head-major, blocks of 64"}
     assert bench.candidates(128, ["head-major"]) == {"today": tiles["today"]}   # a layout's word names no tiles
