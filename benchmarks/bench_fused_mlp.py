@@ -10,8 +10,9 @@ down e4m3 [H, I] with a scale per output column (sg, sd), groups of GROUP column
     s[m, j] = max_{n in group j} |h[m, n]| / 448 (1 where 0),   hq[m, n] = e4m3(h[m, n] / s[m, j])
     y[m, c] = round(sd[c] · Σ_j s[m, j] · Σ_{n in group j} hq[m, n] · wd[c, n])
 
-One program an SM walks the gate/up groups first (each writes its hq columns and scales, then counts itself done),
-then down's tiles of BN_B rows, each after the count shows every group written: no kernel boundary, no launch of
+One program an SM walks the gate/up groups first (each writes its hq columns and scales, then counts itself done;
+or a group's sums in K parts, which more programs share, the last part to finish adding them in their order), then
+down's tiles of BN_B rows, each after the count shows every group written: no kernel boundary, no launch of
 SiLU-and-mul or of the quantize kernel, and down's weight asked of L2 before the wait (as the decode GEMMs do before
 their PDL wait). Every program must be resident at once (a grid of at most the SM count, one program an SM fits),
 which the interpreter's one-program-at-a-time grid is not: the CPU run takes one program, which does every item.
@@ -43,24 +44,25 @@ from loraplex.ops.launch import Launcher, num_sms  # noqa: E402
 from loraplex.ops.pdl import pdl_start  # noqa: E402
 
 SHAPES = {"Llama-2-7B": (4096, 11008), "Llama-3-8B": (4096, 14336)}   # hidden H, intermediate I
-ROWS, GROUPS, BN_B = 32, (128, 64), 32
+ROWS, BN_B = 32, 32
+# (group, K parts): 86 groups of 128 columns for 132 SMs (Llama-2-7B), 172 of 64, 258 parts of 128
+VARIANTS = ((128, 1), (64, 1), (128, 3))
 ROTATION_BYTES = 600 << 20
 
 
 @triton.jit
-def _fused_mlp_kernel(xq_ptr, sx_ptr, wgu_ptr, sgu_ptr, wd_ptr, sd_ptr, hq_ptr, hs_ptr, y_ptr, count_ptr,
+def _fused_mlp_kernel(xq_ptr, sx_ptr, wgu_ptr, sgu_ptr, wd_ptr, sd_ptr, hq_ptr, hs_ptr, y_ptr, part_ptr, count_ptr,
                       M, H, I, num_programs, BLOCK_M: tl.constexpr, GROUP: tl.constexpr, BK: tl.constexpr,
-                      BN_B: tl.constexpr, PREFETCH: tl.constexpr):
+                      BN_B: tl.constexpr, KSPLIT: tl.constexpr, PREFETCH: tl.constexpr):
     pdl_start()   # ops/pdl.py: wait for the grids before this one first
     pid = tl.program_id(0)
     n_groups = I // GROUP
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     sx = tl.load(sx_ptr + offs_m, mask=m_mask, other=0.0)
-    for j in range(pid, n_groups, num_programs):
-        _gate_up_group(xq_ptr, sx, wgu_ptr, sgu_ptr, hq_ptr, hs_ptr, offs_m, m_mask, j, H, I, n_groups, BLOCK_M,
-                       GROUP, BK)
-        tl.atomic_add(count_ptr, 1, sem="release")
+    for item in range(pid, n_groups * KSPLIT, num_programs):   # (group, K part): KSPLIT parts of each group's sums
+        _gate_up_part(xq_ptr, sx, wgu_ptr, sgu_ptr, hq_ptr, hs_ptr, part_ptr, count_ptr, offs_m, m_mask, item, H, I,
+                      n_groups, BLOCK_M, GROUP, BK, KSPLIT)
     if pid < H // BN_B:
         if PREFETCH > 0:   # this program's first rows of down into L2 while the groups finish
             prefetch_rows(wd_ptr, pid * BN_B + tl.arange(0, BN_B), H, I, 0, I, PREFETCH, 128)
@@ -75,19 +77,50 @@ def _fused_mlp_kernel(xq_ptr, sx_ptr, wgu_ptr, sgu_ptr, wd_ptr, sd_ptr, hq_ptr, 
 
 
 @triton.jit
-def _gate_up_group(xq_ptr, sx, wgu_ptr, sgu_ptr, hq_ptr, hs_ptr, offs_m, m_mask, j, H, I, n_groups,
-                   BLOCK_M: tl.constexpr, GROUP: tl.constexpr, BK: tl.constexpr):
-    """h's columns of group j (the docstring's g, u, h, s and hq), stored: hq [M, I] e4m3, s into hs [M, n_groups]."""
+def _gate_up_part(xq_ptr, sx, wgu_ptr, sgu_ptr, hq_ptr, hs_ptr, part_ptr, count_ptr, offs_m, m_mask, item, H, I,
+                  n_groups, BLOCK_M: tl.constexpr, GROUP: tl.constexpr, BK: tl.constexpr, KSPLIT: tl.constexpr):
+    """K part `item % KSPLIT` of group `item // KSPLIT`'s gate and up sums; the group's last part to finish adds the
+    parts in their order (each stored in part_ptr first, so the sum does not depend on which finishes last), writes
+    the group's h (`_store_group`) and counts the group done in count_ptr[0]; its own count (count_ptr[2 + j]) it
+    leaves at zero again."""
+    j = item // KSPLIT
+    p = item % KSPLIT
     offs_n = j * GROUP + tl.arange(0, GROUP)
     acc_g = tl.zeros((BLOCK_M, GROUP), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, GROUP), dtype=tl.float32)
-    for k in range(0, H, BK):
+    steps = H // BK   # part p: K steps [p · steps / KSPLIT, (p + 1) · steps / KSPLIT)
+    for k in range(p * steps // KSPLIT * BK, (p + 1) * steps // KSPLIT * BK, BK):
         offs_k = k + tl.arange(0, BK)
         x = tl.load(xq_ptr + offs_m.to(tl.int64)[:, None] * H + offs_k[None, :], mask=m_mask[:, None], other=0.0)
         wg = tl.load(wgu_ptr + offs_n.to(tl.int64)[:, None] * H + offs_k[None, :])
         wu = tl.load(wgu_ptr + (I + offs_n).to(tl.int64)[:, None] * H + offs_k[None, :])
         acc_g += tl.dot(x, tl.trans(wg), max_num_imprecise_acc=BK)   # (each step's e4m3 sum added in fp32)
         acc_u += tl.dot(x, tl.trans(wu), max_num_imprecise_acc=BK)
+    if KSPLIT == 1:
+        _store_group(acc_g, acc_u, sx, sgu_ptr, hq_ptr, hs_ptr, offs_m, m_mask, offs_n, j, I, n_groups)
+        tl.atomic_add(count_ptr, 1, sem="release")
+    else:
+        tile = offs_m[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        parts = part_ptr + j.to(tl.int64) * (KSPLIT * 2 * BLOCK_M * GROUP)
+        tl.store(parts + (2 * p) * BLOCK_M * GROUP + tile, acc_g, mask=m_mask[:, None])
+        tl.store(parts + (2 * p + 1) * BLOCK_M * GROUP + tile, acc_u, mask=m_mask[:, None])
+        if tl.atomic_add(count_ptr + 2 + j, 1, sem="acq_rel") == KSPLIT - 1:
+            sum_g = tl.zeros((BLOCK_M, GROUP), dtype=tl.float32)
+            sum_u = tl.zeros((BLOCK_M, GROUP), dtype=tl.float32)
+            for q in range(KSPLIT):
+                sum_g += tl.load(parts + (2 * q) * BLOCK_M * GROUP + tile, mask=m_mask[:, None], other=0.0,
+                                 cache_modifier=".cg")
+                sum_u += tl.load(parts + (2 * q + 1) * BLOCK_M * GROUP + tile, mask=m_mask[:, None], other=0.0,
+                                 cache_modifier=".cg")
+            _store_group(sum_g, sum_u, sx, sgu_ptr, hq_ptr, hs_ptr, offs_m, m_mask, offs_n, j, I, n_groups)
+            tl.atomic_xchg(count_ptr + 2 + j, 0)
+            tl.atomic_add(count_ptr, 1, sem="release")
+
+
+@triton.jit
+def _store_group(acc_g, acc_u, sx, sgu_ptr, hq_ptr, hs_ptr, offs_m, m_mask, offs_n, j, I, n_groups):
+    """Group j's h from its gate and up sums (the docstring's g, u, h, s and hq), stored: hq [M, I] e4m3, s into
+    hs [M, n_groups]."""
     g = acc_g * sx[:, None] * tl.load(sgu_ptr + offs_n)[None, :]
     u = acc_u * sx[:, None] * tl.load(sgu_ptr + I + offs_n)[None, :]
     h = g / (1.0 + tl.exp(-g)) * u
@@ -120,31 +153,35 @@ _FUSED = Launcher(_fused_mlp_kernel)
 
 
 def fused_mlp(xq: torch.Tensor, sx: torch.Tensor, gate_up: Fp8Matrix, down: Fp8Matrix, counts: torch.Tensor,
-              programs: int, dtype: torch.dtype = torch.bfloat16, group: int = GROUPS[0], bk: int = 128,
+              programs: int, dtype: torch.dtype = torch.bfloat16, group: int = 128, ksplit: int = 1, bk: int = 128,
               warps: int = 4, stages: int = 3) -> torch.Tensor:
-    """y [M, H] of the module docstring (groups of `group` columns, also down's K step) in one launch of `programs`
-    programs (all resident at once on a GPU; 1 in the interpreter); `counts`: int32 [2] zeros, left zero again by
-    the launch."""
+    """y [M, H] of the module docstring (groups of `group` columns, also down's K step; each group's gate/up sums in
+    `ksplit` parts of K, so that more programs share them) in one launch of `programs` programs (all resident at once
+    on a GPU; 1 in the interpreter); `counts`: int32 zeros, 2 + I / group of them, left zero again by the launch."""
     M, H = xq.shape
     I = down.shape[1]
     if gate_up.shape != (2 * I, H) or down.shape != (H, I) or gate_up.block[0] != 1 or down.block[0] != 1 or \
             gate_up.scale.shape[1] != 1 or down.scale.shape[1] != 1:
         raise ValueError(f"fused_mlp: gate/up {tuple(gate_up.shape)} and down {tuple(down.shape)} with a scale per "
                          f"output column for x {tuple(xq.shape)}")
-    if M > 64 or I % group or H % BN_B or H % bk:
-        raise ValueError(f"fused_mlp: at most 64 rows, I a multiple of {group}, H of {BN_B} and {bk}; got {M}, {I}, "
-                         f"{H}")
+    if M > 64 or I % group or H % BN_B or H % bk or H // bk < ksplit:
+        raise ValueError(f"fused_mlp: at most 64 rows, I a multiple of {group}, H of {BN_B} and {bk} with {ksplit} K "
+                         f"steps at least; got {M}, {I}, {H}")
+    if counts.dtype != torch.int32 or counts.numel() < 2 + I // group:
+        raise ValueError(f"fused_mlp: counts must be int32 zeros, at least {2 + I // group} of them")
     hq = torch.empty(M, I, dtype=torch.float8_e4m3fn, device=xq.device)
     hs = torch.empty(M, I // group, dtype=torch.float32, device=xq.device)
     y = torch.empty(M, H, dtype=dtype, device=xq.device)
+    part = torch.empty(I // group * ksplit * 2 * 64 * group if ksplit > 1 else 1, dtype=torch.float32,
+                       device=xq.device)
     prefetch = 512 if _FUSED.compiles and xq.is_cuda else 0
-    _FUSED((programs,), (xq, sx, gate_up.qweight, gate_up.scale, down.qweight, down.scale, hq, hs, y, counts, M, H,
-                         I, programs),
-           dict(BLOCK_M=64, GROUP=group, BK=bk, BN_B=BN_B, PREFETCH=prefetch), warps, stages)
+    _FUSED((programs,), (xq, sx, gate_up.qweight, gate_up.scale, down.qweight, down.scale, hq, hs, y, part, counts,
+                         M, H, I, programs),
+           dict(BLOCK_M=64, GROUP=group, BK=bk, BN_B=BN_B, KSPLIT=ksplit, PREFETCH=prefetch), warps, stages)
     return y
 
 
-def reference(xq, sx, gate_up: Fp8Matrix, down: Fp8Matrix, group: int = GROUPS[0]) -> torch.Tensor:
+def reference(xq, sx, gate_up: Fp8Matrix, down: Fp8Matrix, group: int = 128) -> torch.Tensor:
     """The module docstring's y in float64 (h's groups quantized as the kernel does, from float64 h)."""
     I = down.shape[1]
     x = xq.double() * sx.double().view(-1, 1)
@@ -175,7 +212,7 @@ def weights(H: int, I: int, copies: int, device, gen) -> list[tuple[Fp8Matrix, F
 
 
 def bench_shape(name: str, H: int, I: int, rows: int, device, gen, smoke: bool, copy_gbs: float | None) -> dict:
-    """One shape: each group size's fused launch against the float64 loop, today's launches against the same loop
+    """One shape: each of VARIANTS' fused launch against the float64 loop, today's launches against the same loop
     (their own roundings differ: bf16 h, a scale a row), and (on a GPU) µs a call of each in CUDA graphs over
     rotating weights."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
@@ -184,22 +221,23 @@ def bench_shape(name: str, H: int, I: int, rows: int, device, gen, smoke: bool, 
     x = torch.randn(rows, H, generator=gen, device=device).to(dtype)
     xq, sx = quantize_rows(x)
     x_e4m3 = QuantizedRows(xq, sx)
-    counts = torch.zeros(2, dtype=torch.int32, device=device)
+    counts = torch.zeros(2 + I // min(g for g, _ in VARIANTS), dtype=torch.int32, device=device)
     row = dict(model=name, H=H, I=I, rows=rows, copies=copies, fused={})
-    for group in GROUPS:
-        programs = 1 if smoke else min(num_sms(device), I // group + H // BN_B)
+    for group, ksplit in VARIANTS:
+        programs = 1 if smoke else min(num_sms(device), I // group * ksplit + H // BN_B)
         ref = reference(xq, sx, *pairs[0], group)
         scale = ref.abs().max().item()
-        y = fused_mlp(xq, sx, *pairs[0], counts, programs, dtype, group)
-        if counts.tolist() != [0, 0]:
+        y = fused_mlp(xq, sx, *pairs[0], counts, programs, dtype, group, ksplit)
+        if counts.any():
             raise RuntimeError(f"fused_mlp left its counts at {counts.tolist()}, not zero")
-        entry = row["fused"][group] = dict(programs=programs, rel_err=(y.double() - ref).abs().max().item() / scale)
-        if group == GROUPS[0]:
+        entry = row["fused"][variant_name(group, ksplit)] = dict(
+            programs=programs, rel_err=(y.double() - ref).abs().max().item() / scale)
+        if "today_rel_err" not in row:
             row["today_rel_err"] = (today(x, x_e4m3, *pairs[0]).double() - ref).abs().max().item() / scale
         if not smoke:
             from bench_lora_ops import graphed, time_us
-            entry["us"] = time_us([graphed(lambda p=p, g=group: fused_mlp(xq, sx, *p, counts, programs, dtype, g))
-                                   for p in pairs])
+            entry["us"] = time_us([graphed(lambda p=p, g=group, k=ksplit: fused_mlp(xq, sx, *p, counts, programs,
+                                                                                   dtype, g, k)) for p in pairs])
     if not smoke:
         from bench_lora_ops import graphed, time_us
         row["today_us"] = time_us([graphed(lambda p=p: today(x, x_e4m3, *p)) for p in pairs])
@@ -207,20 +245,25 @@ def bench_shape(name: str, H: int, I: int, rows: int, device, gen, smoke: bool, 
     return row
 
 
+def variant_name(group: int, ksplit: int) -> str:
+    return f"groups of {group}" + (f", {ksplit} K parts" if ksplit > 1 else "")
+
+
 def markdown(env: dict, rows: list[dict]) -> str:
+    names = [variant_name(g, k) for g, k in VARIANTS]
     lines = [f"# A decode MLP in one persistent launch — {env['device']}, {env['date']}", "",
              f"torch {env['torch']}, Triton {env['triton']}; copy bandwidth {env.get('copy_gbs', 0):.0f} GB/s; "
              "µs a call in CUDA graphs over rotating weights (benchmarks/bench_fused_mlp.py). Today: the gate/up W8A8 "
              "GEMM, SiLU-and-mul, the quantize launch and the down W8A8 GEMM; fused: one launch, h quantized in groups "
-             "of 128 or 64 columns; the floor: gate/up's and down's e4m3 bytes over the copy bandwidth. Errors: the "
-             "largest against the float64 loop (groups of 128), over its largest value.", "",
-             "| model | rows | floor | today | fused, groups of " + " | fused, groups of ".join(map(str, GROUPS))
-             + " | error today / fused |", "|---|---:|---:|---:|" + "---:|" * len(GROUPS) + "---:|"]
+             "of columns, gate/up's sums of a group in one program or in K parts; the floor: gate/up's and down's e4m3 "
+             "bytes over the copy bandwidth. Errors: the largest against the float64 loop, over its largest value.", "",
+             "| model | rows | floor | today | " + " | ".join(names) + " | error today / fused |",
+             "|---|---:|---:|---:|" + "---:|" * len(names) + "---:|"]
     for r in rows:
-        fused = [r["fused"][str(g)] if str(g) in r["fused"] else r["fused"][g] for g in GROUPS]
+        fused = [r["fused"][n] for n in names]
         cells = [f"{f.get('us', 0):.1f} ({f['programs']} programs)" for f in fused]
         lines.append(f"| {r['model']} | {r['rows']} | {r.get('floor_us', 0):.1f} | {r.get('today_us', 0):.1f} | "
-                     + " | ".join(cells) + f" | {r['today_rel_err']:.1e} / {fused[0]['rel_err']:.1e} |")
+                     + " | ".join(cells) + f" | {r['today_rel_err']:.1e} / {max(f['rel_err'] for f in fused):.1e} |")
     return "\n".join(lines) + "\n"
 
 
@@ -234,7 +277,7 @@ def main(argv=None) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.smoke:
         raise SystemExit("bench_fused_mlp needs a CUDA GPU (or --smoke)")
-    shapes = SHAPES if not args.smoke else {"toy": (4 * BN_B, 3 * GROUPS[0])}
+    shapes = SHAPES if not args.smoke else {"toy": (3 * 128, 3 * 128)}
     env = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                date=datetime.date.today().isoformat(), torch=torch.__version__, triton=triton.__version__,
                settings=envs.snapshot())
