@@ -204,14 +204,15 @@ def _tile_fields(text: str) -> dict:
     fields = {}
     for item in filter(None, text.split(",")):
         name, eq, value = item.partition("=")
-        if not eq or not hasattr(defaults, name.strip()):
+        name = name.strip()
+        if not eq or not hasattr(defaults, name):
             raise argparse.ArgumentTypeError(f"{item!r} is not FIELD=VALUE of a DecodeConfig field "
                                              f"({', '.join(vars(defaults))})")
-        kind = type(getattr(defaults, name.strip()))
+        kind = type(getattr(defaults, name))
         try:
-            fields[name.strip()] = kind(value)
+            fields[name] = kind(value)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name.strip()}: {value!r} is not of type {kind.__name__}") from None
+            raise argparse.ArgumentTypeError(f"{name}: {value!r} is not of type {kind.__name__}") from None
     try:
         replace(defaults, **fields)   # the dataclass's own checks (e.g. a negative even_split_tokens)
     except ValueError as err:

@@ -119,8 +119,9 @@ def bench_case(name: str, heads, batch: int, ctx: int, copy_gbs: float | None, g
     (k8, ks), (v8, vs) = to_e4m3(p.k_cache), to_e4m3(p.v_cache)
     if not smoke:   # a throwaway timing: the first one of a large case ran ~17% slow, its tiles timed again later not
         _graph_time([decode_fn(p, i, k8, v8, tiles["today"], ks, vs, planned_len) for i in range(rot)])
+    reference = _reference(p, k8, v8, ks, vs)
     for label, cfg in tiles.items():
-        _time_tiles(row, label, p, k8, v8, ks, vs, cfg, planned_len, smoke)
+        _time_tiles(row, label, p, k8, v8, ks, vs, cfg, planned_len, smoke, reference)
     if not smoke:
         row["bf16_cache_us"] = _graph_time([decode_fn(p, i, p.k_cache, p.v_cache, ak.decode_config(D, dtype),
                                                       planned_len=planned_len) for i in range(rot)])
@@ -130,7 +131,8 @@ def bench_case(name: str, heads, batch: int, ctx: int, copy_gbs: float | None, g
         (k8, ks), (v8, vs) = to_e4m3(q.k_cache), to_e4m3(q.v_cache)
         if heads_first:
             k8, v8 = head_major(k8), head_major(v8)
-        _time_tiles(row, f"today, {label}", q, k8, v8, ks, vs, tiles["today"], planned_len, smoke)
+        _time_tiles(row, f"today, {label}", q, k8, v8, ks, vs, tiles["today"], planned_len, smoke,
+                    _reference(q, k8, v8, ks, vs))
         del q, k8, v8
     if not smoke:
         row["floor_us"] = e4m3_bytes / copy_gbs / 1e3
@@ -138,13 +140,19 @@ def bench_case(name: str, heads, batch: int, ctx: int, copy_gbs: float | None, g
     return row
 
 
-def _time_tiles(row: dict, label: str, p: Paged, k8, v8, ks, vs, cfg: ak.DecodeConfig, planned_len: int,
-                smoke: bool) -> None:
-    """Row's error against the reference path and (unless `smoke`) µs of tiles `cfg` over the e4m3 cache (k8, v8)."""
+def _reference(p: Paged, k8, v8, ks, vs) -> torch.Tensor:
+    """Set 0's attention over the e4m3 cache (k8, v8) by the reference path, in fp32."""
     st = p.sets[0]
-    reference = ops.paged_attention(st["q"], k8, v8, st["block_tables"], p.seq_lens, p.query_start,
-                                    max_query_len=1, max_seq_len=p.max_seq_len, scale=p.scale, k_scale=ks,
-                                    v_scale=vs, backend="reference").float()
+    return ops.paged_attention(st["q"], k8, v8, st["block_tables"], p.seq_lens, p.query_start, max_query_len=1,
+                               max_seq_len=p.max_seq_len, scale=p.scale, k_scale=ks, v_scale=vs,
+                               backend="reference").float()
+
+
+def _time_tiles(row: dict, label: str, p: Paged, k8, v8, ks, vs, cfg: ak.DecodeConfig, planned_len: int,
+                smoke: bool, reference: torch.Tensor) -> None:
+    """Row's error against `reference` (`_reference`'s on this cache) and (unless `smoke`) µs of tiles `cfg` over the
+    e4m3 cache (k8, v8)."""
+    st = p.sets[0]
     decode_fn(p, 0, k8, v8, cfg, ks, vs, planned_len)()
     row["max_abs_err"][label] = (st["out"].float() - reference).abs().max().item()
     if not smoke:

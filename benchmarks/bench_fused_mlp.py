@@ -219,6 +219,8 @@ def bench_shape(name: str, H: int, I: int, rows: int, device, gen, smoke: bool, 
     """One shape: each of VARIANTS' fused launch against the float64 loop, today's launches against the same loop
     (their own roundings differ: bf16 h, a scale a row), and (on a GPU) µs a call of each in CUDA graphs over
     rotating weights."""
+    if not smoke:
+        from bench_lora_ops import graphed, time_us
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
     copies = 1 if smoke else max(2, -(-ROTATION_BYTES // (3 * I * H)))
     pairs = weights(H, I, copies, device, gen)
@@ -244,11 +246,9 @@ def bench_shape(name: str, H: int, I: int, rows: int, device, gen, smoke: bool, 
         if "today_rel_err" not in row:
             row["today_rel_err"] = (today(x, x_e4m3, *pairs[0]).double() - ref).abs().max().item() / scale
         if not smoke:
-            from bench_lora_ops import graphed, time_us
             entry["us"] = time_us([graphed(lambda p=p, g=group, k=ksplit: fused_mlp(xq, sx, *p, counts, programs,
                                                                                    dtype, g, k)) for p in pairs])
     if not smoke:
-        from bench_lora_ops import graphed, time_us
         row["today_us"] = time_us([graphed(lambda p=p: today(x, x_e4m3, *p)) for p in pairs])
         row["floor_us"] = 3 * I * H / copy_gbs / 1e3
     return row
