@@ -295,10 +295,11 @@ def main(argv=None) -> None:
         from bench_lora_ops import copy_bandwidth_gbs
         copy_gbs = env["copy_gbs"] = copy_bandwidth_gbs()
     gen = torch.Generator(device=device).manual_seed(0)
-    rows = [bench_shape(name, H, I, int(m), device, gen, args.smoke, copy_gbs)
-            for name, (H, I) in shapes.items() for m in args.rows.split(",")]
-    for r in rows:
-        print(json.dumps(r), flush=True)
+    rows = []
+    for name, (H, I) in shapes.items():
+        for m in args.rows.split(","):
+            rows.append(bench_shape(name, H, I, int(m), device, gen, args.smoke, copy_gbs))
+            print(json.dumps(rows[-1]), flush=True)   # each as it comes: a call cut short keeps the rows done
     if args.out:
         args.out.write_text(json.dumps({"env": env, "rows": rows}, indent=1) + "\n")
     if args.md:
