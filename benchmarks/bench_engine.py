@@ -22,7 +22,7 @@ steps (schedule + forward + sample + postprocess), and beside them the memory fl
 step: weights + KV of the batch's contexts + each used adapter once, over the copy bandwidth
 measured in the same run.
 
-`--block-size`, `--kv-head-major` and `--decode-tiles even_split_tokens=256,programs_per_sm=4` set the KV cache's
+`--block-size`, `--kv-head-major` and `--decode-tiles even_split_tokens=128,programs_per_sm=4` set the KV cache's
 blocks, its layout and the decode attention's tiles (any DecodeConfig field, for the 16-bit and e4m3 caches alike)
 for every engine of the run: what a change to their defaults would be timed with.
 

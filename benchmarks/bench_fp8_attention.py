@@ -4,12 +4,11 @@ The kernel's decode tiles for 16-bit caches (ops/attention/launchers.py's DECODE
 programs an SM with two K/V tiles in flight each, which covers HBM's latency. e4m3 caches take the same keys a step
 at 2 warps (FP8_DECODE_CONFIGS): an e4m3 tile of them moves half the bytes, and twice the keys at 4 warps (the 16-bit
 tile's bytes) ran slower in 7 of 8 cases once V's tile converted in its load's layout. Per case, side by side in one
-run:
-the same batch over a bf16 cache (its tiles), then the e4m3 cache with today's tiles, the 16-bit ones and each of
-`candidates` (more or fewer stages and warps, shorter splits, each context split evenly, wider or narrower key
-steps), and today's tiles over the e4m3 cache in each of `LAYOUTS` (each kv head's tokens of a block contiguous,
-blocks of 64 tokens), beside the floor of the e4m3 bytes over the copy bandwidth measured in the same run. Every
-e4m3 output is checked against the reference path on the same cache first.
+run: the same batch over a bf16 cache (its tiles), then the e4m3 cache with today's tiles, the 16-bit ones and each
+of `candidates` (more or fewer stages and warps, shorter splits, shorter even shares or splits of the longest
+context, wider or narrower key steps), and today's tiles over the e4m3 cache in each of `LAYOUTS` (each kv head's
+tokens of a block contiguous, blocks of 64 tokens), beside the floor of the e4m3 bytes over the copy bandwidth
+measured in the same run. Every e4m3 output is checked against the reference path on the same cache first.
 `--planned-len N` plans the splits for contexts of up to N tokens, as a CUDA graph plans them for the model's length
 (the engine benchmark's 1,024, a server's 4,096 or more); by default for the case's own context.
 
@@ -19,7 +18,7 @@ medians of CUDA-event timings after warm-up.
 
     python benchmarks/bench_fp8_attention.py --out benchmarks/results/fp8_attention.json \
         --md benchmarks/results/fp8_attention.md
-    python benchmarks/bench_fp8_attention.py --planned-len 4096 --only "even;major" --out ... --md ...
+    python benchmarks/bench_fp8_attention.py --planned-len 4096 --only "even;longest;major" --out ... --md ...
     TRITON_INTERPRET=1 python benchmarks/bench_fp8_attention.py --smoke   # tiny shapes on the CPU, no timing
 """
 from __future__ import annotations
@@ -77,8 +76,7 @@ def _all_candidates(head_dim: int) -> dict[str, ak.DecodeConfig]:
             "half keys, 4 stages": replace(today, block_n=half, num_stages=4),
             "splits of 256": replace(today, min_split_tokens=256),
             "even splits of 128+": replace(today, even_split_tokens=128),
-            "even splits of 256+": replace(today, even_split_tokens=256),
-            "even splits of 128+, 4 programs an SM": replace(today, even_split_tokens=128, programs_per_sm=4.0)}
+            "splits of the longest": replace(today, even_split_tokens=0)}   # (a split: a share of the longest context)
 
 
 # Cache layouts timed with today's tiles: (tokens a block, each kv head's tokens of a block contiguous in memory).
@@ -111,8 +109,8 @@ def bench_case(name: str, heads, batch: int, ctx: int, copy_gbs: float | None, g
     p = Paged([ctx - 1] * batch, [1] * batch, Hq, Hkv, D, dtype, device, rot, gen, backend)
     e4m3_bytes = batch * ctx * Hkv * D * 2
     tiles = candidates(D, only)
-    if max(planned_len, ctx) <= ctx:   # every context is the longest: even splits plan today's ranges
-        tiles = {k: c for k, c in tiles.items() if not c.even_split_tokens}
+    if max(planned_len, ctx) <= ctx:   # every context is the longest: even shares are today's ranges
+        tiles = {k: c for k, c in tiles.items() if k == "today" or not _even_shares_alone_differ(c, tiles["today"])}
     row = dict(model=name, Hq=Hq, Hkv=Hkv, D=D, batch=batch, context=ctx, planned_len=max(planned_len, ctx),
                rotations=rot, e4m3_bytes=e4m3_bytes, configs={k: asdict(c) for k, c in tiles.items()}, us={},
                max_abs_err={})
@@ -140,6 +138,10 @@ def bench_case(name: str, heads, batch: int, ctx: int, copy_gbs: float | None, g
     return row
 
 
+def _even_shares_alone_differ(cfg: ak.DecodeConfig, today: ak.DecodeConfig) -> bool:
+    return replace(cfg, even_split_tokens=today.even_split_tokens) == today
+
+
 def _reference(p: Paged, k8, v8, ks, vs) -> torch.Tensor:
     """Set 0's attention over the e4m3 cache (k8, v8) by the reference path, in fp32."""
     st = p.sets[0]
@@ -165,7 +167,7 @@ def _graph_time(fns) -> float:
 
 
 def markdown(env: dict, rows: list[dict]) -> str:
-    labels = list(rows[0]["us"]) if rows and rows[0]["us"] else []
+    labels = list(dict.fromkeys(k for r in rows for k in r["us"]))   # (a case without a candidate shows —)
     planned = f"contexts of up to {env['planned_len']:,} tokens" if env.get("planned_len") else "each case's context"
     lines = [f"# Decode attention over an e4m3 KV cache — {env['device']}, {env['date']}", "",
              f"torch {env['torch']}, Triton {env['triton']}; bf16 queries, blocks of 16 tokens (token-major) unless "
@@ -175,11 +177,12 @@ def markdown(env: dict, rows: list[dict]) -> str:
              + "; ".join(f"{k} = {v['block_n']} keys, {v['num_warps']} warps, {v['num_stages']} stages, splits of "
                          f"{v['min_split_tokens']}+" + (f", each context shared evenly in {v['even_split_tokens']}+"
                                                         if v.get("even_split_tokens") else "")
-                         for k, v in (rows[0]["configs"].items() if rows else [])), "",
+                         for k, v in {k: v for r in rows for k, v in r["configs"].items()}.items()), "",
              "| model | batch | context | bf16 cache | e4m3 floor | " + " | ".join(labels) + " |",
              "|---|---:|---:|---:|---:|" + "---:|" * len(labels)]
     for r in rows:
-        cells = [f"**{r['us'][k]:.1f}**" if k == r.get("best") else f"{r['us'][k]:.1f}" for k in labels]
+        cells = [("—" if k not in r["us"] else f"**{r['us'][k]:.1f}**" if k == r.get("best") else f"{r['us'][k]:.1f}")
+                 for k in labels]
         lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | {r.get('bf16_cache_us', 0):.1f} | "
                      f"{r.get('floor_us', 0):.1f} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -7,7 +7,6 @@
 #   fp8_gemm      bench_fp8_gemm.py: FP8 weights' GEMMs against bf16, and the FP8 kernel's tuned tiles
 #                 ($OUT/tuned_fp8_<gpu>.json, tuned_fp8_w8a8_<gpu>.json: copy them to src/loraplex/ops/gemm/)
 #   fp8_attention bench_fp8_attention.py: decode attention over an e4m3 KV cache, its tiles swept
-#   fused_mlp     bench_fused_mlp.py: a decode MLP in one persistent launch against today's four (a probe)
 #   compose_ops   bench_compose_ops.py: a layer's LoRA calls with two adapters a row against single and merged ones
 #   adapter_load  bench_adapter_load.py: disk → host → GPU slot, and 100 adapters through the cache
 #   serving       bench_serving.py against `loraplex serve` (carry .whl/ from fetch_device_wheels.sh)
@@ -27,13 +26,12 @@ for name in "$@"; do
     fp8_gemm) cmd=(benchmarks/bench_fp8_gemm.py --out "$OUT/fp8_gemm.json" --md "$OUT/fp8_gemm.md"
                    --tuned-out "$OUT") ;;
     fp8_attention) cmd=(benchmarks/bench_fp8_attention.py --out "$OUT/fp8_attention.json" --md "$OUT/fp8_attention.md") ;;
-    fused_mlp) cmd=(benchmarks/bench_fused_mlp.py --out "$OUT/fused_mlp.json" --md "$OUT/fused_mlp.md") ;;
     compose_ops) cmd=(benchmarks/bench_compose_ops.py --out "$OUT/compose_ops.json" --md "$OUT/compose_ops.md") ;;
     adapter_load) cmd=(benchmarks/bench_adapter_load.py --out "$OUT/adapter_load.json" --md "$OUT/adapter_load.md") ;;
     serving) cmd=(benchmarks/bench_serving.py --launch "$SERVE" --rates 2,4,8,16 --requests 100 --popularity skewed
                   --lengths punica --max-len 2048 --out "$OUT/serving.json" --md "$OUT/serving.md"
                   --plot "$OUT/serving.png" --server-log "$OUT/serving_server.log") ;;
-    *) echo "unknown benchmark $name (ops, attention, model, gemm, fp8_gemm, fp8_attention, fused_mlp, compose_ops," \
+    *) echo "unknown benchmark $name (ops, attention, model, gemm, fp8_gemm, fp8_attention, compose_ops," \
             "adapter_load, serving)"
        continue ;;
   esac

@@ -478,11 +478,11 @@ def test_engine_config_and_flags_take_kv_cache_dtype(capsys):
 
 def test_decode_over_an_e4m3_cache_takes_its_own_tiles(monkeypatch):
     """An e4m3 cache's decode launch takes FP8_DECODE_CONFIGS (the 16-bit tiles' keys at 2 warps, splits of at least
-    512 tokens); a bf16 cache keeps DECODE_CONFIGS; fp32 its own."""
+    512 tokens, each context shared evenly in splits of 256+); a bf16 cache keeps DECODE_CONFIGS; fp32 its own."""
     for D in ak.DECODE_CONFIGS:
         fp8, bf16 = ak.decode_config(D, torch.bfloat16, fp8_kv=True), ak.decode_config(D, torch.bfloat16)
         assert bf16 == ak.DECODE_CONFIGS[D] and fp8.block_n == bf16.block_n and fp8.num_warps == 2 != bf16.num_warps
-        assert fp8.min_split_tokens == 512
+        assert (fp8.min_split_tokens, fp8.even_split_tokens, bf16.even_split_tokens) == (512, 256, 0)
     assert ak.decode_config(32, torch.float32, fp8_kv=True) == ak.FP32_DECODE_CONFIG
     launched = []
     monkeypatch.setattr(ak, "_DECODE", lambda grid, args, consts, warps, stages: launched.append(warps))
@@ -564,7 +564,8 @@ def test_bench_fp8_attention_smoke(monkeypatch, tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == len(bench.HEAD_SHAPES)
     for r in rows:
-        tiles = {k for k, c in bench.candidates(r["D"]).items() if not c.even_split_tokens}   # (no longer context)
+        every = bench.candidates(r["D"])   # (no longer context: those that differ from today in even shares alone go)
+        tiles = {k for k, c in every.items() if k == "today" or replace(c, even_split_tokens=256) != every["today"]}
         labels = {*tiles, *(f"today, {k}" for k in bench.LAYOUTS)}
         assert set(r["max_abs_err"]) == labels and max(r["max_abs_err"].values()) <= 0.05, r
     tiles = bench.candidates(128)
@@ -574,11 +575,11 @@ def test_bench_fp8_attention_smoke(monkeypatch, tmp_path):
     assert md.read_text().startswith("# Decode attention over an e4m3 KV cache")
     assert set(bench.candidates(128, ["half keys", "1 warp"])) == {
         "today", "half keys", "1 warp", "half keys, 1 warp", "half keys, 4 stages"}
-    bench.main(["--smoke", "--planned-len", "4096", "--only", "even;blocks of 64", "--out", str(out)])
+    bench.main(["--smoke", "--planned-len", "4096", "--only", "even;longest;blocks of 64", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]   # splits planned as a graph for a 4,096-token model plans them
     assert {r["planned_len"] for r in rows} == {4096}
-    assert set(rows[0]["max_abs_err"]) == {"today", "even splits of 128+", "even splits of 256+",
-                                          "even splits of 128+, 4 programs an SM", "today, head-major, blocks of 64"}
+    assert set(rows[0]["max_abs_err"]) == {"today", "even splits of 128+", "splits of the longest",
+                                          "today, head-major, blocks of 64"}
     assert max(e for r in rows for e in r["max_abs_err"].values()) <= 0.05
     assert set(bench.layouts(["blocks of 64"])) == {"head-major, blocks of 64"}
     assert bench.candidates(128, ["head-major"]) == {"today": tiles["today"]}   # a layout's word names no tiles

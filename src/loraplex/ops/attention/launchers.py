@@ -61,9 +61,12 @@ DECODE_CONFIGS = {16: DecodeConfig(256, 4, 3), 32: DecodeConfig(256, 4, 3), 64: 
 # e4m3 caches: the 16-bit tiles' keys at 2 warps, and splits of at least 512 tokens. Against the former tiles (twice
 # the keys at 4 warps, V converted in the dot's layout): 0.3-7% less time at Llama-2-7B's and Llama-3-8B's heads,
 # batch 32-128, contexts 512-4096 (bench_fp8_attention.py), and a batch-32 decode step of 5.03 against 5.24 ms
-# (bench_engine.py, Llama-2-7B; H100, results/fp8_h100/v_in_place.md). Measured at head size 128; the other sizes
-# follow the same rule.
-FP8_DECODE_CONFIGS = {d: replace(c, num_warps=2, min_split_tokens=512) for d, c in DECODE_CONFIGS.items()}
+# (bench_engine.py, Llama-2-7B; H100, results/fp8_h100/v_in_place.md). Each sequence's context shared evenly in
+# splits of 256+ tokens: Llama-3-8B's batch 32 over 512-token contexts, splits planned for 1,024 or 4,096 (as CUDA
+# graphs plan them), 24.3-24.7 against 27.4-27.6 µs a launch; the other cases within 0.2% (results/fp8_h100/
+# even_splits.md). Measured at head size 128; the other sizes follow the same rule.
+FP8_DECODE_CONFIGS = {d: replace(c, num_warps=2, min_split_tokens=512, even_split_tokens=256)
+                      for d, c in DECODE_CONFIGS.items()}
 # fp32 caches (tests, CPU-sized models) take twice the bytes per tile: the 16-bit tiles would need up
 # to 320 KB of shared memory, these small ones ≤ 136 KB (prefill) and ≤ 100 KB (decode) at D=256.
 FP32_PREFILL_CONFIG = PrefillConfig(32, 32, 4, 2)
