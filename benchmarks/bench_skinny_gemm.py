@@ -78,9 +78,7 @@ def graph_of(calls: list) -> torch.cuda.CUDAGraph:
 
 
 def per_call_us(calls: list) -> float:
-    if SMOKE:   # the CPU smoke run: wall time of one pass, after a warm-up pass
-        for c in calls:
-            c()
+    if SMOKE:   # the CPU smoke run: wall time of one pass (Triton's interpreter compiles nothing to warm up)
         start = time.perf_counter()
         for c in calls:
             c()

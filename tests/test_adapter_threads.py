@@ -4,12 +4,23 @@ import threading
 import pytest
 import torch
 
+from conftest import TORCH_THREADS
 from loraplex.adapters import AdapterCache
 from loraplex.adapters.threads import _openmp_runtimes, one_core_per_thread
 from loraplex.models.presets import preset_config
 
-needs_openmp = pytest.mark.skipif(not _openmp_runtimes() or torch.get_num_threads() < 2,
+needs_openmp = pytest.mark.skipif(not _openmp_runtimes() or TORCH_THREADS < 2,
                                   reason="needs PyTorch's OpenMP runtime and at least 2 intra-op threads")
+
+
+@pytest.fixture(autouse=True)
+def torch_threads():
+    """torch's own count of threads, which tests/conftest.py lowers in an xdist worker: the one core of a loader
+    thread must differ from the count of every other thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(TORCH_THREADS)
+    yield
+    torch.set_num_threads(before)
 
 
 def _in_new_thread(fn):

@@ -237,15 +237,22 @@ def test_sigterm_finishes_requests_in_flight_and_refuses_new_ones(model, tmp_pat
         assert url, "".join(lines)
         assert "poet" in lines[-1]
         box: list = []
+        streaming = threading.Event()
 
         def stream():
-            with httpx.stream("POST", url + "/completions", timeout=60,
-                              json={"model": "poet", "prompt": "Once upon", "max_tokens": 120, "temperature": 0,
-                                    "ignore_eos": True, "stream": True}) as r:
-                box.extend(line for line in r.iter_lines() if line)
+            try:
+                with httpx.stream("POST", url + "/completions", timeout=60,
+                                  json={"model": "poet", "prompt": "Once upon", "max_tokens": 120, "temperature": 0,
+                                        "ignore_eos": True, "stream": True}) as r:
+                    for line in r.iter_lines():
+                        if line:
+                            box.append(line)
+                            streaming.set()
+            finally:
+                streaming.set()   # (a stream that failed: the asserts below say so)
         thread = threading.Thread(target=stream)
         thread.start()
-        time.sleep(1.0)
+        streaming.wait(timeout=60)   # its first chunk: the request is in flight
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
         with pytest.raises(httpx.HTTPError):
