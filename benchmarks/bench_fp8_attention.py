@@ -4,7 +4,8 @@ The kernel's decode tiles for 16-bit caches (ops/attention/launchers.py's DECODE
 programs an SM with two K/V tiles in flight each, which covers HBM's latency. e4m3 caches take the same keys a step
 at 2 warps (FP8_DECODE_CONFIGS): an e4m3 tile of them moves half the bytes, and twice the keys at 4 warps (the 16-bit
 tile's bytes) ran slower in 7 of 8 cases once V's tile converted in its load's layout. Per case, side by side in one
-run: the same batch over a bf16 cache (its tiles), then the e4m3 cache with today's tiles, the 16-bit ones and each
+run: the same batch over a bf16 cache (its tiles, and with even shares of each context where the splits are planned
+for longer contexts than the case's), then the e4m3 cache with today's tiles, the 16-bit ones and each
 of `candidates` (more or fewer stages and warps, shorter splits, shorter even shares or splits of the longest
 context, wider or narrower key steps), and today's tiles over the e4m3 cache in each of `LAYOUTS` (each kv head's
 tokens of a block contiguous, blocks of 64 tokens), beside the floor of the e4m3 bytes over the copy bandwidth
@@ -120,9 +121,12 @@ def bench_case(name: str, heads, batch: int, ctx: int, copy_gbs: float | None, g
     reference = _reference(p, k8, v8, ks, vs)
     for label, cfg in tiles.items():
         _time_tiles(row, label, p, k8, v8, ks, vs, cfg, planned_len, smoke, reference)
+    bf16_tiles = ak.decode_config(D, dtype)
     if not smoke:
-        row["bf16_cache_us"] = _graph_time([decode_fn(p, i, p.k_cache, p.v_cache, ak.decode_config(D, dtype),
-                                                      planned_len=planned_len) for i in range(rot)])
+        row["bf16_cache_us"] = _graph_time([decode_fn(p, i, p.k_cache, p.v_cache, bf16_tiles, planned_len=planned_len)
+                                            for i in range(rot)])
+    if max(planned_len, ctx) > ctx:   # the 16-bit cache's tiles with even shares of each context too
+        _time_bf16_even(row, p, replace(bf16_tiles, even_split_tokens=256), planned_len, smoke)
     for label, (block, heads_first) in layouts(only).items():
         q = p if block == p.k_cache.shape[1] else Paged([ctx - 1] * batch, [1] * batch, Hq, Hkv, D, dtype, device,
                                                         rot, gen, backend, block_size=block)
@@ -161,6 +165,19 @@ def _time_tiles(row: dict, label: str, p: Paged, k8, v8, ks, vs, cfg: ak.DecodeC
         row["us"][label] = _graph_time([decode_fn(p, i, k8, v8, cfg, ks, vs, planned_len) for i in range(len(p.sets))])
 
 
+def _time_bf16_even(row: dict, p: Paged, cfg: ak.DecodeConfig, planned_len: int, smoke: bool) -> None:
+    """Row's error and (unless `smoke`) µs of tiles `cfg` over the 16-bit cache, against the reference path."""
+    st = p.sets[0]
+    reference = ops.paged_attention(st["q"], p.k_cache, p.v_cache, st["block_tables"], p.seq_lens, p.query_start,
+                                    max_query_len=1, max_seq_len=p.max_seq_len, scale=p.scale,
+                                    backend="reference").float()
+    decode_fn(p, 0, p.k_cache, p.v_cache, cfg, planned_len=planned_len)()
+    row["bf16_even_err"] = (st["out"].float() - reference).abs().max().item()
+    if not smoke:
+        row["bf16_even_cache_us"] = _graph_time([decode_fn(p, i, p.k_cache, p.v_cache, cfg, planned_len=planned_len)
+                                                 for i in range(len(p.sets))])
+
+
 def _graph_time(fns) -> float:
     from bench_lora_ops import graphed, time_us
     return time_us([graphed(f) for f in fns])
@@ -178,12 +195,14 @@ def markdown(env: dict, rows: list[dict]) -> str:
                          f"{v['min_split_tokens']}+" + (f", each context shared evenly in {v['even_split_tokens']}+"
                                                         if v.get("even_split_tokens") else "")
                          for k, v in {k: v for r in rows for k, v in r["configs"].items()}.items()), "",
-             "| model | batch | context | bf16 cache | e4m3 floor | " + " | ".join(labels) + " |",
-             "|---|---:|---:|---:|---:|" + "---:|" * len(labels)]
+             "| model | batch | context | bf16 cache | bf16 cache, even 256+ | e4m3 floor | " + " | ".join(labels)
+             + " |",
+             "|---|---:|---:|---:|---:|---:|" + "---:|" * len(labels)]
     for r in rows:
         cells = [("—" if k not in r["us"] else f"**{r['us'][k]:.1f}**" if k == r.get("best") else f"{r['us'][k]:.1f}")
                  for k in labels]
-        lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | {r.get('bf16_cache_us', 0):.1f} | "
+        even = f"{r['bf16_even_cache_us']:.1f}" if "bf16_even_cache_us" in r else "—"
+        lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | {r.get('bf16_cache_us', 0):.1f} | {even} | "
                      f"{r.get('floor_us', 0):.1f} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -227,7 +246,8 @@ def main(argv=None) -> None:
         args.out.write_text(json.dumps({"env": env, "rows": rows}, indent=1) + "\n")
     if args.md:
         args.md.write_text(markdown(env, rows))
-    bad = [(r["model"], r["batch"], r["context"], k) for r in rows for k, e in r["max_abs_err"].items()
+    bad = [(r["model"], r["batch"], r["context"], k) for r in rows
+           for k, e in {**r["max_abs_err"], "bf16 cache, even 256+": r.get("bf16_even_err", 0.0)}.items()
            if not e <= 0.05]
     if bad:   # (NaN compares false, so it lands here too)
         raise SystemExit(f"outputs off the reference path by more than 0.05: {bad}")

@@ -581,6 +581,7 @@ def test_bench_fp8_attention_smoke(monkeypatch, tmp_path):
     assert set(rows[0]["max_abs_err"]) == {"today", "even splits of 128+", "splits of the longest",
                                           "today, head-major, blocks of 64"}
     assert max(e for r in rows for e in r["max_abs_err"].values()) <= 0.05
+    assert all(0 < r["bf16_even_err"] <= 0.05 for r in rows)   # the 16-bit cache's tiles with even shares
     assert set(bench.layouts(["blocks of 64"])) == {"head-major, blocks of 64"}
     assert bench.candidates(128, ["head-major"]) == {"today": tiles["today"]}   # a layout's word names no tiles
     k = torch.randn(3, 16, 4, 8)
