@@ -12,7 +12,8 @@ layer, side by side in one run.
   writes each shape's fastest per-column and W8A8 tiles at the first row count into DIR, in the files
   ops/gemm/fp8_tiles.py reads for this GPU (tuned_fp8_<gpu>.json, tuned_fp8_w8a8_<gpu>.json) when DIR is
   src/loraplex/ops/gemm; `--w8a8-only` sweeps the W8A8 tiles alone (what Hopper's decode steps run: 44 of a shape's 80
-  tiles) and writes their file alone;
+  tiles) and writes their file alone; `--shapes` sweeps some shapes alone (a few minutes each at 44 tiles), and
+  --tuned-out then keeps the file's entries for the others;
 - prompt rows (128, 512, 1337, 2048; 1337 as an engine step's rows, rarely a multiple of 16): cuBLAS bf16, W8A8
   (each row of x quantized to e4m3, then torch._scaled_mm: what LORAPLEX_FP8_W8A8 picks) and the weight
   dequantized for cuBLAS (the fallback).
@@ -46,6 +47,7 @@ from loraplex.ops.gemm.fp8 import Fp8Matrix, fp8_skinny_linear, quantize_rows, w
 
 SHAPES = {"l2.qkv": (12288, 4096), "l2.o": (4096, 4096), "l2.gate_up": (22016, 4096), "l2.down": (4096, 11008),
           "l3.qkv": (6144, 4096), "l3.gate_up": (28672, 4096), "l3.down": (4096, 14336)}
+FULL_SHAPES = dict(SHAPES)
 LAYERS = {"Llama-2-7B": ("l2.qkv", "l2.o", "l2.gate_up", "l2.down"),
           "Llama-3-8B": ("l3.qkv", "l2.o", "l3.gate_up", "l3.down")}
 ROTATION_BYTES = 600 << 20
@@ -74,7 +76,7 @@ def _smoke_settings() -> None:
     """--smoke: everything on the CPU (Triton's interpreter, fp16) at 1/64th of the widths, one tile config."""
     global DEVICE, DTYPE, SHAPES, SWEEP, W8A8_SWEEP, ROTATION_BYTES, LAYOUTS
     DEVICE, DTYPE, bench_skinny_gemm.SMOKE = "cpu", torch.float16, True
-    SHAPES = {name: (n // 64, k // 64) for name, (n, k) in SHAPES.items()}
+    SHAPES = {name: (n // 64, k // 64) for name, (n, k) in FULL_SHAPES.items()}   # (again in a later run: the same)
     SWEEP = W8A8_SWEEP = [skinny.SkinnyConfig(block_n=16, block_k=32, stages=1)]
     ROTATION_BYTES, LAYOUTS = 0, {"column": None, "block128": (32, 32)}
 
@@ -182,9 +184,12 @@ def prompt_entry(name: str, M: int, bf16: list, fp8: list) -> dict:
 
 
 def layer_sums(result: dict, M: int) -> dict:
-    """µs of a layer's four projections (the sum of their per-call times) per system, at decode rows M."""
+    """µs of a layer's four projections (the sum of their per-call times) per system, at decode rows M, for the
+    models whose four shapes ran."""
     out = {}
     for model, names in LAYERS.items():
+        if not all(f"{n}@{M}" in result["decode"] for n in names):
+            continue
         es = [result["decode"][f"{n}@{M}"] for n in names]
         out[model] = {k: round(sum(v(e) for e in es), 1) for k, v in (
             ("floor_bf16", lambda e: e["floor_bf16_us"]), ("floor_fp8", lambda e: e["floor_fp8_us"]),
@@ -209,8 +214,14 @@ def main(argv=None) -> None:
     ap.add_argument("--w8a8-only", action="store_true", help="sweep only the W8A8 kernel's tiles (Hopper's decode "
                     "GEMMs); the weight-only layouts time their default tiles, and --tuned-out writes the W8A8 file "
                     "alone")
+    ap.add_argument("--shapes", help=f"some of {', '.join(SHAPES)}, separated by ',' (default all): time these alone; "
+                    "--tuned-out keeps the other shapes' entries of the files it writes")
     ap.add_argument("--smoke", action="store_true", help="a CPU run of everything at toy sizes (CI)")
     args = ap.parse_args(argv)
+    names = args.shapes.split(",") if args.shapes else list(SHAPES)
+    unknown = [n for n in names if n not in SHAPES]
+    if unknown:
+        ap.error(f"--shapes: {', '.join(map(repr, unknown))} not among {', '.join(SHAPES)}")
     if args.smoke:
         _smoke_settings()
     gpu = fp8_tiles.FALLBACK_GPU if args.smoke else fp8_tiles.tuned_gpu(torch.device(DEVICE))
@@ -224,7 +235,7 @@ def main(argv=None) -> None:
                   triton=__import__("triton").__version__, settings=envs.snapshot(), copy_gbs=copy_gbs, decode={},
                   prompt={}, layer={})
     best_tiles: dict[str, dict] = {}
-    for name, (N, K) in SHAPES.items():
+    for name, (N, K) in ((n, SHAPES[n]) for n in names):
         w = torch.randn(N, K, device=DEVICE).to(DTYPE) * K ** -0.5
         copies = max(2, -(-ROTATION_BYTES // (N * K)))
         bf16 = [w.clone() for _ in range(max(2, copies // 2))]
@@ -257,22 +268,35 @@ def main(argv=None) -> None:
     if args.md:
         args.md.write_text(markdown(result))
     if args.tuned_out:
-        write_tuned(result, args.tuned_out, int(args.rows.split(",")[0]), gpu, args.w8a8_only)
+        write_tuned(result, args.tuned_out, int(args.rows.split(",")[0]), gpu, args.w8a8_only,
+                    keep_others=args.shapes is not None)
 
 
-def write_tuned(result: dict, folder: Path, M: int, gpu: str, w8a8_only: bool = False) -> None:
-    """Each shape's fastest per-column and W8A8 tiles at M rows into `folder`, in the files ops/gemm/fp8_tiles.py
-    reads for `gpu` (one of its TUNED_GPUS); the W8A8 file alone where only its tiles were swept."""
+def write_tuned(result: dict, folder: Path, M: int, gpu: str, w8a8_only: bool = False,
+                keep_others: bool = False) -> None:
+    """Each swept shape's fastest per-column and W8A8 tiles at M rows into `folder`, in the files
+    ops/gemm/fp8_tiles.py reads for `gpu` (one of its TUNED_GPUS); the W8A8 file alone where only its tiles were
+    swept. `keep_others`: the existing file's entries for shapes not swept stay, its note beside the new one."""
     kinds = (("weight-only", "fp8_column", SWEEP), ("w8a8", "fp8_w8a8_kernel", W8A8_SWEEP))
     for kind, entry, sweep in kinds[1:] if w8a8_only else kinds:
         path = folder / fp8_tiles.TUNED_FILES[(kind, gpu)].name
-        path.write_text(json.dumps(fastest_tiles(result, M, entry, sweep), indent=1) + "\n")
+        tiles = fastest_tiles(result, M, entry, sweep)
+        if keep_others and path.exists():
+            earlier = json.loads(path.read_text())
+            tiles = {"_note": f"{tiles['_note']}; the other shapes: {earlier.get('_note', 'an earlier sweep')}",
+                     **{k: v for k, v in earlier.items() if not k.startswith("_")},
+                     **{k: v for k, v in tiles.items() if not k.startswith("_")}}
+        path.write_text(json.dumps(tiles, indent=1) + "\n")
 
 
 def fastest_tiles(result: dict, M: int, entry: str, sweep: list) -> dict:
-    """{"N,K": SkinnyConfig fields}: each shape's fastest tiles of `entry` at M rows (skinny.load_configs' format)."""
-    out = {"_note": f"bench_fp8_gemm.py's fastest {entry} tiles at {M} rows, {result['gpu']}, {result['date']}"}
-    for name, (N, K) in SHAPES.items():
+    """{"N,K": SkinnyConfig fields}: each swept shape's fastest tiles of `entry` at M rows (skinny.load_configs'
+    format)."""
+    swept_names = [name for name in SHAPES if f"{name}@{M}" in result["decode"]]
+    out = {"_note": f"bench_fp8_gemm.py's fastest {entry} tiles at {M} rows of {', '.join(swept_names)}, "
+                    f"{result['gpu']}, {result['date']}"}
+    for name in swept_names:
+        N, K = SHAPES[name]
         best = result["decode"][f"{name}@{M}"][entry]["best"]
         if best is not None:
             out[f"{N},{K}"] = swept([best], sweep)[0].__dict__
@@ -292,6 +316,12 @@ def markdown(r: dict) -> str:
                          f"{s['skinny_bf16']} | {s['fp8_column']} / {s['fp8_column_default']} | "
                          f"{s['fp8_block128']} | {s['w8a8']} | {s['fp8_w8a8_kernel']} / "
                          f"{s['fp8_w8a8_kernel_default']} |")
+    lines += ["", "Each shape's W8A8 kernel at decode rows, its fastest tiles against today's (the tuned file's):", "",
+              "| shape @ rows | FP8 floor | fastest tiles | µs | today's tiles, µs |", "|---|---:|---|---:|---:|"]
+    for key, e in r["decode"].items():
+        w = e["fp8_w8a8_kernel"]
+        lines.append(f"| {key} | {e['floor_fp8_us']:.1f} | {w['best']} | "
+                     + (f"{w['us']:.1f}" if w["us"] is not None else "—") + f" | {w['default_us']:.1f} |")
     lines += ["", "Prompt rows: cuBLAS bf16 against W8A8 (quantize + torch._scaled_mm) and the dequantized weight:", "",
               "| shape @ rows | cuBLAS bf16 | W8A8 | dequantized + cuBLAS |", "|---|---:|---:|---:|"]
     for key, e in r["prompt"].items():

@@ -420,3 +420,17 @@ def test_bench_fp8_gemm_smoke(monkeypatch, tmp_path):
     for e in result["decode"].values():
         assert e["fp8_column"]["us"] is None and e["fp8_column"]["default_us"] > 0 and e["fp8_w8a8_kernel"]["us"] > 0
     assert [p.name for p in w8a8_dir.iterdir()] == ["tuned_fp8_w8a8_h100.json"]
+    path = w8a8_dir / "tuned_fp8_w8a8_h100.json"   # one shape swept again: the file keeps the others' entries
+    earlier = json.loads(path.read_text())
+    path.write_text(json.dumps({**earlier, "1,2": {"block_n": 64, "block_k": 128, "stages": 3}}))
+    bench.main(["--smoke", "--rows", "2", "--prompt-rows", "40", "--out", str(out), "--md", str(md),
+                "--tuned-out", str(w8a8_dir), "--w8a8-only", "--shapes", "l3.qkv"])
+    result, tuned = json.loads(out.read_text()), json.loads(path.read_text())
+    assert list(result["decode"]) == ["l3.qkv@2"] and list(result["prompt"]) == ["l3.qkv@40"]
+    assert result["layer"]["2"] == {}   # no model had all four of its shapes timed
+    assert {k: v for k, v in tuned.items() if k != "_note"} == {
+        **{k: v for k, v in earlier.items() if k != "_note"}, "1,2": {"block_n": 64, "block_k": 128, "stages": 3}}
+    assert "l3.qkv" in tuned["_note"] and earlier["_note"] in tuned["_note"]
+    assert "| l3.qkv@2 |" in md.read_text()
+    with pytest.raises(SystemExit):
+        bench.main(["--smoke", "--shapes", "l3.qkv,l4.qkv"])
