@@ -22,9 +22,9 @@ steps (schedule + forward + sample + postprocess), and beside them the memory fl
 step: weights + KV of the batch's contexts + each used adapter once, over the copy bandwidth
 measured in the same run.
 
-`--block-size`, `--kv-head-major` and `--decode-tiles even_split_tokens=128,programs_per_sm=4` set the KV cache's
-blocks, its layout and the decode attention's tiles (any DecodeConfig field, for the 16-bit and e4m3 caches alike)
-for every engine of the run: what a change to their defaults would be timed with.
+`--block-size` and `--decode-tiles even_split_tokens=128,programs_per_sm=4` set the KV cache's blocks and the
+decode attention's tiles (any DecodeConfig field, for the 16-bit and e4m3 caches alike) for every engine of the run:
+what a change to their defaults would be timed with.
 
 `--repeats N` runs each variant N times, interleaved across the variants (so drift over the call hits each
 alike), and reports each variant's median-throughput run beside every run's tokens/s, full-batch decode step and
@@ -58,7 +58,6 @@ import step_profile  # noqa: E402
 from loraplex import SamplingParams, envs  # noqa: E402
 from loraplex.config import EngineConfig  # noqa: E402
 from loraplex.engine import Engine  # noqa: E402
-from loraplex.models import kv_cache  # noqa: E402
 from loraplex.ops.attention import launchers  # noqa: E402
 
 RANK = 16
@@ -132,8 +131,6 @@ def main(argv=None) -> None:
                          "this many prompt tokens replay CUDA graphs, larger ones run eagerly")
     ap.add_argument("--block-size", type=int, default=None,
                     help="EngineConfig.block_size, tokens a KV-cache block (default: the engine's)")
-    ap.add_argument("--kv-head-major", action="store_true",
-                    help="lay each layer's KV cache out head-major (models/kv_cache.py's HEAD_MAJOR), to time it")
     ap.add_argument("--decode-tiles", type=_tile_fields, default={}, metavar="FIELD=VALUE,...",
                     help="decode attention's tiles (ops/attention/launchers.py's DecodeConfig fields) for the 16-bit "
                          "and e4m3 caches, to time them")
@@ -152,13 +149,13 @@ def main(argv=None) -> None:
         ap.error(f"--graph-prompt-tokens must be at least 0, got {args.graph_prompt_tokens}")
     if args.block_size is not None and args.block_size < 1:
         ap.error(f"--block-size must be at least 1, got {args.block_size}")
-    _set_cache_and_tiles(args)
+    _set_decode_tiles(args)
     copy_gbs = copy_bandwidth_gbs()
     result = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,
                   preset=args.preset, layers=args.layers, rank=RANK, output_tokens=OUTPUT_TOKENS, repeats=args.repeats,
                   settings=envs.snapshot(),   # the LORAPLEX_* settings the run had
                   compose_pool=args.compose_pool, graph_prompt_tokens=_graph_prompt_tokens(args), copy_gbs=copy_gbs,
-                  block_size=_block_size(args), kv_head_major=kv_cache.HEAD_MAJOR,
+                  block_size=_block_size(args),
                   decode_tiles=args.decode_tiles, rows=[], profiles={})
     for B in map(int, args.batches.split(",")):
         for mode in args.modes.split(","):
@@ -187,11 +184,9 @@ def _write(result: dict, args) -> None:
                                             for name, p in result["profiles"].items()))
 
 
-def _set_cache_and_tiles(args) -> None:
-    """The cache layout and decode tiles of `--kv-head-major` and `--decode-tiles`, for every engine of the run
-    (module defaults the engine reads: a layout or tiles to time before either becomes the default)."""
-    if args.kv_head_major:
-        kv_cache.HEAD_MAJOR = True
+def _set_decode_tiles(args) -> None:
+    """The decode tiles of `--decode-tiles`, for every engine of the run (module defaults the engine reads: tiles
+    to time before they become the default)."""
     if args.decode_tiles:
         for name in ("DECODE_CONFIGS", "FP8_DECODE_CONFIGS"):
             tables = getattr(launchers, name)
@@ -333,10 +328,9 @@ def run_group(args, B: int, mode: str, variants: list[str], copy_gbs: float,
 
 
 def _cache_note(res: dict) -> str:
-    """The KV-cache block size, layout and decode splits where a run set them (earlier results lack the keys)."""
-    block, head_major, tiles = res.get("block_size"), res.get("kv_head_major"), res.get("decode_tiles")
+    """The KV-cache block size and decode tiles where a run set them (earlier results lack the keys)."""
+    block, tiles = res.get("block_size"), res.get("decode_tiles")
     return ((f" KV-cache blocks of {block} tokens." if block and block != EngineConfig.block_size else "")
-            + (" KV cache head-major." if head_major else "")
             + (" Decode attention's tiles: " + ", ".join(f"{k}={v}" for k, v in tiles.items()) + "." if tiles else ""))
 
 

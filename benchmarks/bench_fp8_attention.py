@@ -7,9 +7,8 @@ tile's bytes) ran slower in 7 of 8 cases once V's tile converted in its load's l
 run: the same batch over a bf16 cache (its tiles, and with even shares of each context where the splits are planned
 for longer contexts than the case's), then the e4m3 cache with today's tiles, the 16-bit ones and each
 of `candidates` (more or fewer stages and warps, shorter splits, shorter even shares or splits of the longest
-context, wider or narrower key steps), and today's tiles over the e4m3 cache in each of `LAYOUTS` (each kv head's
-tokens of a block contiguous, blocks of 64 tokens), beside the floor of the e4m3 bytes over the copy bandwidth
-measured in the same run. Every e4m3 output is checked against the reference path on the same cache first.
+context, wider or narrower key steps), beside the floor of the e4m3 bytes over the copy bandwidth measured in the
+same run. Every output is checked against the reference path on the same cache first.
 `--planned-len N` plans the splits for contexts of up to N tokens, as a CUDA graph plans them for the model's length
 (the engine benchmark's 1,024, a server's 4,096 or more); by default for the case's own context.
 
@@ -19,7 +18,7 @@ medians of CUDA-event timings after warm-up.
 
     python benchmarks/bench_fp8_attention.py --out benchmarks/results/fp8_attention.json \
         --md benchmarks/results/fp8_attention.md
-    python benchmarks/bench_fp8_attention.py --planned-len 4096 --only "even;longest;major" --out ... --md ...
+    python benchmarks/bench_fp8_attention.py --planned-len 4096 --only "even;longest" --out ... --md ...
     TRITON_INTERPRET=1 python benchmarks/bench_fp8_attention.py --smoke   # tiny shapes on the CPU, no timing
 """
 from __future__ import annotations
@@ -49,20 +48,10 @@ def candidates(head_dim: int, only: list[str] | None = None) -> dict[str, ak.Dec
     every = _all_candidates(head_dim)
     if not only:
         return every
-    unmatched = [w for w in only if not any(w in label for label in [*every, *LAYOUTS])]
+    unmatched = [w for w in only if not any(w in label for label in every)]
     if unmatched:
-        raise SystemExit(f"--only: no candidate's label contains {unmatched}; the labels: {[*every, *LAYOUTS]}")
+        raise SystemExit(f"--only: no candidate's label contains {unmatched}; the labels: {[*every]}")
     return {k: c for k, c in every.items() if k == "today" or any(w in k for w in only)}
-
-
-def layouts(only: list[str] | None = None) -> dict[str, tuple[int, bool]]:
-    """`LAYOUTS`, or those whose labels contain a word of `only`."""
-    return {k: v for k, v in LAYOUTS.items() if not only or any(w in k for w in only)}
-
-
-def head_major(cache: torch.Tensor) -> torch.Tensor:
-    """The same values, viewed [blocks, block, Hkv, D] as the ops take them, each kv head's tokens contiguous."""
-    return cache.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def _all_candidates(head_dim: int) -> dict[str, ak.DecodeConfig]:
@@ -78,12 +67,6 @@ def _all_candidates(head_dim: int) -> dict[str, ak.DecodeConfig]:
             "splits of 256": replace(today, min_split_tokens=256),
             "even splits of 128+": replace(today, even_split_tokens=128),
             "splits of the longest": replace(today, even_split_tokens=0)}   # (a split: a share of the longest context)
-
-
-# Cache layouts timed with today's tiles: (tokens a block, each kv head's tokens of a block contiguous in memory).
-# Token-major blocks of 16 (the engine's) put a head's e4m3 keys of a token, 128 bytes at head size 128, 4 KB from
-# the next token's at Llama-2-7B's 32 kv heads.
-LAYOUTS = {"head-major": (16, True), "head-major, blocks of 64": (64, True)}
 
 
 def to_e4m3(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,22 +103,19 @@ def bench_case(name: str, heads, batch: int, ctx: int, copy_gbs: float | None, g
         _graph_time([decode_fn(p, i, k8, v8, tiles["today"], ks, vs, planned_len) for i in range(rot)])
     reference = _reference(p, k8, v8, ks, vs)
     for label, cfg in tiles.items():
-        _time_tiles(row, label, p, k8, v8, ks, vs, cfg, planned_len, smoke, reference)
+        row["max_abs_err"][label], us = _run_tiles(p, k8, v8, ks, vs, cfg, planned_len, smoke, reference)
+        if us is not None:
+            row["us"][label] = us
     bf16_tiles = ak.decode_config(D, dtype)
     if not smoke:
         row["bf16_cache_us"] = _graph_time([decode_fn(p, i, p.k_cache, p.v_cache, bf16_tiles, planned_len=planned_len)
                                             for i in range(rot)])
     if max(planned_len, ctx) > ctx:   # the 16-bit cache's tiles with even shares of each context too
-        _time_bf16_even(row, p, replace(bf16_tiles, even_split_tokens=256), planned_len, smoke)
-    for label, (block, heads_first) in layouts(only).items():
-        q = p if block == p.k_cache.shape[1] else Paged([ctx - 1] * batch, [1] * batch, Hq, Hkv, D, dtype, device,
-                                                        rot, gen, backend, block_size=block)
-        (k8, ks), (v8, vs) = to_e4m3(q.k_cache), to_e4m3(q.v_cache)
-        if heads_first:
-            k8, v8 = head_major(k8), head_major(v8)
-        _time_tiles(row, f"today, {label}", q, k8, v8, ks, vs, tiles["today"], planned_len, smoke,
-                    _reference(q, k8, v8, ks, vs))
-        del q, k8, v8
+        row["bf16_even_err"], us = _run_tiles(p, p.k_cache, p.v_cache, None, None,
+                                              replace(bf16_tiles, even_split_tokens=256), planned_len, smoke,
+                                              _reference(p, p.k_cache, p.v_cache, None, None))
+        if us is not None:
+            row["bf16_even_cache_us"] = us
     if not smoke:
         row["floor_us"] = e4m3_bytes / copy_gbs / 1e3
         row["best"] = min(row["us"], key=row["us"].get)
@@ -146,36 +126,25 @@ def _even_shares_alone_differ(cfg: ak.DecodeConfig, today: ak.DecodeConfig) -> b
     return replace(cfg, even_split_tokens=today.even_split_tokens) == today
 
 
-def _reference(p: Paged, k8, v8, ks, vs) -> torch.Tensor:
-    """Set 0's attention over the e4m3 cache (k8, v8) by the reference path, in fp32."""
+def _reference(p: Paged, k, v, ks, vs) -> torch.Tensor:
+    """Set 0's attention over the cache (k, v), with scales (ks, vs) for an e4m3 one, by the reference path, in
+    fp32."""
     st = p.sets[0]
-    return ops.paged_attention(st["q"], k8, v8, st["block_tables"], p.seq_lens, p.query_start, max_query_len=1,
+    return ops.paged_attention(st["q"], k, v, st["block_tables"], p.seq_lens, p.query_start, max_query_len=1,
                                max_seq_len=p.max_seq_len, scale=p.scale, k_scale=ks, v_scale=vs,
                                backend="reference").float()
 
 
-def _time_tiles(row: dict, label: str, p: Paged, k8, v8, ks, vs, cfg: ak.DecodeConfig, planned_len: int,
-                smoke: bool, reference: torch.Tensor) -> None:
-    """Row's error against `reference` (`_reference`'s on this cache) and (unless `smoke`) µs of tiles `cfg` over the
-    e4m3 cache (k8, v8)."""
+def _run_tiles(p: Paged, k, v, ks, vs, cfg: ak.DecodeConfig, planned_len: int, smoke: bool,
+               reference: torch.Tensor) -> tuple[float, float | None]:
+    """(the largest error against `reference`, `_reference`'s on this cache; µs a launch, None when `smoke`) of
+    tiles `cfg` over the cache (k, v)."""
     st = p.sets[0]
-    decode_fn(p, 0, k8, v8, cfg, ks, vs, planned_len)()
-    row["max_abs_err"][label] = (st["out"].float() - reference).abs().max().item()
-    if not smoke:
-        row["us"][label] = _graph_time([decode_fn(p, i, k8, v8, cfg, ks, vs, planned_len) for i in range(len(p.sets))])
-
-
-def _time_bf16_even(row: dict, p: Paged, cfg: ak.DecodeConfig, planned_len: int, smoke: bool) -> None:
-    """Row's error and (unless `smoke`) µs of tiles `cfg` over the 16-bit cache, against the reference path."""
-    st = p.sets[0]
-    reference = ops.paged_attention(st["q"], p.k_cache, p.v_cache, st["block_tables"], p.seq_lens, p.query_start,
-                                    max_query_len=1, max_seq_len=p.max_seq_len, scale=p.scale,
-                                    backend="reference").float()
-    decode_fn(p, 0, p.k_cache, p.v_cache, cfg, planned_len=planned_len)()
-    row["bf16_even_err"] = (st["out"].float() - reference).abs().max().item()
-    if not smoke:
-        row["bf16_even_cache_us"] = _graph_time([decode_fn(p, i, p.k_cache, p.v_cache, cfg, planned_len=planned_len)
-                                                 for i in range(len(p.sets))])
+    decode_fn(p, 0, k, v, cfg, ks, vs, planned_len)()
+    err = (st["out"].float() - reference).abs().max().item()
+    if smoke:
+        return err, None
+    return err, _graph_time([decode_fn(p, i, k, v, cfg, ks, vs, planned_len) for i in range(len(p.sets))])
 
 
 def _graph_time(fns) -> float:
@@ -187,8 +156,7 @@ def markdown(env: dict, rows: list[dict]) -> str:
     labels = list(dict.fromkeys(k for r in rows for k in r["us"]))   # (a case without a candidate shows —)
     planned = f"contexts of up to {env['planned_len']:,} tokens" if env.get("planned_len") else "each case's context"
     lines = [f"# Decode attention over an e4m3 KV cache — {env['device']}, {env['date']}", "",
-             f"torch {env['torch']}, Triton {env['triton']}; bf16 queries, blocks of 16 tokens (token-major) unless "
-             f"a column says; splits planned for {planned}; copy bandwidth "
+             f"torch {env['torch']}, Triton {env['triton']}; bf16 queries, blocks of 16 tokens; splits planned for {planned}; copy bandwidth "
              f"{env.get('copy_gbs', 0):.0f} GB/s; µs per launch in CUDA graphs. The floor: the e4m3 K and V bytes "
              "over the copy bandwidth. Tiles: "
              + "; ".join(f"{k} = {v['block_n']} keys, {v['num_warps']} warps, {v['num_stages']} stages, splits of "

@@ -129,26 +129,24 @@ def test_every_variant_warms_up_with_a_whole_run(bench, monkeypatch):
                                                                        "distinct": [4.0, 5.0]}
 
 
-def test_cache_layout_blocks_and_decode_tiles_reach_the_engines(bench, monkeypatch):
-    """--kv-head-major, --decode-tiles and --block-size: the module defaults every engine of the run reads (put back
-    after the test), the block size in each engine's config, and a line of the report."""
-    from loraplex.models import kv_cache
+def test_blocks_and_decode_tiles_reach_the_engines(bench, monkeypatch):
+    """--decode-tiles and --block-size: the module defaults every engine of the run reads (put back after the
+    test), the block size in each engine's config, and a line of the report."""
     from loraplex.ops.attention import launchers
-    for module, name in ((kv_cache, "HEAD_MAJOR"), (launchers, "DECODE_CONFIGS"), (launchers, "FP8_DECODE_CONFIGS")):
-        monkeypatch.setattr(module, name, getattr(module, name))
+    for name in ("DECODE_CONFIGS", "FP8_DECODE_CONFIGS"):
+        monkeypatch.setattr(launchers, name, getattr(launchers, name))
     tiles = bench._tile_fields("even_split_tokens=128,programs_per_sm=4")
     assert tiles == {"even_split_tokens": 128, "programs_per_sm": 4.0}
-    args = SimpleNamespace(preset="llama-2-7b", layers=1, kv_head_major=True, decode_tiles=tiles, block_size=32)
-    bench._set_cache_and_tiles(args)
-    assert kv_cache.HEAD_MAJOR is True
+    args = SimpleNamespace(preset="llama-2-7b", layers=1, decode_tiles=tiles, block_size=32)
+    bench._set_decode_tiles(args)
     assert {(c.even_split_tokens, c.programs_per_sm) for c in launchers.DECODE_CONFIGS.values()} == {(128, 4.0)}
     fp8 = launchers.decode_config(128, bench.torch.bfloat16, fp8_kv=True)
     assert (fp8.even_split_tokens, fp8.num_warps) == (128, 2)   # the e4m3 tiles kept, the field set
     engine, _ = bench._engine(args, 4, "graphs", ["backbone"], "fp8kv")
     assert engine.config.block_size == 32
-    note = bench._cache_note(dict(block_size=32, kv_head_major=True, decode_tiles=tiles))
-    assert note == " KV-cache blocks of 32 tokens. KV cache head-major. Decode attention's tiles: " \
-                   "even_split_tokens=128, programs_per_sm=4.0."
+    note = bench._cache_note(dict(block_size=32, decode_tiles=tiles))
+    assert note == " KV-cache blocks of 32 tokens. Decode attention's tiles: even_split_tokens=128, " \
+                   "programs_per_sm=4.0."
     assert bench._cache_note({}) == ""
 
 

@@ -199,9 +199,6 @@ def test_kv_cache_sizes_and_errors():
     kv = KVCache.for_memory(config, 10 * per_block + 5, 16, dtype=torch.float16)
     assert kv.num_blocks == 10 and kv.k[2].shape == (10, 16, 2, 16) and kv.k[1].is_contiguous()
     assert kv.k[0].data_ptr() != kv.v[0].data_ptr()
-    # head-major: one kv head's 16 tokens of a block are 16 · 16 contiguous elements
-    head_major = KVCache(config, 10, 16, dtype=torch.float16, head_major=True)
-    assert head_major.k[1].stride() == (2 * 16 * 16, 16, 16 * 16, 1) and head_major.v[2].shape == (10, 16, 2, 16)
     with pytest.raises(ValueError, match="block_size must be a power of two"):
         KVCache(config, 4, 12)
     with pytest.raises(ValueError, match="holds no block"):

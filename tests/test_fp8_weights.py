@@ -49,8 +49,8 @@ class Fp8Setup:
                                                         torch.float32))
             self.slots[name] = slot + 1
 
-    def new_cache(self, num_blocks: int = 64, head_major=None) -> KVCache:
-        kv = KVCache(self.config, num_blocks, BLOCK, dtype=torch.float32, head_major=head_major)
+    def new_cache(self, num_blocks: int = 64) -> KVCache:
+        kv = KVCache(self.config, num_blocks, BLOCK, dtype=torch.float32)
         kv.data.fill_(float("nan"))
         return kv
 

@@ -45,8 +45,8 @@ class Setup:
             self.pool.write(slot + 1, adapter)  # slot 0 stays unused: slots need not be dense
             self.slots[name] = slot + 1
 
-    def new_cache(self, num_blocks: int = 64, head_major: bool | None = None) -> KVCache:
-        kv = KVCache(self.config, num_blocks, BLOCK, dtype=torch.float32, head_major=head_major)
+    def new_cache(self, num_blocks: int = 64) -> KVCache:
+        kv = KVCache(self.config, num_blocks, BLOCK, dtype=torch.float32)
         kv.data.fill_(float("nan"))
         return kv
 
@@ -89,7 +89,7 @@ PLAN = [("all-r8", 0, 13), ("attn-r4", 5, 9), (None, 9, 1), ("mlp-patterned", 21
 
 # The configurations the Triton tests below run on. Through the Triton kernels what tells the five apart is the
 # attention's G (heads per kv head) and sliding window (ops/attention/kernels.py: G, G_PAD, BLOCK_Q and WINDOW are
-# constexprs of the prefill kernel, G of the decode one), the number of kv heads (strides of a head-major cache) and
+# constexprs of the prefill kernel, G of the decode one), the number of kv heads and
 # biases (HAS_BIAS of ops/gemm/skinny.py). The LoRA kernels and the ops that consume their products (ops/lora/
 # shrink_kernels.py and expand_kernels.py, ops/fused/lora_kernels.py and rms_split.py) take nothing from the
 # model's shape at these sizes but masks and runtime values (the same rank tiles, RoPE's BLOCK_H = 4 heads, one 128-column SiLU block, 64 hidden
@@ -105,27 +105,6 @@ TEXT, WINDOW, BIASED, MHA = "llama-text", "mistral-gqa4-window", "qwen2-bias-tie
 
 def test_mixed_batch_matches_transformers_peft(setup):
     check_mixed_batch(setup, PLAN)
-
-
-@pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_head_major_kv_cache_matches_too(setup, backend):
-    """KVCache(head_major=True): each kv head's tokens of a block contiguous; the ops follow the strides."""
-    from loraplex import ops
-    if backend == "triton" and not ops.triton_interpreted():
-        pytest.skip("needs TRITON_INTERPRET=1 (no CUDA): tests/test_model_gpu.py runs the kernels for real")
-    if backend == "triton" and setup.config.head_dim & (setup.config.head_dim - 1):
-        pytest.skip("the Triton attention kernels take power-of-two head sizes")
-    # Triton on BIASED alone: its two kv heads make the head-major strides differ from token-major ones (WINDOW's
-    # one kv head reads the same addresses either way), with G = 2 as TEXT and llama-gqa-llama3rope, and a
-    # windowed layer beside a full one. G = 4 on the token-major cache: test_triton_kernels_..._match_too[WINDOW].
-    if backend == "triton" and setup.variant != BIASED:
-        pytest.skip("one configuration covers the head-major cache through the kernels (~9 s here)")
-    setup.model.backend = backend
-    try:
-        check_mixed_batch(setup, PLAN, head_major=True)
-    finally:
-        setup.model.backend = None
-
 
 
 def _lora_calls(monkeypatch) -> dict[str, list[tuple[int, bool]]]:
@@ -305,11 +284,11 @@ def test_mixed_graph_batch_matches_transformers_peft(setup):
     check_mixed_batch(setup, PLAN, graph_room=(12, 72))
 
 
-def check_mixed_batch(setup, plan, graph_room: tuple[int, int] | None = None, head_major: bool | None = None):
+def check_mixed_batch(setup, plan, graph_room: tuple[int, int] | None = None):
     rng = random.Random(7)
     V = setup.config.vocab_size
     tokens = [[rng.randrange(V) for _ in range(c + n)] for _, c, n in plan]
-    kv = setup.new_cache(head_major=head_major)
+    kv = setup.new_cache()
     tables = _blocks(rng, kv, [len(t) for t in tokens])
     # Step 1: the cached prefixes, as one batch of prompt chunks (only some want logits).
     with_prefix = [i for i, (_, c, _) in enumerate(plan) if c > 0]

@@ -5,9 +5,8 @@ Token `j` of a sequence lives in block `block_table[j // block_size]` at offset
 handed out by the engine's block manager; the cache only holds the memory.
 
 Each layer's `k[layer]` and `v[layer]` are `[num_blocks, block_size, Hkv, D]` (the attention ops'
-order), contiguous by default. `head_major=True` keeps them `[num_blocks, Hkv, block_size, D]` in
-memory (viewed in the same order; the ops follow the strides), so that one kv head's keys of a
-block are `block_size · D` contiguous elements rather than `D` strided by `Hkv · D`. See HEAD_MAJOR.
+order), contiguous: token-major. A head-major layout (each kv head's keys of a block contiguous) read
+no faster, in bf16 or e4m3 (docs/design-notes.md), so it is not offered.
 
 `dtype` is what the cache stores: the model's dtype, or float8 e4m3 (`KV_FP8`, one byte an element, so
 a memory budget holds twice the blocks of a bf16 cache). An e4m3 cache keeps fp32 dequantization scales
@@ -27,17 +26,10 @@ from ..ops.attention import CACHE_DTYPES, KV_FP8
 from .config import ModelConfig
 
 
-# Measured on an H200 (docs/design-notes.md, the decode kernel in CUDA graphs,
-# bf16, pages shuffled): token-major reads K/V at 0.85–1.01× the copy bandwidth for Llama-2-7B heads at 32 and
-# 160 sequences, head-major at 0.84–0.99× (160 sequences at context ~512: 318 vs 330 µs); Llama-3-8B (8 kv
-# heads) 0.91 vs 0.92×; prefill alike. So the cache stays token-major.
-HEAD_MAJOR = False
-
-
 class KVCache:
     def __init__(self, model: ModelConfig, num_blocks: int, block_size: int = 16, *,
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
-                 head_major: bool | None = None, k_scale: Sequence[float] | torch.Tensor | None = None,
+                 k_scale: Sequence[float] | torch.Tensor | None = None,
                  v_scale: Sequence[float] | torch.Tensor | None = None) -> None:
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
@@ -48,14 +40,10 @@ class KVCache:
         if dtype not in CACHE_DTYPES:
             raise ValueError(f"dtype must be float32, float16, bfloat16 or float8_e4m3fn, got {dtype}")
         self.model, self.num_blocks, self.block_size, self.dtype = model, num_blocks, block_size, dtype
-        self.head_major = HEAD_MAJOR if head_major is None else head_major
-        inner = (model.num_key_value_heads, block_size) if self.head_major else (block_size, model.num_key_value_heads)
-        self.data = torch.empty((model.num_hidden_layers, 2, num_blocks, *inner, model.head_dim), dtype=dtype,
-                                device=device)
-        views = [self.data[layer].transpose(2, 3) if self.head_major else self.data[layer]
-                 for layer in range(model.num_hidden_layers)]
-        self.k = [view[0] for view in views]
-        self.v = [view[1] for view in views]
+        self.data = torch.empty((model.num_hidden_layers, 2, num_blocks, block_size, model.num_key_value_heads,
+                                 model.head_dim), dtype=dtype, device=device)
+        self.k = [self.data[layer, 0] for layer in range(model.num_hidden_layers)]
+        self.v = [self.data[layer, 1] for layer in range(model.num_hidden_layers)]
         self.k_scale, self.v_scale, self._scales = self._make_scales(k_scale, v_scale)
 
     def _make_scales(self, k_scale, v_scale) -> tuple:

@@ -132,7 +132,7 @@ def _store_kv_reference(k, v, k_cache, v_cache, slot_mapping, k_scale: Scale, v_
     if k_cache.dtype == KV_FP8:
         k = quantize_e4m3(k, scale_value(k_scale, "k_scale"))
         v = quantize_e4m3(v, scale_value(v_scale, "v_scale"))
-    bs = k_cache.shape[1]  # through the caches' strides, so a head-major cache (KVCache's) works too
+    bs = k_cache.shape[1]  # through the caches' strides, whatever their layout
     k_cache[slots // bs, slots % bs] = k
     v_cache[slots // bs, slots % bs] = v
 
